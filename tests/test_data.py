@@ -1,0 +1,189 @@
+"""Skewed shards (SPEC 6), task loading and the offline accuracy metric."""
+import csv
+
+import numpy as np
+import pytest
+from datasets import Dataset, DatasetDict
+
+from lp_decentral_nlp.data import (
+    SENTLEN_BINS,
+    accuracy_metric,
+    build_sentlen,
+    load_task,
+    sentence_length_class,
+    skewed_partition,
+)
+
+
+# --- skewed_partition -------------------------------------------------------------------------
+
+
+def test_partition_matches_spec_construction_by_hand():
+    # 2 classes x 4 samples, interleaved; skew 0.5 -> first 2 of each class to the sorted pool.
+    labels = [0, 1, 0, 1, 0, 1, 0, 1]
+    shards = skewed_partition(labels, num_nodes=2, skew=0.5, seed=0)
+    sorted_pool = [0, 2, 1, 3]  # class 0's first two, then class 1's first two
+    random_pool = [4, 6, 5, 7]
+    np.random.default_rng(0).shuffle(random_pool)
+    assert shards[0].tolist() == sorted_pool[:2] + random_pool[:2]
+    assert shards[1].tolist() == sorted_pool[2:] + random_pool[2:]
+
+
+@pytest.mark.parametrize("skew", [0.0, 0.5, 0.9, 1.0])
+def test_partition_is_disjoint_and_complete(skew):
+    labels = np.repeat(np.arange(4), 250)
+    shards = skewed_partition(labels, num_nodes=4, skew=skew, seed=3)
+    joined = np.concatenate(shards)
+    assert sorted(joined.tolist()) == list(range(1000))
+    assert [len(s) for s in shards] == [250] * 4
+
+
+def test_skew_one_gives_each_node_one_class_and_zero_is_mixed():
+    labels = np.repeat(np.arange(4), 250)
+    for i, shard in enumerate(skewed_partition(labels, 4, 1.0)):
+        assert set(labels[shard].tolist()) == {i}
+    for shard in skewed_partition(labels, 4, 0.0, seed=1):
+        counts = np.bincount(labels[shard], minlength=4)
+        assert counts.min() > 30  # IID: every class present in force
+
+
+def test_partition_is_deterministic_under_seed_and_changes_with_it():
+    labels = np.repeat(np.arange(4), 50)
+    a = skewed_partition(labels, 4, 0.3, seed=7)
+    b = skewed_partition(labels, 4, 0.3, seed=7)
+    c = skewed_partition(labels, 4, 0.3, seed=8)
+    assert all((x == y).all() for x, y in zip(a, b))
+    assert any((x != y).any() for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(skew=1.5), "skew"), (dict(skew=-0.1), "skew"), (dict(num_nodes=0), "num_nodes"),
+    (dict(num_nodes=11), "num_nodes"), (dict(skew="0.5"), "skew"),
+])
+def test_partition_rejects_bad_arguments(kwargs, word):
+    args = dict(labels=list(range(10)), num_nodes=2, skew=0.5) | kwargs
+    with pytest.raises(ValueError, match=word):
+        skewed_partition(**args)
+
+
+# --- load_task: AG News ------------------------------------------------------------------------
+
+
+def test_ag_news_csv_is_mapped_and_split_stratified(ag_news_csv):
+    ds = load_task("ag_news", data_dir=ag_news_csv, eval_fraction=0.2, seed=0)
+    assert set(ds) == {"train", "test"}
+    assert ds["train"].column_names == ["text", "label"]
+    assert len(ds["train"]) == 4800 and len(ds["test"]) == 1200
+    assert np.bincount(ds["test"]["label"]).tolist() == [300] * 4  # 1,500 rows per class
+    assert ds["train"].features["label"].names == ["World", "Sports", "Business", "Sci/Tech"]
+    # the first CSV row is label 1 (World) about a shark attack
+    with open(ag_news_csv, newline="", encoding="utf-8") as fh:
+        first = next(csv.DictReader(fh))
+    hits = [r for r in ds["train"].to_list() + ds["test"].to_list() if r["text"].startswith(first["title"])]
+    assert len(hits) == 1 and hits[0]["label"] == int(first["label"]) - 1
+    assert all("\\" not in t for t in ds["train"]["text"][:500])
+
+
+def test_ag_news_split_is_seeded(ag_news_csv):
+    a = load_task("ag_news", data_dir=ag_news_csv, seed=1)["test"]["text"]
+    b = load_task("ag_news", data_dir=ag_news_csv, seed=1)["test"]["text"]
+    c = load_task("ag_news", data_dir=ag_news_csv, seed=2)["test"]["text"]
+    assert list(a) == list(b) and list(a) != list(c)
+
+
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def test_ag_news_directory_with_train_and_test_and_text_layout(tmp_path):
+    rows = [(f"story {i}", i % 4) for i in range(40)]
+    _write_csv(tmp_path / "train.csv", ["text", "label"], rows)
+    _write_csv(tmp_path / "test.csv", ["text", "label"], rows[:8])
+    ds = load_task("ag_news", data_dir=tmp_path, max_train_samples=10)
+    assert len(ds["train"]) == 10 and len(ds["test"]) == 8
+    assert sorted(set(ds["test"]["label"])) == [0, 1, 2, 3]
+
+
+def test_ag_news_saved_dataset_directory(tmp_path):
+    DatasetDict({
+        "train": Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}),
+        "test": Dataset.from_dict({"text": ["c"], "label": [2]}),
+    }).save_to_disk(tmp_path / "saved")
+    ds = load_task("ag_news", data_dir=tmp_path / "saved")
+    assert ds["test"]["text"] == ["c"]
+
+
+def test_ag_news_bad_sources_are_named(tmp_path, ag_news_csv):
+    with pytest.raises(FileNotFoundError, match="data_dir"):
+        load_task("ag_news", data_dir=tmp_path / "nope")
+    with pytest.raises(ValueError, match="no CSV"):
+        load_task("ag_news", data_dir=tmp_path)
+    _write_csv(tmp_path / "x.csv", ["sentence", "category"], [("a", 1)])
+    with pytest.raises(ValueError, match="expected columns"):
+        load_task("ag_news", data_dir=tmp_path / "x.csv")
+    _write_csv(tmp_path / "y.csv", ["label", "title", "description"], [(5, "t", "d"), (1, "t", "d")])
+    with pytest.raises(ValueError, match="labels must be 1-4"):
+        load_task("ag_news", data_dir=tmp_path / "y.csv")
+    with pytest.raises(ValueError, match="name must be one of"):
+        load_task("imdb")
+    with pytest.raises(ValueError, match="max_train_samples"):
+        load_task("ag_news", data_dir=ag_news_csv, max_train_samples=0)
+
+
+def test_tokenized_task_has_model_inputs(ag_news_csv, minilm_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    ds = load_task("ag_news", data_dir=ag_news_csv, tokenizer=tok, max_length=16,
+                   max_train_samples=64, max_eval_samples=32)
+    assert {"label", "input_ids", "attention_mask"} <= set(ds["train"].column_names)
+    assert "text" not in ds["train"].column_names
+    assert max(len(ids) for ids in ds["train"]["input_ids"]) == 16
+    assert len(ds["train"]) == 64 and len(ds["test"]) == 32
+
+
+# --- load_task: Sentlen ------------------------------------------------------------------------
+
+
+def test_sentence_length_bins():
+    assert sentence_length_class("one two three four") is None
+    assert sentence_length_class("one two three four five") == 0
+    assert sentence_length_class("a , b , c , d .") == 0  # punctuation counts: 8 tokens
+    assert sentence_length_class("a , b , c , d , e") == 1  # 9 tokens
+    assert sentence_length_class(" ".join(["w"] * 28)) == 5
+    assert sentence_length_class(" ".join(["w"] * 29)) is None
+    assert [hi for _, hi in SENTLEN_BINS] == [8, 12, 16, 20, 25, 28]
+
+
+def test_senteval_file_is_parsed(tmp_path):
+    lines = [f"{split}\t{i % 6}\tsentence number {i}\n" for i, split in enumerate(["tr"] * 12 + ["va"] * 6 + ["te"] * 6)]
+    (tmp_path / "sentence_length.txt").write_text("".join(lines))
+    ds = load_task("sentlen", data_dir=tmp_path)
+    assert set(ds) == {"train", "validation", "test"}
+    assert len(ds["train"]) == 12 and ds["train"].features["label"].names[0] == "5-8"
+    (tmp_path / "bad.txt").write_text("tr\tseven\tx\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        load_task("sentlen", data_dir=tmp_path / "bad.txt")
+
+
+def test_sentlen_built_from_ag_news_is_balanced_and_correctly_labelled(ag_news_csv):
+    ds = load_task("sentlen", data_dir=ag_news_csv, seed=0)
+    counts = np.bincount(list(ds["train"]["label"]) + list(ds["test"]["label"]), minlength=6)
+    assert counts.min() == counts.max() > 100
+    for row in ds["test"].to_list()[:200]:
+        assert sentence_length_class(row["text"]) == row["label"]
+    assert not set(ds["train"]["text"]) & set(ds["test"]["text"])
+
+
+def test_build_sentlen_needs_enough_sentences():
+    tiny = DatasetDict({"train": Dataset.from_dict({"text": ["Too short."], "label": [0]})})
+    with pytest.raises(ValueError, match="too few sentences"):
+        build_sentlen(tiny)
+
+
+def test_accuracy_metric_loads_offline():
+    metric = accuracy_metric()
+    assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])["accuracy"] == pytest.approx(0.75)
