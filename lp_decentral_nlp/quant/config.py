@@ -1,0 +1,101 @@
+"""`QuantConfig`: what the 8-bit training surgery does to a model (SPEC section 4)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+# Classification/LM heads of Hugging Face models. They stay full precision by default (SPEC 4).
+# These well-known names are applied wherever they exist; any other `skip` pattern must match.
+DEFAULT_SKIP = ("classifier", "pre_classifier", "score", "lm_head")
+GRAD_GRANULARITIES = ("tensor", "sample")
+MIN_BITS, MAX_BITS = 2, 8
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Settings of the 8-bit layers and of the module selection.
+
+    Attributes:
+        bits: bits of the forward operands (weights and input activations), in [2, 8].
+        grad_bits: bits of the layer gradient (gradient w.r.t. the layer input), in [2, 8].
+        stochastic_grad_rounding: round the layer gradient stochastically (unbiased) in training;
+            nearest rounding otherwise. Eval mode always rounds to nearest.
+        grad_granularity: range of the layer-gradient quantizer: ``"tensor"`` (min/max of the whole
+            output-gradient tensor, SPEC 4) or ``"sample"`` (one min/max per sample, dim 0).
+        act_momentum: momentum of the running activation range, PyTorch convention:
+            ``running = (1 - m) * running + m * batch``.
+        skip: module-name patterns kept full precision (a layer is skipped when the pattern matches
+            its name or the name of one of its parents). A pattern matches a name when it equals it,
+            is a dot-separated suffix of it, or fully matches it as a regular expression.
+        target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
+            name (or a parent's) matches one of these patterns.
+        kernel: how the quantized GEMMs run; see ``lp_decentral_nlp.quant.kernels.KERNELS``.
+    """
+
+    bits: int = 8
+    grad_bits: int = 8
+    stochastic_grad_rounding: bool = True
+    grad_granularity: str = "tensor"
+    act_momentum: float = 0.1
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    target: tuple[str, ...] | None = None
+    kernel: str = "simulated"
+
+    def __post_init__(self):
+        from .kernels import KERNELS  # the registry imports nothing from here at module level
+
+        for name in ("bits", "grad_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
+                raise ValueError(f"{name} must be an integer in [{MIN_BITS}, {MAX_BITS}], got {value!r}")
+        if not isinstance(self.stochastic_grad_rounding, bool):
+            raise TypeError(f"stochastic_grad_rounding must be a bool, got {self.stochastic_grad_rounding!r}")
+        if self.grad_granularity not in GRAD_GRANULARITIES:
+            raise ValueError(f"grad_granularity must be one of {GRAD_GRANULARITIES}, got {self.grad_granularity!r}")
+        if isinstance(self.act_momentum, bool) or not isinstance(self.act_momentum, (int, float)) or not (
+            0.0 < self.act_momentum <= 1.0
+        ):
+            raise ValueError(f"act_momentum must be a number in (0, 1], got {self.act_momentum!r}")
+        object.__setattr__(self, "act_momentum", float(self.act_momentum))
+        object.__setattr__(self, "skip", _patterns("skip", self.skip))
+        if self.target is not None:
+            object.__setattr__(self, "target", _patterns("target", self.target))
+            if not self.target:
+                raise ValueError("target must be None (every supported layer) or a non-empty list of patterns")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {self.kernel!r}")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (stored under ``lp_quant_config`` in a model's ``config.json``)."""
+        d = dataclasses.asdict(self)
+        d["skip"] = list(self.skip)
+        d["target"] = None if self.target is None else list(self.target)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown QuantConfig keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+def _patterns(field: str, value) -> tuple[str, ...]:
+    """Validate a list of module-name patterns (each a plain name, dotted suffix or regex)."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise TypeError(f"{field} must be a tuple or list of pattern strings (e.g. ('classifier',)), got {value!r}")
+    for p in value:
+        if not isinstance(p, str) or not p:
+            raise TypeError(f"{field} patterns must be non-empty strings, got {p!r}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{field} pattern {p!r} is not a valid regular expression: {e}") from None
+    return tuple(value)
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` selects the module called `name` (exact, dotted suffix, or full regex)."""
+    return name == pattern or name.endswith("." + pattern) or re.fullmatch(pattern, name) is not None

@@ -1,0 +1,84 @@
+"""Uniform affine quantization primitives (SPEC section 4, GEMMLOWP style).
+
+``q = clamp(round((x - lo) / s), 0, 2**bits - 1)``, ``s = (hi - lo) / (2**bits - 1)``,
+``x^ = q * s + lo``. Ranges are tensors (0-d or broadcastable to ``x``) so nothing here reads a
+value back to the host: every function is free of host-device synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def quantize_codes(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer codes of `x` on the `bits`-bit affine grid spanning ``[lo, hi]`` (SPEC 4).
+
+    Args:
+        x: tensor of any shape.
+        lo, hi: range, 0-d or broadcastable to `x`; values outside it are clamped.
+        bits: grid has ``2**bits`` levels.
+        stochastic: round ``v`` up with probability ``v - floor(v)`` (unbiased:
+            ``E[q] = (x - lo) / s`` inside the range), drawing from torch's RNG; nearest otherwise.
+
+    Returns:
+        ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (same shape
+        as `x`), and the step ``s`` (shape of ``hi - lo``). A zero-width range gives ``s = 0`` and
+        codes 0, so every element dequantizes to ``lo``.
+    """
+    levels = 2**bits - 1
+    scale = (hi - lo) / levels
+    v = (x - lo) / torch.where(scale > 0, scale, torch.ones_like(scale))
+    v = torch.floor(v + torch.rand_like(v)) if stochastic else torch.round(v)
+    return v.clamp_(0, levels), scale
+
+
+def fake_quantize(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
+) -> torch.Tensor:
+    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
+    codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
+    return codes * scale + lo
+
+
+def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of the whole tensor, two 0-d tensors."""
+    return torch.aminmax(x)
+
+
+def sample_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample ``(min, max)`` over all dims but dim 0, each of shape ``(x.shape[0],)``."""
+    return x.reshape(x.shape[0], -1).aminmax(dim=1)
+
+
+def mean_sample_range(x: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation range of SPEC 4: the batch mean of per-sample minima and maxima (two 0-d tensors).
+
+    Args:
+        x: a layer input; samples along dim 0 when `batched`, else one sample.
+        batched: whether dim 0 indexes samples.
+    """
+    if not batched:
+        return tensor_range(x)
+    lo, hi = sample_range(x)
+    return lo.mean(), hi.mean()
+
+
+@torch.no_grad()
+def update_running_range(
+    running_min: torch.Tensor,
+    running_max: torch.Tensor,
+    num_batches: torch.Tensor,
+    batch_min: torch.Tensor,
+    batch_max: torch.Tensor,
+    momentum: float,
+) -> None:
+    """Momentum update of a running range, in place, PyTorch's convention (SPEC 4).
+
+    ``running = (1 - momentum) * running + momentum * batch``; the first batch (``num_batches == 0``)
+    initialises the range. All arguments are 0-d tensors except `momentum`; no host sync.
+    """
+    first = num_batches == 0
+    running_min.copy_(torch.where(first, batch_min, torch.lerp(running_min, batch_min, momentum)))
+    running_max.copy_(torch.where(first, batch_max, torch.lerp(running_max, batch_max, momentum)))
+    num_batches.add_(1)

@@ -1,0 +1,71 @@
+"""The float GEMM of each supported layer type and its two backward products.
+
+A kernel (``kernels.py``) runs these on its quantized operands; the autograd Function in
+``layers.py`` decides which operands each product gets (gradient bifurcation, SPEC 4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch.nn.grad import conv2d_input, conv2d_weight
+
+
+class LinearGemm:
+    """``nn.Linear``: ``y = x @ W.T + b``; ``x (..., in)``, ``W (out, in)``, ``y (..., out)``."""
+
+    def forward(self, x, w, b):
+        return F.linear(x, w, b)
+
+    def grad_input(self, g, w, input_shape):
+        """``dL/dx = g @ W``, shape `input_shape`."""
+        return (g @ w).reshape(input_shape)
+
+    def grad_weight(self, x, g, weight_shape):
+        """``dL/dW = g.T @ x`` summed over every leading dim, shape ``(out, in)``."""
+        return (g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])).reshape(weight_shape)
+
+    def grad_bias(self, g):
+        return g.reshape(-1, g.shape[-1]).sum(0)
+
+
+class TransposedLinearGemm:
+    """transformers' ``Conv1D`` (GPT-2 family): ``y = x @ W + b`` with ``W (in, out)``."""
+
+    def forward(self, x, w, b):
+        return F.linear(x, w.T, b)
+
+    def grad_input(self, g, w, input_shape):
+        return (g @ w.T).reshape(input_shape)
+
+    def grad_weight(self, x, g, weight_shape):
+        """``dL/dW = x.T @ g`` summed over every leading dim, shape ``(in, out)``."""
+        return (x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])).reshape(weight_shape)
+
+    def grad_bias(self, g):
+        return g.reshape(-1, g.shape[-1]).sum(0)
+
+
+@dataclass(frozen=True)
+class Conv2dGemm:
+    """``nn.Conv2d`` with numeric zero padding: ``x (N, Cin, H, W)`` -> ``y (N, Cout, Ho, Wo)``."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+    def forward(self, x, w, b):
+        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+
+    def grad_input(self, g, w, input_shape):
+        return conv2d_input(input_shape, w, g, self.stride, self.padding, self.dilation, self.groups)
+
+    def grad_weight(self, x, g, weight_shape):
+        return conv2d_weight(x, weight_shape, g, self.stride, self.padding, self.dilation, self.groups)
+
+    def grad_bias(self, g):
+        return g.sum((0, 2, 3))
+
+
+Gemm = LinearGemm | TransposedLinearGemm | Conv2dGemm

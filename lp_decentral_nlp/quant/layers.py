@@ -1,0 +1,228 @@
+"""8-bit layers with gradient bifurcation (SPEC section 4, Banner et al. 2018).
+
+Each layer subclasses its float counterpart, so ``isinstance(layer, nn.Linear)`` holds and its
+parameters keep their state-dict keys; the fp32 master weights are the float layer's own
+``Parameter`` objects. Three buffers per layer hold the running activation range.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import QuantConfig
+from .functional import mean_sample_range, sample_range, tensor_range, update_running_range
+from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
+from .kernels import Kernel, get_kernel
+
+
+class QuantGemmFunction(torch.autograd.Function):
+    """One quantized GEMM forward, bifurcated backward (SPEC 4).
+
+    Forward: ``y = gemm(Q(x; x_lo, x_hi), Q(W; min W, max W)) + b`` with nearest rounding; the
+    GEMM runs once. Backward, with the straight-through estimator for every rounding:
+
+    * layer gradient ``dL/dx = grad_input(Q_sr(g), Q(W))``: the output gradient ``g`` is quantized
+      to ``grad_bits`` (stochastic rounding in training, range = min/max of ``g``);
+    * weight gradient ``dL/dW = grad_weight(Q(x), g)`` from the *full-precision* ``g``, so the
+      quantized layer gradient never leaks into it; ``dL/db = sum g``.
+
+    The quantized operands are recomputed in backward from the saved float inputs and ranges
+    (an elementwise pass, deterministic) instead of being stored: no memory beyond a float layer's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_lo, x_hi, gemm: Gemm, kernel: Kernel, config: QuantConfig, training: bool):
+        w_lo, w_hi = tensor_range(weight)
+        x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
+        w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
+        ctx.save_for_backward(x, weight, x_lo, x_hi, w_lo, w_hi)
+        ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
+        ctx.stochastic = config.stochastic_grad_rounding and training
+        return kernel.forward(gemm, x_q, w_q, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, x_lo, x_hi, w_lo, w_hi = ctx.saved_tensors
+        gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            if config.grad_granularity == "sample" and g.dim() > 1:
+                g_lo, g_hi = (r.reshape((-1,) + (1,) * (g.dim() - 1)) for r in sample_range(g))
+            else:
+                g_lo, g_hi = tensor_range(g)
+            g_q = kernel.quantize(g, g_lo, g_hi, config.grad_bits, ctx.stochastic)
+            w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
+            grad_x = kernel.grad_input(gemm, g_q, w_q, x.shape)
+        if need_w:
+            x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
+            grad_w = kernel.grad_weight(gemm, x_q, g, weight.shape)
+        if need_b:
+            grad_b = gemm.grad_bias(g)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+class QuantModule:
+    """Contract of every module the surgery swaps in (see ``surgery.register_quant_layer``).
+
+    ``from_float(module, config)`` builds the quantized module around `module`'s own parameters;
+    ``to_float()`` gives back a plain module holding the current (trained) parameters.
+    """
+
+    quant_config: QuantConfig
+
+    @classmethod
+    def from_float(cls, module: nn.Module, config: QuantConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def to_float(self) -> nn.Module:
+        raise NotImplementedError
+
+
+class QuantGemmLayer(QuantModule):
+    """Shared part of the 8-bit GEMM layers: activation-range buffers, the quantized call, swaps.
+
+    Buffers (0-d): ``act_running_min``/``act_running_max`` (running input range, same units as
+    the input) and ``act_num_batches`` (training batches seen; 0 means uncalibrated).
+    """
+
+    float_type: type[nn.Module]
+
+    def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quant_config = QuantConfig() if quant_config is None else quant_config
+        for name in ("act_running_min", "act_running_max", "act_num_batches"):
+            self.register_buffer(name, None)
+        self.reset_activation_range()
+
+    def reset_activation_range(self) -> None:
+        """Forget the running activation range (zeros on the weight's device, 0 batches seen)."""
+        device = self.weight.device
+        self.act_running_min = torch.zeros((), device=device)
+        self.act_running_max = torch.zeros((), device=device)
+        self.act_num_batches = torch.zeros((), dtype=torch.long, device=device)
+
+    @staticmethod
+    def _constructor_args(module: nn.Module) -> dict:
+        """Keyword arguments that rebuild a float layer of `module`'s shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, module: nn.Module, config: QuantConfig) -> "QuantGemmLayer":
+        """A quantized layer sharing `module`'s weight and bias ``Parameter`` objects (no copy)."""
+        if type(module) is not cls.float_type:
+            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
+        for p in (module.weight, module.bias):
+            if p is not None and p.dtype != torch.float32:
+                raise TypeError(
+                    f"{cls.__name__}: master weights must be float32 (SPEC 4), got {p.dtype}; call model.float() first"
+                )
+        with torch.device("meta"):
+            layer = cls(**cls._constructor_args(module), quant_config=config)
+        layer.weight, layer.bias = module.weight, module.bias
+        layer.reset_activation_range()
+        return layer.train(module.training)
+
+    def to_float(self) -> nn.Module:
+        """A plain float layer holding this layer's current master weights (same ``Parameter`` objects)."""
+        with torch.device("meta"):
+            layer = self.float_type(**self._constructor_args(self))
+        layer.weight, layer.bias = self.weight, self.bias
+        return layer.train(self.training)
+
+    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
+        the running range; the running range in eval (the batch's own before any training batch)."""
+        with torch.no_grad():
+            lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
+            if self.training:
+                update_running_range(
+                    self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
+                    self.quant_config.act_momentum,
+                )
+                return lo, hi
+            calibrated = self.act_num_batches > 0
+            return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
+
+    def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
+        """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off)."""
+        with _autocast_disabled(x.device.type):
+            x = x.to(self.weight.dtype)
+            lo, hi = self._activation_range(x)
+            return QuantGemmFunction.apply(
+                x, self.weight, self.bias, lo, hi, gemm, get_kernel(self.quant_config.kernel),
+                self.quant_config, self.training,
+            )
+
+    def extra_repr(self) -> str:
+        c = self.quant_config
+        return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}, kernel={c.kernel}"
+
+
+class QuantLinear(QuantGemmLayer, nn.Linear):
+    """8-bit ``nn.Linear``: input ``(..., in_features)`` -> output ``(..., out_features)``."""
+
+    float_type = nn.Linear
+    _gemm = LinearGemm()
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(in_features=module.in_features, out_features=module.out_features, bias=module.bias is not None)
+
+    def forward(self, x):
+        return self._quant_gemm(x, self._gemm)
+
+
+class QuantConv1D(QuantGemmLayer, Conv1D):
+    """8-bit transformers ``Conv1D`` (GPT-2 family; weight ``(nx, nf)``): ``(..., nx)`` -> ``(..., nf)``."""
+
+    float_type = Conv1D
+    _gemm = TransposedLinearGemm()
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(nf=module.nf, nx=module.nx)
+
+    def __repr__(self):  # Conv1D overrides __repr__ without extra_repr
+        return f"QuantConv1D(nf={self.nf}, nx={self.nx}, {QuantGemmLayer.extra_repr(self).lstrip(', ')})"
+
+    def forward(self, x):
+        return self._quant_gemm(x, self._gemm)
+
+
+class QuantConv2d(QuantGemmLayer, nn.Conv2d):
+    """8-bit ``nn.Conv2d``: ``(N, Cin, H, W)`` (or unbatched ``(Cin, H, W)``) -> ``(N, Cout, Ho, Wo)``.
+
+    Non-zero padding modes and string paddings are applied with ``F.pad`` before quantization.
+    """
+
+    float_type = nn.Conv2d
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(
+            in_channels=module.in_channels, out_channels=module.out_channels, kernel_size=module.kernel_size,
+            stride=module.stride, padding=module.padding, dilation=module.dilation, groups=module.groups,
+            bias=module.bias is not None, padding_mode=module.padding_mode,
+        )
+
+    def forward(self, x):
+        if x.dim() == 3:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        padding = self.padding
+        if self.padding_mode != "zeros" or isinstance(padding, str):
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
+            padding = (0, 0)
+        return self._quant_gemm(x, Conv2dGemm(self.stride, padding, self.dilation, self.groups))
+
+
+def _autocast_disabled(device_type: str):
+    """Keep the quantized GEMM in fp32 under autocast: bf16/fp16 cannot hold the 8-bit grid exactly."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
