@@ -62,9 +62,13 @@ def _check_input(x: torch.Tensor, num_channels: int, layer: str) -> None:
         )
 
 
+def _per_channel(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # A (C,) parameter as (1, C, 1, 1) in the input's dtype (fp32 master weights, bf16 input).
+    return p.to(like.dtype).view(1, -1, 1, 1)
+
+
 def _affine(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # Per-channel gamma/beta of shape (C,), broadcast over (N, C, H, W).
-    return y * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+    return y * _per_channel(weight, y) + _per_channel(bias, y)
 
 
 def _divide_by_group_stat(x: torch.Tensor, stat: torch.Tensor, groups: int) -> torch.Tensor:
@@ -91,7 +95,7 @@ def evonorm_s0(
     n, c = x.shape[:2]
     _check_channels_groups(c, groups)
     var = x.to(_stat_dtype(x)).reshape(n, groups, -1).var(dim=-1, unbiased=False, keepdim=True)
-    numerator = x if v is None else x * torch.sigmoid(v.view(1, -1, 1, 1) * x)
+    numerator = x if v is None else x * torch.sigmoid(_per_channel(v, x) * x)
     return _affine(_divide_by_group_stat(numerator, (var + eps).sqrt(), groups), weight, bias)
 
 
@@ -118,7 +122,7 @@ def range_evonorm2d(
     scale = range_scale_constant(c // groups)
     grouped = x.to(_stat_dtype(x)).reshape(n, groups, -1)
     group_range = grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)
-    numerator = x if v is None else x * F.hardsigmoid(v.view(1, -1, 1, 1) * x)
+    numerator = x if v is None else x * F.hardsigmoid(_per_channel(v, x) * x)
     denominator = scale * (group_range + eps)
     return _affine(_divide_by_group_stat(numerator, denominator, groups), weight, bias)
 
@@ -145,6 +149,7 @@ def range_batch_norm2d(
     (= a running average of ``C(b) * range``) replace the batch statistics.
     """
     stat_dtype = _stat_dtype(x)
+    xs = x.to(stat_dtype)  # the centring is done at this precision too: a bf16 mean is too coarse
     if training:
         n, c, h, w = x.shape
         b = n * h * w
@@ -153,7 +158,6 @@ def range_batch_norm2d(
                 f"RangeBatchNorm2d needs more than 1 value per channel when training, "
                 f"got input of shape {tuple(x.shape)}"
             )
-        xs = x.to(stat_dtype)
         mean = xs.mean(dim=(0, 2, 3))
         # range(x - mean) == range(x): a shift changes neither max - min nor its gradient.
         scale = range_scale_constant(b) * (xs.amax(dim=(0, 2, 3)) - xs.amin(dim=(0, 2, 3)))
@@ -166,14 +170,18 @@ def range_batch_norm2d(
             running_scale.lerp_(scale.to(running_scale.dtype), factor)
     else:
         mean, scale = running_mean.to(stat_dtype), running_scale.to(stat_dtype)
-    inv = (1.0 / (scale + eps)).to(x.dtype).view(1, -1, 1, 1)
-    return _affine((x - mean.to(x.dtype).view(1, -1, 1, 1)) * inv, weight, bias)
+    normalised = (xs - mean.view(1, -1, 1, 1)) / (scale + eps).view(1, -1, 1, 1)
+    return _affine(normalised.to(x.dtype), weight, bias)
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_channels_groups(num_channels: int, groups: int) -> None:
-    for name, value in (("num_channels", num_channels), ("groups", groups)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive_int("num_channels", num_channels)
+    _check_positive_int("groups", groups)
     if num_channels % groups:
         raise ValueError(
             f"num_channels={num_channels} must be divisible by groups={groups}"
@@ -250,7 +258,7 @@ class RangeBatchNorm2d(nn.Module):
 
     def __init__(self, num_features: int, momentum: float | None = 0.1, eps: float = 1e-5):
         super().__init__()
-        _check_channels_groups(num_features, 1)
+        _check_positive_int("num_features", num_features)
         _check_eps(eps)
         if momentum is not None and not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")

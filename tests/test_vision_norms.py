@@ -1,0 +1,228 @@
+"""The SPEC section 5 normalisation layers against their equations, computed here independently."""
+import math
+
+import pytest
+import torch
+
+from lp_decentral_nlp.vision.norms import (
+    EvoNormS0,
+    RangeBatchNorm2d,
+    RangeEvoNorm2d,
+    evonorm_s0,
+    range_batch_norm2d,
+    range_evonorm2d,
+    range_scale_constant,
+)
+
+
+def _randomise(layer, gen_scale=1.0):
+    """Non-trivial weight/bias/v so that the affine part and the activation are exercised."""
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * gen_scale)
+    return layer
+
+
+def _reference_group_norm_act(x, weight, bias, v, groups, eps, kind):
+    """Loop-by-loop evaluation of EvoNorm-S0 ("evo") or Range EvoNorm ("range"), float64."""
+    x = x.double()
+    n, c = x.shape[:2]
+    cg = c // groups
+    y = torch.empty_like(x)
+    for i in range(n):
+        for g in range(groups):
+            xs = x[i, g * cg:(g + 1) * cg]
+            if kind == "evo":
+                denom = math.sqrt(((xs - xs.mean()) ** 2).mean().item() + eps)
+            else:
+                denom = (1.0 / math.sqrt(2.0 * math.log(cg))) * ((xs.max() - xs.min()).item() + eps)
+            for j in range(cg):
+                ch = g * cg + j
+                t = v[ch].double() * xs[j] if v is not None else None
+                if v is None:
+                    act = torch.ones_like(xs[j])
+                elif kind == "evo":
+                    act = 1.0 / (1.0 + torch.exp(-t))
+                else:
+                    act = torch.clamp((t + 3.0) / 6.0, min=0.0, max=1.0)
+                y[i, ch] = xs[j] * act / denom * weight[ch].double() + bias[ch].double()
+    return y
+
+
+@pytest.mark.parametrize("apply_act", [True, False])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_evonorm_s0_matches_equation(groups, apply_act):
+    layer = _randomise(EvoNormS0(8, groups=groups, apply_act=apply_act))
+    x = torch.randn(3, 8, 4, 5) * 2 + 0.5
+    expected = _reference_group_norm_act(x, layer.weight, layer.bias, layer.v, groups, layer.eps, "evo")
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("apply_act", [True, False])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_range_evonorm_matches_equation(groups, apply_act):
+    layer = _randomise(RangeEvoNorm2d(8, groups=groups, apply_act=apply_act), gen_scale=1.5)
+    x = torch.randn(3, 8, 4, 5) * 3
+    if apply_act:  # both saturated ends of hsig are reached (v*x < -3 and v*x > 3)
+        t = layer.v.view(1, -1, 1, 1) * x
+        assert (t < -3).any() and (t > 3).any() and ((t > -3) & (t < 3)).any()
+    expected = _reference_group_norm_act(x, layer.weight, layer.bias, layer.v, groups, layer.eps, "range")
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_range_evonorm_constant_group_is_finite():
+    layer = RangeEvoNorm2d(4, groups=2)
+    x = torch.full((2, 4, 3, 3), 0.7)
+    y = layer(x)
+    assert torch.isfinite(y).all()
+    # range = 0: denominator C(2) * eps.
+    expected = 0.7 * torch.nn.functional.hardsigmoid(torch.tensor(0.7)) / (range_scale_constant(2) * layer.eps)
+    torch.testing.assert_close(y, expected.expand_as(y))
+
+
+def test_range_scale_constant_values_and_domain():
+    assert range_scale_constant(2) == pytest.approx(1 / math.sqrt(2 * math.log(2)))
+    assert range_scale_constant(1024) == pytest.approx(1 / math.sqrt(2 * math.log(1024)))
+    with pytest.raises(ValueError, match="at least 2"):
+        range_scale_constant(1)
+    with pytest.raises(TypeError):
+        range_scale_constant(2.0)
+
+
+def _reference_range_bn(x, weight, bias, mean, scale, eps):
+    return ((x - mean.view(1, -1, 1, 1)) / (scale.view(1, -1, 1, 1) + eps)
+            * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1))
+
+
+def test_range_batchnorm_training_matches_equation_and_updates_buffers():
+    layer = _randomise(RangeBatchNorm2d(3, momentum=0.25))
+    x1 = torch.randn(4, 3, 5, 6) * torch.tensor([1.0, 3.0, 0.2]).view(1, 3, 1, 1) + 2.0
+    x2 = torch.randn(4, 3, 5, 6) - 1.0
+    b = 4 * 5 * 6  # the range of a channel is taken over batch * H * W values
+    stats = []
+    for x in (x1, x2):
+        mean = x.mean(dim=(0, 2, 3))
+        centred = x - mean.view(1, 3, 1, 1)
+        rng = centred.amax(dim=(0, 2, 3)) - centred.amin(dim=(0, 2, 3))
+        scale = rng / math.sqrt(2 * math.log(b))
+        stats.append((mean, scale))
+        torch.testing.assert_close(layer(x), _reference_range_bn(x, layer.weight, layer.bias, mean, scale, layer.eps))
+    (m1, s1), (m2, s2) = stats
+    # PyTorch convention: running = (1 - momentum) * running + momentum * batch, from (0, 1).
+    exp_mean = 0.75 * (0.75 * torch.zeros(3) + 0.25 * m1) + 0.25 * m2
+    exp_scale = 0.75 * (0.75 * torch.ones(3) + 0.25 * s1) + 0.25 * s2
+    torch.testing.assert_close(layer.running_mean, exp_mean)
+    torch.testing.assert_close(layer.running_scale, exp_scale)
+    assert int(layer.num_batches_tracked) == 2
+
+
+def test_range_batchnorm_eval_uses_running_stats_and_freezes_them():
+    layer = _randomise(RangeBatchNorm2d(3))
+    for _ in range(3):
+        layer(torch.randn(8, 3, 4, 4) * 2 + 1)
+    layer.eval()
+    frozen = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 3, 4, 4) * 5
+    y = layer(x)
+    torch.testing.assert_close(
+        y, _reference_range_bn(x, layer.weight, layer.bias, layer.running_mean, layer.running_scale, layer.eps)
+    )
+    for k, v in layer.state_dict().items():
+        torch.testing.assert_close(v, frozen[k])
+    # Per-sample in eval: a sample's output does not depend on the rest of the batch.
+    torch.testing.assert_close(layer(x[:1]), y[:1])
+    # Training mode ignores the running statistics.
+    layer.train()
+    y_train = layer(x)
+    layer.running_scale.fill_(123.0)
+    layer.running_mean.fill_(-4.0)
+    torch.testing.assert_close(layer(x), y_train)
+
+
+def test_range_batchnorm_cumulative_momentum_none():
+    layer = RangeBatchNorm2d(2, momentum=None)
+    batches = [torch.randn(3, 2, 4, 4) + k for k in range(3)]
+    scales, means = [], []
+    c = 1 / math.sqrt(2 * math.log(3 * 4 * 4))
+    for x in batches:
+        layer(x)
+        means.append(x.mean(dim=(0, 2, 3)))
+        scales.append(c * (x.amax(dim=(0, 2, 3)) - x.amin(dim=(0, 2, 3))))
+    torch.testing.assert_close(layer.running_mean, torch.stack(means).mean(0))
+    torch.testing.assert_close(layer.running_scale, torch.stack(scales).mean(0))
+
+
+def test_range_batchnorm_buffers_are_named_honestly():
+    keys = set(RangeBatchNorm2d(4).state_dict())
+    assert keys == {"weight", "bias", "running_mean", "running_scale", "num_batches_tracked"}
+
+
+def test_parameter_shapes():
+    for layer in (EvoNormS0(6), RangeEvoNorm2d(6)):
+        assert {n: tuple(p.shape) for n, p in layer.named_parameters()} == {
+            "weight": (6,), "bias": (6,), "v": (6,)}
+    assert {n for n, _ in EvoNormS0(6, apply_act=False).named_parameters()} == {"weight", "bias"}
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 2, 3, dtype=torch.float64, requires_grad=True)
+    w, b, v = (torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for fn in (evonorm_s0, range_evonorm2d):
+        assert torch.autograd.gradcheck(lambda x, w, b, v: fn(x, w, b, v, 2, 1e-5), (x, w, b, v))
+        assert torch.autograd.gradcheck(lambda x, w, b: fn(x, w, b, None, 2, 1e-5), (x, w, b))
+
+    def rbn(x, w, b):
+        rm, rs = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        return range_batch_norm2d(x, rm, rs, torch.tensor(0), w, b, True, 0.1, 1e-5)
+
+    assert torch.autograd.gradcheck(rbn, (x, w, b))
+
+
+@pytest.mark.parametrize("layer_cls", [EvoNormS0, RangeEvoNorm2d, RangeBatchNorm2d])
+def test_backward_reaches_input_and_every_parameter(layer_cls):
+    layer = _randomise(layer_cls(4))
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_statistics_in_float32_for_bfloat16_input():
+    # Around 1000 bfloat16 values are 4 apart: a mean rounded to bfloat16 can be 2 off, 0.25 std
+    # here; the layers centre and scale in float32 and only the output is bfloat16.
+    x32 = (1000.0 + 8.0 * torch.randn(4, 4, 8, 8)).bfloat16().float()
+    x16 = x32.bfloat16()
+    bn16, bn32 = RangeBatchNorm2d(4), RangeBatchNorm2d(4)
+    y16 = bn16(x16)
+    assert y16.dtype == torch.bfloat16 and bn16.running_mean.dtype == torch.float32
+    torch.testing.assert_close(y16.float(), bn32(x32), rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(bn16.running_mean, bn32.running_mean)
+    for norm in (EvoNormS0(4, apply_act=False), RangeEvoNorm2d(4, apply_act=False)):
+        y16 = norm(x16)
+        assert y16.dtype == torch.bfloat16
+        torch.testing.assert_close(y16.float(), norm(x32), rtol=1e-2, atol=1e-2)
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="divisible by groups"):
+        EvoNormS0(6, groups=4)
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        RangeEvoNorm2d(6, groups=0)
+    with pytest.raises(ValueError, match="at least 2 channels per group"):
+        RangeEvoNorm2d(4, groups=4)
+    with pytest.raises(ValueError, match="eps"):
+        EvoNormS0(4, eps=0.0)
+    with pytest.raises(ValueError, match="momentum"):
+        RangeBatchNorm2d(4, momentum=1.5)
+    with pytest.raises(ValueError, match="num_features"):
+        RangeBatchNorm2d(0)
+    with pytest.raises(ValueError, match=r"\(N, 4, H, W\)"):
+        EvoNormS0(4)(torch.randn(2, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"\(N, 4, H, W\)"):
+        RangeEvoNorm2d(4)(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        RangeBatchNorm2d(4)(torch.randn(1, 4, 1, 1))
+    with pytest.raises(ValueError, match="divisible by groups"):
+        range_evonorm2d(torch.randn(1, 6, 2, 2), torch.ones(6), torch.zeros(6), None, 4, 1e-5)
