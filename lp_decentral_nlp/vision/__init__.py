@@ -1,0 +1,30 @@
+"""Vision path (SPEC sections 5 and 8): sample-statistics norm layers, the paper's CNNs with a
+pluggable norm-activation, and image datasets with torch transforms."""
+from .data import (
+    VISION_DATASETS,
+    VisionDatasetSpec,
+    VisionTransform,
+    load_vision_dataset,
+    vision_dataset_spec,
+    vision_transform,
+    with_vision_transforms,
+)
+from .models import ARCHS, NORMS, build_vision_model, mobilenetv2, norm_act, resnet18, resnet20, resnet54, vgg11
+from .norms import (
+    EvoNormS0,
+    RangeBatchNorm2d,
+    RangeEvoNorm2d,
+    evonorm_s0,
+    range_batch_norm2d,
+    range_evonorm2d,
+    range_scale_constant,
+)
+
+__all__ = [
+    "ARCHS", "NORMS", "VISION_DATASETS",
+    "EvoNormS0", "RangeEvoNorm2d", "RangeBatchNorm2d",
+    "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
+    "build_vision_model", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
+    "VisionDatasetSpec", "VisionTransform", "load_vision_dataset", "vision_dataset_spec",
+    "vision_transform", "with_vision_transforms",
+]

@@ -1,0 +1,254 @@
+"""Image classification datasets and their torch transforms (SPEC section 8).
+
+:func:`load_vision_dataset` returns a ``datasets.DatasetDict`` with splits ``"train"`` and
+``"test"`` and exactly two columns: ``"image"`` (``datasets.Image``, decoded to PIL) and
+``"label"`` (``datasets.ClassLabel``). Sources:
+
+- ``cifar10`` / ``cifar100`` / ``imagenette`` from the Hugging Face hub (``uoft-cs/cifar10``,
+  ``uoft-cs/cifar100``, the parquet export of ``frgfm/imagenette`` at 320 px), or from
+  ``data_dir``: a folder written by ``DatasetDict.save_to_disk`` or an image folder tree
+  (``train/<class>/*.png``, ``test/`` or ``val/<class>/...``, read by the ``imagefolder``
+  builder). Hub column names (``img``/``image``, ``label``/``fine_label``) are mapped to
+  ``image``/``label``; a ``validation`` split serves as ``test`` when there is no ``test``.
+- ``digits``: scikit-learn's bundled 8x8 grey digits (1,797 images, 10 classes), offline, with a
+  seeded stratified 80/20 train/test split. The default for quick runs.
+
+:class:`VisionTransform` (for ``Dataset.set_transform`` / ``with_transform``) turns a batch of
+those rows into ``{"pixel_values": (B, 3, S, S) float32, "label": (B,) int64}``: RGB, shorter
+side resized to ``S`` and centre-cropped when the image is not ``S x S``, then (training only)
+a random ``S x S`` crop of the zero-padded image and a random horizontal flip, then per-channel
+normalisation. Randomness comes from torch's global RNG (seeded per DataLoader worker).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import datasets
+
+__all__ = [
+    "VisionDatasetSpec",
+    "VISION_DATASETS",
+    "vision_dataset_spec",
+    "load_vision_dataset",
+    "VisionTransform",
+    "vision_transform",
+    "with_vision_transforms",
+]
+
+
+@dataclass(frozen=True)
+class VisionDatasetSpec:
+    """What a recipe needs to know about a dataset.
+
+    hub_id/hub_kwargs: ``datasets.load_dataset(hub_id, **hub_kwargs)`` (None: not on the hub).
+    image_size: side of the square images fed to the model (pixels); the training random crop
+    pads by ``image_size // 8`` pixels per side (4 for 32x32, as the CIFAR convention).
+    mean/std: per-channel normalisation of pixel values in [0, 1] (RGB).
+    """
+
+    num_classes: int
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    hub_id: str | None = None
+    hub_kwargs: dict = field(default_factory=dict)
+
+
+_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+VISION_DATASETS: dict[str, VisionDatasetSpec] = {
+    # Channel statistics of the CIFAR training sets.
+    "cifar10": VisionDatasetSpec(10, 32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+                                 hub_id="uoft-cs/cifar10"),
+    "cifar100": VisionDatasetSpec(100, 32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
+                                  hub_id="uoft-cs/cifar100"),
+    # frgfm/imagenette's main branch holds a loading script, which datasets>=4 refuses; its
+    # parquet export (folders <size>/train, <size>/validation) loads without it.
+    "imagenette": VisionDatasetSpec(10, 224, _IMAGENET_MEAN, _IMAGENET_STD,
+                                    hub_id="frgfm/imagenette",
+                                    hub_kwargs={"revision": "refs/convert/parquet", "data_dir": "320px"}),
+    # Mean/std of all 1,797 sklearn digits as stored here (uint8 = round(value * 255 / 16)).
+    "digits": VisionDatasetSpec(10, 8, (0.3053,) * 3, (0.3759,) * 3),
+}
+
+_IMAGE_COLUMNS = ("image", "img")
+_LABEL_COLUMNS = ("label", "fine_label", "labels")
+_TEST_SPLITS = ("test", "validation")
+
+
+def vision_dataset_spec(name: str) -> VisionDatasetSpec:
+    """The :class:`VisionDatasetSpec` of ``name`` (one of :data:`VISION_DATASETS`)."""
+    if name not in VISION_DATASETS:
+        raise ValueError(f"name must be one of {', '.join(VISION_DATASETS)}; got {name!r}")
+    return VISION_DATASETS[name]
+
+
+def _load_digits(seed: int, test_fraction: float = 0.2) -> datasets.DatasetDict:
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # (1797, 8, 8), 0..16 -> 0..255
+    features = datasets.Features({
+        "image": datasets.Image(),
+        "label": datasets.ClassLabel(names=[str(i) for i in range(10)]),
+    })
+    index = np.arange(len(pixels))
+    train_idx, test_idx = train_test_split(
+        index, test_size=test_fraction, stratify=digits.target, random_state=seed
+    )
+
+    def split(idx: np.ndarray) -> datasets.Dataset:
+        return datasets.Dataset.from_dict(
+            {"image": [Image.fromarray(pixels[i]) for i in idx],
+             "label": digits.target[idx].tolist()},
+            features=features,
+        )
+
+    return datasets.DatasetDict(train=split(train_idx), test=split(test_idx))
+
+
+def _read_source(spec: VisionDatasetSpec, data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
+    if data_dir is None:
+        return datasets.load_dataset(spec.hub_id, **spec.hub_kwargs)
+    path = os.fspath(data_dir)
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return datasets.load_from_disk(path)
+    if os.path.isdir(path):
+        return datasets.load_dataset("imagefolder", data_dir=path)
+    raise FileNotFoundError(
+        f"data_dir={path!r} is neither a DatasetDict.save_to_disk folder nor an image folder tree"
+    )
+
+
+def _pick(candidates: tuple[str, ...], available: list[str], what: str) -> str:
+    for name in candidates:
+        if name in available:
+            return name
+    raise ValueError(f"no {what} column found: expected one of {candidates}, got {available}")
+
+
+def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec) -> datasets.DatasetDict:
+    splits = list(raw.keys())
+    if "train" not in splits:
+        raise ValueError(f"{name}: the source has no 'train' split (splits: {splits})")
+    test_split = next((s for s in _TEST_SPLITS if s in splits), None)
+    if test_split is None:
+        raise ValueError(f"{name}: the source has no test split, expected one of {_TEST_SPLITS} "
+                         f"(splits: {splits})")
+    out = {}
+    for target, source in (("train", "train"), ("test", test_split)):
+        ds = raw[source]
+        image_col = _pick(_IMAGE_COLUMNS, ds.column_names, "image")
+        label_col = _pick(_LABEL_COLUMNS, ds.column_names, "label")
+        ds = ds.select_columns([image_col, label_col])
+        ds = ds.rename_columns({c: t for c, t in ((image_col, "image"), (label_col, "label")) if c != t})
+        label = ds.features["label"]
+        if not isinstance(label, datasets.ClassLabel):
+            raise TypeError(f"{name}: the label column must be a datasets.ClassLabel, got {label}; "
+                            "cast it with ds.cast_column('label', datasets.ClassLabel(...))")
+        if label.num_classes != spec.num_classes:
+            raise ValueError(f"{name} has {spec.num_classes} classes but the {source!r} split of the "
+                             f"source has {label.num_classes}: {label.names}")
+        if not isinstance(ds.features["image"], datasets.Image):
+            ds = ds.cast_column("image", datasets.Image())
+        out[target] = ds
+    return datasets.DatasetDict(out)
+
+
+def load_vision_dataset(
+    name: str, data_dir: str | os.PathLike | None = None, seed: int = 0
+) -> datasets.DatasetDict:
+    """Load ``name`` (see :data:`VISION_DATASETS`) as a DatasetDict ``train``/``test`` with
+    columns ``image`` (PIL) and ``label`` (ClassLabel).
+
+    data_dir: a ``save_to_disk`` folder or an image folder tree to read instead of the hub
+    (not allowed for ``digits``, which ships with scikit-learn). seed: the stratified split of
+    ``digits`` (the other datasets come with their own test split).
+    """
+    spec = vision_dataset_spec(name)
+    if name == "digits":
+        if data_dir is not None:
+            raise ValueError("digits is bundled with scikit-learn: data_dir must be None")
+        return _load_digits(seed)
+    return _standardise(_read_source(spec, data_dir), name, spec)
+
+
+def _to_square_tensor(image, size: int) -> torch.Tensor:
+    """PIL image -> (3, size, size) uint8: RGB; shorter side resized to ``size`` (bilinear,
+    antialiased) and centre-cropped unless it already is ``size x size``."""
+    x = torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1)
+    h, w = x.shape[1:]
+    if (h, w) == (size, size):
+        return x
+    scale = size / min(h, w)
+    new_h, new_w = max(size, round(h * scale)), max(size, round(w * scale))
+    x = F.interpolate(x[None].float(), size=(new_h, new_w), mode="bilinear",
+                      antialias=True, align_corners=False)[0]
+    top, left = (new_h - size) // 2, (new_w - size) // 2
+    return x[:, top:top + size, left:left + size].round().clamp(0, 255).to(torch.uint8)
+
+
+class VisionTransform:
+    """Batch transform for ``Dataset.set_transform``.
+
+    Input: a batch ``{"image": [PIL images], "label": [int]}``. Output:
+    ``{"pixel_values": (B, 3, image_size, image_size) float32, "label": (B,) int64}``.
+    ``train=True`` adds the random crop (zero padding of ``padding`` pixels, applied to pixel
+    values in [0, 1] before normalisation, as torchvision's RandomCrop) and the random
+    horizontal flip (p = 0.5).
+    """
+
+    def __init__(self, image_size: int, mean, std, train: bool, padding: int = 0):
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+            raise ValueError(f"image_size must be a positive int, got {image_size!r}")
+        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+            raise ValueError(f"padding must be a non-negative int, got {padding!r}")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"mean and std must hold 3 values (RGB), std > 0; got {mean}, {std}")
+        self.image_size, self.train, self.padding = image_size, train, padding
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def augment(self, x: torch.Tensor) -> torch.Tensor:
+        """Random crop of the zero-padded batch and random horizontal flip; x: (B, 3, S, S) in [0, 1]."""
+        b, _, s, _ = x.shape
+        p = self.padding
+        if p:
+            padded = F.pad(x, (p, p, p, p))
+            offsets = torch.randint(0, 2 * p + 1, (b, 2))
+            x = torch.stack([padded[i, :, top:top + s, left:left + s]
+                             for i, (top, left) in enumerate(offsets.tolist())])
+        flip = torch.rand(b) < 0.5
+        return torch.where(flip.view(b, 1, 1, 1), x.flip(-1), x)
+
+    def __call__(self, batch: dict) -> dict:
+        x = torch.stack([_to_square_tensor(im, self.image_size) for im in batch["image"]])
+        x = x.float().div_(255.0)
+        if self.train:
+            x = self.augment(x)
+        return {"pixel_values": (x - self.mean) / self.std,
+                "label": torch.as_tensor(batch["label"], dtype=torch.long)}
+
+
+def vision_transform(name: str, train: bool, image_size: int | None = None) -> VisionTransform:
+    """The :class:`VisionTransform` of dataset ``name``; ``image_size`` overrides its default.
+    The training crop pads by ``image_size // 8`` pixels."""
+    spec = vision_dataset_spec(name)
+    size = spec.image_size if image_size is None else image_size
+    return VisionTransform(size, spec.mean, spec.std, train=train, padding=size // 8)
+
+
+def with_vision_transforms(dsd: datasets.DatasetDict, name: str,
+                           image_size: int | None = None) -> datasets.DatasetDict:
+    """``dsd`` with the training transform on ``"train"`` and the evaluation one on ``"test"``."""
+    return datasets.DatasetDict({
+        split: dsd[split].with_transform(vision_transform(name, split == "train", image_size))
+        for split in ("train", "test")
+    })

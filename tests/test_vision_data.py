@@ -1,0 +1,216 @@
+"""Vision datasets (offline paths: digits, image folders, saved dirs, hub column mapping) and transforms."""
+import collections
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import datasets
+from lp_decentral_nlp.vision import data as vdata
+from lp_decentral_nlp.vision import (
+    VisionTransform,
+    load_vision_dataset,
+    vision_dataset_spec,
+    vision_transform,
+    with_vision_transforms,
+)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_vision_dataset("digits", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def _label_counts(ds):
+    return collections.Counter(ds["label"])
+
+
+def test_digits_split_is_stratified_complete_and_seeded(digits):
+    from sklearn.datasets import load_digits
+
+    target = load_digits().target
+    assert (digits["train"].num_rows, digits["test"].num_rows) == (1437, 360)
+    assert set(digits["train"].column_names) == {"image", "label"}
+    total = _label_counts(digits["train"]) + _label_counts(digits["test"])
+    assert total == collections.Counter(target.tolist())
+    for label, count in collections.Counter(target.tolist()).items():
+        assert abs(_label_counts(digits["test"])[label] - 0.2 * count) <= 1
+    same = load_vision_dataset("digits", seed=0)
+    other = load_vision_dataset("digits", seed=1)
+    assert same["test"]["label"] == digits["test"]["label"]
+    assert other["test"]["label"] != digits["test"]["label"]
+    image = digits["train"][0]["image"]
+    assert image.size == (8, 8)
+
+
+def test_digits_normalisation_constants_are_measured(digits):
+    pixels = np.concatenate([np.stack([np.asarray(im, dtype=np.float64) for im in digits[s]["image"]])
+                             for s in ("train", "test")]) / 255.0
+    spec = vision_dataset_spec("digits")
+    assert pixels.shape == (1797, 8, 8)
+    assert spec.mean[0] == pytest.approx(pixels.mean(), abs=1e-4)
+    assert spec.std[0] == pytest.approx(pixels.std(), abs=1e-4)
+
+
+def test_eval_transform_is_exact_normalisation(digits):
+    batch = digits["test"][:5]
+    out = vision_transform("digits", train=False)(batch)
+    assert out["pixel_values"].shape == (5, 3, 8, 8) and out["pixel_values"].dtype == torch.float32
+    assert out["label"].dtype == torch.int64 and out["label"].tolist() == batch["label"]
+    spec = vision_dataset_spec("digits")
+    grey = torch.tensor(np.stack([np.asarray(im) for im in batch["image"]]), dtype=torch.float32) / 255.0
+    expected = ((grey - spec.mean[0]) / spec.std[0]).unsqueeze(1).expand(-1, 3, -1, -1)
+    torch.testing.assert_close(out["pixel_values"], expected)
+
+
+def test_train_transform_is_a_padded_crop_or_its_mirror():
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+    image = Image.fromarray(array)
+    transform = VisionTransform(8, (0.0,) * 3, (1.0,) * 3, train=True, padding=2)
+    out = transform({"image": [image] * 64, "label": [3] * 64})["pixel_values"]
+    padded = torch.nn.functional.pad(torch.tensor(array).permute(2, 0, 1).float() / 255.0, (2, 2, 2, 2))
+    windows = {(t, l, f): (padded[:, t:t + 8, l:l + 8].flip(-1) if f else padded[:, t:t + 8, l:l + 8])
+               for t in range(5) for l in range(5) for f in (False, True)}
+    seen = set()
+    for x in out:
+        match = [k for k, w in windows.items() if torch.equal(x, w)]
+        assert match, "augmented image is not a crop of the zero-padded image"
+        seen.add(match[0])
+    assert {k[2] for k in seen} == {False, True}
+    assert len({k[:2] for k in seen}) > 5
+    evaluated = VisionTransform(8, (0.0,) * 3, (1.0,) * 3, train=False, padding=2)({"image": [image], "label": [0]})
+    torch.testing.assert_close(evaluated["pixel_values"][0], windows[(2, 2, False)])
+
+
+def test_resize_takes_shorter_side_and_centre_crop():
+    array = np.arange(32 * 40 * 3, dtype=np.uint32).reshape(32, 40, 3) % 251
+    image = Image.fromarray(array.astype(np.uint8))
+    out = VisionTransform(32, (0.0,) * 3, (1.0,) * 3, train=False)({"image": [image], "label": [0]})
+    expected = torch.tensor(array[:, 4:36].astype(np.float32) / 255.0).permute(2, 0, 1)
+    torch.testing.assert_close(out["pixel_values"][0], expected)
+    big = Image.fromarray(np.full((64, 80, 3), 200, dtype=np.uint8))
+    out = VisionTransform(32, (0.0,) * 3, (1.0,) * 3, train=False)({"image": [big], "label": [0]})
+    torch.testing.assert_close(out["pixel_values"], torch.full((1, 3, 32, 32), 200 / 255.0))
+
+
+def test_with_vision_transforms_feeds_a_dataloader(digits):
+    ready = with_vision_transforms(digits, "digits", image_size=16)
+    loader = torch.utils.data.DataLoader(ready["train"], batch_size=32, shuffle=True)
+    batch = next(iter(loader))
+    assert batch["pixel_values"].shape == (32, 3, 16, 16) and batch["label"].shape == (32,)
+    assert ready["test"][0]["pixel_values"].shape == (3, 16, 16)
+    # The raw dataset is untouched.
+    assert set(digits["train"][0]) == {"image", "label"}
+
+
+def _write_image_folder(root, splits, classes, size=(40, 36)):
+    rng = np.random.default_rng(0)
+    for split, per_class in splits.items():
+        for c in classes:
+            folder = root / split / c
+            folder.mkdir(parents=True)
+            for k in range(per_class):
+                Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(folder / f"{k}.png")
+
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def test_image_folder_source(tmp_path):
+    _write_image_folder(tmp_path / "cifar", {"train": 2, "test": 1}, CIFAR10_CLASSES)
+    dsd = load_vision_dataset("cifar10", data_dir=tmp_path / "cifar")
+    assert (dsd["train"].num_rows, dsd["test"].num_rows) == (20, 10)
+    assert dsd["train"].features["label"].names == CIFAR10_CLASSES
+    assert set(dsd["train"].column_names) == {"image", "label"}
+    out = with_vision_transforms(dsd, "cifar10")["train"][:4]
+    assert out["pixel_values"].shape == (4, 3, 32, 32)
+
+
+def test_image_folder_val_split_becomes_test(tmp_path):
+    _write_image_folder(tmp_path / "nette", {"train": 1, "val": 1}, [f"n0{i}" for i in range(10)])
+    dsd = load_vision_dataset("imagenette", data_dir=tmp_path / "nette")
+    assert list(dsd) == ["train", "test"] and dsd["test"].num_rows == 10
+
+
+def test_image_folder_with_wrong_class_count(tmp_path):
+    _write_image_folder(tmp_path / "two", {"train": 1, "test": 1}, ["a", "b"])
+    with pytest.raises(ValueError, match="cifar10 has 10 classes but"):
+        load_vision_dataset("cifar10", data_dir=tmp_path / "two")
+
+
+def _hub_like_cifar100(rows=6):
+    rng = np.random.default_rng(1)
+    features = datasets.Features({
+        "img": datasets.Image(),
+        "fine_label": datasets.ClassLabel(num_classes=100),
+        "coarse_label": datasets.ClassLabel(num_classes=20),
+    })
+    images = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(rows)]
+    split = datasets.Dataset.from_dict(
+        {"img": images, "fine_label": list(range(50, 50 + rows)), "coarse_label": [1] * rows},
+        features=features)
+    return datasets.DatasetDict(train=split, test=split)
+
+
+def test_saved_dataset_dir_with_hub_column_names(tmp_path):
+    _hub_like_cifar100().save_to_disk(tmp_path / "saved")
+    dsd = load_vision_dataset("cifar100", data_dir=tmp_path / "saved")
+    assert set(dsd["test"].column_names) == {"image", "label"}
+    assert dsd["train"]["label"] == list(range(50, 56))
+    assert dsd["train"][0]["image"].size == (32, 32)
+
+
+def test_hub_request_and_column_mapping(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        raw = _hub_like_cifar100()
+        if path == "frgfm/imagenette":
+            features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+            split = datasets.Dataset.from_dict({"image": raw["train"]["img"], "label": [0] * 6}, features=features)
+            return datasets.DatasetDict(train=split, validation=split)
+        return raw
+
+    monkeypatch.setattr(vdata.datasets, "load_dataset", fake_load_dataset)
+    assert load_vision_dataset("cifar100")["train"]["label"] == list(range(50, 56))
+    nette = load_vision_dataset("imagenette")
+    assert list(nette) == ["train", "test"] and set(nette["test"].column_names) == {"image", "label"}
+    assert calls == [("uoft-cs/cifar100", {}),
+                     ("frgfm/imagenette", {"revision": "refs/convert/parquet", "data_dir": "320px"})]
+
+
+def test_invalid_arguments(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="name must be one of cifar10, cifar100, imagenette, digits"):
+        load_vision_dataset("mnist")
+    with pytest.raises(ValueError, match="data_dir must be None"):
+        load_vision_dataset("digits", data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither"):
+        load_vision_dataset("cifar10", data_dir=tmp_path / "missing")
+    only_train = _hub_like_cifar100()
+    monkeypatch.setattr(vdata.datasets, "load_dataset",
+                        lambda path, **kw: datasets.DatasetDict(train=only_train["train"]))
+    with pytest.raises(ValueError, match="no test split"):
+        load_vision_dataset("cifar100")
+    no_label = datasets.DatasetDict(train=only_train["train"].remove_columns(["fine_label"]),
+                                    test=only_train["test"])
+    monkeypatch.setattr(vdata.datasets, "load_dataset", lambda path, **kw: no_label)
+    with pytest.raises(ValueError, match="no label column"):
+        load_vision_dataset("cifar100")
+    int_label = only_train.cast_column("fine_label", datasets.Value("int64"))
+    monkeypatch.setattr(vdata.datasets, "load_dataset", lambda path, **kw: int_label)
+    with pytest.raises(TypeError, match="ClassLabel"):
+        load_vision_dataset("cifar100")
+    with pytest.raises(ValueError, match="image_size"):
+        VisionTransform(0, (0.0,) * 3, (1.0,) * 3, train=True)
+    with pytest.raises(ValueError, match="padding"):
+        VisionTransform(8, (0.0,) * 3, (1.0,) * 3, train=True, padding=-1)
+    with pytest.raises(ValueError, match="std"):
+        VisionTransform(8, (0.0,) * 3, (0.0, 1.0, 1.0), train=True)
