@@ -197,7 +197,8 @@ class QuantConv1D(QuantGemmLayer, Conv1D):
 class QuantConv2d(QuantGemmLayer, nn.Conv2d):
     """8-bit ``nn.Conv2d``: ``(N, Cin, H, W)`` (or unbatched ``(Cin, H, W)``) -> ``(N, Cout, Ho, Wo)``.
 
-    Non-zero padding modes and string paddings are applied with ``F.pad`` before quantization.
+    Non-zero padding modes (and asymmetric ``padding="same"``) are applied with ``F.pad`` before
+    quantization; zero padding stays inside the convolution.
     """
 
     float_type = nn.Conv2d
@@ -210,11 +211,20 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             bias=module.bias is not None, padding_mode=module.padding_mode,
         )
 
+    def _numeric_padding(self) -> tuple[int, int] | None:
+        """Zero padding ``(h, w)`` the GEMM can take, or None when ``F.pad`` must apply it."""
+        if self.padding_mode != "zeros":
+            return None
+        if not isinstance(self.padding, str):
+            return self.padding
+        left, right = self._reversed_padding_repeated_twice[::2], self._reversed_padding_repeated_twice[1::2]
+        return tuple(reversed(left)) if left == right else None
+
     def forward(self, x):
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
-        padding = self.padding
-        if self.padding_mode != "zeros" or isinstance(padding, str):
+        padding = self._numeric_padding()
+        if padding is None:
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
             padding = (0, 0)

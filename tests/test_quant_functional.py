@@ -1,0 +1,96 @@
+"""Affine quantization primitives of SPEC 4: grids, stochastic rounding, ranges."""
+import pytest
+import torch
+
+from lp_decentral_nlp.quant.functional import (
+    fake_quantize,
+    mean_sample_range,
+    quantize_codes,
+    sample_range,
+    tensor_range,
+    update_running_range,
+)
+
+
+def assert_on_grid(values, lo, scale, bits=8):
+    """Every value is lo + k * scale with integer k in [0, 2**bits - 1]."""
+    k = (values - lo) / scale
+    assert torch.allclose(k, k.round(), atol=1e-3), "values off the affine grid"
+    assert k.round().min() >= 0 and k.round().max() <= 2**bits - 1
+    assert k.round().unique().numel() <= 2**bits
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nearest_rounding_lands_on_grid_within_half_a_step(bits):
+    x = torch.randn(1000) * 3
+    lo, hi = tensor_range(x)
+    x_hat = fake_quantize(x, lo, hi, bits)
+    scale = (hi - lo) / (2**bits - 1)
+    assert_on_grid(x_hat, lo, scale, bits)
+    assert (x_hat - x).abs().max() <= scale / 2 + 1e-6
+    assert x_hat.min() == pytest.approx(lo.item()) and x_hat.max() == pytest.approx(hi.item(), rel=1e-6)
+
+
+def test_codes_are_integers_in_range_and_clamped_outside():
+    x = torch.tensor([-5.0, 0.0, 0.2, 0.71, 1.0, 7.0])
+    codes, scale = quantize_codes(x, torch.tensor(0.0), torch.tensor(1.0), 8)
+    assert codes.tolist() == [0, 0, 51, 181, 255, 255]  # round(0.71 * 255 = 181.05)
+    assert scale.item() == pytest.approx(1 / 255)
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
+    lo, hi = torch.tensor(0.0), torch.tensor(1.0)
+    scale = 1 / 255
+    # Values sitting 0.1, 0.3, 0.7 and 0.9 of a step above a grid point.
+    x = torch.tensor([10.1, 40.3, 100.7, 200.9]) * scale
+    n = 20000
+    draws = fake_quantize(x.expand(n, -1), lo, hi, 8, stochastic=True)
+    assert_on_grid(draws, lo, torch.tensor(scale))
+    assert ((draws - x).abs() < scale + 1e-7).all(), "stochastic rounding moves at most one step"
+    # Standard error of the mean is at most scale / (2 sqrt(n)); allow 6 of them.
+    tol = 6 * scale / (2 * n**0.5)
+    assert torch.allclose(draws.mean(0), x, atol=tol)
+    nearest = fake_quantize(x, lo, hi, 8)
+    assert ((nearest - x).abs() > 2 * tol).all(), "the same check would catch nearest rounding's bias"
+
+
+def test_stochastic_rounding_draws_from_torch_rng():
+    x = torch.randn(256)
+    lo, hi = tensor_range(x)
+    torch.manual_seed(1)
+    a = fake_quantize(x, lo, hi, 8, stochastic=True)
+    torch.manual_seed(1)
+    b = fake_quantize(x, lo, hi, 8, stochastic=True)
+    c = fake_quantize(x, lo, hi, 8, stochastic=True)
+    assert torch.equal(a, b)
+    assert not torch.equal(b, c)
+
+
+def test_zero_width_range_returns_the_constant():
+    x = torch.full((4, 3), 2.5)
+    lo, hi = tensor_range(x)
+    for stochastic in (False, True):
+        assert torch.equal(fake_quantize(x, lo, hi, 8, stochastic), x)
+
+
+def test_mean_sample_range_is_the_batch_mean_of_per_sample_extremes():
+    x = torch.randn(5, 7, 3)
+    lo, hi = mean_sample_range(x, batched=True)
+    assert lo.item() == pytest.approx(torch.stack([s.min() for s in x]).mean().item())
+    assert hi.item() == pytest.approx(torch.stack([s.max() for s in x]).mean().item())
+    assert lo > x.min() and hi < x.max()  # the mean of extremes is inside the batch's full range
+    lo1, hi1 = mean_sample_range(x[0], batched=False)
+    assert (lo1, hi1) == (x[0].min(), x[0].max())
+    s_lo, s_hi = sample_range(x)
+    assert s_lo.shape == (5,) and torch.equal(s_hi, x.flatten(1).max(1).values)
+
+
+def test_running_range_uses_pytorch_momentum_convention():
+    rmin, rmax, n = torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.long)
+    update_running_range(rmin, rmax, n, torch.tensor(-2.0), torch.tensor(4.0), 0.1)
+    assert (rmin.item(), rmax.item(), n.item()) == (-2.0, 4.0, 1)  # first batch initialises
+    update_running_range(rmin, rmax, n, torch.tensor(-1.0), torch.tensor(6.0), 0.1)
+    # new = (1 - m) * old + m * batch: the newest batch weighs 0.1, not 0.9.
+    assert rmin.item() == pytest.approx(0.9 * -2.0 + 0.1 * -1.0)
+    assert rmax.item() == pytest.approx(0.9 * 4.0 + 0.1 * 6.0)
+    assert n.item() == 2

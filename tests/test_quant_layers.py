@@ -1,0 +1,301 @@
+"""8-bit layers (SPEC 4): quantized forward, gradient bifurcation, running ranges, determinism."""
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.pytorch_utils import Conv1D
+
+from lp_decentral_nlp.quant import (
+    KERNELS,
+    QuantConfig,
+    QuantConv1D,
+    QuantConv2d,
+    QuantLinear,
+    register_kernel,
+)
+from lp_decentral_nlp.quant.functional import fake_quantize, mean_sample_range, tensor_range
+from lp_decentral_nlp.quant.kernels import SimulatedKernel
+
+from test_quant_functional import assert_on_grid
+
+
+def make_layer(kind, config=None):
+    """A float layer, its 8-bit version (sharing parameters) and an input batch."""
+    config = config or QuantConfig()
+    if kind == "linear":
+        f, x = nn.Linear(12, 6), torch.randn(4, 5, 12)
+    elif kind == "conv1d":
+        f, x = Conv1D(6, 12), torch.randn(4, 5, 12)
+        nn.init.normal_(f.bias)
+    else:
+        f, x = nn.Conv2d(3, 5, 3, stride=2, padding=1), torch.randn(4, 3, 9, 9)
+    q = {"linear": QuantLinear, "conv1d": QuantConv1D, "conv2d": QuantConv2d}[kind].from_float(f, config)
+    return f, q, x
+
+
+def quantized_operands(q, x):
+    """Input and weight on the 8-bit grids a training step uses (SPEC 4 ranges)."""
+    x_q = fake_quantize(x, *mean_sample_range(x, batched=True), 8)
+    w_q = fake_quantize(q.weight.detach(), *tensor_range(q.weight.detach()), 8)
+    return x_q, w_q
+
+
+class RecordingKernel(SimulatedKernel):
+    """The simulated kernel, keeping the operands each product received."""
+
+    name = "recording-test"
+    calls: dict = {}
+
+    def forward(self, gemm, x_q, w_q, bias):
+        self.calls.update(fwd_x=x_q, fwd_w=w_q, n_forward=self.calls.get("n_forward", 0) + 1)
+        return super().forward(gemm, x_q, w_q, bias)
+
+    def grad_input(self, gemm, g_q, w_q, input_shape):
+        self.calls.update(g_q=g_q)
+        return super().grad_input(gemm, g_q, w_q, input_shape)
+
+    def grad_weight(self, gemm, x_q, g, weight_shape):
+        self.calls.update(gw_x=x_q, gw_g=g)
+        return super().grad_weight(gemm, x_q, g, weight_shape)
+
+
+@pytest.fixture
+def recording_kernel():
+    kernel = register_kernel(RecordingKernel())
+    kernel.calls.clear()
+    yield kernel
+    del KERNELS[kernel.name]
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_layer_is_its_float_type_and_shares_master_weights(kind):
+    f, q, _ = make_layer(kind)
+    assert isinstance(q, type(f))
+    assert q.weight is f.weight and q.bias is f.bias and q.weight.dtype == torch.float32
+    assert set(q.state_dict()) == set(f.state_dict()) | {"act_running_min", "act_running_max", "act_num_batches"}
+    back = q.to_float()
+    assert type(back) is type(f) and back.weight is f.weight and back.bias is f.bias
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_forward_uses_8bit_weights_and_activations(kind):
+    f, q, x = make_layer(kind)
+    x_q, w_q = quantized_operands(q, x)
+    expected = {
+        "linear": lambda: nn.functional.linear(x_q, w_q, f.bias),
+        "conv1d": lambda: x_q @ w_q + f.bias,
+        "conv2d": lambda: nn.functional.conv2d(x_q, w_q, f.bias, stride=2, padding=1),
+    }[kind]
+    with torch.no_grad():
+        out = q(x)
+        assert torch.allclose(out, expected(), atol=1e-5)
+        assert not torch.allclose(out, f(x), atol=1e-4), "the output should differ from the float layer's"
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_gradient_bifurcation(kind, recording_kernel):
+    """Layer gradient from the 8-bit output gradient; weight gradient from the fp32 one (SPEC 4)."""
+    _, q, x = make_layer(kind, QuantConfig(kernel=recording_kernel.name))
+    x.requires_grad_(True)
+    out = q(x)
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    calls = recording_kernel.calls
+    assert calls["n_forward"] == 1, "the forward GEMM must run once"
+
+    # Operands of the forward GEMM are on 8-bit grids.
+    x_lo, x_hi = mean_sample_range(x.detach(), batched=True)
+    assert_on_grid(calls["fwd_x"], x_lo, (x_hi - x_lo) / 255)
+    w_lo, w_hi = tensor_range(q.weight.detach())
+    assert_on_grid(calls["fwd_w"], w_lo, (w_hi - w_lo) / 255)
+    # The output gradient entering the layer-gradient GEMM is on the 8-bit grid of its own min/max ...
+    g_lo, g_hi = tensor_range(upstream)
+    assert_on_grid(calls["g_q"], g_lo, (g_hi - g_lo) / 255)
+    assert not torch.equal(calls["g_q"], upstream)
+    # ... while the weight gradient gets the untouched fp32 gradient and the 8-bit input.
+    assert torch.equal(calls["gw_g"], upstream)
+    assert torch.equal(calls["gw_x"], calls["fwd_x"])
+
+    # The resulting gradients equal autograd through the float op on the quantized operands
+    # (straight-through estimator): dW from the fp32 upstream, dx from the quantized one.
+    xq_leaf = calls["fwd_x"].clone().requires_grad_(True)
+    wq_leaf = calls["fwd_w"].clone().requires_grad_(True)
+    float_op = {
+        "linear": lambda a, w: nn.functional.linear(a, w, q.bias),
+        "conv1d": lambda a, w: a @ w + q.bias,
+        "conv2d": lambda a, w: nn.functional.conv2d(a, w, q.bias, stride=2, padding=1),
+    }[kind]
+    dw, dx_fp = torch.autograd.grad((float_op(xq_leaf, wq_leaf) * upstream).sum(), (wq_leaf, xq_leaf))
+    (dx_q,) = torch.autograd.grad((float_op(xq_leaf, wq_leaf) * calls["g_q"]).sum(), xq_leaf)
+    assert torch.allclose(q.weight.grad, dw, atol=1e-5)
+    assert torch.allclose(x.grad, dx_q, atol=1e-5)
+    assert not torch.allclose(x.grad, dx_fp, atol=1e-6), "the layer gradient must come from the 8-bit gradient"
+    bias_dims = (0, 2, 3) if kind == "conv2d" else (0, 1)
+    assert torch.allclose(q.bias.grad, upstream.sum(bias_dims), atol=1e-5)
+
+
+def test_layer_gradient_through_identity_weight_is_on_the_8bit_grid():
+    """End to end with the real simulated kernel: with W = I, dL/dx is the quantized output gradient."""
+    f = nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        f.weight.copy_(torch.eye(16))
+    q = QuantLinear.from_float(f, QuantConfig())
+    x = torch.randn(8, 16, requires_grad=True)
+    upstream = torch.randn(8, 16)
+    (q(x) * upstream).sum().backward()
+    lo, hi = tensor_range(upstream)
+    assert_on_grid(x.grad, lo, (hi - lo) / 255)
+    assert (x.grad - upstream).abs().max() <= (hi - lo) / 255 + 1e-6
+    assert (x.grad != upstream).any()
+
+
+def test_per_sample_gradient_granularity(recording_kernel):
+    _, q, x = make_layer("linear", QuantConfig(kernel=recording_kernel.name, grad_granularity="sample"))
+    x.requires_grad_(True)
+    out = q(x)
+    upstream = torch.randn_like(out) * torch.tensor([0.01, 1.0, 10.0, 100.0]).view(4, 1, 1)
+    (out * upstream).sum().backward()
+    for g_q, g in zip(recording_kernel.calls["g_q"], upstream):
+        assert_on_grid(g_q, g.min(), (g.max() - g.min()) / 255)
+
+
+def test_layer_gradient_is_stochastic_in_training_and_reproducible_under_a_seed():
+    _, q, x = make_layer("linear")
+    grads = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        x_leaf = x.clone().requires_grad_(True)
+        q(x_leaf).pow(2).sum().backward()
+        grads.append(x_leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert not torch.equal(grads[0], grads[2])
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_eval_mode_is_deterministic(kind):
+    _, q, x = make_layer(kind)
+    q(x)  # one training batch calibrates the running range
+    q.eval()
+    results = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        x_leaf = x.clone().requires_grad_(True)
+        out = q(x_leaf)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), x_leaf.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1]), "no stochastic rounding in eval mode, backward included"
+
+
+def test_running_range_in_training_and_its_use_in_eval():
+    f, q, _ = make_layer("linear")
+    batches = [torch.randn(4, 5, 12) * s for s in (1.0, 3.0)]
+    for b in batches:
+        q(b)
+    (lo1, hi1), (lo2, hi2) = (mean_sample_range(b, batched=True) for b in batches)
+    assert q.act_num_batches.item() == 2
+    assert q.act_running_min.item() == pytest.approx((0.9 * lo1 + 0.1 * lo2).item(), rel=1e-6)
+    assert q.act_running_max.item() == pytest.approx((0.9 * hi1 + 0.1 * hi2).item(), rel=1e-6)
+
+    q.eval()
+    x = torch.randn(2, 5, 12) * 5
+    before = q.act_running_min.clone()
+    with torch.no_grad():
+        out = q(x)
+    assert torch.equal(q.act_running_min, before), "eval must not update the running range"
+    x_q = fake_quantize(x, q.act_running_min, q.act_running_max, 8)
+    w_q = fake_quantize(f.weight.detach(), *tensor_range(f.weight.detach()), 8)
+    assert torch.allclose(out, nn.functional.linear(x_q, w_q, f.bias), atol=1e-5)
+
+
+def test_uncalibrated_eval_uses_the_batch_range():
+    f, q, x = make_layer("linear")
+    q.eval()
+    with torch.no_grad():
+        out = q(x)
+    x_q = fake_quantize(x, *mean_sample_range(x, batched=True), 8)  # the training estimator, on this batch
+    w_q = fake_quantize(f.weight.detach(), *tensor_range(f.weight.detach()), 8)
+    assert torch.allclose(out, nn.functional.linear(x_q, w_q, f.bias), atol=1e-5)
+    assert q.act_num_batches.item() == 0
+
+
+class SyncDetector(TorchDispatchMode):
+    """Records ops that copy a tensor value to the host (what .item(), float(t), bool(t) call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.syncs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+@pytest.mark.parametrize("training", [True, False])
+def test_no_host_device_sync_in_forward_and_backward(kind, training):
+    _, q, x = make_layer(kind)
+    q.train(training)
+    x.requires_grad_(True)
+    with SyncDetector() as detector:
+        q(x).pow(2).sum().backward()
+    assert detector.syncs == []
+
+
+def test_quantized_gemm_stays_fp32_under_autocast():
+    _, q, x = make_layer("linear")
+    q.eval()
+    with torch.no_grad():
+        expected = q(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = q(x.bfloat16())
+    assert out.dtype == torch.float32
+    # The bf16 input loses precision, but the GEMM itself runs on the fp32 8-bit grids.
+    assert torch.allclose(out, expected, atol=0.05)
+    w_q = fake_quantize(q.weight.detach(), *tensor_range(q.weight.detach()), 8)
+    x_bf = x.bfloat16().float()
+    x_q = fake_quantize(x_bf, *mean_sample_range(x_bf, batched=True), 8)
+    assert torch.allclose(out, nn.functional.linear(x_q, w_q, q.bias), atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(padding="same"), dict(kernel_size=(3, 2), padding="same"), dict(padding=1, padding_mode="reflect"),
+     dict(padding=(1, 2), padding_mode="circular")],
+)
+def test_conv2d_padding_modes_and_unbatched_input(kwargs):
+    kwargs = {"kernel_size": 3, **kwargs}
+    f = nn.Conv2d(2, 3, **kwargs)
+    q = QuantConv2d.from_float(f, QuantConfig())
+    x = torch.randn(2, 2, 7, 7, requires_grad=True)
+    out = q(x)
+    # Reference: the float conv on the 8-bit input and weight. Zero padding stays outside the
+    # quantizer (exact zeros); other modes (and asymmetric "same") pad before quantizing.
+    padding = q._numeric_padding()
+    x_in = x.detach()
+    if padding is None:
+        mode = "constant" if q.padding_mode == "zeros" else q.padding_mode
+        x_in, padding = nn.functional.pad(x_in, q._reversed_padding_repeated_twice, mode=mode), 0
+    x_q, w_q = quantized_operands(q, x_in)
+    ref = nn.functional.conv2d(x_q, w_q, f.bias, q.stride, padding, q.dilation, q.groups)
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and q.weight.grad.shape == q.weight.shape
+    assert q(x[0]).shape == f(x[0]).shape
+
+
+def test_from_float_rejects_wrong_types_and_non_fp32_master_weights():
+    with pytest.raises(TypeError, match="needs a Linear"):
+        QuantLinear.from_float(nn.Conv2d(2, 2, 1), QuantConfig())
+    with pytest.raises(TypeError, match="float32"):
+        QuantLinear.from_float(nn.Linear(2, 2).half(), QuantConfig())
+
+
+def test_directly_constructed_layer_works():
+    q = QuantLinear(8, 4, quant_config=QuantConfig(bits=4))
+    assert q.act_running_min.device == q.weight.device
+    assert "bits=4" in repr(q)
+    q(torch.randn(3, 8)).sum().backward()
+    assert q.weight.grad is not None
