@@ -55,6 +55,25 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_channels_groups(num_channels: int, groups: int) -> None:
+    _check_positive_int("num_channels", num_channels)
+    _check_positive_int("groups", groups)
+    if num_channels % groups:
+        raise ValueError(
+            f"num_channels={num_channels} must be divisible by groups={groups}"
+        )
+
+
+def _check_eps(eps: float) -> None:
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
 def _check_input(x: torch.Tensor, num_channels: int, layer: str) -> None:
     if x.dim() != 4 or x.shape[1] != num_channels:
         raise ValueError(
@@ -172,25 +191,6 @@ def range_batch_norm2d(
         mean, scale = running_mean.to(stat_dtype), running_scale.to(stat_dtype)
     normalised = (xs - mean.view(1, -1, 1, 1)) / (scale + eps).view(1, -1, 1, 1)
     return _affine(normalised.to(x.dtype), weight, bias)
-
-
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_channels_groups(num_channels: int, groups: int) -> None:
-    _check_positive_int("num_channels", num_channels)
-    _check_positive_int("groups", groups)
-    if num_channels % groups:
-        raise ValueError(
-            f"num_channels={num_channels} must be divisible by groups={groups}"
-        )
-
-
-def _check_eps(eps: float) -> None:
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
 class _GroupNormAct(nn.Module):
