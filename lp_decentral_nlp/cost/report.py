@@ -1,0 +1,415 @@
+"""Hardware cost of one training / inference iteration of one node (SPEC section 7).
+
+``estimate_cost`` walks the real model (see ``walk``), counts additions and multiplications per
+layer, prices them at 45 nm energies, and sums the memory a node needs.
+
+What is counted, per forward pass on the real shapes (conventions in ``ops``):
+
+* GEMM layers (Linear, Conv1d/2d/3d, HF Conv1D): ``MACs = b*Cout*(Cin/groups)*K^2*Hout*Wout``
+  (Linear: ``out.numel() * in_features``), each MAC one add and one mult, plus one add per output
+  for a bias. Functional matmuls (attention scores and values) the same way.
+* SPEC 5 norm layers (EvoNorm-S0, Range EvoNorm, Range BN) from their equations (``layers``);
+  LayerNorm, BatchNorm, GroupNorm, activations, softmax, residual additions, pooling, scaling
+  and every other op from the ATen ops the model runs.
+* Training = forward + backward: 3x the forward ops for every layer and op (SPEC 7's 3x for
+  conv/linear: forward + the two backward GEMMs; the same factor for all other ops), counted on
+  a forward pass in train mode (batch statistics, dropout). Inference: 1x, eval mode.
+* 8-bit (``precision="int8"``) adds the quantization of every quantized GEMM layer, run in
+  float (``ops.quantize``/``ops.dequantize``). Training: its input activation (per-sample range
+  search, clamp), its weights (range search), its output gradient (range search, stochastic
+  rounding), and the rescaling of each integer GEMM's output. Inference: the input activation
+  with the running range (no search) and the output rescaling; weights are stored 8-bit.
+
+Energy (Horowitz, ISSCC 2014, 45 nm): fp32 add 0.9 pJ, fp32 mult 3.7 pJ, int8 add 0.03 pJ,
+int8 mult 0.2 pJ. With ``precision="int8"`` only the GEMMs of the quantized layers are priced at
+int8 -- all three of them in training, as the paper does (``weight_grad_gemm="fp32"`` prices the
+weight-gradient GEMM at fp32 instead: SPEC 4 computes it from the full-precision output gradient).
+Everything else -- quantization arithmetic, bias, norms, activations, softmax, attention matmuls,
+residual additions, pooling, the layers kept full precision (heads) -- is priced at fp32.
+
+Memory (bytes, 1 MB = 10^6 bytes): training holds weights + gradients + optimizer state
+(``optimizer``: 0, 1 or 2 tensors per parameter) + the activations autograd saves for backward;
+inference holds the weights + the peak of the live activation tensors during the forward pass.
+With ``precision="int8"`` the weights (not biases) of the quantized layers, their gradients and
+optimizer state, and the inputs they save for backward count 8 bits; every other tensor counts
+its dtype's size. This prices an 8-bit accelerator as SPEC 7 does: the float simulation in
+``lp_decentral_nlp.quant`` keeps fp32 master weights, fp32 weight gradients and fp32 saved
+inputs, so it does not realise these savings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .ops import Ops, dequantize, quantize
+from .walk import Row, Walk, walk
+
+PRECISIONS = ("fp32", "int8")
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+# Energy per operation in picojoules, 45 nm (Horowitz, ISSCC 2014), as SPEC 7 lists.
+ENERGY_PJ = {"fp32": {"add": 0.9, "mult": 3.7}, "int8": {"add": 0.03, "mult": 0.2}}
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class PricedOps:
+    """Operation counts split by the precision they run at."""
+
+    fp32_adds: int = 0
+    fp32_mults: int = 0
+    int8_adds: int = 0
+    int8_mults: int = 0
+
+    @property
+    def adds(self) -> int:
+        return self.fp32_adds + self.int8_adds
+
+    @property
+    def mults(self) -> int:
+        return self.fp32_mults + self.int8_mults
+
+    @property
+    def energy_pj(self) -> float:
+        fp, i8 = ENERGY_PJ["fp32"], ENERGY_PJ["int8"]
+        return (self.fp32_adds * fp["add"] + self.fp32_mults * fp["mult"]
+                + self.int8_adds * i8["add"] + self.int8_mults * i8["mult"])
+
+    def __add__(self, other: "PricedOps") -> "PricedOps":
+        return PricedOps(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    @staticmethod
+    def of(fp32: Ops = Ops(), int8: Ops = Ops()) -> "PricedOps":
+        return PricedOps(fp32.adds, fp32.mults, int8.adds, int8.mults)
+
+
+class TrainInference(NamedTuple):
+    train: float
+    inference: float
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One module's share of the cost (ops run directly in it, not in its children).
+
+    ``precision``: ``"int8"`` for a quantized GEMM layer, else ``"fp32"``. ``forward_macs``: GEMM
+    multiply-accumulates of one forward pass. ``saved_activation_bytes``: what it keeps for
+    backward in training.
+    """
+
+    name: str
+    kind: str
+    precision: str
+    forward_macs: int
+    train: PricedOps
+    inference: PricedOps
+    saved_activation_bytes: int
+
+
+@dataclass
+class CostReport:
+    """Cost of one iteration of one node: ``batch_size`` samples of shape ``input_shape``.
+
+    ``adds``/``mults``: operation counts (training, inference). Energies in millijoules, memory
+    in MB (10^6 bytes); ``memory_breakdown_mb`` splits them into weights, gradients, optimizer
+    state and activations. ``quantized_mac_share``: fraction of the forward MACs that run in
+    int8. ``uncounted_ops``: ATen ops the model ran that the cost model has no rule for (name ->
+    calls; they are costed as zero). ``walk_device``: ``"meta"``, or the real device when the
+    model needed real values. ``communication``: gossip traffic, when a compressor was given.
+    See the module docstring for exactly what is counted.
+    """
+
+    precision: str
+    batch_size: int
+    input_shape: tuple[int, ...]
+    optimizer: str
+    weight_grad_gemm: str
+    adds: TrainInference
+    mults: TrainInference
+    train_energy_mj: float
+    inference_energy_mj: float
+    train_memory_mb: float
+    inference_memory_mb: float
+    memory_breakdown_mb: dict[str, dict[str, float]]
+    quantized_mac_share: float
+    layers: list[LayerCost]
+    uncounted_ops: dict[str, int]
+    walk_device: str
+    communication: "CommunicationCost | None" = None  # noqa: F821  (see .communication)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict (for ``results.json``)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("layers", "communication")}
+        d["adds"], d["mults"] = self.adds._asdict(), self.mults._asdict()
+        d["input_shape"] = list(self.input_shape)
+        d["layers"] = [
+            {**asdict(layer), "train_energy_uj": layer.train.energy_pj * 1e-6,
+             "inference_energy_uj": layer.inference.energy_pj * 1e-6}
+            for layer in self.layers
+        ]
+        d["communication"] = None if self.communication is None else self.communication.to_dict()
+        return d
+
+    def layer_table(self) -> str:
+        """The per-layer breakdown as a text table."""
+        header = ("layer", "kind", "prec", "fwd MACs", "train adds", "train mults",
+                  "train uJ", "infer uJ", "saved MB")
+        rows = [(layer.name, layer.kind, layer.precision, f"{layer.forward_macs:,}",
+                 f"{layer.train.adds:,}", f"{layer.train.mults:,}",
+                 f"{layer.train.energy_pj * 1e-6:.2f}", f"{layer.inference.energy_pj * 1e-6:.2f}",
+                 f"{layer.saved_activation_bytes / MB:.3f}") for layer in self.layers]
+        return _format_table(header, rows)
+
+    def __str__(self) -> str:
+        return format_comparison({self.precision: self})
+
+
+def estimate_cost(
+    model: nn.Module,
+    input_shape,
+    batch_size: int,
+    precision: str = "fp32",
+    *,
+    quant_config=None,
+    optimizer: str = "momentum",
+    weight_grad_gemm: str = "int8",
+    compressor=None,
+    topology=None,
+    samples_per_node: int | None = None,
+) -> CostReport:
+    """Compute, energy and memory of one iteration of one node (SPEC 7); see the module docstring.
+
+    Args:
+        model: any ``nn.Module``: a vision model (input ``(B, *input_shape)`` floats) or a model
+            with an ``nn.Embedding`` as ``get_input_embeddings()`` (HF token models: int64
+            ``input_ids`` of shape ``(B, seq_len)``). It is not modified.
+        input_shape: one sample's shape without the batch dimension: ``(C, H, W)`` for images,
+            ``(seq_len,)`` for token models.
+        batch_size: samples per iteration on this node.
+        precision: ``"fp32"`` or ``"int8"`` (8-bit training of SPEC 4).
+        quant_config: ``lp_decentral_nlp.quant.QuantConfig`` selecting the quantized layers for
+            ``"int8"`` (default ``QuantConfig()``: every Linear/Conv1D/Conv2d but the heads). A
+            model already passed through ``quantize_model`` uses its own 8-bit layers instead.
+        optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2).
+        weight_grad_gemm: precision at which the weight-gradient GEMM of a quantized layer is
+            priced, ``"int8"`` (the paper's model) or ``"fp32"`` (SPEC 4's full-precision ``g``).
+        compressor, topology, samples_per_node: when ``compressor`` is given, also the gossip
+            traffic (``communication_cost``) with this ``topology``; ``samples_per_node`` sets the
+            iterations per epoch.
+    """
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    _check_choice("weight_grad_gemm", weight_grad_gemm, PRECISIONS)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    input_shape = tuple(input_shape)
+    if not input_shape or not all(isinstance(s, int) and s >= 1 for s in input_shape):
+        raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")
+    if compressor is None and (topology is not None or samples_per_node is not None):
+        raise ValueError("topology and samples_per_node need a compressor (communication_cost)")
+
+    make_inputs = _input_factory(model, input_shape, batch_size)
+    train_walk = walk(model, make_inputs, training=True)
+    eval_walk = walk(model, make_inputs, training=False)
+    quantized = _quantized_layers(model, quant_config) if precision == "int8" else set()
+    int8_weight_grad = weight_grad_gemm == "int8"
+
+    saved_by_row = _saved_activation_bytes(train_walk, quantized)
+    layers = []
+    for name in dict.fromkeys([*train_walk.rows, *eval_walk.rows]):
+        tr, ev = train_walk.rows.get(name, Row(name, "")), eval_walk.rows.get(name, Row(name, ""))
+        q = name in quantized
+        layers.append(LayerCost(
+            name=name, kind=tr.kind or ev.kind, precision="int8" if q else "fp32",
+            forward_macs=tr.ops.macs,
+            train=_train_ops(tr, q, int8_weight_grad), inference=_inference_ops(ev, q),
+            saved_activation_bytes=saved_by_row.get(name, 0)))
+
+    train_total = sum((layer.train for layer in layers), PricedOps())
+    infer_total = sum((layer.inference for layer in layers), PricedOps())
+    weights, trainable = _parameter_bytes(model, quantized)
+    states = OPTIMIZER_STATES[optimizer]
+    train_mem = {"weights": weights, "gradients": trainable, "optimizer": states * trainable,
+                 "activations": sum(saved_by_row.values())}
+    infer_mem = {"weights": weights, "activations": eval_walk.peak_activation_bytes}
+    total_macs = sum(layer.forward_macs for layer in layers)
+    report = CostReport(
+        precision=precision, batch_size=batch_size, input_shape=input_shape, optimizer=optimizer,
+        weight_grad_gemm=weight_grad_gemm,
+        adds=TrainInference(train_total.adds, infer_total.adds),
+        mults=TrainInference(train_total.mults, infer_total.mults),
+        train_energy_mj=train_total.energy_pj * 1e-9,
+        inference_energy_mj=infer_total.energy_pj * 1e-9,
+        train_memory_mb=sum(train_mem.values()) / MB,
+        inference_memory_mb=sum(infer_mem.values()) / MB,
+        memory_breakdown_mb={"train": {k: v / MB for k, v in train_mem.items()},
+                             "inference": {k: v / MB for k, v in infer_mem.items()}},
+        quantized_mac_share=sum(l.forward_macs for l in layers if l.precision == "int8") / max(total_macs, 1),
+        layers=layers,
+        uncounted_ops=dict(train_walk.uncounted_ops + eval_walk.uncounted_ops),
+        walk_device=train_walk.device,
+    )
+    if compressor is not None:
+        from .communication import communication_cost
+
+        report.communication = communication_cost(
+            model, compressor, topology, batch_size=batch_size, samples_per_node=samples_per_node)
+    return report
+
+
+# -- pricing ------------------------------------------------------------------------------------
+
+
+def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool) -> PricedOps:
+    """Training ops of one row: 3x its train-mode forward; quantized GEMMs priced as documented."""
+    if not quantized:
+        return PricedOps.of(fp32=row.ops.scaled(3))
+    macs = row.ops.macs
+    other = Ops(row.ops.adds - macs, row.ops.mults - macs)  # the bias additions
+    weight_numel = row.weight_numel * row.calls
+    quant = (
+        quantize(row.input_numel, range_search=True, clamp=True, stochastic=False)  # activations
+        + quantize(weight_numel, range_search=True, clamp=False, stochastic=False)  # weights
+        + dequantize(row.output_numel)  # forward GEMM output
+        + quantize(row.output_numel, range_search=True, clamp=False, stochastic=True)  # layer gradient
+        + dequantize(row.input_numel)  # input-gradient GEMM output
+    )
+    gemm_one = Ops(macs, macs)
+    if int8_weight_grad:
+        return PricedOps.of(fp32=other.scaled(3) + quant + dequantize(weight_numel), int8=gemm_one.scaled(3))
+    return PricedOps.of(fp32=other.scaled(3) + quant + gemm_one, int8=gemm_one.scaled(2))
+
+
+def _inference_ops(row: Row, quantized: bool) -> PricedOps:
+    """Inference ops of one row: its eval-mode forward; a quantized GEMM runs in int8, its input
+    is quantized with the running range and its output rescaled (weights are stored 8-bit)."""
+    if not quantized:
+        return PricedOps.of(fp32=row.ops)
+    macs = row.ops.macs
+    quant = quantize(row.input_numel, range_search=False, clamp=True, stochastic=False) + dequantize(
+        row.output_numel)
+    return PricedOps.of(fp32=Ops(row.ops.adds - macs, row.ops.mults - macs) + quant, int8=Ops(macs, macs))
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def _parameter_bytes(model: nn.Module, quantized: set[str]) -> tuple[int, int]:
+    """Bytes of all parameters and of the trainable ones; weights of quantized layers at 8 bits."""
+    eight_bit = {id(model.get_submodule(name).weight) for name in quantized}
+    total = trainable = 0
+    for p in model.parameters():
+        nbytes = p.numel() if id(p) in eight_bit else p.numel() * p.element_size()
+        total += nbytes
+        trainable += nbytes if p.requires_grad else 0
+    return total, trainable
+
+
+def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, int]:
+    """Bytes saved for backward, per row. A storage saved by several ops counts once per precision
+    it is kept at (8 bits when saved by a quantized layer, its dtype's size otherwise)."""
+    by_row: dict[str, int] = {}
+    for entries in train_walk.saved.values():
+        seen_bits = set()
+        for e in entries:
+            bits = 8 if e.row in quantized else 8 * e.itemsize
+            if bits not in seen_bits:
+                seen_bits.add(bits)
+                by_row[e.row] = by_row.get(e.row, 0) + e.numel * bits // 8
+    return by_row
+
+
+def _quantized_layers(model: nn.Module, quant_config) -> set[str]:
+    """Names of the layers 8-bit training quantizes: the model's own 8-bit layers if it has been
+    through ``quantize_model``, else those ``quantize_model(model, quant_config)`` would swap."""
+    from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
+
+    own = {name for name, m in model.named_modules() if isinstance(m, QuantModule)}
+    if own:
+        if quant_config is not None:
+            raise ValueError("quant_config must be None for a model that is already quantized "
+                             f"({len(own)} 8-bit layers): its own layers are priced")
+        return own
+    if quant_config is not None and not isinstance(quant_config, QuantConfig):
+        raise TypeError(f"quant_config must be a QuantConfig or None, got {type(quant_config).__name__}")
+    plan = quantize_model(model, quant_config, dry_run=True)
+    if plan.problems:
+        raise ValueError("precision='int8': " + "; ".join(plan.problems))
+    return set(plan.quantized)
+
+
+# -- inputs and formatting ----------------------------------------------------------------------
+
+
+def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
+    try:
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        embeddings = None
+    if isinstance(embeddings, nn.Embedding):
+        if len(input_shape) != 1:
+            raise ValueError(f"input_shape of a token model must be (seq_len,), got {input_shape!r}")
+        return lambda device: ((), {"input_ids": torch.zeros(
+            (batch_size, *input_shape), dtype=torch.long, device=device)})
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return lambda device: ((torch.zeros((batch_size, *input_shape), dtype=dtype, device=device),), {})
+
+
+def _check_choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _format_table(header, rows) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def format_comparison(reports: dict[str, CostReport]) -> str:
+    """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``); with two reports a
+    last column gives the ratio first / second."""
+    labels = list(reports)
+    rs = list(reports.values())
+    items = [
+        ("train adds", lambda r: r.adds.train, "{:,.0f}"),
+        ("train mults", lambda r: r.mults.train, "{:,.0f}"),
+        ("inference adds", lambda r: r.adds.inference, "{:,.0f}"),
+        ("inference mults", lambda r: r.mults.inference, "{:,.0f}"),
+        ("train energy (mJ)", lambda r: r.train_energy_mj, "{:.4g}"),
+        ("inference energy (mJ)", lambda r: r.inference_energy_mj, "{:.4g}"),
+        ("train memory (MB)", lambda r: r.train_memory_mb, "{:.3f}"),
+        ("  weights", lambda r: r.memory_breakdown_mb["train"]["weights"], "{:.3f}"),
+        ("  gradients", lambda r: r.memory_breakdown_mb["train"]["gradients"], "{:.3f}"),
+        ("  optimizer state", lambda r: r.memory_breakdown_mb["train"]["optimizer"], "{:.3f}"),
+        ("  saved activations", lambda r: r.memory_breakdown_mb["train"]["activations"], "{:.3f}"),
+        ("inference memory (MB)", lambda r: r.inference_memory_mb, "{:.3f}"),
+        ("  weights", lambda r: r.memory_breakdown_mb["inference"]["weights"], "{:.3f}"),
+        ("  peak activations", lambda r: r.memory_breakdown_mb["inference"]["activations"], "{:.3f}"),
+        ("forward MACs in int8", lambda r: 100 * r.quantized_mac_share, "{:.1f}%"),
+    ]
+    if all(r.communication is not None for r in rs):
+        items += [
+            ("gossip bytes/iteration", lambda r: r.communication.bytes_per_iteration, "{:,.0f}"),
+            ("gossip MB/epoch", lambda r: r.communication.bytes_per_epoch / MB, "{:.3f}"),
+        ]
+    header = ("per node, per iteration", *labels) + (("ratio",) if len(rs) == 2 else ())
+    rows = []
+    for label, get, fmt in items:
+        values = [get(r) for r in rs]
+        ratio = (_ratio(*values),) if len(rs) == 2 and not label.startswith("forward MACs") else (
+            ("",) if len(rs) == 2 else ())
+        rows.append((label, *(fmt.format(v) for v in values), *ratio))
+    setup = ", ".join(f"{k}={v}" for k, v in (("batch", rs[0].batch_size),
+                                                ("input", rs[0].input_shape), ("optimizer", rs[0].optimizer)))
+    return f"{setup}\n" + _format_table(header, rows)

@@ -1,0 +1,237 @@
+"""Run a model once and record, per module, the arithmetic and the memory of that forward pass.
+
+The model runs through ``torch.func.functional_call`` with every parameter and buffer replaced
+(the model itself is never modified):
+
+1. on the ``meta`` device (no data, no allocation) -- the default;
+2. if the forward needs real values (e.g. a ``.item()`` in the model's Python code), again on the
+   model's own device with zero-valued inputs and detached copies of the parameters.
+
+During the pass:
+
+* module hooks keep the stack of running modules; a GEMM layer or a SPEC 5 norm layer
+  (``layers``) is costed from its type and shapes, and nothing it runs inside is counted again;
+* a ``TorchDispatchMode`` costs every other ATen op (``ops.aten_cost``) and books it on the
+  innermost running module (so a residual ``add`` lands on its block, attention matmuls on the
+  attention module);
+* training pass: ``saved_tensors_hooks`` record every tensor autograd saves for backward (the
+  activation memory of training); a GEMM/norm layer saves its input;
+* inference pass: the live activation storages are tracked op by op; their peak is the
+  activation memory of inference.
+
+Attention runs with PyTorch's math SDPA backend so that its matmuls and softmax are visible ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .layers import gemm_layer_types, gemm_macs, norm_layer_cost, norm_layer_types
+from .ops import Ops, aten_cost, gemm
+
+ROOT = "(model)"
+
+
+@dataclass
+class Row:
+    """What one module did in one forward pass (summed over its calls).
+
+    ``ops``: forward arithmetic, for a GEMM layer its MACs plus bias adds (no quantization).
+    ``calls``, ``input_numel``/``output_numel``: calls of a GEMM layer and the elements of its
+    inputs and outputs over all calls.
+    """
+
+    name: str
+    kind: str
+    is_gemm: bool = False
+    weight_numel: int = 0
+    calls: int = 0
+    ops: Ops = field(default_factory=Ops)
+    input_numel: int = 0
+    output_numel: int = 0
+
+
+@dataclass
+class Saved:
+    """One storage autograd keeps for backward: its size and the row that saved it."""
+
+    numel: int
+    itemsize: int
+    row: str
+
+
+@dataclass
+class Walk:
+    rows: dict[str, Row]
+    uncounted_ops: Counter
+    saved: dict[StorageWeakRef, list[Saved]]
+    peak_activation_bytes: int
+    device: str
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    return next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], training: bool):
+        super().__init__()
+        self.training = training
+        self.names = {m: (name or ROOT) for name, m in model.named_modules()}
+        self.gemm_types = gemm_layer_types()
+        self.norm_types = norm_layer_types()
+        self.state_storages = {StorageWeakRef(t.untyped_storage()) for t in state.values()}
+        self.stack: list[tuple[str, nn.Module]] = [(ROOT, model)]
+        self.typed_depth = 0  # > 0 while inside a layer costed by type
+        self.rows: dict[str, Row] = {}
+        self.uncounted = Counter()
+        self.saved: dict[StorageWeakRef, list[Saved]] = {}
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+        self._typed_input: list[torch.Tensor | None] = []
+
+    # -- rows ---------------------------------------------------------------------------------
+    def row(self, module_name: str, module: nn.Module) -> Row:
+        if module_name not in self.rows:
+            is_gemm = isinstance(module, self.gemm_types)
+            self.rows[module_name] = Row(
+                module_name, type(module).__name__, is_gemm, module.weight.numel() if is_gemm else 0
+            )
+        return self.rows[module_name]
+
+    def typed(self, module: nn.Module) -> bool:
+        return isinstance(module, self.gemm_types + self.norm_types)
+
+    # -- module hooks ---------------------------------------------------------------------------
+    def pre_hook(self, module, args, kwargs):
+        self.stack.append((self.names.get(module, type(module).__name__), module))
+        if self.typed(module):
+            if self.typed_depth == 0:
+                x = _first_tensor(args, kwargs)
+                self._typed_input.append(x)
+                if self.training and torch.is_grad_enabled():
+                    self._save(x, self.stack[-1][0])  # the layer keeps its input for backward
+            self.typed_depth += 1
+
+    def post_hook(self, module, args, kwargs, output):
+        name, _ = self.stack.pop()
+        if not self.typed(module):
+            return
+        self.typed_depth -= 1
+        if self.typed_depth:
+            return
+        x = self._typed_input.pop()
+        out = _first_tensor((output,), {})
+        if out is None:  # the forward raised; the error propagates
+            return
+        row = self.row(name, module)
+        if row.is_gemm:
+            bias_adds = out.numel() if getattr(module, "bias", None) is not None else 0
+            row.ops += gemm(gemm_macs(module, out), bias_adds)
+            row.calls += 1
+            row.input_numel += x.numel()
+            row.output_numel += out.numel()
+        else:
+            row.ops += norm_layer_cost(module, x, self.training)
+        self._track(out)
+
+    # -- ATen ops -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.typed_depth:
+            return out
+        cost = aten_cost(func, args, kwargs, out)
+        if cost is None:
+            self.uncounted[str(func.overloadpacket.__name__)] += 1
+        elif cost != Ops():
+            self.row(*self.stack[-1]).ops += cost
+        self._track(out)
+        return out
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _save(self, t: torch.Tensor | None, row: str) -> None:
+        if t is None:
+            return
+        key = StorageWeakRef(t.untyped_storage())
+        if key in self.state_storages:
+            return  # parameters and buffers are counted as weights
+        entry = Saved(t.untyped_storage().nbytes() // t.element_size(), t.element_size(), row)
+        self.saved.setdefault(key, []).append(entry)
+
+    def pack(self, t: torch.Tensor):
+        if not self.typed_depth:
+            self._save(t, self.stack[-1][0])
+        return t
+
+    def _track(self, out) -> None:
+        """Add the storages of ``out`` to the live set and update the activation peak."""
+        if self.training:
+            return
+        for key in [k for k in self.live if k.expired()]:
+            del self.live[key]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in self.state_storages:
+                    self.live[key] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(self.live.values()))
+
+
+def walk(model: nn.Module, make_inputs, training: bool) -> Walk:
+    """Run one forward pass of ``model`` (train or eval mode) and record it.
+
+    ``make_inputs(device)`` returns ``(args, kwargs)`` for ``model`` on ``device``.
+    """
+    try:
+        return _walk(model, make_inputs, training, torch.device("meta"))
+    except (RuntimeError, NotImplementedError):
+        # The forward needs real values (data-dependent Python control flow): run it for real.
+        device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+        return _walk(model, make_inputs, training, device)
+
+
+def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -> Walk:
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    if device.type == "meta":
+        state = {k: torch.empty_like(v, device=device).requires_grad_(v.requires_grad) for k, v in named}
+    else:
+        state = {
+            k: v.detach().requires_grad_(v.requires_grad) if isinstance(v, nn.Parameter) else v.clone()
+            for k, v in named
+        }
+    recorder = _Recorder(model, state, training)
+    handles = []
+    for module in recorder.names:
+        handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
+        handles.append(
+            module.register_forward_hook(recorder.post_hook, with_kwargs=True, always_call=True)
+        )
+    was_training = {m: m.training for m in recorder.names}
+    args, kwargs = make_inputs(device)
+    saved_hooks = (
+        torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
+        if training
+        else contextlib.nullcontext()
+    )
+    try:
+        model.train(training)
+        with torch.set_grad_enabled(training), sdpa_kernel(SDPBackend.MATH), saved_hooks, recorder:
+            recorder._track((args, kwargs))
+            output = torch.func.functional_call(model, state, args, kwargs, tie_weights=True)
+            del output
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in was_training.items():
+            module.training = mode
+    return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type)
