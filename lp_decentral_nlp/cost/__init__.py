@@ -5,6 +5,7 @@
 traffic with the gossip engine's real encoders. ``python -m lp_decentral_nlp.cost`` prints
 fp32 vs 8-bit side by side.
 """
+from .communication import CommunicationCost, communication_cost
 from .report import (
     ENERGY_PJ,
     OPTIMIZER_STATES,
@@ -18,6 +19,8 @@ from .report import (
 )
 
 __all__ = [
+    "CommunicationCost",
+    "communication_cost",
     "ENERGY_PJ",
     "OPTIMIZER_STATES",
     "PRECISIONS",

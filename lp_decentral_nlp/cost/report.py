@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .communication import CommunicationCost, communication_cost
 from .ops import Ops, dequantize, quantize
 from .walk import Row, Walk, walk
 
@@ -138,7 +139,7 @@ class CostReport:
     layers: list[LayerCost]
     uncounted_ops: dict[str, int]
     walk_device: str
-    communication: "CommunicationCost | None" = None  # noqa: F821  (see .communication)
+    communication: CommunicationCost | None = None
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (for ``results.json``)."""
@@ -176,8 +177,7 @@ def estimate_cost(
     quant_config=None,
     optimizer: str = "momentum",
     weight_grad_gemm: str = "int8",
-    compressor=None,
-    topology=None,
+    gossip=None,
     samples_per_node: int | None = None,
 ) -> CostReport:
     """Compute, energy and memory of one iteration of one node (SPEC 7); see the module docstring.
@@ -196,9 +196,9 @@ def estimate_cost(
         optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2).
         weight_grad_gemm: precision at which the weight-gradient GEMM of a quantized layer is
             priced, ``"int8"`` (the paper's model) or ``"fp32"`` (SPEC 4's full-precision ``g``).
-        compressor, topology, samples_per_node: when ``compressor`` is given, also the gossip
-            traffic (``communication_cost``) with this ``topology``; ``samples_per_node`` sets the
-            iterations per epoch.
+        gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``/``ChocoSGD``/``DeepSqueeze``,
+            which fixes compressor and topology): adds the gossip traffic (``communication_cost``).
+        samples_per_node: training samples per node, for the traffic per epoch.
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
@@ -210,8 +210,8 @@ def estimate_cost(
     input_shape = tuple(input_shape)
     if not input_shape or not all(isinstance(s, int) and s >= 1 for s in input_shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")
-    if compressor is None and (topology is not None or samples_per_node is not None):
-        raise ValueError("topology and samples_per_node need a compressor (communication_cost)")
+    if gossip is None and samples_per_node is not None:
+        raise ValueError("samples_per_node is for the gossip traffic: it needs gossip=")
 
     make_inputs = _input_factory(model, input_shape, batch_size)
     train_walk = walk(model, make_inputs, training=True)
@@ -254,11 +254,10 @@ def estimate_cost(
         uncounted_ops=dict(train_walk.uncounted_ops + eval_walk.uncounted_ops),
         walk_device=train_walk.device,
     )
-    if compressor is not None:
-        from .communication import communication_cost
-
+    if gossip is not None:
         report.communication = communication_cost(
-            model, compressor, topology, batch_size=batch_size, samples_per_node=samples_per_node)
+            model, gossip, batch_size=None if samples_per_node is None else batch_size,
+            samples_per_node=samples_per_node)
     return report
 
 
@@ -401,8 +400,9 @@ def format_comparison(reports: dict[str, CostReport]) -> str:
     if all(r.communication is not None for r in rs):
         items += [
             ("gossip bytes/iteration", lambda r: r.communication.bytes_per_iteration, "{:,.0f}"),
-            ("gossip MB/epoch", lambda r: r.communication.bytes_per_epoch / MB, "{:.3f}"),
         ]
+        if all(r.communication.bytes_per_epoch is not None for r in rs):
+            items.append(("gossip MB/epoch", lambda r: r.communication.bytes_per_epoch / MB, "{:.3f}"))
     header = ("per node, per iteration", *labels) + (("ratio",) if len(rs) == 2 else ())
     rows = []
     for label, get, fmt in items:

@@ -1,0 +1,121 @@
+"""``python -m lp_decentral_nlp.cost``: fp32 vs 8-bit hardware cost of one node, side by side.
+
+    python -m lp_decentral_nlp.cost --arch resnet20 --batch-size 32
+    python -m lp_decentral_nlp.cost --model distilbert-base-uncased --seq-len 128
+
+Vision models compare the paper's pairs: EvoNorm-S0 for fp32 and Range EvoNorm for 8-bit
+(SPEC 5; ``--norm`` uses one norm for both). Hugging Face models are built from their config
+(random weights: the cost does not depend on their values) with a sequence-classification head.
+The gossip traffic uses the same graph for both precisions; the messages carry fp32 values for
+fp32 training and 8-bit values (``Quantize(8)``, or top-k/random-k with 8-bit values) for 8-bit
+training (SPEC 3).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .report import OPTIMIZER_STATES, estimate_cost, format_comparison
+
+# Paper datasets: CIFAR-10 (50,000 training images, 10 classes), AG News (120,000 rows, 4 classes).
+_VISION_DEFAULTS = {"num_classes": 10, "train_samples": 50_000, "optimizer": "momentum"}
+_TEXT_DEFAULTS = {"num_classes": 4, "train_samples": 120_000, "optimizer": "adam"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lp_decentral_nlp.cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
+    which.add_argument("--model", help="Hugging Face model id or local folder")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per node per iteration (32)")
+    p.add_argument("--image-size", type=int, default=32, help="vision input height = width (32, CIFAR)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample for --model (128)")
+    p.add_argument("--num-classes", type=int, help="classes (default 10 for --arch, 4 for --model)")
+    p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
+                   help="optimizer state per parameter (default momentum for --arch, adam for --model)")
+    p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco")
+    p.add_argument("--topology", default="directed_ring",
+                   help="directed_ring, ring, torus (square), exponential or complete (directed_ring)")
+    p.add_argument("--num-nodes", type=int, default=4)
+    p.add_argument("--compression", type=float, default=0.0,
+                   help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
+    p.add_argument("--compressor", choices=("topk", "randomk"), default="topk")
+    p.add_argument("--train-samples", type=int,
+                   help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
+    p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")
+    return p
+
+
+def _build_model(args, precision: str):
+    if args.arch is not None:
+        from lp_decentral_nlp.vision import build_vision_model
+
+        norm = args.norm or ("evonorm" if precision == "fp32" else "range_evonorm")
+        return build_vision_model(args.arch, args.num_classes, norm), (3, args.image_size, args.image_size)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(args.model, num_labels=args.num_classes)
+    return AutoModelForSequenceClassification.from_config(config), (args.seq_len,)
+
+
+def _build_gossip(args, precision: str):
+    """The run's gossip algorithm: fp32 or 8-bit values on the wire (SPEC 3)."""
+    from lp_decentral_nlp import gossip
+
+    dims = {}
+    if args.topology == "torus":
+        side = math.isqrt(args.num_nodes)
+        if side * side != args.num_nodes:
+            raise ValueError(f"--topology torus needs a square --num-nodes, got {args.num_nodes}")
+        dims = {"rows": side, "cols": side}
+    topology = gossip.make_topology(args.topology, args.num_nodes, **dims)
+    value_bits = 8 if precision == "int8" else None
+    if not 0 <= args.compression < 100:
+        raise ValueError(f"--compression must be in [0, 100), got {args.compression}")
+    if args.compression == 0:
+        compressor = gossip.Quantize(bits=8) if value_bits else gossip.Identity()
+    else:
+        sparsifier = gossip.TopK if args.compressor == "topk" else gossip.RandomK
+        compressor = sparsifier(1 - args.compression / 100, value_bits=value_bits)
+    cls = gossip.ChocoSGD if args.algorithm == "choco" else gossip.DeepSqueeze
+    return cls(topology, compressor=compressor, gamma=1.0 if args.compression == 0 else 0.01)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
+    args.num_classes = args.num_classes or defaults["num_classes"]
+    args.optimizer = args.optimizer or defaults["optimizer"]
+    train_samples = args.train_samples or defaults["train_samples"]
+    if train_samples < args.num_nodes:
+        raise ValueError(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
+    reports = {}
+    for precision in ("fp32", "int8"):
+        model, input_shape = _build_model(args, precision)
+        reports[precision] = estimate_cost(
+            model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
+            gossip=_build_gossip(args, precision), samples_per_node=train_samples // args.num_nodes)
+    fp32_weight_grad = estimate_cost(model, input_shape, args.batch_size, "int8", optimizer=args.optimizer,
+                                     weight_grad_gemm="fp32")
+    what = args.arch or args.model
+    comm = reports["fp32"].communication
+    print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
+          f"gossip: {comm.algorithm} on {comm.topology}, compression {args.compression:g}%")
+    print(format_comparison(reports))
+    energy = fp32_weight_grad.train_energy_mj
+    print(f"8-bit train energy with the weight-gradient GEMM priced fp32 (SPEC 4 computes it from the "
+          f"full-precision output gradient): {energy:.4g} mJ, "
+          f"{reports['fp32'].train_energy_mj / energy:.2f}x less than fp32")
+    for precision, report in reports.items():
+        if report.uncounted_ops:
+            print(f"note ({precision}): ops without a cost rule, counted as zero: {report.uncounted_ops}")
+        if args.layers:
+            print(f"\nper-layer breakdown, {precision}:\n{report.layer_table()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

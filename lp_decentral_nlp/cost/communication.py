@@ -1,0 +1,82 @@
+"""Gossip traffic per node, measured with the gossip engine's own encoders (SPEC 3, SPEC 7).
+
+The bytes of one message are not computed from a formula: the same algorithm class with the same
+compressor runs one real step on a one-node graph over copies of the model's parameters, and
+the engine reports the length of the wire buffer it encoded (values, indices, scales, zero
+points and the push-sum weight). Every node of a run sends a message of that length to each of
+its out-neighbours at every step, so the traffic follows from the run's topology.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class CommunicationCost:
+    """Bytes a node puts on the wire.
+
+    ``message_bytes``: one encoded message (all parameters + push-sum weight).
+    ``bytes_per_iteration``: ``message_bytes`` times the out-degree, averaged over the nodes and
+    over one period of the (possibly time-varying) topology.
+    ``iterations_per_epoch`` = ``ceil(samples_per_node / batch_size)`` and ``bytes_per_epoch``
+    (the sum over those steps, averaged over nodes): ``None`` when not requested.
+    """
+
+    algorithm: str
+    compressor: str
+    topology: str
+    num_nodes: int
+    message_bytes: int
+    bytes_per_iteration: float
+    iterations_per_epoch: int | None
+    bytes_per_epoch: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = None,
+                       samples_per_node: int | None = None) -> CommunicationCost:
+    """Gossip traffic per node for ``model`` under the algorithm object ``gossip``.
+
+    Args:
+        model: the model every node trains (its parameters are gossiped; it is not modified).
+        gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``, ``ChocoSGD``, ``DeepSqueeze``),
+            which fixes the compressor and the topology.
+        batch_size, samples_per_node: give both for the per-epoch traffic.
+    """
+    from lp_decentral_nlp.gossip import SGP, PushSumGossip, make_topology
+
+    if not isinstance(gossip, PushSumGossip):
+        raise TypeError(f"gossip must be an SGP, ChocoSGD or DeepSqueeze instance, got {type(gossip).__name__}")
+    if (batch_size is None) != (samples_per_node is None):
+        raise ValueError("give both batch_size and samples_per_node (for the per-epoch traffic) or neither")
+    for name, value in (("batch_size", batch_size), ("samples_per_node", samples_per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    # One real step of the same algorithm on a one-node graph: its encoded message length.
+    alone = make_topology("directed_ring", 1)
+    probe = SGP(alone) if isinstance(gossip, SGP) else type(gossip)(alone, compressor=gossip.compressor,
+                                                                      gamma=gossip.gamma)
+    params = [p.detach().clone() for p in model.parameters()]
+    message_bytes = probe.step([params]).message_bytes
+
+    topology = gossip.topology
+    n = topology.num_nodes
+
+    def mean_fanout(step: int) -> float:
+        return sum(len(topology.out_neighbors(i, step)) for i in range(n)) / n
+
+    per_iteration = message_bytes * sum(mean_fanout(t) for t in range(topology.period)) / topology.period
+    iterations = per_epoch = None
+    if batch_size is not None:
+        iterations = math.ceil(samples_per_node / batch_size)
+        per_epoch = message_bytes * sum(mean_fanout(t) for t in range(iterations))
+    return CommunicationCost(
+        algorithm=type(gossip).__name__, compressor=repr(gossip.compressor), topology=repr(topology),
+        num_nodes=n, message_bytes=message_bytes, bytes_per_iteration=per_iteration,
+        iterations_per_epoch=iterations, bytes_per_epoch=per_epoch)
