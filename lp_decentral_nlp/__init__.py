@@ -8,3 +8,7 @@ Subpackages:
 """
 
 __version__ = "0.1.0"
+
+from .quant import QuantConfig, dequantize_model, export_int8_state_dict, load_quantized, quantize_model
+
+__all__ = ["QuantConfig", "dequantize_model", "export_int8_state_dict", "load_quantized", "quantize_model"]

@@ -1,0 +1,36 @@
+"""8-bit training (SPEC section 4): quantized layers with gradient bifurcation and the model surgery."""
+from .config import DEFAULT_SKIP, QuantConfig
+from .export import dequantize_int8_state_dict, export_int8_state_dict, state_dict_nbytes
+from .kernels import KERNELS, Kernel, register_kernel
+from .layers import QuantConv1D, QuantConv2d, QuantGemmFunction, QuantGemmLayer, QuantLinear, QuantModule
+from .surgery import (
+    QUANT_LAYERS,
+    QuantReport,
+    dequantize_model,
+    load_quantized,
+    quantize_model,
+    register_quant_layer,
+)
+
+__all__ = [
+    "DEFAULT_SKIP",
+    "KERNELS",
+    "QUANT_LAYERS",
+    "Kernel",
+    "QuantConfig",
+    "QuantConv1D",
+    "QuantConv2d",
+    "QuantGemmFunction",
+    "QuantGemmLayer",
+    "QuantLinear",
+    "QuantModule",
+    "QuantReport",
+    "dequantize_int8_state_dict",
+    "dequantize_model",
+    "export_int8_state_dict",
+    "load_quantized",
+    "quantize_model",
+    "register_kernel",
+    "register_quant_layer",
+    "state_dict_nbytes",
+]

@@ -1,0 +1,222 @@
+"""Hugging Face models through the surgery: several architectures, save/load, int8 export, Trainer."""
+import copy
+import csv
+import json
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ResNetConfig,
+    ResNetForImageClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.pytorch_utils import Conv1D
+
+from lp_decentral_nlp import QuantConfig, export_int8_state_dict, load_quantized, quantize_model
+from lp_decentral_nlp.quant import QuantConv1D, QuantConv2d, QuantLinear, QuantModule, dequantize_int8_state_dict
+from lp_decentral_nlp.quant.export import state_dict_nbytes
+from lp_decentral_nlp.quant.functional import fake_quantize, tensor_range
+
+VOCAB = 120
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+ARCHITECTURES = {
+    "distilbert": lambda: DistilBertForSequenceClassification(
+        DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=2, num_labels=3)),
+    "bert": lambda: BertForSequenceClassification(BertConfig(**TEXT, num_labels=3)),
+    "roberta": lambda: RobertaForSequenceClassification(RobertaConfig(**TEXT, num_labels=3)),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                               eos_token_id=0)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**{**TEXT, "num_attention_heads": 4}, num_key_value_heads=2)),
+    "resnet": lambda: ResNetForImageClassification(
+        ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)),
+}
+HEADS = ("classifier", "pre_classifier", "score", "lm_head")
+FLOAT_TYPES = (nn.Linear, Conv1D, nn.Conv2d)
+
+
+def example_inputs(arch):
+    if arch == "resnet":
+        return {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 0])}
+    ids = torch.randint(3, VOCAB, (4, 10))
+    labels = ids if arch in ("gpt2", "llama") else torch.tensor([0, 1, 2, 0])
+    return {"input_ids": ids, "labels": labels}
+
+
+def output_of(model, inputs):
+    out = model(**{k: v for k, v in inputs.items() if k != "labels"})
+    return out.logits
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architectures_quantize_train_and_stay_close_to_float(arch):
+    model = ARCHITECTURES[arch]()
+    inputs = example_inputs(arch)
+    model.eval()
+    with torch.no_grad():
+        float_out = output_of(model, inputs)
+    expected = sorted(
+        n for n, m in model.named_modules()
+        if type(m) in FLOAT_TYPES and not any(n == h or n.startswith(h + ".") for h in HEADS)
+    )
+    quantize_model(model)
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, QuantModule)) == expected
+    assert {type(m) for m in model.modules() if isinstance(m, QuantModule)} == {
+        "gpt2": {QuantConv1D}, "resnet": {QuantConv2d}}.get(arch, {QuantLinear})
+
+    model.train()
+    loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name in expected:
+        layer = model.get_submodule(name)
+        assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0, name
+        assert layer.act_num_batches.item() == 1
+
+    model.eval()
+    with torch.no_grad():
+        q_out = output_of(model, inputs)
+    cos = nn.functional.cosine_similarity(q_out.flatten(1), float_out.flatten(1)).min()
+    assert cos > 0.95, f"8-bit {arch} output too far from fp32 (cosine {cos:.4f})"
+
+
+def train_steps(model, steps=2, seed=0):
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(steps):
+        model(**example_inputs("distilbert")).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
+    model = train_steps(quantize_model(ARCHITECTURES["distilbert"](), QuantConfig(grad_granularity="sample")))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["lp_quant_config"] == QuantConfig(grad_granularity="sample").to_dict()
+    assert "quantization_config" not in saved
+
+    with caplog.at_level(logging.WARNING):
+        loaded = load_quantized(tmp_path, auto_class=AutoModelForSequenceClassification)
+    assert caplog.records == [], "loading a quantized checkpoint should not warn"
+    assert loaded.config.lp_quant_config == saved["lp_quant_config"]
+    assert {n: type(m) for n, m in loaded.named_modules()} == {n: type(m) for n, m in model.named_modules()}
+    reference, restored = model.state_dict(), loaded.state_dict()
+    assert set(restored) == set(reference)
+    for key in reference:
+        assert torch.equal(restored[key], reference[key]), key
+    q_lin = loaded.distilbert.transformer.layer[0].attention.q_lin
+    assert q_lin.act_num_batches.item() == 2 and q_lin.act_running_max > q_lin.act_running_min
+    inputs = example_inputs("distilbert")
+    with torch.no_grad():
+        assert torch.equal(output_of(loaded, inputs), output_of(model, inputs))
+
+    # The base model can be loaded from the task checkpoint: buffers keep their prefix-less names.
+    base = load_quantized(tmp_path, auto_class=AutoModel)
+    assert torch.equal(base.transformer.layer[0].attention.q_lin.act_running_min, q_lin.act_running_min)
+
+
+def test_load_quantized_refuses_a_float_checkpoint(tmp_path):
+    ARCHITECTURES["distilbert"]().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="lp_quant_config"):
+        load_quantized(tmp_path, auto_class=AutoModelForSequenceClassification)
+
+
+def test_int8_export_is_4x_smaller_and_reproduces_the_8bit_model():
+    model = train_steps(quantize_model(ARCHITECTURES["distilbert"]()))
+    exported = export_int8_state_dict(model)
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name in quantized:
+        codes = exported[f"{name}.weight"]
+        assert codes.dtype == torch.int8 and codes.min() >= -128 and codes.max() <= 127
+        weight = model.get_submodule(name).weight.detach()
+        restored = codes.float() * exported[f"{name}.weight_scale"] + exported[f"{name}.weight_offset"]
+        assert torch.allclose(restored, fake_quantize(weight, *tensor_range(weight), 8), atol=1e-6)
+    assert exported["classifier.weight"].dtype == torch.float32  # heads stay full precision
+    fp32_bytes = sum(model.get_submodule(n).weight.nbytes for n in quantized)
+    int8_bytes = sum(exported[f"{n}.weight"].nbytes for n in quantized)
+    assert fp32_bytes == 4 * int8_bytes
+    assert state_dict_nbytes(exported) < state_dict_nbytes(model.state_dict())
+
+    # Loading the dequantized export into a fresh copy gives the same 8-bit model outputs.
+    clone = copy.deepcopy(model)
+    for p in clone.parameters():
+        p.data.zero_()
+    clone.load_state_dict(dequantize_int8_state_dict(exported))
+    inputs = example_inputs("distilbert")
+    with torch.no_grad():
+        assert torch.allclose(output_of(clone, inputs), output_of(model, inputs), atol=1e-5)
+
+
+def test_quantized_model_trains_inside_hf_trainer(tmp_path):
+    """A learnable toy task (label = a marker token at position 1) through plain Trainer."""
+    torch.manual_seed(0)
+    model = quantize_model(ARCHITECTURES["distilbert"]())
+    n = 96
+    labels = torch.arange(n) % 3
+    ids = torch.randint(10, VOCAB, (n, 12))
+    ids[:, 1] = 3 + labels
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=16, num_train_epochs=12, learning_rate=3e-3,
+        logging_steps=6, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.25 * losses[0], losses
+    assert isinstance(trainer.model.distilbert.transformer.layer[0].ffn.lin1, QuantLinear)
+    predictions = trainer.predict(data).predictions.argmax(-1)
+    assert (predictions == labels.numpy()).mean() > 0.9
+
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = load_quantized(tmp_path / "final", auto_class=AutoModelForSequenceClassification)
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(loaded(input_ids=ids[:8]).logits, model(input_ids=ids[:8]).logits)
+
+
+def test_pretrained_minilm_8bit_embeddings_match_fp32(minilm_path, ag_news_csv):
+    """The packaged pretrained MiniLM on real AG News text: 8-bit sentence embeddings ~ fp32."""
+    with open(ag_news_csv, newline="", encoding="utf-8") as f:
+        rows = [r for _, r in zip(range(16), csv.DictReader(f))]
+    texts = [f"{r['title']}. {r['description']}" for r in rows]
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    calibration, probe = (tokenizer(t, padding=True, truncation=True, max_length=64, return_tensors="pt")
+                          for t in (texts[:8], texts[8:]))
+    model = AutoModel.from_pretrained(minilm_path).eval()
+
+    def embed(m):
+        with torch.no_grad():
+            hidden = m(**probe).last_hidden_state
+        mask = probe["attention_mask"].unsqueeze(-1)
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+    float_emb = embed(model)
+    quantize_model(model)
+    model.train()
+    with torch.no_grad():
+        model(**calibration)  # one training-mode batch sets the running activation ranges
+    model.eval()
+    # Per-tensor ranges are coarse for this checkpoint's outlier weights (e.g. the first FFN
+    # output weight spans [-0.6, 7.9] with std 0.045), so the match is close but not exact.
+    cos = nn.functional.cosine_similarity(embed(model), float_emb)
+    assert cos.min() > 0.95, cos

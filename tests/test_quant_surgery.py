@@ -1,0 +1,214 @@
+"""Model surgery: selection rules and their errors, dry-run report, dequantize, config validation."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp import QuantConfig, dequantize_model, quantize_model
+from lp_decentral_nlp.quant import QUANT_LAYERS, QuantLinear, QuantModule, register_quant_layer
+from lp_decentral_nlp.quant.surgery import CONFIG_KEY
+
+LINEAR_NAMES = ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2")
+
+
+def tiny_distilbert():
+    config = DistilBertConfig(vocab_size=120, dim=32, hidden_dim=64, n_layers=2, n_heads=2, num_labels=4)
+    return DistilBertForSequenceClassification(config)
+
+
+def quantized_names(model):
+    return sorted(n for n, m in model.named_modules() if isinstance(m, QuantModule))
+
+
+def test_default_quantizes_every_linear_but_the_heads():
+    model = tiny_distilbert()
+    params_before = dict(model.named_parameters())
+    keys_before = set(model.state_dict())
+    quantize_model(model)
+    names = quantized_names(model)
+    assert len(names) == 2 * len(LINEAR_NAMES)
+    assert all(n.rsplit(".", 1)[1] in LINEAR_NAMES for n in names)
+    assert type(model.classifier) is nn.Linear and type(model.pre_classifier) is nn.Linear
+    assert all(isinstance(model.get_submodule(n), nn.Linear) for n in names)
+    # Same Parameter objects (an optimizer built before the surgery keeps working), same keys.
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    new_keys = set(model.state_dict()) - keys_before
+    assert new_keys == {f"{n}.{b}" for n in names for b in ("act_running_min", "act_running_max", "act_num_batches")}
+    assert getattr(model.config, CONFIG_KEY) == QuantConfig().to_dict()
+
+
+def test_dry_run_reports_without_touching_the_model():
+    model = tiny_distilbert()
+    report = quantize_model(model, QuantConfig(skip=("classifier", "pre_classifier", "layer.1.ffn")), dry_run=True)
+    assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
+    assert len(report.quantized) == 10
+    assert set(report.skipped) == {"pre_classifier", "classifier", "distilbert.transformer.layer.1.ffn.lin1",
+                                   "distilbert.transformer.layer.1.ffn.lin2"}
+    text = str(report)
+    assert "10 layers quantized, 4 kept full precision" in text
+    assert "matches skip pattern 'layer.1.ffn'" in text
+    assert report.problems == []
+
+
+def test_target_selects_by_name_suffix_or_regex():
+    model = quantize_model(tiny_distilbert(), QuantConfig(target=("q_lin", r".*layer\.1\.ffn\.lin\d")))
+    assert quantized_names(model) == sorted(
+        ["distilbert.transformer.layer.0.attention.q_lin", "distilbert.transformer.layer.1.attention.q_lin",
+         "distilbert.transformer.layer.1.ffn.lin1", "distilbert.transformer.layer.1.ffn.lin2"]
+    )
+
+
+def test_skip_wins_over_target_and_parent_names_select_children():
+    model = quantize_model(tiny_distilbert(), QuantConfig(target=("attention",), skip=("layer.0", "classifier")))
+    assert quantized_names(model) == [f"distilbert.transformer.layer.1.attention.{n}" for n in ("k_lin", "out_lin", "q_lin", "v_lin")]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (QuantConfig(skip=("classifer",)), "skip pattern 'classifer' matches no quantizable layer"),
+        (QuantConfig(skip=("classifier", "embeddings")), "skip pattern 'embeddings' matches no quantizable layer"),
+        (QuantConfig(target=("q_lin", "query")), "target pattern 'query' matches no quantizable layer"),
+    ],
+)
+def test_patterns_matching_nothing_are_errors(config, message):
+    model = tiny_distilbert()
+    with pytest.raises(ValueError, match=message):
+        quantize_model(model, config)
+    assert quantized_names(model) == []
+    assert message in str(quantize_model(model, config, dry_run=True))  # the dry run reports it
+
+
+def test_default_head_names_absent_from_a_model_are_not_errors():
+    # DistilBERT has no `score` / `lm_head`; the issue's explicit spelling of the defaults works too.
+    cfg = QuantConfig(skip=("classifier", "pre_classifier", "score", "lm_head"))
+    assert len(quantized_names(quantize_model(tiny_distilbert(), cfg))) == 12
+
+
+def test_nothing_to_quantize_and_double_quantization_are_errors():
+    with pytest.raises(ValueError, match="no layer to quantize"):
+        quantize_model(nn.Sequential(nn.LayerNorm(4), nn.ReLU()))
+    with pytest.raises(ValueError, match="no layer to quantize"):
+        quantize_model(tiny_distilbert(), QuantConfig(skip=("distilbert", "classifier", "pre_classifier")))
+    model = quantize_model(tiny_distilbert())
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model)
+    with pytest.raises(TypeError, match="QuantConfig"):
+        quantize_model(tiny_distilbert(), {"bits": 8})
+    with pytest.raises(ValueError, match="no quantized layers"):
+        dequantize_model(tiny_distilbert())
+
+
+def test_linear_subclasses_without_a_replacement_are_left_alone_and_reported():
+    # nn.MultiheadAttention never calls out_proj.forward: swapping it would silently do nothing.
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2), "proj": nn.Linear(8, 8)})
+    report = quantize_model(model, dry_run=True)
+    assert report.quantized == ["proj"] and report.skipped == ["attn.out_proj"]
+    assert "no registered 8-bit replacement" in str(report)
+
+
+def test_shared_module_is_replaced_under_every_name():
+    shared = nn.Linear(4, 4)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    quantize_model(model)
+    assert isinstance(model["a"], QuantLinear) and model["b"][0] is model["a"]
+
+
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class QuantScale(QuantModule, Scale):
+    """A toy extension: quantizes its input to 8 bits (how the vision norms plug in)."""
+
+    @classmethod
+    def from_float(cls, module, config):
+        new = cls(module.weight.numel())
+        new.weight, new.quant_config = module.weight, config
+        return new
+
+    def to_float(self):
+        back = Scale(self.weight.numel())
+        back.weight = self.weight
+        return back
+
+    def forward(self, x):
+        from lp_decentral_nlp.quant.functional import fake_quantize, tensor_range
+
+        return fake_quantize(x, *tensor_range(x), self.quant_config.bits) * self.weight
+
+
+def test_the_layer_registry_is_extensible():
+    register_quant_layer(Scale, QuantScale)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), Scale(4))
+        quantize_model(model)
+        assert isinstance(model[1], QuantScale) and isinstance(model[0], QuantLinear)
+        dequantize_model(model)
+        assert type(model[1]) is Scale and type(model[0]) is nn.Linear
+        with pytest.raises(ValueError, match="already maps"):
+            register_quant_layer(Scale, QuantScale)
+    finally:
+        del QUANT_LAYERS[Scale]
+    with pytest.raises(TypeError, match="QuantModule"):
+        register_quant_layer(Scale, nn.Linear)
+
+
+def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights():
+    torch.manual_seed(0)
+    model = tiny_distilbert()
+    float_reference = copy.deepcopy(model)
+    quantize_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, labels = torch.randint(0, 120, (4, 9)), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = {n: p for n, p in model.named_parameters()}
+    q_lin = "distilbert.transformer.layer.0.attention.q_lin.weight"
+    assert not torch.equal(trained[q_lin], float_reference.state_dict()[q_lin]), "training moved the weights"
+    dequantize_model(model)
+    assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert all(p is trained[n] for n, p in model.named_parameters())
+    assert set(model.state_dict()) == set(float_reference.state_dict())
+    # The dequantized model is a float model: it computes what a float copy with these weights does.
+    float_reference.load_state_dict(model.state_dict())
+    model.eval(), float_reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, float_reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(bits=9), ValueError, r"bits must be an integer in \[2, 8\]"),
+        (dict(grad_bits=True), ValueError, "grad_bits must be an integer"),
+        (dict(kernel="int9"), ValueError, r"kernel must be one of \('simulated'"),
+        (dict(grad_granularity="row"), ValueError, "grad_granularity must be one of"),
+        (dict(act_momentum=0.0), ValueError, "act_momentum"),
+        (dict(skip="classifier"), TypeError, "skip must be a tuple or list"),
+        (dict(target=("q_lin", "(")), ValueError, "not a valid regular expression"),
+        (dict(target=()), ValueError, "target must be None"),
+        (dict(stochastic_grad_rounding=1), TypeError, "stochastic_grad_rounding must be a bool"),
+    ],
+)
+def test_config_validation(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        QuantConfig(**kwargs)
+
+
+def test_config_dict_round_trip():
+    cfg = QuantConfig(bits=6, skip=["classifier"], target=["q_lin"], grad_granularity="sample")
+    assert cfg.skip == ("classifier",)
+    assert QuantConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown QuantConfig keys"):
+        QuantConfig.from_dict({**cfg.to_dict(), "bitz": 8})
