@@ -1,0 +1,100 @@
+"""Graphs and mixing matrices (SPEC 1)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lp_decentral_nlp.gossip import Topology, make_topology
+
+ALL = [("directed_ring", 8, {}), ("ring", 8, {}), ("torus", 16, {"rows": 4, "cols": 4}),
+       ("exponential", 8, {}), ("complete", 5, {}), ("directed_ring", 1, {}), ("ring", 2, {}),
+       ("torus", 6, {"rows": 2, "cols": 3}), ("exponential", 5, {})]
+
+
+@pytest.mark.parametrize("name,n,kw", ALL)
+def test_every_topology_is_column_stochastic_with_self_loops_at_several_steps(name, n, kw):
+    topo = make_topology(name, n, **kw)
+    for step in range(7):
+        W = topo.mixing_matrix(step)
+        assert W.shape == (n, n) and W.dtype == torch.float64
+        assert torch.all(W >= 0)
+        torch.testing.assert_close(W.sum(0), torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-12)
+        assert torch.all(torch.diagonal(W) > 0)
+        for i in range(n):
+            outs = topo.out_neighbors(i, step)
+            # default mixing: a node splits equally over itself and its out-neighbours
+            expected = torch.zeros(n, dtype=torch.float64)
+            expected[[i, *outs]] = 1.0 / (len(outs) + 1)
+            torch.testing.assert_close(W[:, i], expected)
+            assert topo.in_neighbors(i, step) == [j for j in range(n) if j != i and W[i, j] > 0]
+
+
+def test_spectral_gap_of_8_node_directed_ring_is_one_minus_cos_pi_over_8():
+    # W = (I + P) / 2: eigenvalues (1 + e^{2 pi i k / 8}) / 2, second modulus |cos(pi / 8)|
+    assert make_topology("directed_ring", 8).spectral_gap() == pytest.approx(1 - math.cos(math.pi / 8), abs=1e-12)
+
+
+def test_spectral_gaps_of_ring_torus_complete_match_their_eigenvalues():
+    # ring, 1/3 each: (1 + 2 cos(2 pi k / n)) / 3; torus 4x4, 1/5 each: (1 + 2cos a + 2cos b) / 5
+    assert make_topology("ring", 8).spectral_gap() == pytest.approx(1 - (1 + 2 * math.cos(math.pi / 4)) / 3)
+    assert make_topology("torus", 16, rows=4, cols=4).spectral_gap() == pytest.approx(1 - 3 / 5)
+    assert make_topology("complete", 6).spectral_gap() == pytest.approx(1.0)
+
+
+def test_exponential_graph_cycles_hops_and_averages_exactly_over_one_period():
+    topo = make_topology("exponential", 8)
+    assert topo.period == 3
+    assert [topo.out_neighbors(0, t) for t in range(4)] == [[1], [2], [4], [1]]
+    assert [topo.in_neighbors(0, t) for t in range(3)] == [[7], [6], [4]]
+    prod = topo.mixing_matrix(2) @ topo.mixing_matrix(1) @ topo.mixing_matrix(0)
+    torch.testing.assert_close(prod, torch.full((8, 8), 1 / 8, dtype=torch.float64))
+    assert topo.spectral_gap(1) == pytest.approx(0.0, abs=1e-12)  # one step alone is disconnected
+    assert topo.period_spectral_gap() == pytest.approx(1.0)
+
+
+def test_torus_neighbours():
+    topo = make_topology("torus", 16, rows=4, cols=4)
+    assert topo.out_neighbors(5) == [1, 4, 6, 9]
+    assert topo.in_neighbors(0) == [1, 3, 4, 12]
+
+
+def test_from_matrix_accepts_a_valid_directed_graph_and_a_time_varying_list():
+    W = torch.tensor([[0.5, 0.0, 1 / 3], [0.5, 0.5, 0.0], [0.0, 0.5, 2 / 3]])
+    topo = Topology.from_matrix(W)
+    assert topo.num_nodes == 3 and topo.out_neighbors(0) == [1] and topo.in_neighbors(0) == [2]
+    torch.testing.assert_close(topo.mixing_matrix(5), W.double())
+    a = np.array([[0.5, 0.0], [0.5, 1.0]])
+    tv = Topology.from_matrix([a, a[::-1, ::-1].copy()])  # each step one-way, union strongly connected
+    assert tv.period == 2 and tv.out_neighbors(0, 0) == [1] and tv.out_neighbors(1, 1) == [0]
+
+
+@pytest.mark.parametrize("W,message", [
+    (np.ones((2, 3)) / 2, "square"),
+    (np.array([[1.5, 0.5], [-0.5, 0.5]]), "nonnegative"),
+    (np.array([[0.5, 0.5], [0.5, 0.4]]), "column 1 sums to"),
+    (np.array([[0.0, 0.5], [1.0, 0.5]]), "self-loop"),
+    (np.array([[1.0, 0.5], [0.0, 0.5]]), "strongly connected"),
+    (np.eye(3), "strongly connected"),
+    (np.array([[np.nan, 0.5], [0.5, 0.5]]), "finite"),
+])
+def test_from_matrix_rejects_invalid_matrices_with_clear_errors(W, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.from_matrix(W)
+
+
+def test_make_topology_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="name must be one of"):
+        make_topology("star", 4)
+    with pytest.raises(ValueError, match="num_nodes"):
+        make_topology("ring", 0)
+    with pytest.raises(ValueError, match="rows= and cols="):
+        make_topology("torus", 16)
+    with pytest.raises(ValueError, match="rows \\* cols"):
+        make_topology("torus", 16, rows=3, cols=5)
+    with pytest.raises(ValueError, match="only apply to name='torus'"):
+        make_topology("ring", 4, rows=2)
+    with pytest.raises(ValueError, match="step"):
+        make_topology("ring", 4).mixing_matrix(-1)
+    with pytest.raises(ValueError, match="node index"):
+        make_topology("ring", 4).out_neighbors(4)
