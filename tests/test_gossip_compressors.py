@@ -1,0 +1,189 @@
+"""Compressors: what is decoded from the real wire buffer, and how many bytes that buffer has (SPEC 3)."""
+import math
+
+import pytest
+import torch
+
+from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
+from lp_decentral_nlp.gossip.compressors import _largest_k
+from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
+
+
+def roundtrip(comp, x, seed=0):
+    """Encode ``x`` into a real message buffer, decode it back; returns (C(x), message)."""
+    msg = Message(MessageLayout([comp.fields(x.numel(), x.dtype)]), x.device)
+    gen = torch.Generator().manual_seed(seed) if comp.stochastic else None
+    comp.encode(x, msg.fields[0], torch.empty_like(x), gen)
+    out = torch.zeros_like(x)
+    comp.decode_add(msg.fields[0], out, 1.0, torch.empty_like(x))
+    return out, msg
+
+
+def test_index_dtype_is_the_smallest_unsigned_type_that_fits():
+    assert index_dtype(256) == torch.uint8
+    assert index_dtype(257) == torch.uint16
+    assert index_dtype(65536) == torch.uint16
+    assert index_dtype(65537) == torch.uint32
+    assert index_dtype(2**32 + 1) == torch.int64
+
+
+def test_identity_is_exact_and_sends_numel_floats():
+    x = torch.randn(1000)
+    out, msg = roundtrip(Identity(), x)
+    assert torch.equal(out, x) and msg.nbytes == 4000
+    out64, msg64 = roundtrip(Identity(), x.double())
+    assert msg64.nbytes == 8000
+
+
+@pytest.mark.parametrize("numel,index_bytes", [(200, 1), (5000, 2), (70000, 4)])
+def test_topk_keeps_exactly_the_largest_magnitudes_with_smallest_indices(numel, index_bytes):
+    x = torch.randn(numel)
+    comp = TopK(0.01)
+    k = math.ceil(0.01 * numel)
+    out, msg = roundtrip(comp, x)
+    expected = torch.zeros_like(x)
+    top = x.abs().topk(k).indices
+    expected[top] = x[top]
+    assert torch.equal(out, expected)
+    assert msg.nbytes == k * 4 + k * index_bytes
+    assert msg.fields[0]["indices"].dtype == index_dtype(numel)
+
+
+def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inputs():
+    torch.manual_seed(3)
+    for x in (torch.randn(1_000_003), torch.randn(600_000).exp(), torch.arange(700_000.0).flip(0),
+              torch.cat([torch.zeros(500_000), torch.ones(1000) * 3, torch.randn(100_000) * 0.01])):
+        for k in (1, 77, 1000, 12_345):
+            got = _largest_k(x, k)
+            assert got.numel() == k and got.unique().numel() == k
+            kth = x.topk(k).values[-1]
+            assert torch.all(x[got] >= kth)  # an exact top-k (ties may pick other indices)
+
+
+def test_keep_fraction_rounds_up_and_never_below_one():
+    comp = TopK(0.01)
+    assert comp.num_kept(100) == 1 and comp.num_kept(101) == 2 and comp.num_kept(3) == 1
+    assert comp.num_kept(768) == 8 and TopK(1.0).num_kept(10) == 10
+
+
+def test_topk_with_8_bit_values_sends_uint8_values_plus_scale_and_zero_point():
+    x = torch.randn(5000)
+    comp = TopK(0.02, value_bits=8)
+    out, msg = roundtrip(comp, x)
+    k = 100
+    assert msg.nbytes == k * 1 + k * 2 + 4 + 4
+    assert msg.fields[0]["values"].dtype == torch.uint8
+    top = x.abs().topk(k).indices
+    kept = x[top]
+    step = (kept.max() - kept.min()) / 255
+    assert torch.equal(out.nonzero().squeeze(1).sort().values, top.sort().values)
+    assert torch.all((out[top] - kept).abs() <= step / 2 + 1e-6)
+    # decoded values lie on the 8-bit grid of the wire's scale / zero point
+    codes = (out[top] - msg.fields[0]["zero_point"]) / msg.fields[0]["scale"]
+    torch.testing.assert_close(codes, codes.round(), atol=1e-3, rtol=0)
+
+
+def test_randomk_draws_k_distinct_uniform_entries_seeded_and_unbiased_scaling():
+    x = torch.randn(3000)
+    comp = RandomK(0.1)
+    out, msg = roundtrip(comp, x, seed=5)
+    kept = out.nonzero().squeeze(1)
+    assert kept.numel() == 300 and torch.equal(out[kept], x[kept])
+    assert msg.nbytes == 300 * 4 + 300 * 2
+    again, _ = roundtrip(comp, x, seed=5)
+    other, _ = roundtrip(comp, x, seed=6)
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    unbiased, _ = roundtrip(RandomK(0.1, unbiased=True), x, seed=5)
+    torch.testing.assert_close(unbiased, out * 10)
+    # every index equally likely: over many seeds each entry is kept ~10% of the time
+    counts = torch.zeros(3000)
+    for s in range(200):
+        counts += roundtrip(comp, torch.ones(3000), seed=s)[0]
+    assert counts.sum() == 200 * 300
+    assert 0.07 < counts.mean() / 200 < 0.13 and counts.max() < 60
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantize_is_affine_on_a_2_pow_bits_grid_with_packed_codes(bits):
+    x = torch.randn(1001) * 3 + 1
+    out, msg = roundtrip(Quantize(bits), x)
+    assert msg.nbytes == math.ceil(1001 * bits / 8) + 8
+    levels = 2**bits - 1
+    scale = (x.max() - x.min()) / levels
+    assert torch.all((out - x).abs() <= scale / 2 + 1e-5)
+    codes = (out - x.min()) / scale
+    torch.testing.assert_close(codes, codes.round().clamp(0, levels), atol=1e-3, rtol=0)
+    assert out.min() == x.min()
+
+
+def test_quantize_8_bit_is_4x_smaller_than_fp32_and_constant_tensors_are_exact():
+    x = torch.randn(4096)
+    assert roundtrip(Quantize(8), x)[1].nbytes * 4 == roundtrip(Identity(), x)[1].nbytes + 4 * 8
+    const = torch.full((10,), 2.5)
+    assert torch.equal(roundtrip(Quantize(8), const)[0], const)
+
+
+def test_qsgd_is_unbiased_on_its_levels_with_packed_codes():
+    torch.manual_seed(0)
+    x = torch.randn(500)
+    comp = QSGD(levels=4)
+    out, msg = roundtrip(comp, x)
+    assert msg.nbytes == math.ceil(500 * 4 / 8) + 4  # 9 signed levels -> 4-bit codes
+    norm = x.norm()
+    levels = out / norm * 4
+    torch.testing.assert_close(levels, levels.round(), atol=1e-4, rtol=0)
+    assert torch.all(torch.sign(out) * torch.sign(x) >= 0)
+    mean = sum(roundtrip(comp, x, seed=s)[0] for s in range(2000)) / 2000
+    assert (mean - x).abs().max() < 0.15 * norm / 4
+    assert roundtrip(QSGD(1), x)[1].nbytes == math.ceil(500 / 4) + 4
+    assert roundtrip(QSGD(127), x)[1].nbytes == 500 + 4
+
+
+def test_scaled_qsgd_divides_by_one_plus_omega():
+    x = torch.randn(400)
+    plain, _ = roundtrip(QSGD(2), x, seed=1)
+    scaled, _ = roundtrip(QSGD(2, scaled=True), x, seed=1)
+    omega = min(400 / 4, math.sqrt(400) / 2)
+    torch.testing.assert_close(scaled, plain / (1 + omega))
+
+
+def test_pack_unpack_roundtrip_for_every_width_and_odd_lengths():
+    for bits in (1, 2, 4, 8):
+        for count in (1, 7, 8, 9, 33):
+            codes = torch.randint(0, 2**bits, (count,)).float()
+            packed = torch.zeros(math.ceil(count * bits / 8), dtype=torch.uint8)
+            pack_codes(codes, bits, packed)
+            back = torch.empty(count)
+            unpack_codes(packed, bits, count, back)
+            assert torch.equal(back, codes)
+
+
+def test_decode_add_scales_and_accumulates():
+    x = torch.randn(300)
+    comp = TopK(0.1)
+    msg = Message(MessageLayout([comp.fields(300, torch.float32)]), torch.device("cpu"))
+    comp.encode(x, msg.fields[0], torch.empty(300), None)
+    target = torch.ones(300)
+    comp.decode_add(msg.fields[0], target, -0.5, torch.empty(300))
+    q, _ = roundtrip(comp, x)
+    torch.testing.assert_close(target, 1 - 0.5 * q)
+
+
+def test_layout_orders_fields_by_size_so_views_are_aligned_and_unpadded():
+    layout = MessageLayout([TopK(0.5, value_bits=8).fields(300, torch.float32),
+                            TopK(0.5).fields(100, torch.float32), Identity().fields(1, torch.float64)])
+    sizes = [f.dtype.itemsize for f in layout.fields]
+    assert sizes == sorted(sizes, reverse=True)
+    assert layout.nbytes == sum(f.nbytes for f in layout.fields) == (150 + 150 * 2 + 8) + (50 * 4 + 50) + 8
+    views = layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8))
+    assert views[2]["values"].dtype == torch.float64 and views[0]["indices"].dtype == torch.uint16
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: TopK(0), "keep"), (lambda: TopK(1.5), "keep"), (lambda: TopK(0.1, value_bits=4), "value_bits"),
+    (lambda: RandomK(0.1, unbiased="yes"), "unbiased"), (lambda: Quantize(3), "bits"),
+    (lambda: QSGD(0), "levels"), (lambda: QSGD(128), "levels"),
+])
+def test_bad_compressor_arguments_are_rejected(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
