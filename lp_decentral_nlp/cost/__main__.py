@@ -65,16 +65,10 @@ def _build_gossip(args, precision: str):
     """The run's gossip algorithm: fp32 or 8-bit values on the wire (SPEC 3)."""
     from lp_decentral_nlp import gossip
 
-    dims = {}
-    if args.topology == "torus":
-        side = math.isqrt(args.num_nodes)
-        if side * side != args.num_nodes:
-            raise ValueError(f"--topology torus needs a square --num-nodes, got {args.num_nodes}")
-        dims = {"rows": side, "cols": side}
+    side = math.isqrt(args.num_nodes)
+    dims = {"rows": side, "cols": side} if args.topology == "torus" else {}
     topology = gossip.make_topology(args.topology, args.num_nodes, **dims)
     value_bits = 8 if precision == "int8" else None
-    if not 0 <= args.compression < 100:
-        raise ValueError(f"--compression must be in [0, 100), got {args.compression}")
     if args.compression == 0:
         compressor = gossip.Quantize(bits=8) if value_bits else gossip.Identity()
     else:
@@ -85,13 +79,20 @@ def _build_gossip(args, precision: str):
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.compression < 100:
+        parser.error(f"--compression must be in [0, 100), got {args.compression:g}")
+    if args.topology == "torus" and math.isqrt(args.num_nodes) ** 2 != args.num_nodes:
+        parser.error(f"--topology torus needs a square --num-nodes, got {args.num_nodes}")
+    if args.batch_size < 1 or args.num_nodes < 1:
+        parser.error("--batch-size and --num-nodes must be positive")
     defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
     args.num_classes = args.num_classes or defaults["num_classes"]
     args.optimizer = args.optimizer or defaults["optimizer"]
     train_samples = args.train_samples or defaults["train_samples"]
     if train_samples < args.num_nodes:
-        raise ValueError(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
+        parser.error(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
     reports = {}
     for precision in ("fp32", "int8"):
         model, input_shape = _build_model(args, precision)

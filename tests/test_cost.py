@@ -1,0 +1,297 @@
+"""Hardware cost model (SPEC 7): exact counts on hand-countable models, the walk on real models."""
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lp_decentral_nlp.cost import ENERGY_PJ, estimate_cost
+
+FP, I8 = ENERGY_PJ["fp32"], ENERGY_PJ["int8"]
+
+
+def layer(report, name):
+    return next(l for l in report.layers if l.name == name)
+
+
+# -- a single linear layer ---------------------------------------------------------------------
+# Sequential(Linear(3, 2)), batch 4: MACs = 4 samples * 2 outputs * 3 inputs = 24, bias adds = 8.
+
+
+def linear_model():
+    return nn.Sequential(nn.Linear(3, 2))
+
+
+def test_single_linear_fp32_exact():
+    r = estimate_cost(linear_model(), (3,), 4, "fp32", optimizer="momentum")
+    assert r.walk_device == "meta" and r.uncounted_ops == {}
+    assert r.adds == (3 * 32, 32) and r.mults == (3 * 24, 24)  # (train, inference)
+    assert r.inference_energy_mj == pytest.approx((32 * FP["add"] + 24 * FP["mult"]) * 1e-9)
+    assert r.train_energy_mj == pytest.approx((96 * FP["add"] + 72 * FP["mult"]) * 1e-9)
+    fc = layer(r, "0")
+    assert (fc.kind, fc.precision, fc.forward_macs) == ("Linear", "fp32", 24)
+    # weights 8 floats = 32 B, gradients 32 B, momentum 32 B, saved input 4*3 floats = 48 B
+    assert r.memory_breakdown_mb["train"] == pytest.approx(
+        {"weights": 32e-6, "gradients": 32e-6, "optimizer": 32e-6, "activations": 48e-6})
+    # inference: weights + peak live activations (input 48 B + output 4*2 floats 32 B)
+    assert r.memory_breakdown_mb["inference"] == pytest.approx({"weights": 32e-6, "activations": 80e-6})
+    assert r.train_memory_mb == pytest.approx(144e-6) and r.inference_memory_mb == pytest.approx(112e-6)
+
+
+def test_single_linear_int8_exact():
+    r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam")
+    fc = layer(r, "0")
+    assert fc.precision == "int8" and r.quantized_mac_share == 1.0
+    # inference: int8 GEMM; fp32: bias 8 adds, quantize 12 inputs with the running range
+    # (shift, round, 2 clamps = 4 adds + 1 mult each), rescale 8 outputs (1 add + 1 mult each)
+    assert (fc.inference.int8_adds, fc.inference.int8_mults) == (24, 24)
+    assert (fc.inference.fp32_adds, fc.inference.fp32_mults) == (8 + 48 + 8, 12 + 8)
+    # training: 3 int8 GEMMs; fp32: 3x bias (24 adds), input 12 (range search 2, shift, round,
+    # clamp 2 = 6 adds + 1 mult), weights 6 (4 adds + 1 mult), forward output rescale 8 (1+1),
+    # output gradient 8 with stochastic rounding (5 adds + 1 mult), input-gradient rescale 12,
+    # weight-gradient rescale 6
+    assert (fc.train.int8_adds, fc.train.int8_mults) == (72, 72)
+    assert fc.train.fp32_adds == 24 + 72 + 24 + 8 + 40 + 12 + 6
+    assert fc.train.fp32_mults == 12 + 6 + 8 + 8 + 12 + 6
+    assert r.train_energy_mj == pytest.approx(
+        (186 * FP["add"] + 52 * FP["mult"] + 72 * I8["add"] + 72 * I8["mult"]) * 1e-9)
+    # 8-bit weight (6 B) + fp32 bias (8 B); gradients alike; Adam: 2 states; input saved at 8 bits
+    assert r.memory_breakdown_mb["train"] == pytest.approx(
+        {"weights": 14e-6, "gradients": 14e-6, "optimizer": 28e-6, "activations": 12e-6})
+    assert r.memory_breakdown_mb["inference"] == pytest.approx({"weights": 14e-6, "activations": 80e-6})
+
+
+def test_weight_gradient_gemm_priced_fp32():
+    fc = layer(estimate_cost(linear_model(), (3,), 4, "int8", weight_grad_gemm="fp32"), "0")
+    assert (fc.train.int8_adds, fc.train.int8_mults) == (48, 48)
+    # one GEMM moves to fp32, and its output needs no rescaling (6 weights)
+    assert (fc.train.fp32_adds, fc.train.fp32_mults) == (186 - 6 + 24, 52 - 6 + 24)
+
+
+# -- a single convolution ----------------------------------------------------------------------
+
+
+def test_single_conv_exact():
+    # Conv2d(2 -> 3, 3x3, pad 1), batch 2, 5x5: 2*3*5*5 = 150 outputs, 2*9 MACs each
+    r = estimate_cost(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, bias=False)), (2, 5, 5), 2)
+    assert layer(r, "0").forward_macs == 2700
+    assert r.adds == (8100, 2700) and r.mults == (8100, 2700)
+
+
+def test_grouped_strided_conv_with_bias_exact():
+    # Conv2d(4 -> 4, 3x3, stride 2, pad 1, groups 2) on 6x6: 4*3*3 = 36 outputs, (4/2)*9 MACs each
+    r = estimate_cost(nn.Sequential(nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=2)), (4, 6, 6), 1)
+    assert layer(r, "0").forward_macs == 648
+    assert r.adds == (3 * (648 + 36), 648 + 36) and r.mults == (3 * 648, 648)
+
+
+# -- linear + residual addition ------------------------------------------------------------------
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.fc(x) + x
+
+
+def test_linear_residual_add_exact():
+    r = estimate_cost(Residual(), (4,), 2, "int8")
+    fc, skip = layer(r, "fc"), layer(r, "(model)")
+    assert fc.forward_macs == 32 and fc.precision == "int8"
+    # the skip addition: 8 fp32 adds booked on the model that runs it, 3x in training
+    assert skip.precision == "fp32" and skip.inference.adds == 8 and skip.train.fp32_adds == 24
+    assert skip.train.mults == 0 and skip.saved_activation_bytes == 0
+    f32 = estimate_cost(Residual(), (4,), 2, "fp32")
+    assert f32.adds == (3 * 40, 40) and f32.mults == (3 * 32, 32)
+    # fp32: fc saves its input (8 floats); inference peak = input, fc output and sum live together
+    assert f32.memory_breakdown_mb["train"]["activations"] == pytest.approx(32e-6)
+    assert f32.memory_breakdown_mb["inference"]["activations"] == pytest.approx(96e-6)
+    assert r.memory_breakdown_mb["train"]["activations"] == pytest.approx(8e-6)
+
+
+# -- op rules of norms, softmax, pooling -----------------------------------------------------------
+
+
+class NormSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return F.softmax(self.ln(x), dim=-1)
+
+
+def test_layer_norm_and_softmax_exact():
+    r = estimate_cost(NormSoftmax(), (8,), 2)
+    ln, top = layer(r, "ln"), layer(r, "(model)")
+    # n = 16 elements in 2 rows: 3n + rows adds + n (bias); 2n + 3 rows mults + n (weight)
+    assert (ln.inference.adds, ln.inference.mults) == (66, 54)
+    # softmax per element: max, subtract, sum (3 adds); exp, divide (2 mults)
+    assert (top.inference.adds, top.inference.mults) == (48, 32)
+    assert r.adds.train == 3 * r.adds.inference
+
+
+@pytest.mark.parametrize(
+    "pool, shape, adds, mults",
+    [
+        (nn.AvgPool2d(2), (1, 4, 4), 4 * 4, 4),  # 4 windows of 4
+        (nn.MaxPool2d(2), (1, 4, 4), 4 * 4, 0),  # comparisons priced as adds
+        # 5 -> 2 adaptive windows [0, 3) and [2, 5): 3 + 3 per dimension, 36 per map
+        (nn.AdaptiveAvgPool2d((2, 2)), (1, 5, 5), 36, 4),
+        (nn.AdaptiveAvgPool2d(1), (2, 3, 3), 2 * 9, 2),  # global average: a mean over 9
+    ],
+)
+def test_pooling_exact(pool, shape, adds, mults):
+    r = estimate_cost(nn.Sequential(pool), shape, 1)
+    assert (r.adds.inference, r.mults.inference) == (adds, mults)
+    assert r.uncounted_ops == {}
+
+
+def test_batch_norm_train_uses_batch_statistics_inference_the_running_ones():
+    model = nn.Sequential(nn.BatchNorm2d(3))
+    before = copy.deepcopy(model.state_dict())
+    r = estimate_cost(model, (3, 2, 2), 2)
+    n, c = 24, 3
+    # train: n elements, c statistics, affine; + 1 add: BatchNorm's num_batches_tracked += 1
+    assert r.adds.train == 3 * (3 * n + c + n + 1) and r.mults.train == 3 * (2 * n + 3 * c + n)
+    assert (r.adds.inference, r.mults.inference) == (n + 2 * c, n + 3 * c)
+    # the model is untouched: running statistics and mode
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and model.training
+
+
+def test_vision_norm_layers_from_their_equations():
+    norms = pytest.importorskip("lp_decentral_nlp.vision.norms")
+    n, units = 2 * 4 * 3 * 3, 2 * 2  # batch 2, 4 channels 3x3; 2 groups per sample
+    cases = [
+        # Range EvoNorm with hsig: 6n + 2 per unit adds, 5n + 2 per unit mults
+        (norms.RangeEvoNorm2d(4, groups=2), (6 * n + 2 * units, 5 * n + 2 * units), None),
+        # EvoNorm-S0 without the sigmoid factor: 4n + unit adds, 3n + 3 per unit mults
+        (norms.EvoNormS0(4, groups=2, apply_act=False), (4 * n + units, 3 * n + 3 * units), None),
+        # Range BN: batch statistics in training, one scale and shift per channel at inference
+        (norms.RangeBatchNorm2d(4), (5 * n + 8, 2 * n + 12), (n + 8, n + 12)),
+    ]
+    for module, train_forward, inference in cases:
+        r = estimate_cost(nn.Sequential(module), (4, 3, 3), 2)
+        assert r.adds.train == 3 * train_forward[0] and r.mults.train == 3 * train_forward[1]
+        assert (r.adds.inference, r.mults.inference) == (inference or train_forward)
+        assert layer(r, "0").kind == type(module).__name__
+
+
+# -- real models --------------------------------------------------------------------------------
+
+
+def tiny_bert(num_labels=3):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=100, num_labels=num_labels)
+    return BertForSequenceClassification(cfg)
+
+
+def test_transformer_attention_matmuls_and_quantized_share():
+    model = tiny_bert()
+    b, seq, hidden = 2, 8, 32
+    r = estimate_cost(model, (seq,), b, "int8")
+    assert r.walk_device == "meta" and r.uncounted_ops == {}
+    attention = [l for l in r.layers if l.kind == "BertSelfAttention"]
+    # scores Q K^T and probabilities x V: 2 * b * seq^2 * hidden MACs per layer, kept fp32
+    assert [l.forward_macs for l in attention] == [2 * b * seq * seq * hidden] * 2
+    assert all(l.precision == "fp32" and l.train.int8_adds == 0 for l in attention)
+    linears = {l.name: l for l in r.layers if l.kind == "Linear"}
+    assert linears["classifier"].precision == "fp32"  # the head stays full precision (SPEC 4)
+    assert {n for n, l in linears.items() if l.precision == "int8"} == set(linears) - {"classifier"}
+    total = sum(l.forward_macs for l in r.layers)
+    quantized = sum(l.forward_macs for l in linears.values() if l.precision == "int8")
+    assert r.quantized_mac_share == pytest.approx(quantized / total)
+    assert linears["bert.encoder.layer.0.intermediate.dense"].forward_macs == b * seq * hidden * 64
+
+
+def test_quantized_model_priced_like_its_float_plan():
+    from lp_decentral_nlp.quant import QuantConfig, quantize_model
+
+    model = tiny_bert()
+    planned = estimate_cost(model, (8,), 2, "int8")
+    quantized = quantize_model(copy.deepcopy(model))
+    own = estimate_cost(quantized, (8,), 2, "int8")
+    # the 8-bit layers' own simulated quantization ops are not counted on top of the model's
+    strip_kind = lambda d: {**d, "layers": [{**l, "kind": None} for l in d["layers"]]}  # noqa: E731
+    assert strip_kind(own.to_dict()) == strip_kind(planned.to_dict())
+    assert layer(own, "bert.pooler.dense").kind == "QuantLinear"
+    with pytest.raises(ValueError, match="already quantized"):
+        estimate_cost(quantized, (8,), 2, "int8", quant_config=QuantConfig())
+    skip_pooler = estimate_cost(model, (8,), 2, "int8", quant_config=QuantConfig(skip=("classifier", "pooler")))
+    assert layer(skip_pooler, "bert.pooler.dense").precision == "fp32"
+
+
+def test_gpt2_needs_real_values_and_falls_back_to_a_real_run():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, num_labels=2, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=1)
+    model = GPT2ForSequenceClassification(cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    r = estimate_cost(model, (8,), 2, "int8")
+    assert r.walk_device == "cpu" and r.uncounted_ops == {}
+    # HF Conv1D (weight (nx, nf)): c_attn maps 32 -> 96 on 2*8 tokens
+    assert layer(r, "transformer.h.0.attn.c_attn").forward_macs == 16 * 96 * 32
+    assert layer(r, "transformer.h.0.attn.c_attn").precision == "int8"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_resnet20_macs_match_torch_flop_counter():
+    vision = pytest.importorskip("lp_decentral_nlp.vision")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = vision.build_vision_model("resnet20", 10, "range_evonorm")
+    r = estimate_cost(model, (3, 32, 32), 2, "int8")
+    assert r.uncounted_ops == {} and r.walk_device == "meta"
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.eval()(torch.zeros(2, 3, 32, 32))
+    assert sum(l.forward_macs for l in r.layers) == counter.get_total_flops() // 2
+    kinds = {l.kind for l in r.layers}
+    assert {"Conv2d", "Linear", "RangeEvoNorm2d", "BasicBlock", "AdaptiveAvgPool2d"} <= kinds
+    assert {l.precision for l in r.layers if l.kind == "Conv2d"} == {"int8"}
+    totals = sum((l.train for l in r.layers[1:]), r.layers[0].train)
+    assert r.train_energy_mj == pytest.approx(totals.energy_pj * 1e-9)
+
+
+def test_to_dict_is_json():
+    r = estimate_cost(Residual(), (4,), 2, "int8")
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["adds"] == {"train": r.adds.train, "inference": r.adds.inference}
+    assert d["precision"] == "int8" and d["input_shape"] == [4] and d["communication"] is None
+    assert [row["name"] for row in d["layers"]] == [l.name for l in r.layers]
+    assert "train energy (mJ)" in str(r)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"precision": "int4"}, "precision must be one of"),
+        ({"optimizer": "adamw"}, "optimizer must be one of"),
+        ({"weight_grad_gemm": "bf16"}, "weight_grad_gemm must be one of"),
+        ({"batch_size": 0}, "batch_size must be a positive int"),
+        ({"input_shape": (4, 0)}, "input_shape must be"),
+        ({"samples_per_node": 100}, "needs gossip="),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    args = {"model": Residual(), "input_shape": (4,), "batch_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        estimate_cost(**args)
+
+
+def test_token_model_needs_a_sequence_length():
+    with pytest.raises(ValueError, match=r"\(seq_len,\)"):
+        estimate_cost(tiny_bert(), (3, 8), 2)
+
+
+def test_int8_with_nothing_to_quantize_is_an_error():
+    with pytest.raises(ValueError, match="no layer to quantize"):
+        estimate_cost(nn.Sequential(nn.ReLU()), (4,), 2, "int8")

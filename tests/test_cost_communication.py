@@ -1,0 +1,89 @@
+"""Gossip traffic of the cost report: bytes counted are the bytes the engine encodes."""
+import pytest
+import torch
+from torch import nn
+
+from lp_decentral_nlp.cost import communication_cost, estimate_cost
+from lp_decentral_nlp.cost.__main__ import main
+from lp_decentral_nlp.gossip import SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, TopK, make_topology
+
+
+def test_bytes_match_a_real_multi_node_step():
+    model = nn.Sequential(nn.Linear(3, 2))
+    gossip = ChocoSGD(make_topology("ring", 4), TopK(0.5), gamma=0.5)
+    cost = communication_cost(model, gossip)
+    # TopK(0.5): weight 6 -> 3 kept (3 uint8 indices + 3 fp32 values), bias 2 -> 1 kept (1 + 4),
+    # push-sum weight 4 bytes; an undirected ring node sends to 2 peers
+    assert cost.message_bytes == 15 + 5 + 4 and cost.bytes_per_iteration == 2 * 24
+    nodes = [[p.detach().clone() for p in model.parameters()] for _ in range(4)]
+    stats = gossip.step(nodes)
+    assert stats.message_bytes == cost.message_bytes
+    assert stats.bytes_sent == [cost.bytes_per_iteration] * 4
+
+
+def test_8bit_messages_are_about_4x_smaller():
+    model = nn.Sequential(nn.Linear(64, 64))
+    ring = make_topology("directed_ring", 4)
+    fp32 = communication_cost(model, ChocoSGD(ring, Identity()))
+    int8 = communication_cost(model, ChocoSGD(ring, Quantize(8)))
+    assert fp32.message_bytes == (4096 + 64) * 4 + 4
+    # one byte per value + fp32 scale and zero point per tensor + the push-sum weight
+    assert int8.message_bytes == (4096 + 8) + (64 + 8) + 4
+    assert communication_cost(model, SGP(ring)).message_bytes == fp32.message_bytes
+    assert communication_cost(model, DeepSqueeze(ring, Identity())).message_bytes == fp32.message_bytes
+
+
+@pytest.mark.parametrize(
+    "topology, fanout",
+    [(make_topology("exponential", 8), 1), (make_topology("torus", 16, rows=4, cols=4), 4)],
+)
+def test_per_epoch_follows_the_graph(topology, fanout):
+    model = nn.Sequential(nn.Linear(3, 2))
+    cost = communication_cost(model, DeepSqueeze(topology, Identity()), batch_size=32, samples_per_node=100)
+    assert cost.iterations_per_epoch == 4  # ceil(100 / 32)
+    assert cost.bytes_per_iteration == fanout * cost.message_bytes
+    assert cost.bytes_per_epoch == 4 * fanout * cost.message_bytes
+
+
+def test_model_untouched_and_report_carries_the_traffic():
+    model = nn.Sequential(nn.Linear(8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    gossip = ChocoSGD(make_topology("directed_ring", 4), TopK(0.25, value_bits=8), gamma=0.1)
+    r = estimate_cost(model, (8,), 4, "int8", gossip=gossip, samples_per_node=10)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert r.communication.iterations_per_epoch == 3 and r.communication.compressor.startswith("TopK")
+    assert r.to_dict()["communication"]["message_bytes"] == r.communication.message_bytes
+    assert "gossip MB/epoch" in str(r)
+
+
+def test_bad_arguments():
+    model = nn.Sequential(nn.Linear(3, 2))
+    with pytest.raises(TypeError, match="gossip must be"):
+        communication_cost(model, Identity())
+    with pytest.raises(ValueError, match="give both"):
+        communication_cost(model, SGP(make_topology("ring", 4)), batch_size=4)
+
+
+def test_cli_vision(capsys):
+    pytest.importorskip("lp_decentral_nlp.vision")
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--train-samples", "64", "--compression", "99"]) == 0
+    out = capsys.readouterr().out
+    for row in ("train energy (mJ)", "train memory (MB)", "gossip bytes/iteration", "gossip MB/epoch", "ratio"):
+        assert row in out
+    assert "ops without a cost rule" not in out
+
+
+def test_cli_hf_model(capsys, minilm_path):
+    assert main(["--model", str(minilm_path), "--seq-len", "16", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "forward MACs in int8" in out and "optimizer=adam" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--compression", "100"], "--compression must be in"), (["--topology", "torus", "--num-nodes", "8"], "square --num-nodes")],
+)
+def test_cli_rejects_bad_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main(["--arch", "resnet20", "--batch-size", "2", *argv])
+    assert message in capsys.readouterr().err
