@@ -1,0 +1,29 @@
+"""Gossip engine: graphs, push-sum, compressors, Choco-SGD / Deep-Squeeze, transports (SPEC 1-3).
+
+Simulated (all nodes in one process)::
+
+    topo = make_topology("directed_ring", num_nodes=8)
+    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.01)
+    stats = gossip.step(nodes)      # nodes[i]: node i's parameter tensors z_i, updated in place
+
+Distributed (one node per rank, after ``torch.distributed.init_process_group``)::
+
+    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.01,
+                      transport=TorchDistributedTransport(timeout=300))
+    stats = gossip.step([my_params])
+"""
+from .algorithms import SGP, ChocoSGD, DeepSqueeze, GossipStats, PushSumGossip, average_model, consensus_distance
+from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
+from .momentum import QuasiGlobalMomentum
+from .topology import TOPOLOGIES, Topology, make_topology
+from .transport import GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
+from .wire import MessageLayout, index_dtype
+
+__all__ = [
+    "TOPOLOGIES", "Topology", "make_topology",
+    "Compressor", "Identity", "TopK", "RandomK", "QSGD", "Quantize",
+    "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
+    "QuasiGlobalMomentum",
+    "SimulatedTransport", "TorchDistributedTransport", "GossipTimeoutError",
+    "MessageLayout", "index_dtype",
+]

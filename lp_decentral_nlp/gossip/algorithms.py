@@ -1,0 +1,458 @@
+"""Push-sum gossip: SGP, Choco-SGD and Deep-Squeeze on one shared core (SPEC 1-2).
+
+Every node ``i`` holds a de-biased model ``z_i`` (the trainer's parameters) and a push-sum weight
+``w_i`` (starts at 1); the push-sum numerator is ``x_i = w_i * z_i``. One call to
+:meth:`PushSumGossip.step` runs SPEC 2 steps 2-5 for every node this process holds, after the
+trainer's local optimiser step (SPEC 2 step 1) has turned ``z_i`` into ``z~_i``:
+
+1. ``x~_i = w_i * z~_i``, with ``w_i`` appended as one extra coordinate, so the weight is mixed
+   by exactly the same arithmetic as the parameters (it is always sent uncompressed);
+2. ``v_i = g(x~_i)`` (algorithm), ``q_i = C(v_i)`` encoded into a real wire buffer;
+3. the transport delivers ``q_j`` from every in-neighbour ``j``;
+4. ``x_i <- keep * x~_i + gamma * d_i`` with an algorithm-specific consensus direction ``d_i``;
+5. ``z_i <- x_i / w_i`` is written back into the trainer's tensors in place.
+
+=================  =====================  ================================  ==========================
+algorithm          message ``v_i``        direction ``d_i``                 state per node
+=================  =====================  ================================  ==========================
+SGP (keep=0)       ``x~_i``               ``sum_j W_ij q_j``                none
+Choco-SGD          ``x~_i - x^_i``        ``sum_j W_ij x^_j - x^_i``, after public copies ``x^_j``
+                                          ``x^_j += q_j`` for all j
+Deep-Squeeze       ``x~_i + e_i``         ``sum_j W_ij q_j - q_i``          ``e_i <- v_i - q_i``
+=================  =====================  ================================  ==========================
+
+(sums over ``j`` include ``i`` itself.) Choco recomputes ``sum_j W_ij x^_j`` from the public copies
+every step rather than keeping a running sum ``s_i`` (Koloskova et al.'s memory-efficient form):
+a running sum drifts away from the copies by float rounding, and that offset is re-injected at
+every step, so the consensus value would drift linearly forever. In simulation one copy per node
+is shared by all its holders (they agree exactly anyway): one model-sized buffer per node. Both
+Choco and Deep-Squeeze conserve the push-sum mass ``sum_i x_i`` in exact arithmetic for any
+compressor, because ``W`` is column stochastic.
+
+Backends. With the default :class:`~.transport.SimulatedTransport` one object runs all ``n``
+nodes of the topology in one process: ``step(nodes)`` takes ``n`` parameter lists. With
+:class:`~.transport.TorchDistributedTransport` every rank runs the same class for its own node
+only: ``step([my_params])``. Everything indexed per local node (``weights``, ``bytes_sent``,
+state rows) follows :attr:`PushSumGossip.node_ids`: ``[0, ..., n-1]`` in simulation, ``[rank]``
+distributed. Stochastic compressors draw from a generator seeded by ``(seed, node, step)``, so the
+two backends compute the same numbers (up to float reduction order).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .compressors import Compressor, Identity
+from .topology import Topology
+from .transport import SimulatedTransport
+from .wire import Message, MessageLayout
+
+ParamList = list[torch.Tensor]
+
+
+@dataclass
+class GossipStats:
+    """What one :meth:`PushSumGossip.step` did.
+
+    Attributes:
+        step: index of the gossip step that ran (0-based; the topology used ``W(step)``).
+        node_ids: the graph nodes this process ran (aligned with ``bytes_sent``).
+        bytes_sent: per local node, bytes put on the wire: the encoded message length (values,
+            indices, scales, push-sum weight) times the number of out-neighbours it went to.
+        message_bytes: length in bytes of one node's encoded message.
+    """
+
+    step: int
+    node_ids: list[int]
+    bytes_sent: list[int]
+    message_bytes: int
+
+
+class PushSumGossip:
+    """The shared push-sum core; use :class:`SGP`, :class:`ChocoSGD` or :class:`DeepSqueeze`.
+
+    Args:
+        topology: the graph (its ``num_nodes`` nodes are all simulated here, or one per rank).
+        compressor: the layer-wise codec ``C`` for parameter tensors.
+        gamma: consensus step size in (0, 1] (SPEC 2 step 5).
+        transport: :class:`~.transport.SimulatedTransport` (default) or
+            :class:`~.transport.TorchDistributedTransport`.
+        seed: base seed of the per-(node, step) generators of stochastic compressors.
+
+    Parameter lists. ``nodes[k]`` is the list of local node ``node_ids[k]``'s parameter tensors
+    (``[p.data for p in model.parameters()]`` or the parameters themselves), all nodes with the
+    same shapes, one floating dtype and one device. The state (and "full precision" wire values)
+    uses that dtype promoted to at least float32.
+    """
+
+    #: coefficient of ``x~_i`` in the update (SPEC 2 step 5 keeps the local model; SGP replaces it)
+    _keep = 1.0
+    #: names of the state buffers, each ``(rows, P + 1)`` with one row per node in ``_state_nodes[name]``
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, topology: Topology, compressor: Compressor, gamma: float,
+                 transport=None, seed: int = 0):
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a Topology (see make_topology), got {type(topology).__name__}")
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a Compressor (Identity, TopK, RandomK, QSGD, Quantize), "
+                            f"got {type(compressor).__name__}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be a nonnegative int, got {seed!r}")
+        self.topology = topology
+        self.compressor = compressor
+        self.gamma = float(gamma)
+        self.seed = seed
+        self.transport = transport if transport is not None else SimulatedTransport()
+        self._node_ids = self.transport.node_ids(topology.num_nodes)
+        self._step = 0
+        self._w = torch.ones(len(self._node_ids), dtype=torch.float64)
+        self._state: dict[str, torch.Tensor] = {}
+        self._state_nodes = {name: list(self._node_ids) for name in self._state_names}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._ready = False
+        # Mixing coefficients per phase and local node: W_ii and {j: W_ij} over in-neighbours j.
+        self._mix = [[(topology.weight(i, i, t), {j: topology.weight(i, j, t) for j in topology.in_neighbors(i, t)})
+                      for i in self._node_ids] for t in range(topology.period)]
+        self._fanout = [[len(topology.out_neighbors(i, t)) for i in self._node_ids] for t in range(topology.period)]
+
+    # -- public API --------------------------------------------------------------------------------
+    @property
+    def node_ids(self) -> list[int]:
+        """Graph nodes run by this process: ``[0..n-1]`` (simulated) or ``[rank]`` (distributed)."""
+        return list(self._node_ids)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Push-sum weights ``w`` of the local nodes, shape ``(len(node_ids),)`` (a copy):
+        ``(n,)`` in simulation; in the distributed backend ``(1,)`` holding this rank's own
+        ``w_rank``. Float64 on CPU before the first step, then the state dtype and device."""
+        return self._w.clone()
+
+    @property
+    def num_steps(self) -> int:
+        """Gossip steps done so far (the next step uses ``W(num_steps)``)."""
+        return self._step
+
+    def step(self, nodes: list[ParamList]) -> GossipStats:
+        """One gossip round for every local node; updates ``nodes`` in place (SPEC 2 steps 2-5).
+
+        Args:
+            nodes: one parameter list per local node (``len(nodes) == len(node_ids)``): the
+                de-biased models ``z~_i`` right after the local optimiser step.
+        Returns:
+            :class:`GossipStats` with the bytes each local node sent.
+        """
+        with torch.no_grad():
+            self._check_nodes(nodes)
+            t = self._step
+            phase = t % self.topology.period
+            outgoing: dict[int, Message] = {}
+            for k, i in enumerate(self._node_ids):
+                x = self._flat  # (P + 1,): x~_i = w_i * [z~_i, 1]
+                torch._foreach_copy_(self._flat_views, nodes[k])
+                x[self._P:].fill_(1.0)
+                x.mul_(self._w[k])
+                v = self._message(k, x)
+                self._encode(v, self._outgoing[k], self._generator(i, t))
+                self._after_encode(k, self._outgoing[k])
+                outgoing[i] = self._outgoing[k]
+            received = self.transport.exchange(t, outgoing)
+            self._on_receive(received)
+            for k, i in enumerate(self._node_ids):
+                self_weight, in_weights = self._mix[phase][k]
+                contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
+                self._direction(k, contributions)
+                self._apply(k, nodes[k])
+            self._step += 1
+            nbytes = self._layout.nbytes
+            return GossipStats(step=t, node_ids=self.node_ids,
+                               bytes_sent=[nbytes * f for f in self._fanout[phase]], message_bytes=nbytes)
+
+    def state_dict(self) -> dict:
+        """The algorithm state as tensors (shared with the live state: save or clone them).
+
+        Keys: ``"step"`` (0-dim int64), ``"node_ids"`` (int64 ``(m,)``), ``"weights"`` (``(m,)``,
+        row ``r`` for node ``node_ids[r]``), ``"config"`` (str), and after the first step, per
+        state name, the buffer (``(rows, P + 1)``, column ``P`` the push-sum coordinate) and
+        ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to).
+        """
+        sd = {"step": torch.tensor(self._step), "node_ids": torch.tensor(self._node_ids),
+              "weights": self._w, "config": self._config()}
+        for name, buf in (self._state if self._ready else self._pending).items():
+            sd[name] = buf
+            sd[f"{name}_nodes"] = torch.tensor(self._state_nodes[name])
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` output, before or after the first step.
+
+        Rows are matched by node id, so a simulated checkpoint (all nodes) can resume any rank of
+        the distributed backend and vice versa.
+        """
+        if state_dict.get("config") != self._config():
+            raise ValueError(f"state_dict is for {state_dict.get('config')!r}, this object is {self._config()!r}")
+        rows = _rows_for(state_dict["node_ids"], self._node_ids, "weights")
+        buffers = {name: state_dict[name][_rows_for(state_dict[f"{name}_nodes"], self._state_nodes[name], name)]
+                   for name in self._state_names if name in state_dict}
+        step = int(state_dict["step"])
+        if step > 0 and len(buffers) != len(self._state_names):
+            raise ValueError(f"state_dict at step {step} lacks buffers {set(self._state_names) - set(buffers)}")
+        if self._ready:
+            for name, buf in buffers.items():
+                if buf.shape != self._state[name].shape:
+                    raise ValueError(f"state_dict[{name!r}] has shape {tuple(buf.shape)}, the model needs "
+                                     f"{tuple(self._state[name].shape)}")
+                self._state[name].copy_(buf)
+            if not buffers:
+                for buf in self._state.values():
+                    buf.zero_()
+            self._w.copy_(state_dict["weights"][rows])
+        else:
+            self._pending = {name: buf.clone() for name, buf in buffers.items()}
+            self._w = state_dict["weights"][rows].clone()
+        self._step = step
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.topology!r}, compressor={self.compressor!r}, gamma={self.gamma:g}, " \
+               f"transport={self.transport!r})"
+
+    # -- algorithm hooks ---------------------------------------------------------------------------
+    def _message(self, k: int, x_tilde: torch.Tensor) -> torch.Tensor:
+        """``v_k = g(x~_k)`` (SPEC 2 step 2); may reuse ``x_tilde``'s storage."""
+        raise NotImplementedError
+
+    def _after_encode(self, k: int, msg: Message) -> None:
+        """State update that needs the node's own ``q_k`` (decoded from its message)."""
+
+    def _on_receive(self, received: dict[int, list[tuple[int, Message]]]) -> None:
+        """State update from all messages received this step (before any direction)."""
+
+    def _direction(self, k: int, contributions: list[tuple[float, int, Message]]) -> None:
+        """Write ``d_k`` into ``self._flat`` from ``[(W_kk, k's node, own message), (W_kj, j, j's message)...]``."""
+        raise NotImplementedError
+
+    # -- shared machinery --------------------------------------------------------------------------
+    def _config(self) -> str:
+        return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
+
+    def _mixed_sum(self, contributions, self_shift: float) -> None:
+        """``self._flat = sum_j W_kj q_j - self_shift * q_k`` (the own message comes first)."""
+        self._flat.zero_()
+        for n, (wkj, _, msg) in enumerate(contributions):
+            self._decode_add(msg, self._flat, wkj - self_shift if n == 0 else wkj)
+
+    def _encode(self, v: torch.Tensor, msg: Message, generator) -> None:
+        for (off, numel, codec), fields in zip(self._segments, msg.fields):
+            codec.encode(v[off:off + numel], fields, self._work[off:off + numel], generator)
+
+    def _decode_add(self, msg: Message, target: torch.Tensor, alpha: float) -> None:
+        for (off, numel, codec), fields in zip(self._segments, msg.fields):
+            codec.decode_add(fields, target[off:off + numel], alpha, self._work[off:off + numel])
+
+    def _apply(self, k: int, params: ParamList) -> None:
+        """``x_k <- keep * x~_k + gamma * d_k`` and ``z_k <- x_k / w_k`` into ``params``, with
+        ``d_k`` in ``self._flat`` (SPEC 2 step 5)."""
+        d = self._flat
+        w_old = self._w[k]
+        w_new = self._keep * w_old + self.gamma * d[self._P]
+        d.mul_(self.gamma / w_new)
+        if self._keep:
+            # z_new = (w_old / w_new) * z~ + (gamma / w_new) * d
+            torch._foreach_mul_(params, w_old / w_new)
+            torch._foreach_add_(params, self._flat_views)
+        else:
+            torch._foreach_copy_(params, self._flat_views)
+        self._w[k] = w_new
+
+    def _generator(self, node: int, step: int):
+        if not self.compressor.stochastic:
+            return None
+        seed = int(np.random.SeedSequence([self.seed, node, step]).generate_state(1, np.uint64)[0] >> 1)
+        gen = torch.Generator(device=self._device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _check_nodes(self, nodes) -> None:
+        m = len(self._node_ids)
+        if not isinstance(nodes, (list, tuple)) or len(nodes) != m:
+            where = "one per simulated node" if m > 1 else "[my_params] for this rank"
+            raise ValueError(f"nodes must be a list of {m} parameter lists ({where}), "
+                             f"got {type(nodes).__name__} of length {len(nodes) if hasattr(nodes, '__len__') else '?'}")
+        if not self._ready:
+            self._setup(nodes)
+        for k, params in enumerate(nodes):
+            if not isinstance(params, (list, tuple)) or [tuple(p.shape) for p in params] != self._shapes:
+                raise ValueError(f"nodes[{k}] must be a list of tensors with shapes {self._shapes} "
+                                 "(the same model on every node, same order as at the first step)")
+
+    def _setup(self, nodes) -> None:
+        """First step: lay out the wire format, allocate buffers, run the transport's pre-flight."""
+        first = nodes[0]
+        if not isinstance(first, (list, tuple)) or not first or not all(isinstance(p, torch.Tensor) for p in first):
+            raise TypeError("nodes[0] must be a non-empty list of tensors")
+        dtypes = {p.dtype for params in nodes for p in params}
+        devices = {p.device for params in nodes for p in params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
+        self._shapes = [tuple(p.shape) for p in first]
+        self._device = next(iter(devices))
+        self._dtype = torch.promote_types(next(iter(dtypes)), torch.float32)
+        sizes = [p.numel() for p in first]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self._P = P = int(offsets[-1])
+        self._param_slices = [(int(o), n, s) for o, n, s in zip(offsets, sizes, self._shapes)]
+        segs = [(int(o), n) for o, n in zip(offsets, sizes) if n > 0] if self.compressor.layerwise else [(0, P)]
+        self._segments = [(o, n, self.compressor) for o, n in segs] + [(P, 1, Identity())]
+        self._layout = MessageLayout([codec.fields(n, self._dtype) for _, n, codec in self._segments])
+        dev, dt = self._device, self._dtype
+        self._flat = torch.zeros(P + 1, dtype=dt, device=dev)
+        self._work = torch.zeros(P + 1, dtype=dt, device=dev)
+        self._flat_views = [self._flat[o:o + n].view(s) for o, n, s in self._param_slices]
+        self._outgoing = [Message(self._layout, dev) for _ in self._node_ids]
+        self._state = {name: torch.zeros(len(self._state_nodes[name]), P + 1, dtype=dt, device=dev)
+                       for name in self._state_names}
+        for name, buf in self._pending.items():
+            if buf.shape != self._state[name].shape:
+                raise ValueError(f"loaded state {name!r} has shape {tuple(buf.shape)}, this model needs "
+                                 f"{tuple(self._state[name].shape)}")
+            self._state[name].copy_(buf)
+        self._pending = {}
+        self._w = self._w.to(device=dev, dtype=dt)
+        config = f"{self._config()};{dt};{self._layout.signature()}"
+        fingerprint = int.from_bytes(hashlib.sha256(config.encode()).digest()[:8], "little") >> 1
+        self.transport.prepare(self.topology, self._layout, dev, self._step, fingerprint)
+        self._ready = True
+
+
+class SGP(PushSumGossip):
+    """Stochastic Gradient Push (Assran et al. 2019): uncompressed push-sum averaging,
+    ``x_i <- sum_j W_ij x~_j``, ``w_i <- sum_j W_ij w_j``. Works on time-varying graphs.
+
+    Args:
+        topology, transport, seed: as in :class:`PushSumGossip`.
+    """
+
+    _keep = 0.0
+
+    def __init__(self, topology: Topology, transport=None, seed: int = 0):
+        super().__init__(topology, Identity(), 1.0, transport, seed)
+
+    def _message(self, k, x_tilde):
+        return x_tilde
+
+    def _direction(self, k, contributions):
+        self._mixed_sum(contributions, self_shift=0.0)
+
+
+class ChocoSGD(PushSumGossip):
+    """Choco-SGD with push-sum (Koloskova et al. 2019; directed form of Taheri et al. 2020), SPEC 2.
+
+    Sends ``q_i = C(x~_i - x^_i)`` (model *differences*); every holder of ``x^_i`` adds ``q_i``;
+    ``x_i <- x~_i + gamma * (sum_j W_ij x^_j - x^_i)``. Public copies start at 0. Without
+    compression and with ``gamma=1`` this is SGP. Needs a static topology: the copies of
+    in-neighbours are only kept current by messages from a fixed set of in-neighbours.
+
+    Args:
+        topology: a static graph (``period == 1``).
+        compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma ~ 0.01`` for 99%.
+        gamma: consensus step size in (0, 1].
+        transport, seed: as in :class:`PushSumGossip`.
+    State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all
+    ``n`` nodes in simulation, ``{rank} + in-neighbours`` on a rank).
+    """
+
+    _state_names = ("public",)
+
+    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
+                 transport=None, seed: int = 0):
+        if topology.period != 1:
+            raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
+                             f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")
+        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed)
+        held = set(self._node_ids).union(*(topology.in_neighbors(i) for i in self._node_ids))
+        self._state_nodes["public"] = sorted(held)
+        self._public_row = {j: r for r, j in enumerate(self._state_nodes["public"])}
+
+    def _public(self, node: int) -> torch.Tensor:
+        return self._state["public"][self._public_row[node]]
+
+    def _message(self, k, x_tilde):
+        return x_tilde.sub_(self._public(self._node_ids[k]))
+
+    def _after_encode(self, k, msg):
+        self._decode_add(msg, self._public(self._node_ids[k]), 1.0)
+
+    def _on_receive(self, received):
+        # Copies of in-neighbours run by another process (distributed): x^_j += q_j, once each.
+        remote = {j: msg for pairs in received.values() for j, msg in pairs if j not in self._node_ids}
+        for j, msg in sorted(remote.items()):
+            self._decode_add(msg, self._public(j), 1.0)
+
+    def _direction(self, k, contributions):
+        # d = sum_j W_kj x^_j - x^_k  (own contribution first: W_kk - 1)
+        (wkk, i, _), others = contributions[0], contributions[1:]
+        torch.mul(self._public(i), wkk - 1.0, out=self._flat)
+        for wkj, j, _ in others:
+            self._flat.add_(self._public(j), alpha=wkj)
+
+
+class DeepSqueeze(PushSumGossip):
+    """Deep-Squeeze with push-sum (Tang et al. 2019; directed form of Sparse-Push, Aketi et al. 2021), SPEC 2.
+
+    Error-compensated: ``v_i = x~_i + e_i``, ``q_i = C(v_i)``, ``e_i = v_i - q_i``;
+    ``x_i <- x~_i + gamma * (sum_j W_ij q_j - q_i)``. Without compression and with ``gamma=1``
+    this is SGP. Works on time-varying graphs.
+
+    Args: as :class:`ChocoSGD` (any topology). State: ``"error"`` (``e_i``).
+    """
+
+    _state_names = ("error",)
+
+    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
+                 transport=None, seed: int = 0):
+        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed)
+
+    def _message(self, k, x_tilde):
+        return self._state["error"][k].add_(x_tilde)
+
+    def _after_encode(self, k, msg):
+        self._decode_add(msg, self._state["error"][k], -1.0)
+
+    def _direction(self, k, contributions):
+        self._mixed_sum(contributions, self_shift=1.0)
+
+
+def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Tensor:
+    """Row of each node id in ``wanted`` within a checkpoint whose rows belong to ``saved_ids``."""
+    saved = [int(i) for i in saved_ids.tolist()]
+    missing = [i for i in wanted if i not in saved]
+    if missing:
+        raise ValueError(f"state_dict[{what!r}] holds nodes {saved}, it lacks nodes {missing} needed here")
+    return torch.tensor([saved.index(i) for i in wanted])
+
+
+def average_model(nodes: list[ParamList]) -> ParamList:
+    """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors."""
+    avg = [p.detach().clone() for p in nodes[0]]
+    for params in nodes[1:]:
+        torch._foreach_add_(avg, [p.detach() for p in params])
+    torch._foreach_div_(avg, len(nodes))
+    return avg
+
+
+def consensus_distance(nodes: list[ParamList]) -> torch.Tensor:
+    """``1/n * sum_i ||z_i - mean z||^2`` over all tensors (SPEC 1), a 0-dim tensor."""
+    avg = average_model(nodes)
+    total = torch.zeros((), dtype=torch.float64, device=avg[0].device)
+    for params in nodes:
+        diffs = torch._foreach_sub([p.detach() for p in params], avg)
+        total += torch.stack(torch._foreach_norm(diffs)).double().square().sum()
+    return total / len(nodes)

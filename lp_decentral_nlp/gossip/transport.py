@@ -1,0 +1,180 @@
+"""How gossip messages travel: all nodes in one process, or one node per torch.distributed rank.
+
+Both transports expose the same three calls used by the algorithms in :mod:`.algorithms`:
+
+- ``node_ids(num_nodes)``: which graph nodes this process runs (all of them, or ``[rank]``);
+- ``prepare(topology, layout, device, start_step, config_fingerprint)``: once, before the first
+  step (the distributed transport's pre-flight check lives here);
+- ``exchange(step, outgoing)``: hand every local node's message to its out-neighbours and return,
+  for every local node, the ``(sender, message)`` pairs from its in-neighbours at ``step``,
+  sorted by sender.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+from .wire import Message, MessageLayout
+
+Received = dict[int, list[tuple[int, Message]]]
+
+
+class GossipTimeoutError(TimeoutError):
+    """A peer did not complete a send/receive within the transport's timeout.
+
+    Attributes:
+        peer: the graph node (= rank) that did not answer.
+    """
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
+class SimulatedTransport:
+    """All ``n`` nodes live in this process; a "send" is handing over the message buffer itself.
+
+    Nothing is copied: receivers decode the sender's buffer directly, so a simulated round costs
+    what ``n`` nodes' computation costs. The bytes reported are still those of the real buffer.
+    """
+
+    def node_ids(self, num_nodes: int) -> list[int]:
+        return list(range(num_nodes))
+
+    def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
+                start_step: int, config_fingerprint: int) -> None:
+        self._topology = topology
+
+    def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
+        return {i: [(j, outgoing[j]) for j in self._topology.in_neighbors(i, step)] for i in outgoing}
+
+    def __repr__(self):
+        return "SimulatedTransport()"
+
+
+class TorchDistributedTransport:
+    """One graph node per rank of an initialised ``torch.distributed`` process group.
+
+    Node ``i`` is the group's rank ``i``; the group size must equal the topology's ``num_nodes``.
+    Every step posts nonblocking point-to-point sends to the out-neighbours and receives from the
+    in-neighbours (``batch_isend_irecv``: gloo for CPU tensors, NCCL for CUDA tensors); there is
+    no collective over all ranks. Receive buffers are allocated once (sizes follow from the
+    layout, identical on every rank) and reused.
+
+    Before the first step, :meth:`prepare` runs a pre-flight handshake over every edge of one
+    period of the graph: each rank sends its out-neighbours (rank, destination, step, number of
+    nodes, message size, topology fingerprint, algorithm/compressor/shapes fingerprint) and
+    checks what its in-neighbours sent, so different graphs, models, compressors or step counters
+    on different ranks raise a ``ValueError`` naming the peer instead of deadlocking or silently
+    mixing garbage.
+
+    Every wait is bounded by ``timeout`` seconds; a peer that never answers raises
+    :class:`GossipTimeoutError` naming it. On NCCL, waiting with a timeout blocks the host thread
+    until the message has arrived (once per gossip step); that is what lets the error name the
+    silent peer instead of leaving it to the NCCL watchdog.
+
+    Args:
+        timeout: seconds to wait for any one step's messages (> 0). Count the slowest peer's
+            compute between two gossip steps (evaluation on one rank included).
+        group: the process group (default: the world group).
+    """
+
+    _MAGIC = 0x6C70646E  # "lpdn"
+    _HANDSHAKE = ("magic", "sender rank", "receiver rank", "step", "number of nodes", "message bytes",
+                  "topology fingerprint", "algorithm/compressor/parameter-shape fingerprint")
+
+    def __init__(self, timeout: float = 300.0, group=None):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.group = group
+
+    def node_ids(self, num_nodes: int) -> list[int]:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchDistributedTransport needs an initialised process group: call "
+                               "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+        size = dist.get_world_size(self.group)
+        if size != num_nodes:
+            raise ValueError(f"the process group has {size} ranks but the topology has {num_nodes} nodes; "
+                             "run one rank per node")
+        self._rank = dist.get_rank(self.group)
+        return [self._rank]
+
+    def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
+                start_step: int, config_fingerprint: int) -> None:
+        backend = str(dist.get_backend(self.group))
+        needed = "nccl" if device.type == "cuda" else "gloo"
+        if needed not in backend:
+            raise ValueError(f"parameters on {device.type} need the {needed!r} backend for point-to-point "
+                             f"messages, but the process group uses {backend!r}")
+        self._topology = topology
+        self._device = device
+        max_in = max(len(topology.in_neighbors(self._rank, t)) for t in range(topology.period))
+        self._slots = [Message(layout, device) for _ in range(max_in)]
+        self._preflight(topology, layout.nbytes, start_step, config_fingerprint)
+
+    def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
+        me = self._rank
+        ins = self._topology.in_neighbors(me, step)
+        outs = self._topology.out_neighbors(me, step)
+        slots = self._slots[: len(ins)]
+        self._transfer([outgoing[me].buffer] * len(outs), outs, [m.buffer for m in slots], ins,
+                       f"gossip step {step}")
+        return {me: list(zip(ins, slots))}
+
+    # -- internals -------------------------------------------------------------------------------
+    def _peer(self, node: int) -> int:
+        return node if self.group is None else dist.get_global_rank(self.group, node)
+
+    def _transfer(self, sends, send_to, recvs, recv_from, what: str) -> None:
+        """Post all sends and receives at once, then wait for each with the deadline."""
+        ops = [dist.P2POp(dist.isend, buf, self._peer(j), self.group) for buf, j in zip(sends, send_to)]
+        ops += [dist.P2POp(dist.irecv, buf, self._peer(j), self.group) for buf, j in zip(recvs, recv_from)]
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        pending = [(w, "sending to", j) for w, j in zip(works[: len(sends)], send_to)]
+        pending = [(w, "receiving from", j) for w, j in zip(works[len(sends):], recv_from)] + pending
+        deadline = time.monotonic() + self.timeout
+        for work, doing, peer in pending:
+            remaining = max(deadline - time.monotonic(), 0.001)
+            try:
+                done = work.wait(timedelta(seconds=remaining))
+            except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with backend text
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    raise RuntimeError(f"rank {self._rank}: {what}: {doing} rank {peer} failed: {exc}") from exc
+                done = False
+            if done is False:
+                raise GossipTimeoutError(
+                    f"rank {self._rank}: {what}: timed out after {self.timeout:g} s {doing} rank {peer}; "
+                    f"rank {peer} never answered (is it running, alive, and calling gossip.step() with the "
+                    "same topology and step count?)", peer)
+
+    def _preflight(self, topology: Topology, nbytes: int, start_step: int, config_fingerprint: int) -> None:
+        me = self._rank
+        for step in range(start_step, start_step + topology.period):
+            outs = topology.out_neighbors(me, step)
+            ins = topology.in_neighbors(me, step)
+
+            def card(sender, receiver):
+                return [self._MAGIC, sender, receiver, step, topology.num_nodes, nbytes,
+                        topology.fingerprint(), config_fingerprint]
+
+            sends = [torch.tensor(card(me, j), dtype=torch.int64, device=self._device) for j in outs]
+            recvs = [torch.zeros(len(self._HANDSHAKE), dtype=torch.int64, device=self._device) for _ in ins]
+            self._transfer(sends, outs, recvs, ins, f"pre-flight check before step {step}")
+            for j, buf in zip(ins, recvs):
+                got, expected = buf.tolist(), card(j, me)
+                for field, g, e in zip(self._HANDSHAKE, got, expected):
+                    if g != e:
+                        raise ValueError(
+                            f"rank {me}: pre-flight check before step {step} failed: rank {j} disagrees on the "
+                            f"{field} (it sent {g}, this rank expects {e}); every rank must build the same "
+                            "topology, algorithm, compressor and model, and resume from the same step")
+
+    def __repr__(self):
+        return f"TorchDistributedTransport(timeout={self.timeout:g})"

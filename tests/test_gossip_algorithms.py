@@ -1,0 +1,324 @@
+"""Push-sum gossip algorithms in the simulated backend (SPEC 1-2)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lp_decentral_nlp.gossip import (
+    QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, QuasiGlobalMomentum, RandomK, TopK, Topology,
+    average_model, consensus_distance, make_topology,
+)
+
+SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
+P = sum(math.prod(s) for s in SHAPES)
+
+
+def irregular_digraph() -> Topology:
+    """5 nodes, out-degrees 2,1,1,2,1: column stochastic but not doubly stochastic, so w_i != 1."""
+    edges = {0: [1, 2], 1: [2], 2: [3], 3: [4, 0], 4: [0]}
+    W = np.zeros((5, 5))
+    for i, outs in edges.items():
+        W[[i, *outs], i] = 1 / (len(outs) + 1)
+    return Topology.from_matrix(W, name="irregular")
+
+
+def make_nodes(n, seed=0, shapes=SHAPES, dtype=torch.float32):
+    nodes = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 * seed + i)
+        nodes.append([torch.randn(s, generator=g, dtype=dtype) for s in shapes])
+    return nodes
+
+
+def local_step(nodes, t):
+    """A deterministic stand-in for an optimiser step (different on every node)."""
+    for i, params in enumerate(nodes):
+        for p in params:
+            p.sub_(0.05 * torch.sin(p * (i + 1) + t))
+
+
+def push_sum_mass(gossip, nodes) -> torch.Tensor:
+    """sum_i w_i z_i, flattened, in float64."""
+    w = gossip.weights.double()
+    return sum(w[i] * torch.cat([p.double().flatten() for p in params]) for i, params in enumerate(nodes))
+
+
+def clone(nodes):
+    return [[p.clone() for p in params] for params in nodes]
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def test_sgp_push_sum_debiases_to_the_exact_average_on_a_directed_irregular_graph():
+    topo = irregular_digraph()
+    nodes = make_nodes(5)
+    avg = average_model(nodes)
+    gossip = SGP(topo)
+    for _ in range(300):
+        gossip.step(nodes)
+    w = gossip.weights
+    assert w.sum().item() == pytest.approx(5.0, abs=1e-5)
+    assert w.max() - w.min() > 0.2  # push-sum weights really differ on this graph
+    for params in nodes:
+        for p, a in zip(params, avg):
+            torch.testing.assert_close(p, a, atol=2e-6, rtol=0)
+
+
+def test_exponential_graph_averages_exactly_in_one_period():
+    nodes = make_nodes(8)
+    avg = average_model(nodes)
+    gossip = SGP(make_topology("exponential", 8))
+    for _ in range(3):
+        gossip.step(nodes)
+    assert max_diff(nodes, [avg] * 8) < 1e-6
+
+
+@pytest.mark.parametrize("topo", [irregular_digraph(), make_topology("torus", 6, rows=2, cols=3)], ids=repr)
+def test_choco_and_deepsqueeze_without_compression_and_gamma_1_equal_sgp(topo):
+    runs = {}
+    for name, gossip in (("sgp", SGP(topo)), ("choco", ChocoSGD(topo, Identity(), gamma=1.0)),
+                         ("deepsqueeze", DeepSqueeze(topo, Identity(), gamma=1.0))):
+        nodes = make_nodes(topo.num_nodes)
+        trace = []
+        for t in range(12):
+            local_step(nodes, t)
+            gossip.step(nodes)
+            trace.append((clone(nodes), gossip.weights))
+        runs[name] = trace
+    for other in ("choco", "deepsqueeze"):
+        for (nodes_a, w_a), (nodes_b, w_b) in zip(runs["sgp"], runs[other]):
+            assert max_diff(nodes_a, nodes_b) < 1e-5
+            torch.testing.assert_close(w_a, w_b, atol=1e-6, rtol=0)
+
+
+def test_deepsqueeze_equals_sgp_on_a_time_varying_graph():
+    topo = make_topology("exponential", 6)
+    a, b = make_nodes(6), make_nodes(6)
+    sgp, ds = SGP(topo), DeepSqueeze(topo)
+    for t in range(7):
+        local_step(a, t), local_step(b, t)
+        sgp.step(a), ds.step(b)
+        assert max_diff(a, b) < 1e-5
+
+
+ALGORITHMS = {
+    "sgp": lambda topo: SGP(topo),
+    "choco-top10%": lambda topo: ChocoSGD(topo, TopK(0.1), gamma=0.3),
+    "choco-top10%-8bit": lambda topo: ChocoSGD(topo, TopK(0.1, value_bits=8), gamma=0.3),
+    "choco-quantize8": lambda topo: ChocoSGD(topo, Quantize(8), gamma=0.8),
+    "choco-qsgd": lambda topo: ChocoSGD(topo, QSGD(8, scaled=True), gamma=0.2),
+    "choco-randomk": lambda topo: ChocoSGD(topo, RandomK(0.2), gamma=0.1),
+    "deepsqueeze-top10%": lambda topo: DeepSqueeze(topo, TopK(0.1), gamma=0.2),
+    "deepsqueeze-randomk-8bit": lambda topo: DeepSqueeze(topo, RandomK(0.2, value_bits=8), gamma=0.1),
+    "deepsqueeze-quantize4": lambda topo: DeepSqueeze(topo, Quantize(4), gamma=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_gossip_step_conserves_push_sum_mass(name):
+    topo = irregular_digraph()
+    gossip = ALGORITHMS[name](topo)
+    nodes = make_nodes(5)
+    for t in range(15):
+        local_step(nodes, t)  # changes the mass; the gossip step must not
+        before = push_sum_mass(gossip, nodes)
+        gossip.step(nodes)
+        after = push_sum_mass(gossip, nodes)
+        # float32 rounding of O(1) values over a few terms; a mixing bug moves the mass by O(0.1)
+        assert (after - before).abs().max().item() < 1e-5
+        assert gossip.weights.sum().item() == pytest.approx(5.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("name,topo,steps", [
+    ("sgp", make_topology("directed_ring", 8), 400),
+    ("choco", make_topology("directed_ring", 8), 400),
+    ("deepsqueeze", make_topology("directed_ring", 8), 400),
+    ("choco", irregular_digraph(), 400),
+    ("deepsqueeze", make_topology("exponential", 8), 60),
+    ("choco-quantize8", make_topology("ring", 6), 400),
+])
+def test_with_zero_gradients_models_converge_to_the_exact_initial_average(name, topo, steps):
+    make = {"sgp": lambda: SGP(topo), "choco": lambda: ChocoSGD(topo, gamma=0.7),
+            "deepsqueeze": lambda: DeepSqueeze(topo, gamma=0.6),
+            # Choco sends differences, which shrink: 8-bit payloads still give the exact average
+            "choco-quantize8": lambda: ChocoSGD(topo, Quantize(8), gamma=1.0)}[name]
+    gossip = make()
+    nodes = make_nodes(topo.num_nodes)
+    avg = average_model(nodes)
+    for _ in range(steps):
+        gossip.step(nodes)
+    assert max_diff(nodes, [avg] * topo.num_nodes) < 1e-5
+
+
+def test_choco_with_top_1_percent_and_gamma_001_still_reaches_consensus():
+    topo = make_topology("directed_ring", 4)
+    shapes = [(20, 10), (10,), (300,)]  # k = 2, 1, 3 entries per step
+    nodes = make_nodes(4, shapes=shapes)
+    avg = average_model(nodes)
+    start = consensus_distance(nodes).item()
+    gossip = ChocoSGD(topo, TopK(0.01), gamma=0.01)
+    for _ in range(3000):
+        stats = gossip.step(nodes)
+    assert consensus_distance(nodes).item() < 1e-8 * start
+    assert max_diff(nodes, [avg] * 4) < 1e-4
+    assert stats.message_bytes == (2 + 1 + 3) * (4 + 1) + 3 * 1 + 4  # fp32 values + uint8/uint16 indices + w
+
+
+def test_deepsqueeze_with_8_bit_payloads_reaches_consensus_within_the_quantizer_step():
+    # Deep-Squeeze sends whole (error-compensated) models, so its 8-bit grid does not shrink.
+    topo = make_topology("directed_ring", 8)
+    nodes = make_nodes(8)
+    start = consensus_distance(nodes).item()
+    gossip = DeepSqueeze(topo, Quantize(8), gamma=0.5)
+    for _ in range(300):
+        gossip.step(nodes)
+    grid = 8.0 / 255  # value range of the models ~ [-4, 4]
+    assert consensus_distance(nodes).item() < 1e-5 * start
+    assert consensus_distance(nodes).item() / P < grid**2
+
+
+@pytest.mark.parametrize("topo,fanout", [(make_topology("complete", 4), 3), (make_topology("directed_ring", 4), 1),
+                                         (make_topology("exponential", 4), 1), (irregular_digraph(), None)])
+def test_bytes_sent_is_the_encoded_message_length_times_out_degree(topo, fanout):
+    gossip = ChocoSGD(topo, TopK(0.1), gamma=0.5) if topo.period == 1 else DeepSqueeze(topo, TopK(0.1))
+    nodes = make_nodes(topo.num_nodes)
+    stats = gossip.step(nodes)
+    ks = [12, 1, 6, 30]  # ceil(0.1 * numel); indices uint8 except the 300-entry tensor (uint16)
+    expected = sum(k * 4 for k in ks) + 12 + 1 + 6 + 30 * 2 + 4
+    assert stats.message_bytes == expected
+    assert all(m.buffer.numel() == expected for m in gossip._outgoing)  # what the transport sends
+    outs = [len(topo.out_neighbors(i, 0)) for i in range(topo.num_nodes)]
+    assert stats.bytes_sent == [expected * (fanout or o) for o in outs]
+    sgp = SGP(topo).step(make_nodes(topo.num_nodes))
+    assert sgp.message_bytes == 4 * (P + 1)
+
+
+def test_float64_models_gossip_in_float64():
+    topo = make_topology("ring", 3)
+    nodes = make_nodes(3, dtype=torch.float64)
+    avg = average_model(nodes)
+    gossip = SGP(topo)
+    for _ in range(80):
+        stats = gossip.step(nodes)
+    assert stats.message_bytes == 8 * (P + 1)
+    assert max_diff(nodes, [avg] * 3) < 1e-12
+
+
+@pytest.mark.parametrize("make", [lambda t: ChocoSGD(t, TopK(0.2), gamma=0.4),
+                                  lambda t: DeepSqueeze(t, RandomK(0.3, value_bits=8), gamma=0.3),
+                                  lambda t: ChocoSGD(t, QSGD(4, scaled=True), gamma=0.1)])
+def test_state_dict_resume_reproduces_the_uninterrupted_run(make):
+    topo = irregular_digraph()
+    nodes = make_nodes(5)
+    gossip = make(topo)
+    for t in range(4):
+        local_step(nodes, t)
+        gossip.step(nodes)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in gossip.state_dict().items()}
+    at_save = clone(nodes)
+    for t in range(4, 8):
+        local_step(nodes, t)
+        gossip.step(nodes)
+
+    resumed = make(topo)
+    resumed.load_state_dict(saved)  # before its first step
+    again = clone(at_save)
+    for t in range(4, 8):
+        local_step(again, t)
+        resumed.step(again)
+    assert max_diff(nodes, again) == 0
+    assert torch.equal(resumed.weights, gossip.weights)
+    assert resumed.num_steps == 8
+    gossip.load_state_dict(saved)  # into a running object
+    assert gossip.num_steps == 4 and torch.equal(gossip.weights, saved["weights"])
+
+
+def test_state_dict_rows_are_labelled_by_node():
+    gossip = ChocoSGD(make_topology("directed_ring", 3), TopK(0.5), gamma=0.5)
+    assert set(gossip.state_dict()) == {"step", "node_ids", "weights", "config"}
+    gossip.step(make_nodes(3))
+    sd = gossip.state_dict()
+    assert sd["public"].shape == (3, P + 1) and sd["public_nodes"].tolist() == [0, 1, 2]
+    assert int(sd["step"]) == 1
+    with pytest.raises(ValueError, match="state_dict is for"):
+        DeepSqueeze(make_topology("directed_ring", 3)).load_state_dict(sd)
+
+
+def test_bad_inputs_are_rejected_with_clear_errors():
+    ring = make_topology("ring", 3)
+    with pytest.raises(ValueError, match="static topology"):
+        ChocoSGD(make_topology("exponential", 8), TopK(0.1), gamma=0.1)
+    with pytest.raises(ValueError, match="gamma"):
+        ChocoSGD(ring, gamma=0)
+    with pytest.raises(ValueError, match="gamma"):
+        DeepSqueeze(ring, gamma=1.5)
+    with pytest.raises(TypeError, match="compressor"):
+        ChocoSGD(ring, compressor="topk")
+    with pytest.raises(TypeError, match="topology"):
+        SGP("ring")
+    gossip = SGP(ring)
+    with pytest.raises(ValueError, match="list of 3 parameter lists"):
+        gossip.step(make_nodes(2))
+    bad = make_nodes(3)
+    bad[1][0] = torch.randn(5)
+    with pytest.raises(ValueError, match="shapes"):
+        gossip.step(bad)
+    mixed = make_nodes(3)
+    mixed[2][1] = mixed[2][1].double()
+    with pytest.raises(ValueError, match="dtype"):
+        SGP(ring).step(mixed)
+    ints = [[torch.ones(3, dtype=torch.int64)] for _ in range(3)]
+    with pytest.raises(ValueError, match="floating"):
+        SGP(ring).step(ints)
+
+
+def test_gossip_updates_trainer_parameters_in_place_under_autograd():
+    models = [torch.nn.Linear(4, 3) for _ in range(3)]
+    nodes = [list(m.parameters()) for m in models]  # leaf tensors with requires_grad
+    ids = [id(p) for p in nodes[0]]
+    SGP(make_topology("complete", 3)).step(nodes)
+    assert [id(p) for p in models[0].parameters()] == ids
+    torch.testing.assert_close(models[0].weight, models[1].weight)
+
+
+def test_consensus_distance_and_average_model():
+    nodes = [[torch.zeros(2)], [torch.tensor([2.0, 0.0])]]
+    torch.testing.assert_close(average_model(nodes)[0], torch.tensor([1.0, 0.0]))
+    assert consensus_distance(nodes).item() == pytest.approx(1.0)
+
+
+def test_quasi_global_momentum_follows_spec_2():
+    beta, lr = 0.8, 0.1
+    nodes = make_nodes(1, shapes=[(3,)]) * 2  # SPEC 1: every node starts from the same weights
+    nodes = clone(nodes)
+    qgm = QuasiGlobalMomentum(nodes, beta=beta)
+    gossip = SGP(make_topology("complete", 2))
+    grads = [[torch.ones(3)], [2 * torch.ones(3)]]
+    for it in range(3):
+        before = clone(nodes)
+        m_before = [[m.clone() for m in ms] for ms in qgm.momentum]
+        qgm.begin_iteration()
+        d = [[g.clone() for g in gs] for gs in grads]
+        qgm.add_momentum(d)
+        for k in range(2):
+            torch.testing.assert_close(d[k][0], grads[k][0] + beta * m_before[k][0])  # d = grad + beta m
+            nodes[k][0].sub_(lr * d[k][0])
+        gossip.step(nodes)
+        qgm.end_iteration(lr)
+        for k in range(2):
+            expected = beta * m_before[k][0] + (1 - beta) * (before[k][0] - nodes[k][0]) / lr
+            torch.testing.assert_close(qgm.momentum[k][0], expected)
+    # the buffer is quasi-global: with exact averaging, both nodes' buffers follow the averaged change
+    torch.testing.assert_close(qgm.momentum[0][0], qgm.momentum[1][0])
+    assert not torch.allclose(qgm.momentum[0][0], grads[0][0])
+    state = qgm.state_dict()
+    other = QuasiGlobalMomentum(make_nodes(2, shapes=[(3,)]), beta=beta)
+    other.load_state_dict(state)
+    torch.testing.assert_close(other.momentum[1][0], qgm.momentum[1][0])
+    with pytest.raises(RuntimeError, match="begin_iteration"):
+        qgm.end_iteration(lr)
+    with pytest.raises(ValueError, match="beta"):
+        QuasiGlobalMomentum(nodes, beta=1.0)
