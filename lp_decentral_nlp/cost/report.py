@@ -185,7 +185,9 @@ def estimate_cost(
     Args:
         model: any ``nn.Module``: a vision model (input ``(B, *input_shape)`` floats) or a model
             with an ``nn.Embedding`` as ``get_input_embeddings()`` (HF token models: int64
-            ``input_ids`` of shape ``(B, seq_len)``). It is not modified.
+            ``input_ids`` of shape ``(B, seq_len)`` and no attention mask, i.e. no padding). It is
+            not modified. Its forward runs on the ``meta`` device (no compute), or for real with
+            zero inputs when its Python code needs tensor values (``CostReport.walk_device``).
         input_shape: one sample's shape without the batch dimension: ``(C, H, W)`` for images,
             ``(seq_len,)`` for token models.
         batch_size: samples per iteration on this node.
