@@ -38,8 +38,7 @@ inputs, so it does not realise these savings.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
