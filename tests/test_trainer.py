@@ -1,0 +1,147 @@
+"""DecentralizedTrainer: nodes are independent until gossip, one step matches the SPEC by hand,
+8-bit payloads, evaluation/saving, argument errors."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp import load_quantized
+from lp_decentral_nlp.data import load_task
+from lp_decentral_nlp.gossip import make_topology
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
+
+
+def tiny_model(num_labels=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                           max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                           seq_classif_dropout=0.0, num_labels=num_labels)
+    return DistilBertForSequenceClassification(cfg)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(minilm_path):
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="module")
+def agnews_small(tokenizer):
+    from conftest import AG_NEWS_CSV
+
+    if not AG_NEWS_CSV.exists():
+        pytest.skip("AG News sample not available")
+    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=24,
+                     max_train_samples=256, max_eval_samples=64, seed=0)
+
+
+def targs(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), num_nodes=4, per_device_train_batch_size=8, per_device_eval_batch_size=32,
+                learning_rate=1e-3, max_steps=3, logging_steps=1, save_strategy="no", use_cpu=True,
+                disable_tqdm=True, seed=0)
+    base.update(kw)
+    return DecentralizedTrainingArguments(**base)
+
+
+def test_one_step_equals_local_adam_then_push_sum_mixing(tmp_path, agnews_small, tokenizer):
+    """SPEC 2 with gamma=1 and no compression: x_i = sum_j W[i,j] * AdamStep_j(x0) (weights stay 1)."""
+    model = tiny_model()
+    initial = copy.deepcopy(model)
+    args = targs(tmp_path, algorithm="dpsgd", low_precision=False, max_steps=1, weight_decay=0.0)
+    trainer = DecentralizedTrainer(model=model, args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
+    # the batch each node will see first, drawn from the trainer's own loaders
+    first_batches = [next(iter(loader)) for loader in trainer._node_dataloaders()]
+    trainer.train()
+
+    stepped = []
+    for batch in first_batches:
+        local = copy.deepcopy(initial)
+        opt = torch.optim.AdamW(local.parameters(), lr=1e-3, weight_decay=0.0)
+        local(**batch).loss.backward()
+        opt.step()
+        stepped.append([p.detach() for p in local.parameters()])
+    W = make_topology("directed_ring", num_nodes=4).mixing_matrix(step=0).double()
+    for i, node in enumerate(trainer.nodes):
+        for k, p in enumerate(node.parameters()):
+            expected = sum(W[i, j] * stepped[j][k].double() for j in range(4))
+            torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_nodes_keep_separate_optimizers_and_shards(tmp_path, agnews_small, tokenizer):
+    args = targs(tmp_path, skew=1.0, low_precision=False)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
+    loaders = trainer._node_dataloaders()
+    shard_labels = [set(int(l) for b in loader for l in b["labels"]) for loader in loaders]
+    assert all(len(s) <= 2 for s in shard_labels)  # skew 1: each node sees one or two classes only
+    param_ids = [{id(p) for p in node.parameters()} for node in trainer.nodes]
+    assert all(not (param_ids[i] & param_ids[j]) for i in range(4) for j in range(i + 1, 4))
+
+
+def test_low_precision_train_eval_save_reload(tmp_path, agnews_small, tokenizer):
+    csv_path = tmp_path / "metrics.csv"
+    args = targs(tmp_path, algorithm="choco", compression=99.0, max_steps=4)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"],
+                                   eval_dataset=agnews_small["test"], processing_class=tokenizer,
+                                   callbacks=[MetricsCSVCallback(str(csv_path))])
+    assert args.gamma == 0.01
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    assert all(0.0 <= metrics[f"eval_accuracy_node_{i}"] <= 1.0 for i in range(4))
+    assert metrics["eval_consensus_distance"] > 0
+    assert all(metrics[f"bytes_sent_node_{i}"] > 0 for i in range(4))
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert {"step", "loss", "loss_node_0", "bytes_sent_node_3", "consensus_distance"} <= set(header)
+
+    trainer.save_model(str(tmp_path / "model"))
+    reloaded = load_quantized(tmp_path / "model", auto_class=AutoModelForSequenceClassification).eval()
+    batch = next(iter(trainer.get_eval_dataloader()))
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, trainer.model(**batch).logits)
+
+
+def test_8bit_payload_is_a_quarter_of_fp32(tmp_path, agnews_small, tokenizer):
+    sent = {}
+    for low in (False, True):
+        args = targs(tmp_path, algorithm="choco", low_precision=low, max_steps=1)
+        trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"],
+                                       processing_class=tokenizer)
+        trainer.train()
+        sent[low] = int(trainer.bytes_sent.sum())
+    assert 0.24 < sent[True] / sent[False] < 0.27  # 8-bit values + one scale/zero-point per tensor
+
+
+def test_averaged_model_is_the_mean_of_the_nodes(tmp_path, agnews_small, tokenizer):
+    args = targs(tmp_path, algorithm="choco", compression=90.0, low_precision=False, max_steps=2)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
+    trainer.train()
+    for k, p in enumerate(trainer.model.parameters()):
+        mean = torch.stack([list(node.parameters())[k].detach() for node in trainer.nodes]).mean(0)
+        torch.testing.assert_close(p.detach(), mean)
+    dist = trainer.consensus_distance()
+    expected = sum(((list(node.parameters())[k].detach() - p.detach()) ** 2).sum().item()
+                   for node in trainer.nodes for k, p in enumerate(trainer.model.parameters())) / 4
+    assert dist == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(num_nodes=0), "num_nodes"), (dict(compression=100.0), "compression"), (dict(skew=1.5), "skew"),
+    (dict(algorithm="gossip"), "algorithm"), (dict(backend="mpi"), "backend"), (dict(topology="star"), "topology"),
+    (dict(consensus_lr=0.0), "consensus_lr"), (dict(compressor="sign"), "compressor"),
+])
+def test_bad_arguments_are_named(tmp_path, kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        targs(tmp_path, **kwargs)
+
+
+def test_distributed_backend_without_process_group_is_an_error(tmp_path, agnews_small):
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, backend="distributed"),
+                             train_dataset=agnews_small["train"])
+
+
+def test_dataset_without_label_column_is_an_error(tmp_path, agnews_small):
+    data = agnews_small["train"].rename_column("label", "target")
+    with pytest.raises(ValueError, match="label"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data)
