@@ -64,6 +64,8 @@ def test_from_matrix_accepts_a_valid_directed_graph_and_a_time_varying_list():
     topo = Topology.from_matrix(W)
     assert topo.num_nodes == 3 and topo.out_neighbors(0) == [1] and topo.in_neighbors(0) == [2]
     torch.testing.assert_close(topo.mixing_matrix(5), W.double())
+    nested = Topology.from_matrix([[0.75, 0.5], [0.25, 0.5]])  # plain nested lists are one matrix
+    assert nested.period == 1 and nested.weight(0, 1) == 0.5
     a = np.array([[0.5, 0.0], [0.5, 1.0]])
     tv = Topology.from_matrix([a, a[::-1, ::-1].copy()])  # each step one-way, union strongly connected
     assert tv.period == 2 and tv.out_neighbors(0, 0) == [1] and tv.out_neighbors(1, 1) == [0]

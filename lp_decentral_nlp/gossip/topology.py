@@ -35,7 +35,7 @@ class Topology:
     """
 
     def __init__(self, matrices: Sequence, name: str = "custom"):
-        if isinstance(matrices, (torch.Tensor, np.ndarray)) and np.ndim(matrices) == 2:
+        if _is_single_matrix(matrices):
             matrices = [matrices]
         if len(matrices) == 0:
             raise ValueError("matrices: need at least one (n, n) mixing matrix, got an empty sequence")
@@ -183,6 +183,14 @@ def _uniform_split(n: int, peers) -> np.ndarray:
         targets = sorted({i, *(int(p) for p in peers(i))})
         W[targets, i] = 1.0 / len(targets)
     return W
+
+
+def _is_single_matrix(obj) -> bool:
+    """True for one (n, n) array-like (tensor, array, nested lists), False for a list of them."""
+    try:
+        return np.ndim(obj) == 2
+    except ValueError:  # ragged nesting: a list of matrices of different sizes
+        return False
 
 
 def _as_float64(m, what: str) -> np.ndarray:

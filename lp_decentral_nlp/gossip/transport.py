@@ -136,7 +136,11 @@ class TorchDistributedTransport:
         ops += [dist.P2POp(dist.irecv, buf, self._peer(j), self.group) for buf, j in zip(recvs, recv_from)]
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:  # e.g. a peer's connection is already closed
+            raise RuntimeError(f"rank {self._rank}: {what}: posting sends to ranks {send_to} and receives from "
+                               f"ranks {recv_from} failed (has one of them exited?): {exc}") from exc
         pending = [(w, "sending to", j) for w, j in zip(works[: len(sends)], send_to)]
         pending = [(w, "receiving from", j) for w, j in zip(works[len(sends):], recv_from)] + pending
         deadline = time.monotonic() + self.timeout

@@ -1,0 +1,87 @@
+"""The torch.distributed backend under torchrun (gloo): same numbers as the simulation, clear failures.
+
+Each test launches ``torchrun`` as a subprocess (bounded by a subprocess timeout) running
+``tests/dist_gossip_worker.py``.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dist_gossip_worker as worker
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKER = pathlib.Path(__file__).resolve().parent / "dist_gossip_worker.py"
+
+
+def torchrun(nproc: int, mode: str, out_dir: pathlib.Path, timeout: float = 300) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), mode, str(out_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_gossip")
+    torchrun(4, "equivalence", out)
+    return out
+
+
+def simulate(name):
+    topo, make = worker.configs()[name]
+    gossip = make(topo, None)
+    nodes = [worker.initial_params(i) for i in range(topo.num_nodes)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' reduction order
+    try:
+        sent = worker.run(gossip, nodes)
+    finally:
+        torch.set_num_threads(threads)
+    return gossip, nodes, sent
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(worker.configs()))
+def test_simulated_and_distributed_backends_give_the_same_results(distributed_runs, name):
+    gossip, nodes, sent = simulate(name)
+    sim_state = gossip.state_dict()
+    for rank in range(4):
+        got = torch.load(distributed_runs / f"{name}-{rank}.pt")
+        for p_dist, p_sim in zip(got["params"], nodes[rank]):
+            torch.testing.assert_close(p_dist, p_sim, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["weights"], gossip.weights[rank:rank + 1], rtol=1e-6, atol=1e-7)
+        assert [b[0] for b in got["bytes"]] == [b[rank] for b in sent]
+        # the rank's state rows are the simulation's rows of the same nodes
+        state = got["state"]
+        assert state["node_ids"].tolist() == [rank]
+        for key in gossip._state_names:
+            rows = state[f"{key}_nodes"].tolist()
+            assert rank in rows
+            torch.testing.assert_close(state[key], sim_state[key][rows], rtol=1e-5, atol=1e-6)
+        assert int(state["step"]) == worker.STEPS
+
+
+@pytest.mark.distributed
+def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp_path):
+    torchrun(3, "failures", tmp_path, timeout=180)
+    r = [json.loads((tmp_path / f"failures-{rank}.json").read_text()) for rank in range(3)]
+    for report in r:
+        assert "3 ranks but the topology has 4 nodes" in report["world_size"]
+    # different mixing weights on rank 2: caught by the pre-flight handshake on every edge to it
+    assert "rank 0: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[0]["preflight"]
+    assert "rank 1: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[1]["preflight"]
+    assert "rank 2: pre-flight check before step 0 failed: rank 0 disagrees on the topology" in r[2]["preflight"]
+    # a peer that stops gossiping: a timeout naming it, not a hang
+    assert "rank 0: gossip step 1: timed out after 2 s receiving from rank 2" in r[0]["timeout"]
+    assert r[0]["timeout_peer"] == 2 and r[0]["waited_s"] < 60
+    # send/receive schedules that do not match: the pre-flight names the peer that never sends
+    assert "rank 0: pre-flight check before step 0: timed out after 3 s receiving from rank 2" in r[0]["schedule"]
+    # rank 2 waits for rank 0 longer; gloo closes rank 0's timed-out pair, either way rank 0 is named
+    assert "rank 2: pre-flight check before step 0:" in r[2]["schedule"]
+    assert "receiving from rank 0" in r[2]["schedule"]
