@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 
+@torch.no_grad()
 def quantize_codes(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,21 +25,26 @@ def quantize_codes(
     Returns:
         ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (same shape
         as `x`), and the step ``s`` (shape of ``hi - lo``). A zero-width range gives ``s = 0`` and
-        codes 0, so every element dequantizes to ``lo``.
+        codes 0, so every element dequantizes to ``lo``. Not differentiable (rounding has zero
+        gradient): callers apply the straight-through estimator.
     """
     levels = 2**bits - 1
     scale = (hi - lo) / levels
-    v = (x - lo) / torch.where(scale > 0, scale, torch.ones_like(scale))
-    v = torch.floor(v + torch.rand_like(v)) if stochastic else torch.round(v)
+    v = (x - lo).div_(torch.where(scale > 0, scale, torch.ones_like(scale)))  # one buffer, updated in place
+    if stochastic:
+        v.add_(torch.rand_like(v)).floor_()
+    else:
+        v.round_()
     return v.clamp_(0, levels), scale
 
 
+@torch.no_grad()
 def fake_quantize(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
     """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
-    return codes * scale + lo
+    return codes.mul_(scale).add_(lo)
 
 
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
