@@ -195,16 +195,30 @@ def run_nlp(args: argparse.Namespace) -> dict:
     csv_callback = MetricsCSVCallback(os.path.join(args.output_dir, "metrics.csv"))
     trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=data["train"], eval_dataset=data["test"],
                                    processing_class=tokenizer, callbacks=[csv_callback])
+    cost = trainer.cost_report((args.max_length,)).to_dict()
+    _dump(trainer, args, {"status": "running", "config": vars(args), "model_used": model_path, "cost": cost})
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(args.output_dir, "model"))
-    return write_results(trainer, metrics, args, model_path, start)
+    return write_results(trainer, metrics, args, model_path, start, cost)
 
 
-def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: str, start: float) -> dict:
-    """Assemble ``results.json`` from the final evaluation (rank 0 writes it)."""
+def _dump(trainer, args, results: dict) -> None:
+    if trainer.state.is_world_process_zero:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=2, default=str)
+
+
+def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: str, start: float,
+                  cost: dict | None = None) -> dict:
+    """Assemble ``results.json`` from the final evaluation (rank 0 writes it).
+
+    The SPEC 7 cost report of the run (``cost``) is written at the start of the run already.
+    """
     n = trainer.args.num_nodes
     results = {
+        "status": "done",
         "accuracy": metrics["eval_accuracy"],
         "loss": metrics["eval_loss"],
         "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
@@ -215,11 +229,9 @@ def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: 
         "model_used": model_used,
         "versions": _versions(),
         "wall_time_s": time.time() - start,
+        "cost": cost,
     }
-    if trainer.state.is_world_process_zero:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=2, default=str)
+    _dump(trainer, args, results)
     return results
 
 

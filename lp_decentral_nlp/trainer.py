@@ -441,6 +441,25 @@ class DecentralizedTrainer(Trainer):
             local[k] = sum(torch.linalg.vector_norm(d, dtype=torch.float64) ** 2 for d in diffs)
         return float(self._gather(local).mean())
 
+    def cost_report(self, input_shape):
+        """SPEC 7 cost of one iteration of one node of this run (compute, energy, memory, gossip bytes).
+
+        Args:
+            input_shape: one sample's shape without the batch dimension: ``(seq_len,)`` for token
+                models, ``(C, H, W)`` for images.
+        Returns:
+            :class:`lp_decentral_nlp.cost.CostReport` (``.to_dict()`` for ``results.json``).
+        """
+        from .cost import estimate_cost
+
+        optim = str(self.args.optim).lower()
+        optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
+        labels = list(self.train_dataset["label"])
+        shards = skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
+        return estimate_cost(self.nodes[0], tuple(input_shape), self.args.per_device_train_batch_size,
+                             "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
+                             gossip=self.gossip, samples_per_node=min(len(s) for s in shards))
+
     # --- evaluation and saving -------------------------------------------------------------
 
     @torch.no_grad()

@@ -50,6 +50,10 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert results["config"]["task"] == ("ag_news" if recipe.startswith("agnews") else "sentlen")
     assert results["steps"] == 3 and results["model_used"] == str(tiny_model_dir)
     assert {"torch", "transformers", "lp_decentral_nlp"} <= set(results["versions"])
+    assert results["status"] == "done"
+    cost = results["cost"]  # SPEC 7 report of one node's iteration at this run's batch and length
+    assert cost["train_energy_mj"] > cost["inference_energy_mj"] > 0
+    assert cost["communication"]["bytes_per_iteration"] > 0
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
     model = load_quantized(out / "model", auto_class=AutoModelForSequenceClassification)
