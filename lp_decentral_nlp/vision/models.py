@@ -129,7 +129,8 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
     """ResNet of basic blocks: stem, stages (``depths[i]`` blocks of ``widths[i]`` channels; the
-    first block of every stage but the first has stride 2), global average pool, linear head.
+    first block of every stage but the first has stride 2), global average pool, linear head
+    ``classifier`` (the name ``quant.DEFAULT_SKIP`` keeps full precision, as in VGG/MobileNetV2).
 
     stem: ``"cifar"`` (3x3/1 conv) or ``"imagenet"`` (7x7/2 conv and 3x3/2 max-pool).
     """
@@ -153,11 +154,11 @@ class ResNet(nn.Module):
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(cin, num_classes)
+        self.classifier = nn.Linear(cin, num_classes)
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.pool(self.stages(self.stem(x))).flatten(1))
+        return self.classifier(self.pool(self.stages(self.stem(x))).flatten(1))
 
 
 _VGG11_CONFIG = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
