@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -75,6 +76,7 @@ def main(argv=None) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path, num_labels=len(AG_NEWS_LABELS), id2label=dict(enumerate(AG_NEWS_LABELS)),
         label2id={n: i for i, n in enumerate(AG_NEWS_LABELS)},
+        ignore_mismatched_sizes=True,  # a head trained for another label set is replaced
     )
     quant_config = None if args.full_precision else QuantConfig()
     if quant_config is not None:
@@ -91,7 +93,7 @@ def main(argv=None) -> dict:
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
         adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,  # SPEC 8 NLP optimiser
         seed=args.seed, data_seed=args.seed, eval_strategy="no", save_strategy="no", logging_steps=20,
-        report_to="none", disable_tqdm=True,
+        report_to="none", disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)

@@ -1,0 +1,48 @@
+"""recipes/finetune_single.py end to end on a tiny model and the real AG News sample."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("finetune_single", REPO / "recipes" / "finetune_single.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, minilm_path):
+    """A tiny random DistilBERT with the MiniLM (uncased BERT) tokenizer, saved like a hub model."""
+    path = tmp_path_factory.mktemp("tiny_distilbert")
+    torch.manual_seed(0)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+    DistilBertForSequenceClassification(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("full_precision", [False, True])
+def test_finetune_single_writes_results(full_precision, tiny_model_dir, ag_news_csv, tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples", "64",
+            "--max-eval-samples", "32", "--max-length", "16", "--batch-size", "16", "--output-dir", str(out)]
+    returned = load_recipe().main(argv + (["--full-precision"] if full_precision else []))
+    results = json.loads((out / "results.json").read_text())
+    assert results == json.loads(json.dumps(returned))
+    assert results["precision"] == ("fp32" if full_precision else "8-bit")
+    assert (results["quant_config"] is None) == full_precision
+    assert results["steps"] == 4 and results["train_samples"] == 64 and results["eval_samples"] == 32
+    assert 0.0 <= results["accuracy"] <= 1.0 and results["wall_time_s"] > 0
+
+
+def test_finetune_single_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        load_recipe().parse_args(["--lr", "0", "--output-dir", "x"])
+    assert "--lr: must be > 0" in capsys.readouterr().err
