@@ -261,12 +261,13 @@ class PushSumGossip:
         d = self._flat
         w_old = self._w[k]
         w_new = self._keep * w_old + self.gamma * d[self._P]
-        d.mul_(self.gamma / w_new)
+        scale = self.gamma / w_new
         if self._keep:
-            # z_new = (w_old / w_new) * z~ + (gamma / w_new) * d
+            # z_new = (w_old / w_new) * z~ + (gamma / w_new) * d: two passes over the parameters
             torch._foreach_mul_(params, w_old / w_new)
-            torch._foreach_add_(params, self._flat_views)
+            torch._foreach_addcmul_(params, self._flat_views, [scale] * len(params))
         else:
+            d.mul_(scale)
             torch._foreach_copy_(params, self._flat_views)
         self._w[k] = w_new
 

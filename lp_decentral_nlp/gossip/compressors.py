@@ -201,8 +201,8 @@ class _Sparsifier(Compressor):
             values = [("values", torch.uint8, k), ("scale", torch.float32, 1), ("zero_point", torch.float32, 1)]
         return [("indices", index_dtype(numel), k)] + values
 
-    def _selection_scores(self, x, work, generator) -> torch.Tensor:
-        """Scores whose ``k`` largest entries are the ones kept."""
+    def _select(self, x, k, work, generator) -> torch.Tensor:
+        """Indices (int64, ``(k,)``) of the entries of ``x`` that are kept."""
         raise NotImplementedError
 
     def _value_scale(self, numel: int, k: int) -> float:
@@ -210,8 +210,8 @@ class _Sparsifier(Compressor):
 
     def encode(self, x, out, work, generator):
         k = out["indices"].numel()
-        idx = _largest_k(self._selection_scores(x, work, generator), k)
-        vals = x[idx]
+        idx = self._select(x, k, work, generator)
+        vals = x.index_select(0, idx)  # (advanced indexing x[idx] is ~100x slower on CPU)
         scale = self._value_scale(x.numel(), k)
         if scale != 1.0:
             vals.mul_(scale)
@@ -234,8 +234,8 @@ class _Sparsifier(Compressor):
 class TopK(_Sparsifier):
     """Top-k: the ``ceil(keep * numel)`` largest-magnitude entries of each tensor (SPEC 3)."""
 
-    def _selection_scores(self, x, work, generator):
-        return torch.abs(x, out=work)
+    def _select(self, x, k, work, generator):
+        return _largest_k(torch.abs(x, out=work), k)
 
     def __repr__(self):
         return f"TopK(keep={self.keep}, value_bits={self.value_bits})"
@@ -257,9 +257,8 @@ class RandomK(_Sparsifier):
             raise TypeError(f"unbiased must be a bool, got {unbiased!r}")
         self.unbiased = unbiased
 
-    def _selection_scores(self, x, work, generator):
-        # The k largest of i.i.d. uniform keys are a uniformly random k-subset.
-        return work.uniform_(generator=generator)
+    def _select(self, x, k, work, generator):
+        return _random_subset(k, work, generator)
 
     def _value_scale(self, numel, k):
         return numel / k if self.unbiased else 1.0
@@ -289,6 +288,32 @@ def _affine_decode(codes, scale, zero_point, bits, out) -> None:
     out.mul_(scale).add_(zero_point)
 
 
+def _random_subset(k: int, work: torch.Tensor, generator) -> torch.Tensor:
+    """``k`` distinct indices in ``[0, n)``, ``n = work.numel()``, drawn uniformly without replacement.
+
+    On CPU, for small ``k / n``: draws ``m`` indices with replacement and drops repeats (keeping
+    first occurrences), which is sequential sampling without replacement; first occurrences are
+    found with a scatter-min of draw positions into ``work`` (one memset of ``work`` instead of
+    ``n`` random numbers, which CPU generators make slow). If fewer than ``k`` distinct values
+    come out (rare: ``m`` covers twice the expected repeats), it draws again with a larger ``m``.
+    On CUDA: the ``k`` largest of ``n`` uniform keys (no host sync).
+    """
+    n, device = work.numel(), work.device
+    if device.type == "cuda":
+        return work.uniform_(generator=generator).topk(k, sorted=False).indices
+    if 4 * k >= n or k >= 2**22:  # draw positions (< 1.5 k) must be exact in float32
+        return torch.randperm(n, generator=generator, device=device)[:k]
+    m = k + 2 * (k * k) // n + 16
+    while True:
+        draws = torch.randint(n, (m,), generator=generator, device=device)
+        order = torch.arange(m, dtype=work.dtype, device=device)
+        first = work.fill_(m).scatter_reduce_(0, draws, order, "amin").index_select(0, draws)
+        distinct = draws.index_select(0, torch.nonzero(first == order).squeeze(1))
+        if distinct.numel() >= k:
+            return distinct[:k]
+        m *= 2
+
+
 # Sample size for the threshold estimate of _largest_k.
 _SAMPLE = 65536
 
@@ -312,7 +337,8 @@ def _largest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
         threshold = torch.topk(sample, take, sorted=False).values.min()
         candidates = torch.nonzero(scores >= threshold).squeeze(1)
         if candidates.numel() >= k:
-            return candidates[torch.topk(scores[candidates], k, sorted=False).indices]
+            best = torch.topk(scores.index_select(0, candidates), k, sorted=False).indices
+            return candidates.index_select(0, best)
         if take == m:
             return torch.topk(scores, k, sorted=False).indices
         take = min(m, 4 * take)

@@ -1,0 +1,185 @@
+"""Gossip engine speed for DistilBERT-sized models on 8 simulated nodes (issue 3).
+
+    python benchmarks/bench_gossip.py                 # default: a few minutes on 2 CPU cores
+    python benchmarks/bench_gossip.py --passes 3 --rounds 2
+
+1. Gossip step: one ``gossip.step(nodes)`` of 8 nodes on a directed ring, each node holding
+   DistilBERT's 104 parameter tensors (66.96M parameters, real shapes), per algorithm/compressor.
+   Configurations are run one after the other in every pass (only one holds memory at a time);
+   the median over passes is reported, with the bytes each node sends.
+2. Compression throughput: encoding and decoding one node's parameters (GB/s of fp32 input).
+3. Training round: 8 DistilBERT replicas each doing forward + backward + Adam on a batch of
+   8 x 128 tokens, then one gossip step. Reports the measured share of the gossip step in the
+   round (for the configuration given by ``--round-config``) and, for every configuration, the
+   share its step time from part 1 would take in a round with the measured local steps.
+
+Everything is measured in the same process, so the ratios are side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+
+import torch
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp.gossip import (
+    QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
+)
+from lp_decentral_nlp.gossip.wire import Message, MessageLayout
+
+NUM_NODES = 8
+
+CONFIGS = {
+    "SGP (fp32, exact)": lambda t: SGP(t),
+    "Choco Quantize(8)": lambda t: ChocoSGD(t, Quantize(8), gamma=1.0),
+    "Choco TopK(1%)": lambda t: ChocoSGD(t, TopK(0.01), gamma=0.01),
+    "Choco TopK(1%, 8-bit values)": lambda t: ChocoSGD(t, TopK(0.01, value_bits=8), gamma=0.01),
+    "Choco RandomK(1%)": lambda t: ChocoSGD(t, RandomK(0.01), gamma=0.01),
+    "Choco QSGD(16, scaled)": lambda t: ChocoSGD(t, QSGD(16, scaled=True), gamma=0.1),
+    "DeepSqueeze TopK(1%)": lambda t: DeepSqueeze(t, TopK(0.01), gamma=0.01),
+}
+COMPRESSORS = {
+    "Identity": Identity(), "Quantize(8)": Quantize(8), "TopK(1%)": TopK(0.01),
+    "TopK(1%, 8-bit values)": TopK(0.01, value_bits=8), "RandomK(1%)": RandomK(0.01), "QSGD(16)": QSGD(16),
+}
+
+
+def distilbert() -> DistilBertForSequenceClassification:
+    torch.manual_seed(0)
+    return DistilBertForSequenceClassification(DistilBertConfig(num_labels=4))
+
+
+def gossip_steps(shapes, passes: int) -> dict[str, dict]:
+    """Part 1: median time of one 8-node gossip step per configuration."""
+    topo = make_topology("directed_ring", NUM_NODES)
+    results = {name: {"times": []} for name in CONFIGS}
+    for _ in range(passes):
+        for name, make in CONFIGS.items():
+            nodes = [[torch.randn(s) * 0.05 for s in shapes] for _ in range(NUM_NODES)]
+            gossip = make(topo)
+            stats = gossip.step(nodes)  # first step: allocation of buffers and state
+            start = time.perf_counter()
+            gossip.step(nodes)
+            results[name]["times"].append(time.perf_counter() - start)
+            results[name]["message_bytes"] = stats.message_bytes
+            del nodes, gossip
+            gc.collect()
+    for r in results.values():
+        r["median"] = statistics.median(r["times"])
+    return results
+
+
+def throughput(shapes, passes: int) -> dict[str, tuple[float, float]]:
+    """Part 2: encode and decode GB/s (fp32 input bytes / time) for one node's parameters."""
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    total = sum(numels)
+    x = torch.randn(total) * 0.05
+    work = torch.empty(total)
+    target = torch.zeros(total)
+    times = {name: ([], []) for name in COMPRESSORS}
+    for _ in range(passes):
+        for name, comp in COMPRESSORS.items():
+            segs, off = [], 0
+            for n in (numels if comp.layerwise else [total]):
+                segs.append((off, n))
+                off += n
+            msg = Message(MessageLayout([comp.fields(n, x.dtype) for _, n in segs]), x.device)
+            gen = torch.Generator().manual_seed(0) if comp.stochastic else None
+            start = time.perf_counter()
+            for (o, n), fields in zip(segs, msg.fields):
+                comp.encode(x[o:o + n], fields, work[o:o + n], gen)
+            mid = time.perf_counter()
+            for (o, n), fields in zip(segs, msg.fields):
+                comp.decode_add(fields, target[o:o + n], 0.5, work[o:o + n])
+            end = time.perf_counter()
+            times[name][0].append(mid - start)
+            times[name][1].append(end - mid)
+    gb = 4 * total / 1e9
+    return {name: (gb / statistics.median(enc), gb / statistics.median(dec)) for name, (enc, dec) in times.items()}
+
+
+def training_round(config: str, rounds: int) -> dict:
+    """Part 3: 8 local DistilBERT steps (batch 8 x 128, Adam) + one gossip step per round."""
+    base = distilbert()
+    models = [copy.deepcopy(base) for _ in range(NUM_NODES)]
+    del base
+    optims = [torch.optim.Adam(m.parameters(), lr=3e-5, betas=(0.9, 0.9), weight_decay=1e-4) for m in models]
+    nodes = [[p.detach() for p in m.parameters()] for m in models]
+    gossip = CONFIGS[config](make_topology("directed_ring", NUM_NODES))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 30522, (8, 128), generator=gen), torch.randint(0, 4, (8,), generator=gen))
+               for _ in range(NUM_NODES)]
+
+    def local_step(k):
+        ids, labels = batches[k]
+        loss = models[k](input_ids=ids, labels=labels).loss
+        loss.backward()
+        optims[k].step()
+        optims[k].zero_grad(set_to_none=True)
+
+    local_step(0)  # warm-up (kernels, allocator); node 0's Adam state exists from here on
+    gossip.step(nodes)  # allocation of the gossip state
+    local, gossip_times, rounds_s = [], [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for k in range(NUM_NODES):
+            t0 = time.perf_counter()
+            local_step(k)
+            local.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        gossip.step(nodes)
+        gossip_times.append(time.perf_counter() - t0)
+        rounds_s.append(time.perf_counter() - start)
+    return {"local_median": statistics.median(local), "gossip": statistics.median(gossip_times),
+            "round": statistics.median(rounds_s)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", type=int, default=2, help="passes over the configurations in parts 1-2")
+    parser.add_argument("--rounds", type=int, default=1, help="timed training rounds in part 3")
+    parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
+    parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
+    args = parser.parse_args()
+
+    shapes = [tuple(p.shape) for p in distilbert().parameters()]
+    params = sum(int(torch.Size(s).numel()) for s in shapes)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; DistilBERT: {len(shapes)} tensors, "
+          f"{params / 1e6:.2f}M parameters; {NUM_NODES} nodes, directed ring\n")
+
+    steps = gossip_steps(shapes, args.passes)
+    fp32_bytes = 4 * (params + 1)
+    print(f"1. One simulated gossip step, {NUM_NODES} nodes (median of {args.passes})")
+    print("| configuration | step (s) | per node (s) | bytes sent per node | vs fp32 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, r in steps.items():
+        print(f"| {name} | {r['median']:.2f} | {r['median'] / NUM_NODES:.3f} | {r['message_bytes']:,} | "
+              f"{fp32_bytes / r['message_bytes']:.1f}x less |")
+
+    tp = throughput(shapes, args.passes)
+    print(f"\n2. Compression throughput, one node ({params / 1e6:.1f}M fp32 parameters, median of {args.passes})")
+    print("| compressor | encode (GB/s) | decode+add (GB/s) |")
+    print("| --- | ---: | ---: |")
+    for name, (enc, dec) in tp.items():
+        print(f"| {name} | {enc:.2f} | {dec:.2f} |")
+
+    if args.skip_round:
+        return
+    gc.collect()
+    rnd = training_round(args.round_config, args.rounds)
+    local_round = NUM_NODES * rnd["local_median"]
+    print(f"\n3. Training round: {NUM_NODES} x DistilBERT forward+backward+Adam (batch 8, seq 128) + gossip")
+    print(f"local step per node (median): {rnd['local_median']:.2f} s; round with {args.round_config}: "
+          f"{rnd['round']:.1f} s, of which gossip {rnd['gossip']:.2f} s = {100 * rnd['gossip'] / rnd['round']:.1f}%")
+    print("| configuration | gossip step (s) | share of round (8 local steps + gossip) |")
+    print("| --- | ---: | ---: |")
+    for name, r in steps.items():
+        print(f"| {name} | {r['median']:.2f} | {100 * r['median'] / (local_round + r['median']):.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
