@@ -1,5 +1,8 @@
-"""Vision path (SPEC sections 5 and 8): sample-statistics norm layers, the paper's CNNs with a
-pluggable norm-activation, and image datasets with torch transforms."""
+"""Vision path (SPEC sections 4, 5 and 8): sample-statistics norm layers and their 8-bit versions
+(registered with the quantization surgery on import), the paper's CNNs with a pluggable
+norm-activation, the ``ImageClassifier`` wrapper the trainers use, and image datasets with torch
+transforms."""
+from .classifier import ImageClassifier
 from .data import (
     VISION_DATASETS,
     VisionDatasetSpec,
@@ -19,11 +22,13 @@ from .norms import (
     range_evonorm2d,
     range_scale_constant,
 )
+from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, QuantRangeEvoNorm2d
 
 __all__ = [
     "ARCHS", "NORMS", "VISION_DATASETS",
     "EvoNormS0", "RangeEvoNorm2d", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
+    "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",
     "build_vision_model", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
     "VisionDatasetSpec", "VisionTransform", "load_vision_dataset", "vision_dataset_spec",
     "vision_transform", "with_vision_transforms",

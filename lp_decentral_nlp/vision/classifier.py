@@ -1,0 +1,80 @@
+"""`ImageClassifier`: a vision net behind the interface `transformers.Trainer` and
+`DecentralizedTrainer` use (``forward(pixel_values, labels)`` -> ``.loss``/``.logits``), with a
+save/load of its own (these nets are not Hugging Face models).
+
+Saved folder: ``model.safetensors`` (the state dict: fp32 master weights and every buffer, the
+8-bit layers' activation ranges included) and ``vision_config.json`` (``arch``, ``num_classes``,
+``norm``, ``groups`` and, for a model passed through ``quantize_model``, its ``QuantConfig``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import ImageClassifierOutput
+
+from ..quant import QuantConfig, QuantModule, quantize_model
+from .models import build_vision_model
+
+__all__ = ["ImageClassifier", "CONFIG_NAME", "WEIGHTS_NAME"]
+
+CONFIG_NAME, WEIGHTS_NAME = "vision_config.json", "model.safetensors"
+
+
+class ImageClassifier(nn.Module):
+    """A :func:`build_vision_model` net returning ``ImageClassifierOutput(loss, logits)``.
+
+    Args:
+        arch, num_classes, norm, groups: as :func:`~lp_decentral_nlp.vision.build_vision_model`.
+    Attributes:
+        net: the CNN (``pixel_values (N, 3, H, W)`` -> logits ``(N, num_classes)``).
+        vision_config: the dict above, written by :meth:`save_pretrained`.
+    """
+
+    def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2):
+        super().__init__()
+        self.net = build_vision_model(arch, num_classes, norm, groups)
+        self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups}
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
+        """Logits ``(N, num_classes)``; with ``labels`` ``(N,)`` int64 also the mean cross-entropy."""
+        logits = self.net(pixel_values)
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+    def applied_quant_config(self) -> QuantConfig | None:
+        """The ``QuantConfig`` of its 8-bit layers (None when it has none)."""
+        return next((m.quant_config for m in self.modules() if isinstance(m, QuantModule)), None)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write ``vision_config.json`` and ``model.safetensors`` into ``save_directory``."""
+        from safetensors.torch import save_file
+
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        quant = self.applied_quant_config()
+        config = {**self.vision_config, "quant_config": None if quant is None else quant.to_dict()}
+        (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ImageClassifier":
+        """Rebuild a model written by :meth:`save_pretrained` (re-applying its 8-bit surgery) and
+        load its state dict strictly."""
+        from safetensors.torch import load_file
+
+        folder = Path(path)
+        if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{folder} must hold {CONFIG_NAME} and {WEIGHTS_NAME} "
+                                    "(written by ImageClassifier.save_pretrained)")
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        quant = config.pop("quant_config", None)
+        model = cls(**config)
+        if quant is not None:
+            quantize_model(model, QuantConfig.from_dict(quant))
+        model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+        return model

@@ -1,0 +1,231 @@
+"""8-bit versions of the vision norm layers (SPEC sections 4 and 5), registered with the surgery.
+
+Importing this module (``lp_decentral_nlp.vision`` does) registers
+:class:`QuantEvoNormS0`, :class:`QuantRangeEvoNorm2d` and :class:`QuantRangeBatchNorm2d` with
+:func:`lp_decentral_nlp.quant.register_quant_layer`, so ``quantize_model(resnet, QuantConfig())``
+swaps every conv, every linear but the ``classifier`` head (``DEFAULT_SKIP``) *and* every
+EvoNorm-S0 / Range EvoNorm / Range BatchNorm, and ``dequantize_model`` swaps them back: the whole
+network trains in 8 bits. ``nn.BatchNorm2d`` and ``nn.GroupNorm`` have no 8-bit version: they are
+the fp32 baselines of the paper's norm comparison (SPEC 5 pairs Range EvoNorm with 8-bit training).
+
+What an 8-bit norm layer computes (the GEMM layers' treatment of SPEC 4 carried over to an
+elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
+
+* forward: the float formula of the layer (``norms.evonorm_s0`` / ``range_evonorm2d`` /
+  ``range_batch_norm2d``) on the input quantized by the SPEC 4 activation quantizer (batch mean
+  of per-sample min/max in training, running range in eval; the very buffers and rule of the
+  8-bit GEMM layers) and on every parameter (``weight``, ``bias``, ``v``) quantized per tensor on
+  its own min/max, nearest rounding;
+* backward (gradient bifurcation): the layer gradient ``dL/dx`` is the VJP of the formula with
+  the output gradient ``g`` quantized to ``grad_bits`` (stochastic rounding in training, range =
+  min/max of ``g`` or per sample, as ``QuantConfig.grad_granularity``); the parameter gradients
+  are the VJP with the full-precision ``g``. Straight-through estimator for every rounding.
+
+As ``QuantGemmFunction`` does, the backward recomputes the quantized operands and the formula from
+the saved float input (no memory beyond the float layer's saved input); a Range BatchNorm's
+recomputation in training uses the same batch statistics without touching the running buffers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..quant import QuantConfig, QuantModule, register_quant_layer
+from ..quant.functional import fake_quantize, sample_range, tensor_range
+from ..quant.layers import QuantGemmLayer
+from .norms import (
+    EvoNormS0,
+    RangeBatchNorm2d,
+    RangeEvoNorm2d,
+    _check_input,
+    evonorm_s0,
+    range_batch_norm2d,
+    range_evonorm2d,
+)
+
+__all__ = ["QuantNormFunction", "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d"]
+
+
+def _quantize_parameter(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """A (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4)."""
+    return fake_quantize(p, *tensor_range(p), bits)
+
+
+def _output_grad_range(g: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Range of the output-gradient quantizer: min/max of ``g`` (``"tensor"``) or one per sample."""
+    if granularity == "sample":
+        return tuple(r.view(-1, 1, 1, 1) for r in sample_range(g))
+    return tensor_range(g)
+
+
+class QuantNormFunction(torch.autograd.Function):
+    """One 8-bit norm-layer call with a bifurcated backward (module docstring; SPEC 4).
+
+    ``apply(x, x_lo, x_hi, layer, training, *params)``: ``x`` (N, C, H, W) float32, ``x_lo`` /
+    ``x_hi`` the 0-d input range, ``layer`` the :class:`QuantNormLayer` whose ``normalize`` is the
+    float formula, ``params`` its (C,) parameters in ``layer.quant_parameters()`` order.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_lo, x_hi, layer: "QuantNormLayer", training: bool, *params):
+        bits = layer.quant_config.bits
+        ctx.save_for_backward(x, x_lo, x_hi, *params)
+        ctx.layer, ctx.training = layer, training
+        ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
+        x_q = fake_quantize(x, x_lo, x_hi, bits)
+        return layer.normalize(x_q, [_quantize_parameter(p, bits) for p in params], training, update_stats=True)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, x_lo, x_hi, *params = ctx.saved_tensors
+        layer, config = ctx.layer, ctx.layer.quant_config
+        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
+        with torch.enable_grad():
+            x_q = fake_quantize(x, x_lo, x_hi, config.bits).requires_grad_(need_x)
+            params_q = [_quantize_parameter(p, config.bits).requires_grad_(n) for p, n in zip(params, need_params)]
+            y = layer.normalize(x_q, params_q, ctx.training, update_stats=False)
+        wanted = [p for p, n in zip(params_q, need_params) if n]
+        grad_x = None
+        if need_x:
+            g_q = fake_quantize(g, *_output_grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
+            (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
+        grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
+        grad_params = [next(grads) if n else None for n in need_params]
+        return (grad_x, None, None, None, None, *grad_params)
+
+
+class QuantNormLayer(QuantModule):
+    """Shared part of the 8-bit norm layers: activation quantizer, quantized call, swaps.
+
+    A subclass also subclasses its float layer (``isinstance(QuantRangeEvoNorm2d(...),
+    RangeEvoNorm2d)`` holds, the state-dict keys stay) and shares that layer's ``Parameter`` and
+    buffer objects. Extra buffers (0-d), those of the 8-bit GEMM layers: ``act_running_min``,
+    ``act_running_max``, ``act_num_batches``.
+    """
+
+    float_type: type[nn.Module]
+
+    # The SPEC 4 activation quantizer of the 8-bit GEMM layers, shared as is (same buffers, same
+    # range rule, same running average with PyTorch's momentum convention).
+    reset_activation_range = QuantGemmLayer.reset_activation_range
+    _activation_range = QuantGemmLayer._activation_range
+
+    def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quant_config = QuantConfig() if quant_config is None else quant_config
+        for name in ("act_running_min", "act_running_max", "act_num_batches"):
+            self.register_buffer(name, None)
+        self.reset_activation_range()
+
+    @staticmethod
+    def _constructor_args(module: nn.Module) -> dict:
+        """Keyword arguments that rebuild a float layer like `module`."""
+        raise NotImplementedError
+
+    def normalize(self, x: torch.Tensor, params: list[torch.Tensor], training: bool,
+                  update_stats: bool) -> torch.Tensor:
+        """The float formula on (already quantized) ``x`` and ``params`` (``quant_parameters()``
+        order) in the mode of the forward call (``training``); ``update_stats=False``: no side effect
+        on running statistics (the backward recomputation)."""
+        raise NotImplementedError
+
+    def quant_parameters(self) -> list[nn.Parameter]:
+        """The parameters quantized in the forward pass: ``weight``, ``bias`` and ``v`` if present."""
+        return [p for p in (self.weight, self.bias, getattr(self, "v", None)) if p is not None]
+
+    @classmethod
+    def from_float(cls, module: nn.Module, config: QuantConfig) -> "QuantNormLayer":
+        """An 8-bit layer sharing `module`'s parameters and buffers (no copy), same training flag."""
+        if type(module) is not cls.float_type:
+            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.float32:
+                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
+                                f"of dtype {p.dtype}; call model.float() first")
+        with torch.device("meta"):
+            layer = cls(**cls._constructor_args(module), quant_config=config)
+        _share_state(module, layer)
+        layer.reset_activation_range()
+        return layer.train(module.training)
+
+    def to_float(self) -> nn.Module:
+        """The plain float layer holding this layer's current parameters and buffers (same objects)."""
+        with torch.device("meta"):
+            layer = self.float_type(**self._constructor_args(self))
+        _share_state(self, layer)
+        return layer.train(self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) -> (N, C, H, W) float32 (the master-weight dtype, as the 8-bit GEMM layers)."""
+        _check_input(x, self.weight.numel(), type(self).__name__)
+        x = x.to(self.weight.dtype)
+        lo, hi = self._activation_range(x)
+        return QuantNormFunction.apply(x, lo, hi, self, self.training, *self.quant_parameters())
+
+    def extra_repr(self) -> str:
+        c = self.quant_config
+        return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}"
+
+
+def _share_state(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the very parameter and buffer objects of `src` (the float layer's own ones)."""
+    float_buffers = dict(src.named_buffers(recurse=False))
+    for name, p in src.named_parameters(recurse=False):
+        setattr(dst, name, p)
+    for name in dict(dst.named_buffers(recurse=False)):
+        if name in float_buffers:
+            setattr(dst, name, float_buffers[name])
+
+
+class QuantEvoNormS0(QuantNormLayer, EvoNormS0):
+    """8-bit EvoNorm-S0 (``norms.evonorm_s0`` on 8-bit input and parameters)."""
+
+    float_type = EvoNormS0
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(num_channels=module.num_channels, groups=module.groups, eps=module.eps, apply_act=module.apply_act)
+
+    def normalize(self, x, params, training, update_stats):
+        weight, bias, *v = params
+        return evonorm_s0(x, weight, bias, v[0] if v else None, self.groups, self.eps)
+
+
+class QuantRangeEvoNorm2d(QuantNormLayer, RangeEvoNorm2d):
+    """8-bit Range EvoNorm (``norms.range_evonorm2d`` on 8-bit input and parameters): the norm of
+    the paper's 8-bit training (SPEC 5)."""
+
+    float_type = RangeEvoNorm2d
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(num_channels=module.num_channels, groups=module.groups, eps=module.eps, apply_act=module.apply_act)
+
+    def normalize(self, x, params, training, update_stats):
+        weight, bias, *v = params
+        return range_evonorm2d(x, weight, bias, v[0] if v else None, self.groups, self.eps)
+
+
+class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
+    """8-bit Range BatchNorm (``norms.range_batch_norm2d`` on 8-bit input and parameters; its
+    running statistics are those of the 8-bit input)."""
+
+    float_type = RangeBatchNorm2d
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(num_features=module.num_features, momentum=module.momentum, eps=module.eps)
+
+    def normalize(self, x, params, training, update_stats):
+        weight, bias = params
+        stats = (self.running_mean, self.running_scale, self.num_batches_tracked)
+        if not update_stats:  # same batch statistics, scratch copies of the running buffers
+            stats = tuple(t.clone() for t in stats)
+        return range_batch_norm2d(x, *stats, weight, bias, training, self.momentum, self.eps)
+
+
+register_quant_layer(EvoNormS0, QuantEvoNormS0)
+register_quant_layer(RangeEvoNorm2d, QuantRangeEvoNorm2d)
+register_quant_layer(RangeBatchNorm2d, QuantRangeBatchNorm2d)

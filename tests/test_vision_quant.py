@@ -1,0 +1,325 @@
+"""8-bit vision norm layers (SPEC 4 + 5) and the whole-CNN surgery.
+
+Tensors stay under 32k elements so that torch runs them on one thread (fast on shared cores).
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lp_decentral_nlp.quant import QuantConfig, QuantConv2d, QuantLinear, QuantModule, dequantize_model, quantize_model
+from lp_decentral_nlp.quant.functional import fake_quantize, mean_sample_range, sample_range, tensor_range
+from lp_decentral_nlp.vision import (
+    ARCHS,
+    EvoNormS0,
+    ImageClassifier,
+    QuantEvoNormS0,
+    QuantRangeBatchNorm2d,
+    QuantRangeEvoNorm2d,
+    RangeBatchNorm2d,
+    RangeEvoNorm2d,
+    build_vision_model,
+    evonorm_s0,
+    range_batch_norm2d,
+    range_evonorm2d,
+)
+
+from test_quant_functional import assert_on_grid
+
+KINDS = ["evonorm", "range_evonorm", "range_batchnorm"]
+C = 8
+
+
+def make_norm(kind, config=None, apply_act=True):
+    """A float norm with random parameters, its 8-bit version (sharing them) and an input batch."""
+    torch.manual_seed(0)
+    if kind == "evonorm":
+        f, qtype = EvoNormS0(C, apply_act=apply_act), QuantEvoNormS0
+    elif kind == "range_evonorm":
+        f, qtype = RangeEvoNorm2d(C, apply_act=apply_act), QuantRangeEvoNorm2d
+    else:
+        f, qtype = RangeBatchNorm2d(C), QuantRangeBatchNorm2d
+    with torch.no_grad():
+        for p in f.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+    x = torch.randn(4, C, 5, 5) * 2 + 0.3
+    return f, qtype.from_float(f, config or QuantConfig()), x
+
+
+def formula(kind, layer, x, params, training=True):
+    """The float formula of `layer` (no side effects) on the given input and parameters."""
+    weight, bias, *v = params
+    v = v[0] if v else None
+    if kind == "evonorm":
+        return evonorm_s0(x, weight, bias, v, layer.groups, layer.eps)
+    if kind == "range_evonorm":
+        return range_evonorm2d(x, weight, bias, v, layer.groups, layer.eps)
+    stats = (layer.running_mean.clone(), layer.running_scale.clone(), layer.num_batches_tracked.clone())
+    return range_batch_norm2d(x, *stats, weight, bias, training, layer.momentum, layer.eps)
+
+
+def q8(t):
+    return fake_quantize(t.detach(), *tensor_range(t.detach()), 8)
+
+
+def record_normalize(layer):
+    """Wrap ``layer.normalize`` to keep the operands of every call."""
+    calls, inner = [], layer.normalize
+
+    def normalize(x, params, training, update_stats):
+        calls.append({"x": x.detach().clone(), "params": [p.detach().clone() for p in params],
+                      "update_stats": update_stats})
+        return inner(x, params, training, update_stats)
+
+    layer.normalize = normalize
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_is_its_float_type_and_shares_parameters_and_buffers(kind):
+    f, q, _ = make_norm(kind)
+    assert isinstance(q, type(f)) and isinstance(q, QuantModule)
+    assert all(a is b for a, b in zip(q.parameters(), f.parameters()))
+    assert all(q.get_buffer(n) is b for n, b in f.named_buffers())
+    assert set(q.state_dict()) == set(f.state_dict()) | {"act_running_min", "act_running_max", "act_num_batches"}
+    back = q.to_float()
+    assert type(back) is type(f) and set(back.state_dict()) == set(f.state_dict())
+    assert all(a is b for a, b in zip(back.parameters(), f.parameters()))
+    assert all(back.get_buffer(n) is b for n, b in f.named_buffers())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_is_the_formula_on_8bit_input_and_parameters(kind):
+    f, q, x = make_norm(kind)
+    calls = record_normalize(q)
+    expected = formula(kind, q, fake_quantize(x, *mean_sample_range(x, batched=True), 8),
+                       [q8(p) for p in q.quant_parameters()])
+    with torch.no_grad():
+        out = q(x)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert not torch.allclose(out, f.train()(x), atol=1e-3), "the output should differ from the float layer's"
+    # the operands really are on 8-bit grids: input from the SPEC 4 activation range, each
+    # parameter from its own min/max
+    (call,) = calls
+    lo, hi = mean_sample_range(x, batched=True)
+    assert_on_grid(call["x"], lo, (hi - lo) / 255)
+    for p_q, p in zip(call["params"], q.quant_parameters()):
+        p_lo, p_hi = tensor_range(p.detach())
+        assert_on_grid(p_q, p_lo, (p_hi - p_lo) / 255)
+        assert not torch.equal(p_q, p.detach())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("granularity", ["tensor", "sample"])
+def test_gradient_bifurcation(kind, granularity):
+    """Layer gradient from the 8-bit stochastically rounded output gradient, parameter gradients
+    from the fp32 one, both through the formula at the 8-bit operands (straight-through)."""
+    _, q, x = make_norm(kind, QuantConfig(grad_granularity=granularity))
+    x.requires_grad_(True)
+    upstream = torch.randn(4, C, 5, 5) * torch.tensor([0.01, 1.0, 10.0, 100.0]).view(4, 1, 1, 1)
+    out = q(x)
+    torch.manual_seed(123)
+    (out * upstream).sum().backward()
+
+    torch.manual_seed(123)  # the backward's only random draw: the stochastic rounding of g
+    if granularity == "sample":
+        g_lo, g_hi = (r.view(-1, 1, 1, 1) for r in sample_range(upstream))
+    else:
+        g_lo, g_hi = tensor_range(upstream)
+    g_q = fake_quantize(upstream, g_lo, g_hi, 8, stochastic=True)
+    for g_qi, g_loi, g_hii in zip(g_q, g_lo.expand(4, 1, 1, 1), g_hi.expand(4, 1, 1, 1)):
+        assert_on_grid(g_qi, g_loi, (g_hii - g_loi) / 255)
+    assert not torch.equal(g_q, upstream)
+
+    x_q = fake_quantize(x.detach(), *mean_sample_range(x.detach(), batched=True), 8).requires_grad_(True)
+    params_q = [q8(p).requires_grad_(True) for p in q.quant_parameters()]
+    y = formula(kind, q, x_q, params_q)
+    (dx,) = torch.autograd.grad(y, x_q, g_q, retain_graph=True)
+    dparams = torch.autograd.grad(y, params_q, upstream, retain_graph=True)
+    dparams_from_gq = torch.autograd.grad(y, params_q, g_q)
+    assert torch.allclose(x.grad, dx, atol=1e-4 * dx.abs().max())
+    for p, dp, dp_q in zip(q.quant_parameters(), dparams, dparams_from_gq):
+        assert torch.allclose(p.grad, dp, rtol=1e-5, atol=1e-5 * dp.abs().max())
+        assert not torch.allclose(p.grad, dp_q, rtol=1e-6, atol=1e-7), "8-bit g leaked into a parameter gradient"
+
+
+def test_layer_gradient_through_an_identity_norm_is_on_the_8bit_grid():
+    """End to end: an eval Range BN that is the identity passes back exactly the quantized g."""
+    f = RangeBatchNorm2d(C, eps=1e-5)
+    with torch.no_grad():
+        f.running_scale.fill_(1 - 1e-5)  # (x - 0) / (scale + eps) * 1 + 0 = x
+    q = QuantRangeBatchNorm2d.from_float(f, QuantConfig()).eval()
+    x = torch.randn(4, C, 3, 3, requires_grad=True)
+    upstream = torch.randn(4, C, 3, 3)
+    (q(x) * upstream).sum().backward()
+    lo, hi = tensor_range(upstream)
+    assert_on_grid(x.grad, lo, (hi - lo) / 255)
+    assert (x.grad - upstream).abs().max() <= (hi - lo) / 255 / 2 + 1e-6  # eval: nearest rounding
+    assert (x.grad != upstream).any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_partial_gradients(kind):
+    """First layer (input without grad) and frozen parameters both work."""
+    _, q, x = make_norm(kind)
+    q(x).pow(2).sum().backward()
+    assert all(p.grad is not None for p in q.parameters())
+    q.zero_grad(set_to_none=True)
+    for p in q.parameters():
+        p.requires_grad_(False)
+    x.requires_grad_(True)
+    q(x).pow(2).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in q.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_gradient_stochastic_in_training_deterministic_in_eval(kind):
+    _, q, x = make_norm(kind)
+
+    def grads(seed):
+        torch.manual_seed(seed)
+        leaf = x.clone().requires_grad_(True)
+        out = q(leaf)
+        out.pow(2).sum().backward()
+        return out.detach(), leaf.grad
+
+    a, b, c = grads(0), grads(0), grads(1)
+    assert torch.equal(a[1], b[1]) and not torch.equal(a[1], c[1])
+    q.eval()
+    (o0, g0), (o1, g1) = grads(0), grads(1)
+    assert torch.equal(o0, o1) and torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_running_activation_range_in_training_and_its_use_in_eval(kind):
+    _, q, x = make_norm(kind)
+    batches = [x, x * 3 - 1]
+    for b in batches:
+        q(b)
+    (lo1, hi1), (lo2, hi2) = (mean_sample_range(b, batched=True) for b in batches)
+    assert q.act_num_batches.item() == 2
+    assert q.act_running_min.item() == pytest.approx((0.9 * lo1 + 0.1 * lo2).item(), rel=1e-5)
+    assert q.act_running_max.item() == pytest.approx((0.9 * hi1 + 0.1 * hi2).item(), rel=1e-5)
+    q.eval()
+    probe = torch.randn(2, C, 5, 5) * 10
+    expected = formula(kind, q, fake_quantize(probe, q.act_running_min, q.act_running_max, 8),
+                       [q8(p) for p in q.quant_parameters()], training=False)
+    with torch.no_grad():
+        assert torch.allclose(q(probe), expected, atol=1e-5)
+
+
+def test_range_batchnorm_running_statistics_come_from_the_8bit_input_once_per_step():
+    """The backward recomputation must not update the running buffers a second time."""
+    _, q, x = make_norm("range_batchnorm")
+    x.requires_grad_(True)
+    q(x).pow(2).sum().backward()
+    assert q.num_batches_tracked.item() == 1
+    x_q = fake_quantize(x.detach(), *mean_sample_range(x.detach(), batched=True), 8)
+    assert torch.allclose(q.running_mean, 0.1 * x_q.mean((0, 2, 3)), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["evonorm", "range_evonorm"])
+def test_norm_without_activation(kind):
+    _, q, x = make_norm(kind, apply_act=False)
+    assert q.v is None and len(q.quant_parameters()) == 2
+    expected = formula(kind, q, fake_quantize(x, *mean_sample_range(x, batched=True), 8),
+                       [q8(p) for p in q.quant_parameters()])
+    assert torch.allclose(q(x), expected, atol=1e-5)
+    assert type(q.to_float()).__name__ == type(q).__name__.removeprefix("Quant")
+
+
+def test_from_float_errors():
+    with pytest.raises(TypeError, match="needs a RangeEvoNorm2d"):
+        QuantRangeEvoNorm2d.from_float(EvoNormS0(C), QuantConfig())
+    with pytest.raises(TypeError, match="float32"):
+        QuantEvoNormS0.from_float(EvoNormS0(C).double(), QuantConfig())
+    _, q, _ = make_norm("evonorm")
+    with pytest.raises(ValueError, match=r"expects input of shape \(N, 8, H, W\)"):
+        q(torch.randn(2, 4, 3, 3))
+
+
+# -- whole networks -------------------------------------------------------------------------------
+
+
+def test_whole_resnet_trains_in_8_bits_and_dequantizes_back():
+    torch.manual_seed(0)
+    model = build_vision_model("resnet20", 10, "range_evonorm")
+    reference = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    quantize_model(model, QuantConfig())
+    kinds = {type(m) for m in model.modules()}
+    assert not kinds & {nn.Conv2d, RangeEvoNorm2d}, "every conv and every norm is 8-bit"
+    assert sum(isinstance(m, QuantConv2d) for m in model.modules()) == 21  # stem, 9 blocks x 2, 2 shortcuts
+    assert sum(isinstance(m, QuantRangeEvoNorm2d) for m in model.modules()) == 21
+    assert type(model.classifier) is nn.Linear, "the head stays full precision (DEFAULT_SKIP)"
+    assert all(p is params[n] for n, p in model.named_parameters()), "fp32 master weights are the float ones"
+
+    x, labels = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    nn.functional.cross_entropy(model(x), labels).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    opt.step()
+    with torch.no_grad():
+        assert not torch.allclose(model.eval()(x), reference.eval()(x), atol=1e-3)
+
+    dequantize_model(model)
+    assert not any(isinstance(m, QuantModule) for m in model.modules())
+    assert {type(m) for m in model.modules()} == {type(m) for m in reference.modules()}
+    assert set(model.state_dict()) == set(reference.state_dict())
+    assert all(p is params[n] for n, p in model.named_parameters())
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), reference.eval()(x))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_keeps_only_its_head_full_precision(arch):
+    model = build_vision_model(arch, 10, "range_evonorm")
+    report = quantize_model(model, dry_run=True)
+    assert report.skipped and all(n.split(".")[0] == "classifier" for n in report.skipped)
+    gemm_and_norms = [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear, RangeEvoNorm2d))]
+    assert sorted(report.quantized + report.skipped) == sorted(gemm_and_norms)
+
+
+@pytest.mark.parametrize("norm, quant_norm", [("batchnorm", None), ("groupnorm", None),
+                                              ("evonorm", QuantEvoNormS0), ("range_batchnorm", QuantRangeBatchNorm2d)])
+def test_norm_choice_under_surgery(norm, quant_norm):
+    """Sample-statistics norms get their 8-bit versions; BatchNorm/GroupNorm are fp32 baselines."""
+    model = quantize_model(build_vision_model("resnet20", 10, norm))
+    norms = [m for n, m in model.named_modules() if n.endswith(".norm") or ".norm." in n + "."]
+    if quant_norm is None:
+        assert not any(isinstance(m, QuantModule) for m in norms)
+        assert any(isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) for m in model.modules())
+    else:
+        assert sum(isinstance(m, quant_norm) for m in model.modules()) == 21
+
+
+def test_image_classifier_output_and_8bit_save_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = ImageClassifier("resnet20", 10, "range_evonorm")
+    quantize_model(model)
+    x, labels = torch.randn(4, 3, 8, 8), torch.tensor([1, 2, 3, 4])
+    out = model(pixel_values=x, labels=labels)
+    assert out.logits.shape == (4, 10)
+    assert torch.allclose(out.loss, nn.functional.cross_entropy(out.logits, labels))
+    assert model(x).loss is None
+    model.save_pretrained(tmp_path)
+    back = ImageClassifier.from_pretrained(tmp_path)
+    assert back.applied_quant_config() == model.applied_quant_config() == QuantConfig()
+    assert isinstance(back.net.stem.norm, QuantRangeEvoNorm2d) and isinstance(back.net.classifier, nn.Linear)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits, back.eval()(x).logits)
+    with pytest.raises(FileNotFoundError, match="vision_config.json"):
+        ImageClassifier.from_pretrained(tmp_path / "nothing")
+
+
+def test_float_image_classifier_saves_no_quant_config(tmp_path):
+    model = ImageClassifier("resnet20", 10, "evonorm")
+    model.save_pretrained(tmp_path)
+    back = ImageClassifier.from_pretrained(tmp_path)
+    assert back.applied_quant_config() is None and back.vision_config == model.vision_config
+    assert isinstance(back.net.classifier, nn.Linear) and not isinstance(back.net.classifier, QuantLinear)
