@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, Subset
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import SchedulerType, TrainOutput
 
 from . import gossip as gossip_lib
 from .data import skewed_partition
@@ -71,6 +71,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": "Rows of the torus topology (default: the most square factorisation of num_nodes)."})
     backend: str = field(default="simulated", metadata={"help": f"Where the nodes run, one of {BACKENDS}."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Per-node gradient clipping norm (0 = off)."})
+    lr_milestones: list[float] | None = field(default=None, metadata={
+        "help": "Epochs at which the learning rate is multiplied by lr_decay (multi-step schedule, SPEC 8); "
+                "needs lr_scheduler_type='constant'."})
+    lr_decay: float = field(default=0.1, metadata={"help": "LR factor applied at each of lr_milestones, in (0, 1]."})
     report_to: str | list[str] | None = field(default="none", metadata={"help": "Logging integrations."})
 
     def __post_init__(self):
@@ -94,7 +98,22 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
+        self._check_lr_milestones()
         super().__post_init__()
+
+    def _check_lr_milestones(self):
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"lr_decay must be in (0, 1], got {self.lr_decay!r}")
+        if self.lr_milestones is None:
+            return
+        m = list(self.lr_milestones)
+        if not m or any(isinstance(e, bool) or not isinstance(e, (int, float)) or e <= 0 for e in m) \
+                or m != sorted(set(m)):
+            raise ValueError(f"lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
+                             f"(or None), got {self.lr_milestones!r}")
+        if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
+            raise ValueError(f"lr_milestones needs lr_scheduler_type='constant' (the milestones are the schedule), "
+                             f"got lr_scheduler_type={self.lr_scheduler_type!r}")
 
     @property
     def gamma(self) -> float:
@@ -272,11 +291,13 @@ class DecentralizedTrainer(Trainer):
                                       num_workers=self.args.dataloader_num_workers))
         return loaders
 
-    def _make_optimizer_and_scheduler(self, node_model, max_steps):
+    def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
         """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
 
         With QGM the optimizer's own momentum is switched off (Adam ``beta1 = 0``, SGD
-        ``momentum = 0``): the quasi-global buffer takes its place (SPEC 2).
+        ``momentum = 0``): the quasi-global buffer takes its place (SPEC 2). With
+        ``args.lr_milestones`` the schedule is ``MultiStepLR``: the LR is multiplied by
+        ``args.lr_decay`` after step ``max(1, round(epoch * steps_per_epoch))`` of each milestone.
         """
         self.optimizer, self.lr_scheduler = None, None
         optimizer = self.create_optimizer(node_model)
@@ -286,7 +307,11 @@ class DecentralizedTrainer(Trainer):
                     group["betas"] = (0.0, group["betas"][1])
                 if "momentum" in group:
                     group["momentum"] = 0.0
-        scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
+        if self.args.lr_milestones:
+            milestones = [max(1, round(e * steps_per_epoch)) for e in self.args.lr_milestones]
+            scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=self.args.lr_decay)
+        else:
+            scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
         self.optimizer, self.lr_scheduler = None, None
         return optimizer, scheduler
 
@@ -301,7 +326,7 @@ class DecentralizedTrainer(Trainer):
         steps_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         num_epochs = math.ceil(max_steps / steps_per_epoch)
-        opts = [self._make_optimizer_and_scheduler(node, max_steps) for node in self.nodes]
+        opts = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
 
         self.state = TrainerState()
         self._mark_main_process()
