@@ -1,0 +1,12 @@
+"""Decentralized Deep-Squeeze training of a CNN (SPEC 8 optimizer; defaults sized for a CPU run on digits).
+
+    python recipes/vision_deepsqueeze.py --nodes 4 --skew 0.4 --comp 90 --epochs 30
+    python recipes/vision_deepsqueeze.py --dataset cifar10 --arch vgg11 --nodes 16 --topology torus --epochs 200
+    torchrun --nproc_per_node 4 recipes/vision_deepsqueeze.py --backend distributed
+
+`--help` lists every flag; results land in --output-dir (results.json, metrics.csv, model/).
+"""
+from lp_decentral_nlp.vision.recipe import main
+
+if __name__ == "__main__":
+    main(algorithm="deepsqueeze")

@@ -1,0 +1,135 @@
+"""Vision recipes (SPEC 8): flags, the multi-step LR schedule of the trainer, an end-to-end digits run."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+
+from lp_decentral_nlp.quant import QuantModule
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from lp_decentral_nlp.vision import ImageClassifier, QuantRangeEvoNorm2d, load_vision_dataset, vision_transform
+from lp_decentral_nlp.vision.recipe import parse_vision_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# -- the trainer's multi-step LR schedule ---------------------------------------------------------
+
+
+def tiny_image_set(n=16):
+    g = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_dict({
+        "pixel_values": torch.randn(n, 3, 8, 8, generator=g).tolist(),
+        "label": [i % 4 for i in range(n)],
+    }).with_format("torch")
+
+
+def lr_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), num_nodes=2, low_precision=False, learning_rate=0.1, optim="sgd",
+                optim_args="momentum=0.9,nesterov=True", lr_scheduler_type="constant", per_device_train_batch_size=4,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                remove_unused_columns=False)
+    return DecentralizedTrainingArguments(**{**base, **kw})
+
+
+def test_lr_milestones_multiply_the_lr_at_epoch_boundaries(tmp_path):
+    # 16 samples, 2 nodes, batch 4: 2 steps per epoch, so milestones at epochs 1 and 2 are steps 2 and 4
+    args = lr_args(tmp_path, lr_milestones=[1, 2], lr_decay=0.5, max_steps=5)
+    trainer = DecentralizedTrainer(model=ImageClassifier("resnet20", 4, "evonorm"), args=args,
+                                   train_dataset=tiny_image_set())
+    trainer.train()
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    # logged after each step's scheduler update: the LR of the next step
+    assert logged == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025])
+    sgd = trainer._make_optimizer_and_scheduler(trainer.nodes[0], 5, 2)[0]
+    assert all(g["momentum"] == 0.9 and g["nesterov"] for g in sgd.param_groups)
+    assert sorted(g["weight_decay"] for g in sgd.param_groups) == [0.0, 0.0]  # weight_decay defaults to 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"lr_milestones": [2, 1]}, "strictly increasing"),
+    ({"lr_milestones": [0, 1]}, "epochs > 0"),
+    ({"lr_milestones": []}, "non-empty"),
+    ({"lr_milestones": [1], "lr_scheduler_type": "linear"}, "needs lr_scheduler_type='constant'"),
+    ({"lr_decay": 0.0}, r"lr_decay must be in \(0, 1\]"),
+])
+def test_lr_milestone_arguments_are_checked(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        lr_args(tmp_path, **kw)
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+
+def test_defaults_resolve_per_precision_and_dataset():
+    a = parse_vision_args("choco", [])
+    assert (a.dataset, a.arch, a.norm, a.image_size, a.num_classes) == ("digits", "resnet20", "range_evonorm", 8, 10)
+    assert a.lr == 0.1 and a.weight_decay == 1e-4 and a.augment is False
+    assert a.lr_milestones == [2.5, 3.75]  # 50% and 75% of the 5 default epochs
+    b = parse_vision_args("deepsqueeze", ["--full-precision", "--epochs", "200", "--dataset", "cifar10"])
+    assert (b.norm, b.algorithm, b.image_size, b.augment) == ("evonorm", "deepsqueeze", 32, True)
+    assert b.lr_milestones == [100, 150]  # SPEC 8
+    c = parse_vision_args("choco", ["--lr-milestones", "--norm", "batchnorm", "--no-augment", "--dataset", "cifar100"])
+    assert c.lr_milestones == [] and c.norm == "batchnorm" and c.augment is False and c.num_classes == 100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--norm", "layernorm"], "argument --norm: invalid choice"),
+    (["--arch", "resnet50"], "argument --arch: invalid choice"),
+    (["--dataset", "mnist"], "argument --dataset: invalid choice"),
+    (["--lr", "0"], "argument --lr: must be in (0.0, inf]"),
+    (["--skew", "1.5"], "argument --skew: must be in [0.0, 1.0]"),
+    (["--lr-milestones", "3", "2"], "argument --lr-milestones: epochs must be strictly increasing"),
+    (["--lr-milestones", "0"], "argument --lr-milestones: must be in (0.0, inf]"),
+    (["--data-dir", "."], "argument --data-dir: digits is bundled with scikit-learn"),
+    (["--arch", "vgg11"], "argument --image-size: vgg11 needs images of at least 32x32, got 8"),
+    (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
+    (["--groups", "16"], "needs at least 2 channels per group"),
+])
+def test_bad_flags_exit_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_vision_args("choco", argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+
+def test_digits_recipe_end_to_end(tmp_path):
+    """A few 8-bit Choco steps on digits in a subprocess: results.json contract, metrics, the model."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "vision_choco.py"), "--nodes", "2", "--skew", "0.4", "--comp", "90",
+         "--max-steps", "3", "--batch-size", "8", "--logging-steps", "1", "--output-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done" and results["steps"] == 3
+    assert summary["accuracy"] == results["accuracy"] and 0.0 <= results["accuracy"] <= 1.0
+    assert len(results["node_accuracy"]) == 2 and all(b > 0 for b in results["bytes_sent_per_node"])
+    assert results["config"]["norm"] == "range_evonorm" and results["config"]["algorithm"] == "choco"
+    assert results["config"]["consensus_lr_used"] == 0.01
+    assert results["model_used"] == "resnet20 (range_evonorm, 10 classes, random init)"
+    assert results["cost"]["precision"] == "int8" and results["cost"]["input_shape"] == [3, 8, 8]
+    assert results["cost"]["communication"] is not None
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and len(rows) >= 4
+
+    # the saved averaged model is the 8-bit model that was evaluated
+    model = ImageClassifier.from_pretrained(out / "model")
+    assert isinstance(model.net.stem.norm, QuantRangeEvoNorm2d)
+    assert not any(isinstance(m, QuantModule) for m in model.net.classifier.modules())
+    test = load_vision_dataset("digits")["test"].with_transform(vision_transform("digits", train=False))
+    loader = torch.utils.data.DataLoader(test, batch_size=32)  # the recipe's evaluation batch size
+    model.eval()
+    with torch.no_grad():
+        correct = sum((model(b["pixel_values"]).logits.argmax(-1) == b["label"]).sum().item() for b in loader)
+    assert correct / len(test) == pytest.approx(results["accuracy"])
