@@ -1,7 +1,11 @@
 """Gossip engine speed for DistilBERT-sized models on 8 simulated nodes (issue 3).
 
-    python benchmarks/bench_gossip.py                 # default: a few minutes on 2 CPU cores
+    python benchmarks/bench_gossip.py --threads 1     # about 3 minutes on a 2-core CPU
     python benchmarks/bench_gossip.py --passes 3 --rounds 2
+
+On a machine shared with other busy processes, pass ``--threads 1``: with more OpenMP threads
+than free cores, torch's parallel kernels wait on descheduled threads, and both the local steps
+and the gossip steps get several times slower and erratic. The load average is printed.
 
 1. Gossip step: one ``gossip.step(nodes)`` of 8 nodes on a directed ring, each node holding
    DistilBERT's 104 parameter tensors (66.96M parameters, real shapes), per algorithm/compressor.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import statistics
 import time
 
@@ -144,12 +149,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="timed training rounds in part 3")
     parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     shapes = [tuple(p.shape) for p in distilbert().parameters()]
     params = sum(int(torch.Size(s).numel()) for s in shapes)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; DistilBERT: {len(shapes)} tensors, "
-          f"{params / 1e6:.2f}M parameters; {NUM_NODES} nodes, directed ring\n")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; DistilBERT: {len(shapes)} tensors, {params / 1e6:.2f}M parameters; "
+          f"{NUM_NODES} nodes, directed ring\n")
 
     steps = gossip_steps(shapes, args.passes)
     fp32_bytes = 4 * (params + 1)
@@ -179,6 +188,7 @@ def main():
     print("| --- | ---: | ---: |")
     for name, r in steps.items():
         print(f"| {name} | {r['median']:.2f} | {100 * r['median'] / (local_round + r['median']):.1f}% |")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
