@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lp_decentral_nlp.gossip import (
-    QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, QuasiGlobalMomentum, RandomK, TopK, Topology,
-    average_model, consensus_distance, make_topology,
+    QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, QuasiGlobalMomentum, RandomK, SimulatedTransport, TopK,
+    Topology, average_model, consensus_distance, make_topology,
 )
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
@@ -65,6 +65,19 @@ def test_sgp_push_sum_debiases_to_the_exact_average_on_a_directed_irregular_grap
     for params in nodes:
         for p, a in zip(params, avg):
             torch.testing.assert_close(p, a, atol=2e-6, rtol=0)
+
+
+def test_one_sgp_step_is_the_push_sum_product_with_W():
+    topo = irregular_digraph()
+    W = topo.mixing_matrix(0)  # W[i, j]: weight node i gives to what it receives from j
+    nodes = make_nodes(5)
+    X = torch.stack([torch.cat([p.double().flatten() for p in params]) for params in nodes])
+    gossip = SGP(topo)
+    gossip.step(nodes)
+    w = W @ torch.ones(5, dtype=torch.float64)
+    Z = torch.stack([torch.cat([p.double().flatten() for p in params]) for params in nodes])
+    torch.testing.assert_close(gossip.weights.double(), w, atol=1e-6, rtol=0)
+    torch.testing.assert_close(Z, (W @ X) / w[:, None], atol=1e-5, rtol=0)
 
 
 def test_exponential_graph_averages_exactly_in_one_period():
@@ -245,6 +258,28 @@ def test_state_dict_rows_are_labelled_by_node():
     assert int(sd["step"]) == 1
     with pytest.raises(ValueError, match="state_dict is for"):
         DeepSqueeze(make_topology("directed_ring", 3)).load_state_dict(sd)
+
+
+class RankTwoOfFour(SimulatedTransport):
+    """Holds node 2 only, as rank 2 of the distributed backend would (no exchange needed here)."""
+
+    def node_ids(self, num_nodes):
+        return [2]
+
+
+def test_a_simulated_checkpoint_loads_into_one_rank_by_node_id():
+    topo = make_topology("directed_ring", 4)
+    sim = ChocoSGD(topo, TopK(0.3), gamma=0.5)
+    for t in range(3):
+        sim.step(make_nodes(4, seed=t))
+    saved = sim.state_dict()
+    rank = ChocoSGD(topo, TopK(0.3), gamma=0.5, transport=RankTwoOfFour())
+    rank.load_state_dict(saved)
+    mine = rank.state_dict()
+    assert mine["node_ids"].tolist() == [2] and mine["public_nodes"].tolist() == [1, 2]  # itself + in-neighbour
+    torch.testing.assert_close(mine["public"], saved["public"][[1, 2]])
+    torch.testing.assert_close(rank.weights, saved["weights"][[2]])
+    assert rank.num_steps == 3
 
 
 def test_bad_inputs_are_rejected_with_clear_errors():
