@@ -8,7 +8,8 @@ from those fields (:meth:`Compressor.decode_add`). The receiver and the sender b
 the same bytes, so everyone holding a copy of ``C(x)`` agrees on it exactly.
 
 Wire formats (per tensor of ``numel`` elements, ``k = ceil(keep * numel)``, ``F`` = bytes of the
-model's float type, ``I`` = bytes of the smallest unsigned integer holding ``numel - 1``):
+model's float type promoted to at least fp32, ``I`` = bytes of the smallest unsigned integer
+holding ``numel - 1``). Every message also carries the push-sum weight (``F`` bytes), uncompressed:
 
 =================================  =============================================================
 ``Identity()``                     ``numel * F``
