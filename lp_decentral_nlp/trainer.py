@@ -56,7 +56,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
     compression: float = field(
         default=0.0, metadata={"help": "Percent of entries dropped per tensor by the compressor, 0 <= c < 100."}
     )
-    compressor: str = field(default="topk", metadata={"help": f"Sparsifier used when compression > 0: {COMPRESSORS}."})
+    compressor: str = field(default="topk", metadata={
+        "help": f"Compressor used when compression > 0, one of {COMPRESSORS}. topk/randomk keep (100 - compression)%% "
+                "of each tensor; qsgd ignores the percentage and sends qsgd_levels levels per entry."})
+    qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127) when compressor='qsgd'."})
     consensus_lr: float | None = field(
         default=None, metadata={"help": "Consensus step size gamma; default 1.0 without compression, 0.01 with it."}
     )
@@ -86,10 +89,14 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
         if not 0.0 <= self.compression < 100.0:
             raise ValueError(f"compression must be a percentage with 0 <= compression < 100, got {self.compression!r}")
+        if self.algorithm == "dpsgd" and self.compression > 0:
+            raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
         if not 0.0 <= self.skew <= 1.0:
             raise ValueError(f"skew must be in [0, 1], got {self.skew!r}")
         if self.consensus_lr is not None and not 0.0 < self.consensus_lr <= 1.0:
             raise ValueError(f"consensus_lr must be in (0, 1], got {self.consensus_lr!r}")
+        if isinstance(self.qsgd_levels, bool) or not isinstance(self.qsgd_levels, int) or not 1 <= self.qsgd_levels <= 127:
+            raise ValueError(f"qsgd_levels must be an integer in [1, 127], got {self.qsgd_levels!r}")
         if not 0.0 <= self.qgm_beta < 1.0:
             raise ValueError(f"qgm_beta must be in [0, 1), got {self.qgm_beta!r}")
         if self.torus_rows is not None and (self.topology != "torus" or self.torus_rows < 1
@@ -203,14 +210,13 @@ def build_compressor(args: DecentralizedTrainingArguments):
     value_bits = 8 if args.low_precision else None
     if args.compression == 0:
         return gossip_lib.Quantize(bits=8) if value_bits else None
-    if args.algorithm == "dpsgd":
-        raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
     keep = 1.0 - args.compression / 100.0
     if args.compressor == "topk":
         return gossip_lib.TopK(keep, value_bits=value_bits)
     if args.compressor == "randomk":
         return gossip_lib.RandomK(keep, value_bits=value_bits)
-    return gossip_lib.QSGD(levels=max(1, round(keep * 256)))
+    # scaled: divide by 1 + omega so Choco/Deep-Squeeze stay stable with QSGD's variance
+    return gossip_lib.QSGD(levels=args.qsgd_levels, scaled=True)
 
 
 class DecentralizedTrainer(Trainer):

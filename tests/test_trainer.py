@@ -129,10 +129,25 @@ def test_averaged_model_is_the_mean_of_the_nodes(tmp_path, agnews_small, tokeniz
     (dict(num_nodes=0), "num_nodes"), (dict(compression=100.0), "compression"), (dict(skew=1.5), "skew"),
     (dict(algorithm="gossip"), "algorithm"), (dict(backend="mpi"), "backend"), (dict(topology="star"), "topology"),
     (dict(consensus_lr=0.0), "consensus_lr"), (dict(compressor="sign"), "compressor"),
+    (dict(qsgd_levels=0), "qsgd_levels"), (dict(algorithm="dpsgd", compression=50.0), "compression > 0"),
 ])
 def test_bad_arguments_are_named(tmp_path, kwargs, word):
     with pytest.raises(ValueError, match=word):
         targs(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(compression=0.0, low_precision=False), None),
+    (dict(compression=0.0), "Quantize(bits=8)"),
+    (dict(compression=99.0), "TopK(keep=0.01, value_bits=8)"),
+    (dict(compression=90.0, compressor="randomk", low_precision=False), "RandomK(keep=0.1"),
+    (dict(compression=50.0, compressor="qsgd", qsgd_levels=4), "QSGD(levels=4, scaled=True)"),
+])
+def test_compressor_follows_arguments(tmp_path, kwargs, expected):
+    from lp_decentral_nlp.trainer import build_compressor
+
+    compressor = build_compressor(targs(tmp_path, **kwargs))
+    assert (compressor is None) if expected is None else repr(compressor).startswith(expected)
 
 
 def test_distributed_backend_without_process_group_is_an_error(tmp_path, agnews_small):
