@@ -210,7 +210,7 @@ def build_compressor(args: DecentralizedTrainingArguments):
     value_bits = 8 if args.low_precision else None
     if args.compression == 0:
         return gossip_lib.Quantize(bits=8) if value_bits else None
-    keep = 1.0 - args.compression / 100.0
+    keep = (100.0 - args.compression) / 100.0
     if args.compressor == "topk":
         return gossip_lib.TopK(keep, value_bits=value_bits)
     if args.compressor == "randomk":
