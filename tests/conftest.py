@@ -2,8 +2,14 @@
 import os
 import pathlib
 
-import pytest
-import torch
+# One intra-op thread per process: the suite runs tiny models, where thread start-up and
+# oversubscription (several processes on 2 cores, torchrun workers) cost more than they give.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = pathlib.Path(os.environ.get("LPDN_SHARED", REPO.parent / "shared"))
