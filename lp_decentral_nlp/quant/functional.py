@@ -30,7 +30,8 @@ def quantize_codes(
     """
     levels = 2**bits - 1
     scale = (hi - lo) / levels
-    v = (x - lo).div_(torch.where(scale > 0, scale, torch.ones_like(scale)))  # one buffer, updated in place
+    inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+    v = torch.addcmul(-lo * inv, x, inv)  # (x - lo) / s in one pass; later steps update it in place
     if stochastic:
         v.add_(torch.rand_like(v)).floor_()
     else:
@@ -44,7 +45,7 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
-    return codes.mul_(scale).add_(lo)
+    return torch.addcmul(lo, codes, scale)
 
 
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
