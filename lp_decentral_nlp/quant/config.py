@@ -5,6 +5,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from .kernels import KERNELS
+
 # Classification/LM heads of Hugging Face models. They stay full precision by default (SPEC 4).
 # These well-known names are applied wherever they exist; any other `skip` pattern must match.
 DEFAULT_SKIP = ("classifier", "pre_classifier", "score", "lm_head")
@@ -43,8 +45,6 @@ class QuantConfig:
     kernel: str = "simulated"
 
     def __post_init__(self):
-        from .kernels import KERNELS  # the registry imports nothing from here at module level
-
         for name in ("bits", "grad_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
