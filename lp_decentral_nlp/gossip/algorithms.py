@@ -36,6 +36,12 @@ only: ``step([my_params])``. Everything indexed per local node (``weights``, ``b
 state rows) follows :attr:`PushSumGossip.node_ids`: ``[0, ..., n-1]`` in simulation, ``[rank]``
 distributed. Stochastic compressors draw from a generator seeded by ``(seed, node, step)``, so the
 two backends compute the same numbers (up to float reduction order).
+
+Faults. An optional :class:`~.faults.FaultPlan` loses messages, delays stragglers and takes nodes
+away for a while; :mod:`.faults` states the rules (a lost share returns to its sender; a Choco
+message is committed to the public copies only when it reached every out-neighbour; an absent
+node does nothing), under which the push-sum mass stays exactly conserved. Without a plan the
+step does no extra work.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ import numpy as np
 import torch
 
 from .compressors import Compressor, Identity
+from .faults import FaultPlan
 from .topology import Topology
 from .transport import SimulatedTransport
 from .wire import Message, MessageLayout
@@ -81,6 +88,9 @@ class PushSumGossip:
         transport: :class:`~.transport.SimulatedTransport` (default) or
             :class:`~.transport.TorchDistributedTransport`.
         seed: base seed of the per-(node, step) generators of stochastic compressors.
+        faults: a :class:`~.faults.FaultPlan` to inject lost messages, stragglers and absent nodes
+            (default None: none). Every process must use the same plan (checked by the
+            distributed pre-flight).
 
     Parameter lists. ``nodes[k]`` is the list of local node ``node_ids[k]``'s parameter tensors
     (``[p.data for p in model.parameters()]`` or the parameters themselves), all nodes with the
@@ -94,7 +104,7 @@ class PushSumGossip:
     _state_names: tuple[str, ...] = ()
 
     def __init__(self, topology: Topology, compressor: Compressor, gamma: float,
-                 transport=None, seed: int = 0):
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology (see make_topology), got {type(topology).__name__}")
         if not isinstance(compressor, Compressor):
@@ -104,6 +114,12 @@ class PushSumGossip:
             raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a nonnegative int, got {seed!r}")
+        if faults is not None and not isinstance(faults, FaultPlan):
+            raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
+        if faults is not None:
+            faults.check_nodes(topology.num_nodes)
+        self.faults = faults if faults is not None and faults.active else None
+        self._lost: frozenset[tuple[int, int]] = frozenset()
         self.topology = topology
         self.compressor = compressor
         self.gamma = float(gamma)
@@ -152,8 +168,13 @@ class PushSumGossip:
             self._check_nodes(nodes)
             t = self._step
             phase = t % self.topology.period
+            absent = self.faults.absent(t) if self.faults else frozenset()
+            self._lost = self.faults.lost_edges(t, self.topology) if self.faults else frozenset()
             outgoing: dict[int, Message] = {}
             for k, i in enumerate(self._node_ids):
+                outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
+                if i in absent:
+                    continue
                 x = self._flat  # (P + 1,): x~_i = w_i * [z~_i, 1]
                 torch._foreach_copy_(self._flat_views, nodes[k])
                 x[self._P:].fill_(1.0)
@@ -161,18 +182,30 @@ class PushSumGossip:
                 v = self._message(k, x)
                 self._encode(v, self._outgoing[k], self._generator(i, t))
                 self._after_encode(k, self._outgoing[k])
-                outgoing[i] = self._outgoing[k]
+            if self.faults:
+                self.faults.straggle([i for i in self._node_ids if i not in absent])
             received = self.transport.exchange(t, outgoing)
+            if self._lost:
+                received = {i: [(j, msg) for j, msg in pairs if (j, i) not in self._lost]
+                            for i, pairs in received.items()}
             self._on_receive(received)
+            returned = self._returned_edges(absent)
             for k, i in enumerate(self._node_ids):
+                if i in absent:
+                    continue  # W'[i, i] = 1 and nothing received: x_i and w_i stay as they are
                 self_weight, in_weights = self._mix[phase][k]
-                contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
+                if self._lost:
+                    contributions = self._contributions_under_faults(i, t, self_weight, in_weights, outgoing[i],
+                                                                     received[i], returned)
+                else:
+                    contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
                 self._direction(k, contributions)
                 self._apply(k, nodes[k])
             self._step += 1
             nbytes = self._layout.nbytes
-            return GossipStats(step=t, node_ids=self.node_ids,
-                               bytes_sent=[nbytes * f for f in self._fanout[phase]], message_bytes=nbytes)
+            return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
+                               bytes_sent=[0 if i in absent else nbytes * f
+                                           for i, f in zip(self._node_ids, self._fanout[phase])])
 
     def state_dict(self) -> dict:
         """The algorithm state as tensors (shared with the live state: save or clone them).
@@ -218,6 +251,53 @@ class PushSumGossip:
             self._w = state_dict["weights"][rows].clone()
         self._step = step
 
+    def node_state_dict(self, node: int) -> dict:
+        """The part of :meth:`state_dict` that graph node ``node`` keeps itself (one checkpoint
+        file per node): its push-sum weight and, per state buffer, the rows it holds (Choco: its
+        own public copy and those of its in-neighbours; Deep-Squeeze: its error memory), labelled
+        by node id like :meth:`state_dict`. ``node`` must be a local node. Tensors are shared
+        with the live state."""
+        if node not in self._node_ids:
+            raise ValueError(f"node {node} is not run by this process (local nodes: {self._node_ids})")
+        sd = self.state_dict()
+        row = self._node_ids.index(node)
+        part = {"step": sd["step"], "config": sd["config"], "node_ids": torch.tensor([node]),
+                "weights": sd["weights"][row:row + 1]}
+        for name in self._state_names:
+            if name not in sd:
+                continue
+            held = self._held_nodes(name, node)
+            saved = sd[f"{name}_nodes"].tolist()
+            part[name] = sd[name][[saved.index(j) for j in held]]
+            part[f"{name}_nodes"] = torch.tensor(held)
+        return part
+
+    def load_node_state_dicts(self, parts: list[dict]) -> None:
+        """Restore from :meth:`node_state_dict` outputs (any set of nodes covering the local ones
+        and the rows they hold). A row present in several parts must be identical in all."""
+        if not parts:
+            raise ValueError("load_node_state_dicts needs at least one node state dict")
+        steps = {int(p["step"]) for p in parts}
+        if len(steps) != 1:
+            raise ValueError(f"node state dicts are from different steps: {sorted(steps)}")
+        merged = {"step": parts[0]["step"], "config": parts[0]["config"],
+                  "node_ids": torch.cat([p["node_ids"] for p in parts]),
+                  "weights": torch.cat([p["weights"] for p in parts])}
+        for name in self._state_names:
+            rows: dict[int, torch.Tensor] = {}
+            for p in parts:
+                if name not in p:
+                    continue
+                for j, r in zip(p[f"{name}_nodes"].tolist(), p[name]):
+                    if j in rows and not torch.equal(rows[j], r):
+                        raise ValueError(f"node state dicts disagree on the {name!r} row of node {j}")
+                    rows.setdefault(j, r)
+            if rows:
+                ids = sorted(rows)
+                merged[name] = torch.stack([rows[j] for j in ids])
+                merged[f"{name}_nodes"] = torch.tensor(ids)
+        self.load_state_dict(merged)
+
     def __repr__(self):
         return f"{type(self).__name__}({self.topology!r}, compressor={self.compressor!r}, gamma={self.gamma:g}, " \
                f"transport={self.transport!r})"
@@ -236,6 +316,30 @@ class PushSumGossip:
     def _direction(self, k: int, contributions: list[tuple[float, int, Message]]) -> None:
         """Write ``d_k`` into ``self._flat`` from ``[(W_kk, k's node, own message), (W_kj, j, j's message)...]``."""
         raise NotImplementedError
+
+    #: Choco mixes the public copies, which stay consistent when a message is lost (it is just not
+    #: committed), so only an absent node's edges change its mixing matrix (faults.py)
+    _copies_absorb_losses = False
+
+    def _returned_edges(self, absent) -> frozenset[tuple[int, int]]:
+        """Lost edges ``(sender, receiver)`` whose mixing weight returns to the sender this step."""
+        if not self._copies_absorb_losses or not self._lost:
+            return self._lost
+        return frozenset((j, i) for j, i in self._lost if j in absent or i in absent)
+
+    def _contributions_under_faults(self, i, t, self_weight, in_weights, own_msg, received, returned):
+        """SPEC 2 step 5's ``[(W'_ii, i, q_i), (W'_ij, j, q_j)...]`` for the step's ``W'``: each
+        returned share is added to its sender's self-weight and leaves the receiver's row. An
+        in-neighbour whose message was lost but not returned (Choco) comes with ``None``."""
+        self_weight += sum(self.topology.weight(o, i, t) for o in self.topology.out_neighbors(i, t)
+                           if (i, o) in returned)
+        delivered = dict(received)
+        return [(self_weight, i, own_msg)] + [(w, j, delivered.get(j)) for j, w in in_weights.items()
+                                              if (j, i) not in returned]
+
+    def _held_nodes(self, name: str, node: int) -> list[int]:
+        """Nodes whose row of state buffer ``name`` graph node ``node`` keeps (sorted)."""
+        return [node]
 
     # -- shared machinery --------------------------------------------------------------------------
     def _config(self) -> str:
@@ -327,7 +431,7 @@ class PushSumGossip:
             self._state[name].copy_(buf)
         self._pending = {}
         self._w = self._w.to(device=dev, dtype=dt)
-        config = f"{self._config()};{dt};{self._layout.signature()}"
+        config = f"{self._config()};{dt};{self._layout.signature()};{self.faults!r}"
         fingerprint = int.from_bytes(hashlib.sha256(config.encode()).digest()[:8], "little") >> 1
         self.transport.prepare(self.topology, self._layout, dev, self._step, fingerprint)
         self._ready = True
@@ -338,13 +442,13 @@ class SGP(PushSumGossip):
     ``x_i <- sum_j W_ij x~_j``, ``w_i <- sum_j W_ij w_j``. Works on time-varying graphs.
 
     Args:
-        topology, transport, seed: as in :class:`PushSumGossip`.
+        topology, transport, seed, faults: as in :class:`PushSumGossip`.
     """
 
     _keep = 0.0
 
-    def __init__(self, topology: Topology, transport=None, seed: int = 0):
-        super().__init__(topology, Identity(), 1.0, transport, seed)
+    def __init__(self, topology: Topology, transport=None, seed: int = 0, faults: FaultPlan | None = None):
+        super().__init__(topology, Identity(), 1.0, transport, seed, faults)
 
     def _message(self, k, x_tilde):
         return x_tilde
@@ -365,19 +469,22 @@ class ChocoSGD(PushSumGossip):
         topology: a static graph (``period == 1``).
         compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma ~ 0.01`` for 99%.
         gamma: consensus step size in (0, 1].
-        transport, seed: as in :class:`PushSumGossip`.
+        transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
+            to the public copies only when it reached every out-neighbour (:mod:`.faults`).
     State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all
     ``n`` nodes in simulation, ``{rank} + in-neighbours`` on a rank).
     """
 
     _state_names = ("public",)
+    _copies_absorb_losses = True
 
     def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
-                 transport=None, seed: int = 0):
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
         if topology.period != 1:
             raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
                              f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")
-        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed)
+        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
+                         faults)
         held = set(self._node_ids).union(*(topology.in_neighbors(i) for i in self._node_ids))
         self._state_nodes["public"] = sorted(held)
         self._public_row = {j: r for r, j in enumerate(self._state_nodes["public"])}
@@ -385,17 +492,27 @@ class ChocoSGD(PushSumGossip):
     def _public(self, node: int) -> torch.Tensor:
         return self._state["public"][self._public_row[node]]
 
+    def _held_nodes(self, name, node):
+        return sorted({node, *self.topology.in_neighbors(node)})
+
+    def _committed(self, node: int) -> bool:
+        """Whether ``node``'s message of this step reached all its out-neighbours (always without
+        faults): only then is it added to the copies of ``x^_node`` (:mod:`.faults`)."""
+        return not self._lost or not any((node, o) in self._lost for o in self.topology.out_neighbors(node))
+
     def _message(self, k, x_tilde):
         return x_tilde.sub_(self._public(self._node_ids[k]))
 
     def _after_encode(self, k, msg):
-        self._decode_add(msg, self._public(self._node_ids[k]), 1.0)
+        if self._committed(self._node_ids[k]):
+            self._decode_add(msg, self._public(self._node_ids[k]), 1.0)
 
     def _on_receive(self, received):
         # Copies of in-neighbours run by another process (distributed): x^_j += q_j, once each.
         remote = {j: msg for pairs in received.values() for j, msg in pairs if j not in self._node_ids}
         for j, msg in sorted(remote.items()):
-            self._decode_add(msg, self._public(j), 1.0)
+            if self._committed(j):
+                self._decode_add(msg, self._public(j), 1.0)
 
     def _direction(self, k, contributions):
         # d = sum_j W_kj x^_j - x^_k  (own contribution first: W_kk - 1)
@@ -418,8 +535,9 @@ class DeepSqueeze(PushSumGossip):
     _state_names = ("error",)
 
     def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
-                 transport=None, seed: int = 0):
-        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed)
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
+        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
+                         faults)
 
     def _message(self, k, x_tilde):
         return self._state["error"][k].add_(x_tilde)

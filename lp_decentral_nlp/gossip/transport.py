@@ -23,16 +23,22 @@ from .wire import Message, MessageLayout
 Received = dict[int, list[tuple[int, Message]]]
 
 
-class GossipTimeoutError(TimeoutError):
-    """A peer did not complete a send/receive within the transport's timeout.
+class GossipPeerError(RuntimeError):
+    """A gossip exchange with one peer failed: it timed out, or the peer's connection broke
+    (e.g. its process died).
 
     Attributes:
-        peer: the graph node (= rank) that did not answer.
+        peer: the graph node (= rank) that failed.
     """
 
     def __init__(self, message: str, peer: int):
         super().__init__(message)
         self.peer = peer
+
+
+class GossipTimeoutError(GossipPeerError, TimeoutError):
+    """A peer did not complete a send/receive within the transport's timeout (also a
+    ``TimeoutError``)."""
 
 
 class SimulatedTransport:
@@ -150,7 +156,8 @@ class TorchDistributedTransport:
                 done = work.wait(timedelta(seconds=remaining))
             except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with backend text
                 if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-                    raise RuntimeError(f"rank {self._rank}: {what}: {doing} rank {peer} failed: {exc}") from exc
+                    raise GossipPeerError(f"rank {self._rank}: {what}: {doing} rank {peer} failed (has rank {peer} "
+                                          f"exited?): {exc}", peer) from exc
                 done = False
             if done is False:
                 raise GossipTimeoutError(

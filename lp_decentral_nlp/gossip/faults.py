@@ -1,0 +1,154 @@
+"""Fault injection for robustness studies: lost messages, stragglers, nodes that leave and rejoin.
+
+Everything here is off by default (``FaultPlan()`` injects nothing) and deterministic: what is
+lost at gossip step ``t`` is a function of ``(seed, t, sender, receiver)`` only, so every process
+of the distributed backend and the simulation draw the same faults.
+
+Rules (they keep SPEC 1's push-sum mass ``sum_i x_i`` and ``sum_i w_i`` exactly conserved):
+
+* **Lost message (SGP, Deep-Squeeze).** Each message ``j -> i`` (``i != j``; self-loops are never
+  lost) at step ``t`` is lost with probability ``drop_prob``. The sender learns of the loss (no
+  acknowledgement) and keeps the share it meant to give: for that step the mixing matrix is
+  ``W'`` with ``W'[i, j] = 0`` and ``W'[j, j] = W[j, j] + W[i, j]``. ``W'`` is still column
+  stochastic, so the mass is conserved as for any column-stochastic matrix.
+* **Lost message (Choco-SGD).** The consensus step mixes the public copies ``x^_j``, not the
+  messages, and ``x^_j`` (held by ``j`` and all its out-neighbours) must stay identical
+  everywhere. A message ``q_j`` is therefore *committed* (added to every copy of ``x^_j``, the
+  sender's own included) only when it reached all of ``j``'s out-neighbours; otherwise no holder
+  applies it, and the difference it carried stays in ``x~_j - x^_j``, to be sent again in ``j``'s
+  next message. The mixing matrix stays ``W`` (a receiver mixes its unchanged copy), so the graph
+  stays static and Choco keeps converging to the exact average.
+* **Deep-Squeeze error memory** is updated as usual (the compression error does not depend on
+  delivery).
+* **Absent node** ``a`` during iterations ``[start, end)``: every message to and from ``a`` is
+  lost and, for every algorithm, its share returns to its sender (``W'`` as above: ``a`` keeps
+  all its mass, ``W'[a, a] = 1``, and nobody mixes ``a``'s copy), and ``a`` takes no local step: its model,
+  push-sum weight, optimizer state, error memory and Choco copies do not change; its learning
+  rate schedule keeps counting steps and its batches of those iterations are skipped, so it
+  rejoins in step with the others. An absent node sends no bytes.
+* **Straggler** ``node: seconds``: the node sleeps that long before each send (in the simulated
+  backend the sleeps of all stragglers add up, one after the other).
+
+Iteration ``t`` is the one that takes the trainer's ``global_step`` from ``t`` to ``t + 1``; it
+runs gossip step ``t``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .topology import Topology
+
+# Separates the drop draws from every other use of the run's seed.
+_DROP_STREAM = 0x6C6F7374  # "lost"
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    """``"NODE:SECONDS"`` -> ``(node, seconds)``; ValueError naming the expected form."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        node, seconds = int(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f"expected NODE:SECONDS (e.g. 2:0.5), got {text!r}") from None
+    if node < 0 or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"expected NODE:SECONDS with NODE >= 0 and finite SECONDS >= 0, got {text!r}")
+    return node, seconds
+
+
+def parse_absence(text: str) -> tuple[int, int, int]:
+    """``"NODE:START:END"`` -> ``(node, start, end)``; ValueError naming the expected form."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        node, start, end = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected NODE:START:END (e.g. 1:100:200), got {text!r}") from None
+    if node < 0 or start < 0 or end <= start:
+        raise ValueError(f"expected NODE:START:END with NODE >= 0 and 0 <= START < END, got {text!r}")
+    return node, start, end
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Which faults to inject (see the module docstring for the rules).
+
+    Args:
+        drop_prob: probability in ``[0, 1)`` that a message between two nodes is lost.
+        seed: seed of the drop draws (the run's seed).
+        stragglers: ``((node, seconds), ...)``: delay before each of that node's sends.
+        absences: ``((node, start, end), ...)``: the node is absent for iterations ``[start, end)``.
+    """
+
+    drop_prob: float = 0.0
+    seed: int = 0
+    stragglers: tuple[tuple[int, float], ...] = ()
+    absences: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self):
+        p = self.drop_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"drop_prob must be a probability in [0, 1), got {p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a nonnegative int, got {self.seed!r}")
+        object.__setattr__(self, "stragglers", tuple((int(n), float(s)) for n, s in self.stragglers))
+        object.__setattr__(self, "absences", tuple((int(n), int(a), int(b)) for n, a, b in self.absences))
+        for node, seconds in self.stragglers:
+            parse_straggler(f"{node}:{seconds}")
+        nodes = [n for n, _ in self.stragglers]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"stragglers: each node may be listed once, got {list(self.stragglers)}")
+        for node, start, end in self.absences:
+            parse_absence(f"{node}:{start}:{end}")
+        for node in {n for n, _, _ in self.absences}:
+            spans = sorted((a, b) for n, a, b in self.absences if n == node)
+            if any(a2 < b1 for (_, b1), (a2, _) in zip(spans, spans[1:])):
+                raise ValueError(f"absences: node {node}'s absences overlap: {spans}")
+
+    @property
+    def active(self) -> bool:
+        """Whether this plan injects anything."""
+        return self.drop_prob > 0 or bool(self.stragglers) or bool(self.absences)
+
+    def check_nodes(self, num_nodes: int) -> None:
+        """ValueError unless every node named by the plan is in ``[0, num_nodes)``."""
+        for what, node in [("stragglers", n) for n, _ in self.stragglers] + [("absences", n) for n, _, _ in self.absences]:
+            if node >= num_nodes:
+                raise ValueError(f"{what}: node {node} does not exist (nodes are 0..{num_nodes - 1})")
+
+    def absent(self, step: int) -> frozenset[int]:
+        """Nodes absent at iteration (gossip step) ``step``."""
+        return frozenset(n for n, a, b in self.absences if a <= step < b)
+
+    def lost_edges(self, step: int, topology: Topology) -> frozenset[tuple[int, int]]:
+        """``{(sender, receiver)}`` of the messages lost at gossip step ``step``.
+
+        A message is lost when its uniform draw (an ``(n, n)`` matrix drawn from a generator
+        seeded by ``(seed, step)``, entry ``[sender, receiver]``) is below ``drop_prob``, or when
+        either end is absent.
+        """
+        n = topology.num_nodes
+        absent = self.absent(step)
+        draws = np.random.default_rng([self.seed, step, _DROP_STREAM]).random((n, n)) if self.drop_prob else None
+        lost = set()
+        for j in range(n):
+            for i in topology.out_neighbors(j, step):
+                if j in absent or i in absent or (draws is not None and draws[j, i] < self.drop_prob):
+                    lost.add((j, i))
+        return frozenset(lost)
+
+    def straggle(self, nodes) -> None:
+        """Sleep the delay of every straggler among ``nodes`` (before they send)."""
+        delays = dict(self.stragglers)
+        for node in nodes:
+            if delays.get(node):
+                time.sleep(delays[node])
+
+    def __repr__(self):
+        return (f"FaultPlan(drop_prob={self.drop_prob!r}, seed={self.seed}, stragglers={list(self.stragglers)}, "
+                f"absences={list(self.absences)})")

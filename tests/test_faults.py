@@ -1,0 +1,174 @@
+"""Fault injection (lost messages, stragglers, nodes that leave and rejoin): the push-sum mass stays
+exactly conserved, gossip still reaches the exact average, and training with --drop-prob 0.1
+still converges."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lp_decentral_nlp.gossip import QSGD, SGP, ChocoSGD, DeepSqueeze, Quantize, RandomK, TopK, Topology, make_topology
+from lp_decentral_nlp.gossip import faults as faults_mod
+from lp_decentral_nlp.gossip.faults import FaultPlan, parse_absence, parse_straggler
+
+SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
+
+
+def irregular_digraph() -> Topology:
+    """5 nodes, out-degrees 2,1,1,2,1 (column stochastic, not doubly stochastic)."""
+    edges = {0: [1, 2], 1: [2], 2: [3], 3: [4, 0], 4: [0]}
+    W = np.zeros((5, 5))
+    for i, outs in edges.items():
+        W[[i, *outs], i] = 1 / (len(outs) + 1)
+    return Topology.from_matrix(W, name="irregular")
+
+
+def make_nodes(n, seed=0):
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(1000 * seed + i)
+        out.append([torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES])
+    return out
+
+
+def local_step(nodes, t, skip=()):
+    for i, params in enumerate(nodes):
+        if i not in skip:
+            for p in params:
+                p.sub_(0.05 * torch.sin(p * (i + 1) + t))
+
+
+def mass(gossip, nodes) -> torch.Tensor:
+    """sum_i w_i [z_i, 1] in float64 (the push-sum numerators and the weight coordinate)."""
+    w = gossip.weights.double()
+    return sum(w[i] * torch.cat([torch.cat([p.flatten() for p in params]), torch.ones(1, dtype=torch.float64)])
+               for i, params in enumerate(nodes))
+
+
+ALGORITHMS = {
+    "sgp-irregular": lambda f: SGP(irregular_digraph(), faults=f),
+    "sgp-exponential": lambda f: SGP(make_topology("exponential", 8), faults=f),
+    "choco-topk-irregular": lambda f: ChocoSGD(irregular_digraph(), TopK(0.2), gamma=0.4, faults=f),
+    "choco-qsgd-torus": lambda f: ChocoSGD(make_topology("torus", 6, rows=2, cols=3), QSGD(8, scaled=True), gamma=0.3,
+                                           seed=5, faults=f),
+    "deepsqueeze-topk8-exponential": lambda f: DeepSqueeze(make_topology("exponential", 8), TopK(0.3, value_bits=8),
+                                                           gamma=0.3, faults=f),
+    "deepsqueeze-randomk-irregular": lambda f: DeepSqueeze(irregular_digraph(), RandomK(0.3), gamma=0.3, seed=2,
+                                                           faults=f),
+    "deepsqueeze-quantize8-irregular": lambda f: DeepSqueeze(irregular_digraph(), Quantize(8), gamma=0.5, faults=f),
+}
+
+
+def test_drops_are_a_seeded_function_of_step_and_edge():
+    topo = make_topology("torus", 9, rows=3, cols=3)
+    plan = FaultPlan(drop_prob=0.1, seed=4)
+    edges = [(j, i) for j in range(9) for i in topo.out_neighbors(j)]
+    lost = [plan.lost_edges(t, topo) for t in range(400)]
+    assert lost[17] == FaultPlan(drop_prob=0.1, seed=4).lost_edges(17, topo)  # same plan, same draws
+    assert lost[17] != FaultPlan(drop_prob=0.1, seed=5).lost_edges(17, topo)
+    assert all(e in edges for s in lost for e in s)  # only real edges, never a self-loop
+    rate = sum(len(s) for s in lost) / (400 * len(edges))
+    assert 0.09 < rate < 0.11
+    # each edge is lost independently of the others (no edge is always or never lost)
+    per_edge = [sum(e in s for s in lost) / 400 for e in edges]
+    assert 0.03 < min(per_edge) and max(per_edge) < 0.2
+    assert FaultPlan().lost_edges(3, topo) == frozenset() and not FaultPlan().active
+
+
+def test_absent_node_loses_every_edge_into_and_out_of_it():
+    topo = irregular_digraph()
+    plan = FaultPlan(absences=((3, 2, 5),))
+    assert plan.absent(1) == frozenset() and plan.absent(2) == {3} and plan.absent(4) == {3} and plan.absent(5) == frozenset()
+    assert plan.lost_edges(3, topo) == {(3, 4), (3, 0), (2, 3)}
+    assert plan.lost_edges(5, topo) == frozenset()
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_lost_messages_and_an_absent_node_keep_the_push_sum_mass_exactly(name):
+    plan = FaultPlan(drop_prob=0.3, seed=1, absences=((1, 3, 7),))
+    gossip = ALGORITHMS[name](plan)
+    n = gossip.topology.num_nodes
+    nodes = make_nodes(n)
+    saw_loss = False
+    for t in range(12):
+        local_step(nodes, t, skip=plan.absent(t))
+        before = mass(gossip, nodes)
+        frozen = [p.clone() for p in nodes[1]], gossip.weights[1].clone()
+        stats = gossip.step(nodes)
+        saw_loss |= bool(gossip._lost)
+        torch.testing.assert_close(mass(gossip, nodes), before, rtol=1e-12, atol=1e-10)
+        assert gossip.weights.sum().item() == pytest.approx(n, abs=1e-12)
+        if 1 in plan.absent(t):  # the absent node neither moves nor sends
+            assert all(torch.equal(a, b) for a, b in zip(frozen[0], nodes[1]))
+            assert torch.equal(frozen[1], gossip.weights[1]) and stats.bytes_sent[1] == 0
+    assert saw_loss
+
+
+@pytest.mark.parametrize("name, steps", [("sgp-irregular", 300), ("sgp-exponential", 200),
+                                         ("choco-topk-irregular", 1500), ("deepsqueeze-quantize8-irregular", 400)])
+def test_with_drops_and_a_node_away_gossip_still_reaches_the_exact_initial_average(name, steps):
+    """Zero gradients: push-sum de-biasing must still find mean_i z_i(0) when 10% of the messages
+    are lost and a node is away for a while (a leaked share would bias the limit)."""
+    gossip = ALGORITHMS[name](FaultPlan(drop_prob=0.1, seed=3, absences=((2, 5, 40),)))
+    nodes = make_nodes(gossip.topology.num_nodes, seed=1)
+    target = torch.stack([torch.cat([p.flatten() for p in params]) for params in nodes]).mean(0)
+    for _ in range(steps):
+        gossip.step(nodes)
+    # Deep-Squeeze sends whole 8-bit models: it settles within a fraction of the grid step (8/255)
+    tol = 1e-2 if "deepsqueeze" in name else 1e-9
+    for params in nodes:
+        assert (torch.cat([p.flatten() for p in params]) - target).abs().max().item() < tol
+
+
+def test_choco_commits_a_message_only_when_every_out_neighbour_got_it():
+    topo = irregular_digraph()  # node 0 sends to 1 and 2
+    gossip = ChocoSGD(topo, TopK(0.5), gamma=0.5, faults=FaultPlan(drop_prob=0.5, seed=0))
+    nodes = make_nodes(5)
+    for t in range(30):
+        public0 = gossip.state_dict()["public"][0].clone() if t else None
+        gossip.step(nodes)
+        lost = gossip._lost
+        if t:
+            moved = not torch.equal(public0, gossip.state_dict()["public"][0])
+            assert moved == (not ({(0, 1), (0, 2)} & lost))
+
+
+def test_straggler_sleeps_before_its_send(monkeypatch):
+    slept = []
+    monkeypatch.setattr(faults_mod.time, "sleep", slept.append)
+    gossip = SGP(make_topology("ring", 4), faults=FaultPlan(stragglers=((2, 0.25),), absences=((2, 1, 2),)))
+    nodes = make_nodes(4)
+    for _ in range(3):
+        gossip.step(nodes)
+    assert slept == [0.25, 0.25]  # every step but the one where node 2 is away
+
+
+@pytest.mark.parametrize("text, parse, expected", [
+    ("2:0.5", parse_straggler, (2, 0.5)), ("1:100:200", parse_absence, (1, 100, 200)),
+])
+def test_fault_specs_parse(text, parse, expected):
+    assert parse(text) == expected
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: FaultPlan(drop_prob=1.0), r"drop_prob must be a probability in \[0, 1\), got 1.0"),
+    (lambda: parse_straggler("2"), "expected NODE:SECONDS"),
+    (lambda: parse_straggler("2:-1"), "SECONDS >= 0"),
+    (lambda: parse_absence("1:5:3"), "START < END"),
+    (lambda: FaultPlan(absences=((1, 0, 5), (1, 3, 8))), "overlap"),
+    (lambda: SGP(make_topology("ring", 4), faults=FaultPlan(stragglers=((4, 1.0),))),
+     r"stragglers: node 4 does not exist \(nodes are 0..3\)"),
+])
+def test_bad_fault_plans_are_named(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_without_faults_the_step_is_the_plain_one():
+    a, b = SGP(irregular_digraph()), SGP(irregular_digraph(), faults=FaultPlan())
+    na, nb = make_nodes(5), make_nodes(5)
+    for t in range(5):
+        local_step(na, t), local_step(nb, t)
+        a.step(na), b.step(nb)
+    assert b.faults is None
+    assert all(torch.equal(x, y) for pa, pb in zip(na, nb) for x, y in zip(pa, pb))
