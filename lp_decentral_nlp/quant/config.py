@@ -5,7 +5,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .kernels import KERNELS
+from .kernels import kernel_names
 
 # Classification/LM heads of Hugging Face models. They stay full precision by default (SPEC 4).
 # These well-known names are applied wherever they exist; any other `skip` pattern must match.
@@ -32,7 +32,10 @@ class QuantConfig:
             is a dot-separated suffix of it, or fully matches it as a regular expression.
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
-        kernel: how the quantized GEMMs run; see ``lp_decentral_nlp.quant.kernels.KERNELS``.
+        kernel: how the quantized GEMMs run: ``"simulated"`` (float fake quantization, the paper's
+            method), ``"int8"`` (int8 GEMMs, ``int8_kernel.py``), ``"auto"`` (int8 where supported and
+            faster, see ``kernels.resolve_kernel``) or another registered kernel. A layer the kernel
+            cannot run falls back to ``"simulated"``; ``quantize_model(..., dry_run=True)`` says why.
     """
 
     bits: int = 8
@@ -63,8 +66,8 @@ class QuantConfig:
             object.__setattr__(self, "target", _patterns("target", self.target))
             if not self.target:
                 raise ValueError("target must be None (every supported layer) or a non-empty list of patterns")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {self.kernel!r}")
+        if self.kernel not in kernel_names():
+            raise ValueError(f"kernel must be one of {kernel_names()}, got {self.kernel!r}")
 
     def to_dict(self) -> dict:
         """JSON-serialisable form (stored under ``lp_quant_config`` in a model's ``config.json``)."""

@@ -20,6 +20,11 @@ class Kernel(abc.ABC):
 
     name: str
 
+    def unsupported_reason(self, gemm_type: type, weight: torch.Tensor) -> str | None:
+        """Why this kernel cannot run a layer of `gemm_type` (a class of ``gemm.py``) with `weight`
+        (its device and shape), or None when it can. The layer then uses the simulated kernel."""
+        return None
+
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool):
         """Quantize `x` on the affine grid of ``[lo, hi]`` (see ``functional.quantize_codes``)."""
@@ -69,9 +74,43 @@ def register_kernel(kernel: Kernel) -> Kernel:
 
 
 def get_kernel(name: str) -> Kernel:
+    """The registered kernel called `name` (``"auto"`` is resolved per layer by ``resolve_kernel``)."""
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {name!r}")
     return KERNELS[name]
 
 
+AUTO = "auto"
+# kernel="auto" takes int8 for layers at least this wide (in and out features): measured with
+# benchmarks/bench_quant.py --layer-sweep, narrower int8 layers are not faster than simulated ones.
+AUTO_MIN_FEATURES = 256
+
+
+def kernel_names() -> tuple[str, ...]:
+    """Values ``QuantConfig.kernel`` accepts: the registered kernels and ``"auto"``."""
+    return (*KERNELS, AUTO)
+
+
+def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor) -> tuple[Kernel, str | None]:
+    """The kernel a layer runs for ``QuantConfig.kernel == name``, and why it is not the one asked
+    for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
+    another device re-decides. ``"auto"`` picks int8 where it is supported and faster: a device
+    with int8 dot-product hardware (CUDA, or a CPU with VNNI/AMX) and a layer of at least
+    ``AUTO_MIN_FEATURES`` in and out features; the simulated kernel otherwise."""
+    int8 = KERNELS["int8"]
+    if name != AUTO:
+        kernel = get_kernel(name)
+        reason = kernel.unsupported_reason(gemm_type, weight)
+        return (kernel, None) if reason is None else (KERNELS["simulated"], reason)
+    reason = int8.unsupported_reason(gemm_type, weight)
+    if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
+        reason = "CPU without int8 dot-product instructions (VNNI/AMX)"
+    if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
+        reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
+    return (KERNELS["simulated"], reason) if reason else (int8, None)
+
+
 register_kernel(SimulatedKernel())
+from .int8_kernel import Int8Kernel, cpu_has_int8_dot  # noqa: E402  (needs Kernel defined above)
+
+register_kernel(Int8Kernel())

@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 from .config import QuantConfig
 from .functional import mean_sample_range, sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
-from .kernels import Kernel, get_kernel
+from .kernels import Kernel, resolve_kernel
 
 
 class QuantGemmFunction(torch.autograd.Function):
@@ -91,6 +91,7 @@ class QuantGemmLayer(QuantModule):
     """
 
     float_type: type[nn.Module]
+    gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
 
     def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -149,13 +150,14 @@ class QuantGemmLayer(QuantModule):
             return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
 
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
-        """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off)."""
+        """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
+        the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
+        kernel, _ = resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight)
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
             return QuantGemmFunction.apply(
-                x, self.weight, self.bias, lo, hi, gemm, get_kernel(self.quant_config.kernel),
-                self.quant_config, self.training,
+                x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
             )
 
     def extra_repr(self) -> str:
@@ -167,6 +169,7 @@ class QuantLinear(QuantGemmLayer, nn.Linear):
     """8-bit ``nn.Linear``: input ``(..., in_features)`` -> output ``(..., out_features)``."""
 
     float_type = nn.Linear
+    gemm_type = LinearGemm
     _gemm = LinearGemm()
 
     @staticmethod
@@ -181,6 +184,7 @@ class QuantConv1D(QuantGemmLayer, Conv1D):
     """8-bit transformers ``Conv1D`` (GPT-2 family; weight ``(nx, nf)``): ``(..., nx)`` -> ``(..., nf)``."""
 
     float_type = Conv1D
+    gemm_type = TransposedLinearGemm
     _gemm = TransposedLinearGemm()
 
     @staticmethod
@@ -202,6 +206,7 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
     """
 
     float_type = nn.Conv2d
+    gemm_type = Conv2dGemm
 
     @staticmethod
     def _constructor_args(module):

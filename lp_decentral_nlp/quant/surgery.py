@@ -18,6 +18,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
+from .kernels import resolve_kernel
 from .layers import QuantConv1D, QuantConv2d, QuantLinear, QuantModule
 
 CONFIG_KEY = "lp_quant_config"
@@ -150,6 +151,10 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         else:
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
         quantize = registered and not skips and (targets is None or bool(targets))
+        gemm_type = getattr(QUANT_LAYERS.get(type(module)), "gemm_type", None)
+        if quantize and gemm_type is not None:
+            kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight)
+            reason += f"; kernel {kernel.name}" + (f" ({config.kernel} falls back: {fallback})" if fallback else "")
         report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
 
     for p in config.skip:

@@ -1,0 +1,120 @@
+"""Real int8 GEMMs for the 8-bit layers (``QuantConfig(kernel="int8")``, SPEC section 4).
+
+The forward GEMM and the layer-gradient GEMM run on int8 codes with int32 accumulation
+(``torch._int_mm``); the weight gradient is a float GEMM of the dequantized input and the
+full-precision output gradient, as gradient bifurcation requires.
+
+Affine operands, exactly. An operand holds int8 codes ``c = q - 2**(bits-1)`` of the SPEC-4 codes
+``q`` with ``value = c * scale + offset``, ``offset = lo + 2**(bits-1) * scale`` (the shift to
+signed range is folded into the offset). For ``A (M, K)`` and ``B (K, N)``::
+
+    A^ @ B^ = s_a s_b (C_a @ C_b) + s_a o_b rowsum(C_a) 1^T + o_a s_b 1 colsum(C_b) + K o_a o_b
+
+The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``); the correction
+terms are cheap vectors, so the result equals the simulated kernel's float GEMM of the same
+dequantized operands up to fp32 rounding (no symmetric-scale approximation).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .functional import quantize_codes
+from .gemm import Gemm, LinearGemm, TransposedLinearGemm
+from .kernels import Kernel
+
+CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, K and N multiples of 8
+CUDA_MULTIPLE = 8
+
+
+class Int8Operand(NamedTuple):
+    """Quantized tensor: ``value = codes * scale + offset``.
+
+    ``codes`` int8, the shape of the float tensor; ``scale``/``offset`` fp32, 0-d or (per-sample
+    ranges) shape ``(batch, 1, ..., 1)`` broadcastable to ``codes``.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.addcmul(self.offset, self.codes, self.scale)
+
+    def rows(self) -> "Int8Operand":
+        """As a matrix ``(M, K)`` over the last dim, contiguous; scale/offset 0-d or ``(M, 1)``."""
+        k = self.codes.shape[-1]
+        codes = self.codes.reshape(-1, k).contiguous()
+        lead = self.codes.shape[:-1] + (1,)
+        scale, offset = (t if t.dim() == 0 else t.expand(lead).reshape(-1, 1) for t in (self.scale, self.offset))
+        return Int8Operand(codes, scale, offset)
+
+
+def affine_int8_matmul(a: Int8Operand, b: Int8Operand) -> torch.Tensor:
+    """``A^ @ B^`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` codes) and `b` (``(K, N)`` codes,
+    any strides, 0-d scale/offset), via one int8 x int8 -> int32 GEMM and exact zero-point terms."""
+    a_codes, b_codes = a.codes, b.codes.contiguous()  # strided operands gave wrong results in _int_mm
+    m, k = a_codes.shape
+    if a_codes.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
+        a_codes = F.pad(a_codes, (0, 0, 0, CUDA_MIN_ROWS - m))
+    acc = torch._int_mm(a_codes, b_codes)[:m]
+    rowsum = a.codes.sum(1, keepdim=True, dtype=torch.int32)  # (M, 1)
+    colsum = b_codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
+    row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
+    col_term = a.offset * (b.scale * colsum)  # (1, N), or (M, N) with per-row offsets
+    out = torch.addcmul(row_term, acc, a.scale * b.scale)
+    return out.add_(col_term)
+
+
+@functools.cache
+def cpu_has_int8_dot() -> bool:
+    """Whether the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
+    make ``torch._int_mm`` fast on the CPU (Linux ``/proc/cpuinfo``; False where unknown)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+class Int8Kernel(Kernel):
+    """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear and Conv1D layers."""
+
+    name = "int8"
+
+    def unsupported_reason(self, gemm_type, weight):
+        if gemm_type not in (LinearGemm, TransposedLinearGemm):
+            return f"{gemm_type.__name__[:-4]} has no int8 kernel"
+        if weight.device.type == "cuda":
+            bad = [d for d in weight.shape if d % CUDA_MULTIPLE]
+            if bad:
+                return f"CUDA int8 GEMM needs in/out features multiple of {CUDA_MULTIPLE}, got {tuple(weight.shape)}"
+        elif weight.device.type != "cpu":
+            return f"no int8 GEMM on device type {weight.device.type!r}"
+        return None
+
+    def quantize(self, x, lo, hi, bits, stochastic):
+        codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
+        half = 2 ** (bits - 1)
+        return Int8Operand(codes.sub_(half).to(torch.int8), scale, lo + half * scale)
+
+    def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
+        w = w_q.codes.T if isinstance(gemm, LinearGemm) else w_q.codes  # (in, out)
+        y = affine_int8_matmul(x_q.rows(), w_q._replace(codes=w))
+        if bias is not None:
+            y.add_(bias)
+        return y.reshape(x_q.codes.shape[:-1] + (y.shape[-1],))
+
+    def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
+        w = w_q.codes if isinstance(gemm, LinearGemm) else w_q.codes.T  # (out, in)
+        return affine_int8_matmul(g_q.rows(), w_q._replace(codes=w)).reshape(input_shape)
+
+    def grad_weight(self, gemm: Gemm, x_q: Int8Operand, g, weight_shape):
+        return gemm.grad_weight(x_q.dequantize(), g, weight_shape)

@@ -1,0 +1,174 @@
+"""int8 kernel (``QuantConfig(kernel="int8")``): exact affine int8 GEMMs, parity with the simulated
+kernel, gradient bifurcation with int8 operands, per-layer fallback and ``kernel="auto"``.
+
+Tolerance. The int8 kernel and the simulated kernel compute the same real number, the product of
+the same dequantized operands ``A^ (M, K) @ B^ (K, N)``: the integer product is exact in int32, so
+the two differ only by fp32 rounding. The float GEMM and each of the int8 kernel's four terms
+(``s_a s_b C_a C_b``, the two zero-point sums, ``K o_a o_b``) are bounded in magnitude by
+``K * (2 max|A^|) * (2 max|B^|)`` (a code times its scale is at most the range, at most twice the
+largest magnitude), each rounded with relative error about ``K * eps`` at worst; so we allow
+``32 * eps * K * max|A^| * max|B^|`` per element, far below one quantization step.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+from transformers.pytorch_utils import Conv1D
+
+from lp_decentral_nlp.quant import QuantConfig, quantize_model
+from lp_decentral_nlp.quant.int8_kernel import Int8Kernel, Int8Operand, affine_int8_matmul
+from lp_decentral_nlp.quant.kernels import AUTO_MIN_FEATURES, KERNELS, resolve_kernel
+from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def gemm_tolerance(a_hat, b_hat):
+    """Per-element bound on the fp32 rounding difference of two ways to compute ``A^ @ B^``."""
+    return 32 * EPS * a_hat.shape[-1] * a_hat.abs().max() * b_hat.abs().max()
+
+
+def random_operand(shape, scale_shape=()):
+    codes = torch.randint(-128, 128, shape, dtype=torch.int8)
+    return Int8Operand(codes, torch.rand(scale_shape) * 0.1 + 1e-3, torch.randn(scale_shape) * 3)
+
+
+@pytest.mark.parametrize("row_ranges", [False, True])
+def test_affine_int8_matmul_equals_float_product_of_dequantized_operands(row_ranges):
+    a = random_operand((37, 53), (37, 1) if row_ranges else ())
+    b = random_operand((53, 29))
+    b = b._replace(codes=b.codes.T.contiguous().T)  # strided operand: the kernel makes it contiguous
+    expected = a.dequantize().double() @ b.dequantize().double()
+    out = affine_int8_matmul(a, b)
+    assert out.dtype == torch.float32 and out.shape == (37, 29)
+    assert (out.double() - expected).abs().max() <= gemm_tolerance(a.dequantize(), b.dequantize())
+    # the zero points matter: dropping them would be far off
+    assert (a.codes.double() * a.scale @ (b.codes.double() * b.scale) - expected).abs().max() > 1.0
+
+
+def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
+    x = torch.randn(5, 7)
+    lo, hi = x.min(), x.max()
+    q = Int8Kernel().quantize(x, lo, hi, 8, False)
+    assert q.codes.dtype == torch.int8 and q.codes.min() == -128 and q.codes.max() == 127
+    simulated = KERNELS["simulated"].quantize(x, lo, hi, 8, False)
+    assert torch.allclose(q.dequantize(), simulated, atol=4 * EPS * x.abs().max())
+    const = Int8Kernel().quantize(torch.full((3, 4), 2.5), torch.tensor(2.5), torch.tensor(2.5), 8, False)
+    assert torch.equal(const.dequantize(), torch.full((3, 4), 2.5)), "zero-width range dequantizes to lo"
+
+
+class SpyIntMM:
+    """Wraps ``torch._int_mm`` and records its operands."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.real = [], torch._int_mm
+        monkeypatch.setattr(torch, "_int_mm", self)
+
+    def __call__(self, a, b):
+        self.calls.append((a, b))
+        return self.real(a, b)
+
+
+def run_step(model, x, grad_out, seed=1):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)  # same stochastic-rounding draws in both kernels
+    y = model(x)
+    y.backward(grad_out)
+    return y.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("granularity", ["tensor", "sample"])
+def test_int8_matches_simulated_outputs_and_gradients(kind, granularity, monkeypatch):
+    base = nn.Linear(48, 40) if kind == "linear" else Conv1D(40, 48)
+    nn.init.normal_(base.bias)
+    x, grad_out = torch.randn(4, 9, 48) * 2 + 0.5, torch.randn(4, 9, 40).exp()  # skewed: big zero points
+    results = {}
+    for kernel in ("simulated", "int8"):
+        model = quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel, grad_granularity=granularity))
+        results[kernel] = run_step(model, x, grad_out)
+    spy = SpyIntMM(monkeypatch)
+    run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
+
+    (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
+    w_hat = KERNELS["simulated"].quantize(base.weight.detach(), *base.weight.detach().aminmax(), 8, False)
+    x_hat = x.abs().max()  # the quantized input stays within the input range
+    assert (y_i - y_s).abs().max() <= 32 * EPS * 48 * x_hat * w_hat.abs().max()
+    assert (gx_i - gx_s).abs().max() <= 32 * EPS * 40 * grad_out.abs().max() * w_hat.abs().max()
+    for a, b in zip(gp_i, gp_s):  # weight and bias gradients: the same fp32 GEMM of the same operands
+        assert torch.equal(a, b)
+    assert not torch.allclose(y_s, base(x), atol=1e-3), "outputs are really quantized"
+    # forward and layer gradient really ran on contiguous int8 operands: two int8 GEMMs per step
+    assert len(spy.calls) == 2
+    for a, b in spy.calls:
+        assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and b.is_contiguous()
+
+
+def test_weight_gradient_gets_float_output_gradient(monkeypatch):
+    """Bifurcation with int8 operands: dL/dW is from the full-precision output gradient."""
+    seen = {}
+    real = Int8Kernel.grad_weight
+
+    def spy(self, gemm, x_q, g, weight_shape):
+        seen["g"] = g
+        return real(self, gemm, x_q, g, weight_shape)
+
+    monkeypatch.setattr(Int8Kernel, "grad_weight", spy)
+    model = quantize_model(nn.Sequential(nn.Linear(16, 8)), QuantConfig(kernel="int8"))
+    grad_out = torch.randn(5, 8)
+    run_step(model, torch.randn(5, 16), grad_out)
+    assert seen["g"].dtype == torch.float32 and torch.equal(seen["g"], grad_out)
+
+
+def test_tiny_distilbert_int8_close_to_simulated():
+    """Whole model: rounding differences may move a value across a code boundary in a later layer
+    (one quantization step there), so the check is on the loss and the gradients' direction."""
+    config = DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64, num_labels=3)
+    torch.manual_seed(0)
+    base = DistilBertForSequenceClassification(config)
+    batch = dict(input_ids=torch.randint(0, 100, (4, 12)), labels=torch.tensor([0, 1, 2, 1]))
+    out = {}
+    for kernel in ("simulated", "int8"):
+        model = quantize_model(copy.deepcopy(base), QuantConfig(kernel=kernel))
+        torch.manual_seed(3)
+        loss = model(**batch).loss
+        loss.backward()
+        out[kernel] = loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    (loss_s, g_s), (loss_i, g_i) = out["simulated"], out["int8"]
+    assert torch.allclose(loss_i, loss_s, rtol=1e-4)
+    assert torch.nn.functional.cosine_similarity(g_i, g_s, dim=0) > 0.999
+
+
+def test_fallback_per_layer_with_reason():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    report = quantize_model(model, QuantConfig(kernel="int8"), dry_run=True)
+    reasons = {d.name: d.reason for d in report.layers}
+    assert "kernel simulated (int8 falls back: Conv2d has no int8 kernel)" in reasons["0"]
+    assert reasons["2"].endswith("kernel int8")
+    quantize_model(model, QuantConfig(kernel="int8"))
+    model(torch.randn(2, 3, 8, 8)).sum().backward()  # the Conv2d runs simulated, the Linear int8
+    assert model[0].weight.grad is not None and model[2].weight.grad is not None
+
+
+def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
+    wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
+    kernel, reason = resolve_kernel("auto", LinearGemm, narrow)
+    assert kernel.name == "simulated" and "narrower" in reason
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide)
+    assert kernel.name == "simulated" and "Conv2d" in reason
+    kernel, reason = resolve_kernel("auto", LinearGemm, wide)
+    assert (kernel.name, reason) in (("int8", None), ("simulated", "CPU without int8 dot-product instructions (VNNI/AMX)"))
+    assert resolve_kernel("int8", LinearGemm, narrow) == (KERNELS["int8"], None), "int8 asked for is honoured"
+    assert QuantConfig(kernel="auto").kernel == "auto"
+    with pytest.raises(ValueError, match=r"kernel must be one of .*'int8'.*'auto'"):
+        QuantConfig(kernel="int4")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_small_batch_is_padded_to_the_int_mm_shape_rule():
+    a, b = random_operand((3, 32)), random_operand((32, 16))
+    a, b = (Int8Operand(*(t.cuda() for t in op)) for op in (a, b))
+    expected = a.dequantize().double() @ b.dequantize().double()
+    assert (affine_int8_matmul(a, b).double() - expected).abs().max() <= gemm_tolerance(a.dequantize(), b.dequantize())
