@@ -5,6 +5,9 @@ import pathlib
 # One intra-op thread per process: the suite runs tiny models, where thread start-up and
 # oversubscription (several processes on 2 cores, torchrun workers) cost more than they give.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Never reach the Hugging Face hub: huggingface_hub reads these once, when it is first imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
