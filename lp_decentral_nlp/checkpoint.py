@@ -1,0 +1,249 @@
+"""Atomic checkpoint directories: tensors in safetensors, everything else in JSON.
+
+A checkpoint of a decentralized run is the directory ``output_dir/checkpoint-<step>/``. Its files
+are written into ``output_dir/checkpoint-<step>.partial/`` (each one to a ``.tmp`` name, flushed,
+fsynced and renamed), and the directory is renamed to ``checkpoint-<step>`` only once every file
+is complete. A crash at any point therefore leaves every earlier checkpoint untouched and at most
+a ``.partial`` directory, which :func:`list_checkpoints` ignores and the next save at that step
+replaces. The manifest (:data:`MANIFEST`) is written last and lists the node files; a directory
+is *complete* when the manifest and every file it lists are there.
+
+Nested state (optimizer and scheduler state dicts, RNG states, ...) is split by
+:func:`encode_state` into the tensors (stored in a ``.safetensors`` file under path-like keys) and
+a JSON skeleton (stored in the same file's metadata), and put back together by
+:func:`decode_state`: dicts with non-string keys, tuples and ``collections.Counter`` (e.g. a
+``MultiStepLR``'s milestones) survive the round trip.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MANIFEST = "decentralized_state.json"
+FORMAT = "lp_decentral_nlp.decentralized_checkpoint"
+VERSION = 1
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_STATE_KEY = "state"  # safetensors metadata entry holding the JSON skeleton
+
+
+def checkpoint_dir(output_dir, step: int) -> Path:
+    """``output_dir/checkpoint-<step>``."""
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def staging_dir(output_dir, step: int) -> Path:
+    """Where the files of ``checkpoint-<step>`` are written before the final rename."""
+    return Path(output_dir) / f"checkpoint-{step}.partial"
+
+
+def node_file(node: int) -> str:
+    """File name of graph node ``node``'s state inside a checkpoint."""
+    return f"node-{node}.safetensors"
+
+
+# -- nested state <-> (JSON skeleton, flat tensors) ----------------------------------------------
+
+def encode_state(obj, prefix: str = "") -> tuple[object, dict[str, torch.Tensor]]:
+    """Split ``obj`` (nested dicts/lists/tuples/Counters of tensors and JSON scalars) into a JSON
+    skeleton and ``{key: tensor}`` with CPU, contiguous tensors that share no memory (what
+    safetensors needs). Raises TypeError naming the path of an unsupported value."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def enc(value, path):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages:  # tied or viewed tensors: safetensors refuses shared memory
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[path] = t
+            return {"__tensor__": path}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, collections.Counter):
+            return {"__counter__": [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in value):
+                return {k: enc(v, f"{path}/{k}") for k, v in value.items()}
+            return {"__dict__": [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(value)]
+        raise TypeError(f"cannot checkpoint {path or 'the state'}: unsupported type {type(value).__name__}")
+
+    return enc(obj, prefix), tensors
+
+
+def decode_state(skeleton, tensors: dict[str, torch.Tensor]):
+    """Inverse of :func:`encode_state`."""
+    if isinstance(skeleton, list):
+        return [decode_state(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if "__tensor__" in skeleton:
+        return tensors[skeleton["__tensor__"]]
+    if "__tuple__" in skeleton:
+        return tuple(decode_state(v, tensors) for v in skeleton["__tuple__"])
+    if "__counter__" in skeleton:
+        return collections.Counter({decode_state(k, tensors): decode_state(v, tensors) for k, v in skeleton["__counter__"]})
+    if "__dict__" in skeleton:
+        return {_hashable(decode_state(k, tensors)): decode_state(v, tensors) for k, v in skeleton["__dict__"]}
+    return {k: decode_state(v, tensors) for k, v in skeleton.items()}
+
+
+def _hashable(key):
+    return tuple(key) if isinstance(key, list) else key
+
+
+# -- files -----------------------------------------------------------------------------------
+
+def save_state_file(path, obj) -> None:
+    """Write nested state ``obj`` to one ``.safetensors`` file, atomically (tmp file, fsync, rename)."""
+    skeleton, tensors = encode_state(obj)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={_STATE_KEY: json.dumps(skeleton)})
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def load_state_file(path):
+    """Read what :func:`save_state_file` wrote (tensors on the CPU)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if _STATE_KEY not in metadata:
+            raise ValueError(f"{path} is not a checkpoint state file (no {_STATE_KEY!r} metadata)")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
+
+
+def write_json(path, obj) -> None:
+    """Write ``obj`` as JSON atomically (tmp file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_file(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems cannot fsync a directory; the renames are still atomic
+        pass
+
+
+# -- directories -----------------------------------------------------------------------------
+
+def prepare_staging(output_dir, step: int) -> Path:
+    """An empty ``checkpoint-<step>.partial`` (a stale one from a crash is removed first)."""
+    staging = staging_dir(output_dir, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit(output_dir, step: int) -> Path:
+    """Rename the complete staging directory to ``checkpoint-<step>`` (replacing an older one at
+    the same step) and return its path."""
+    staging, final = staging_dir(output_dir, step), checkpoint_dir(output_dir, step)
+    if not is_complete(staging):
+        raise RuntimeError(f"{staging} is not complete: refusing to publish it as {final.name}")
+    _fsync_dir(staging)
+    if final.exists():
+        old = final.with_name(final.name + ".replaced")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def read_manifest(path) -> dict:
+    """The manifest of checkpoint directory ``path`` (ValueError if it has none or another format)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a complete checkpoint: {MANIFEST} is missing") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path / MANIFEST} is not a version-{VERSION} {FORMAT} manifest "
+                         f"(format={manifest.get('format')!r}, version={manifest.get('version')!r})")
+    return manifest
+
+
+def missing_files(path) -> list[str]:
+    """Files the manifest of ``path`` lists that are not there (all of them if it has no manifest)."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        return [MANIFEST]
+    return [name for name in manifest["files"] if not (path / name).is_file()]
+
+
+def is_complete(path) -> bool:
+    return Path(path).is_dir() and not missing_files(path)
+
+
+def list_checkpoints(output_dir) -> list[tuple[int, Path]]:
+    """Complete ``checkpoint-<step>`` directories in ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name))]
+    return sorted((step, p) for step, p in found if is_complete(p))
+
+
+def resolve_checkpoint(path) -> Path:
+    """``path`` itself if it is a complete checkpoint, else the latest complete checkpoint in it.
+
+    Raises:
+        ValueError: ``path`` does not exist, is an incomplete checkpoint (the message lists the
+            missing files), or holds no complete checkpoint.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"resume_from_checkpoint: {str(path)!r} does not exist")
+    if (path / MANIFEST).exists() or _CHECKPOINT_DIR.match(path.name):
+        missing = missing_files(path)
+        if missing:
+            raise ValueError(f"resume_from_checkpoint: {path} is incomplete, it lacks {', '.join(missing)}")
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ValueError(f"resume_from_checkpoint: no complete checkpoint-<step> directory in {path}")
+    return found[-1][1]
+
+
+def rotate(output_dir, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints; returns the deleted paths."""
+    doomed = [p for _, p in list_checkpoints(output_dir)[:-keep]] if keep > 0 else []
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed

@@ -1,0 +1,216 @@
+"""Checkpoints of the whole decentralized state: atomic safetensors directories, and resuming gives
+bit-identical results to a run that never stopped (simulated backend; the distributed backend is
+in tests/test_checkpoint_distributed.py)."""
+import collections
+import csv
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp import checkpoint as ckpt
+from lp_decentral_nlp.data import load_task
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
+
+
+def tiny_model(seed=0, dropout=0.1):
+    torch.manual_seed(seed)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
+                           dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout, num_labels=4)
+    return DistilBertForSequenceClassification(cfg)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(minilm_path):
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="module")
+def agnews(tokenizer):
+    from conftest import AG_NEWS_CSV
+
+    if not AG_NEWS_CSV.exists():
+        pytest.skip("AG News sample not available")
+    # 96 training rows: 24 per node, 3 steps per epoch at batch 8, so 8 steps cross two epoch ends
+    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=16,
+                     max_train_samples=96, max_eval_samples=40, seed=0)
+
+
+def targs(out, **kw):
+    base = dict(output_dir=str(out), num_nodes=4, per_device_train_batch_size=8, per_device_eval_batch_size=40,
+                learning_rate=2e-3, max_steps=8, logging_steps=3, eval_strategy="steps", eval_steps=5,
+                save_strategy="steps", save_steps=4, use_cpu=True, disable_tqdm=True, seed=3)
+    base.update(kw)
+    return DecentralizedTrainingArguments(**base)
+
+
+CONFIGS = {
+    # 8-bit, Choco top-10% with 8-bit values, QGM, dropout, lost messages and a node away over the checkpoint
+    "choco-8bit-qgm-faults": dict(algorithm="choco", compression=90.0, qgm=True, drop_prob=0.2, absences=["1:3:6"]),
+    # fp32 Deep-Squeeze random-k (stochastic compressor) on the time-varying exponential graph, multi-step LR
+    # (a MultiStepLR with a Counter in its state), gradient clipping, skew
+    "deepsqueeze-randomk-exponential": dict(algorithm="deepsqueeze", compression=80.0, compressor="randomk",
+                                            topology="exponential", low_precision=False, lr_scheduler_type="constant",
+                                            lr_milestones=[1.0, 2.0], max_grad_norm=0.5, skew=0.5),
+}
+
+
+def run(out, data, tokenizer, resume=None, **kw):
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(out, **kw), train_dataset=data["train"],
+                                   eval_dataset=data["test"], processing_class=tokenizer,
+                                   callbacks=[MetricsCSVCallback(str(out / "metrics.csv"))])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, trainer.evaluate()
+
+
+def without_runtime(history):
+    return [{k: v for k, v in h.items() if not k.startswith("train_") or k == "train_loss"} for h in history]
+
+
+def same(a, b):
+    """Bitwise equality of nested state (tensors compared with torch.equal, NaN == NaN)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_run(name, tmp_path, agnews, tokenizer):
+    kw = CONFIGS[name]
+    straight, m_straight = run(tmp_path / "straight", agnews, tokenizer, **kw)
+    assert (tmp_path / "straight" / "checkpoint-4").is_dir()  # mid-epoch: epoch 1, batch 1 of 3
+    resumed, m_resumed = run(tmp_path / "resumed", agnews, tokenizer, resume=str(tmp_path / "straight" / "checkpoint-4"),
+                             **kw)
+    assert resumed.state.global_step == 8
+    for a, b in zip(straight.nodes, resumed.nodes):
+        assert same(a.state_dict(), b.state_dict())  # weights and 8-bit activation ranges
+    assert same(straight.gossip.state_dict(), resumed.gossip.state_dict())
+    assert torch.equal(straight.bytes_sent, resumed.bytes_sent) and straight.bytes_sent.sum() > 0
+    assert m_straight == m_resumed  # accuracy, loss, per-node accuracy, consensus distance, bytes
+    assert same(without_runtime(straight.state.log_history), without_runtime(resumed.state.log_history))
+    # the final checkpoints of both runs hold the same state, file by file
+    for i in range(4):
+        a = ckpt.load_state_file(tmp_path / "straight" / "checkpoint-8" / ckpt.node_file(i))
+        b = ckpt.load_state_file(tmp_path / "resumed" / "checkpoint-8" / ckpt.node_file(i))
+        assert same(a, b), f"node {i}"
+    a, b = (csv_rows(tmp_path / d / "metrics.csv") for d in ("straight", "resumed"))
+    assert len(a) == len(straight.state.log_history) and a == b
+
+
+def csv_rows(path):
+    """metrics.csv rows as dicts, wall-clock columns left out."""
+    with open(path) as fh:
+        return [{k: v for k, v in row.items() if k not in ("train_runtime", "train_steps_per_second")}
+                for row in csv.DictReader(fh)]
+
+
+def test_checkpoint_layout_holds_every_part_of_the_state(tmp_path, agnews, tokenizer):
+    trainer, _ = run(tmp_path, agnews, tokenizer, max_steps=4, algorithm="choco", compression=90.0, qgm=True)
+    path = tmp_path / "checkpoint-4"
+    names = sorted(p.name for p in path.iterdir())
+    assert {"node-0.safetensors", "node-3.safetensors", "config.json", "model.safetensors", "trainer_state.json",
+            ckpt.MANIFEST} <= set(names)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert manifest["global_step"] == 4 and manifest["data"] == {"epoch": 1, "batches_done": 1, "steps_per_epoch": 3}
+    assert manifest["config"]["num_nodes"] == 4 and manifest["config"]["algorithm"] == "choco"
+    with safe_open(str(path / "node-2.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert any(k.startswith("/model/") and k.endswith("act_running_min") for k in keys)  # 8-bit activation ranges
+    assert any(k.startswith("/optimizer/state/") and k.endswith("exp_avg_sq") for k in keys)
+    assert {"/rng/cpu", "/gossip/weights", "/gossip/public", "/gossip/public_nodes", "/qgm/0"} <= keys
+    state = ckpt.load_state_file(path / "node-2.safetensors")
+    assert state["node"] == 2 and state["gossip"]["public_nodes"].tolist() == [1, 2]  # own copy + in-neighbour's
+    torch.testing.assert_close(state["gossip"]["public"][1], trainer.gossip.state_dict()["public"][2])
+    assert state["counters"]["bytes_sent"] == int(trainer.bytes_sent[2])
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, agnews, tokenizer, monkeypatch):
+    kw = dict(algorithm="deepsqueeze", compression=90.0, save_steps=2, max_steps=4, eval_strategy="no")
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **kw), train_dataset=agnews["train"],
+                                   processing_class=tokenizer)
+    real = ckpt.save_state_file
+
+    def crash_on_step_4(path, obj):
+        if "checkpoint-4" in str(path) and path.name == "node-2.safetensors":
+            raise KeyboardInterrupt("power cut")  # dies half-way through the node files
+        real(path, obj)
+
+    monkeypatch.setattr(ckpt, "save_state_file", crash_on_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+    assert (tmp_path / "checkpoint-4.partial").is_dir() and not (tmp_path / "checkpoint-4").exists()
+    assert ckpt.resolve_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    monkeypatch.setattr(ckpt, "save_state_file", real)
+    resumed, _ = run(tmp_path / "again", agnews, tokenizer, resume=str(tmp_path), **kw)
+    straight, _ = run(tmp_path / "straight", agnews, tokenizer, **kw)
+    for a, b in zip(straight.nodes, resumed.nodes):
+        assert same(a.state_dict(), b.state_dict())
+
+
+def test_a_save_at_an_existing_step_replaces_it_and_rotation_keeps_the_newest(tmp_path):
+    for step in (2, 4, 6):
+        staging = ckpt.prepare_staging(tmp_path, step)
+        ckpt.save_state_file(staging / "node-0.safetensors", {"x": torch.full((3,), float(step))})
+        ckpt.write_json(staging / ckpt.MANIFEST, {"format": ckpt.FORMAT, "version": ckpt.VERSION,
+                                                  "files": ["node-0.safetensors"]})
+        ckpt.commit(tmp_path, step)
+    staging = ckpt.prepare_staging(tmp_path, 4)
+    ckpt.save_state_file(staging / "node-0.safetensors", {"x": torch.full((3,), 40.0)})
+    with pytest.raises(RuntimeError, match="not complete"):
+        ckpt.commit(tmp_path, 4)  # no manifest yet: never published
+    ckpt.write_json(staging / ckpt.MANIFEST, {"format": ckpt.FORMAT, "version": ckpt.VERSION,
+                                              "files": ["node-0.safetensors"]})
+    ckpt.commit(tmp_path, 4)
+    assert ckpt.load_state_file(tmp_path / "checkpoint-4" / "node-0.safetensors")["x"].tolist() == [40.0] * 3
+    assert [p.name for p in ckpt.rotate(tmp_path, 2)] == ["checkpoint-2"]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 6]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_nested_state_round_trips_through_safetensors(tmp_path):
+    state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+                           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},
+             "scheduler": {"milestones": collections.Counter({6: 1, 9: 1}), "last_epoch": 4, "_last_lr": [0.1]},
+             "rng": {"cpu": torch.get_rng_state(), "cuda": None}, "loss": float("nan"),
+             "tied": None, "__odd": 1}
+    w = torch.randn(4)
+    state["tied"] = [w, w, w[:2]]  # shared memory is stored once per key
+    ckpt.save_state_file(tmp_path / "s.safetensors", state)
+    back = ckpt.load_state_file(tmp_path / "s.safetensors")
+    assert same(back, state)
+    assert isinstance(back["scheduler"]["milestones"], collections.Counter)
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert list(back["optimizer"]["state"]) == [0]
+    with pytest.raises(TypeError, match="/bad: unsupported type object"):
+        ckpt.encode_state({"bad": object()})
+
+
+def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_news_csv):
+    from test_recipes import tiny_flags
+
+    from lp_decentral_nlp.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_model(dropout=0.0).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(model_dir)
+    flags = ["--comp", "90", "--drop-prob", "0.1", "--max-steps", "4", "--save-steps", "2"]
+    straight = main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, tmp_path / "a", *flags))
+    first = tmp_path / "a" / "checkpoint-2"
+    resumed = main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, tmp_path / "b", *flags,
+                                                  "--resume-from-checkpoint", str(first)))
+    for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps"):
+        assert straight[key] == resumed[key], key
+    a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
+    assert len(a) > 2 and a == b
