@@ -35,39 +35,50 @@ class Int8Operand(NamedTuple):
     """Quantized tensor: ``value = codes * scale + offset``.
 
     ``codes`` int8, the shape of the float tensor; ``scale``/``offset`` fp32, 0-d or (per-sample
-    ranges) shape ``(batch, 1, ..., 1)`` broadcastable to ``codes``.
+    ranges) shape ``(batch, 1, ..., 1)`` broadcastable to ``codes``; ``last_dim_sums`` fp32, the
+    codes summed over the last dim (keepdim; exact: integers below 2**24), or None.
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    last_dim_sums: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return torch.addcmul(self.offset, self.codes, self.scale)
+        return torch.mul(self.codes, self.scale).add_(self.offset)
 
     def rows(self) -> "Int8Operand":
-        """As a matrix ``(M, K)`` over the last dim, contiguous; scale/offset 0-d or ``(M, 1)``."""
+        """As a matrix ``(M, K)`` over the last dim, contiguous; scale/offset/sums 0-d or ``(M, 1)``."""
         k = self.codes.shape[-1]
-        codes = self.codes.reshape(-1, k).contiguous()
         lead = self.codes.shape[:-1] + (1,)
         scale, offset = (t if t.dim() == 0 else t.expand(lead).reshape(-1, 1) for t in (self.scale, self.offset))
-        return Int8Operand(codes, scale, offset)
+        sums = None if self.last_dim_sums is None else self.last_dim_sums.reshape(-1, 1)
+        return Int8Operand(self.codes.reshape(-1, k).contiguous(), scale, offset, sums)
+
+
+def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
+    """`b` ``(K, N)`` in a layout ``torch._int_mm`` computes correctly: contiguous, or on the CPU
+    also the transpose of a contiguous ``(N, K)`` tensor (oneDNN's preferred layout, checked exact
+    in tests). Other strides are copied (strided operands have given wrong results)."""
+    if b.is_contiguous() or (b.device.type == "cpu" and b.T.is_contiguous()):
+        return b
+    return b.contiguous()
 
 
 def affine_int8_matmul(a: Int8Operand, b: Int8Operand) -> torch.Tensor:
-    """``A^ @ B^`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` codes) and `b` (``(K, N)`` codes,
-    any strides, 0-d scale/offset), via one int8 x int8 -> int32 GEMM and exact zero-point terms."""
-    a_codes, b_codes = a.codes, b.codes.contiguous()  # strided operands gave wrong results in _int_mm
+    """``A^ @ B^`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as from
+    ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
+    int8 x int8 -> int32 GEMM and the exact zero-point terms."""
+    a_codes, b_codes = a.codes, _int_mm_operand(b.codes)
     m, k = a_codes.shape
     if a_codes.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
         a_codes = F.pad(a_codes, (0, 0, 0, CUDA_MIN_ROWS - m))
     acc = torch._int_mm(a_codes, b_codes)[:m]
-    rowsum = a.codes.sum(1, keepdim=True, dtype=torch.int32)  # (M, 1)
+    rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
     colsum = b_codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
     row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
     col_term = a.offset * (b.scale * colsum)  # (1, N), or (M, N) with per-row offsets
-    out = torch.addcmul(row_term, acc, a.scale * b.scale)
-    return out.add_(col_term)
+    return torch.mul(acc, a.scale * b.scale).add_(row_term).add_(col_term)
 
 
 @functools.cache
@@ -103,18 +114,20 @@ class Int8Kernel(Kernel):
     def quantize(self, x, lo, hi, bits, stochastic):
         codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
         half = 2 ** (bits - 1)
-        return Int8Operand(codes.sub_(half).to(torch.int8), scale, lo + half * scale)
+        codes.sub_(half)
+        return Int8Operand(codes.to(torch.int8), scale, lo + half * scale, codes.sum(-1, keepdim=True))
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
         w = w_q.codes.T if isinstance(gemm, LinearGemm) else w_q.codes  # (in, out)
-        y = affine_int8_matmul(x_q.rows(), w_q._replace(codes=w))
+        y = affine_int8_matmul(x_q.rows(), Int8Operand(w, w_q.scale, w_q.offset))
         if bias is not None:
             y.add_(bias)
         return y.reshape(x_q.codes.shape[:-1] + (y.shape[-1],))
 
     def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
-        w = w_q.codes if isinstance(gemm, LinearGemm) else w_q.codes.T  # (out, in)
-        return affine_int8_matmul(g_q.rows(), w_q._replace(codes=w)).reshape(input_shape)
+        # (out, in); on the CPU as the transpose of a contiguous (in, out) copy, _int_mm's fast layout
+        w = w_q.codes.T.contiguous().T if isinstance(gemm, LinearGemm) else w_q.codes.T
+        return affine_int8_matmul(g_q.rows(), Int8Operand(w, w_q.scale, w_q.offset)).reshape(input_shape)
 
     def grad_weight(self, gemm: Gemm, x_q: Int8Operand, g, weight_shape):
         return gemm.grad_weight(x_q.dequantize(), g, weight_shape)
