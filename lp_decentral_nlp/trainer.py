@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler, Subset
@@ -553,7 +554,8 @@ class DecentralizedTrainer(Trainer):
                 if self.control.should_training_stop:
                     break
         except GossipPeerError as exc:
-            raise type(exc)(f"{exc}. {self._resume_hint()}", exc.peer) from exc
+            raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
+                            exc.peer) from exc
         if self._last_logged < self.state.global_step:
             self._total_loss += self._log_train()
         self._refresh_average_model()
@@ -826,7 +828,15 @@ class DecentralizedTrainer(Trainer):
         if self.args.backend == "distributed" and dist.get_rank() != 0:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self.model.save_pretrained(output_dir)
+        self._write_model(output_dir)
+
+    def _write_model(self, output_dir) -> None:
+        """The averaged model via ``save_pretrained`` (a plain ``nn.Module``: its state dict as
+        ``model.safetensors``) and the processing class."""
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(output_dir)
+        else:
+            safetensors.torch.save_model(self.model, str(Path(output_dir) / "model.safetensors"))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
@@ -863,9 +873,7 @@ class DecentralizedTrainer(Trainer):
             raise RuntimeError(f"checkpoint-{step}: rank {rank} could not write its node file ({msg}); "
                                "earlier checkpoints are untouched")
         if main:
-            self.model.save_pretrained(staging)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(staging)
+            self._write_model(staging)
             self.state.save_to_json(str(staging / "trainer_state.json"))
             epoch, done = self._data_position
             ckpt.write_json(staging / ckpt.MANIFEST, {

@@ -1,0 +1,69 @@
+"""The distributed backend under torchrun (4 processes, gloo): a peer that dies makes the others fail
+with an error naming it (no hang), the run resumes from the last checkpoint to the result of the
+simulation, and checkpoints move between the backends."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dist_trainer_worker as worker
+from test_faults_training import one_thread  # noqa: F401  (autouse: the workers' single thread)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKER = pathlib.Path(__file__).resolve().parent / "dist_trainer_worker.py"
+
+
+def torchrun(*argv, timeout=420):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER), *map(str, argv)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_path, ag_news_csv, minilm_path):
+    died, resumed = tmp_path / "died", tmp_path / "resumed"
+    died.mkdir(), resumed.mkdir()
+    proc = torchrun("die", died, ag_news_csv, minilm_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    reports = {r: json.loads((died / f"report-{r}.json").read_text()) for r in range(4) if r != worker.DYING_RANK}
+    assert not (died / f"report-{worker.DYING_RANK}.json").exists()
+    # rank 3 receives from rank 2 on the directed ring: it names rank 2 and the checkpoint to resume from
+    r3 = reports[3]
+    assert "GossipPeerError" in r3["mro"] and r3["peer"] == 2, r3
+    assert "rank 3: gossip step 2:" in r3["message"] and "rank 2" in r3["message"]
+    assert f"--resume-from-checkpoint {died / 'checkpoint-2'}" in r3["message"]
+    for rank, report in reports.items():  # nobody hangs: every survivor stops with a peer named
+        assert "GossipPeerError" in report["mro"] and report["peer"] in (2, 3), (rank, report)
+        assert report["step"] in (2, 3) and report["waited_s"] < 10 * worker.GOSSIP_TIMEOUT
+    assert sorted(p.name for p in died.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+
+    proc = torchrun("resume", resumed, ag_news_csv, minilm_path, died / "checkpoint-2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    finals = [torch.load(resumed / f"final-{r}.pt") for r in range(4)]
+    assert all(f["step"] == worker.STEPS for f in finals)
+
+    simulated = worker.make_trainer(tmp_path / "sim", "simulated", ag_news_csv, minilm_path)
+    simulated.train()
+    metrics = simulated.evaluate()
+    for rank, final in enumerate(finals):
+        sim_state = simulated.nodes[rank].state_dict()
+        for key, value in final["model"].items():
+            torch.testing.assert_close(value, sim_state[key], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {key}")
+        assert final["bytes_sent"] == int(simulated.bytes_sent[rank])
+        torch.testing.assert_close(final["weight"], simulated.gossip.weights[rank:rank + 1], rtol=1e-5, atol=1e-6)
+    dist_metrics = finals[0]["metrics"]
+    assert dist_metrics["eval_accuracy"] == pytest.approx(metrics["eval_accuracy"], abs=1 / 40)
+    assert dist_metrics["eval_consensus_distance"] == pytest.approx(metrics["eval_consensus_distance"], rel=1e-3)
+
+    # the distributed checkpoint resumes in the simulated backend, too
+    from_dist = worker.make_trainer(tmp_path / "sim2", "simulated", ag_news_csv, minilm_path)
+    from_dist.train(resume_from_checkpoint=str(died / "checkpoint-2"))
+    for a, b in zip(simulated.nodes, from_dist.nodes):
+        for (key, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
+    assert torch.equal(simulated.bytes_sent, from_dist.bytes_sent)
