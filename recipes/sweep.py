@@ -27,7 +27,12 @@ def parse(argv=None):
     parser.add_argument("--comps", type=float, nargs="+", default=[0.0, 99.0])
     parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"])
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
+    parser.add_argument("--consensus-lr-compressed", type=float, default=None,
+                        help="gamma of the runs with --comps > 0 (default: the trainer's, 0.01); "
+                             "runs without compression keep gamma 1")
     args = parser.parse_args(argv)
+    if args.consensus_lr_compressed is not None and not 0 < args.consensus_lr_compressed <= 1:
+        parser.error(f"argument --consensus-lr-compressed: must be in (0, 1], got {args.consensus_lr_compressed}")
     for s in args.skews:
         if not 0 <= s <= 1:
             parser.error(f"argument --skews: each value must be in [0, 1], got {s}")
@@ -44,6 +49,8 @@ def run_grid(args) -> list[dict]:
     for algorithm, precision, skew, comp in itertools.product(args.algorithms, args.precisions, args.skews, args.comps):
         run = argparse.Namespace(**vars(args))
         run.algorithm, run.full_precision, run.skew, run.comp = algorithm, precision == "fp32", skew, comp
+        if comp > 0 and args.consensus_lr_compressed is not None:
+            run.consensus_lr = args.consensus_lr_compressed
         run.output_dir = os.path.join(args.output_dir, f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}")
         done = os.path.join(run.output_dir, "results.json")
         if os.path.exists(done):
@@ -53,6 +60,7 @@ def run_grid(args) -> list[dict]:
             print(f"== {algorithm} {precision} skew={skew:g} comp={comp:g}", file=sys.stderr)
             result = run_nlp(run)
         rows.append({"algorithm": algorithm, "low_precision": precision == "int8", "skew": skew, "comp": comp,
+                     "gamma": result["config"]["consensus_lr_used"],
                      "accuracy": result["accuracy"], "bytes_sent_per_node": result["bytes_sent_per_node"],
                      "wall_time_s": result["wall_time_s"]})
     return rows
