@@ -1,8 +1,9 @@
 """fp32 vs 8-bit (SPEC 4) training step of a DistilBERT-base-shaped model, side by side.
 
-Measures, in one process and on the same inputs:
+Measures, in one process and on the same inputs, for fp32 and the 8-bit model with the simulated
+kernel (float fake quantization, the paper's method) and the int8 kernel (``torch._int_mm``):
 
-* step time (forward + backward + AdamW step), fp32 and 8-bit steps interleaved, median of
+* step time (forward + backward + AdamW step), the variants' steps interleaved, median of
   ``--repeats``; on the CPU also the process CPU time per step, which other jobs sharing the
   machine disturb far less than the wall clock;
 * peak tensor memory of one step: live tensor bytes (parameters, buffers, optimizer state and
@@ -12,13 +13,15 @@ Measures, in one process and on the same inputs:
   matmuls and the classification head -- stays float);
 * the checkpoint size, fp32 state dict vs ``export_int8_state_dict``.
 
-    python benchmarks/bench_quant.py                 # default: ~2-3 minutes on 2 CPU cores
-    python benchmarks/bench_quant.py --repeats 20    # tighter medians
+    python benchmarks/bench_quant.py --threads 2                # ~3-4 minutes on 2 CPU cores
+    python benchmarks/bench_quant.py --threads 2 --repeats 20   # tighter medians
+    python benchmarks/bench_quant.py --threads 2 --layer-sweep  # one Linear per width: where int8 pays
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 import weakref
@@ -103,6 +106,32 @@ def quantized_flop_share(config, input_ids) -> float:
     return sum(sum(counts[n].values()) for n in names if n in counts) / total
 
 
+def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
+    """Forward + backward of one square Linear (``batch * seq`` rows) per width, fp32 vs simulated
+    vs int8 kernel, interleaved medians: the data behind ``kernels.AUTO_MIN_FEATURES``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"one Linear(w, w), {args.batch_size * args.seq_len} rows, forward + backward, device {device}, "
+          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats")
+    for width in widths:
+        base = torch.nn.Linear(width, width).to(device)
+        layers = {"fp32": base}
+        for kernel in ("simulated", "int8"):
+            layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
+        x = torch.randn(args.batch_size * args.seq_len, width, device=device, requires_grad=True)
+        times = {k: [] for k in layers}
+        for i in range(args.warmup + args.repeats):
+            for name, layer in layers.items():
+                sync()
+                start = time.perf_counter()
+                layer(x).sum().backward()
+                sync()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"width {width:5d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated {med['simulated'] / med['fp32']:.2f}x"
+              f"   int8 {med['int8'] / med['fp32']:.2f}x fp32   int8/simulated {med['int8'] / med['simulated']:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default %(default)s)")
@@ -110,22 +139,29 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
+    p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
     args = p.parse_args(argv)
-    for name in ("repeats", "warmup", "batch_size", "seq_len"):
+    for name in ("repeats", "warmup", "batch_size", "seq_len", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    if args.layer_sweep:
+        return layer_sweep(args, device)
 
     torch.manual_seed(0)
     config = DistilBertConfig(num_labels=4)  # DistilBERT-base: 6 layers, dim 768, FFN 3072
     fp32 = DistilBertForSequenceClassification(config).to(device)
-    int8 = quantize_model(copy.deepcopy(fp32), QuantConfig())
+    simulated = quantize_model(copy.deepcopy(fp32), QuantConfig(kernel="simulated"))
+    int8 = quantize_model(copy.deepcopy(fp32), QuantConfig(kernel="int8"))
     batch = {
         "input_ids": torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device=device),
         "labels": torch.randint(0, 4, (args.batch_size,), device=device),
     }
     variants = {}
-    for name, model in (("fp32", fp32), ("8-bit", int8)):
+    for name, model in (("fp32", fp32), ("simulated", simulated), ("int8", int8)):
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5)
 
@@ -152,7 +188,7 @@ def main(argv=None):
         v["median_cpu_s"] = statistics.median(v["cpu_times"])
         v["peak_bytes"] = peak_step_memory(v["step"], v["model"], v["optimizer"], device)
 
-    f, q = variants["fp32"], variants["8-bit"]
+    f = variants["fp32"]
     share = quantized_flop_share(config, batch["input_ids"])
     fp32_state, int8_state = fp32.state_dict(), export_int8_state_dict(int8)
     fp32_ckpt, int8_ckpt = state_dict_nbytes(fp32_state), state_dict_nbytes(int8_state)
@@ -160,15 +196,20 @@ def main(argv=None):
     fp32_layers = state_dict_nbytes({k: fp32_state[k] for k in layer_weights})
     int8_layers = state_dict_nbytes({k: int8_state[k] for k in layer_weights})
     mib = 2**20
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"DistilBERT-base shape, batch {args.batch_size} x seq {args.seq_len}, AdamW, device {device}, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats")
-    print(f"step time   fp32 {f['median_s'] * 1e3:8.1f} ms   8-bit {q['median_s'] * 1e3:8.1f} ms   "
-          f"8-bit/fp32 {q['median_s'] / f['median_s']:.2f}x (wall clock, medians)")
+          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, load average {load}")
+    rows = [("step time", "median_s", "wall clock, medians")]
     if device.type == "cpu":  # CPU seconds of this process: less sensitive to other load on the machine
-        print(f"step CPU    fp32 {f['median_cpu_s'] * 1e3:8.1f} ms   8-bit {q['median_cpu_s'] * 1e3:8.1f} ms   "
-              f"8-bit/fp32 {q['median_cpu_s'] / f['median_cpu_s']:.2f}x (process CPU time, medians)")
-    print(f"peak memory fp32 {f['peak_bytes'] / mib:8.1f} MiB  8-bit {q['peak_bytes'] / mib:8.1f} MiB  "
-          f"8-bit/fp32 {q['peak_bytes'] / f['peak_bytes']:.2f}x")
+        rows.append(("step CPU", "median_cpu_s", "process CPU time, medians"))
+    for label, key, note in rows:
+        print(f"{label:<11} fp32 {f[key] * 1e3:8.1f} ms" + "".join(
+            f"   {n} {v[key] * 1e3:8.1f} ms ({v[key] / f[key]:.2f}x fp32)" for n, v in variants.items() if n != "fp32"
+        ) + f"   ({note})")
+    print(f"peak memory fp32 {f['peak_bytes'] / mib:8.1f} MiB" + "".join(
+        f"   {n} {v['peak_bytes'] / mib:8.1f} MiB ({v['peak_bytes'] / f['peak_bytes']:.2f}x)"
+        for n, v in variants.items() if n != "fp32"
+    ))
     print(f"checkpoint  fp32 {fp32_ckpt / mib:8.1f} MiB  int8 export {int8_ckpt / mib:6.1f} MiB  "
           f"fp32/int8 {fp32_ckpt / int8_ckpt:.2f}x (embeddings and head stay fp32)")
     print(f"quantized layers' weights fp32 {fp32_layers / mib:6.1f} MiB  int8 {int8_layers / mib:6.1f} MiB  "

@@ -31,7 +31,7 @@ def quantize_codes(
     levels = 2**bits - 1
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    v = torch.addcmul(-lo * inv, x, inv)  # (x - lo) / s in one pass; later steps update it in place
+    v = torch.mul(x, inv).add_(-lo * inv)  # (x - lo) / s; mul + add_ beats addcmul with 0-d tensors on CPU
     if stochastic:
         v.add_(torch.rand_like(v)).floor_()
     else:
@@ -45,7 +45,7 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
-    return torch.addcmul(lo, codes, scale)
+    return codes.mul_(scale).add_(lo)
 
 
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

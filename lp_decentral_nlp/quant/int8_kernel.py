@@ -65,19 +65,23 @@ def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous()
 
 
-def affine_int8_matmul(a: Int8Operand, b: Int8Operand) -> torch.Tensor:
-    """``A^ @ B^`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as from
-    ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    int8 x int8 -> int32 GEMM and the exact zero-point terms."""
+def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
+    from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
+    int8 x int8 -> int32 GEMM and the exact zero-point terms. `b_colsum`: `b`'s codes summed over
+    dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
     a_codes, b_codes = a.codes, _int_mm_operand(b.codes)
     m, k = a_codes.shape
     if a_codes.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
         a_codes = F.pad(a_codes, (0, 0, 0, CUDA_MIN_ROWS - m))
     acc = torch._int_mm(a_codes, b_codes)[:m]
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
-    colsum = b_codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
+    colsum = b_colsum if b_colsum is not None else b_codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
     row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
     col_term = a.offset * (b.scale * colsum)  # (1, N), or (M, N) with per-row offsets
+    if bias is not None:
+        col_term = col_term + bias
     return torch.mul(acc, a.scale * b.scale).add_(row_term).add_(col_term)
 
 
@@ -99,6 +103,7 @@ class Int8Kernel(Kernel):
     """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear and Conv1D layers."""
 
     name = "int8"
+    saves_operands = True  # int8 codes: a quarter of the float input the Function would keep
 
     def unsupported_reason(self, gemm_type, weight):
         if gemm_type not in (LinearGemm, TransposedLinearGemm):
@@ -118,10 +123,11 @@ class Int8Kernel(Kernel):
         return Int8Operand(codes.to(torch.int8), scale, lo + half * scale, codes.sum(-1, keepdim=True))
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
-        w = w_q.codes.T if isinstance(gemm, LinearGemm) else w_q.codes  # (in, out)
-        y = affine_int8_matmul(x_q.rows(), Int8Operand(w, w_q.scale, w_q.offset))
-        if bias is not None:
-            y.add_(bias)
+        if isinstance(gemm, LinearGemm):  # W (out, in): B = W.T, its column sums are W's row sums
+            w, colsum = w_q.codes.T, w_q.last_dim_sums.reshape(1, -1)
+        else:
+            w, colsum = w_q.codes, None
+        y = affine_int8_matmul(x_q.rows(), Int8Operand(w, w_q.scale, w_q.offset), colsum, bias)
         return y.reshape(x_q.codes.shape[:-1] + (y.shape[-1],))
 
     def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):

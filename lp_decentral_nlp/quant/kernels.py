@@ -19,6 +19,8 @@ class Kernel(abc.ABC):
     """Executes quantized GEMMs. Quantized operands are whatever `quantize` returns."""
 
     name: str
+    #: keep the forward's quantized operands for backward instead of re-quantizing the float input
+    saves_operands: bool = False
 
     def unsupported_reason(self, gemm_type: type, weight: torch.Tensor) -> str | None:
         """Why this kernel cannot run a layer of `gemm_type` (a class of ``gemm.py``) with `weight`

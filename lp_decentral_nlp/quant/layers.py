@@ -32,6 +32,8 @@ class QuantGemmFunction(torch.autograd.Function):
 
     The quantized operands are recomputed in backward from the saved float inputs and ranges
     (an elementwise pass, deterministic) instead of being stored: no memory beyond a float layer's.
+    A kernel with ``saves_operands = True`` (int8: its operands are a quarter of the float
+    tensors) keeps the forward's quantized input and weight for backward instead of the float input.
     """
 
     @staticmethod
@@ -39,15 +41,22 @@ class QuantGemmFunction(torch.autograd.Function):
         w_lo, w_hi = tensor_range(weight)
         x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
         w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
-        ctx.save_for_backward(x, weight, x_lo, x_hi, w_lo, w_hi)
+        if kernel.saves_operands:
+            ctx.operands, ctx.shapes = (x_q, w_q), (x.shape, weight.shape)
+        else:
+            ctx.save_for_backward(x, weight, x_lo, x_hi, w_lo, w_hi)
         ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
         ctx.stochastic = config.stochastic_grad_rounding and training
         return kernel.forward(gemm, x_q, w_q, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, x_lo, x_hi, w_lo, w_hi = ctx.saved_tensors
         gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
+        if kernel.saves_operands:
+            (x_q, w_q), (x_shape, w_shape) = ctx.operands, ctx.shapes
+        else:
+            x, weight, x_lo, x_hi, w_lo, w_hi = ctx.saved_tensors
+            x_shape, w_shape = x.shape, weight.shape
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:
@@ -56,11 +65,13 @@ class QuantGemmFunction(torch.autograd.Function):
             else:
                 g_lo, g_hi = tensor_range(g)
             g_q = kernel.quantize(g, g_lo, g_hi, config.grad_bits, ctx.stochastic)
-            w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
-            grad_x = kernel.grad_input(gemm, g_q, w_q, x.shape)
+            if not kernel.saves_operands:
+                w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
+            grad_x = kernel.grad_input(gemm, g_q, w_q, x_shape)
         if need_w:
-            x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
-            grad_w = kernel.grad_weight(gemm, x_q, g, weight.shape)
+            if not kernel.saves_operands:
+                x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
+            grad_w = kernel.grad_weight(gemm, x_q, g, w_shape)
         if need_b:
             grad_b = gemm.grad_bias(g)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None

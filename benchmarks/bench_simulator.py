@@ -1,0 +1,263 @@
+"""Cost of the simulated multi-node round versus n plain training steps, and its peak memory.
+
+One process, one model shape (DistilBERT-base by default: 6 layers, dim 768, FFN 3072), seq 128,
+batch 8 per node, AdamW:
+
+* a simulated round: ``DecentralizedTrainer(backend="simulated")`` with ``--nodes`` nodes, the
+  time between the trainer's ``on_step_begin`` and ``on_step_end`` callbacks (data loading, every
+  node's forward/backward and AdamW step, the NaN check, the gossip step);
+* the reference, measured right after each round (interleaved): ``--nodes`` plain
+  forward + backward + AdamW steps of one model of the same precision on one fixed batch;
+* where the round's time goes: the trainer's ``_backward`` (loss + backward of each node),
+  ``_finite_nodes`` (NaN check), the optimizer steps (step hooks) and ``gossip.step``, timed by
+  wrappers; the remainder is data loading and the loop itself;
+* peak memory of the run, fp32 vs 8-bit nodes: the peak resident set size of a fresh subprocess
+  running a few rounds (``VmHWM``), and its baseline before the model is built.
+
+    python benchmarks/bench_simulator.py --threads 2              # ~5 minutes on 2 CPU cores
+    python benchmarks/bench_simulator.py --threads 2 --small      # 2 layers, dim 256: ~1 minute
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from datasets import Dataset
+from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
+
+from lp_decentral_nlp import QuantConfig, quantize_model
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+
+NUM_LABELS = 4
+
+
+def model_config(small: bool) -> DistilBertConfig:
+    if small:
+        return DistilBertConfig(num_labels=NUM_LABELS, n_layers=2, dim=256, hidden_dim=1024, n_heads=4)
+    return DistilBertConfig(num_labels=NUM_LABELS)  # DistilBERT-base shape
+
+
+def make_dataset(config, rows: int, seq_len: int) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (rows, seq_len), generator=g)
+    return Dataset.from_dict({
+        "input_ids": ids.tolist(),
+        "attention_mask": torch.ones_like(ids).tolist(),
+        "label": (torch.arange(rows) % NUM_LABELS).tolist(),
+    })
+
+
+def build_trainer(args, precision: str, rounds: int, output_dir: str):
+    config = model_config(args.small)
+    torch.manual_seed(0)
+    model = DistilBertForSequenceClassification(config)
+    quant = QuantConfig(kernel=args.kernel)
+    targs = DecentralizedTrainingArguments(
+        output_dir=output_dir, num_nodes=args.nodes, per_device_train_batch_size=args.batch_size,
+        max_steps=rounds, learning_rate=3e-5, optim="adamw_torch", lr_scheduler_type="constant",
+        low_precision=precision == "8-bit", algorithm=args.algorithm, compression=args.compression,
+        logging_steps=10**6, save_strategy="no", report_to="none", use_cpu=args.device == "cpu",
+        dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    dataset = make_dataset(config, args.nodes * args.batch_size * rounds, args.seq_len)
+    trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=dataset, quant_config=quant)
+    return trainer, dataset, quant
+
+
+class SectionTimer:
+    """Wall seconds spent in wrapped callables, summed per section name, per round."""
+
+    def __init__(self, sync):
+        self.sync, self.current, self.rounds = sync, defaultdict(float), []
+
+    def wrap(self, name, fn):
+        def timed(*a, **k):
+            self.sync()
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            self.sync()
+            self.current[name] += time.perf_counter() - start
+            return out
+        return timed
+
+    def pre_hook(self, name):
+        def pre(*_):
+            self.sync()
+            self._opt_start = time.perf_counter()
+        def post(*_):
+            self.sync()
+            self.current[name] += time.perf_counter() - self._opt_start
+        return pre, post
+
+    def end_round(self):
+        self.rounds.append(dict(self.current))
+        self.current.clear()
+
+
+class Interleaved(TrainerCallback):
+    """Times each round and, right after it, `nodes` plain steps of a reference model."""
+
+    def __init__(self, reference_step, nodes, timer, sync):
+        self.reference_step, self.nodes, self.timer, self.sync = reference_step, nodes, timer, sync
+        self.round_s, self.plain_s, self.plain_sections = [], [], []
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.sync()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.sync()
+        self.round_s.append(time.perf_counter() - self._start)
+        self.timer.end_round()
+        sections = defaultdict(float)
+        start = time.perf_counter()
+        for _ in range(self.nodes):
+            self.reference_step(sections)
+        self.plain_s.append(time.perf_counter() - start)
+        self.plain_sections.append(sections)
+
+
+def measure_time(args, precision):
+    rounds = args.warmup + args.repeats
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory() as out:
+        trainer, dataset, quant = build_trainer(args, precision, rounds, out)
+        reference = copy.deepcopy(trainer.nodes[0]).to(device).train()
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-5)
+        batch = {k: torch.tensor(dataset[: args.batch_size][k], device=device) for k in ("input_ids", "attention_mask")}
+        batch["labels"] = torch.tensor(dataset[: args.batch_size]["label"], device=device)
+
+        def reference_step(sections):
+            start = time.perf_counter()
+            reference(**batch).loss.backward()
+            sync()
+            mid = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            sections["forward+backward"] += mid - start
+            sections["optimizer step"] += time.perf_counter() - mid
+
+        timer = SectionTimer(sync)
+        trainer._backward = timer.wrap("forward+backward", trainer._backward)
+        trainer._finite_nodes = timer.wrap("NaN check (_finite_nodes)", trainer._finite_nodes)
+        trainer.gossip.step = timer.wrap("gossip.step", trainer.gossip.step)
+        make = trainer._make_optimizer_and_scheduler
+
+        def make_timed(*a, **k):
+            opt, sched = make(*a, **k)
+            pre, post = timer.pre_hook("optimizer step")
+            opt.register_step_pre_hook(pre)
+            opt.register_step_post_hook(post)
+            return opt, sched
+
+        trainer._make_optimizer_and_scheduler = make_timed
+        callback = Interleaved(reference_step, args.nodes, timer, sync)
+        trainer.add_callback(callback)
+        trainer.train()
+    keep = slice(args.warmup, None)
+    round_s, plain_s = callback.round_s[keep], callback.plain_s[keep]
+    sections = {k: statistics.median(r.get(k, 0.0) for r in timer.rounds[keep])
+                for k in {k for r in timer.rounds for k in r}}
+    plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
+                      for k in callback.plain_sections[0]}
+    ratios = [r / p for r, p in zip(round_s, plain_s)]
+    return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
+                ratio=statistics.median(ratios), sections=sections, plain_sections=plain_sections,
+                kernel=quant.kernel if precision == "8-bit" else "-")
+
+
+def measure_memory(args, precision) -> dict:
+    """Peak RSS of a fresh process that builds the trainer and runs `--memory-rounds` rounds."""
+    cmd = [sys.executable, __file__, "--_memory-child", precision, "--nodes", str(args.nodes),
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
+           "--kernel", args.kernel, "--algorithm", args.algorithm, "--compression", str(args.compression),
+           "--device", args.device, "--repeats", str(args.memory_rounds), "--warmup", "0"] + (["--small"] if args.small else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes: Linux ``VmHWM`` (``ru_maxrss`` survives
+    ``exec`` and would report the parent's peak), ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def memory_child(args, precision):
+    baseline = peak_rss()
+    with tempfile.TemporaryDirectory() as out:
+        trainer, _, _ = build_trainer(args, precision, args.repeats, out)
+        trainer.train()
+    peak = peak_rss()
+    cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "cuda_peak": cuda_peak}))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per precision (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=8, help="per node")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    p.add_argument("--kernel", default="int8", help="QuantConfig.kernel of the 8-bit nodes (default %(default)s)")
+    p.add_argument("--algorithm", default="choco")
+    p.add_argument("--compression", type=float, default=90.0, help="top-k: percent dropped (default %(default)s)")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
+    p.add_argument("--memory-rounds", type=int, default=2, help="rounds of the peak-memory subprocess (0: skip)")
+    p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("nodes", "repeats", "batch_size", "seq_len", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or args.memory_rounds < 0:
+        raise ValueError("--warmup and --memory-rounds must be >= 0")
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args, args.memory_child)
+
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    shape = "2 layers, dim 256, FFN 1024" if args.small else "DistilBERT-base (6 layers, dim 768, FFN 3072)"
+    print(f"{shape}, {args.nodes} simulated nodes, batch {args.batch_size}/node x seq {args.seq_len}, AdamW, "
+          f"{args.algorithm} top-k {args.compression:g}%, device {args.device}, torch threads {args.threads}, "
+          f"{args.repeats} interleaved repeats, load average {load}")
+    mib = 2**20
+    for precision in args.precisions:
+        r = measure_time(args, precision)
+        kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
+        print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
+              f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios; overhead {r['ratio'] - 1:+.1%})")
+        print(f"  {'section':<28}{'round s':>9}{'plain s':>9}")
+        for name in sorted(set(r["sections"]) | set(r["plain_sections"])):
+            print(f"  {name:<28}{r['sections'].get(name, 0.0):9.3f}{r['plain_sections'].get(name, 0.0):9.3f}")
+        rest = r["round_s"] - sum(r["sections"].values())
+        print(f"  {'rest (data, loop)':<28}{rest:9.3f}")
+    if args.memory_rounds:
+        print()
+        for precision in args.precisions:
+            m = measure_memory(args, precision)
+            extra = f", CUDA peak allocated {m['cuda_peak'] / mib:.0f} MiB" if m["cuda_peak"] else ""
+            print(f"peak memory {precision:>5}, {args.nodes} nodes: peak RSS {m['peak_rss'] / mib:.0f} MiB "
+                  f"(process baseline before the model {m['baseline_rss'] / mib:.0f} MiB){extra}")
+
+
+if __name__ == "__main__":
+    main()
