@@ -229,15 +229,15 @@ def resolve_checkpoint(path) -> Path:
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"resume_from_checkpoint: {str(path)!r} does not exist")
+        raise ValueError(f"{str(path)!r} does not exist")
     if (path / MANIFEST).exists() or _CHECKPOINT_DIR.match(path.name):
         missing = missing_files(path)
         if missing:
-            raise ValueError(f"resume_from_checkpoint: {path} is incomplete, it lacks {', '.join(missing)}")
+            raise ValueError(f"{path} is incomplete, it lacks {', '.join(missing)}")
         return path
     found = list_checkpoints(path)
     if not found:
-        raise ValueError(f"resume_from_checkpoint: no complete checkpoint-<step> directory in {path}")
+        raise ValueError(f"no complete checkpoint-<step> directory in {path}")
     return found[-1][1]
 
 

