@@ -206,13 +206,16 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
     model_dir = tmp_path / "model"
     tiny_model(dropout=0.0).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(minilm_path).save_pretrained(model_dir)
-    flags = ["--comp", "90", "--drop-prob", "0.1", "--max-steps", "4", "--save-steps", "2"]
+    flags = ["--comp", "90", "--drop-prob", "0.1", "--leave", "3:1:3", "--straggler", "0:0.01", "--skip-nonfinite",
+             "--max-steps", "4", "--save-steps", "2"]
     straight = main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, tmp_path / "a", *flags))
     first = tmp_path / "a" / "checkpoint-2"
     resumed = main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, tmp_path / "b", *flags,
                                                   "--resume-from-checkpoint", str(first)))
     for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps"):
         assert straight[key] == resumed[key], key
+    assert straight["bytes_sent_per_node"][3] < straight["bytes_sent_per_node"][0]  # node 3 was away for 2 steps
+    assert straight["config"]["leave"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
     assert len(a) > 2 and a == b
 
