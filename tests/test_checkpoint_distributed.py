@@ -60,6 +60,19 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     assert dist_metrics["eval_accuracy"] == pytest.approx(metrics["eval_accuracy"], abs=1 / 40)
     assert dist_metrics["eval_consensus_distance"] == pytest.approx(metrics["eval_consensus_distance"], rel=1e-3)
 
+    # both backends write the same state into the same layout: node files hold the same tensors
+    from lp_decentral_nlp import checkpoint as ckpt
+
+    for i in range(4):
+        a = ckpt.encode_state(ckpt.load_state_file(died / "checkpoint-2" / ckpt.node_file(i)))
+        b = ckpt.encode_state(ckpt.load_state_file(tmp_path / "sim" / "checkpoint-2" / ckpt.node_file(i)))
+        assert a[0] == b[0] and a[1].keys() == b[1].keys()  # same structure, same non-tensor state
+        for key in a[1]:
+            if a[1][key].is_floating_point():
+                torch.testing.assert_close(a[1][key], b[1][key], rtol=1e-4, atol=1e-5, msg=f"node {i}: {key}")
+            else:  # RNG streams, counters, node ids: exact
+                assert torch.equal(a[1][key], b[1][key]), f"node {i}: {key}"
+
     # the distributed checkpoint resumes in the simulated backend, too
     from_dist = worker.make_trainer(tmp_path / "sim2", "simulated", ag_news_csv, minilm_path)
     from_dist.train(resume_from_checkpoint=str(died / "checkpoint-2"))
