@@ -22,10 +22,10 @@ Rules (they keep SPEC 1's push-sum mass ``sum_i x_i`` and ``sum_i w_i`` exactly 
   delivery).
 * **Absent node** ``a`` during iterations ``[start, end)``: every message to and from ``a`` is
   lost and, for every algorithm, its share returns to its sender (``W'`` as above: ``a`` keeps
-  all its mass, ``W'[a, a] = 1``, and nobody mixes ``a``'s copy), and ``a`` takes no local step: its model,
-  push-sum weight, optimizer state, error memory and Choco copies do not change; its learning
-  rate schedule keeps counting steps and its batches of those iterations are skipped, so it
-  rejoins in step with the others. An absent node sends no bytes.
+  all its mass, ``W'[a, a] = 1``, and nobody mixes ``a``'s copy). ``a`` does nothing: its model,
+  push-sum weight, error memory and Choco copies do not change, and it sends no bytes. (The
+  trainer also skips its local step and batches and keeps its optimizer state and QGM buffer;
+  its learning-rate schedule keeps counting, so it rejoins in step with the others.)
 * **Straggler** ``node: seconds``: the node sleeps that long before each send (in the simulated
   backend the sleeps of all stragglers add up, one after the other).
 
