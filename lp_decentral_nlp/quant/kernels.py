@@ -83,9 +83,10 @@ def get_kernel(name: str) -> Kernel:
 
 
 AUTO = "auto"
-# kernel="auto" takes int8 for layers at least this wide (in and out features): measured with
-# benchmarks/bench_quant.py --layer-sweep, narrower int8 layers are not faster than simulated ones.
-AUTO_MIN_FEATURES = 256
+# kernel="auto" takes int8 for layers at least this wide (in and out features). From
+# `benchmarks/bench_quant.py --layer-sweep` on the shared 2-core CPU (noisy): below 512 features
+# the int8 layer was 1.1-4x the simulated one's time (fixed per-call costs), at 768 0.78x.
+AUTO_MIN_FEATURES = 512
 
 
 def kernel_names() -> tuple[str, ...]:
