@@ -123,7 +123,9 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
                    help="continue from a checkpoint-<step>/ directory, or from the latest complete one in PATH")
     f = parser.add_argument_group("reliability (fault injection is off by default)")
     f.add_argument("--drop-prob", type=_ranged(float, 0.0, 1.0, hi_open=True), default=0.0,
-                   help="probability that a gossip message is lost (seeded; the lost share returns to its sender)")
+                   help="probability that a gossip message is lost (seeded per step and edge; the push-sum mass "
+                        "stays exact: Deep-Squeeze returns a lost share to its sender, Choco commits a message only "
+                        "when all its receivers got it)")
     f.add_argument("--straggler", type=_spec(parse_straggler), action="append", default=None, metavar="NODE:SECONDS",
                    help="NODE sleeps SECONDS before each send (repeatable)")
     f.add_argument("--leave", type=_spec(parse_absence), action="append", default=None, metavar="NODE:START:END",

@@ -101,7 +101,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "names the peer. Count the slowest peer's work between two steps (evaluation, saving) in it."})
     drop_prob: float = field(default=0.0, metadata={
         "help": "Fault injection: probability in [0, 1) that a gossip message is lost (seeded per step and edge; "
-                "the lost share returns to its sender, see lp_decentral_nlp.gossip.faults)."})
+                "the push-sum mass stays exact under the rules of lp_decentral_nlp.gossip.faults)."})
     stragglers: list[str] | None = field(default=None, metadata={
         "help": "Fault injection: 'NODE:SECONDS' entries; that node sleeps SECONDS before each send."})
     absences: list[str] | None = field(default=None, metadata={
