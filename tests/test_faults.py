@@ -1,7 +1,6 @@
 """Fault injection (lost messages, stragglers, nodes that leave and rejoin): the push-sum mass stays
 exactly conserved, gossip still reaches the exact average, and training with --drop-prob 0.1
 still converges."""
-import math
 
 import numpy as np
 import pytest
