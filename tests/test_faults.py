@@ -1,7 +1,6 @@
-"""Fault injection (lost messages, stragglers, nodes that leave and rejoin): the push-sum mass stays
-exactly conserved, gossip still reaches the exact average, and training with --drop-prob 0.1
-still converges."""
-
+"""Fault injection at the gossip level (lost messages, stragglers, nodes that leave and rejoin): the
+push-sum mass stays exactly conserved and gossip still reaches the exact average. Training under
+faults: tests/test_faults_training.py."""
 import numpy as np
 import pytest
 import torch
