@@ -433,6 +433,13 @@ class DecentralizedTrainer(Trainer):
             allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
             raise ValueError(f"{what}: labels must be class ids {allowed}, found {bad[:5]}")
 
+    def _shards(self) -> list:
+        """SPEC 6 shards of the training set (indices per node), the same on every rank."""
+        dataset = self.train_dataset
+        # read the labels without running a formatting transform (e.g. image decoding) on every row
+        labels = dataset.with_format(None)["label"] if hasattr(dataset, "with_format") else dataset["label"]
+        return skewed_partition(list(labels), self.args.num_nodes, self.args.skew, seed=self.args.seed)
+
     def _broadcast_initial_model(self):
         """Make every rank start from rank 0's weights (SPEC 1: same initial weights)."""
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
@@ -443,8 +450,7 @@ class DecentralizedTrainer(Trainer):
         of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
-        labels = list(self.train_dataset["label"])
-        shards = skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
+        shards = self._shards()
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
         bs = self.args.per_device_train_batch_size
         self.shard_sizes = [len(s) for s in shards]
@@ -750,6 +756,11 @@ class DecentralizedTrainer(Trainer):
         sums = self._node_sum([self._float_state(node) for node in self.nodes])
         for dst, s in zip(self._float_state(self.model), sums):
             dst.copy_(s / self.args.num_nodes)
+        # counters (e.g. act_num_batches, which switches 8-bit layers to their running range in
+        # eval) advance in lock-step on every node: take the first local node's
+        for dst, src in zip(self.model.state_dict().values(), self.nodes[0].state_dict().values()):
+            if not dst.is_floating_point():
+                dst.copy_(src)
 
     @torch.no_grad()
     def consensus_distance(self) -> float:
@@ -775,11 +786,12 @@ class DecentralizedTrainer(Trainer):
 
         optim = str(self.args.optim).lower()
         optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
-        labels = list(self.train_dataset["label"])
-        shards = skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
-        return estimate_cost(self.nodes[0], tuple(input_shape), self.args.per_device_train_batch_size,
+        bs = self.args.per_device_train_batch_size
+        # the loaders drop the last partial batch: an epoch is floor(shard / batch) iterations
+        samples_per_node = min(len(s) for s in self._shards()) // bs * bs
+        return estimate_cost(self.nodes[0], tuple(input_shape), bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
-                             gossip=self.gossip, samples_per_node=min(len(s) for s in shards))
+                             gossip=self.gossip, samples_per_node=samples_per_node)
 
     # --- evaluation and saving -------------------------------------------------------------
 

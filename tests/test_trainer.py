@@ -160,3 +160,20 @@ def test_dataset_without_label_column_is_an_error(tmp_path, agnews_small):
     data = agnews_small["train"].rename_column("label", "target")
     with pytest.raises(ValueError, match="label"):
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data)
+
+
+def test_averaged_8bit_model_evaluates_with_its_running_ranges(tmp_path, agnews_small, tokenizer):
+    """The averaged model carries the nodes' activation-range counters, so in eval a sample's
+    logits do not depend on the other samples of its batch (the running range is used)."""
+    args = targs(tmp_path, algorithm="choco", max_steps=2)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"],
+                                   eval_dataset=agnews_small["test"], processing_class=tokenizer)
+    trainer.train()
+    counts = [b for name, b in trainer.model.named_buffers() if name.endswith("act_num_batches")]
+    assert counts and all(int(c) == 2 for c in counts)
+    batch = next(iter(trainer.get_eval_dataloader()))
+    trainer.model.eval()
+    with torch.no_grad():
+        together = trainer.model(**batch).logits[:1]
+        alone = trainer.model(**{k: v[:1] for k, v in batch.items()}).logits
+    torch.testing.assert_close(alone, together, rtol=1e-4, atol=1e-5)

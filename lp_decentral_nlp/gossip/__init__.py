@@ -16,7 +16,8 @@ from .algorithms import SGP, ChocoSGD, DeepSqueeze, GossipStats, PushSumGossip, 
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .momentum import QuasiGlobalMomentum
 from .topology import TOPOLOGIES, Topology, make_topology
-from .transport import GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
+from .faults import FaultPlan
+from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
 from .wire import MessageLayout, index_dtype
 
 __all__ = [
@@ -24,6 +25,6 @@ __all__ = [
     "Compressor", "Identity", "TopK", "RandomK", "QSGD", "Quantize",
     "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
     "QuasiGlobalMomentum",
-    "SimulatedTransport", "TorchDistributedTransport", "GossipTimeoutError",
+    "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
 ]
