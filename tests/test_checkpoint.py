@@ -10,19 +10,17 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+from transformers import AutoTokenizer
 
 from lp_decentral_nlp import checkpoint as ckpt
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
+from helpers import tiny_distilbert
 from test_faults_training import one_thread  # noqa: F401  (autouse: tiny models run faster on one thread)
 
 
 def tiny_model(seed=0, dropout=0.1):
-    torch.manual_seed(seed)
-    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
-                           dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout, num_labels=4)
-    return DistilBertForSequenceClassification(cfg)
+    return tiny_distilbert(seed, dropout)
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,16 @@
 """Fault injection at the gossip level (lost messages, stragglers, nodes that leave and rejoin): the
 push-sum mass stays exactly conserved and gossip still reaches the exact average. Training under
 faults: tests/test_faults_training.py."""
-import numpy as np
 import pytest
 import torch
+from helpers import irregular_digraph
 
-from lp_decentral_nlp.gossip import QSGD, SGP, ChocoSGD, DeepSqueeze, Quantize, RandomK, TopK, Topology, make_topology
+from lp_decentral_nlp.gossip import QSGD, SGP, ChocoSGD, DeepSqueeze, Quantize, RandomK, TopK, make_topology
 from lp_decentral_nlp.gossip import faults as faults_mod
 from lp_decentral_nlp.gossip.faults import FaultPlan, parse_absence, parse_straggler
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
 
-
-def irregular_digraph() -> Topology:
-    """5 nodes, out-degrees 2,1,1,2,1 (column stochastic, not doubly stochastic)."""
-    edges = {0: [1, 2], 1: [2], 2: [3], 3: [4, 0], 4: [0]}
-    W = np.zeros((5, 5))
-    for i, outs in edges.items():
-        W[[i, *outs], i] = 1 / (len(outs) + 1)
-    return Topology.from_matrix(W, name="irregular")
 
 
 def make_nodes(n, seed=0):

@@ -1,26 +1,18 @@
 """Push-sum gossip algorithms in the simulated backend (SPEC 1-2)."""
 import math
 
-import numpy as np
 import pytest
 import torch
+from helpers import irregular_digraph
 
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, QuasiGlobalMomentum, RandomK, SimulatedTransport, TopK,
-    Topology, average_model, consensus_distance, make_topology,
+    average_model, consensus_distance, make_topology,
 )
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
 P = sum(math.prod(s) for s in SHAPES)
 
-
-def irregular_digraph() -> Topology:
-    """5 nodes, out-degrees 2,1,1,2,1: column stochastic but not doubly stochastic, so w_i != 1."""
-    edges = {0: [1, 2], 1: [2], 2: [3], 3: [4, 0], 4: [0]}
-    W = np.zeros((5, 5))
-    for i, outs in edges.items():
-        W[[i, *outs], i] = 1 / (len(outs) + 1)
-    return Topology.from_matrix(W, name="irregular")
 
 
 def make_nodes(n, seed=0, shapes=SHAPES, dtype=torch.float32):

@@ -4,20 +4,13 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+from helpers import tiny_distilbert as tiny_model
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import make_topology
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
-
-
-def tiny_model(num_labels=4, seed=0):
-    torch.manual_seed(seed)
-    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
-                           max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-                           seq_classif_dropout=0.0, num_labels=num_labels)
-    return DistilBertForSequenceClassification(cfg)
 
 
 @pytest.fixture(scope="module")

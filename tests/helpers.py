@@ -1,0 +1,23 @@
+"""Small builders shared by several test modules."""
+import numpy as np
+import torch
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+from lp_decentral_nlp.gossip import Topology
+
+
+def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):
+    """A 2-layer, dim-32 DistilBERT classifier over the uncased BERT vocabulary (random weights)."""
+    torch.manual_seed(seed)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
+                           dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout, num_labels=num_labels)
+    return DistilBertForSequenceClassification(cfg)
+
+
+def irregular_digraph() -> Topology:
+    """5 nodes, out-degrees 2,1,1,2,1: column stochastic but not doubly stochastic, so w_i != 1."""
+    edges = {0: [1, 2], 1: [2], 2: [3], 3: [4, 0], 4: [0]}
+    W = np.zeros((5, 5))
+    for i, outs in edges.items():
+        W[[i, *outs], i] = 1 / (len(outs) + 1)
+    return Topology.from_matrix(W, name="irregular")
