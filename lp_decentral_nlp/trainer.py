@@ -617,9 +617,16 @@ class DecentralizedTrainer(Trainer):
         absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
         if self.qgm is not None:
             self.qgm.begin_iteration()
+        # the forward also updates running statistics (8-bit activation ranges, norm statistics):
+        # a skipped step must leave them as they were, or one NaN batch poisons them for good
+        buffers = ({k: [b.clone() for b in node.buffers()] for k, node in enumerate(self.nodes)}
+                   if self.args.skip_nonfinite else None)
         losses = {k: self._backward(k, node, batch) for k, (i, node, batch)
                   in enumerate(zip(self.node_ids, self.nodes, batches)) if i not in absent}
         stepping = self._finite_nodes(losses, t + 1)
+        if buffers is not None:
+            for k in losses.keys() - set(stepping):
+                torch._foreach_copy_(list(self.nodes[k].buffers()), buffers[k])
         if self.qgm is not None:
             # a parameter the loss does not reach has no gradient: momentum into a discarded zero
             self.qgm.add_momentum([[p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]

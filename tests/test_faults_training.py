@@ -150,6 +150,7 @@ def test_skip_nonfinite_skips_the_node_and_nothing_non_finite_is_gossiped(tmp_pa
     trainer.train()
     assert trainer.nonfinite_skips.tolist() == [0, 1, 0, 0]  # the poisoned row comes once in 30 steps
     assert all(torch.isfinite(p).all() for node in trainer.nodes for p in node.parameters())
+    assert all(torch.isfinite(b).all() for node in trainer.nodes for b in node.buffers())  # running ranges kept
     assert torch.isfinite(trainer.gossip.state_dict()["public"]).all()
     logged = [h for h in trainer.state.log_history if "nonfinite_skips_node_1" in h]
     assert logged[0]["nonfinite_skips_node_1"] == 1 and math.isfinite(logged[0]["loss"])
