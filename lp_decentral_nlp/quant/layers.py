@@ -94,15 +94,12 @@ class QuantModule:
         raise NotImplementedError
 
 
-class QuantGemmLayer(QuantModule):
-    """Shared part of the 8-bit GEMM layers: activation-range buffers, the quantized call, swaps.
+class ActivationQuantizer(QuantModule):
+    """The SPEC 4 input quantizer shared by every 8-bit layer (GEMM layers and vision norms).
 
     Buffers (0-d): ``act_running_min``/``act_running_max`` (running input range, same units as
     the input) and ``act_num_batches`` (training batches seen; 0 means uncalibrated).
     """
-
-    float_type: type[nn.Module]
-    gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
 
     def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -117,6 +114,28 @@ class QuantGemmLayer(QuantModule):
         self.act_running_min = torch.zeros((), device=device)
         self.act_running_max = torch.zeros((), device=device)
         self.act_num_batches = torch.zeros((), dtype=torch.long, device=device)
+
+    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
+        the running range; the running range in eval (the batch's own before any training batch)."""
+        with torch.no_grad():
+            lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
+            if self.training:
+                update_running_range(
+                    self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
+                    self.quant_config.act_momentum,
+                )
+                return lo, hi
+            calibrated = self.act_num_batches > 0
+            return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
+
+
+class QuantGemmLayer(ActivationQuantizer):
+    """Shared part of the 8-bit GEMM layers: the quantized call and the swaps (the activation-range
+    buffers come from :class:`ActivationQuantizer`)."""
+
+    float_type: type[nn.Module]
+    gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
 
     @staticmethod
     def _constructor_args(module: nn.Module) -> dict:
@@ -145,20 +164,6 @@ class QuantGemmLayer(QuantModule):
             layer = self.float_type(**self._constructor_args(self))
         layer.weight, layer.bias = self.weight, self.bias
         return layer.train(self.training)
-
-    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
-        the running range; the running range in eval (the batch's own before any training batch)."""
-        with torch.no_grad():
-            lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
-            if self.training:
-                update_running_range(
-                    self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
-                    self.quant_config.act_momentum,
-                )
-                return lo, hi
-            calibrated = self.act_num_batches > 0
-            return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
 
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..quant import QuantConfig, QuantModule, register_quant_layer
+from ..quant import QuantConfig, register_quant_layer
 from ..quant.functional import fake_quantize, sample_range, tensor_range
-from ..quant.layers import QuantGemmLayer
+from ..quant.layers import ActivationQuantizer
 from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
@@ -96,7 +96,7 @@ class QuantNormFunction(torch.autograd.Function):
         return (grad_x, None, None, None, None, *grad_params)
 
 
-class QuantNormLayer(QuantModule):
+class QuantNormLayer(ActivationQuantizer):
     """Shared part of the 8-bit norm layers: activation quantizer, quantized call, swaps.
 
     A subclass also subclasses its float layer (``isinstance(QuantRangeEvoNorm2d(...),
@@ -106,18 +106,6 @@ class QuantNormLayer(QuantModule):
     """
 
     float_type: type[nn.Module]
-
-    # The SPEC 4 activation quantizer of the 8-bit GEMM layers, shared as is (same buffers, same
-    # range rule, same running average with PyTorch's momentum convention).
-    reset_activation_range = QuantGemmLayer.reset_activation_range
-    _activation_range = QuantGemmLayer._activation_range
-
-    def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.quant_config = QuantConfig() if quant_config is None else quant_config
-        for name in ("act_running_min", "act_running_max", "act_num_batches"):
-            self.register_buffer(name, None)
-        self.reset_activation_range()
 
     @staticmethod
     def _constructor_args(module: nn.Module) -> dict:
@@ -179,10 +167,10 @@ def _share_state(src: nn.Module, dst: nn.Module) -> None:
             setattr(dst, name, float_buffers[name])
 
 
-class QuantEvoNormS0(QuantNormLayer, EvoNormS0):
-    """8-bit EvoNorm-S0 (``norms.evonorm_s0`` on 8-bit input and parameters)."""
+class _QuantGroupNormAct(QuantNormLayer):
+    """The two EvoNorm-style layers: a per-sample group statistic and no state (``norm_fn``)."""
 
-    float_type = EvoNormS0
+    norm_fn = None  # evonorm_s0 or range_evonorm2d (set by the subclass)
 
     @staticmethod
     def _constructor_args(module):
@@ -190,22 +178,22 @@ class QuantEvoNormS0(QuantNormLayer, EvoNormS0):
 
     def normalize(self, x, params, training, update_stats):
         weight, bias, *v = params
-        return evonorm_s0(x, weight, bias, v[0] if v else None, self.groups, self.eps)
+        return self.norm_fn(x, weight, bias, v[0] if v else None, self.groups, self.eps)
 
 
-class QuantRangeEvoNorm2d(QuantNormLayer, RangeEvoNorm2d):
+class QuantEvoNormS0(_QuantGroupNormAct, EvoNormS0):
+    """8-bit EvoNorm-S0 (``norms.evonorm_s0`` on 8-bit input and parameters)."""
+
+    float_type = EvoNormS0
+    norm_fn = staticmethod(evonorm_s0)
+
+
+class QuantRangeEvoNorm2d(_QuantGroupNormAct, RangeEvoNorm2d):
     """8-bit Range EvoNorm (``norms.range_evonorm2d`` on 8-bit input and parameters): the norm of
     the paper's 8-bit training (SPEC 5)."""
 
     float_type = RangeEvoNorm2d
-
-    @staticmethod
-    def _constructor_args(module):
-        return dict(num_channels=module.num_channels, groups=module.groups, eps=module.eps, apply_act=module.apply_act)
-
-    def normalize(self, x, params, training, update_stats):
-        weight, bias, *v = params
-        return range_evonorm2d(x, weight, bias, v[0] if v else None, self.groups, self.eps)
+    norm_fn = staticmethod(range_evonorm2d)
 
 
 class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
