@@ -85,3 +85,31 @@ def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp
     # rank 2 waits for rank 0 longer; gloo closes rank 0's timed-out pair, either way rank 0 is named
     assert "rank 2: pre-flight check before step 0:" in r[2]["schedule"]
     assert "receiving from rank 0" in r[2]["schedule"]
+
+
+@pytest.mark.parametrize("broken", ["isend", "irecv"])
+def test_a_connection_already_closed_when_posting_names_the_peer(monkeypatch, broken):
+    """gloo raises while *posting* an op on a pair whose peer has exited (the race the dead-peer test
+    can hit): the error is a GossipPeerError naming that peer, like a failure while waiting."""
+    from lp_decentral_nlp.gossip.transport import GossipPeerError, TorchDistributedTransport
+
+    transport = TorchDistributedTransport(timeout=5)
+    transport._rank = 3
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+
+    def closed(tensor, dst_or_src, group=None):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
+
+    posted = []
+
+    def fine(tensor, dst_or_src, group=None):
+        posted.append(dst_or_src)
+        return None
+
+    monkeypatch.setattr(torch.distributed, "isend", closed if broken == "isend" else fine)
+    monkeypatch.setattr(torch.distributed, "irecv", closed if broken == "irecv" else fine)
+    peer = 0 if broken == "isend" else 2  # rank 3 of a directed ring sends to 0, receives from 2
+    with pytest.raises(GossipPeerError, match=f"rank 3: gossip step 2: {'sending to' if broken == 'isend' else 'receiving from'} "
+                                              f"rank {peer} failed .*Connection closed") as info:
+        transport._transfer([torch.zeros(4)], [0], [torch.zeros(4)], [2], "gossip step 2")
+    assert info.value.peer == peer

@@ -137,18 +137,18 @@ class TorchDistributedTransport:
         return node if self.group is None else dist.get_global_rank(self.group, node)
 
     def _transfer(self, sends, send_to, recvs, recv_from, what: str) -> None:
-        """Post all sends and receives at once, then wait for each with the deadline."""
-        ops = [dist.P2POp(dist.isend, buf, self._peer(j), self.group) for buf, j in zip(sends, send_to)]
-        ops += [dist.P2POp(dist.irecv, buf, self._peer(j), self.group) for buf, j in zip(recvs, recv_from)]
+        """Post all sends and receives at once, then wait for each with the deadline.
+
+        Any failure names its peer: a broken connection is a ``GossipPeerError``, a missed deadline a
+        ``GossipTimeoutError``.
+        """
+        ops = [(dist.isend, buf, j, "sending to") for buf, j in zip(sends, send_to)]
+        ops += [(dist.irecv, buf, j, "receiving from") for buf, j in zip(recvs, recv_from)]
         if not ops:
             return
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as exc:  # e.g. a peer's connection is already closed
-            raise RuntimeError(f"rank {self._rank}: {what}: posting sends to ranks {send_to} and receives from "
-                               f"ranks {recv_from} failed (has one of them exited?): {exc}") from exc
-        pending = [(w, "sending to", j) for w, j in zip(works[: len(sends)], send_to)]
-        pending = [(w, "receiving from", j) for w, j in zip(works[len(sends):], recv_from)] + pending
+        works = self._post(ops, what)
+        pending = [(w, doing, j) for w, (_, _, j, doing) in zip(works, ops)]
+        pending = pending[len(sends):] + pending[: len(sends)]  # receives first: they name a silent peer
         deadline = time.monotonic() + self.timeout
         for work, doing, peer in pending:
             remaining = max(deadline - time.monotonic(), 0.001)
@@ -164,6 +164,30 @@ class TorchDistributedTransport:
                     f"rank {self._rank}: {what}: timed out after {self.timeout:g} s {doing} rank {peer}; "
                     f"rank {peer} never answered (is it running, alive, and calling gossip.step() with the "
                     "same topology and step count?)", peer)
+
+    def _post(self, ops, what: str) -> list:
+        """Post the point-to-point ops, returning their work handles in order.
+
+        Backends that coalesce (NCCL) get one batch, so ranks posting sends before receives
+        cannot deadlock; the others (gloo) get one op at a time, exactly as ``batch_isend_irecv``
+        would post them, so that a connection already closed names its peer.
+        """
+        if "nccl" in str(dist.get_backend(self.group)):
+            try:
+                return dist.batch_isend_irecv([dist.P2POp(op, buf, self._peer(j), self.group)
+                                               for op, buf, j, _ in ops])
+            except RuntimeError as exc:
+                peers = sorted({j for *_, j, _ in ops})
+                raise RuntimeError(f"rank {self._rank}: {what}: posting messages to/from ranks {peers} failed "
+                                   f"(has one of them exited?): {exc}") from exc
+        works = []
+        for op, buf, j, doing in ops:
+            try:
+                works.append(op(buf, self._peer(j), self.group))
+            except RuntimeError as exc:  # e.g. the peer's connection is already closed
+                raise GossipPeerError(f"rank {self._rank}: {what}: {doing} rank {j} failed (has rank {j} "
+                                      f"exited?): {exc}", j) from exc
+        return works
 
     def _preflight(self, topology: Topology, nbytes: int, start_step: int, config_fingerprint: int) -> None:
         me = self._rank
