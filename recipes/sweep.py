@@ -4,13 +4,19 @@
         --skews 0 0.9 --comps 0 99 --output-dir runs/sweep
 
 Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run. Writes, under
---output-dir: one folder per run (with its results.json; a run whose results.json exists is not
+--output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
 repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
 Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
+
+``--jobs N`` runs N grid points at once, each in its own process (give each one thread:
+``OMP_NUM_THREADS=1``); a run's log goes to ``run.log`` in its folder.
 """
 import argparse
+import concurrent.futures
+import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 
@@ -30,7 +36,11 @@ def parse(argv=None):
     parser.add_argument("--consensus-lr-compressed", type=float, default=None,
                         help="gamma of the runs with --comps > 0 (default: the trainer's, 0.01); "
                              "runs without compression keep gamma 1")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="grid points run at once, each in its own process (default: 1, in this process)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"argument --jobs: must be >= 1, got {args.jobs}")
     if args.consensus_lr_compressed is not None and not 0 < args.consensus_lr_compressed <= 1:
         parser.error(f"argument --consensus-lr-compressed: must be in (0, 1], got {args.consensus_lr_compressed}")
     for s in args.skews:
@@ -44,26 +54,68 @@ def parse(argv=None):
     return args
 
 
-def run_grid(args) -> list[dict]:
-    rows = []
+def grid(args) -> list[argparse.Namespace]:
+    """One set of recipe arguments per grid point."""
+    runs = []
     for algorithm, precision, skew, comp in itertools.product(args.algorithms, args.precisions, args.skews, args.comps):
         run = argparse.Namespace(**vars(args))
         run.algorithm, run.full_precision, run.skew, run.comp = algorithm, precision == "fp32", skew, comp
         if comp > 0 and args.consensus_lr_compressed is not None:
             run.consensus_lr = args.consensus_lr_compressed
         run.output_dir = os.path.join(args.output_dir, f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}")
-        done = os.path.join(run.output_dir, "results.json")
-        if os.path.exists(done):
-            with open(done) as fh:
-                result = json.load(fh)
-        else:
-            print(f"== {algorithm} {precision} skew={skew:g} comp={comp:g}", file=sys.stderr)
-            result = run_nlp(run)
-        rows.append({"algorithm": algorithm, "low_precision": precision == "int8", "skew": skew, "comp": comp,
-                     "gamma": result["config"]["consensus_lr_used"],
-                     "accuracy": result["accuracy"], "bytes_sent_per_node": result["bytes_sent_per_node"],
-                     "wall_time_s": result["wall_time_s"]})
-    return rows
+        runs.append(run)
+    return runs
+
+
+def finished(run: argparse.Namespace) -> dict | None:
+    """The results of a run that completed earlier (``status == "done"``), else None."""
+    try:
+        with open(os.path.join(run.output_dir, "results.json")) as fh:
+            result = json.load(fh)
+    except FileNotFoundError:
+        return None
+    return result if result.get("status") == "done" else None
+
+
+def run_logged(run: argparse.Namespace) -> dict:
+    """One grid point in a worker process, its stdout and stderr in ``run.log``."""
+    os.makedirs(run.output_dir, exist_ok=True)
+    with open(os.path.join(run.output_dir, "run.log"), "w") as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        return run_nlp(run)
+
+
+def describe(run: argparse.Namespace) -> str:
+    return f"{run.algorithm} {'fp32' if run.full_precision else 'int8'} skew={run.skew:g} comp={run.comp:g}"
+
+
+def run_grid(args) -> list[dict]:
+    runs = grid(args)
+    results = {i: r for i, r in ((i, finished(run)) for i, run in enumerate(runs)) if r is not None}
+    todo = [i for i in range(len(runs)) if i not in results]
+    if args.jobs == 1:
+        for i in todo:
+            print(f"== {describe(runs[i])}", file=sys.stderr)
+            results[i] = run_nlp(runs[i])
+    elif todo:
+        context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+            futures = {pool.submit(run_logged, runs[i]): i for i in todo}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except BaseException as err:
+                    for other in futures:
+                        other.cancel()
+                    raise RuntimeError(f"sweep run {describe(runs[i])} failed: {err!r}; its log: "
+                                       f"{os.path.join(runs[i].output_dir, 'run.log')}") from err
+                print(f"[{done}/{len(todo)}] {describe(runs[i])}: accuracy {100 * results[i]['accuracy']:.2f}%",
+                      file=sys.stderr)
+    return [{"algorithm": run.algorithm, "low_precision": not run.full_precision, "skew": run.skew,
+             "comp": run.comp, "gamma": results[i]["config"]["consensus_lr_used"],
+             "accuracy": results[i]["accuracy"], "bytes_sent_per_node": results[i]["bytes_sent_per_node"],
+             "wall_time_s": results[i]["wall_time_s"]} for i, run in enumerate(runs)]
 
 
 def markdown_table(rows) -> str:

@@ -106,3 +106,43 @@ def test_torchrun_distributed_equals_simulated(tiny_model_dir, ag_news_csv, tmp_
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finished_runs(tiny_model_dir, ag_news_csv, tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "recipes" / "sweep.py"), *tiny_flags(tiny_model_dir, ag_news_csv, out),
+           "--skews", "0.9", "--comps", "99", "--precisions", "int8", "--consensus-lr-compressed", "0.1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "--jobs", "2"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [(r["algorithm"], r["low_precision"], r["skew"], r["comp"], r["gamma"]) for r in rows] == [
+        ("choco", True, 0.9, 99.0, 0.1), ("deepsqueeze", True, 0.9, 99.0, 0.1)]
+    for r in rows:  # the table holds each run's own results.json accuracy
+        run = json.loads((out / f"{r['algorithm']}_int8_skew0.9_comp99" / "results.json").read_text())
+        assert run["status"] == "done" and r["accuracy"] == run["accuracy"]
+        assert (out / f"{r['algorithm']}_int8_skew0.9_comp99" / "run.log").stat().st_size > 0
+    table = (out / "sweep.md").read_text().splitlines()
+    assert table[0] == "| skew | compression | LP-DS | LP-Choco |"
+    assert table[2] == f"| 0.9 | 99% | {100 * rows[1]['accuracy']:.2f} | {100 * rows[0]['accuracy']:.2f} |"
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[2/2]" in proc.stderr
+
+    # a run left "running" (e.g. killed) is repeated; a finished one is not
+    choco = out / "choco_int8_skew0.9_comp99" / "results.json"
+    choco.write_text(json.dumps({**json.loads(choco.read_text()), "status": "running"}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== choco int8 skew=0.9 comp=99" in proc.stderr and "deepsqueeze" not in proc.stderr.split("\n| skew")[0]
+    assert json.loads(choco.read_text())["status"] == "done"
+
+
+def test_sweep_rejects_bad_jobs(capsys):
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        import sweep
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    with pytest.raises(SystemExit):
+        sweep.parse(["--jobs", "0"])
+    assert "argument --jobs: must be >= 1, got 0" in capsys.readouterr().err
