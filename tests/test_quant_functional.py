@@ -94,3 +94,17 @@ def test_running_range_uses_pytorch_momentum_convention():
     assert rmin.item() == pytest.approx(0.9 * -2.0 + 0.1 * -1.0)
     assert rmax.item() == pytest.approx(0.9 * 4.0 + 0.1 * 6.0)
     assert n.item() == 2
+
+
+def test_stochastic_rounding_of_a_strided_tensor_uses_every_element_once():
+    # the 16-bit dithers are laid out contiguously; a transposed input still gets one per element
+    lo, hi = torch.tensor(0.0), torch.tensor(1.0)
+    scale = 1 / 255
+    x = torch.full((3000, 5), 0.5 * scale).T  # every value half a step above 0
+    torch.manual_seed(0)
+    draws = fake_quantize(x, lo, hi, 8, stochastic=True)
+    assert draws.shape == x.shape
+    up = (draws > 0).float()
+    assert draws.unique().tolist() == [0.0, pytest.approx(scale)]
+    assert abs(up.mean().item() - 0.5) < 6 * 0.5 / (up.numel() ** 0.5)
+    assert 0.3 < up.mean(1).min() and up.mean(1).max() < 0.7  # no row left without its own dithers

@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 
 
+# Resolution of the stochastic-rounding dither: u takes the 2**16 values (j + 1/2) / 2**16.
+DITHER_BITS = 16
+
+
 @torch.no_grad()
 def quantize_codes(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
@@ -19,8 +23,11 @@ def quantize_codes(
         x: tensor of any shape.
         lo, hi: range, 0-d or broadcastable to `x`; values outside it are clamped.
         bits: grid has ``2**bits`` levels.
-        stochastic: round ``v`` up with probability ``v - floor(v)`` (unbiased:
-            ``E[q] = (x - lo) / s`` inside the range), drawing from torch's RNG; nearest otherwise.
+        stochastic: round ``v`` to ``floor(v + u)``, ``u`` uniform on the ``2**16`` midpoints
+            ``(j + 1/2) / 2**16`` of [0, 1) drawn from torch's RNG: ``v`` goes up with probability
+            ``v - floor(v)`` up to ``2**-17`` (unbiased to that resolution inside the range). Four
+            dithers come from each 64-bit draw, a quarter of the draws of ``rand_like`` (the CPU
+            generator is sequential). Nearest rounding otherwise.
 
     Returns:
         ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (same shape
@@ -31,9 +38,13 @@ def quantize_codes(
     levels = 2**bits - 1
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    v = torch.mul(x, inv).add_(-lo * inv)  # (x - lo) / s; mul + add_ beats addcmul with 0-d tensors on CPU
+    offset = -lo * inv  # (x - lo) / s = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
+    if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
+        offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
+    v = torch.mul(x, inv).add_(offset)
     if stochastic:
-        v.add_(torch.rand_like(v)).floor_()
+        words = torch.empty((v.numel() + 3) // 4, dtype=torch.int64, device=v.device).random_(-(2**63), None)
+        v.add_(words.view(torch.int16)[: v.numel()].view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
     else:
         v.round_()
     return v.clamp_(0, levels), scale
