@@ -349,3 +349,30 @@ def test_quasi_global_momentum_follows_spec_2():
         qgm.end_iteration(lr)
     with pytest.raises(ValueError, match="beta"):
         QuasiGlobalMomentum(nodes, beta=1.0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda topo: ChocoSGD(topo, TopK(0.1), gamma=0.5),
+    lambda topo: DeepSqueeze(topo, TopK(0.05, value_bits=8), gamma=0.3),
+    lambda topo: ChocoSGD(topo, RandomK(0.2), gamma=0.4),  # stochastic: encodes in order
+])
+def test_segments_on_the_thread_pool_give_exactly_the_sequential_results(make):
+    shapes = [(300, 400), (64,), (400, 300), (5,), (1000, 500), (77, 3)]  # the big ones take the bracket top-k
+    topo = make_topology("directed_ring", num_nodes=4)
+    runs = []
+    threads = torch.get_num_threads()
+    for n_threads in (1, 3):
+        torch.set_num_threads(n_threads)
+        try:
+            gossip, nodes = make(topo), make_nodes(4, shapes=shapes)
+            for t in range(3):
+                local_step(nodes, t)
+                sent = gossip.step(nodes).bytes_sent
+        finally:
+            torch.set_num_threads(threads)
+        runs.append((nodes, gossip.weights, sent))
+    (a, wa, sa), (b, wb, sb) = runs
+    assert sa == sb and torch.equal(wa, wb)
+    for pa, pb in zip(a, b):
+        for x, y in zip(pa, pb):
+            assert torch.equal(x, y)

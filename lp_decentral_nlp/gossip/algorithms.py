@@ -42,9 +42,17 @@ away for a while; :mod:`.faults` states the rules (a lost share returns to its s
 message is committed to the public copies only when it reached every out-neighbour; an absent
 node does nothing), under which the push-sum mass stays exactly conserved. Without a plan the
 step does no extra work.
+
+Threads. On a multi-threaded CPU, layer-wise codecs encode and decode the model's tensors
+concurrently on a pool of ``torch.get_num_threads()`` threads (largest first): CPU top-k
+selection is single-threaded per tensor, and each tensor owns disjoint slices of the buffers, so
+the results are the same as one tensor after another. Stochastic codecs encode in order (one
+generator per node and step).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -352,12 +360,28 @@ class PushSumGossip:
             self._decode_add(msg, self._flat, wkj - self_shift if n == 0 else wkj)
 
     def _encode(self, v: torch.Tensor, msg: Message, generator) -> None:
-        for (off, numel, codec), fields in zip(self._segments, msg.fields):
-            codec.encode(v[off:off + numel], fields, self._work[off:off + numel], generator)
+        def encode(s):
+            off, numel, codec = self._segments[s]
+            codec.encode(v[off:off + numel], msg.fields[s], self._work[off:off + numel], generator)
+
+        self._each_segment(encode, in_order=generator is not None)
 
     def _decode_add(self, msg: Message, target: torch.Tensor, alpha: float) -> None:
-        for (off, numel, codec), fields in zip(self._segments, msg.fields):
-            codec.decode_add(fields, target[off:off + numel], alpha, self._work[off:off + numel])
+        def decode_add(s):
+            off, numel, codec = self._segments[s]
+            codec.decode_add(msg.fields[s], target[off:off + numel], alpha, self._work[off:off + numel])
+
+        self._each_segment(decode_add)
+
+    def _each_segment(self, fn, in_order: bool = False) -> None:
+        """``fn(s)`` for every segment index ``s``: on the segment thread pool (largest segments
+        first) when the CPU runs several torch threads and there are several segments, else in order."""
+        threads = torch.get_num_threads()
+        if in_order or threads < 2 or len(self._segments) < 3 or self._device.type != "cpu":
+            for s in range(len(self._segments)):
+                fn(s)
+        else:
+            list(_segment_pool(threads).map(fn, self._largest_first))
 
     def _apply(self, k: int, params: ParamList) -> None:
         """``x_k <- keep * x~_k + gamma * d_k`` and ``z_k <- x_k / w_k`` into ``params``, with
@@ -416,6 +440,7 @@ class PushSumGossip:
         self._param_slices = [(int(o), n, s) for o, n, s in zip(offsets, sizes, self._shapes)]
         segs = [(int(o), n) for o, n in zip(offsets, sizes) if n > 0] if self.compressor.layerwise else [(0, P)]
         self._segments = [(o, n, self.compressor) for o, n in segs] + [(P, 1, Identity())]
+        self._largest_first = sorted(range(len(self._segments)), key=lambda s: -self._segments[s][1])
         self._layout = MessageLayout([codec.fields(n, self._dtype) for _, n, codec in self._segments])
         dev, dt = self._device, self._dtype
         self._flat = torch.zeros(P + 1, dtype=dt, device=dev)
@@ -547,6 +572,12 @@ class DeepSqueeze(PushSumGossip):
 
     def _direction(self, k, contributions):
         self._mixed_sum(contributions, self_shift=1.0)
+
+
+@functools.cache
+def _segment_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool that encodes/decodes segments with `threads` workers."""
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gossip-segments")
 
 
 def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Tensor:
