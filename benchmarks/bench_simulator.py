@@ -35,7 +35,7 @@ import torch
 from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
-from lp_decentral_nlp import QuantConfig, quantize_model
+from lp_decentral_nlp import QuantConfig
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
 NUM_LABELS = 4

@@ -124,7 +124,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int, out: torch.Tensor)
     if bits == 8:
         out.copy_(packed)
         return
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(1) >> shifts) & (2**bits - 1)
     out.copy_(codes.view(-1)[:count])
