@@ -13,7 +13,6 @@ Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
 """
 import argparse
 import concurrent.futures
-import contextlib
 import itertools
 import json
 import multiprocessing
@@ -78,11 +77,18 @@ def finished(run: argparse.Namespace) -> dict | None:
 
 
 def run_logged(run: argparse.Namespace) -> dict:
-    """One grid point in a worker process, its stdout and stderr in ``run.log``."""
+    """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
     os.makedirs(run.output_dir, exist_ok=True)
-    with open(os.path.join(run.output_dir, "run.log"), "w") as log, \
-            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        return run_nlp(run)
+    with open(os.path.join(run.output_dir, "run.log"), "w") as log:
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        try:
+            return run_nlp(run)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
 
 
 def describe(run: argparse.Namespace) -> str:
