@@ -36,6 +36,8 @@ def test_codes_are_integers_in_range_and_clamped_outside():
     codes, scale = quantize_codes(x, torch.tensor(0.0), torch.tensor(1.0), 8)
     assert codes.tolist() == [0, 0, 51, 181, 255, 255]  # round(0.71 * 255 = 181.05)
     assert scale.item() == pytest.approx(1 / 255)
+    signed, _ = quantize_codes(x, torch.tensor(0.0), torch.tensor(1.0), 8, signed=True)  # the int8 kernel's codes
+    assert signed.tolist() == [-128, -128, -77, 53, 127, 127]
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not():

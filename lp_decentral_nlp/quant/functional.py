@@ -15,7 +15,7 @@ DITHER_BITS = 16
 
 @torch.no_grad()
 def quantize_codes(
-    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False, signed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Integer codes of `x` on the `bits`-bit affine grid spanning ``[lo, hi]`` (SPEC 4).
 
@@ -28,17 +28,21 @@ def quantize_codes(
             ``v - floor(v)`` up to ``2**-17`` (unbiased to that resolution inside the range). Four
             dithers come from each 64-bit draw, a quarter of the draws of ``rand_like`` (the CPU
             generator is sequential). Nearest rounding otherwise.
+        signed: return ``q - 2**(bits - 1)`` (the shift folded into the affine offset: no extra pass).
 
     Returns:
-        ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (same shape
-        as `x`), and the step ``s`` (shape of ``hi - lo``). A zero-width range gives ``s = 0`` and
+        ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (``signed``:
+        ``[-2**(bits-1), 2**(bits-1) - 1]``; same shape as `x`), and the step ``s`` (shape of
+        ``hi - lo``). A zero-width range gives ``s = 0`` and
         codes 0, so every element dequantizes to ``lo``. Not differentiable (rounding has zero
         gradient): callers apply the straight-through estimator.
     """
     levels = 2**bits - 1
+    shift = 2 ** (bits - 1) if signed else 0
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    offset = -lo * inv  # (x - lo) / s = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
+    # (x - lo) / s - shift = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
+    offset = -lo * inv - shift if shift else -lo * inv
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
         offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
     v = torch.mul(x, inv).add_(offset)
@@ -47,7 +51,7 @@ def quantize_codes(
         v.add_(words.view(torch.int16)[: v.numel()].view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
     else:
         v.round_()
-    return v.clamp_(0, levels), scale
+    return v.clamp_(-shift, levels - shift), scale
 
 
 @torch.no_grad()

@@ -117,10 +117,8 @@ class Int8Kernel(Kernel):
         return None
 
     def quantize(self, x, lo, hi, bits, stochastic):
-        codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
-        half = 2 ** (bits - 1)
-        codes.sub_(half)
-        return Int8Operand(codes.to(torch.int8), scale, lo + half * scale, codes.sum(-1, keepdim=True))
+        codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed=True)
+        return Int8Operand(codes.to(torch.int8), scale, lo + 2 ** (bits - 1) * scale, codes.sum(-1, keepdim=True))
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
         if isinstance(gemm, LinearGemm):  # W (out, in): B = W.T, its column sums are W's row sums
