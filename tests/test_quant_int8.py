@@ -175,3 +175,26 @@ def test_cuda_small_batch_is_padded_to_the_int_mm_shape_rule():
     a, b = (Int8Operand(*(t.cuda() for t in op)) for op in (a, b))
     expected = a.dequantize().double() @ b.dequantize().double()
     assert (affine_int8_matmul(a, b).double() - expected).abs().max() <= gemm_tolerance(a.dequantize(), b.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_int8_bf16_differs_from_int8_only_in_a_bfloat16_rounded_weight_gradient(kind, monkeypatch):
+    base = nn.Linear(48, 40) if kind == "linear" else Conv1D(40, 48)
+    x, grad_out = torch.randn(4, 9, 48) * 2 + 0.5, torch.randn(4, 9, 40).exp()  # skewed: big zero points
+    results = {}
+    for kernel in ("int8", "int8_bf16"):
+        model = quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
+        results[kernel] = run_step(model, x, grad_out)
+    (y_i, gx_i, gp_i), (y_b, gx_b, gp_b) = results["int8"], results["int8_bf16"]
+    assert torch.equal(y_i, y_b) and torch.equal(gx_i, gx_b) and torch.equal(gp_i[1], gp_b[1])
+    # dW = sum over rows of g (x) x^: rounding g and the GEMM's result to bfloat16 (8 significant
+    # bits, relative error <= 2**-8 each) moves an entry by at most ~2**-7 of sum |g| |x^|, and
+    # |x^| <= max |x| (the quantization range lies within the input's)
+    bound = grad_out.reshape(-1, 40).abs().sum(0)[:, None] * x.abs().max() * 2.0**-7
+    w_i, w_b = (gp_i[0], gp_b[0]) if kind == "linear" else (gp_i[0].T, gp_b[0].T)
+    assert ((w_b - w_i).abs() <= bound).all()
+    assert not torch.equal(w_b, w_i), "the weight gradient really went through bfloat16"
+    assert torch.nn.functional.cosine_similarity(w_b.flatten(), w_i.flatten(), dim=0) > 0.9999
+    spy = SpyIntMM(monkeypatch)
+    run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8_bf16")), x, grad_out)
+    assert len(spy.calls) == 2  # forward and layer gradient still on int8 operands

@@ -33,8 +33,9 @@ class QuantConfig:
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
         kernel: how the quantized GEMMs run: ``"simulated"`` (float fake quantization, the paper's
-            method), ``"int8"`` (int8 GEMMs, ``int8_kernel.py``), ``"auto"`` (int8 where supported and
-            faster, see ``kernels.resolve_kernel``) or another registered kernel. A layer the kernel
+            method), ``"int8"`` (int8 GEMMs, ``int8_kernel.py``), ``"int8_bf16"`` (int8 GEMMs and a
+            bfloat16 weight-gradient GEMM), ``"auto"`` (int8 where supported and faster, see
+            ``kernels.resolve_kernel``) or another registered kernel. A layer the kernel
             cannot run falls back to ``"simulated"``; ``quantize_model(..., dry_run=True)`` says why.
     """
 

@@ -135,3 +135,29 @@ class Int8Kernel(Kernel):
 
     def grad_weight(self, gemm: Gemm, x_q: Int8Operand, g, weight_shape):
         return gemm.grad_weight(x_q.dequantize(), g, weight_shape)
+
+
+class Int8Bf16Kernel(Int8Kernel):
+    """``int8``, plus a bfloat16 weight gradient (``QuantConfig(kernel="int8_bf16")``).
+
+    ``dL/dW`` from the input's int8 codes ``C`` (exact in bfloat16) and the full-precision output
+    gradient ``g`` rounded to bfloat16, as one bfloat16 GEMM with the affine terms in fp32
+    (Linear: ``dL/dW = s_x (g^T C) + o_x (g^T 1) 1^T``; Conv1D its transpose). The GEMM
+    accumulates in fp32 but returns bfloat16, so each weight-gradient entry carries a relative
+    error up to about ``2**-8`` (bfloat16's 8 significant bits), against fp32 rounding for
+    ``int8``. Fast where the hardware has bfloat16 dot products (CPUs with AVX512-BF16 or AMX,
+    recent GPUs); elsewhere bfloat16 GEMMs can be slower than fp32.
+    """
+
+    name = "int8_bf16"
+
+    def grad_weight(self, gemm, x_q, g, weight_shape):
+        # the input operand has one range per tensor (0-d scale and offset, see layers.py)
+        codes = x_q.codes.reshape(-1, x_q.codes.shape[-1]).to(torch.bfloat16)  # (M, in)
+        g = g.reshape(-1, g.shape[-1])  # (M, out)
+        g_sum = g.sum(0)  # (out,) fp32
+        if isinstance(gemm, LinearGemm):  # (out, in)
+            product, offset_term = g.to(torch.bfloat16).T @ codes, (x_q.offset * g_sum)[:, None]
+        else:  # Conv1D: (in, out)
+            product, offset_term = codes.T @ g.to(torch.bfloat16), (x_q.offset * g_sum)[None, :]
+        return product.float().mul_(x_q.scale).add_(offset_term).reshape(weight_shape)

@@ -114,6 +114,7 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor) -> tuple[Ke
 
 
 register_kernel(SimulatedKernel())
-from .int8_kernel import Int8Kernel, cpu_has_int8_dot  # noqa: E402  (needs Kernel defined above)
+from .int8_kernel import Int8Bf16Kernel, Int8Kernel, cpu_has_int8_dot  # noqa: E402  (needs Kernel defined above)
 
 register_kernel(Int8Kernel())
+register_kernel(Int8Bf16Kernel())
