@@ -6,8 +6,13 @@ batch 8 per node, AdamW:
 * a simulated round: ``DecentralizedTrainer(backend="simulated")`` with ``--nodes`` nodes, the
   time between the trainer's ``on_step_begin`` and ``on_step_end`` callbacks (data loading, every
   node's forward/backward and AdamW step, the NaN check, the gossip step);
-* the reference, measured right after each round (interleaved): ``--nodes`` plain
-  forward + backward + AdamW steps of one model of the same precision on one fixed batch;
+* the reference, measured right after each round (interleaved): ``--nodes`` plain steps of one
+  model of the same precision on one fixed batch, each what a single-node ``transformers.Trainer``
+  step does: forward + backward, gradient clipping (``max_grad_norm``, 1.0 as in the trainer),
+  AdamW;
+* with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
+  step each: what holding n models in one process costs by itself (memory traffic: every step
+  touches another model's weights, gradients and optimizer state);
 * where the round's time goes: the trainer's ``_backward`` (loss + backward of each node),
   ``_finite_nodes`` (NaN check), the optimizer steps (step hooks) and ``gossip.step``, timed by
   wrappers; the remainder is data loading and the loop itself;
@@ -107,9 +112,10 @@ class SectionTimer:
 class Interleaved(TrainerCallback):
     """Times each round and, right after it, `nodes` plain steps of a reference model."""
 
-    def __init__(self, reference_step, nodes, timer, sync):
+    def __init__(self, reference_step, nodes, timer, sync, distinct):
         self.reference_step, self.nodes, self.timer, self.sync = reference_step, nodes, timer, sync
-        self.round_s, self.plain_s, self.plain_sections = [], [], []
+        self.distinct = distinct
+        self.round_s, self.plain_s, self.plain_sections, self.distinct_s = [], [], [], []
 
     def on_step_begin(self, args, state, control, **kw):
         self.sync()
@@ -125,6 +131,11 @@ class Interleaved(TrainerCallback):
             self.reference_step(sections)
         self.plain_s.append(time.perf_counter() - start)
         self.plain_sections.append(sections)
+        if self.distinct:
+            start = time.perf_counter()
+            for i in range(self.nodes):
+                self.reference_step(defaultdict(float), i)
+            self.distinct_s.append(time.perf_counter() - start)
 
 
 def measure_time(args, precision):
@@ -133,14 +144,19 @@ def measure_time(args, precision):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as out:
         trainer, dataset, quant = build_trainer(args, precision, rounds, out)
-        reference = copy.deepcopy(trainer.nodes[0]).to(device).train()
-        optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-5)
+        copies = args.nodes if args.distinct_reference else 1
+        references = [copy.deepcopy(trainer.nodes[0]).to(device).train() for _ in range(copies)]
+        optimizers = [torch.optim.AdamW(r.parameters(), lr=3e-5) for r in references]
         batch = {k: torch.tensor(dataset[: args.batch_size][k], device=device) for k in ("input_ids", "attention_mask")}
         batch["labels"] = torch.tensor(dataset[: args.batch_size]["label"], device=device)
+        max_grad_norm = trainer.args.max_grad_norm
 
-        def reference_step(sections):
+        def reference_step(sections, copy_index=0):
+            reference, optimizer = references[copy_index], optimizers[copy_index]
             start = time.perf_counter()
             reference(**batch).loss.backward()
+            if max_grad_norm > 0:  # as the trainer's _backward (and a single-node Trainer) does
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
             sync()
             mid = time.perf_counter()
             optimizer.step()
@@ -163,7 +179,7 @@ def measure_time(args, precision):
             return opt, sched
 
         trainer._make_optimizer_and_scheduler = make_timed
-        callback = Interleaved(reference_step, args.nodes, timer, sync)
+        callback = Interleaved(reference_step, args.nodes, timer, sync, args.distinct_reference)
         trainer.add_callback(callback)
         trainer.train()
     keep = slice(args.warmup, None)
@@ -173,9 +189,12 @@ def measure_time(args, precision):
     plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
                       for k in callback.plain_sections[0]}
     ratios = [r / p for r, p in zip(round_s, plain_s)]
+    distinct_s = callback.distinct_s[keep]
     return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
                 ratio=statistics.median(ratios), sections=sections, plain_sections=plain_sections,
-                kernel=quant.kernel if precision == "8-bit" else "-")
+                kernel=quant.kernel if precision == "8-bit" else "-",
+                distinct_s=statistics.median(distinct_s) if distinct_s else None,
+                distinct_ratio=statistics.median(d / p for d, p in zip(distinct_s, plain_s)) if distinct_s else None)
 
 
 def measure_memory(args, precision) -> dict:
@@ -222,6 +241,8 @@ def main(argv=None):
     p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
     p.add_argument("--memory-rounds", type=int, default=2, help="rounds of the peak-memory subprocess (0: skip)")
     p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
+    p.add_argument("--distinct-reference", action="store_true",
+                   help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -250,6 +271,10 @@ def main(argv=None):
             print(f"  {name:<28}{r['sections'].get(name, 0.0):9.3f}{r['plain_sections'].get(name, 0.0):9.3f}")
         rest = r["round_s"] - sum(r["sections"].values())
         print(f"  {'rest (data, loop)':<28}{rest:9.3f}")
+        if r["distinct_s"] is not None:
+            print(f"  {args.nodes} plain steps of {args.nodes} distinct copies: {r['distinct_s']:.3f} s, "
+                  f"{r['distinct_ratio']:.3f}x one model's (holding {args.nodes} models alone); "
+                  f"round / distinct = {r['round_s'] / r['distinct_s']:.3f}")
     if args.memory_rounds:
         print()
         for precision in args.precisions:
