@@ -84,9 +84,10 @@ def get_kernel(name: str) -> Kernel:
 
 AUTO = "auto"
 # kernel="auto" takes int8 for layers at least this wide (in and out features). From
-# `benchmarks/bench_quant.py --layer-sweep` on the shared 2-core CPU (noisy): below 512 features
-# the int8 layer was 1.1-4x the simulated one's time (fixed per-call costs), at 768 0.78x.
-AUTO_MIN_FEATURES = 512
+# `benchmarks/bench_quant.py --threads 2 --layer-sweep --repeats 3` on the 2-core CPU with no other
+# job running (forward + backward of one square Linear, 1,024 rows, time relative to fp32):
+# width 128 int8 2.79x vs simulated 2.48x; 256: 1.21x vs 1.50x; 512: 0.84x vs 1.34x; 768: 0.63x vs 1.18x.
+AUTO_MIN_FEATURES = 256
 
 
 def kernel_names() -> tuple[str, ...]:
