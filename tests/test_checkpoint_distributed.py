@@ -32,14 +32,19 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     assert proc.returncode == 0, proc.stderr[-5000:]
     reports = {r: json.loads((died / f"report-{r}.json").read_text()) for r in range(4) if r != worker.DYING_RANK}
     assert not (died / f"report-{worker.DYING_RANK}.json").exists()
-    # rank 3 receives from rank 2 on the directed ring: it names rank 2 and the checkpoint to resume from
-    r3 = reports[3]
-    assert "GossipPeerError" in r3["mro"] and r3["peer"] == 2, r3
-    assert "rank 3: gossip step 2:" in r3["message"] and "rank 2" in r3["message"]
-    assert f"--resume-from-checkpoint {died / 'checkpoint-2'}" in r3["message"]
-    for rank, report in reports.items():  # nobody hangs: every survivor stops with a peer named
-        assert "GossipPeerError" in report["mro"] and report["peer"] in (2, 3), (rank, report)
+    # nobody hangs: every survivor stops with one of its directed-ring neighbours named. Which one
+    # is a race: the first rank to fail can only have lost rank 2 (everyone else was alive), but
+    # its exit can then break a survivor's connection before that survivor noticed rank 2.
+    neighbours = {r: {(r - 1) % 4, (r + 1) % 4} for r in range(4)}
+    for rank, report in reports.items():
+        assert "GossipPeerError" in report["mro"] and report["peer"] in neighbours[rank], (rank, report)
         assert report["step"] in (2, 3) and report["waited_s"] < 10 * worker.GOSSIP_TIMEOUT
+    # rank 2's neighbours see it first: at least one names rank 2 and the checkpoint to resume from
+    named = [(rank, report) for rank, report in reports.items() if report["peer"] == worker.DYING_RANK]
+    assert named, reports
+    rank, report = named[0]
+    assert f"rank {rank}: gossip step 2:" in report["message"] and "rank 2" in report["message"]
+    assert f"--resume-from-checkpoint {died / 'checkpoint-2'}" in report["message"]
     assert sorted(p.name for p in died.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
 
     proc = torchrun("resume", resumed, ag_news_csv, minilm_path, died / "checkpoint-2")
