@@ -42,7 +42,7 @@ def quantize_codes(
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
     # (x - lo) / s - shift = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
-    offset = -lo * inv - shift if shift else -lo * inv
+    offset = -lo * inv - shift
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
         offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
     v = torch.mul(x, inv).add_(offset)
@@ -71,6 +71,14 @@ def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sample_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample ``(min, max)`` over all dims but dim 0, each of shape ``(x.shape[0],)``."""
     return x.reshape(x.shape[0], -1).aminmax(dim=1)
+
+
+def grad_range(g: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Range of the output-gradient quantizer (SPEC 4): min/max of all of ``g`` (``"tensor"``), or
+    one per sample (``"sample"``, shape ``(batch, 1, ..., 1)`` broadcastable to ``g``)."""
+    if granularity == "sample" and g.dim() > 1:
+        return tuple(r.reshape((-1,) + (1,) * (g.dim() - 1)) for r in sample_range(g))
+    return tensor_range(g)
 
 
 def mean_sample_range(x: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,9 +129,13 @@ class Int8Kernel(Kernel):
         return y.reshape(x_q.codes.shape[:-1] + (y.shape[-1],))
 
     def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
-        # (out, in); on the CPU as the transpose of a contiguous (in, out) copy, _int_mm's fast layout
-        w = w_q.codes.T.contiguous().T if isinstance(gemm, LinearGemm) else w_q.codes.T
-        return affine_int8_matmul(g_q.rows(), Int8Operand(w, w_q.scale, w_q.offset)).reshape(input_shape)
+        if isinstance(gemm, LinearGemm):  # B = W (out, in); on the CPU as the transpose of a contiguous
+            w, colsum = w_q.codes, None  # (in, out) copy, _int_mm's fast layout (CUDA takes W as it is)
+            if w.device.type == "cpu":
+                w = w.T.contiguous().T
+        else:  # Conv1D: B = W.T (out, in), its column sums are W's row sums
+            w, colsum = w_q.codes.T, w_q.last_dim_sums.reshape(1, -1)
+        return affine_int8_matmul(g_q.rows(), Int8Operand(w, w_q.scale, w_q.offset), colsum).reshape(input_shape)
 
     def grad_weight(self, gemm: Gemm, x_q: Int8Operand, g, weight_shape):
         return gemm.grad_weight(x_q.dequantize(), g, weight_shape)

@@ -101,11 +101,11 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor) -> tuple[Ke
     another device re-decides. ``"auto"`` picks int8 where it is supported and faster: a device
     with int8 dot-product hardware (CUDA, or a CPU with VNNI/AMX) and a layer of at least
     ``AUTO_MIN_FEATURES`` in and out features; the simulated kernel otherwise."""
-    int8 = KERNELS["int8"]
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight)
         return (kernel, None) if reason is None else (KERNELS["simulated"], reason)
+    int8 = KERNELS["int8"]
     reason = int8.unsupported_reason(gemm_type, weight)
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
         reason = "CPU without int8 dot-product instructions (VNNI/AMX)"

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import QuantConfig
-from .functional import mean_sample_range, sample_range, tensor_range, update_running_range
+from .functional import grad_range, mean_sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
 from .kernels import Kernel, resolve_kernel
 
@@ -60,11 +60,7 @@ class QuantGemmFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:
-            if config.grad_granularity == "sample" and g.dim() > 1:
-                g_lo, g_hi = (r.reshape((-1,) + (1,) * (g.dim() - 1)) for r in sample_range(g))
-            else:
-                g_lo, g_hi = tensor_range(g)
-            g_q = kernel.quantize(g, g_lo, g_hi, config.grad_bits, ctx.stochastic)
+            g_q = kernel.quantize(g, *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
             if not kernel.saves_operands:
                 w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
             grad_x = kernel.grad_input(gemm, g_q, w_q, x_shape)
@@ -108,6 +104,35 @@ class ActivationQuantizer(QuantModule):
             self.register_buffer(name, None)
         self.reset_activation_range()
 
+    float_type: type[nn.Module]
+
+    @staticmethod
+    def _constructor_args(module: nn.Module) -> dict:
+        """Keyword arguments that rebuild a float layer of `module`'s shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, module: nn.Module, config: QuantConfig) -> nn.Module:
+        """An 8-bit layer sharing `module`'s parameter and buffer objects (no copy), same training flag."""
+        if type(module) is not cls.float_type:
+            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.float32:
+                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
+                                f"of dtype {p.dtype}; call model.float() first")
+        with torch.device("meta"):
+            layer = cls(**cls._constructor_args(module), quant_config=config)
+        _share_state(module, layer)
+        layer.reset_activation_range()
+        return layer.train(module.training)
+
+    def to_float(self) -> nn.Module:
+        """The plain float layer holding this layer's current parameters and buffers (same objects)."""
+        with torch.device("meta"):
+            layer = self.float_type(**self._constructor_args(self))
+        _share_state(self, layer)
+        return layer.train(self.training)
+
     def reset_activation_range(self) -> None:
         """Forget the running activation range (zeros on the weight's device, 0 batches seen)."""
         device = self.weight.device
@@ -134,36 +159,7 @@ class QuantGemmLayer(ActivationQuantizer):
     """Shared part of the 8-bit GEMM layers: the quantized call and the swaps (the activation-range
     buffers come from :class:`ActivationQuantizer`)."""
 
-    float_type: type[nn.Module]
     gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
-
-    @staticmethod
-    def _constructor_args(module: nn.Module) -> dict:
-        """Keyword arguments that rebuild a float layer of `module`'s shape."""
-        raise NotImplementedError
-
-    @classmethod
-    def from_float(cls, module: nn.Module, config: QuantConfig) -> "QuantGemmLayer":
-        """A quantized layer sharing `module`'s weight and bias ``Parameter`` objects (no copy)."""
-        if type(module) is not cls.float_type:
-            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
-        for p in (module.weight, module.bias):
-            if p is not None and p.dtype != torch.float32:
-                raise TypeError(
-                    f"{cls.__name__}: master weights must be float32 (SPEC 4), got {p.dtype}; call model.float() first"
-                )
-        with torch.device("meta"):
-            layer = cls(**cls._constructor_args(module), quant_config=config)
-        layer.weight, layer.bias = module.weight, module.bias
-        layer.reset_activation_range()
-        return layer.train(module.training)
-
-    def to_float(self) -> nn.Module:
-        """A plain float layer holding this layer's current master weights (same ``Parameter`` objects)."""
-        with torch.device("meta"):
-            layer = self.float_type(**self._constructor_args(self))
-        layer.weight, layer.bias = self.weight, self.bias
-        return layer.train(self.training)
 
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
@@ -250,6 +246,16 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
             padding = (0, 0)
         return self._quant_gemm(x, Conv2dGemm(self.stride, padding, self.dilation, self.groups))
+
+
+def _share_state(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the very parameter objects of `src`, and those of its buffers that `dst` also has."""
+    src_buffers = dict(src.named_buffers(recurse=False))
+    for name, p in src.named_parameters(recurse=False):
+        setattr(dst, name, p)
+    for name in dict(dst.named_buffers(recurse=False)):
+        if name in src_buffers:
+            setattr(dst, name, src_buffers[name])
 
 
 def _autocast_disabled(device_type: str):

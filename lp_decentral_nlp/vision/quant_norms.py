@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..quant import QuantConfig, register_quant_layer
-from ..quant.functional import fake_quantize, sample_range, tensor_range
+from ..quant import register_quant_layer
+from ..quant.functional import fake_quantize, grad_range, tensor_range
 from ..quant.layers import ActivationQuantizer
 from .norms import (
     EvoNormS0,
@@ -50,13 +50,6 @@ __all__ = ["QuantNormFunction", "QuantNormLayer", "QuantEvoNormS0", "QuantRangeE
 def _quantize_parameter(p: torch.Tensor, bits: int) -> torch.Tensor:
     """A (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4)."""
     return fake_quantize(p, *tensor_range(p), bits)
-
-
-def _output_grad_range(g: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Range of the output-gradient quantizer: min/max of ``g`` (``"tensor"``) or one per sample."""
-    if granularity == "sample":
-        return tuple(r.view(-1, 1, 1, 1) for r in sample_range(g))
-    return tensor_range(g)
 
 
 class QuantNormFunction(torch.autograd.Function):
@@ -89,7 +82,7 @@ class QuantNormFunction(torch.autograd.Function):
         wanted = [p for p, n in zip(params_q, need_params) if n]
         grad_x = None
         if need_x:
-            g_q = fake_quantize(g, *_output_grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
+            g_q = fake_quantize(g, *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
             (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
         grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
         grad_params = [next(grads) if n else None for n in need_params]
@@ -105,13 +98,6 @@ class QuantNormLayer(ActivationQuantizer):
     ``act_running_max``, ``act_num_batches``.
     """
 
-    float_type: type[nn.Module]
-
-    @staticmethod
-    def _constructor_args(module: nn.Module) -> dict:
-        """Keyword arguments that rebuild a float layer like `module`."""
-        raise NotImplementedError
-
     def normalize(self, x: torch.Tensor, params: list[torch.Tensor], training: bool,
                   update_stats: bool) -> torch.Tensor:
         """The float formula on (already quantized) ``x`` and ``params`` (``quant_parameters()``
@@ -123,28 +109,6 @@ class QuantNormLayer(ActivationQuantizer):
         """The parameters quantized in the forward pass: ``weight``, ``bias`` and ``v`` if present."""
         return [p for p in (self.weight, self.bias, getattr(self, "v", None)) if p is not None]
 
-    @classmethod
-    def from_float(cls, module: nn.Module, config: QuantConfig) -> "QuantNormLayer":
-        """An 8-bit layer sharing `module`'s parameters and buffers (no copy), same training flag."""
-        if type(module) is not cls.float_type:
-            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
-        for name, p in module.named_parameters(recurse=False):
-            if p.dtype != torch.float32:
-                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
-                                f"of dtype {p.dtype}; call model.float() first")
-        with torch.device("meta"):
-            layer = cls(**cls._constructor_args(module), quant_config=config)
-        _share_state(module, layer)
-        layer.reset_activation_range()
-        return layer.train(module.training)
-
-    def to_float(self) -> nn.Module:
-        """The plain float layer holding this layer's current parameters and buffers (same objects)."""
-        with torch.device("meta"):
-            layer = self.float_type(**self._constructor_args(self))
-        _share_state(self, layer)
-        return layer.train(self.training)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) -> (N, C, H, W) float32 (the master-weight dtype, as the 8-bit GEMM layers)."""
         _check_input(x, self.weight.numel(), type(self).__name__)
@@ -155,16 +119,6 @@ class QuantNormLayer(ActivationQuantizer):
     def extra_repr(self) -> str:
         c = self.quant_config
         return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}"
-
-
-def _share_state(src: nn.Module, dst: nn.Module) -> None:
-    """Give `dst` the very parameter and buffer objects of `src` (the float layer's own ones)."""
-    float_buffers = dict(src.named_buffers(recurse=False))
-    for name, p in src.named_parameters(recurse=False):
-        setattr(dst, name, p)
-    for name in dict(dst.named_buffers(recurse=False)):
-        if name in float_buffers:
-            setattr(dst, name, float_buffers[name])
 
 
 class _QuantGroupNormAct(QuantNormLayer):
@@ -209,7 +163,7 @@ class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
     def normalize(self, x, params, training, update_stats):
         weight, bias = params
         stats = (self.running_mean, self.running_scale, self.num_batches_tracked)
-        if not update_stats:  # same batch statistics, scratch copies of the running buffers
+        if training and not update_stats:  # same batch statistics, scratch copies of the running buffers
             stats = tuple(t.clone() for t in stats)
         return range_batch_norm2d(x, *stats, weight, bias, training, self.momentum, self.eps)
 
