@@ -34,8 +34,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
+from lp_decentral_nlp.cli import _ranged
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
+
+POSITIVE = _ranged(int, 1, None)
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -135,18 +138,15 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
+    p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
+    p.add_argument("--batch-size", type=POSITIVE, default=8)
+    p.add_argument("--seq-len", type=POSITIVE, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
     args = p.parse_args(argv)
-    for name in ("repeats", "warmup", "batch_size", "seq_len", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     if args.layer_sweep:

@@ -41,9 +41,11 @@ from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp import QuantConfig
+from lp_decentral_nlp.cli import _ranged
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
 NUM_LABELS = 4
+POSITIVE, NONNEGATIVE = _ranged(int, 1, None), _ranged(int, 0, None)
 
 
 def model_config(small: bool) -> DistilBertConfig:
@@ -76,7 +78,7 @@ def build_trainer(args, precision: str, rounds: int, output_dir: str):
     )
     dataset = make_dataset(config, args.nodes * args.batch_size * rounds, args.seq_len)
     trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=dataset, quant_config=quant)
-    return trainer, dataset, quant
+    return trainer, dataset
 
 
 class SectionTimer:
@@ -143,7 +145,7 @@ def measure_time(args, precision):
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as out:
-        trainer, dataset, quant = build_trainer(args, precision, rounds, out)
+        trainer, dataset = build_trainer(args, precision, rounds, out)
         copies = args.nodes if args.distinct_reference else 1
         references = [copy.deepcopy(trainer.nodes[0]).to(device).train() for _ in range(copies)]
         optimizers = [torch.optim.AdamW(r.parameters(), lr=3e-5) for r in references]
@@ -192,7 +194,7 @@ def measure_time(args, precision):
     distinct_s = callback.distinct_s[keep]
     return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
                 ratio=statistics.median(ratios), sections=sections, plain_sections=plain_sections,
-                kernel=quant.kernel if precision == "8-bit" else "-",
+                kernel=args.kernel if precision == "8-bit" else "-",
                 distinct_s=statistics.median(distinct_s) if distinct_s else None,
                 distinct_ratio=statistics.median(d / p for d, p in zip(distinct_s, plain_s)) if distinct_s else None)
 
@@ -220,7 +222,7 @@ def peak_rss() -> int:
 def memory_child(args, precision):
     baseline = peak_rss()
     with tempfile.TemporaryDirectory() as out:
-        trainer, _, _ = build_trainer(args, precision, args.repeats, out)
+        trainer, _ = build_trainer(args, precision, args.repeats, out)
         trainer.train()
     peak = peak_rss()
     cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
@@ -229,28 +231,23 @@ def memory_child(args, precision):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per precision (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=8, help="per node")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
+    p.add_argument("--nodes", type=POSITIVE, default=4)
+    p.add_argument("--repeats", type=POSITIVE, default=5, help="timed rounds per precision (default %(default)s)")
+    p.add_argument("--warmup", type=NONNEGATIVE, default=1)
+    p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
+    p.add_argument("--seq-len", type=POSITIVE, default=128)
+    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(), help="torch.set_num_threads")
     p.add_argument("--kernel", default="int8", help="QuantConfig.kernel of the 8-bit nodes (default %(default)s)")
     p.add_argument("--algorithm", default="choco")
     p.add_argument("--compression", type=float, default=90.0, help="top-k: percent dropped (default %(default)s)")
     p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
-    p.add_argument("--memory-rounds", type=int, default=2, help="rounds of the peak-memory subprocess (0: skip)")
+    p.add_argument("--memory-rounds", type=NONNEGATIVE, default=2, help="rounds of the peak-memory subprocess (0: skip)")
     p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
     p.add_argument("--distinct-reference", action="store_true",
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("nodes", "repeats", "batch_size", "seq_len", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or args.memory_rounds < 0:
-        raise ValueError("--warmup and --memory-rounds must be >= 0")
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args, args.memory_child)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 
 DEFAULT_RUNS = ("batchnorm:fp32", "groupnorm:fp32", "evonorm:fp32", "range_evonorm:int8", "range_evonorm:fp32")
@@ -102,6 +101,7 @@ def plot(entries: list[dict], args, path: str) -> None:
 
 
 def main(argv=None) -> str:
+    from lp_decentral_nlp.cli import finished_results
     from lp_decentral_nlp.vision.recipe import main as recipe_main
 
     args = parse_args(argv)
@@ -109,10 +109,10 @@ def main(argv=None) -> str:
     for run in args.runs:
         norm, _, precision = run.partition(":")
         out = os.path.join(args.output_dir, f"{norm}_{precision}")
-        done = os.path.join(out, "results.json")
-        if not (args.skip_existing and os.path.exists(done) and json.load(open(done)).get("status") == "done"):
-            recipe_main("choco", recipe_argv(args, norm, precision, out))
-        entries.append({"norm": norm, "precision": precision, "dir": out, "results": json.load(open(done))})
+        results = finished_results(out) if args.skip_existing else None
+        if results is None:
+            results = recipe_main("choco", recipe_argv(args, norm, precision, out))
+        entries.append({"norm": norm, "precision": precision, "dir": out, "results": results})
     table = markdown_table(entries)
     with open(os.path.join(args.output_dir, "table.md"), "w") as fh:
         fh.write(table + "\n")

@@ -304,6 +304,17 @@ def run_nlp(args: argparse.Namespace) -> dict:
     return write_results(trainer, metrics, args, model_path, start, cost)
 
 
+def finished_results(output_dir: str) -> dict | None:
+    """The ``results.json`` of a run that completed in `output_dir` (``status == "done"``), else None
+    (absent, or left ``"running"`` by a run that was stopped)."""
+    try:
+        with open(os.path.join(output_dir, "results.json")) as fh:
+            results = json.load(fh)
+    except FileNotFoundError:
+        return None
+    return results if results.get("status") == "done" else None
+
+
 def _dump(trainer, args, results: dict) -> None:
     if trainer.state.is_world_process_zero:
         os.makedirs(args.output_dir, exist_ok=True)

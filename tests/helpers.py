@@ -1,8 +1,10 @@
 """Small builders shared by several test modules."""
 import numpy as np
+import pytest
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
+from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import Topology
 
 
@@ -12,6 +14,16 @@ def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):
     cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
                            dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout, num_labels=num_labels)
     return DistilBertForSequenceClassification(cfg)
+
+
+def agnews_sample(tokenizer, max_length, max_train_samples, max_eval_samples):
+    """The real AG News sample from ../shared, tokenized and cut (the test is skipped without it)."""
+    from conftest import AG_NEWS_CSV
+
+    if not AG_NEWS_CSV.exists():
+        pytest.skip("AG News sample not available")
+    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=max_length,
+                     max_train_samples=max_train_samples, max_eval_samples=max_eval_samples, seed=0)
 
 
 def irregular_digraph() -> Topology:

@@ -10,12 +10,11 @@ import sys
 import pytest
 import torch
 from torch import nn
-from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification, TrainingArguments
+from helpers import agnews_sample
+from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainingArguments
 
 from lp_decentral_nlp.cli import build_nlp_parser
-from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
-from test_faults_training import one_thread  # noqa: F401  (autouse)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,14 +33,8 @@ def targs(out, **kw):
 
 
 @pytest.fixture(scope="module")
-def data(minilm_path):
-    from conftest import AG_NEWS_CSV
-
-    if not AG_NEWS_CSV.exists():
-        pytest.skip("AG News sample not available")
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
-    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=16, max_train_samples=96,
-                     max_eval_samples=16, seed=0)
+def data(tokenizer):
+    return agnews_sample(tokenizer, max_length=16, max_train_samples=96, max_eval_samples=16)
 
 
 @pytest.fixture(scope="module")

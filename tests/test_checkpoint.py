@@ -13,10 +13,8 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from lp_decentral_nlp import checkpoint as ckpt
-from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
-from helpers import tiny_distilbert
-from test_faults_training import one_thread  # noqa: F401  (autouse: tiny models run faster on one thread)
+from helpers import agnews_sample, tiny_distilbert
 
 
 def tiny_model(seed=0, dropout=0.1):
@@ -24,19 +22,9 @@ def tiny_model(seed=0, dropout=0.1):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(minilm_path):
-    return AutoTokenizer.from_pretrained(minilm_path)
-
-
-@pytest.fixture(scope="module")
 def agnews(tokenizer):
-    from conftest import AG_NEWS_CSV
-
-    if not AG_NEWS_CSV.exists():
-        pytest.skip("AG News sample not available")
     # 96 training rows: 24 per node, 3 steps per epoch at batch 8, so 8 steps cross two epoch ends
-    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=16,
-                     max_train_samples=96, max_eval_samples=40, seed=0)
+    return agnews_sample(tokenizer, max_length=16, max_train_samples=96, max_eval_samples=40)
 
 
 def targs(out, **kw):

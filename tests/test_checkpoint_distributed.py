@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import dist_trainer_worker as worker
-from test_faults_training import one_thread  # noqa: F401  (autouse: the workers' single thread)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).resolve().parent / "dist_trainer_worker.py"

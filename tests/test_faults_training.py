@@ -18,15 +18,6 @@ from lp_decentral_nlp.trainer import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (two threads on a shared 2-core machine are ~100x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class DigitsMLP(nn.Module):
     """64 -> 64 -> 10 classifier over flattened 8x8 digits (the hidden layer is 8-bit under surgery)."""
 

@@ -4,28 +4,18 @@ import copy
 
 import pytest
 import torch
+from helpers import agnews_sample
 from helpers import tiny_distilbert as tiny_model
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from lp_decentral_nlp import load_quantized
-from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import make_topology
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
 
 
 @pytest.fixture(scope="module")
-def tokenizer(minilm_path):
-    return AutoTokenizer.from_pretrained(minilm_path)
-
-
-@pytest.fixture(scope="module")
 def agnews_small(tokenizer):
-    from conftest import AG_NEWS_CSV
-
-    if not AG_NEWS_CSV.exists():
-        pytest.skip("AG News sample not available")
-    return load_task("ag_news", data_dir=AG_NEWS_CSV, tokenizer=tokenizer, max_length=24,
-                     max_train_samples=256, max_eval_samples=64, seed=0)
+    return agnews_sample(tokenizer, max_length=24, max_train_samples=256, max_eval_samples=64)
 
 
 def targs(tmp_path, **kw):
