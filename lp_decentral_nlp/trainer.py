@@ -619,36 +619,33 @@ class DecentralizedTrainer(Trainer):
             self.qgm.begin_iteration()
         # the forward also updates running statistics (8-bit activation ranges, norm statistics):
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
-        buffers = ({k: [b.clone() for b in node.buffers()] for k, node in enumerate(self.nodes)}
-                   if self.args.skip_nonfinite else None)
+        buffers = ({k: [b.clone() for b in node.buffers()] for k, (i, node) in enumerate(zip(self.node_ids, self.nodes))
+                    if i not in absent} if self.args.skip_nonfinite else None)
         losses = {k: self._backward(k, node, batch) for k, (i, node, batch)
                   in enumerate(zip(self.node_ids, self.nodes, batches)) if i not in absent}
         stepping = self._finite_nodes(losses, t + 1)
         if buffers is not None:
             for k in losses.keys() - set(stepping):
                 torch._foreach_copy_(list(self.nodes[k].buffers()), buffers[k])
+        away = {k for k, i in enumerate(self.node_ids) if i in absent}  # their momentum does not move either
         if self.qgm is not None:
             # a parameter the loss does not reach has no gradient: momentum into a discarded zero
-            self.qgm.add_momentum([[p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]
-                                   for node in self.nodes])
+            self.qgm.add_momentum([None if k in away else
+                                   [p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]
+                                   for k, node in enumerate(self.nodes)], skip=away)
         lr = opts[0][0].param_groups[0]["lr"]
         for k, (optimizer, scheduler) in enumerate(opts):
             if k in stepping:
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        away = [k for k, i in enumerate(self.node_ids) if i in absent]
-        held = [[m.clone() for m in self.qgm.momentum[k]] for k in away] if self.qgm is not None else []
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
         if self.qgm is not None:
-            self.qgm.end_iteration(lr)
-            for k, saved in zip(away, held):  # an absent node's momentum does not move either
-                torch._foreach_copy_(self.qgm.momentum[k], saved)
-        if stepping:
-            index = torch.tensor(stepping)
-            self._loss_sum.index_add_(0, index.to(self._loss_sum.device), torch.stack([losses[k] for k in stepping]))
-            self._loss_count[index] += 1
+            self.qgm.end_iteration(lr, skip=away)
+        for k in stepping:  # device-side adds: no host-to-device copy (a sync) per step
+            self._loss_sum[k] += losses[k]
+            self._loss_count[k] += 1
 
     def _finite_nodes(self, losses: dict, step: int) -> list[int]:
         """Local nodes (indices into ``self.nodes``) whose loss and gradients are all finite.
@@ -720,7 +717,7 @@ class DecentralizedTrainer(Trainer):
         self._loss_sum.zero_()
         self._loss_count.zero_()
         self._last_logged = self.state.global_step
-        loss = float(node_losses.nanmean()) if bool(torch.isfinite(node_losses).any()) else math.nan
+        loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
         logs = {"loss": loss, "learning_rate": self._opts[0][1].get_last_lr()[0]}
         logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
         logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self._gather(self.bytes_sent))})

@@ -120,6 +120,21 @@ def test_a_node_that_leaves_is_frozen_and_rejoins(tmp_path):
     assert seen[20][2] == 20 - 7 and seen[13][4] > seen[12][4]
 
 
+
+def test_an_absent_node_keeps_its_quasi_global_momentum(tmp_path):
+    momentum = {}
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            momentum[state.global_step] = [m.clone() for m in trainer.qgm.momentum[2]]
+
+    trainer = digits_trainer(tmp_path, absences=["2:3:6"], max_steps=8, qgm=True)
+    trainer.add_callback(Watch())
+    trainer.train()
+    for step in range(4, 7):  # iterations 3..5: node 2 is away, its momentum does not move
+        assert all(torch.equal(a, b) for a, b in zip(momentum[3], momentum[step]))
+    assert not all(torch.equal(a, b) for a, b in zip(momentum[6], momentum[7]))  # it moves again on return
+
 def poisoned_step(node, step, bs=16, seed=0):
     """Index of a training row that node ``node`` meets in training step ``step`` (1-based, epoch 0)."""
     train, _ = digits()

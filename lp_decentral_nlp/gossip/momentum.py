@@ -53,22 +53,30 @@ class QuasiGlobalMomentum:
                 torch._foreach_copy_(snap, params)
         self._open = True
 
-    def add_momentum(self, grads: list[ParamList]) -> None:
-        """``g += beta * m`` in place for every local node's gradient list (SPEC 2 QGM)."""
+    def add_momentum(self, grads: list[ParamList | None], skip=frozenset()) -> None:
+        """``g += beta * m`` in place for every local node's gradient list (SPEC 2 QGM).
+
+        ``skip``: indices of local nodes that take no step this iteration (e.g. absent under a
+        fault plan); their entry of `grads` may be None.
+        """
         if len(grads) != len(self._momentum):
             raise ValueError(f"grads must hold {len(self._momentum)} gradient lists, got {len(grads)}")
         with torch.no_grad():
-            for g, m in zip(grads, self._momentum):
-                torch._foreach_add_(g, m, alpha=self.beta)
+            for k, (g, m) in enumerate(zip(grads, self._momentum)):
+                if k not in skip:
+                    torch._foreach_add_(g, m, alpha=self.beta)
 
-    def end_iteration(self, lr: float) -> None:
-        """``m <- beta * m + (1 - beta) * (z(t) - z(t+1)) / lr`` (call after the gossip step)."""
+    def end_iteration(self, lr: float, skip=frozenset()) -> None:
+        """``m <- beta * m + (1 - beta) * (z(t) - z(t+1)) / lr`` (call after the gossip step); the
+        momentum of the local nodes in ``skip`` stays as it is (they took no step)."""
         if not self._open:
             raise RuntimeError("end_iteration() without begin_iteration() in this iteration")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"lr must be a positive number (the learning rate of this iteration), got {lr!r}")
         with torch.no_grad():
-            for m, snap, params in zip(self._momentum, self._snapshot, self._nodes):
+            for k, (m, snap, params) in enumerate(zip(self._momentum, self._snapshot, self._nodes)):
+                if k in skip:
+                    continue
                 torch._foreach_sub_(snap, params)  # snap = z(t) - z(t+1)
                 torch._foreach_mul_(m, self.beta)
                 torch._foreach_add_(m, snap, alpha=(1.0 - self.beta) / lr)
