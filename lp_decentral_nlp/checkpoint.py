@@ -69,12 +69,12 @@ def encode_state(obj, prefix: str = "") -> tuple[object, dict[str, torch.Tensor]
             return {"__tensor__": path}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        if isinstance(value, collections.Counter):
-            return {"__counter__": [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]}
         if isinstance(value, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            counter = isinstance(value, collections.Counter)
+            if not counter and all(isinstance(k, str) and not k.startswith("__") for k in value):
                 return {k: enc(v, f"{path}/{k}") for k, v in value.items()}
-            return {"__dict__": [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]}
+            items = [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]
+            return {"__counter__" if counter else "__dict__": items}
         if isinstance(value, tuple):
             return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):
@@ -110,11 +110,7 @@ def _hashable(key):
 def save_state_file(path, obj) -> None:
     """Write nested state ``obj`` to one ``.safetensors`` file, atomically (tmp file, fsync, rename)."""
     skeleton, tensors = encode_state(obj)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={_STATE_KEY: json.dumps(skeleton)})
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={_STATE_KEY: json.dumps(skeleton)}))
 
 
 def load_state_file(path):
@@ -129,12 +125,15 @@ def load_state_file(path):
 
 def write_json(path, obj) -> None:
     """Write ``obj`` as JSON atomically (tmp file, fsync, rename)."""
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
+
+
+def _atomic_write(path, write) -> None:
+    """``write(tmp)`` to a sibling tmp file, fsync it, then rename it over `path`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
+    write(tmp)
+    _fsync_file(tmp)
     os.replace(tmp, path)
 
 
