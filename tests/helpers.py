@@ -6,6 +6,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import Topology
+from lp_decentral_nlp.quant.functional import mean_sample_range
 
 
 def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):
@@ -33,3 +34,14 @@ def irregular_digraph() -> Topology:
     for i, outs in edges.items():
         W[[i, *outs], i] = 1 / (len(outs) + 1)
     return Topology.from_matrix(W, name="irregular")
+
+
+def check_running_range(q, batches, rel):
+    """Feed two training `batches` to the 8-bit layer `q` and check its running input range (SPEC 4:
+    batch mean of per-sample min/max, momentum 0.1, the first batch initialises it)."""
+    for b in batches:
+        q(b)
+    (lo1, hi1), (lo2, hi2) = (mean_sample_range(b, batched=True) for b in batches)
+    assert q.act_num_batches.item() == 2
+    assert q.act_running_min.item() == pytest.approx((0.9 * lo1 + 0.1 * lo2).item(), rel=rel)
+    assert q.act_running_max.item() == pytest.approx((0.9 * hi1 + 0.1 * hi2).item(), rel=rel)

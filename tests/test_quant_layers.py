@@ -16,6 +16,7 @@ from lp_decentral_nlp.quant import (
 from lp_decentral_nlp.quant.functional import fake_quantize, mean_sample_range, tensor_range
 from lp_decentral_nlp.quant.kernels import SimulatedKernel
 
+from helpers import check_running_range
 from test_quant_functional import assert_on_grid
 
 
@@ -189,13 +190,7 @@ def test_eval_mode_is_deterministic(kind):
 
 def test_running_range_in_training_and_its_use_in_eval():
     f, q, _ = make_layer("linear")
-    batches = [torch.randn(4, 5, 12) * s for s in (1.0, 3.0)]
-    for b in batches:
-        q(b)
-    (lo1, hi1), (lo2, hi2) = (mean_sample_range(b, batched=True) for b in batches)
-    assert q.act_num_batches.item() == 2
-    assert q.act_running_min.item() == pytest.approx((0.9 * lo1 + 0.1 * lo2).item(), rel=1e-6)
-    assert q.act_running_max.item() == pytest.approx((0.9 * hi1 + 0.1 * hi2).item(), rel=1e-6)
+    check_running_range(q, [torch.randn(4, 5, 12) * s for s in (1.0, 3.0)], rel=1e-6)
 
     q.eval()
     x = torch.randn(2, 5, 12) * 5

@@ -25,6 +25,7 @@ from lp_decentral_nlp.vision import (
     range_evonorm2d,
 )
 
+from helpers import check_running_range
 from test_quant_functional import assert_on_grid
 
 KINDS = ["evonorm", "range_evonorm", "range_batchnorm"]
@@ -195,13 +196,7 @@ def test_layer_gradient_stochastic_in_training_deterministic_in_eval(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_running_activation_range_in_training_and_its_use_in_eval(kind):
     _, q, x = make_norm(kind)
-    batches = [x, x * 3 - 1]
-    for b in batches:
-        q(b)
-    (lo1, hi1), (lo2, hi2) = (mean_sample_range(b, batched=True) for b in batches)
-    assert q.act_num_batches.item() == 2
-    assert q.act_running_min.item() == pytest.approx((0.9 * lo1 + 0.1 * lo2).item(), rel=1e-5)
-    assert q.act_running_max.item() == pytest.approx((0.9 * hi1 + 0.1 * hi2).item(), rel=1e-5)
+    check_running_range(q, [x, x * 3 - 1], rel=1e-5)
     q.eval()
     probe = torch.randn(2, C, 5, 5) * 10
     expected = formula(kind, q, fake_quantize(probe, q.act_running_min, q.act_running_max, 8),
