@@ -267,7 +267,6 @@ def run_nlp(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from .data import load_task
-    from .trainer import DecentralizedTrainer, MetricsCSVCallback
 
     start = time.time()
     if args.output_dir is None:
@@ -293,15 +292,28 @@ def run_nlp(args: argparse.Namespace) -> dict:
         ignore_mismatched_sizes=True)  # a head trained for another label set is replaced
     targs = training_arguments(args, learning_rate=args.lr, weight_decay=args.weight_decay,
                                adam_beta1=0.9, adam_beta2=0.9)
+    return train_and_report(args, model, targs, data, model_path, (args.max_length,), start,
+                            processing_class=tokenizer)
+
+
+def train_and_report(args: argparse.Namespace, model, targs, data, model_used: str, input_shape: tuple,
+                     start: float, **trainer_kwargs) -> dict:
+    """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
+    ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of
+    `input_shape` into a "running" ``results.json``; training (resumed from
+    ``args.resume_from_checkpoint`` if given); the final evaluation, ``model/`` and ``results.json``.
+    `start`: the run's ``time.time()`` at its beginning."""
+    from .trainer import DecentralizedTrainer, MetricsCSVCallback
+
     csv_callback = MetricsCSVCallback(os.path.join(args.output_dir, "metrics.csv"))
     trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=data["train"], eval_dataset=data["test"],
-                                   processing_class=tokenizer, callbacks=[csv_callback])
-    cost = trainer.cost_report((args.max_length,)).to_dict()
-    _dump(trainer, args, {"status": "running", "config": vars(args), "model_used": model_path, "cost": cost})
+                                   callbacks=[csv_callback], **trainer_kwargs)
+    cost = trainer.cost_report(input_shape).to_dict()
+    _dump(trainer, args, {"status": "running", "config": vars(args), "model_used": model_used, "cost": cost})
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(args.output_dir, "model"))
-    return write_results(trainer, metrics, args, model_path, start, cost)
+    return write_results(trainer, metrics, args, model_used, start, cost)
 
 
 def finished_results(output_dir: str) -> dict | None:

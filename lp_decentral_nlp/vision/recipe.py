@@ -21,7 +21,7 @@ import json
 import os
 import time
 
-from ..cli import _dump, _existing_path, _Parser, _ranged, add_decentralized_flags, training_arguments, write_results
+from ..cli import _existing_path, _Parser, _ranged, add_decentralized_flags, train_and_report, training_arguments
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS", "SGD_OPTIM_ARGS"]
@@ -106,7 +106,6 @@ def run_vision(args: argparse.Namespace) -> dict:
     """Train, evaluate and save one vision run; returns the results written to ``results.json``."""
     from transformers import set_seed
 
-    from ..trainer import DecentralizedTrainer, MetricsCSVCallback
     from .classifier import ImageClassifier
     from .data import load_vision_dataset, vision_transform, with_vision_transforms
 
@@ -132,15 +131,7 @@ def run_vision(args: argparse.Namespace) -> dict:
         lr_scheduler_type="constant", lr_milestones=args.lr_milestones or None,
         remove_unused_columns=False,  # the transform needs the raw 'image' column
     )
-    csv_callback = MetricsCSVCallback(os.path.join(args.output_dir, "metrics.csv"))
-    trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=data["train"], eval_dataset=data["test"],
-                                   callbacks=[csv_callback])
-    cost = trainer.cost_report((3, args.image_size, args.image_size)).to_dict()
-    _dump(trainer, args, {"status": "running", "config": vars(args), "model_used": model_used, "cost": cost})
-    trainer.train()
-    metrics = trainer.evaluate()
-    trainer.save_model(os.path.join(args.output_dir, "model"))
-    return write_results(trainer, metrics, args, model_used, start, cost)
+    return train_and_report(args, model, targs, data, model_used, (3, args.image_size, args.image_size), start)
 
 
 def main(algorithm: str, argv: list[str] | None = None) -> dict:
