@@ -8,14 +8,15 @@ batch 8 per node, AdamW:
   node's forward/backward and AdamW step, the NaN check, the gossip step);
 * the reference, measured right after each round (interleaved): ``--nodes`` plain steps of one
   model of the same precision on one fixed batch, each what a single-node ``transformers.Trainer``
-  step does: forward + backward, gradient clipping (``max_grad_norm``, 1.0 as in the trainer),
-  AdamW;
+  step does: forward + backward, gradient clipping (``clip_grad_norm_`` to the trainer's
+  ``max_grad_norm`` when > 0), AdamW;
 * with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
   step each: what holding n models in one process costs by itself (memory traffic: every step
   touches another model's weights, gradients and optimizer state);
 * where the round's time goes: the trainer's ``_backward`` (loss + backward of each node),
-  ``_finite_nodes`` (NaN check), the optimizer steps (step hooks) and ``gossip.step``, timed by
-  wrappers; the remainder is data loading and the loop itself;
+  ``_finite_then_clip`` (NaN check and clipping, against the reference's clipping), the optimizer
+  steps (step hooks) and ``gossip.step``, timed by wrappers; the remainder is data loading and the
+  loop itself;
 * peak memory of the run, fp32 vs 8-bit nodes: the peak resident set size of a fresh subprocess
   running a few rounds (``VmHWM``), and its baseline before the model is built.
 
@@ -46,6 +47,7 @@ from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTraining
 
 NUM_LABELS = 4
 POSITIVE, NONNEGATIVE = _ranged(int, 1, None), _ranged(int, 0, None)
+CHECK = "NaN check + clipping"
 
 
 def model_config(small: bool) -> DistilBertConfig:
@@ -157,19 +159,22 @@ def measure_time(args, precision):
             reference, optimizer = references[copy_index], optimizers[copy_index]
             start = time.perf_counter()
             reference(**batch).loss.backward()
-            if max_grad_norm > 0:  # as the trainer's _backward (and a single-node Trainer) does
+            sync()
+            backward = time.perf_counter()
+            if max_grad_norm > 0:  # as a single-node Trainer does
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
             sync()
-            mid = time.perf_counter()
+            clip = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sync()
-            sections["forward+backward"] += mid - start
-            sections["optimizer step"] += time.perf_counter() - mid
+            sections["forward+backward"] += backward - start
+            sections[CHECK] += clip - backward
+            sections["optimizer step"] += time.perf_counter() - clip
 
         timer = SectionTimer(sync)
         trainer._backward = timer.wrap("forward+backward", trainer._backward)
-        trainer._finite_nodes = timer.wrap("NaN check (_finite_nodes)", trainer._finite_nodes)
+        trainer._finite_then_clip = timer.wrap(CHECK, trainer._finite_then_clip)
         trainer.gossip.step = timer.wrap("gossip.step", trainer.gossip.step)
         make = trainer._make_optimizer_and_scheduler
 

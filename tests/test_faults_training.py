@@ -163,12 +163,48 @@ def test_skip_nonfinite_skips_the_node_and_nothing_non_finite_is_gossiped(tmp_pa
     assert trainer.evaluate()["eval_accuracy"] > 0.5
 
 
-def test_nan_gradient_is_named_with_its_parameter(tmp_path):
-    trainer = digits_trainer(tmp_path, max_steps=3, low_precision=False)
-    hook = trainer.nodes[3].hidden.weight.register_hook(lambda g: g * torch.inf)
-    with pytest.raises(NonFiniteError, match=r"^node 3, step 1: non-finite gradient \(\w+\) in hidden.weight"):
+@pytest.mark.parametrize("name,max_grad_norm", [("hidden.weight", 0.0), ("classifier.weight", 1.0)])
+def test_nan_gradient_is_named_with_its_parameter(tmp_path, name, max_grad_norm):
+    # with clipping on, the check must come first: clipping by a NaN total norm makes every gradient
+    # NaN, and the first parameter (hidden.weight) would be named instead
+    trainer = digits_trainer(tmp_path, max_steps=3, low_precision=False, max_grad_norm=max_grad_norm)
+    hook = trainer.nodes[3].get_parameter(name).register_hook(lambda g: g * torch.inf)
+    with pytest.raises(NonFiniteError, match=rf"^node 3, step 1: non-finite gradient \(\w+\) in {name}"):
         trainer.train()
     hook.remove()
+
+
+def test_each_node_steps_with_clipped_gradients_and_only_its_own_gradients_alive(tmp_path):
+    trainer = digits_trainer(tmp_path, max_steps=2, low_precision=False, max_grad_norm=0.05)
+    raw, seen = {}, []
+    backward = trainer._backward
+
+    def keep_raw(k, node, batch):
+        loss = backward(k, node, batch)
+        raw[k] = [p.grad.clone() for p in node.parameters()]
+        return loss
+
+    trainer._backward = keep_raw
+    make = trainer._make_optimizer_and_scheduler
+
+    def make_watched(node, *a):
+        optimizer, scheduler = make(node, *a)
+        k = next(i for i, n in enumerate(trainer.nodes) if n is node)
+
+        def at_step(*_):
+            seen.append(k)
+            raw_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(raw[k]))))
+            assert raw_norm > 0.05  # clipping has something to do
+            for p, g in zip(node.parameters(), raw[k]):  # clip_grad_norm_'s scaling of the raw gradients
+                torch.testing.assert_close(p.grad, g * (0.05 / (raw_norm + 1e-6)))
+            assert all(p.grad is None for j, other in enumerate(trainer.nodes) if j != k for p in other.parameters())
+
+        optimizer.register_step_pre_hook(at_step)
+        return optimizer, scheduler
+
+    trainer._make_optimizer_and_scheduler = make_watched
+    trainer.train()
+    assert seen == [0, 1, 2, 3] * 2
 
 
 def test_huge_but_finite_gradients_are_not_mistaken_for_nan(tmp_path):

@@ -329,8 +329,8 @@ def test_quasi_global_momentum_follows_spec_2():
         m_before = [[m.clone() for m in ms] for ms in qgm.momentum]
         qgm.begin_iteration()
         d = [[g.clone() for g in gs] for gs in grads]
-        qgm.add_momentum(d)
         for k in range(2):
+            qgm.add_momentum(k, d[k])
             torch.testing.assert_close(d[k][0], grads[k][0] + beta * m_before[k][0])  # d = grad + beta m
             nodes[k][0].sub_(lr * d[k][0])
         gossip.step(nodes)
@@ -347,6 +347,10 @@ def test_quasi_global_momentum_follows_spec_2():
     torch.testing.assert_close(other.momentum[1][0], qgm.momentum[1][0])
     with pytest.raises(RuntimeError, match="begin_iteration"):
         qgm.end_iteration(lr)
+    with pytest.raises(ValueError, match=r"node must be a local node index in \[0, 1\], got 2"):
+        qgm.add_momentum(2, grads[0])
+    with pytest.raises(ValueError, match="grads must hold 1 tensors"):
+        qgm.add_momentum(0, grads[0] * 2)
     with pytest.raises(ValueError, match="beta"):
         QuasiGlobalMomentum(nodes, beta=1.0)
 

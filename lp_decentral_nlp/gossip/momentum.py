@@ -11,12 +11,12 @@ Use with an optimiser without its own momentum (e.g. ``SGD(momentum=0)``). Per i
 
     qgm.begin_iteration()                     # snapshot z_i(t), before the local step
     loss.backward()
-    qgm.add_momentum(grads)                   # grads[k][p] += beta * m_k[p], in place
+    qgm.add_momentum(k, grads)                # grads[p] += beta * m_k[p], in place, per node k
     optimizer.step()
     gossip.step(nodes)
     qgm.end_iteration(lr)                     # m update from z_i(t) - z_i(t+1)
 
-``nodes`` / ``grads`` are per-local-node lists of tensors, as for the gossip engine (``n`` lists
+``nodes`` are per-local-node lists of tensors, as for the gossip engine (``n`` lists
 in simulation, ``[my_params]`` on a rank). ``z`` are the de-biased models the trainer holds.
 """
 from __future__ import annotations
@@ -53,18 +53,15 @@ class QuasiGlobalMomentum:
                 torch._foreach_copy_(snap, params)
         self._open = True
 
-    def add_momentum(self, grads: list[ParamList | None], skip=frozenset()) -> None:
-        """``g += beta * m`` in place for every local node's gradient list (SPEC 2 QGM).
-
-        ``skip``: indices of local nodes that take no step this iteration (e.g. absent under a
-        fault plan); their entry of `grads` may be None.
-        """
-        if len(grads) != len(self._momentum):
-            raise ValueError(f"grads must hold {len(self._momentum)} gradient lists, got {len(grads)}")
+    def add_momentum(self, node: int, grads: ParamList) -> None:
+        """``g += beta * m`` in place for local node ``node``'s gradients (SPEC 2 QGM), one tensor per
+        parameter in the order given at construction. Call it for each node that steps."""
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self._momentum):
+            raise ValueError(f"node must be a local node index in [0, {len(self._momentum) - 1}], got {node!r}")
+        if len(grads) != len(self._momentum[node]):
+            raise ValueError(f"grads must hold {len(self._momentum[node])} tensors (one per parameter), got {len(grads)}")
         with torch.no_grad():
-            for k, (g, m) in enumerate(zip(grads, self._momentum)):
-                if k not in skip:
-                    torch._foreach_add_(g, m, alpha=self.beta)
+            torch._foreach_add_(list(grads), self._momentum[node], alpha=self.beta)
 
     def end_iteration(self, lr: float, skip=frozenset()) -> None:
         """``m <- beta * m + (1 - beta) * (z(t) - z(t+1)) / lr`` (call after the gossip step); the
