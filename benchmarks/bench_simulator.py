@@ -13,6 +13,9 @@ batch 8 per node, AdamW:
 * with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
   step each: what holding n models in one process costs by itself (memory traffic: every step
   touches another model's weights, gradients and optimizer state);
+* the round against ``--nodes`` plain steps plus the round's own gossip step: what simulating the
+  nodes in one process adds beyond the work each node does anyway (in the distributed backend
+  every rank computes its share of the gossip step too);
 * where the round's time goes: the trainer's ``_backward`` (loss + backward of each node),
   ``_finite_then_clip`` (NaN check and clipping, against the reference's clipping), the optimizer
   steps (step hooks) and ``gossip.step``, timed by wrappers; the remainder is data loading and the
@@ -196,9 +199,12 @@ def measure_time(args, precision):
     plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
                       for k in callback.plain_sections[0]}
     ratios = [r / p for r, p in zip(round_s, plain_s)]
+    gossip_s = [r.get("gossip.step", 0.0) for r in timer.rounds[keep]]
+    own_work_ratios = [r / (p + g) for r, p, g in zip(round_s, plain_s, gossip_s)]
     distinct_s = callback.distinct_s[keep]
     return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
-                ratio=statistics.median(ratios), sections=sections, plain_sections=plain_sections,
+                ratio=statistics.median(ratios), own_work_ratio=statistics.median(own_work_ratios),
+                sections=sections, plain_sections=plain_sections,
                 kernel=args.kernel if precision == "8-bit" else "-",
                 distinct_s=statistics.median(distinct_s) if distinct_s else None,
                 distinct_ratio=statistics.median(d / p for d, p in zip(distinct_s, plain_s)) if distinct_s else None)
@@ -273,6 +279,8 @@ def main(argv=None):
             print(f"  {name:<28}{r['sections'].get(name, 0.0):9.3f}{r['plain_sections'].get(name, 0.0):9.3f}")
         rest = r["round_s"] - sum(r["sections"].values())
         print(f"  {'rest (data, loop)':<28}{rest:9.3f}")
+        print(f"  round / (plain steps + gossip step) = {r['own_work_ratio']:.3f}: what running the nodes in one "
+              f"process adds to their own work (each node computes its gossip share in the distributed backend too)")
         if r["distinct_s"] is not None:
             print(f"  {args.nodes} plain steps of {args.nodes} distinct copies: {r['distinct_s']:.3f} s, "
                   f"{r['distinct_ratio']:.3f}x one model's (holding {args.nodes} models alone); "

@@ -632,9 +632,10 @@ class DecentralizedTrainer(Trainer):
         The node's gradients are freed right after its update, so only one node's gradients exist
         at a time and the next node's backward reuses their memory (with all ``n`` alive until
         every backward had run, each backward of a simulated round page-faulted in fresh memory on
-        the CPU and ran 24-38% slower than a plain step). A non-finite node raises :class:`NonFiniteError` before its own update (nodes
-        earlier in this iteration have taken theirs, as other ranks have in the distributed
-        backend) or, with ``skip_nonfinite``, keeps its parameters and running statistics.
+        the CPU and ran 24-38% slower than a plain step). A non-finite node raises
+        :class:`NonFiniteError` before its own update (nodes earlier in this iteration have taken
+        theirs, as other ranks have in the distributed backend) or, with ``skip_nonfinite``, keeps
+        its parameters and running statistics.
         """
         # the forward also updates running statistics (8-bit activation ranges, norm statistics):
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
