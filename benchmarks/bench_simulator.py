@@ -6,9 +6,9 @@ batch 8 per node, AdamW:
 * a simulated round: ``DecentralizedTrainer(backend="simulated")`` with ``--nodes`` nodes, the
   time between the trainer's ``on_step_begin`` and ``on_step_end`` callbacks (data loading, every
   node's forward/backward and AdamW step, the NaN check, the gossip step);
-* the reference, measured right after each round (interleaved): ``--nodes`` plain steps of one
-  model of the same precision on one fixed batch, each what a single-node ``transformers.Trainer``
-  step does: forward + backward, gradient clipping (``clip_grad_norm_`` to the trainer's
+* the reference, measured next to each round (interleaved, alternately after and before it):
+  ``--nodes`` plain steps of one model of the same precision on one fixed batch, each what a
+  single-node ``transformers.Trainer`` step does: forward + backward, gradient clipping (``clip_grad_norm_`` to the trainer's
   ``max_grad_norm`` when > 0), AdamW;
 * with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
   step each: what holding n models in one process costs by itself (memory traffic: every step
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import resource
@@ -117,7 +118,8 @@ class SectionTimer:
 
 
 class Interleaved(TrainerCallback):
-    """Times each round and, right after it, `nodes` plain steps of a reference model."""
+    """Times each round and `nodes` plain steps of a reference model next to it: after the round in
+    even repeats, before it in odd ones, so neither side always inherits the other's allocator state."""
 
     def __init__(self, reference_step, nodes, timer, sync, distinct):
         self.reference_step, self.nodes, self.timer, self.sync = reference_step, nodes, timer, sync
@@ -125,6 +127,8 @@ class Interleaved(TrainerCallback):
         self.round_s, self.plain_s, self.plain_sections, self.distinct_s = [], [], [], []
 
     def on_step_begin(self, args, state, control, **kw):
+        if len(self.round_s) % 2:
+            self._reference()
         self.sync()
         self._start = time.perf_counter()
 
@@ -132,6 +136,10 @@ class Interleaved(TrainerCallback):
         self.sync()
         self.round_s.append(time.perf_counter() - self._start)
         self.timer.end_round()
+        if len(self.round_s) % 2:
+            self._reference()
+
+    def _reference(self):
         sections = defaultdict(float)
         start = time.perf_counter()
         for _ in range(self.nodes):
@@ -269,8 +277,11 @@ def main(argv=None):
           f"{args.algorithm} top-k {args.compression:g}%, device {args.device}, torch threads {args.threads}, "
           f"{args.repeats} interleaved repeats, load average {load}")
     mib = 2**20
+    # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
+    memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
     for precision in args.precisions:
         r = measure_time(args, precision)
+        gc.collect()  # the trainer holds reference cycles: free its models before the next precision
         kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
         print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
               f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios; overhead {r['ratio'] - 1:+.1%})")
@@ -285,10 +296,9 @@ def main(argv=None):
             print(f"  {args.nodes} plain steps of {args.nodes} distinct copies: {r['distinct_s']:.3f} s, "
                   f"{r['distinct_ratio']:.3f}x one model's (holding {args.nodes} models alone); "
                   f"round / distinct = {r['round_s'] / r['distinct_s']:.3f}")
-    if args.memory_rounds:
+    if memory:
         print()
-        for precision in args.precisions:
-            m = measure_memory(args, precision)
+        for precision, m in memory.items():
             extra = f", CUDA peak allocated {m['cuda_peak'] / mib:.0f} MiB" if m["cuda_peak"] else ""
             print(f"peak memory {precision:>5}, {args.nodes} nodes: peak RSS {m['peak_rss'] / mib:.0f} MiB "
                   f"(process baseline before the model {m['baseline_rss'] / mib:.0f} MiB){extra}")
