@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
-from lp_decentral_nlp.gossip.compressors import _largest_k
+from lp_decentral_nlp.gossip.compressors import _largest_abs_k
 from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
 
 
@@ -51,13 +51,18 @@ def test_topk_keeps_exactly_the_largest_magnitudes_with_smallest_indices(numel, 
 
 def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inputs():
     torch.manual_seed(3)
+    # sizes at the smallest sample (40k: 4096 entries), in between, and at the largest (3M: 65536)
     for x in (torch.randn(1_000_003), torch.randn(600_000).exp(), torch.arange(700_000.0).flip(0),
-              torch.cat([torch.zeros(500_000), torch.ones(1000) * 3, torch.randn(100_000) * 0.01])):
-        for k in (1, 77, 1000, 12_345, 100_000, 140_000):  # up to keep = 10-23%: the bracket path
-            got = _largest_k(x, k)
-            assert got.numel() == k and got.unique().numel() == k
-            kth = x.topk(k).values[-1]
-            assert torch.all(x[got] >= kth)  # an exact top-k (ties may pick other indices)
+              torch.cat([torch.zeros(500_000), torch.ones(1000) * 3, torch.randn(100_000) * 0.01]),
+              torch.randn(40_000), torch.randn(3_000_000), torch.randint(0, 50, (300_000,)).float()):
+        for k in (1, 77, 1000, 9_999, 12_345, 100_000, 140_000):  # up to keep = 23%: the bracket path
+            if 4 * k >= x.numel():
+                continue
+            got = torch.full((k,), -1, dtype=torch.int64)
+            _largest_abs_k(x, got, torch.empty_like(x))
+            assert got.min() >= 0 and got.unique().numel() == k  # every place written, no repeats
+            kth = x.abs().topk(k).values[-1]
+            assert torch.all(x[got].abs() >= kth)  # an exact top-k (ties may pick other indices)
 
 
 def test_keep_fraction_rounds_up_and_never_below_one():

@@ -204,28 +204,29 @@ class _Sparsifier(Compressor):
             values = [("values", torch.uint8, k), ("scale", torch.float32, 1), ("zero_point", torch.float32, 1)]
         return [("indices", index_dtype(numel), k)] + values
 
-    def _select(self, x, k, work, generator) -> torch.Tensor:
-        """Indices (int64, ``(k,)``) of the entries of ``x`` that are kept."""
+    def _select(self, x, indices, work, generator) -> None:
+        """Write the positions of the kept entries of ``x`` into ``indices`` (the message's
+        ``(k,)`` index field); ``work`` is ``(numel,)`` scratch of ``x``'s dtype."""
         raise NotImplementedError
 
     def _value_scale(self, numel: int, k: int) -> float:
         return 1.0
 
     def encode(self, x, out, work, generator):
-        k = out["indices"].numel()
-        idx = self._select(x, k, work, generator)
-        vals = x.index_select(0, idx)  # (advanced indexing x[idx] is ~100x slower on CPU)
+        self._select(x, out["indices"], work, generator)
+        idx = _as_index(out["indices"], x.numel())
+        k = idx.numel()
+        # index_select, not x[idx] (advanced indexing is ~100x slower on CPU), into the message
+        # (full-precision values) or into the scratch (8-bit values): no fresh memory
+        vals = torch.index_select(x, 0, idx, out=out["values"] if self.value_bits is None else work[:k])
         scale = self._value_scale(x.numel(), k)
         if scale != 1.0:
             vals.mul_(scale)
-        out["indices"].copy_(idx)
-        if self.value_bits is None:
-            out["values"].copy_(vals)
-        else:
+        if self.value_bits is not None:
             _affine_encode(vals, 8, out["values"], out["scale"], out["zero_point"], vals)
 
     def decode_add(self, msg, target, alpha, work):
-        idx = msg["indices"].long()
+        idx = _as_index(msg["indices"], target.numel())
         if self.value_bits is None:
             vals = msg["values"]
         else:
@@ -237,8 +238,8 @@ class _Sparsifier(Compressor):
 class TopK(_Sparsifier):
     """Top-k: the ``ceil(keep * numel)`` largest-magnitude entries of each tensor (SPEC 3)."""
 
-    def _select(self, x, k, work, generator):
-        return _largest_k(torch.abs(x, out=work), k)
+    def _select(self, x, indices, work, generator):
+        _largest_abs_k(x, indices, work)
 
     def __repr__(self):
         return f"TopK(keep={self.keep}, value_bits={self.value_bits})"
@@ -260,8 +261,8 @@ class RandomK(_Sparsifier):
             raise TypeError(f"unbiased must be a bool, got {unbiased!r}")
         self.unbiased = unbiased
 
-    def _select(self, x, k, work, generator):
-        return _random_subset(k, work, generator)
+    def _select(self, x, indices, work, generator):
+        indices.copy_(_random_subset(indices.numel(), work, generator))
 
     def _value_scale(self, numel, k):
         return numel / k if self.unbiased else 1.0
@@ -271,6 +272,16 @@ class RandomK(_Sparsifier):
 
 
 # -- shared helpers ----------------------------------------------------------------------------
+
+def _as_index(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """Wire indices into a segment of ``numel`` elements as an ``index_add_`` index: uint32 is
+    reinterpreted as int32 without a copy when every index fits (``numel <= 2^31``), narrower
+    types are widened to int32, int64 is used as it is."""
+    if indices.dtype == torch.int64:
+        return indices
+    if indices.dtype == torch.uint32:
+        return indices.view(torch.int32) if numel <= 2**31 else indices.long()
+    return indices.int()
 
 def _affine_encode(x, bits, codes_out, scale_out, zero_out, work) -> None:
     """SPEC 4 affine quantization of ``x`` to ``bits``-bit codes with one scale and zero point."""
@@ -317,49 +328,69 @@ def _random_subset(k: int, work: torch.Tensor, generator) -> torch.Tensor:
         m *= 2
 
 
-# Sample size for the threshold bracket of _largest_k.
-_SAMPLE = 65536
+# The CPU top-k: its threshold sample has n // _SAMPLE_DIVISOR entries, clamped to
+# [_MIN_SAMPLE, _MAX_SAMPLE], and it scans the tensor in blocks of _BLOCK entries.
+_MIN_SAMPLE, _MAX_SAMPLE, _SAMPLE_DIVISOR = 4096, 65536, 32
+_BLOCK = 1 << 20
 
 
-def _largest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (int64, ``(k,)``, unordered) of the ``k`` largest entries of 1-D ``scores``.
+def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+    """Write into ``out`` (``(k,)``, any integer dtype) the positions of the ``k`` entries of the
+    1-D ``x`` with the largest magnitudes, in no particular order (SPEC 3's top-k).
 
-    On CUDA this is ``torch.topk``. On CPU ``torch.topk`` is a single-threaded partial sort
-    (about 1.3 s for k = 1% of DistilBERT's 23M-entry embedding), so a strided sample of
-    ``scores`` brackets the k-th largest value between two thresholds ``t_lo <= t_hi`` (4 binomial
-    standard deviations either side of the expected sample rank): every entry above ``t_hi`` is
-    kept, and the exact ``topk`` only ranks the thin band ``[t_lo, t_hi]`` (about 1% of the
-    entries at keep = 10%). When the sample misjudges the bracket (fewer than ``k`` entries reach
-    ``t_lo``, or more than ``k`` exceed ``t_hi``), the bracket is widened or all the candidates
-    are ranked. The result is an exact top-k (ties at the k-th value may be broken differently).
+    ``work`` is ``(n,)`` scratch of ``x``'s dtype. On CUDA, for small tensors and for
+    ``k >= n / 4`` this is ``torch.topk`` of ``|x|``. On the CPU ``torch.topk`` is a
+    single-threaded partial sort (about 0.4 s for k = 10% of DistilBERT's 23M-entry embedding),
+    so a strided sample of ``|x|`` (``n / 32`` entries, clamped to [4096, 65536]) brackets the
+    k-th largest magnitude between two thresholds ``t_lo <= t_hi`` (4 binomial standard
+    deviations either side of the expected sample rank, both from one ``numpy.partition``), and
+    one scan over blocks of ``x`` writes every position above ``t_hi`` straight into ``out`` and
+    keeps those in the thin band ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%); an exact
+    ``topk`` of the band fills the remaining places. All temporaries are block- or band-sized:
+    the scan reads ``x`` once and touches no fresh memory (large fresh allocations page-fault on
+    every gossip step once training has handed the memory back to the system). If the sample
+    misjudges the bracket (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan
+    repeated; if more than ``k`` exceed ``t_hi``, or the bracket is the whole sample, ``torch.topk``
+    decides. The result is an exact top-k (ties at the k-th value may be broken differently).
     """
-    n = scores.numel()
-    if scores.is_cuda or n <= 4 * _SAMPLE or 4 * k >= n:
-        return torch.topk(scores, k, sorted=False).indices
-    sample = scores[:: n // _SAMPLE]
-    m = sample.numel()
-    rank = k * m / n  # expected sample entries at or above the k-th largest value
+    n, k = x.numel(), out.numel()
+    if x.is_cuda or n <= 8 * _MIN_SAMPLE or 4 * k >= n:
+        out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+        return
+    sample = torch.abs(x[:: n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))]).numpy()
+    m = sample.size
+    rank = k * m / n  # expected sample entries at or above the k-th largest magnitude
     margin = 4 * math.sqrt(rank) + 16
+    block = torch.empty(min(n, _BLOCK), dtype=x.dtype)
     while True:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
-        ranked = torch.topk(sample, reach).values  # descending
-        t_lo = ranked[-1]
-        candidates = _flatnonzero(scores >= t_lo)
-        if candidates.numel() >= k:
-            break
-        if reach == m:
-            return torch.topk(scores, k, sorted=False).indices
-        margin *= 4
-    values = scores.index_select(0, candidates)
-    if above > 0:
-        sure = values > ranked[above - 1]
-        num_sure = int(sure.sum())
-        if num_sure <= k:
+        # the reach-th and the above-th largest sample magnitudes, in one O(m) selection
+        ordered = np.partition(sample, [m - reach] + ([m - above] if above > 0 else []))
+        t_lo, t_hi = float(ordered[m - reach]), float(ordered[m - above]) if above > 0 else math.inf
+        num_sure, band_positions, band_magnitudes = 0, [], []
+        for start in range(0, n, _BLOCK):
+            magnitudes = torch.abs(x[start:start + _BLOCK], out=block[:min(_BLOCK, n - start)])
+            candidates = _flatnonzero(magnitudes >= t_lo)
+            values = magnitudes.index_select(0, candidates)
+            sure = values > t_hi
+            surest = _flatnonzero(sure)
+            if num_sure + surest.numel() > k:  # the sample set t_hi too low
+                out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+                return
+            out[num_sure:num_sure + surest.numel()].copy_(candidates.index_select(0, surest).add_(start))
+            num_sure += surest.numel()
             band = _flatnonzero(~sure)
-            best = torch.topk(values.index_select(0, band), k - num_sure, sorted=False).indices
-            return torch.cat([candidates.index_select(0, _flatnonzero(sure)),
-                              candidates.index_select(0, band.index_select(0, best))])
-    return candidates.index_select(0, torch.topk(values, k, sorted=False).indices)
+            band_positions.append(candidates.index_select(0, band).add_(start))
+            band_magnitudes.append(values.index_select(0, band))
+        band_positions, band_magnitudes = torch.cat(band_positions), torch.cat(band_magnitudes)
+        if num_sure + band_positions.numel() >= k:
+            break
+        if reach == m:  # (only NaNs can leave fewer than k entries at or above the smallest sample value)
+            out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+            return
+        margin *= 4
+    best = torch.topk(band_magnitudes, k - num_sure, sorted=False).indices
+    out[num_sure:].copy_(band_positions.index_select(0, best))
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
