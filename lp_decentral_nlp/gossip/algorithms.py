@@ -183,10 +183,7 @@ class PushSumGossip:
                 outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
                 if i in absent:
                     continue
-                x = self._flat  # (P + 1,): x~_i = w_i * [z~_i, 1]
-                torch._foreach_copy_(self._flat_views, nodes[k])
-                x[self._P:].fill_(1.0)
-                x.mul_(self._w[k])
+                x = self._scaled_copy(k, nodes[k])
                 v = self._message(k, x)
                 self._encode(v, self._outgoing[k], self._generator(i, t))
                 self._after_encode(k, self._outgoing[k])
@@ -207,8 +204,7 @@ class PushSumGossip:
                                                                      received[i], returned)
                 else:
                     contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
-                self._direction(k, contributions)
-                self._apply(k, nodes[k])
+                self._update(k, contributions, nodes[k])
             self._step += 1
             nbytes = self._layout.nbytes
             return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
@@ -325,6 +321,11 @@ class PushSumGossip:
         """Write ``d_k`` into ``self._flat`` from ``[(W_kk, k's node, own message), (W_kj, j, j's message)...]``."""
         raise NotImplementedError
 
+    def _update(self, k: int, contributions: list[tuple[float, int, Message]], params: ParamList) -> None:
+        """SPEC 2 step 5 for local node ``k``: its direction ``d_k``, then ``x_k`` and ``z_k``."""
+        self._direction(k, contributions)
+        self._apply(k, params)
+
     #: Choco mixes the public copies, which stay consistent when a message is lost (it is just not
     #: committed), so only an absent node's edges change its mixing matrix (faults.py)
     _copies_absorb_losses = False
@@ -382,6 +383,18 @@ class PushSumGossip:
                 fn(s)
         else:
             list(_segment_pool(threads).map(fn, self._largest_first))
+
+    def _scaled_copy(self, k: int, params: ParamList) -> torch.Tensor:
+        """``self._flat = x~_k = w_k * [z~_k, 1]``, shape ``(P + 1,)`` (SPEC 2 step 2's numerator)."""
+        x, w = self._flat, self._w[k]
+        if self._exact_scaling:  # one pass per tensor
+            for view, p in zip(self._flat_views, params):
+                torch.mul(p, w, out=view)
+        else:  # widen first, so a low-precision z~ is scaled in the state dtype
+            torch._foreach_copy_(self._flat_views, params)
+            x[:self._P].mul_(w)
+        x[self._P:].copy_(w)
+        return x
 
     def _apply(self, k: int, params: ParamList) -> None:
         """``x_k <- keep * x~_k + gamma * d_k`` and ``z_k <- x_k / w_k`` into ``params``, with
@@ -446,6 +459,7 @@ class PushSumGossip:
         self._flat = torch.zeros(P + 1, dtype=dt, device=dev)
         self._work = torch.zeros(P + 1, dtype=dt, device=dev)
         self._flat_views = [self._flat[o:o + n].view(s) for o, n, s in self._param_slices]
+        self._exact_scaling = next(iter(dtypes)) == dt
         self._outgoing = [Message(self._layout, dev) for _ in self._node_ids]
         self._state = {name: torch.zeros(len(self._state_nodes[name]), P + 1, dtype=dt, device=dev)
                        for name in self._state_names}
@@ -455,6 +469,9 @@ class PushSumGossip:
                                  f"{tuple(self._state[name].shape)}")
             self._state[name].copy_(buf)
         self._pending = {}
+        # per state buffer and row, views shaped like the parameters (``load_state_dict`` copies in place)
+        self._state_views = {name: [[buf[r, o:o + n].view(s) for o, n, s in self._param_slices]
+                                    for r in range(buf.shape[0])] for name, buf in self._state.items()}
         self._w = self._w.to(device=dev, dtype=dt)
         config = f"{self._config()};{dt};{self._layout.signature()};{self.faults!r}"
         fingerprint = int.from_bytes(hashlib.sha256(config.encode()).digest()[:8], "little") >> 1
@@ -539,12 +556,20 @@ class ChocoSGD(PushSumGossip):
             if self._committed(j):
                 self._decode_add(msg, self._public(j), 1.0)
 
-    def _direction(self, k, contributions):
-        # d = sum_j W_kj x^_j - x^_k  (own contribution first: W_kk - 1)
+    def _update(self, k, contributions, params):
+        # SPEC 2 step 5 with d_k = sum_j W_kj x^_j - x^_k (own contribution first: W_kk - 1),
+        # folded into the parameters without materialising d_k:
+        #   z_k <- (w_old / w_new) z~_k + sum_j (gamma / w_new) c_j x^_j,  w_new = w_old + gamma d_k[P]
+        # one scaling pass plus one pass per held copy (d_k in a buffer, then applied, took three more).
         (wkk, i, _), others = contributions[0], contributions[1:]
-        torch.mul(self._public(i), wkk - 1.0, out=self._flat)
-        for wkj, j, _ in others:
-            self._flat.add_(self._public(j), alpha=wkj)
+        rows = [(wkk - 1.0, i)] + [(wkj, j) for wkj, j, _ in others]
+        w_old = self._w[k]
+        w_new = w_old + self.gamma * sum(c * self._public(j)[self._P] for c, j in rows)
+        scale = self.gamma / w_new
+        torch._foreach_mul_(params, w_old / w_new)
+        for c, j in rows:
+            torch._foreach_addcmul_(params, self._state_views["public"][self._public_row[j]], [scale * c] * len(params))
+        self._w[k] = w_new
 
 
 class DeepSqueeze(PushSumGossip):
