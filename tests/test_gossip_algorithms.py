@@ -380,3 +380,48 @@ def test_segments_on_the_thread_pool_give_exactly_the_sequential_results(make):
     for pa, pb in zip(a, b):
         for x, y in zip(pa, pb):
             assert torch.equal(x, y)
+
+
+def test_choco_update_in_column_chunks_equals_the_whole_tensor_update_exactly(monkeypatch):
+    """Choco's CPU update runs in column chunks of all nodes at once (large tensors split, small
+    ones grouped); non-contiguous parameters cannot be split and take whole tensors. Every entry
+    gets the same operations in the same order either way, so the results are bit-identical."""
+    from lp_decentral_nlp.gossip import algorithms
+
+    shapes = [(30, 40), (64,), (40, 30), (5,), (100, 50), (7, 3)]
+    topo = irregular_digraph()
+    runs = []
+    for chunk, contiguous in ((7, True), (1000, True), (algorithms._CHUNK, False)):
+        monkeypatch.setattr(algorithms, "_CHUNK", chunk)
+        nodes = make_nodes(topo.num_nodes, shapes=shapes)
+        if not contiguous:  # the same values, held as transposed views
+            nodes = [[p.t().contiguous().t() if p.dim() == 2 else p for p in params] for params in nodes]
+            assert not all(p.is_contiguous() for p in nodes[0])
+        gossip = ChocoSGD(topo, TopK(0.2), gamma=0.6)
+        for t in range(3):
+            local_step(nodes, t)
+            gossip.step(nodes)
+        if contiguous:
+            assert len(gossip._column_chunks(False)) > 1
+        runs.append((nodes, gossip.weights))
+    (a, wa), *others = runs
+    for b, wb in others:
+        assert torch.equal(wa, wb)
+        assert all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def test_segment_pool_workers_run_torch_single_threaded_and_leave_the_callers_threads():
+    """Workers that opened their own OpenMP teams would slow every short parallel op of the
+    process (libgomp stops spin-waiting once it manages more threads than cores)."""
+    from lp_decentral_nlp.gossip.algorithms import _segment_pool
+
+    if not torch.backends.openmp.is_available():
+        pytest.skip("per-thread torch thread counts are an OpenMP property")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        pool = _segment_pool(3)
+        assert torch.get_num_threads() == 3
+        assert list(pool.map(lambda _: torch.get_num_threads(), range(12))) == [1] * 12
+    finally:
+        torch.set_num_threads(threads)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,6 +196,7 @@ class PushSumGossip:
                             for i, pairs in received.items()}
             self._on_receive(received)
             returned = self._returned_edges(absent)
+            updates = []
             for k, i in enumerate(self._node_ids):
                 if i in absent:
                     continue  # W'[i, i] = 1 and nothing received: x_i and w_i stay as they are
@@ -204,7 +206,8 @@ class PushSumGossip:
                                                                      received[i], returned)
                 else:
                     contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
-                self._update(k, contributions, nodes[k])
+                updates.append((k, contributions))
+            self._update(updates, nodes)
             self._step += 1
             nbytes = self._layout.nbytes
             return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
@@ -321,10 +324,12 @@ class PushSumGossip:
         """Write ``d_k`` into ``self._flat`` from ``[(W_kk, k's node, own message), (W_kj, j, j's message)...]``."""
         raise NotImplementedError
 
-    def _update(self, k: int, contributions: list[tuple[float, int, Message]], params: ParamList) -> None:
-        """SPEC 2 step 5 for local node ``k``: its direction ``d_k``, then ``x_k`` and ``z_k``."""
-        self._direction(k, contributions)
-        self._apply(k, params)
+    def _update(self, updates: list[tuple[int, list[tuple[float, int, Message]]]], nodes: list[ParamList]) -> None:
+        """SPEC 2 step 5 for every ``(k, contributions)`` in ``updates`` (the local nodes present
+        this step): each node's direction ``d_k``, then its ``x_k`` and ``z_k`` into ``nodes[k]``."""
+        for k, contributions in updates:
+            self._direction(k, contributions)
+            self._apply(k, nodes[k])
 
     #: Choco mixes the public copies, which stay consistent when a message is lost (it is just not
     #: committed), so only an absent node's edges change its mixing matrix (faults.py)
@@ -530,6 +535,7 @@ class ChocoSGD(PushSumGossip):
         held = set(self._node_ids).union(*(topology.in_neighbors(i) for i in self._node_ids))
         self._state_nodes["public"] = sorted(held)
         self._public_row = {j: r for r, j in enumerate(self._state_nodes["public"])}
+        self._chunks: dict[bool, list[list[tuple[int, int, int]]]] = {}
 
     def _public(self, node: int) -> torch.Tensor:
         return self._state["public"][self._public_row[node]]
@@ -556,20 +562,62 @@ class ChocoSGD(PushSumGossip):
             if self._committed(j):
                 self._decode_add(msg, self._public(j), 1.0)
 
-    def _update(self, k, contributions, params):
-        # SPEC 2 step 5 with d_k = sum_j W_kj x^_j - x^_k (own contribution first: W_kk - 1),
-        # folded into the parameters without materialising d_k:
-        #   z_k <- (w_old / w_new) z~_k + sum_j (gamma / w_new) c_j x^_j,  w_new = w_old + gamma d_k[P]
-        # one scaling pass plus one pass per held copy (d_k in a buffer, then applied, took three more).
-        (wkk, i, _), others = contributions[0], contributions[1:]
-        rows = [(wkk - 1.0, i)] + [(wkj, j) for wkj, j, _ in others]
-        w_old = self._w[k]
-        w_new = w_old + self.gamma * sum(c * self._public(j)[self._P] for c, j in rows)
-        scale = self.gamma / w_new
-        torch._foreach_mul_(params, w_old / w_new)
-        for c, j in rows:
-            torch._foreach_addcmul_(params, self._state_views["public"][self._public_row[j]], [scale * c] * len(params))
-        self._w[k] = w_new
+    def _update(self, updates, nodes):
+        # SPEC 2 step 5 with d_k = sum_j c_kj x^_j (c_kk = W_kk - 1, c_kj = W_kj), folded into the
+        # parameters without materialising d_k:
+        #   z_k <- (w_old / w_new) z~_k + sum_j (gamma / w_new) c_kj x^_j,  w_new = w_old + gamma d_k[P].
+        # All present nodes are updated together, one column chunk at a time (CPU: ~256K entries,
+        # in cache): each chunk of a public copy is read from memory once for every node mixing
+        # it, instead of once per (node, copy). Copies are added in node order on every backend.
+        public = self._state["public"]
+        ratios, terms = [], {}  # terms: public row -> [(position in updates, coefficient)]
+        for u, (k, contributions) in enumerate(updates):
+            coefficients = {}
+            for n, (w, j, _) in enumerate(contributions):
+                r = self._public_row[j]
+                coefficients[r] = coefficients.get(r, 0.0) + (w - 1.0 if n == 0 else w)
+            w_old = self._w[k]
+            w_new = w_old + self.gamma * sum(c * public[r, self._P] for r, c in sorted(coefficients.items()))
+            ratios.append(w_old / w_new)
+            for r, c in coefficients.items():
+                terms.setdefault(r, []).append((u, self.gamma / w_new * c))
+            self._w[k] = w_new
+        params = [nodes[k] for k, _ in updates]
+        whole = not all(p.is_contiguous() for z in params for p in z)  # (only contiguous tensors split)
+        for chunk in self._column_chunks(whole):
+            zs = [[self._chunk_piece(z[t], t, a, b) for t, a, b in chunk] for z in params]
+            torch._foreach_mul_([p for z in zs for p in z], [r for r, z in zip(ratios, zs) for _ in z])
+            for r in sorted(terms):
+                copy = [self._chunk_piece(self._state_views["public"][r][t], t, a, b) for t, a, b in chunk]
+                users = terms[r]
+                torch._foreach_addcmul_([p for u, _ in users for p in zs[u]], copy * len(users),
+                                        [c for _, c in users for _ in copy])
+
+    def _column_chunks(self, whole: bool) -> list[list[tuple[int, int, int]]]:
+        """The parameter columns in update order, as chunks of pieces ``(tensor, start, stop)``:
+        on the CPU (unless ``whole``) about ``_CHUNK`` entries a chunk, large tensors split and
+        small ones grouped; on other devices, or ``whole``, one chunk of whole tensors."""
+        key = whole or self._device.type != "cpu"
+        if key not in self._chunks:
+            if key:
+                self._chunks[key] = [[(t, 0, n) for t, (_, n, _) in enumerate(self._param_slices)]]
+            else:
+                chunks, current, size = [], [], 0
+                for t, (_, n, _) in enumerate(self._param_slices):
+                    for a in range(0, n, _CHUNK):
+                        b = min(n, a + _CHUNK)
+                        current.append((t, a, b))
+                        size += b - a
+                        if size >= _CHUNK:
+                            chunks.append(current)
+                            current, size = [], 0
+                self._chunks[key] = chunks + ([current] if current else [])
+        return self._chunks[key]
+
+    def _chunk_piece(self, tensor: torch.Tensor, t: int, a: int, b: int) -> torch.Tensor:
+        """Entries ``a:b`` of parameter-shaped ``tensor`` (parameter ``t``): the tensor itself when
+        the piece is whole, else a slice of its flat (contiguous) view."""
+        return tensor if a == 0 and b == self._param_slices[t][1] else tensor.view(-1)[a:b]
 
 
 class DeepSqueeze(PushSumGossip):
@@ -599,10 +647,35 @@ class DeepSqueeze(PushSumGossip):
         self._mixed_sum(contributions, self_shift=1.0)
 
 
+#: entries per column chunk of Choco's CPU update (4 nodes' chunks and 4 copies' stay in cache)
+_CHUNK = 1 << 18
+
+
 @functools.cache
 def _segment_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool that encodes/decodes segments with `threads` workers."""
-    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gossip-segments")
+    """The process-wide pool that encodes/decodes segments with ``threads`` workers, each running
+    torch single-threaded.
+
+    The workers are the parallelism. A worker that opened OpenMP parallel regions of its own
+    would own a second OpenMP team, and with more OpenMP threads than cores libgomp stops
+    spin-waiting: every short parallel op of the whole process then pays a thread wake-up, for
+    the rest of the process (measured on 2 cores: 200 ``_foreach_mul_`` calls on 8 x 256K floats,
+    17 -> 100 ms; Choco's chunked update 130 -> 350 ms). Under OpenMP a thread's count is its own,
+    taken from the process default on its first use, so each worker first takes it, then sets 1,
+    and the caller's default is put back once every worker has done so.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gossip-segments")
+    if torch.backends.openmp.is_available():
+        ready = threading.Barrier(threads, timeout=60)  # every worker takes exactly one of the tasks
+
+        def single_threaded(_):
+            torch.get_num_threads()
+            torch.set_num_threads(1)
+            ready.wait()
+
+        list(pool.map(single_threaded, range(threads)))
+        torch.set_num_threads(threads)
+    return pool
 
 
 def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Tensor:
