@@ -425,3 +425,21 @@ def test_segment_pool_workers_run_torch_single_threaded_and_leave_the_callers_th
         assert list(pool.map(lambda _: torch.get_num_threads(), range(12))) == [1] * 12
     finally:
         torch.set_num_threads(threads)
+
+
+def test_choco_on_a_regular_graph_keeps_weights_at_exactly_1_and_its_shortcut_changes_no_bit():
+    """With w_i == 1 (regular graphs keep it exactly), Choco writes v = z~ - x^ in one pass instead
+    of scaling by w first; the results must be bit-identical to the general path."""
+    topo = make_topology("ring", num_nodes=5)
+    runs = []
+    for general in (False, True):
+        nodes = make_nodes(5)
+        gossip = ChocoSGD(topo, TopK(0.3), gamma=0.7)
+        for t in range(4):
+            local_step(nodes, t)
+            gossip.step(nodes)
+            if general:
+                gossip._exact_scaling = False  # takes the scaled copy, then the subtraction
+        assert torch.equal(gossip.weights, torch.ones(5))
+        runs.append(nodes)
+    assert all(torch.equal(x, y) for pa, pb in zip(*runs) for x, y in zip(pa, pb))

@@ -44,10 +44,13 @@ node does nothing), under which the push-sum mass stays exactly conserved. Witho
 step does no extra work.
 
 Threads. On a multi-threaded CPU, layer-wise codecs encode and decode the model's tensors
-concurrently on a pool of ``torch.get_num_threads()`` threads (largest first): CPU top-k
-selection is single-threaded per tensor, and each tensor owns disjoint slices of the buffers, so
-the results are the same as one tensor after another. Stochastic codecs encode in order (one
-generator per node and step).
+concurrently on a pool of ``torch.get_num_threads()`` threads (largest first), each running torch
+single-threaded (see :func:`_segment_pool`): CPU top-k selection is sequential per tensor, and each
+tensor owns disjoint slices of the buffers, so the results are the same as one tensor after
+another. Stochastic codecs encode in order (one generator per node and step).
+
+Memory traffic. Choco's update of all local nodes runs in cache-sized column chunks, so each public
+copy is streamed once per step rather than once per node that mixes it (:meth:`ChocoSGD._update`).
 """
 from __future__ import annotations
 
@@ -184,8 +187,7 @@ class PushSumGossip:
                 outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
                 if i in absent:
                     continue
-                x = self._scaled_copy(k, nodes[k])
-                v = self._message(k, x)
+                v = self._message(k, nodes[k])
                 self._encode(v, self._outgoing[k], self._generator(i, t))
                 self._after_encode(k, self._outgoing[k])
             if self.faults:
@@ -310,8 +312,9 @@ class PushSumGossip:
                f"transport={self.transport!r})"
 
     # -- algorithm hooks ---------------------------------------------------------------------------
-    def _message(self, k: int, x_tilde: torch.Tensor) -> torch.Tensor:
-        """``v_k = g(x~_k)`` (SPEC 2 step 2); may reuse ``x_tilde``'s storage."""
+    def _message(self, k: int, params: ParamList) -> torch.Tensor:
+        """``v_k = g(x~_k)`` (SPEC 2 step 2), ``(P + 1,)``, from local node ``k``'s parameters
+        ``z~_k`` (``x~_k`` is :meth:`_scaled_copy`); may use ``self._flat``'s storage."""
         raise NotImplementedError
 
     def _after_encode(self, k: int, msg: Message) -> None:
@@ -497,8 +500,8 @@ class SGP(PushSumGossip):
     def __init__(self, topology: Topology, transport=None, seed: int = 0, faults: FaultPlan | None = None):
         super().__init__(topology, Identity(), 1.0, transport, seed, faults)
 
-    def _message(self, k, x_tilde):
-        return x_tilde
+    def _message(self, k, params):
+        return self._scaled_copy(k, params)
 
     def _direction(self, k, contributions):
         self._mixed_sum(contributions, self_shift=0.0)
@@ -548,8 +551,17 @@ class ChocoSGD(PushSumGossip):
         faults): only then is it added to the copies of ``x^_node`` (:mod:`.faults`)."""
         return not self._lost or not any((node, o) in self._lost for o in self.topology.out_neighbors(node))
 
-    def _message(self, k, x_tilde):
-        return x_tilde.sub_(self._public(self._node_ids[k]))
+    def _message(self, k, params):
+        # v_k = x~_k - x^_k = w_k [z~_k, 1] - x^_k. On regular graphs w_k stays exactly 1, and then
+        # one subtraction per tensor writes v_k (same bits as scaling by 1.0 first, one pass less).
+        public = self._public(self._node_ids[k])
+        if self._exact_scaling and self._device.type == "cpu" and self._w[k] == 1.0:
+            row = self._state_views["public"][self._public_row[self._node_ids[k]]]
+            for view, p, copy in zip(self._flat_views, params, row):
+                torch.sub(p, copy, out=view)
+            torch.sub(1.0, public[self._P:], out=self._flat[self._P:])
+            return self._flat
+        return self._scaled_copy(k, params).sub_(public)
 
     def _after_encode(self, k, msg):
         if self._committed(self._node_ids[k]):
@@ -584,9 +596,12 @@ class ChocoSGD(PushSumGossip):
             self._w[k] = w_new
         params = [nodes[k] for k, _ in updates]
         whole = not all(p.is_contiguous() for z in params for p in z)  # (only contiguous tensors split)
+        # on regular graphs w stays exactly 1: scaling by w_old / w_new == 1.0 changes no bit (CPU check)
+        rescaled = [u for u, r in enumerate(ratios) if self._device.type != "cpu" or r != 1.0]
         for chunk in self._column_chunks(whole):
             zs = [[self._chunk_piece(z[t], t, a, b) for t, a, b in chunk] for z in params]
-            torch._foreach_mul_([p for z in zs for p in z], [r for r, z in zip(ratios, zs) for _ in z])
+            if rescaled:
+                torch._foreach_mul_([p for u in rescaled for p in zs[u]], [ratios[u] for u in rescaled for _ in chunk])
             for r in sorted(terms):
                 copy = [self._chunk_piece(self._state_views["public"][r][t], t, a, b) for t, a, b in chunk]
                 users = terms[r]
@@ -637,8 +652,8 @@ class DeepSqueeze(PushSumGossip):
         super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
                          faults)
 
-    def _message(self, k, x_tilde):
-        return self._state["error"][k].add_(x_tilde)
+    def _message(self, k, params):
+        return self._state["error"][k].add_(self._scaled_copy(k, params))
 
     def _after_encode(self, k, msg):
         self._decode_add(msg, self._state["error"][k], -1.0)
