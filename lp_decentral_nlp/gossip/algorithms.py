@@ -188,8 +188,7 @@ class PushSumGossip:
                 if i in absent:
                     continue
                 v = self._message(k, nodes[k])
-                self._encode(v, self._outgoing[k], self._generator(i, t))
-                self._after_encode(k, self._outgoing[k])
+                self._encode(v, self._outgoing[k], self._generator(i, t), self._own_commit(k))
             if self.faults:
                 self.faults.straggle([i for i in self._node_ids if i not in absent])
             received = self.transport.exchange(t, outgoing)
@@ -317,8 +316,10 @@ class PushSumGossip:
         ``z~_k`` (``x~_k`` is :meth:`_scaled_copy`); may use ``self._flat``'s storage."""
         raise NotImplementedError
 
-    def _after_encode(self, k: int, msg: Message) -> None:
-        """State update that needs the node's own ``q_k`` (decoded from its message)."""
+    def _own_commit(self, k: int) -> tuple[torch.Tensor, float] | None:
+        """``(target, alpha)``: local node ``k``'s own ``q_k`` is decoded into ``target += alpha * q_k``
+        (a ``(P + 1,)`` state row), each segment right after it is encoded; None: no such update."""
+        return None
 
     def _on_receive(self, received: dict[int, list[tuple[int, Message]]]) -> None:
         """State update from all messages received this step (before any direction)."""
@@ -368,10 +369,17 @@ class PushSumGossip:
         for n, (wkj, _, msg) in enumerate(contributions):
             self._decode_add(msg, self._flat, wkj - self_shift if n == 0 else wkj)
 
-    def _encode(self, v: torch.Tensor, msg: Message, generator) -> None:
+    def _encode(self, v: torch.Tensor, msg: Message, generator, commit: tuple[torch.Tensor, float] | None) -> None:
+        """Encode ``v`` into ``msg``; with ``commit = (target, alpha)`` also ``target += alpha * q``,
+        segment by segment, while the segment's fields are fresh in cache (``target`` may be ``v``:
+        a segment is read whole before it is updated)."""
         def encode(s):
             off, numel, codec = self._segments[s]
-            codec.encode(v[off:off + numel], msg.fields[s], self._work[off:off + numel], generator)
+            work = self._work[off:off + numel]
+            codec.encode(v[off:off + numel], msg.fields[s], work, generator)
+            if commit is not None:
+                target, alpha = commit
+                codec.decode_add(msg.fields[s], target[off:off + numel], alpha, work)
 
         self._each_segment(encode, in_order=generator is not None)
 
@@ -563,9 +571,9 @@ class ChocoSGD(PushSumGossip):
             return self._flat
         return self._scaled_copy(k, params).sub_(public)
 
-    def _after_encode(self, k, msg):
-        if self._committed(self._node_ids[k]):
-            self._decode_add(msg, self._public(self._node_ids[k]), 1.0)
+    def _own_commit(self, k):
+        node = self._node_ids[k]
+        return (self._public(node), 1.0) if self._committed(node) else None  # x^_k += q_k
 
     def _on_receive(self, received):
         # Copies of in-neighbours run by another process (distributed): x^_j += q_j, once each.
@@ -655,8 +663,8 @@ class DeepSqueeze(PushSumGossip):
     def _message(self, k, params):
         return self._state["error"][k].add_(self._scaled_copy(k, params))
 
-    def _after_encode(self, k, msg):
-        self._decode_add(msg, self._state["error"][k], -1.0)
+    def _own_commit(self, k):
+        return self._state["error"][k], -1.0  # e_k = v_k - q_k
 
     def _direction(self, k, contributions):
         self._mixed_sum(contributions, self_shift=1.0)
