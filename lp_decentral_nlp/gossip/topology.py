@@ -247,7 +247,13 @@ def _nonzero_others(vec: np.ndarray, i: int) -> tuple[int, ...]:
 
 
 def _second_eigenvalue_modulus(W: np.ndarray) -> float:
+    """``|lambda_2(W)|``; a modulus within the eigensolver's rounding (``n * eps * ||W||_1``) is 0.
+
+    (LAPACK returns ~1e-17 for the exactly rank-one ``J/8`` of the exponential graph's period,
+    and :meth:`Topology.period_spectral_gap` takes its T-th root: 1e-17 would become 2e-6.)
+    """
     if W.shape[0] == 1:
         return 0.0
     mods = np.sort(np.abs(np.linalg.eigvals(W)))[::-1]
-    return float(mods[1])
+    tolerance = W.shape[0] * np.finfo(W.dtype).eps * np.abs(W).sum(axis=0).max()
+    return float(mods[1]) if mods[1] > tolerance else 0.0
