@@ -169,11 +169,15 @@ def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.N
             parser.error(f"argument --torus-rows: {args.torus_rows} rows do not divide --nodes {args.nodes}")
     if args.save_total_limit is not None and args.save_steps is None:
         parser.error("argument --save-total-limit: needs --save-steps (no checkpoints are written without it)")
+    try:  # what DecentralizedTrainingArguments checks beyond the flag-named messages above
+        arguments = training_arguments(args)
+    except ValueError as err:
+        parser.error(str(err))
     if args.resume_from_checkpoint is not None:
         from .trainer import check_resumable
 
         try:
-            check_resumable(args.resume_from_checkpoint, training_arguments(args))
+            check_resumable(args.resume_from_checkpoint, arguments)
         except ValueError as err:
             parser.error(f"argument --resume-from-checkpoint: {str(err).removeprefix('resume_from_checkpoint: ')}")
 

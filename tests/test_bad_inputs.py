@@ -49,11 +49,11 @@ def run_dir(tmp_path_factory, data):
     return out
 
 
-def cli_error(argv, capsys, env=None, monkeypatch=None):
+def cli_error(argv, capsys, env=None, monkeypatch=None, algorithm="choco"):
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exc:
-        build_nlp_parser("ag_news", "choco").parse_args(argv)
+        build_nlp_parser("ag_news", algorithm).parse_args(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     return err.split(": error: ", 1)[1].rstrip("\n")
@@ -117,6 +117,16 @@ def test_row19_torchrun_world_size_differs_from_nodes():
             "launch one process per node (torchrun --nproc_per_node 4)")
     assert proc.stderr.count(line) == 2, proc.stderr[-3000:]  # once per rank
     assert "lp_decentral_nlp" not in proc.stderr  # no traceback through our code (torchrun prints its own)
+
+
+def test_cli_reports_the_training_arguments_own_cross_checks_as_a_flag_error(capsys):
+    """A combination only DecentralizedTrainingArguments rejects (8-bit D-PSGD sends Choco messages,
+    which need a static graph) is one parser error line, not a traceback from inside the run."""
+    assert cli_error(["--topology", "exponential"], capsys, algorithm="dpsgd") == (
+        "topology='exponential' changes every step, but algorithm='dpsgd' with low_precision (8-bit Choco "
+        "messages) needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a "
+        "static topology")
+    build_nlp_parser("ag_news", "dpsgd").parse_args(["--topology", "exponential", "--full-precision"])
 
 
 def test_row20_straggler_slower_than_the_gossip_timeout(capsys, monkeypatch):
