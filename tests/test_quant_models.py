@@ -166,6 +166,54 @@ def test_int8_export_is_4x_smaller_and_reproduces_the_8bit_model():
         assert torch.allclose(output_of(clone, inputs), output_of(model, inputs), atol=1e-5)
 
 
+def test_int8_export_of_embeddings_codes_each_row_on_its_own_grid():
+    model = train_steps(quantize_model(ARCHITECTURES["distilbert"]()))
+    layers_only, exported = export_int8_state_dict(model), export_int8_state_dict(model, embeddings=True)
+    tables = {f"{n}.weight": m.weight.detach() for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    assert sorted(tables) == ["distilbert.embeddings.position_embeddings.weight",
+                              "distilbert.embeddings.word_embeddings.weight"]
+    for key, weight in tables.items():
+        assert layers_only[key].dtype == torch.float32  # tables stay full precision by default
+        codes, scale, offset = exported[key], exported[key + "_scale"], exported[key + "_offset"]
+        assert codes.dtype == torch.int8 and scale.shape == offset.shape == (weight.shape[0], 1)
+        restored = codes.float() * scale + offset
+        # nearest rounding on each row's own 256-level grid: within half a step of that row
+        assert ((restored - weight).abs() <= scale / 2 + 1e-6).all()
+        # each row's min and max are its grid's ends (a per-tensor grid would not reach them on every
+        # row); a constant row (the zero padding row) has step 0 and comes back exactly
+        wide = scale.squeeze(1) > 0
+        assert (codes[wide].min(dim=1).values == -128).all() and (codes[wide].max(dim=1).values == 127).all()
+        assert torch.equal(restored[~wide], weight[~wide]) and (~wide).sum() <= 1
+    for key, value in layers_only.items():  # everything but the tables is exported as before
+        if key not in tables:
+            assert torch.equal(exported[key], value), key
+    # bytes counted are bytes held: each table entry 4 -> 1 byte, plus an fp32 scale and offset per row
+    saved = sum(3 * w.numel() - 8 * w.shape[0] for w in tables.values())
+    assert state_dict_nbytes(layers_only) - state_dict_nbytes(exported) == saved
+
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(dequantize_int8_state_dict(exported))
+    for key, weight in tables.items():
+        assert torch.allclose(clone.get_parameter(key), weight, atol=float(exported[key + "_scale"].max()) / 2 + 1e-6)
+
+
+def test_int8_export_codes_tied_weights_once():
+    model = quantize_model(ARCHITECTURES["gpt2"]())
+    assert model.lm_head.weight is model.transformer.wte.weight  # a float head tied to the embedding table
+    exported = export_int8_state_dict(model, embeddings=True)
+    for suffix in ("", "_scale", "_offset"):
+        assert exported["lm_head.weight" + suffix] is exported["transformer.wte.weight" + suffix]
+    restored = dequantize_int8_state_dict(exported)
+    assert torch.equal(restored["lm_head.weight"], restored["transformer.wte.weight"])
+    assert export_int8_state_dict(model)["lm_head.weight"].dtype == torch.float32
+
+
+def test_int8_export_rejects_a_non_bool_embeddings_flag():
+    model = quantize_model(ARCHITECTURES["distilbert"]())
+    with pytest.raises(TypeError, match=r"embeddings must be a bool, got 'yes'"):
+        export_int8_state_dict(model, embeddings="yes")
+
+
 def test_quantized_model_trains_inside_hf_trainer(tmp_path):
     """A learnable toy task (label = a marker token at position 1) through plain Trainer."""
     torch.manual_seed(0)

@@ -1,9 +1,10 @@
-"""Inference export: int8 weights + per-tensor scale and offset (SPEC section 4, last point).
+"""Inference export: int8 weights + scale and offset (SPEC section 4, last point).
 
 For each quantized layer ``L`` the export holds ``L.weight`` as int8 codes ``c`` with
 ``L.weight_scale`` and ``L.weight_offset`` (fp32, 0-d) such that the weight the layer used in its
-forward pass is ``c * scale + offset``; everything else (biases, norms, embeddings, heads kept
-full precision, activation-range buffers) is copied as is.
+forward pass is ``c * scale + offset``. Optionally every ``nn.Embedding`` table is stored the same
+way with one scale and offset per row (post-training, weight-only). Everything else (biases,
+norms, heads kept full precision, activation-range buffers) is copied as is.
 """
 from __future__ import annotations
 
@@ -14,32 +15,62 @@ from .functional import quantize_codes, tensor_range
 from .layers import QuantGemmLayer
 
 SCALE_SUFFIX, OFFSET_SUFFIX = "_scale", "_offset"
+EMBEDDING_BITS = 8
 
 
 @torch.no_grad()
-def export_int8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[str, torch.Tensor]:
     """State dict of `model` with every quantized layer's weight stored as int8 codes.
 
     Codes are the affine codes of SPEC 4 shifted to signed range, ``c = q - 2**(bits-1)``, so
-    ``offset = min + 2**(bits-1) * scale``. Tied weights are exported once per state-dict key.
+    ``offset = min + 2**(bits-1) * scale``. A state-dict key that shares its tensor with a coded
+    weight (tied weights, e.g. GPT-2's ``lm_head`` and ``wte``) shares its codes, scale and offset.
+
+    Args:
+        model: a model after :func:`quantize_model`.
+        embeddings: also store every ``nn.Embedding`` table (``(num_embeddings, dim)``) as 8-bit
+            codes with a scale and offset of shape ``(num_embeddings, 1)``, one per row. Unlike the
+            quantized layers' export, which reproduces the weights their forward pass used, this
+            is post-training weight-only quantization: each entry moves by at most half its row's
+            step ``(row max - row min) / 255``. With it the whole export of a DistilBERT-base
+            classifier is ~3.9x smaller than the fp32 state dict instead of ~1.9x.
     """
-    quant_weights = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantGemmLayer)}
-    if not quant_weights:
+    if not isinstance(embeddings, bool):
+        raise TypeError(f"embeddings must be a bool, got {embeddings!r}")
+    layers = {f"{n}.weight": (m.quant_config.bits, tensor_range) for n, m in model.named_modules()
+              if isinstance(m, QuantGemmLayer)}
+    if not layers:
         raise ValueError("export_int8_state_dict: model has no quantized layers (call quantize_model first)")
-    out = {}
-    for key, value in model.state_dict().items():
-        layer = quant_weights.get(key)
-        if layer is None:
+    coded = {f"{n}.weight": (EMBEDDING_BITS, _row_range) for n, m in model.named_modules()
+             if embeddings and isinstance(m, nn.Embedding)}
+    coded.update(layers)  # a table tied to a quantized layer keeps the layer's exact forward weight
+    state = model.state_dict()
+    # what to code, per tensor: a tied key is coded whether it comes before or after its twin
+    spec_of = {_tensor_key(state[key]): spec for key, spec in coded.items() if key in state}
+    out, codes_of = {}, {}
+    for key, value in state.items():
+        spec = spec_of.get(_tensor_key(value))
+        if spec is None:
             out[key] = value
             continue
-        bits = layer.quant_config.bits
-        lo, hi = tensor_range(value)
-        codes, scale = quantize_codes(value, lo, hi, bits)
-        half = 2 ** (bits - 1)
-        out[key] = (codes - half).to(torch.int8)
-        out[key + SCALE_SUFFIX] = scale.float()
-        out[key + OFFSET_SUFFIX] = (lo + half * scale).float()
+        if _tensor_key(value) not in codes_of:
+            bits, value_range = spec
+            lo, hi = value_range(value)
+            codes, scale = quantize_codes(value, lo, hi, bits)
+            half = 2 ** (bits - 1)
+            codes_of[_tensor_key(value)] = ((codes - half).to(torch.int8), scale.float(), (lo + half * scale).float())
+        out[key], out[key + SCALE_SUFFIX], out[key + OFFSET_SUFFIX] = codes_of[_tensor_key(value)]
     return out
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """Identifies the tensor a state-dict entry holds (tied entries hold the same one)."""
+    return t.data_ptr(), t.shape, t.stride()
+
+
+def _row_range(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of each row of a 2-D table, each of shape ``(rows, 1)``."""
+    return table.aminmax(dim=1, keepdim=True)
 
 
 def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
