@@ -10,6 +10,7 @@ from lp_decentral_nlp.quant import (
     QuantConfig,
     QuantConv1D,
     QuantConv2d,
+    QuantEmbedding,
     QuantLinear,
     register_kernel,
 )
@@ -294,3 +295,30 @@ def test_directly_constructed_layer_works():
     assert "bits=4" in repr(q)
     q(torch.randn(3, 8)).sum().backward()
     assert q.weight.grad is not None
+
+
+def test_quant_embedding_looks_up_the_8bit_table_and_passes_the_float_gradient():
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 16, padding_idx=0)
+    layer = QuantEmbedding.from_float(table, QuantConfig())
+    assert layer.weight is table.weight and isinstance(layer, nn.Embedding)
+    ids = torch.randint(0, 50, (4, 7))
+    out = layer(ids)
+    master = table.weight.detach()
+    lo, hi = tensor_range(master)
+    # the rows of the whole table quantized per tensor (SPEC 4 weights), bit for bit
+    assert torch.equal(out, fake_quantize(master, lo, hi, 8)[ids])
+    assert_on_grid(out.detach(), lo, (hi - lo) / 255)
+    assert not torch.equal(out, master[ids])  # it did round
+    # straight-through: the master table gets exactly the float lookup's gradient
+    g = torch.randn_like(out)
+    out.backward(g)
+    reference = master.clone().requires_grad_()
+    torch.nn.functional.embedding(ids, reference, padding_idx=0).backward(g)
+    assert torch.equal(layer.weight.grad, reference.grad)
+    assert type(layer.to_float()) is nn.Embedding and layer.to_float().weight is table.weight
+
+
+def test_quant_embedding_needs_a_float32_table():
+    with pytest.raises(TypeError, match="master weights must be float32"):
+        QuantEmbedding.from_float(nn.Embedding(5, 3).to(torch.bfloat16), QuantConfig())

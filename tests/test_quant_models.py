@@ -10,6 +10,7 @@ from datasets import Dataset
 from torch import nn
 from transformers import (
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -30,7 +31,14 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, load_quantized, quantize_model
-from lp_decentral_nlp.quant import QuantConv1D, QuantConv2d, QuantLinear, QuantModule, dequantize_int8_state_dict
+from lp_decentral_nlp.quant import (
+    QuantConv1D,
+    QuantConv2d,
+    QuantEmbedding,
+    QuantLinear,
+    QuantModule,
+    dequantize_int8_state_dict,
+)
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from lp_decentral_nlp.quant.functional import fake_quantize, tensor_range
 
@@ -206,6 +214,39 @@ def test_int8_export_codes_tied_weights_once():
     restored = dequantize_int8_state_dict(exported)
     assert torch.equal(restored["lm_head.weight"], restored["transformer.wte.weight"])
     assert export_int8_state_dict(model)["lm_head.weight"].dtype == torch.float32
+
+
+def test_8bit_embeddings_train_export_exactly_and_reload(tmp_path):
+    """GPT-2 with QuantConfig(embeddings=True): wte/wpe are 8-bit lookups, the float lm_head tied to
+    wte reads the fp32 master table, the int8 export reproduces the tables the forward used, and
+    save_pretrained / load_quantized gives the same model."""
+    torch.manual_seed(0)
+    model = quantize_model(ARCHITECTURES["gpt2"](), QuantConfig(embeddings=True))
+    assert type(model.transformer.wte) is QuantEmbedding and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.transformer.wte.weight
+    inputs = example_inputs("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    exported = export_int8_state_dict(model)  # the QuantEmbedding tables are quantized layers now
+    for key in ("transformer.wte.weight", "transformer.wpe.weight"):
+        table = model.get_parameter(key).detach()
+        restored = exported[key].float() * exported[key + "_scale"] + exported[key + "_offset"]
+        assert exported[key].dtype == torch.int8 and exported[key + "_scale"].dim() == 0
+        assert torch.allclose(restored, fake_quantize(table, *tensor_range(table), 8), atol=1e-6)
+    # the float head tied to wte read the fp32 master table, so its entry stays fp32
+    assert torch.equal(exported["lm_head.weight"], model.lm_head.weight) and "lm_head.weight_scale" not in exported
+    assert exported["transformer.wte.weight"].dtype == torch.int8
+
+    model.save_pretrained(tmp_path)
+    loaded = load_quantized(tmp_path, auto_class=AutoModelForCausalLM).eval()
+    assert type(loaded.transformer.wte) is QuantEmbedding
+    assert loaded.config.lp_quant_config["embeddings"] is True
+    with torch.no_grad():
+        assert torch.equal(output_of(loaded, inputs), output_of(model, inputs))
 
 
 def test_int8_export_rejects_a_non_bool_embeddings_flag():

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, dequantize_model, quantize_model
-from lp_decentral_nlp.quant import QUANT_LAYERS, QuantLinear, QuantModule, register_quant_layer
+from lp_decentral_nlp.quant import QUANT_LAYERS, QuantEmbedding, QuantLinear, QuantModule, register_quant_layer
 from lp_decentral_nlp.quant.surgery import CONFIG_KEY
 
 LINEAR_NAMES = ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2")
@@ -45,10 +45,12 @@ def test_dry_run_reports_without_touching_the_model():
     assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
     assert len(report.quantized) == 10
     assert set(report.skipped) == {"pre_classifier", "classifier", "distilbert.transformer.layer.1.ffn.lin1",
-                                   "distilbert.transformer.layer.1.ffn.lin2"}
+                                   "distilbert.transformer.layer.1.ffn.lin2", "distilbert.embeddings.word_embeddings",
+                                   "distilbert.embeddings.position_embeddings"}
     text = str(report)
-    assert "10 layers quantized, 4 kept full precision" in text
+    assert "10 layers quantized, 6 kept full precision" in text
     assert "matches skip pattern 'layer.1.ffn'" in text
+    assert "Embedding: off by default (QuantConfig(embeddings=True) quantizes it)" in text
     assert report.problems == []
 
 
@@ -114,6 +116,33 @@ def test_shared_module_is_replaced_under_every_name():
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
     quantize_model(model)
     assert isinstance(model["a"], QuantLinear) and model["b"][0] is model["a"]
+
+
+def test_embeddings_are_quantized_only_when_asked_and_the_swap_undoes():
+    model = quantize_model(tiny_distilbert())
+    assert type(model.distilbert.embeddings.word_embeddings) is nn.Embedding  # SPEC 4 default: full precision
+    model = tiny_distilbert()
+    tables = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Embedding}
+    quantize_model(model, QuantConfig(embeddings=True))
+    assert {n for n, m in model.named_modules() if isinstance(m, QuantEmbedding)} == set(tables)
+    assert all(model.get_submodule(n).weight is w for n, w in tables.items())  # same Parameter objects
+    assert getattr(model.config, CONFIG_KEY)["embeddings"] is True
+    dequantize_model(model)
+    assert all(type(model.get_submodule(n)) is nn.Embedding and model.get_submodule(n).weight is w
+               for n, w in tables.items())
+    # a skip pattern still keeps a table full precision; a pattern meeting only switched-off tables is an error
+    model = quantize_model(tiny_distilbert(), QuantConfig(embeddings=True, skip=("classifier", "word_embeddings")))
+    assert type(model.distilbert.embeddings.word_embeddings) is nn.Embedding
+    assert type(model.distilbert.embeddings.position_embeddings) is QuantEmbedding
+    with pytest.raises(ValueError, match="skip pattern 'word_embeddings' matches no quantizable layer"):
+        quantize_model(tiny_distilbert(), QuantConfig(skip=("word_embeddings",)))
+
+
+def test_an_embedding_with_max_norm_stays_float_with_the_reason():
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    report = quantize_model(model, QuantConfig(embeddings=True), dry_run=True)
+    assert report.quantized == ["1"] and report.skipped == ["0"]
+    assert "max_norm=1.0 renormalizes the table in place" in str(report)
 
 
 class Scale(nn.Module):
@@ -199,6 +228,7 @@ def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights():
         (dict(target=("q_lin", "(")), ValueError, "not a valid regular expression"),
         (dict(target=()), ValueError, "target must be None"),
         (dict(stochastic_grad_rounding=1), TypeError, "stochastic_grad_rounding must be a bool"),
+        (dict(embeddings="yes"), TypeError, "embeddings must be a bool"),
     ],
 )
 def test_config_validation(kwargs, error, message):

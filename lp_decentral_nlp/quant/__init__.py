@@ -2,7 +2,15 @@
 from .config import DEFAULT_SKIP, QuantConfig
 from .export import dequantize_int8_state_dict, export_int8_state_dict, state_dict_nbytes
 from .kernels import KERNELS, Kernel, register_kernel
-from .layers import QuantConv1D, QuantConv2d, QuantGemmFunction, QuantGemmLayer, QuantLinear, QuantModule
+from .layers import (
+    QuantConv1D,
+    QuantConv2d,
+    QuantEmbedding,
+    QuantGemmFunction,
+    QuantGemmLayer,
+    QuantLinear,
+    QuantModule,
+)
 from .surgery import (
     QUANT_LAYERS,
     QuantReport,
@@ -20,6 +28,7 @@ __all__ = [
     "QuantConfig",
     "QuantConv1D",
     "QuantConv2d",
+    "QuantEmbedding",
     "QuantGemmFunction",
     "QuantGemmLayer",
     "QuantLinear",

@@ -37,6 +37,9 @@ class QuantConfig:
             bfloat16 weight-gradient GEMM), ``"auto"`` (int8 where supported and faster, see
             ``kernels.resolve_kernel``) or another registered kernel. A layer the kernel
             cannot run falls back to ``"simulated"``; ``quantize_model(..., dry_run=True)`` says why.
+        embeddings: also quantize ``nn.Embedding`` tables (SPEC 4 keeps them full precision by
+            default): the rows a forward looks up are put on the table's 8-bit grid (per-tensor
+            min/max, nearest rounding, straight-through estimator), see ``layers.QuantEmbedding``.
     """
 
     bits: int = 8
@@ -47,14 +50,16 @@ class QuantConfig:
     skip: tuple[str, ...] = DEFAULT_SKIP
     target: tuple[str, ...] | None = None
     kernel: str = "simulated"
+    embeddings: bool = False
 
     def __post_init__(self):
         for name in ("bits", "grad_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
                 raise ValueError(f"{name} must be an integer in [{MIN_BITS}, {MAX_BITS}], got {value!r}")
-        if not isinstance(self.stochastic_grad_rounding, bool):
-            raise TypeError(f"stochastic_grad_rounding must be a bool, got {self.stochastic_grad_rounding!r}")
+        for name in ("stochastic_grad_rounding", "embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.grad_granularity not in GRAD_GRANULARITIES:
             raise ValueError(f"grad_granularity must be one of {GRAD_GRANULARITIES}, got {self.grad_granularity!r}")
         if isinstance(self.act_momentum, bool) or not isinstance(self.act_momentum, (int, float)) or not (

@@ -2,7 +2,7 @@
 
 For each quantized layer ``L`` the export holds ``L.weight`` as int8 codes ``c`` with
 ``L.weight_scale`` and ``L.weight_offset`` (fp32, 0-d) such that the weight the layer used in its
-forward pass is ``c * scale + offset``. Optionally every ``nn.Embedding`` table is stored the same
+forward pass is ``c * scale + offset``. Optionally every plain ``nn.Embedding`` table is stored the same
 way with one scale and offset per row (post-training, weight-only). Everything else (biases,
 norms, heads kept full precision, activation-range buffers) is copied as is.
 """
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .functional import quantize_codes, tensor_range
-from .layers import QuantGemmLayer
+from .layers import QuantEmbedding, QuantGemmLayer
 
 SCALE_SUFFIX, OFFSET_SUFFIX = "_scale", "_offset"
 EMBEDDING_BITS = 8
@@ -23,43 +23,43 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
     """State dict of `model` with every quantized layer's weight stored as int8 codes.
 
     Codes are the affine codes of SPEC 4 shifted to signed range, ``c = q - 2**(bits-1)``, so
-    ``offset = min + 2**(bits-1) * scale``. A state-dict key that shares its tensor with a coded
-    weight (tied weights, e.g. GPT-2's ``lm_head`` and ``wte``) shares its codes, scale and offset.
+    ``offset = min + 2**(bits-1) * scale``. A quantized layer's codes reproduce the weight its
+    forward used (per tensor); an entry tied to it that a float module reads (e.g. GPT-2's
+    ``lm_head`` when ``wte`` is a ``QuantEmbedding``) stays fp32, as that module used it.
 
     Args:
         model: a model after :func:`quantize_model`.
-        embeddings: also store every ``nn.Embedding`` table (``(num_embeddings, dim)``) as 8-bit
-            codes with a scale and offset of shape ``(num_embeddings, 1)``, one per row. Unlike the
-            quantized layers' export, which reproduces the weights their forward pass used, this
-            is post-training weight-only quantization: each entry moves by at most half its row's
-            step ``(row max - row min) / 255``. With it the whole export of a DistilBERT-base
-            classifier is ~3.9x smaller than the fp32 state dict instead of ~1.9x.
+        embeddings: also store every plain ``nn.Embedding`` table (``(num_embeddings, dim)``, and
+            the entries tied to it) as 8-bit codes with a scale and offset of shape
+            ``(num_embeddings, 1)``, one per row, coded once. Unlike the quantized layers' export,
+            this is post-training weight-only quantization of weights the model used in fp32: each
+            entry moves by at most half its row's step ``(row max - row min) / 255``. With it the
+            whole export of a DistilBERT-base classifier is ~3.9x smaller than the fp32 state dict
+            instead of ~1.9x. (Tables quantized in training, ``QuantConfig(embeddings=True)``, are
+            quantized layers and exported exactly either way.)
     """
     if not isinstance(embeddings, bool):
         raise TypeError(f"embeddings must be a bool, got {embeddings!r}")
-    layers = {f"{n}.weight": (m.quant_config.bits, tensor_range) for n, m in model.named_modules()
-              if isinstance(m, QuantGemmLayer)}
-    if not layers:
+    exact = {f"{n}.weight": (m.quant_config.bits, tensor_range) for n, m in model.named_modules()
+             if isinstance(m, (QuantGemmLayer, QuantEmbedding))}
+    if not exact:
         raise ValueError("export_int8_state_dict: model has no quantized layers (call quantize_model first)")
-    coded = {f"{n}.weight": (EMBEDDING_BITS, _row_range) for n, m in model.named_modules()
-             if embeddings and isinstance(m, nn.Embedding)}
-    coded.update(layers)  # a table tied to a quantized layer keeps the layer's exact forward weight
     state = model.state_dict()
-    # what to code, per tensor: a tied key is coded whether it comes before or after its twin
-    spec_of = {_tensor_key(state[key]): spec for key, spec in coded.items() if key in state}
-    out, codes_of = {}, {}
+    tables = {_tensor_key(m.weight) for m in model.modules() if embeddings and type(m) is nn.Embedding}
+    out, coded = {}, {}
     for key, value in state.items():
-        spec = spec_of.get(_tensor_key(value))
+        spec = exact.get(key) or ((EMBEDDING_BITS, _row_range) if _tensor_key(value) in tables else None)
         if spec is None:
             out[key] = value
             continue
-        if _tensor_key(value) not in codes_of:
+        cache_key = (_tensor_key(value), spec)
+        if cache_key not in coded:
             bits, value_range = spec
             lo, hi = value_range(value)
             codes, scale = quantize_codes(value, lo, hi, bits)
             half = 2 ** (bits - 1)
-            codes_of[_tensor_key(value)] = ((codes - half).to(torch.int8), scale.float(), (lo + half * scale).float())
-        out[key], out[key + SCALE_SUFFIX], out[key + OFFSET_SUFFIX] = codes_of[_tensor_key(value)]
+            coded[cache_key] = ((codes - half).to(torch.int8), scale.float(), (lo + half * scale).float())
+        out[key], out[key + SCALE_SUFFIX], out[key + OFFSET_SUFFIX] = coded[cache_key]
     return out
 
 

@@ -2,7 +2,7 @@
 
 Each layer subclasses its float counterpart, so ``isinstance(layer, nn.Linear)`` holds and its
 parameters keep their state-dict keys; the fp32 master weights are the float layer's own
-``Parameter`` objects. Three buffers per layer hold the running activation range.
+``Parameter`` objects. Three buffers per GEMM layer hold the running activation range.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import QuantConfig
-from .functional import grad_range, mean_sample_range, tensor_range, update_running_range
+from .functional import fake_quantize, grad_range, mean_sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
 from .kernels import Kernel, resolve_kernel
 
@@ -78,16 +78,44 @@ class QuantModule:
 
     ``from_float(module, config)`` builds the quantized module around `module`'s own parameters;
     ``to_float()`` gives back a plain module holding the current (trained) parameters.
+    ``enabled_by`` names a ``QuantConfig`` bool that must be True for the surgery to swap this
+    type (None: always swapped); ``unsupported(module)`` says why a module of the float type
+    cannot be swapped (None: it can).
     """
 
     quant_config: QuantConfig
+    enabled_by: str | None = None
+    float_type: type[nn.Module]
+
+    @staticmethod
+    def _constructor_args(module: nn.Module) -> dict:
+        """Keyword arguments that rebuild a float module of `module`'s shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def unsupported(cls, module: nn.Module) -> str | None:
+        return None
 
     @classmethod
     def from_float(cls, module: nn.Module, config: QuantConfig) -> nn.Module:
-        raise NotImplementedError
+        """A quantized module sharing `module`'s parameter and buffer objects (no copy), same training flag."""
+        if type(module) is not cls.float_type:
+            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.float32:
+                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
+                                f"of dtype {p.dtype}; call model.float() first")
+        with torch.device("meta"):
+            layer = cls(**cls._constructor_args(module), quant_config=config)
+        _share_state(module, layer)
+        return layer.train(module.training)
 
     def to_float(self) -> nn.Module:
-        raise NotImplementedError
+        """The plain float module holding this module's current parameters and buffers (same objects)."""
+        with torch.device("meta"):
+            layer = self.float_type(**self._constructor_args(self))
+        _share_state(self, layer)
+        return layer.train(self.training)
 
 
 class ActivationQuantizer(QuantModule):
@@ -104,34 +132,12 @@ class ActivationQuantizer(QuantModule):
             self.register_buffer(name, None)
         self.reset_activation_range()
 
-    float_type: type[nn.Module]
-
-    @staticmethod
-    def _constructor_args(module: nn.Module) -> dict:
-        """Keyword arguments that rebuild a float layer of `module`'s shape."""
-        raise NotImplementedError
-
     @classmethod
     def from_float(cls, module: nn.Module, config: QuantConfig) -> nn.Module:
-        """An 8-bit layer sharing `module`'s parameter and buffer objects (no copy), same training flag."""
-        if type(module) is not cls.float_type:
-            raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
-        for name, p in module.named_parameters(recurse=False):
-            if p.dtype != torch.float32:
-                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
-                                f"of dtype {p.dtype}; call model.float() first")
-        with torch.device("meta"):
-            layer = cls(**cls._constructor_args(module), quant_config=config)
-        _share_state(module, layer)
+        """An 8-bit layer sharing `module`'s parameters and buffers, its activation range reset."""
+        layer = super().from_float(module, config)
         layer.reset_activation_range()
-        return layer.train(module.training)
-
-    def to_float(self) -> nn.Module:
-        """The plain float layer holding this layer's current parameters and buffers (same objects)."""
-        with torch.device("meta"):
-            layer = self.float_type(**self._constructor_args(self))
-        _share_state(self, layer)
-        return layer.train(self.training)
+        return layer
 
     def reset_activation_range(self) -> None:
         """Forget the running activation range (zeros on the weight's device, 0 batches seen)."""
@@ -246,6 +252,57 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
             padding = (0, 0)
         return self._quant_gemm(x, Conv2dGemm(self.stride, padding, self.dilation, self.groups))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``apply(x, x_q)`` is ``x_q`` forward; the gradient goes to ``x`` unchanged (SPEC 4's STE)."""
+
+    @staticmethod
+    def forward(ctx, x, x_q):
+        return x_q
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class QuantEmbedding(QuantModule, nn.Embedding):
+    """8-bit ``nn.Embedding`` (``QuantConfig(embeddings=True)``): ids ``(*)`` -> ``(*, embedding_dim)``.
+
+    The looked-up rows are put on the table's ``bits``-bit grid (SPEC 4 weight quantization:
+    per-tensor min/max of the whole table, nearest rounding), which is what looking them up in the
+    quantized table gives, without quantizing the whole table every step. Straight-through
+    estimator: the fp32 master table gets the float lookup's gradient. Ids carry no gradient, so
+    there is no layer gradient to quantize and no activation range. ``max_norm`` (renormalizing
+    the table in place) is not supported.
+    """
+
+    float_type = nn.Embedding
+    enabled_by = "embeddings"
+
+    def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quant_config = QuantConfig() if quant_config is None else quant_config
+
+    @classmethod
+    def unsupported(cls, module):
+        if module.max_norm is not None:
+            return f"max_norm={module.max_norm} renormalizes the table in place, which 8-bit lookups do not support"
+        return None
+
+    @staticmethod
+    def _constructor_args(module):
+        return dict(num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim,
+                    padding_idx=module.padding_idx, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
+
+    def forward(self, ids):
+        rows = F.embedding(ids, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse)
+        with torch.no_grad():
+            rows_q = fake_quantize(rows, *tensor_range(self.weight), self.quant_config.bits)
+        return _StraightThrough.apply(rows, rows_q)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, bits={self.quant_config.bits}"
 
 
 def _share_state(src: nn.Module, dst: nn.Module) -> None:

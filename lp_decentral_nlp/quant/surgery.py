@@ -19,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
 from .kernels import resolve_kernel
-from .layers import QuantConv1D, QuantConv2d, QuantLinear, QuantModule
+from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantLinear, QuantModule
 
 CONFIG_KEY = "lp_quant_config"
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def register_quant_layer(float_type: type[nn.Module], quant_type: type[QuantModu
 register_quant_layer(nn.Linear, QuantLinear)
 register_quant_layer(Conv1D, QuantConv1D)
 register_quant_layer(nn.Conv2d, QuantConv2d)
+register_quant_layer(nn.Embedding, QuantEmbedding)  # only with QuantConfig(embeddings=True)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class QuantReport:
 
 
 def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run: bool = False):
-    """Replace every selected Linear / Conv1D / Conv2d of `model` with its 8-bit version, in place.
+    """Replace every selected Linear / Conv1D / Conv2d (and, with ``config.embeddings``, Embedding)
+    of `model` with its 8-bit version, in place.
 
     Args:
         model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.lp_quant_config``).
@@ -138,20 +140,29 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         chain = [".".join(parts[: i + 1]) for i in range(len(parts))]  # the layer and its parents
         skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
         targets = None if config.target is None else [p for p in config.target if any(name_matches(p, n) for n in chain)]
-        skip_used.update(skips)
-        registered = type(module) in QUANT_LAYERS
-        if registered and targets:
-            target_used.update(targets)
-        if not registered:
+        quant_type = QUANT_LAYERS.get(type(module))
+        switch = getattr(quant_type, "enabled_by", None)
+        switched_off = switch is not None and not getattr(config, switch)
+        unsupported = quant_type.unsupported(module) if quant_type is not None else None
+        if not switched_off:  # a pattern that only meets switched-off layers selects nothing
+            skip_used.update(skips)
+            if quant_type is not None and targets:
+                target_used.update(targets)
+        if quant_type is None:
             reason = f"subclass of {module.__class__.__mro__[1].__name__} with no registered 8-bit replacement"
+        elif switched_off:
+            reason = f"off by default (QuantConfig({switch}=True) quantizes it)"
+        elif unsupported:
+            reason = unsupported
         elif skips:
             reason = f"matches skip pattern {skips[0]!r}"
         elif targets is not None and not targets:
             reason = "matches no target pattern"
         else:
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
-        quantize = registered and not skips and (targets is None or bool(targets))
-        gemm_type = getattr(QUANT_LAYERS.get(type(module)), "gemm_type", None)
+        quantize = (quant_type is not None and not switched_off and not unsupported and not skips
+                    and (targets is None or bool(targets)))
+        gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight)
             reason += f"; kernel {kernel.name}" + (f" ({config.kernel} falls back: {fallback})" if fallback else "")
