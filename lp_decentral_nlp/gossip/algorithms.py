@@ -689,6 +689,7 @@ def _segment_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gossip-segments")
     if torch.backends.openmp.is_available():
+        caller = torch.get_num_threads()
         ready = threading.Barrier(threads, timeout=60)  # every worker takes exactly one of the tasks
 
         def single_threaded(_):
@@ -697,7 +698,7 @@ def _segment_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
             ready.wait()
 
         list(pool.map(single_threaded, range(threads)))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(caller)
     return pool
 
 

@@ -283,6 +283,7 @@ def _as_index(indices: torch.Tensor, numel: int) -> torch.Tensor:
         return indices.view(torch.int32) if numel <= 2**31 else indices.long()
     return indices.int()
 
+
 def _affine_encode(x, bits, codes_out, scale_out, zero_out, work) -> None:
     """SPEC 4 affine quantization of ``x`` to ``bits``-bit codes with one scale and zero point."""
     levels = 2**bits - 1
@@ -355,7 +356,7 @@ def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> No
     """
     n, k = x.numel(), out.numel()
     if x.is_cuda or n <= 8 * _MIN_SAMPLE or 4 * k >= n:
-        out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+        _exact_largest_abs_k(x, out, work)
         return
     sample = torch.abs(x[:: n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))]).numpy()
     m = sample.size
@@ -378,7 +379,7 @@ def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> No
             sure = values > t_hi
             surest = _flatnonzero(sure)
             if num_sure + surest.numel() > k:  # the sample set t_hi too low
-                out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+                _exact_largest_abs_k(x, out, work)
                 return
             out[num_sure:num_sure + surest.numel()].copy_(candidates.index_select(0, surest).add_(start))
             num_sure += surest.numel()
@@ -389,11 +390,16 @@ def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> No
         if num_sure + band_positions.numel() >= k:
             break
         if reach == m:  # (only NaNs can leave fewer than k entries at or above the smallest sample value)
-            out.copy_(torch.topk(torch.abs(x, out=work), k, sorted=False).indices)
+            _exact_largest_abs_k(x, out, work)
             return
         margin *= 4
     best = torch.topk(band_magnitudes, k - num_sure, sorted=False).indices
     out[num_sure:].copy_(band_positions.index_select(0, best))
+
+
+def _exact_largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+    """:func:`_largest_abs_k` by ``torch.topk`` of ``|x|`` (``work`` holds ``|x|``)."""
+    out.copy_(torch.topk(torch.abs(x, out=work), out.numel(), sorted=False).indices)
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
