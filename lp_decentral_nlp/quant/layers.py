@@ -94,6 +94,7 @@ class QuantModule:
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
+        """Why `module` (of ``float_type``) cannot be swapped, for the dry-run report; None: it can."""
         return None
 
     @classmethod

@@ -148,6 +148,7 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             skip_used.update(skips)
             if quant_type is not None and targets:
                 target_used.update(targets)
+        quantize = False
         if quant_type is None:
             reason = f"subclass of {module.__class__.__mro__[1].__name__} with no registered 8-bit replacement"
         elif switched_off:
@@ -159,9 +160,8 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         elif targets is not None and not targets:
             reason = "matches no target pattern"
         else:
+            quantize = True
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
-        quantize = (quant_type is not None and not switched_off and not unsupported and not skips
-                    and (targets is None or bool(targets)))
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight)
