@@ -17,6 +17,8 @@ setup(
         "accelerate>=0.30",
         "evaluate>=0.4",
         "numpy",
+        # the compiled CPU top-k scan (lp_decentral_nlp/gossip/threshold_scan.py)
+        "numba>=0.59",
         "safetensors",
         "tqdm",
     ],

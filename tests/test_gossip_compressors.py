@@ -1,11 +1,13 @@
 """Compressors: what is decoded from the real wire buffer, and how many bytes that buffer has (SPEC 3)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
 from lp_decentral_nlp.gossip.compressors import _largest_abs_k
+from lp_decentral_nlp.gossip.threshold_scan import split_by_magnitude
 from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
 
 
@@ -63,6 +65,31 @@ def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inpu
             assert got.min() >= 0 and got.unique().numel() == k  # every place written, no repeats
             kth = x.abs().topk(k).values[-1]
             assert torch.all(x[got].abs() >= kth)  # an exact top-k (ties may pick other indices)
+
+
+@pytest.mark.parametrize("dtype,band_dtype", [(np.float32, np.int32), (np.float64, np.int64)])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4099])  # partial, whole and whole + partial 64-entry words
+def test_threshold_scan_splits_positions_by_magnitude_like_numpy(dtype, band_dtype, n):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(dtype)
+    x[:: 7] = np.nan  # NaNs fall in neither class
+    x[1:: 11] = 1.0  # entries exactly at a threshold: >= t_lo is in the band, > t_hi is above
+    for t_lo, t_hi in ((0.5, 1.0), (1.0, 1.0), (0.0, math.inf), (3.0, 9.0)):
+        above, band = np.zeros(n, np.uint32), np.zeros(n, band_dtype)
+        num_above, num_band = split_by_magnitude(x, t_lo, t_hi, above, band)
+        magnitude = np.abs(x)
+        assert np.array_equal(above[:num_above], np.flatnonzero(magnitude > t_hi))
+        assert np.array_equal(band[:num_band], np.flatnonzero((magnitude >= t_lo) & (magnitude <= t_hi)))
+
+
+def test_threshold_scan_reports_more_entries_above_than_room():
+    x = np.arange(1, 201, dtype=np.float32)
+    assert split_by_magnitude(x, 0.0, 150.0, np.empty(50, np.int64), np.empty(200, np.int32))[0] == 50
+    assert split_by_magnitude(x, 0.0, 150.0, np.empty(49, np.int64), np.empty(200, np.int32))[0] == -1
+    with pytest.raises(ValueError, match="band must have room for 200"):
+        split_by_magnitude(x, 0.0, 150.0, np.empty(50, np.int64), np.empty(199, np.int32))
+    with pytest.raises(ValueError, match="contiguous 1-D float32 or float64"):
+        split_by_magnitude(x[::2], 0.0, 150.0, np.empty(50, np.int64), np.empty(200, np.int32))
 
 
 def test_keep_fraction_rounds_up_and_never_below_one():

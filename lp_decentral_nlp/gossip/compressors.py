@@ -329,81 +329,64 @@ def _random_subset(k: int, work: torch.Tensor, generator) -> torch.Tensor:
         m *= 2
 
 
-# The CPU top-k: its threshold sample has n // _SAMPLE_DIVISOR entries, clamped to
-# [_MIN_SAMPLE, _MAX_SAMPLE], and it scans the tensor in blocks of _BLOCK entries.
+# The CPU top-k: its threshold sample has n // _SAMPLE_DIVISOR entries, clamped to [_MIN_SAMPLE, _MAX_SAMPLE].
 _MIN_SAMPLE, _MAX_SAMPLE, _SAMPLE_DIVISOR = 4096, 65536, 32
-_BLOCK = 1 << 20
+_SCAN_DTYPES = {torch.float32: torch.int32, torch.float64: torch.int64}  # x's dtype -> band positions in work
 
 
 def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
     """Write into ``out`` (``(k,)``, any integer dtype) the positions of the ``k`` entries of the
     1-D ``x`` with the largest magnitudes, in no particular order (SPEC 3's top-k).
 
-    ``work`` is ``(n,)`` scratch of ``x``'s dtype. On CUDA, for small tensors and for
-    ``k >= n / 4`` this is ``torch.topk`` of ``|x|``. On the CPU ``torch.topk`` is a
-    single-threaded partial sort (about 0.4 s for k = 10% of DistilBERT's 23M-entry embedding),
-    so a strided sample of ``|x|`` (``n / 32`` entries, clamped to [4096, 65536]) brackets the
-    k-th largest magnitude between two thresholds ``t_lo <= t_hi`` (4 binomial standard
-    deviations either side of the expected sample rank, both from one ``numpy.partition``), and
-    one scan over blocks of ``x`` writes every position above ``t_hi`` straight into ``out`` and
-    keeps those in the thin band ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%); an exact
-    ``topk`` of the band fills the remaining places. All temporaries are block- or band-sized:
-    the scan reads ``x`` once and touches no fresh memory (large fresh allocations page-fault on
-    every gossip step once training has handed the memory back to the system). If the sample
-    misjudges the bracket (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan
-    repeated; if more than ``k`` exceed ``t_hi``, or the bracket is the whole sample, ``torch.topk``
-    decides. The result is an exact top-k (ties at the k-th value may be broken differently).
+    ``work`` is ``(n,)`` scratch of ``x``'s dtype. On CUDA, for small tensors, for ``k >= n / 4``
+    and for dtypes other than float32/float64 this is ``torch.topk`` of ``|x|``. On the CPU
+    ``torch.topk`` is a single-threaded partial sort (about 0.4 s for k = 10% of DistilBERT's
+    23M-entry embedding), so a strided sample of ``|x|`` (``n / 32`` entries, clamped to
+    [4096, 65536]) brackets the k-th largest magnitude between two thresholds ``t_lo <= t_hi``
+    (4 binomial standard deviations either side of the expected sample rank, both from one
+    ``numpy.partition``), and one compiled scan (:func:`.threshold_scan.split_by_magnitude`)
+    writes every position above ``t_hi`` straight into ``out`` and those in the thin band
+    ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%) into ``work``; an exact ``topk`` of
+    the band fills the remaining places. The scan reads ``x`` once and touches no fresh memory
+    (large fresh allocations page-fault on every gossip step once training has handed the memory
+    back to the system). If the sample misjudges the bracket (fewer than ``k`` entries reach
+    ``t_lo``) it is widened and the scan repeated; if more than ``k`` exceed ``t_hi``, or the
+    bracket is the whole sample, ``torch.topk`` decides. The result is an exact top-k (ties at
+    the k-th value may be broken differently).
     """
     n, k = x.numel(), out.numel()
-    if x.is_cuda or n <= 8 * _MIN_SAMPLE or 4 * k >= n:
+    if (x.is_cuda or n <= 8 * _MIN_SAMPLE or 4 * k >= n or x.dtype not in _SCAN_DTYPES or n >= 2**31
+            or not (x.is_contiguous() and out.is_contiguous() and work.is_contiguous())):
         _exact_largest_abs_k(x, out, work)
         return
+    from .threshold_scan import split_by_magnitude  # numba: imported on the first CPU top-k
+
     sample = torch.abs(x[:: n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))]).numpy()
     m = sample.size
     rank = k * m / n  # expected sample entries at or above the k-th largest magnitude
     margin = 4 * math.sqrt(rank) + 16
-    # |x| >= t of a block in numpy: torch's float-to-bool comparison is ~8x slower on the CPU
-    x_np = x.numpy()
-    block, mask = np.empty(min(n, _BLOCK), dtype=x_np.dtype), np.empty(min(n, _BLOCK), dtype=bool)
+    x_np, out_np = x.numpy(), out.numpy()
+    band = work.view(_SCAN_DTYPES[x.dtype])
     while True:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
         # the reach-th and the above-th largest sample magnitudes, in one O(m) selection
         ordered = np.partition(sample, [m - reach] + ([m - above] if above > 0 else []))
         t_lo, t_hi = float(ordered[m - reach]), float(ordered[m - above]) if above > 0 else math.inf
-        num_sure, band_positions, band_magnitudes = 0, [], []
-        for start in range(0, n, _BLOCK):
-            size = min(_BLOCK, n - start)
-            magnitudes = np.abs(x_np[start:start + size], out=block[:size])
-            candidates = torch.from_numpy(np.flatnonzero(np.greater_equal(magnitudes, t_lo, out=mask[:size])))
-            values = torch.from_numpy(magnitudes).index_select(0, candidates)
-            sure = values > t_hi
-            surest = _flatnonzero(sure)
-            if num_sure + surest.numel() > k:  # the sample set t_hi too low
-                _exact_largest_abs_k(x, out, work)
-                return
-            out[num_sure:num_sure + surest.numel()].copy_(candidates.index_select(0, surest).add_(start))
-            num_sure += surest.numel()
-            band = _flatnonzero(~sure)
-            band_positions.append(candidates.index_select(0, band).add_(start))
-            band_magnitudes.append(values.index_select(0, band))
-        band_positions, band_magnitudes = torch.cat(band_positions), torch.cat(band_magnitudes)
-        if num_sure + band_positions.numel() >= k:
+        num_sure, num_band = split_by_magnitude(x_np, t_lo, t_hi, out_np, band.numpy())
+        if num_sure < 0:  # the sample set t_hi too low: more than k entries exceed it
+            _exact_largest_abs_k(x, out, work)
+            return
+        if num_sure + num_band >= k:
             break
         if reach == m:  # (only NaNs can leave fewer than k entries at or above the smallest sample value)
             _exact_largest_abs_k(x, out, work)
             return
         margin *= 4
-    best = torch.topk(band_magnitudes, k - num_sure, sorted=False).indices
+    band_positions = band[:num_band]
+    best = torch.topk(x.index_select(0, band_positions).abs_(), k - num_sure, sorted=False).indices
     out[num_sure:].copy_(band_positions.index_select(0, best))
 
 
 def _exact_largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
     """:func:`_largest_abs_k` by ``torch.topk`` of ``|x|`` (``work`` holds ``|x|``)."""
     out.copy_(torch.topk(torch.abs(x, out=work), out.numel(), sorted=False).indices)
-
-
-def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
-    """Positions (int64, ascending) of the True entries of a 1-D CPU bool tensor: numpy's
-    ``flatnonzero``, about 4x faster than ``torch.nonzero`` on the CPU (measured on 0.6-23M
-    entries, one thread), and the result shares numpy's memory (no copy)."""
-    return torch.from_numpy(np.flatnonzero(mask.numpy()))
