@@ -7,7 +7,7 @@ import torch
 
 from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
 from lp_decentral_nlp.gossip.compressors import _largest_abs_k
-from lp_decentral_nlp.gossip.threshold_scan import split_by_magnitude
+from lp_decentral_nlp.gossip.codec_kernels import add_affine8, encode_affine8, split_by_magnitude
 from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
 
 
@@ -153,6 +153,28 @@ def test_quantize_8_bit_is_4x_smaller_than_fp32_and_constant_tensors_are_exact()
     assert roundtrip(Quantize(8), x)[1].nbytes * 4 == roundtrip(Identity(), x)[1].nbytes + 4 * 8
     const = torch.full((10,), 2.5)
     assert torch.equal(roundtrip(Quantize(8), const)[0], const)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_8_bit_codes_are_the_torch_formula_s_codes(dtype):
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(4001, dtype=dtype) * 3, torch.tensor([0.5, 1.5, 2.5], dtype=dtype)])  # .5 ties
+    lo, hi = torch.aminmax(x)
+    scale = (hi - lo) / 255
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    encode_affine8(x.numpy(), lo.item(), (1 / scale).item(), codes.numpy())
+    assert torch.equal(codes, ((x - lo) * (1 / scale)).round().clamp(0, 255).to(torch.uint8))
+    ties = torch.tensor([0.5, 1.5, 2.5, 3.5], dtype=dtype)
+    encode_affine8(ties.numpy(), 0.0, 1.0, codes[:4].numpy())
+    assert codes[:4].tolist() == [0, 2, 2, 4]  # round half to even, as torch.round
+    target = torch.randn(x.numel(), dtype=dtype)
+    expected = target + -0.25 * (codes.to(dtype) * scale + lo)
+    add_affine8(codes.numpy(), scale.item(), lo.item(), -0.25, target.numpy())
+    # the same operations in the same order: at most a last-bit difference where torch fuses a multiply-add
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(target, expected, rtol=2 * eps, atol=2 * eps)
+    with pytest.raises(ValueError, match="codes must be a uint8 array of shape"):
+        add_affine8(codes[:-1].numpy(), 1.0, 0.0, 1.0, target.numpy())
 
 
 def test_qsgd_is_unbiased_on_its_levels_with_packed_codes():

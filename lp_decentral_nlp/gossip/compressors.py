@@ -116,6 +116,10 @@ class Quantize(Compressor):
         _affine_encode(x, self.bits, out["codes"], out["scale"], out["zero_point"], work)
 
     def decode_add(self, msg, target, alpha, work):
+        if self.bits == 8 and _compiled(target):  # one fused pass
+            from .codec_kernels import add_affine8
+            add_affine8(msg["codes"].numpy(), msg["scale"].item(), msg["zero_point"].item(), alpha, target.numpy())
+            return
         _affine_decode(msg["codes"], msg["scale"], msg["zero_point"], self.bits, work)
         target.add_(work, alpha=alpha)
 
@@ -290,11 +294,24 @@ def _affine_encode(x, bits, codes_out, scale_out, zero_out, work) -> None:
     lo, hi = torch.aminmax(x)
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))  # constant x: all codes 0
-    torch.sub(x, lo, out=work)
-    work.mul_(inv).round_().clamp_(0, levels)
-    pack_codes(work, bits, codes_out)
+    if bits == 8 and _compiled(x):  # the same codes in one fused pass
+        from .codec_kernels import encode_affine8
+        encode_affine8(x.numpy(), lo.item(), inv.item(), codes_out.numpy())
+    else:
+        torch.sub(x, lo, out=work)
+        work.mul_(inv).round_().clamp_(0, levels)
+        pack_codes(work, bits, codes_out)
     scale_out.copy_(scale)
     zero_out.copy_(lo)
+
+
+# the float dtypes of the compiled kernels -> the integer dtype of the same width (top-k band positions in work)
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a 1-D segment) takes the compiled CPU kernels of :mod:`.codec_kernels`."""
+    return x.device.type == "cpu" and x.dtype in _SAME_WIDTH_INT and x.is_contiguous() and not x.requires_grad
 
 
 def _affine_decode(codes, scale, zero_point, bits, out) -> None:
@@ -331,23 +348,22 @@ def _random_subset(k: int, work: torch.Tensor, generator) -> torch.Tensor:
 
 # The CPU top-k: its threshold sample has n // _SAMPLE_DIVISOR entries, clamped to [_MIN_SAMPLE, _MAX_SAMPLE].
 _MIN_SAMPLE, _MAX_SAMPLE, _SAMPLE_DIVISOR = 4096, 65536, 32
-_SCAN_DTYPES = {torch.float32: torch.int32, torch.float64: torch.int64}  # x's dtype -> band positions in work
 
 
 def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
     """Write into ``out`` (``(k,)``, any integer dtype) the positions of the ``k`` entries of the
     1-D ``x`` with the largest magnitudes, in no particular order (SPEC 3's top-k).
 
-    ``work`` is ``(n,)`` scratch of ``x``'s dtype. On CUDA, for small tensors, for ``k >= n / 4``
-    and for dtypes other than float32/float64 this is ``torch.topk`` of ``|x|``. On the CPU
-    ``torch.topk`` is a single-threaded partial sort (about 0.4 s for k = 10% of DistilBERT's
-    23M-entry embedding), so a strided sample of ``|x|`` (``n / 32`` entries, clamped to
-    [4096, 65536]) brackets the k-th largest magnitude between two thresholds ``t_lo <= t_hi``
-    (4 binomial standard deviations either side of the expected sample rank, both from one
-    ``numpy.partition``), and one compiled scan (:func:`.threshold_scan.split_by_magnitude`)
-    writes every position above ``t_hi`` straight into ``out`` and those in the thin band
-    ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%) into ``work``; an exact ``topk`` of
-    the band fills the remaining places. The scan reads ``x`` once and touches no fresh memory
+    ``work`` is ``(n,)`` scratch of ``x``'s dtype. Off the compiled kernels' path (CUDA, dtypes
+    other than float32/float64), for small tensors and for ``k >= n / 4`` this is ``torch.topk``
+    of ``|x|``. On the CPU ``torch.topk`` is a single-threaded partial sort (about 0.4 s for
+    k = 10% of DistilBERT's 23M-entry embedding), so a strided sample of ``|x|`` (``n / 32``
+    entries, clamped to [4096, 65536]) brackets the k-th largest magnitude between two
+    thresholds ``t_lo <= t_hi`` (4 binomial standard deviations either side of the expected
+    sample rank, both from one ``numpy.partition``), and one compiled scan
+    (:func:`.codec_kernels.split_by_magnitude`) writes every position above ``t_hi`` straight
+    into ``out`` and those in the thin band ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%)
+    into ``work``; an exact ``topk`` of the band fills the remaining places. The scan reads ``x`` once and touches no fresh memory
     (large fresh allocations page-fault on every gossip step once training has handed the memory
     back to the system). If the sample misjudges the bracket (fewer than ``k`` entries reach
     ``t_lo``) it is widened and the scan repeated; if more than ``k`` exceed ``t_hi``, or the
@@ -355,18 +371,18 @@ def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> No
     the k-th value may be broken differently).
     """
     n, k = x.numel(), out.numel()
-    if (x.is_cuda or n <= 8 * _MIN_SAMPLE or 4 * k >= n or x.dtype not in _SCAN_DTYPES or n >= 2**31
-            or not (x.is_contiguous() and out.is_contiguous() and work.is_contiguous())):
+    if (not _compiled(x) or n <= 8 * _MIN_SAMPLE or 4 * k >= n or n >= 2**31
+            or not (out.is_contiguous() and work.is_contiguous())):
         _exact_largest_abs_k(x, out, work)
         return
-    from .threshold_scan import split_by_magnitude  # numba: imported on the first CPU top-k
+    from .codec_kernels import split_by_magnitude  # numba: imported on the first CPU top-k
 
     sample = torch.abs(x[:: n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))]).numpy()
     m = sample.size
     rank = k * m / n  # expected sample entries at or above the k-th largest magnitude
     margin = 4 * math.sqrt(rank) + 16
     x_np, out_np = x.numpy(), out.numpy()
-    band = work.view(_SCAN_DTYPES[x.dtype])
+    band = work.view(_SAME_WIDTH_INT[x.dtype])
     while True:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
         # the reach-th and the above-th largest sample magnitudes, in one O(m) selection
