@@ -84,7 +84,7 @@ def throughput(shapes, passes: int) -> dict[str, tuple[float, float]]:
     numels = [int(torch.Size(s).numel()) for s in shapes]
     total = sum(numels)
     x = torch.randn(total) * 0.05
-    work = torch.empty(total)
+    work = torch.zeros(total)  # resident, like the engine's reused scratch (a fresh buffer page-faults in its first user)
     target = torch.zeros(total)
     times = {name: ([], []) for name in COMPRESSORS}
     for _ in range(passes):
