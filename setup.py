@@ -17,7 +17,7 @@ setup(
         "accelerate>=0.30",
         "evaluate>=0.4",
         "numpy",
-        # the compiled CPU top-k scan (lp_decentral_nlp/gossip/threshold_scan.py)
+        # the compiled CPU codec kernels: top-k scan, 8-bit codes (lp_decentral_nlp/gossip/codec_kernels.py)
         "numba>=0.59",
         "safetensors",
         "tqdm",

@@ -69,11 +69,11 @@ def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inpu
 
 @pytest.mark.parametrize("dtype,band_dtype", [(np.float32, np.int32), (np.float64, np.int64)])
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4099])  # partial, whole and whole + partial 64-entry words
-def test_threshold_scan_splits_positions_by_magnitude_like_numpy(dtype, band_dtype, n):
+def test_split_by_magnitude_splits_positions_by_magnitude_like_numpy(dtype, band_dtype, n):
     rng = np.random.default_rng(n)
     x = rng.standard_normal(n).astype(dtype)
-    x[:: 7] = np.nan  # NaNs fall in neither class
-    x[1:: 11] = 1.0  # entries exactly at a threshold: >= t_lo is in the band, > t_hi is above
+    x[::7] = np.nan  # NaNs fall in neither class
+    x[1::11] = 1.0  # entries exactly at a threshold: >= t_lo is in the band, > t_hi is above
     for t_lo, t_hi in ((0.5, 1.0), (1.0, 1.0), (0.0, math.inf), (3.0, 9.0)):
         above, band = np.zeros(n, np.uint32), np.zeros(n, band_dtype)
         num_above, num_band = split_by_magnitude(x, t_lo, t_hi, above, band)
@@ -82,7 +82,7 @@ def test_threshold_scan_splits_positions_by_magnitude_like_numpy(dtype, band_dty
         assert np.array_equal(band[:num_band], np.flatnonzero((magnitude >= t_lo) & (magnitude <= t_hi)))
 
 
-def test_threshold_scan_reports_more_entries_above_than_room():
+def test_split_by_magnitude_reports_more_entries_above_than_room():
     x = np.arange(1, 201, dtype=np.float32)
     assert split_by_magnitude(x, 0.0, 150.0, np.empty(50, np.int64), np.empty(200, np.int32))[0] == 50
     assert split_by_magnitude(x, 0.0, 150.0, np.empty(49, np.int64), np.empty(200, np.int32))[0] == -1

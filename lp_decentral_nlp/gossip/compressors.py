@@ -363,12 +363,12 @@ def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> No
     sample rank, both from one ``numpy.partition``), and one compiled scan
     (:func:`.codec_kernels.split_by_magnitude`) writes every position above ``t_hi`` straight
     into ``out`` and those in the thin band ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%)
-    into ``work``; an exact ``topk`` of the band fills the remaining places. The scan reads ``x`` once and touches no fresh memory
-    (large fresh allocations page-fault on every gossip step once training has handed the memory
-    back to the system). If the sample misjudges the bracket (fewer than ``k`` entries reach
-    ``t_lo``) it is widened and the scan repeated; if more than ``k`` exceed ``t_hi``, or the
-    bracket is the whole sample, ``torch.topk`` decides. The result is an exact top-k (ties at
-    the k-th value may be broken differently).
+    into ``work``; an exact ``topk`` of the band fills the remaining places. The scan reads ``x``
+    once and touches no fresh memory (large fresh allocations page-fault on every gossip step once
+    training has handed the memory back to the system). If the sample misjudges the bracket
+    (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan repeated; if more than
+    ``k`` exceed ``t_hi``, or the bracket is the whole sample, ``torch.topk`` decides. The result
+    is an exact top-k (ties at the k-th value may be broken differently).
     """
     n, k = x.numel(), out.numel()
     if (not _compiled(x) or n <= 8 * _MIN_SAMPLE or 4 * k >= n or n >= 2**31
