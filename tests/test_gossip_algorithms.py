@@ -427,14 +427,26 @@ def test_segment_pool_workers_run_torch_single_threaded_and_leave_the_callers_th
         torch.set_num_threads(threads)
 
 
-def test_choco_on_a_regular_graph_keeps_weights_at_exactly_1_and_its_shortcut_changes_no_bit():
-    """With w_i == 1 (regular graphs keep it exactly), Choco writes v = z~ - x^ in one pass instead
-    of scaling by w first; the results must be bit-identical to the general path."""
+@pytest.mark.parametrize("compressor", [TopK(0.3), TopK(0.1, value_bits=8), Quantize(8), Identity()])
+def test_choco_on_a_regular_graph_keeps_weights_at_exactly_1_and_its_shortcuts_change_no_bit(compressor, monkeypatch):
+    """With w_i == 1 (regular graphs keep it exactly), Choco encodes x~ - x^ from the parameters
+    themselves instead of scaling by w first, and TopK reads the parameters and the public copies
+    without writing the difference (the large tensors take the bracket scan). Against the general
+    path (scaled copy, difference written, then encoded) the results must be bit-identical."""
+    from lp_decentral_nlp.gossip.compressors import Compressor
+
     topo = make_topology("ring", num_nodes=5)
-    runs = []
+    shapes = [(300, 400), (64,), (0,), (500, 90), (7, 3)]
+    runs, fused = [], []
+    original = type(compressor).encode_difference
     for general in (False, True):
-        nodes = make_nodes(5)
-        gossip = ChocoSGD(topo, TopK(0.3), gamma=0.7)
+        if general:  # the base class: no difference path, so the difference is written
+            monkeypatch.setattr(type(compressor), "encode_difference", Compressor.encode_difference)
+        else:
+            monkeypatch.setattr(type(compressor), "encode_difference",
+                                lambda self, *a: fused.append(original(self, *a)) or fused[-1])
+        nodes = make_nodes(5, shapes=shapes)
+        gossip = ChocoSGD(topo, compressor, gamma=0.7)
         for t in range(4):
             local_step(nodes, t)
             gossip.step(nodes)
@@ -442,4 +454,5 @@ def test_choco_on_a_regular_graph_keeps_weights_at_exactly_1_and_its_shortcut_ch
                 gossip._exact_scaling = False  # takes the scaled copy, then the subtraction
         assert torch.equal(gossip.weights, torch.ones(5))
         runs.append(nodes)
+    assert any(fused) == isinstance(compressor, TopK)  # (Identity is one segment: written, never offered)
     assert all(torch.equal(x, y) for pa, pb in zip(*runs) for x, y in zip(pa, pb))

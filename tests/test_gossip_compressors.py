@@ -60,36 +60,107 @@ def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inpu
         for k in (1, 77, 1000, 9_999, 12_345, 100_000, 140_000):  # up to keep = 23%: the bracket path
             if 4 * k >= x.numel():
                 continue
-            got = torch.full((k,), -1, dtype=torch.int64)
-            _largest_abs_k(x, got, torch.empty_like(x))
+            got, work = torch.full((k,), -1, dtype=torch.int64), torch.empty_like(x)
+            values = work[:k]  # as 8-bit TopK gathers them: the band must not overwrite them
+            _largest_abs_k(x, None, got, values, work)
             assert got.min() >= 0 and got.unique().numel() == k  # every place written, no repeats
             kth = x.abs().topk(k).values[-1]
             assert torch.all(x[got].abs() >= kth)  # an exact top-k (ties may pick other indices)
+            assert torch.equal(values, x[got])
+
+
+def test_topk_of_a_difference_selects_and_gathers_like_the_written_difference():
+    """Choco's C(x~ - x^): the scan reads both tensors; the same positions and values as the
+    top-k of ``a - b`` written out, in the bracket path and in the exact one."""
+    torch.manual_seed(4)
+    for n, k in ((1_000_003, 100_001), (2_000, 200), (50_000, 20_000)):  # bracket, small, k >= n / 4
+        for dtype in (torch.float32, torch.float64):
+            a = torch.randn(n, dtype=dtype)
+            b = a + torch.randn(n, dtype=dtype) * torch.rand(n, dtype=dtype)
+            before = (a.clone(), b.clone())
+            got, values = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=dtype)
+            _largest_abs_k(a, b, got, values, torch.empty_like(a))
+            assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+            want, want_values = torch.empty_like(got), torch.empty_like(values)
+            _largest_abs_k(a - b, None, want, want_values, torch.empty_like(a))
+            assert torch.equal(got.sort().values, want.sort().values)  # no ties among random floats
+            assert torch.equal(values, (a - b)[got])
 
 
 @pytest.mark.parametrize("dtype,band_dtype", [(np.float32, np.int32), (np.float64, np.int64)])
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4099])  # partial, whole and whole + partial 64-entry words
-def test_split_by_magnitude_splits_positions_by_magnitude_like_numpy(dtype, band_dtype, n):
+@pytest.mark.parametrize("difference", [False, True])
+def test_split_by_magnitude_splits_positions_and_values_by_magnitude_like_numpy(dtype, band_dtype, n, difference):
     rng = np.random.default_rng(n)
     x = rng.standard_normal(n).astype(dtype)
     x[::7] = np.nan  # NaNs fall in neither class
     x[1::11] = 1.0  # entries exactly at a threshold: >= t_lo is in the band, > t_hi is above
+    if difference:  # x = a - b exactly: b's entries are small integers, a = x + b is exact
+        b = rng.integers(-4, 5, n).astype(dtype)
+        a, x = x + b, (x + b) - b
+    else:
+        a, b = x, None
     for t_lo, t_hi in ((0.5, 1.0), (1.0, 1.0), (0.0, math.inf), (3.0, 9.0)):
         above, band = np.zeros(n, np.uint32), np.zeros(n, band_dtype)
-        num_above, num_band = split_by_magnitude(x, t_lo, t_hi, above, band)
+        above_values, band_values = np.zeros(n, dtype), np.zeros(n, dtype)
+        num_above, num_band = split_by_magnitude(a, b, t_lo, t_hi, above, above_values, band, band_values)
         magnitude = np.abs(x)
-        assert np.array_equal(above[:num_above], np.flatnonzero(magnitude > t_hi))
-        assert np.array_equal(band[:num_band], np.flatnonzero((magnitude >= t_lo) & (magnitude <= t_hi)))
+        expected_above = np.flatnonzero(magnitude > t_hi)
+        expected_band = np.flatnonzero((magnitude >= t_lo) & (magnitude <= t_hi))
+        assert np.array_equal(above[:num_above], expected_above)
+        assert np.array_equal(band[:num_band], expected_band)
+        assert np.array_equal(above_values[:num_above], x[expected_above])
+        assert np.array_equal(band_values[:num_band], x[expected_band])
 
 
-def test_split_by_magnitude_reports_more_entries_above_than_room():
-    x = np.arange(1, 201, dtype=np.float32)
-    assert split_by_magnitude(x, 0.0, 150.0, np.empty(50, np.int64), np.empty(200, np.int32))[0] == 50
-    assert split_by_magnitude(x, 0.0, 150.0, np.empty(49, np.int64), np.empty(200, np.int32))[0] == -1
-    with pytest.raises(ValueError, match="band must have room for 200"):
-        split_by_magnitude(x, 0.0, 150.0, np.empty(50, np.int64), np.empty(199, np.int32))
+def test_split_by_magnitude_reports_a_class_without_room_and_names_bad_arrays():
+    x = np.arange(1, 201, dtype=np.float32)  # 50 entries above 150, 150 in the band [0, 150]
+
+    def split(room_above, room_band, a=x, b=None, values_dtype=np.float32, positions_dtype=np.int32):
+        return split_by_magnitude(a, b, 0.0, 150.0, np.empty(room_above, np.int64), np.empty(room_above, values_dtype),
+                                  np.empty(room_band, positions_dtype), np.empty(room_band, values_dtype))
+
+    assert split(50, 150) == (50, 150)
+    assert split(49, 150)[0] == -1
+    assert split(50, 149)[1] == -1
     with pytest.raises(ValueError, match="contiguous 1-D float32 or float64"):
-        split_by_magnitude(x[::2], 0.0, 150.0, np.empty(50, np.int64), np.empty(200, np.int32))
+        split(50, 150, a=x[::2])
+    with pytest.raises(ValueError, match="b must be a contiguous float32 array of shape"):
+        split(50, 150, b=x[:100])
+    with pytest.raises(ValueError, match="above_values must be a float32 array"):
+        split(50, 150, values_dtype=np.float64)
+    with pytest.raises(ValueError, match="band must be a 1-D integer array that holds position 199"):
+        split(50, 150, positions_dtype=np.float32)
+    with pytest.raises(ValueError, match="band must be a 1-D integer array that holds position 299"):
+        split_by_magnitude(np.ones(300, np.float32), None, 0.0, 1.0, np.empty(1, np.int64),
+                           np.empty(1, np.float32), np.empty(1, np.uint8), np.empty(1, np.float32))
+
+
+@pytest.mark.parametrize("comp", [TopK(0.1), TopK(0.01, value_bits=8)])
+@pytest.mark.parametrize("numel", [300, 70_000, 1_000_003])  # the exact top-k, the smallest bracket, a large one
+def test_topk_encodes_a_difference_into_the_same_bytes_as_the_written_difference(comp, numel):
+    torch.manual_seed(numel)
+    a, b = torch.randn(numel), torch.randn(numel)
+    layout = MessageLayout([comp.fields(numel, a.dtype)])
+    fused, written = Message(layout, a.device), Message(layout, a.device)
+    assert comp.encode_difference(a, b, fused.fields[0], torch.empty_like(a), None)
+    comp.encode(a - b, written.fields[0], torch.empty_like(a), None)
+    decoded = [torch.zeros(numel) for _ in range(2)]
+    for msg, out in zip((fused, written), decoded):
+        comp.decode_add(msg.fields[0], out, 1.0, torch.empty_like(a))
+    assert torch.equal(decoded[0], decoded[1])  # the same C(a - b): same entries, same values
+    # the same positions (in the scan's order, so the same bytes) and the same value codes
+    assert torch.equal(fused.buffer, written.buffer)
+
+
+def test_codecs_without_a_difference_path_decline_it_and_write_nothing():
+    a, b = torch.randn(100_000), torch.randn(100_000)
+    for comp, x, y in ((TopK(0.1), a.half(), b.half()), (TopK(0.1), a[::2], b[::2]),
+                       (TopK(0.1), a.clone().requires_grad_(), b), (RandomK(0.1), a, b), (Quantize(8), a, b), (Identity(), a, b)):
+        msg = Message(MessageLayout([comp.fields(x.numel(), x.dtype)]), x.device)
+        msg.buffer.fill_(7)
+        assert not comp.encode_difference(x, y, msg.fields[0], torch.empty_like(x), None)
+        assert bool((msg.buffer == 7).all())
 
 
 def test_keep_fraction_rounds_up_and_never_below_one():

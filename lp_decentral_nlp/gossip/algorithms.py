@@ -51,6 +51,8 @@ another. Stochastic codecs encode in order (one generator per node and step).
 
 Memory traffic. Choco's update of all local nodes runs in cache-sized column chunks, so each public
 copy is streamed once per step rather than once per node that mixes it (:meth:`ChocoSGD._update`).
+Its message ``C(x~_i - x^_i)`` is encoded from the two operands where the codec can (CPU top-k:
+:meth:`~.compressors.Compressor.encode_difference`), so the difference is never written.
 """
 from __future__ import annotations
 
@@ -187,8 +189,7 @@ class PushSumGossip:
                 outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
                 if i in absent:
                     continue
-                v = self._message(k, nodes[k])
-                self._encode(v, self._outgoing[k], self._generator(i, t), self._own_commit(k))
+                self._encode_message(k, nodes[k], self._outgoing[k], self._generator(i, t))
             if self.faults:
                 self.faults.straggle([i for i in self._node_ids if i not in absent])
             received = self.transport.exchange(t, outgoing)
@@ -311,6 +312,10 @@ class PushSumGossip:
                f"transport={self.transport!r})"
 
     # -- algorithm hooks ---------------------------------------------------------------------------
+    def _encode_message(self, k: int, params: ParamList, msg: Message, generator) -> None:
+        """SPEC 2 step 2 for local node ``k``: ``q_k = C(v_k)`` into ``msg`` (and the own commit)."""
+        self._encode(self._by_segment(self._message(k, params)), msg, generator, self._own_commit(k))
+
     def _message(self, k: int, params: ParamList) -> torch.Tensor:
         """``v_k = g(x~_k)`` (SPEC 2 step 2), ``(P + 1,)``, from local node ``k``'s parameters
         ``z~_k`` (``x~_k`` is :meth:`_scaled_copy`); may use ``self._flat``'s storage."""
@@ -369,19 +374,30 @@ class PushSumGossip:
         for n, (wkj, _, msg) in enumerate(contributions):
             self._decode_add(msg, self._flat, wkj - self_shift if n == 0 else wkj)
 
-    def _encode(self, v: torch.Tensor, msg: Message, generator, commit: tuple[torch.Tensor, float] | None) -> None:
-        """Encode ``v`` into ``msg``; with ``commit = (target, alpha)`` also ``target += alpha * q``,
-        segment by segment, while the segment's fields are fresh in cache (``target`` may be ``v``:
-        a segment is read whole before it is updated)."""
+    def _encode(self, v: list[torch.Tensor], msg: Message, generator, commit: tuple[torch.Tensor, float] | None,
+                minus: list[torch.Tensor] | None = None) -> None:
+        """Encode ``v`` into ``msg``, or ``v - minus`` when ``minus`` is given; ``v`` and ``minus``
+        hold one 1-D tensor per segment (:meth:`_by_segment`). A codec with a difference path
+        (:meth:`~.compressors.Compressor.encode_difference`) reads both; for the others the
+        difference is first written into ``self._flat``. With ``commit = (target, alpha)`` also
+        ``target += alpha * q``, segment by segment, while the segment's fields are fresh in cache
+        (``target`` may be under ``v`` or ``minus``: a segment is read whole before it is updated)."""
         def encode(s):
             off, numel, codec = self._segments[s]
-            work = self._work[off:off + numel]
-            codec.encode(v[off:off + numel], msg.fields[s], work, generator)
+            work, fields = self._work[off:off + numel], msg.fields[s]
+            if minus is None:
+                codec.encode(v[s], fields, work, generator)
+            elif not codec.encode_difference(v[s], minus[s], fields, work, generator):
+                codec.encode(torch.sub(v[s], minus[s], out=self._flat[off:off + numel]), fields, work, generator)
             if commit is not None:
                 target, alpha = commit
-                codec.decode_add(msg.fields[s], target[off:off + numel], alpha, work)
+                codec.decode_add(fields, target[off:off + numel], alpha, work)
 
         self._each_segment(encode, in_order=generator is not None)
+
+    def _by_segment(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The segments of a ``(P + 1,)`` tensor, as views."""
+        return [x[off:off + numel] for off, numel, _ in self._segments]
 
     def _decode_add(self, msg: Message, target: torch.Tensor, alpha: float) -> None:
         def decode_add(s):
@@ -559,17 +575,28 @@ class ChocoSGD(PushSumGossip):
         faults): only then is it added to the copies of ``x^_node`` (:mod:`.faults`)."""
         return not self._lost or not any((node, o) in self._lost for o in self.topology.out_neighbors(node))
 
-    def _message(self, k, params):
-        # v_k = x~_k - x^_k = w_k [z~_k, 1] - x^_k. On regular graphs w_k stays exactly 1, and then
-        # one subtraction per tensor writes v_k (same bits as scaling by 1.0 first, one pass less).
-        public = self._public(self._node_ids[k])
-        if self._exact_scaling and self._device.type == "cpu" and self._w[k] == 1.0:
-            row = self._state_views["public"][self._public_row[self._node_ids[k]]]
+    def _encode_message(self, k, params, msg, generator):
+        # q_k = C(v_k), v_k = x~_k - x^_k = w_k [z~_k, 1] - x^_k, encoded segment by segment as x~_k
+        # minus x^_k: TopK on the CPU reads both and never writes v_k (Compressor.encode_difference).
+        # On regular graphs w_k stays exactly 1 and x~_k is the parameters themselves (the same bits
+        # as scaling by 1.0, one pass less): layer-wise codecs read the tensors; Identity (one
+        # segment) and non-contiguous tensors get v_k written tensor by tensor. Otherwise
+        # self._flat holds x~_k first.
+        node = self._node_ids[k]
+        public = self._public(node)
+        unit_weight = self._exact_scaling and self._device.type == "cpu" and self._w[k] == 1.0
+        if unit_weight and self.compressor.layerwise and all(p.is_contiguous() for p in params):
+            x = [p.view(-1) for p in params if p.numel() > 0] + [self._w[k:k + 1]]  # the segments of x~_k
+        elif unit_weight:
+            row = self._state_views["public"][self._public_row[node]]
             for view, p, copy in zip(self._flat_views, params, row):
                 torch.sub(p, copy, out=view)
             torch.sub(1.0, public[self._P:], out=self._flat[self._P:])
-            return self._flat
-        return self._scaled_copy(k, params).sub_(public)
+            self._encode(self._by_segment(self._flat), msg, generator, self._own_commit(k))
+            return
+        else:
+            x = self._by_segment(self._scaled_copy(k, params))
+        self._encode(x, msg, generator, self._own_commit(k), minus=self._by_segment(public))
 
     def _own_commit(self, k):
         node = self._node_ids[k]

@@ -62,6 +62,20 @@ class Compressor:
         """
         raise NotImplementedError
 
+    def encode_difference(self, a: torch.Tensor, b: torch.Tensor, out: dict[str, torch.Tensor],
+                          work: torch.Tensor, generator: torch.Generator | None) -> bool:
+        """Write ``C(a - b)`` into ``out`` without writing ``a - b`` anywhere (Choco-SGD sends
+        ``C(x~ - x^)``), where this codec has such a path; the same message as :meth:`encode` of
+        ``a - b``.
+
+        Args: ``a`` and ``b`` as ``x`` in :meth:`encode` (same shape, dtype and device; neither
+            is modified); the rest as in :meth:`encode`.
+        Returns:
+            True when written; False, having written nothing, when this codec has no such path
+            for these tensors (the caller then writes ``a - b`` and calls :meth:`encode`).
+        """
+        return False
+
     def decode_add(self, msg: dict[str, torch.Tensor], target: torch.Tensor, alpha: float,
                    work: torch.Tensor) -> None:
         """``target += alpha * C(x)`` for the ``C(x)`` encoded in ``msg``.
@@ -208,26 +222,32 @@ class _Sparsifier(Compressor):
             values = [("values", torch.uint8, k), ("scale", torch.float32, 1), ("zero_point", torch.float32, 1)]
         return [("indices", index_dtype(numel), k)] + values
 
-    def _select(self, x, indices, work, generator) -> None:
-        """Write the positions of the kept entries of ``x`` into ``indices`` (the message's
-        ``(k,)`` index field); ``work`` is ``(numel,)`` scratch of ``x``'s dtype."""
+    def _select(self, x, indices, values, work, generator) -> None:
+        """Write the positions of the kept entries of ``x`` into ``indices`` (the message's ``(k,)``
+        index field) and ``x`` at them into ``values`` (``(k,)``); ``work`` is ``(numel,)``
+        scratch of ``x``'s dtype whose first ``k`` entries may be ``values``."""
         raise NotImplementedError
 
     def _value_scale(self, numel: int, k: int) -> float:
         return 1.0
 
     def encode(self, x, out, work, generator):
-        self._select(x, out["indices"], work, generator)
-        idx = _as_index(out["indices"], x.numel())
-        k = idx.numel()
-        # index_select, not x[idx] (advanced indexing is ~100x slower on CPU), into the message
-        # (full-precision values) or into the scratch (8-bit values): no fresh memory
-        vals = torch.index_select(x, 0, idx, out=out["values"] if self.value_bits is None else work[:k])
-        scale = self._value_scale(x.numel(), k)
+        values = self._values_buffer(out, work)
+        self._select(x, out["indices"], values, work, generator)
+        self._encode_values(values, x.numel(), out)
+
+    def _values_buffer(self, out, work) -> torch.Tensor:
+        """Where the kept values are gathered: the message's value field (full-precision values),
+        or the first ``k`` entries of ``work`` (8-bit values, encoded from there)."""
+        return out["values"] if self.value_bits is None else work[:out["indices"].numel()]
+
+    def _encode_values(self, values, numel, out) -> None:
+        """Scale the gathered ``values`` in place and, for 8-bit values, encode them into ``out``."""
+        scale = self._value_scale(numel, values.numel())
         if scale != 1.0:
-            vals.mul_(scale)
+            values.mul_(scale)
         if self.value_bits is not None:
-            _affine_encode(vals, 8, out["values"], out["scale"], out["zero_point"], vals)
+            _affine_encode(values, 8, out["values"], out["scale"], out["zero_point"], values)
 
     def decode_add(self, msg, target, alpha, work):
         idx = _as_index(msg["indices"], target.numel())
@@ -242,8 +262,17 @@ class _Sparsifier(Compressor):
 class TopK(_Sparsifier):
     """Top-k: the ``ceil(keep * numel)`` largest-magnitude entries of each tensor (SPEC 3)."""
 
-    def _select(self, x, indices, work, generator):
-        _largest_abs_k(x, indices, work)
+    def _select(self, x, indices, values, work, generator):
+        _largest_abs_k(x, None, indices, values, work)
+
+    def encode_difference(self, a, b, out, work, generator):
+        # the compiled scan reads a and b; the top-k of a - b is selected as for encode(a - b)
+        if not (_compiled(a) and _compiled(b) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        values = self._values_buffer(out, work)
+        _largest_abs_k(a, b, out["indices"], values, work)
+        self._encode_values(values, a.numel(), out)
+        return True
 
     def __repr__(self):
         return f"TopK(keep={self.keep}, value_bits={self.value_bits})"
@@ -265,8 +294,11 @@ class RandomK(_Sparsifier):
             raise TypeError(f"unbiased must be a bool, got {unbiased!r}")
         self.unbiased = unbiased
 
-    def _select(self, x, indices, work, generator):
-        indices.copy_(_random_subset(indices.numel(), work, generator))
+    def _select(self, x, indices, values, work, generator):
+        chosen = _random_subset(indices.numel(), work, generator)  # (before values, which may be work[:k])
+        indices.copy_(chosen)
+        # index_select, not x[idx]: advanced indexing is ~100x slower on CPU
+        torch.index_select(x, 0, chosen, out=values)
 
     def _value_scale(self, numel, k):
         return numel / k if self.unbiased else 1.0
@@ -350,59 +382,70 @@ def _random_subset(k: int, work: torch.Tensor, generator) -> torch.Tensor:
 _MIN_SAMPLE, _MAX_SAMPLE, _SAMPLE_DIVISOR = 4096, 65536, 32
 
 
-def _largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
-    """Write into ``out`` (``(k,)``, any integer dtype) the positions of the ``k`` entries of the
-    1-D ``x`` with the largest magnitudes, in no particular order (SPEC 3's top-k).
+def _largest_abs_k(a: torch.Tensor, b: torch.Tensor | None, indices: torch.Tensor, values: torch.Tensor,
+                   work: torch.Tensor) -> None:
+    """Write into ``indices`` (``(k,)``, any integer dtype) the positions of the ``k`` entries of
+    the 1-D ``x = a`` (or ``x = a - b``) with the largest magnitudes, in no particular order, and
+    ``x`` at them into ``values`` (``(k,)``, ``a``'s dtype): SPEC 3's top-k.
 
-    ``work`` is ``(n,)`` scratch of ``x``'s dtype. Off the compiled kernels' path (CUDA, dtypes
-    other than float32/float64), for small tensors and for ``k >= n / 4`` this is ``torch.topk``
-    of ``|x|``. On the CPU ``torch.topk`` is a single-threaded partial sort (about 0.4 s for
-    k = 10% of DistilBERT's 23M-entry embedding), so a strided sample of ``|x|`` (``n / 32``
-    entries, clamped to [4096, 65536]) brackets the k-th largest magnitude between two
-    thresholds ``t_lo <= t_hi`` (4 binomial standard deviations either side of the expected
-    sample rank, both from one ``numpy.partition``), and one compiled scan
-    (:func:`.codec_kernels.split_by_magnitude`) writes every position above ``t_hi`` straight
-    into ``out`` and those in the thin band ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%)
-    into ``work``; an exact ``topk`` of the band fills the remaining places. The scan reads ``x``
-    once and touches no fresh memory (large fresh allocations page-fault on every gossip step once
-    training has handed the memory back to the system). If the sample misjudges the bracket
-    (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan repeated; if more than
-    ``k`` exceed ``t_hi``, or the bracket is the whole sample, ``torch.topk`` decides. The result
-    is an exact top-k (ties at the k-th value may be broken differently).
+    ``work`` is ``(n,)`` scratch of ``a``'s dtype whose first ``k`` entries may be ``values``.
+    ``b`` needs the compiled kernels' path (:func:`_compiled`). Off that path (CUDA, dtypes other
+    than float32/float64), for small tensors and for ``k >= n / 4`` this is ``torch.topk`` of
+    ``|x|`` (with ``b``, ``x`` is then written into fresh memory). On the CPU ``torch.topk`` is a
+    single-threaded partial sort (about 0.4 s for k = 10% of DistilBERT's 23M-entry embedding),
+    so a strided sample of ``|x|`` (``n / 32`` entries, clamped to [4096, 65536]) brackets the
+    k-th largest magnitude between two thresholds ``t_lo <= t_hi`` (4 binomial standard
+    deviations either side of the expected sample rank, both from one ``numpy.partition``), and
+    one compiled scan (:func:`.codec_kernels.split_by_magnitude`) writes every position and value
+    above ``t_hi`` straight into ``indices`` and ``values`` and those in the thin band
+    ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%) into ``work``; an exact ``topk`` of the
+    band fills the remaining places. The scan reads ``a`` (and ``b``) once, computes ``a - b``
+    entry by entry, and touches no fresh memory (large fresh allocations page-fault on every
+    gossip step once training has handed the memory back to the system). If the sample misjudges
+    the bracket (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan repeated; if
+    more than ``k`` exceed ``t_hi``, the band outgrows ``work``, or the bracket is the whole
+    sample, ``torch.topk`` decides. The result is an exact top-k (ties at the k-th value may be
+    broken differently), with the same values as indexing ``x``.
     """
-    n, k = x.numel(), out.numel()
-    if (not _compiled(x) or n <= 8 * _MIN_SAMPLE or 4 * k >= n or n >= 2**31
-            or not (out.is_contiguous() and work.is_contiguous())):
-        _exact_largest_abs_k(x, out, work)
+    n, k = a.numel(), indices.numel()
+    if (not _compiled(a) or n <= 8 * _MIN_SAMPLE or 4 * k >= n or n >= 2**31
+            or not all(t.is_contiguous() for t in (indices, values, work))):
+        _exact_largest_abs_k(a if b is None else a - b, indices, values, work)
         return
     from .codec_kernels import split_by_magnitude  # numba: imported on the first CPU top-k
 
-    sample = torch.abs(x[:: n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))]).numpy()
+    stride = n // min(_MAX_SAMPLE, max(_MIN_SAMPLE, n // _SAMPLE_DIVISOR))
+    sample = (torch.abs(a[::stride]) if b is None else torch.sub(a[::stride], b[::stride]).abs_()).numpy()
     m = sample.size
     rank = k * m / n  # expected sample entries at or above the k-th largest magnitude
     margin = 4 * math.sqrt(rank) + 16
-    x_np, out_np = x.numpy(), out.numpy()
-    band = work.view(_SAME_WIDTH_INT[x.dtype])
+    # the band's positions and values in the two halves of work[k:] (work[:k] may be values)
+    room = (n - k) // 2
+    band = work[k:k + room].view(_SAME_WIDTH_INT[a.dtype])
+    band_values = work[k + room:k + 2 * room]
+    arrays = (indices.numpy(), values.numpy(), band.numpy(), band_values.numpy())
     while True:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
         # the reach-th and the above-th largest sample magnitudes, in one O(m) selection
         ordered = np.partition(sample, [m - reach] + ([m - above] if above > 0 else []))
         t_lo, t_hi = float(ordered[m - reach]), float(ordered[m - above]) if above > 0 else math.inf
-        num_sure, num_band = split_by_magnitude(x_np, t_lo, t_hi, out_np, band.numpy())
-        if num_sure < 0:  # the sample set t_hi too low: more than k entries exceed it
-            _exact_largest_abs_k(x, out, work)
+        num_sure, num_band = split_by_magnitude(a.numpy(), None if b is None else b.numpy(), t_lo, t_hi, *arrays)
+        # num_sure < 0: the sample set t_hi too low (more than k entries exceed it); num_band < 0:
+        # the band outgrew its room; reach == m: only NaNs leave fewer than k entries at or above
+        # the smallest sample value
+        if num_sure < 0 or num_band < 0 or (num_sure + num_band < k and reach == m):
+            _exact_largest_abs_k(a if b is None else a - b, indices, values, work)
             return
         if num_sure + num_band >= k:
             break
-        if reach == m:  # (only NaNs can leave fewer than k entries at or above the smallest sample value)
-            _exact_largest_abs_k(x, out, work)
-            return
         margin *= 4
-    band_positions = band[:num_band]
-    best = torch.topk(x.index_select(0, band_positions).abs_(), k - num_sure, sorted=False).indices
-    out[num_sure:].copy_(band_positions.index_select(0, best))
+    best = torch.topk(band_values[:num_band].abs(), k - num_sure, sorted=False).indices
+    indices[num_sure:].copy_(band[:num_band].index_select(0, best))
+    torch.index_select(band_values[:num_band], 0, best, out=values[num_sure:])
 
 
-def _exact_largest_abs_k(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
-    """:func:`_largest_abs_k` by ``torch.topk`` of ``|x|`` (``work`` holds ``|x|``)."""
-    out.copy_(torch.topk(torch.abs(x, out=work), out.numel(), sorted=False).indices)
+def _exact_largest_abs_k(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, work: torch.Tensor) -> None:
+    """:func:`_largest_abs_k` of ``x`` by ``torch.topk`` of ``|x|`` (``work`` holds ``|x|``)."""
+    chosen = torch.topk(torch.abs(x, out=work), indices.numel(), sorted=False).indices
+    indices.copy_(chosen)
+    torch.index_select(x, 0, chosen, out=values)
