@@ -585,15 +585,16 @@ class ChocoSGD(PushSumGossip):
         node = self._node_ids[k]
         public = self._public(node)
         unit_weight = self._exact_scaling and self._device.type == "cpu" and self._w[k] == 1.0
-        if unit_weight and self.compressor.layerwise and all(p.is_contiguous() for p in params):
-            x = [p.view(-1) for p in params if p.numel() > 0] + [self._w[k:k + 1]]  # the segments of x~_k
-        elif unit_weight:
+        tensors_are_segments = self.compressor.layerwise and all(p.is_contiguous() for p in params)
+        if unit_weight and not tensors_are_segments:
             row = self._state_views["public"][self._public_row[node]]
             for view, p, copy in zip(self._flat_views, params, row):
                 torch.sub(p, copy, out=view)
             torch.sub(1.0, public[self._P:], out=self._flat[self._P:])
             self._encode(self._by_segment(self._flat), msg, generator, self._own_commit(k))
             return
+        if unit_weight:  # the segments of x~_k: the non-empty tensors, then w_k
+            x = [p.view(-1) for p in params if p.numel() > 0] + [self._w[k:k + 1]]
         else:
             x = self._by_segment(self._scaled_copy(k, params))
         self._encode(x, msg, generator, self._own_commit(k), minus=self._by_segment(public))
