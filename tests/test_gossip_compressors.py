@@ -7,7 +7,7 @@ import torch
 
 from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
 from lp_decentral_nlp.gossip.compressors import _largest_abs_k
-from lp_decentral_nlp.gossip.codec_kernels import add_affine8, encode_affine8, split_by_magnitude
+from lp_decentral_nlp.gossip.codec_kernels import add_decoded, encode_affine8, largest_in_band, split_by_magnitude
 from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
 
 
@@ -233,19 +233,80 @@ def test_compiled_8_bit_codes_are_the_torch_formula_s_codes(dtype):
     lo, hi = torch.aminmax(x)
     scale = (hi - lo) / 255
     codes = torch.empty(x.numel(), dtype=torch.uint8)
-    encode_affine8(x.numpy(), lo.item(), (1 / scale).item(), codes.numpy())
+    assert encode_affine8(x.numpy(), codes.numpy()) == (lo.item(), scale.item())  # the same range, bit for bit
     assert torch.equal(codes, ((x - lo) * (1 / scale)).round().clamp(0, 255).to(torch.uint8))
-    ties = torch.tensor([0.5, 1.5, 2.5, 3.5], dtype=dtype)
-    encode_affine8(ties.numpy(), 0.0, 1.0, codes[:4].numpy())
-    assert codes[:4].tolist() == [0, 2, 2, 4]  # round half to even, as torch.round
+    ties = torch.tensor([0.0, 127.5, 1.5, 2.5, 3.5, 255.0], dtype=dtype)  # scale exactly 1
+    assert encode_affine8(ties.numpy(), codes[:6].numpy()) == (0.0, 1.0)
+    assert codes[:6].tolist() == [0, 128, 2, 2, 4, 255]  # round half to even, as torch.round
+    assert encode_affine8(torch.full((5,), 2.5, dtype=dtype).numpy(), codes[:5].numpy()) == (2.5, 0.0)
+    assert codes[:5].tolist() == [0] * 5  # a constant tensor: all codes 0, decoded exactly
+    lo_nan, scale_nan = encode_affine8(torch.tensor([1.0, math.nan, 3.0], dtype=dtype).numpy(), codes[:3].numpy())
+    assert math.isnan(lo_nan) and math.isnan(scale_nan)  # as aminmax: a NaN shows in the range
     target = torch.randn(x.numel(), dtype=dtype)
     expected = target + -0.25 * (codes.to(dtype) * scale + lo)
-    add_affine8(codes.numpy(), scale.item(), lo.item(), -0.25, target.numpy())
+    add_decoded(codes.numpy(), -0.25, target.numpy(), scale=scale.item(), zero_point=lo.item())
     # the same operations in the same order: at most a last-bit difference where torch fuses a multiply-add
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(target, expected, rtol=2 * eps, atol=2 * eps)
-    with pytest.raises(ValueError, match="codes must be a uint8 array of shape"):
-        add_affine8(codes[:-1].numpy(), 1.0, 0.0, 1.0, target.numpy())
+    with pytest.raises(ValueError, match="values must be a uint8 array of shape"):
+        add_decoded(codes[:-1].numpy(), 1.0, target.numpy(), scale=1.0, zero_point=0.0)
+    with pytest.raises(ValueError, match="x must not be empty"):
+        encode_affine8(x[:0].numpy(), codes[:0].numpy())
+
+
+@pytest.mark.parametrize("value_bits", [None, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_sparse_decoding_adds_the_bits_torch_s_index_add_adds(value_bits, dtype):
+    torch.manual_seed(1)
+    n = 70_000
+    x = torch.randn(n, dtype=dtype)
+    comp = TopK(0.1, value_bits=value_bits)
+    msg = Message(MessageLayout([comp.fields(n, dtype)]), torch.device("cpu"))
+    comp.encode(x, msg.fields[0], torch.empty_like(x), None)
+    fields = msg.fields[0]
+    target = torch.randn(n, dtype=dtype)
+    expected = target.clone()  # torch's path: decode into a buffer, then index_add_ with alpha
+    if value_bits is None:
+        decoded = fields["values"]
+    else:
+        decoded = fields["values"].to(dtype).mul_(fields["scale"]).add_(fields["zero_point"])
+    expected.index_add_(0, fields["indices"].long(), decoded, alpha=-0.3)
+    comp.decode_add(fields, target, -0.3, torch.empty_like(x))
+    assert torch.equal(target, expected)
+
+
+def test_compiled_decoding_names_an_index_out_of_range_and_mismatched_arguments():
+    target = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match=r"indices\[1\] = 10 is outside \[0, 10\)"):
+        add_decoded(np.ones(2, np.float32), 1.0, target, indices=np.array([3, 10], np.uint32))
+    assert target.tolist() == [0, 0, 0, 1] + [0] * 6  # entries before the bad one were added
+    with pytest.raises(ValueError, match="scale and zero_point must be given together"):
+        add_decoded(np.ones(10, np.uint8), 1.0, target, scale=1.0)
+    with pytest.raises(ValueError, match="values must be a float32 array of shape"):
+        add_decoded(np.ones(10, np.float64), 1.0, target)
+    with pytest.raises(ValueError, match="indices must be a 1-D integer array"):
+        add_decoded(np.ones(2, np.float32), 1.0, target, indices=np.zeros(2, np.float32))
+
+
+def test_largest_in_band_keeps_the_largest_magnitudes_in_band_order_and_the_earliest_ties():
+    rng = np.random.default_rng(0)
+    band_values = rng.standard_normal(5000).astype(np.float32)
+    band = np.sort(rng.choice(10**6, 5000, replace=False)).astype(np.int32)
+    for count in (0, 1, 17, 2500, 4999, 5000):
+        indices, values = np.empty(count, np.uint32), np.empty(count, np.float32)
+        largest_in_band(band, band_values, indices, values)
+        chosen = np.sort(np.argsort(-np.abs(band_values), kind="stable")[:count])
+        assert np.array_equal(indices, band[chosen]) and np.array_equal(values, band_values[chosen])
+    ties = np.array([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], np.float64)  # 3 of the 4 entries at |2| fit
+    indices, values = np.empty(3, np.int64), np.empty(3, np.float64)
+    largest_in_band(np.arange(6) * 10, ties, indices, values)
+    assert indices.tolist() == [10, 20, 40] and values.tolist() == [-2.0, 2.0, -2.0]
+    with pytest.raises(ValueError, match="indices must be a 1-D integer array of at most 6 entries"):
+        largest_in_band(np.arange(6), ties, np.empty(7, np.int64), np.empty(7, np.float64))
+    with pytest.raises(ValueError, match="values must be a float64 array of shape"):
+        largest_in_band(np.arange(6), ties, indices, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="band must be an integer array of shape"):
+        largest_in_band(np.arange(5), ties, indices, values)
 
 
 def test_qsgd_is_unbiased_on_its_levels_with_packed_codes():

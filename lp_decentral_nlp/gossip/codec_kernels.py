@@ -117,35 +117,131 @@ def _split(a, b, t_lo, t_hi, above, above_values, band, band_values):
     return num_above, num_band
 
 
-def encode_affine8(x: np.ndarray, lo: float, inv_scale: float, codes: np.ndarray) -> None:
-    """``codes = clamp(round((x - lo) * inv_scale), 0, 255)``, computed in ``x``'s dtype with
-    round-half-to-even: the same codes as torch's ``sub``, ``mul``, ``round`` and ``clamp``.
+def largest_in_band(band: np.ndarray, band_values: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    """The ``count = indices.size`` entries of the band with the largest ``|band_values|``: their
+    positions into ``indices`` and values into ``values``, in band order (ascending position, as
+    :func:`split_by_magnitude` writes the band). Of entries tied at the smallest kept magnitude,
+    the earliest are kept.
 
     Args:
-        x: ``(n,)`` contiguous float32 or float64 array.
-        lo, inv_scale: the zero point and ``1 / scale`` (0 for a constant ``x``).
+        band: ``(m,)`` integer array, the band's positions.
+        band_values: ``(m,)`` float32 or float64 array, the band's values (no NaN).
+        indices: ``(count,)`` integer array, ``count <= m``, written; its dtype must hold every
+            band position (as the message's index field does).
+        values: ``(count,)`` array of ``band_values``'s dtype, written.
+    """
+    _check_float_vector(band_values)
+    if band.shape != band_values.shape or band.dtype.kind not in "iu":
+        raise ValueError(f"band must be an integer array of shape {band_values.shape}, got {band.dtype} of "
+                         f"shape {band.shape}")
+    if indices.ndim != 1 or indices.size > band.size or indices.dtype.kind not in "iu":
+        raise ValueError(f"indices must be a 1-D integer array of at most {band.size} entries, got "
+                         f"{indices.dtype} of shape {indices.shape}")
+    if values.shape != indices.shape or values.dtype != band_values.dtype:
+        raise ValueError(f"values must be a {band_values.dtype} array of shape {indices.shape}, got "
+                         f"{values.dtype} of shape {values.shape}")
+    _largest_in_band(band, band_values, indices, values)
+
+
+#: bins of the magnitude histogram of :func:`largest_in_band`
+_BAND_BINS = 4096
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _largest_in_band(band, band_values, indices, values):
+    # A histogram of the magnitudes over [min, max] finds the bin holding the count-th largest (the
+    # bin of an entry never decreases with its magnitude): the bins above it are kept whole, and
+    # only that bin's entries are ranked exactly. Four passes over the band, no sort.
+    m, count = band_values.size, indices.size
+    if count == 0:
+        return
+    smallest, largest = np.inf, 0.0
+    for i in range(m):
+        magnitude = abs(band_values[i])
+        smallest, largest = min(smallest, magnitude), max(largest, magnitude)
+    scale = (_BAND_BINS - 1) / (largest - smallest) if largest > smallest else 0.0
+    histogram = np.zeros(_BAND_BINS, np.int64)
+    for i in range(m):
+        histogram[int((abs(band_values[i]) - smallest) * scale)] += 1
+    cut, above_cut = _BAND_BINS - 1, 0  # the bin of the count-th largest; entries in bins above it
+    while above_cut + histogram[cut] < count:
+        above_cut += histogram[cut]
+        cut -= 1
+    in_cut = np.empty(histogram[cut], band_values.dtype)
+    filled = 0
+    for i in range(m):
+        magnitude = abs(band_values[i])
+        if int((magnitude - smallest) * scale) == cut:
+            in_cut[filled] = magnitude
+            filled += 1
+    rank = count - above_cut  # places left for the cut bin's entries, largest first
+    threshold = np.partition(in_cut, filled - rank)[filled - rank]
+    ties = rank - np.sum(in_cut > threshold)  # places left for entries at the threshold
+    written = 0
+    for i in range(m):
+        magnitude = abs(band_values[i])
+        where = int((magnitude - smallest) * scale)
+        if where > cut or (where == cut and (magnitude > threshold or (magnitude == threshold and ties > 0))):
+            if where == cut and magnitude == threshold:
+                ties -= 1
+            indices[written] = band[i]
+            values[written] = band_values[i]
+            written += 1
+
+
+def encode_affine8(x: np.ndarray, codes: np.ndarray) -> tuple[float, float]:
+    """SPEC 4's 8-bit affine codes of ``x`` with its own range: ``lo, hi = min(x), max(x)``,
+    ``scale = (hi - lo) / 255``, ``codes = clamp(round((x - lo) / scale), 0, 255)`` (all 0 for a
+    constant ``x``), computed in ``x``'s dtype as torch's ``aminmax``, ``sub``, ``mul`` by
+    ``1 / scale``, ``round`` (half to even) and ``clamp`` do: the same codes, scale and zero point.
+
+    Args:
+        x: ``(n,)`` contiguous float32 or float64 array, ``n >= 1``. A NaN makes ``lo`` and
+            ``scale`` NaN, as ``aminmax`` does.
         codes: ``(n,)`` uint8 array, written.
+    Returns:
+        ``(lo, scale)``: the zero point and the step, values of ``x``'s dtype.
     """
     _check_float_vector(x)
     if codes.shape != x.shape or codes.dtype != np.uint8:
         raise ValueError(f"codes must be a uint8 array of shape {x.shape}, got {codes.dtype} of shape {codes.shape}")
-    _encode_affine8(x, x.dtype.type(lo), x.dtype.type(inv_scale), codes)
+    if x.size == 0:
+        raise ValueError("x must not be empty")
+    lo, scale = _encode_affine8(x, codes)
+    return float(lo), float(scale)
 
 
-def add_affine8(codes: np.ndarray, scale: float, zero_point: float, alpha: float, target: np.ndarray) -> None:
-    """``target += alpha * (codes * scale + zero_point)``, computed in ``target``'s dtype.
+def add_decoded(values: np.ndarray, alpha: float, target: np.ndarray, indices: np.ndarray | None = None,
+                scale: float | None = None, zero_point: float | None = None) -> None:
+    """``target += alpha * decoded``: the message ``values`` decoded entry by entry and added
+    densely (``target[i]``) or, with ``indices``, at ``target[indices[i]]`` (distinct positions).
+    The arithmetic is that of torch's decoding (``code * scale + zero_point`` in ``target``'s
+    dtype) followed by ``index_add_(..., alpha=alpha)``: ``alpha * value``, then the add.
 
     Args:
-        codes: ``(n,)`` uint8 array.
-        scale, zero_point: the affine code's step and offset.
+        values: ``(m,)`` array: floats of ``target``'s dtype, or with ``scale`` uint8 codes.
         alpha: the coefficient.
         target: ``(n,)`` contiguous float32 or float64 array, updated in place.
+        indices: None (dense: ``m == n``), or ``(m,)`` integer positions in ``[0, n)``.
+        scale, zero_point: the affine code's step and offset for uint8 ``values`` (both or neither).
+    Raises:
+        ValueError: on arrays of the wrong shape or dtype, or an index outside ``[0, n)`` (named;
+            entries before it have been added).
     """
     _check_float_vector(target)
-    if codes.shape != target.shape or codes.dtype != np.uint8:
-        raise ValueError(f"codes must be a uint8 array of shape {target.shape}, got {codes.dtype} of shape {codes.shape}")
+    if (scale is None) != (zero_point is None):
+        raise ValueError("scale and zero_point must be given together (8-bit codes) or not at all (float values)")
+    wanted = np.dtype(np.uint8) if scale is not None else target.dtype
+    length = target.shape if indices is None else (indices.size,)
+    if values.dtype != wanted or values.shape != length:
+        raise ValueError(f"values must be a {wanted} array of shape {length}, got {values.dtype} of shape {values.shape}")
+    if indices is not None and (indices.ndim != 1 or indices.dtype.kind not in "iu"):
+        raise ValueError(f"indices must be a 1-D integer array, got {indices.dtype} of shape {indices.shape}")
     real = target.dtype.type
-    _add_affine8(codes, real(scale), real(zero_point), real(alpha), target)
+    affine = (None, None) if scale is None else (real(scale), real(zero_point))
+    bad = _add_decoded(indices, values, *affine, real(alpha), target)
+    if bad >= 0:
+        raise ValueError(f"indices[{bad}] = {indices[bad]} is outside [0, {target.size}) (a corrupt message?)")
 
 
 def _check_float_vector(x: np.ndarray) -> None:
@@ -154,14 +250,33 @@ def _check_float_vector(x: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _encode_affine8(x, lo, inv_scale, codes):
-    top = x.dtype.type(255)
+def _encode_affine8(x, codes):
+    real = x.dtype.type
+    lo = hi = x[0]
+    has_nan = False
     for i in range(x.size):
-        codes[i] = np.uint8(min(max(np.rint((x[i] - lo) * inv_scale), x.dtype.type(0)), top))
+        lo, hi, has_nan = min(lo, x[i]), max(hi, x[i]), has_nan or x[i] != x[i]
+    if has_nan:
+        lo = hi = real(np.nan)
+    scale = (hi - lo) / real(255)
+    inv_scale = real(1) / scale if scale > 0 else real(0)
+    top = real(255)
+    for i in range(x.size):
+        codes[i] = np.uint8(min(max(np.rint((x[i] - lo) * inv_scale), real(0)), top))
+    return lo, scale
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _add_affine8(codes, scale, zero_point, alpha, target):
-    real = target.dtype.type
-    for i in range(target.size):
-        target[i] += alpha * (real(codes[i]) * scale + zero_point)
+def _add_decoded(indices, values, scale, zero_point, alpha, target):
+    # numba compiles the dense/sparse and float/8-bit cases separately (the None branches vanish)
+    real, n = target.dtype.type, target.size
+    for i in range(values.size):
+        value = values[i] if scale is None else real(values[i]) * scale + zero_point
+        if indices is None:
+            target[i] += alpha * value
+        else:
+            j = indices[i]
+            if j < 0 or j >= n:
+                return i
+            target[j] += alpha * value
+    return -1

@@ -131,8 +131,9 @@ class Quantize(Compressor):
 
     def decode_add(self, msg, target, alpha, work):
         if self.bits == 8 and _compiled(target):  # one fused pass
-            from .codec_kernels import add_affine8
-            add_affine8(msg["codes"].numpy(), msg["scale"].item(), msg["zero_point"].item(), alpha, target.numpy())
+            from .codec_kernels import add_decoded
+            add_decoded(msg["codes"].numpy(), alpha, target.numpy(), scale=msg["scale"].item(),
+                        zero_point=msg["zero_point"].item())
             return
         _affine_decode(msg["codes"], msg["scale"], msg["zero_point"], self.bits, work)
         target.add_(work, alpha=alpha)
@@ -250,6 +251,12 @@ class _Sparsifier(Compressor):
             _affine_encode(values, 8, out["values"], out["scale"], out["zero_point"], values)
 
     def decode_add(self, msg, target, alpha, work):
+        if _compiled(target):  # decoded and added in one pass over the kept entries
+            from .codec_kernels import add_decoded
+            affine = {} if self.value_bits is None else {"scale": msg["scale"].item(),
+                                                         "zero_point": msg["zero_point"].item()}
+            add_decoded(msg["values"].numpy(), alpha, target.numpy(), indices=msg["indices"].numpy(), **affine)
+            return
         idx = _as_index(msg["indices"], target.numel())
         if self.value_bits is None:
             vals = msg["values"]
@@ -322,17 +329,19 @@ def _as_index(indices: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _affine_encode(x, bits, codes_out, scale_out, zero_out, work) -> None:
     """SPEC 4 affine quantization of ``x`` to ``bits``-bit codes with one scale and zero point."""
+    if bits == 8 and _compiled(x):  # the same range and codes in two fused passes
+        from .codec_kernels import encode_affine8
+        lo, scale = encode_affine8(x.numpy(), codes_out.numpy())
+        scale_out.fill_(scale)
+        zero_out.fill_(lo)
+        return
     levels = 2**bits - 1
     lo, hi = torch.aminmax(x)
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))  # constant x: all codes 0
-    if bits == 8 and _compiled(x):  # the same codes in one fused pass
-        from .codec_kernels import encode_affine8
-        encode_affine8(x.numpy(), lo.item(), inv.item(), codes_out.numpy())
-    else:
-        torch.sub(x, lo, out=work)
-        work.mul_(inv).round_().clamp_(0, levels)
-        pack_codes(work, bits, codes_out)
+    torch.sub(x, lo, out=work)
+    work.mul_(inv).round_().clamp_(0, levels)
+    pack_codes(work, bits, codes_out)
     scale_out.copy_(scale)
     zero_out.copy_(lo)
 
@@ -405,8 +414,9 @@ def _largest_abs_k(a: torch.Tensor, b: torch.Tensor | None, indices: torch.Tenso
     standard deviations either side of the expected sample rank, both from one ``numpy.partition``), and
     one compiled scan (:func:`.codec_kernels.split_by_magnitude`) writes every position and value
     above ``t_hi`` straight into ``indices`` and ``values`` and those in the thin band
-    ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%) into ``work``; an exact ``topk`` of the
-    band fills the remaining places. The scan reads ``a`` (and ``b``) once, computes ``a - b``
+    ``[t_lo, t_hi]`` (1-5% of the entries at keep = 10%) into ``work``; the band's largest
+    magnitudes (:func:`.codec_kernels.largest_in_band`, one selection and one compiled pass) fill
+    the remaining places. The scan reads ``a`` (and ``b``) once, computes ``a - b``
     entry by entry, and touches no fresh memory (large fresh allocations page-fault on every
     gossip step once training has handed the memory back to the system). If the sample misjudges
     the bracket (fewer than ``k`` entries reach ``t_lo``) it is widened and the scan repeated; if
@@ -419,7 +429,7 @@ def _largest_abs_k(a: torch.Tensor, b: torch.Tensor | None, indices: torch.Tenso
             or not all(t.is_contiguous() for t in (indices, values, work))):
         _exact_largest_abs_k(a if b is None else a - b, indices, values, work)
         return
-    from .codec_kernels import split_by_magnitude  # numba: imported on the first CPU top-k
+    from .codec_kernels import largest_in_band, split_by_magnitude  # numba: imported on the first CPU top-k
 
     stride = n // _sample_size(n)
     sample = (torch.abs(a[::stride]) if b is None else torch.sub(a[::stride], b[::stride]).abs_()).numpy()
@@ -430,7 +440,8 @@ def _largest_abs_k(a: torch.Tensor, b: torch.Tensor | None, indices: torch.Tenso
     room = (n - k) // 2
     band = work[k:k + room].view(_SAME_WIDTH_INT[a.dtype])
     band_values = work[k + room:k + 2 * room]
-    arrays = (indices.numpy(), values.numpy(), band.numpy(), band_values.numpy())
+    indices_np, values_np, band_np, band_values_np = arrays = (indices.numpy(), values.numpy(), band.numpy(),
+                                                               band_values.numpy())
     while True:
         above, reach = max(0, math.floor(rank - margin)), min(m, math.ceil(rank + margin))
         # the reach-th and the above-th largest sample magnitudes, in one O(m) selection
@@ -446,9 +457,7 @@ def _largest_abs_k(a: torch.Tensor, b: torch.Tensor | None, indices: torch.Tenso
         if num_sure + num_band >= k:
             break
         margin *= 4
-    best = torch.topk(band_values[:num_band].abs(), k - num_sure, sorted=False).indices
-    indices[num_sure:].copy_(band[:num_band].index_select(0, best))
-    torch.index_select(band_values[:num_band], 0, best, out=values[num_sure:])
+    largest_in_band(band_np[:num_band], band_values_np[:num_band], indices_np[num_sure:], values_np[num_sure:])
 
 
 def _exact_largest_abs_k(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, work: torch.Tensor) -> None:
