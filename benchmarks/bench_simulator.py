@@ -23,6 +23,13 @@ batch 8 per node, AdamW:
 * peak memory of the run, fp32 vs 8-bit nodes: the peak resident set size of a fresh subprocess
   running a few rounds (``VmHWM``), and its baseline before the model is built.
 
+The trainer keeps freed memory for the next step on the CPU (``tune_cpu_malloc``, the default;
+:mod:`lp_decentral_nlp.cpu_malloc`), and so does the reference, which runs in the same process.
+``--default-malloc`` measures both under glibc's default policy instead, where every step
+page-faults its activations and gradients in again and the cost drifts with the allocator's
+history (the round's own forward/backward then ran 6% faster to 24% slower than the reference's,
+from run to run).
+
     python benchmarks/bench_simulator.py --threads 2              # ~5 minutes on 2 CPU cores
     python benchmarks/bench_simulator.py --threads 2 --small      # 2 layers, dim 256: ~1 minute
 """
@@ -80,7 +87,7 @@ def build_trainer(args, precision: str, rounds: int, output_dir: str):
         max_steps=rounds, learning_rate=3e-5, optim="adamw_torch", lr_scheduler_type="constant",
         low_precision=precision == "8-bit", algorithm=args.algorithm, compression=args.compression,
         logging_steps=10**6, save_strategy="no", report_to="none", use_cpu=args.device == "cpu",
-        dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, seed=0, disable_tqdm=True, tune_cpu_malloc=not args.default_malloc,
     )
     dataset = make_dataset(config, args.nodes * args.batch_size * rounds, args.seq_len)
     trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=dataset, quant_config=quant)
@@ -207,11 +214,12 @@ def measure_time(args, precision):
     plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
                       for k in callback.plain_sections[0]}
     ratios = [r / p for r, p in zip(round_s, plain_s)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     gossip_s = [r.get("gossip.step", 0.0) for r in timer.rounds[keep]]
     own_work_ratios = [r / (p + g) for r, p, g in zip(round_s, plain_s, gossip_s)]
     distinct_s = callback.distinct_s[keep]
     return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
-                ratio=statistics.median(ratios), own_work_ratio=statistics.median(own_work_ratios),
+                ratio=statistics.median(ratios), ratio_quartiles=(quartiles[0], quartiles[2]), own_work_ratio=statistics.median(own_work_ratios),
                 sections=sections, plain_sections=plain_sections,
                 kernel=args.kernel if precision == "8-bit" else "-",
                 distinct_s=statistics.median(distinct_s) if distinct_s else None,
@@ -223,7 +231,8 @@ def measure_memory(args, precision) -> dict:
     cmd = [sys.executable, __file__, "--_memory-child", precision, "--nodes", str(args.nodes),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
            "--kernel", args.kernel, "--algorithm", args.algorithm, "--compression", str(args.compression),
-           "--device", args.device, "--repeats", str(args.memory_rounds), "--warmup", "0"] + (["--small"] if args.small else [])
+           "--device", args.device, "--repeats", str(args.memory_rounds), "--warmup", "0"]
+    cmd += ["--small"] * args.small + ["--default-malloc"] * args.default_malloc
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -265,6 +274,9 @@ def main(argv=None):
     p.add_argument("--distinct-reference", action="store_true",
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="CPU: train under glibc's default malloc policy (tune_cpu_malloc=False) rather than the "
+                        "trainer's default, which keeps freed memory for the next step (lp_decentral_nlp.cpu_malloc)")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -275,7 +287,8 @@ def main(argv=None):
     shape = "2 layers, dim 256, FFN 1024" if args.small else "DistilBERT-base (6 layers, dim 768, FFN 3072)"
     print(f"{shape}, {args.nodes} simulated nodes, batch {args.batch_size}/node x seq {args.seq_len}, AdamW, "
           f"{args.algorithm} top-k {args.compression:g}%, device {args.device}, torch threads {args.threads}, "
-          f"{args.repeats} interleaved repeats, load average {load}")
+          f"{args.repeats} interleaved repeats, load average {load}, "
+          f"malloc {'glibc default' if args.default_malloc else 'tune_cpu_malloc (freed memory kept)'}")
     mib = 2**20
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
@@ -284,7 +297,8 @@ def main(argv=None):
         gc.collect()  # the trainer holds reference cycles: free its models before the next precision
         kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
         print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
-              f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios; overhead {r['ratio'] - 1:+.1%})")
+              f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios, quartiles {r['ratio_quartiles'][0]:.3f}-"
+              f"{r['ratio_quartiles'][1]:.3f}; overhead {r['ratio'] - 1:+.1%})")
         print(f"  {'section':<28}{'round s':>9}{'plain s':>9}")
         for name in sorted(set(r["sections"]) | set(r["plain_sections"])):
             print(f"  {name:<28}{r['sections'].get(name, 0.0):9.3f}{r['plain_sections'].get(name, 0.0):9.3f}")

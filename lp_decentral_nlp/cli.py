@@ -134,6 +134,10 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
                    help="skip a node's update on a NaN/Inf loss or gradient (default: stop naming node and step)")
     f.add_argument("--gossip-timeout", type=_ranged(float, 0.0, None, lo_open=True), default=300.0,
                    help="distributed backend: seconds to wait for a peer before failing with its name (default 300)")
+    r.add_argument("--default-malloc", action="store_true",
+                   help="CPU: keep glibc's default malloc policy, which returns freed memory to the system and "
+                        "page-faults it in again every step (default: keep it for the next step; see "
+                        "lp_decentral_nlp.cpu_malloc)")
     if isinstance(parser, _Parser):
         parser.add_check(_check_decentralized_flags)
 
@@ -261,7 +265,7 @@ def training_arguments(args: argparse.Namespace, **overrides):
         save_total_limit=args.save_total_limit, resume_from_checkpoint=args.resume_from_checkpoint,
         torus_rows=args.torus_rows, drop_prob=args.drop_prob, stragglers=args.straggler, absences=args.leave,
         skip_nonfinite=args.skip_nonfinite, gossip_timeout=args.gossip_timeout,
-        report_to="none", use_cpu=not _cuda_available(),
+        tune_cpu_malloc=not args.default_malloc, report_to="none", use_cpu=not _cuda_available(),
     )
     kwargs.update(overrides)
     return DecentralizedTrainingArguments(**kwargs)

@@ -46,6 +46,7 @@ from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from . import gossip as gossip_lib
+from .cpu_malloc import keep_freed_memory
 from .data import skewed_partition
 from .gossip.faults import FaultPlan, parse_absence, parse_straggler
 from .gossip.transport import GossipPeerError
@@ -110,6 +111,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
     skip_nonfinite: bool = field(default=False, metadata={
         "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
                 "stopping the run."})
+    tune_cpu_malloc: bool = field(default=True, metadata={
+        "help": "Training on the CPU under glibc: keep freed tensor memory in the process for the next step "
+                "(lp_decentral_nlp.cpu_malloc.keep_freed_memory) instead of page-faulting it in again every step."})
 
     def __post_init__(self):
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
@@ -519,6 +523,8 @@ class DecentralizedTrainer(Trainer):
             resume_from_checkpoint = args.resume_from_checkpoint
         if resume_from_checkpoint is True:
             resume_from_checkpoint = args.output_dir
+        if args.tune_cpu_malloc and args.device.type == "cpu" and keep_freed_memory():
+            logger.info("glibc malloc keeps freed memory for the next step (tune_cpu_malloc=True)")
         loaders = self._node_dataloaders()
         steps_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)

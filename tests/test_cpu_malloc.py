@@ -1,0 +1,80 @@
+"""glibc malloc settings for CPU training: freed memory is kept for the next step, the trainer
+sets them on the CPU unless told not to, bad settings are named."""
+import subprocess
+import sys
+
+import pytest
+
+from lp_decentral_nlp import cpu_malloc
+from lp_decentral_nlp.cli import build_nlp_parser, training_arguments
+
+glibc = pytest.mark.skipif(cpu_malloc._glibc() is None, reason="needs glibc")
+
+# A fresh process frees 256 MiB of 8 MiB tensors and allocates them again; prints the minor page
+# faults of the second allocation, in pages.
+_REFAULTS = """
+import resource, sys, torch
+from lp_decentral_nlp.cpu_malloc import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def fill():
+    return [torch.ones(2 << 20) for _ in range(32)]
+blocks = fill()
+del blocks
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+blocks = fill()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def refaults(policy: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _REFAULTS, policy], check=True, capture_output=True, text=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@glibc
+def test_kept_memory_is_reused_without_page_faults_where_glibc_gives_it_back():
+    pages = (256 << 20) // 4096
+    assert refaults("default") > pages // 2  # glibc trimmed the freed heap: faulted in again
+    assert refaults("keep") < pages // 10  # the same blocks come back from the heap
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mmap_threshold=64 << 20), r"mmap_threshold must be an int of bytes in \[131072, 33554432\]"),
+    (dict(mmap_threshold=1.5e6), "mmap_threshold must be an int"),
+    (dict(trim_threshold=1 << 20), r"trim_threshold must be an int of bytes in \[33554432, 2147483647\]"),
+    (dict(top_pad=-1), r"top_pad must be an int of bytes in \[0, 2147483647\]"),
+    (dict(top_pad=True), "top_pad must be an int"),
+])
+def test_bad_settings_are_named_with_their_allowed_range(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_malloc.keep_freed_memory(**kwargs)
+
+
+def test_settings_do_nothing_and_say_so_without_glibc(monkeypatch):
+    monkeypatch.setattr(cpu_malloc, "_glibc", lambda: None)
+    assert cpu_malloc.keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("flags,tuned", [([], True), (["--default-malloc"], False)])
+def test_recipes_keep_freed_memory_unless_default_malloc_is_asked_for(flags, tuned, tmp_path):
+    args = build_nlp_parser("ag_news", "choco").parse_args(["--output-dir", str(tmp_path), *flags])
+    assert training_arguments(args).tune_cpu_malloc is tuned
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_trainer_sets_the_policy_when_it_trains_on_the_cpu(tune, tmp_path, monkeypatch):
+    from helpers import tiny_distilbert
+    from datasets import Dataset
+
+    from lp_decentral_nlp import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append(1) or True)
+    data = Dataset.from_dict({"input_ids": [[101, 2000 + i, 102] for i in range(8)], "attention_mask": [[1] * 3] * 8,
+                              "label": [i % 4 for i in range(8)]})
+    args = trainer_module.DecentralizedTrainingArguments(
+        output_dir=str(tmp_path), num_nodes=2, per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+        use_cpu=True, disable_tqdm=True, low_precision=False, tune_cpu_malloc=tune)
+    trainer_module.DecentralizedTrainer(model=tiny_distilbert(), args=args, train_dataset=data).train()
+    assert calls == ([1] if tune else [])
