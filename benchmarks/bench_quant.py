@@ -35,6 +35,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
 from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 
@@ -146,9 +147,15 @@ def main(argv=None):
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="CPU: keep glibc's default malloc policy instead of the trainer's (tune_cpu_malloc: freed "
+                        "memory kept for the next step, lp_decentral_nlp.cpu_malloc)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    malloc = "glibc default"
+    if device.type == "cpu" and not args.default_malloc and keep_freed_memory():
+        malloc = "freed memory kept (as DecentralizedTrainer with tune_cpu_malloc)"
     if args.layer_sweep:
         return layer_sweep(args, device)
 
@@ -201,7 +208,8 @@ def main(argv=None):
     mib = 2**20
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"DistilBERT-base shape, batch {args.batch_size} x seq {args.seq_len}, AdamW, device {device}, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, load average {load}")
+          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, load average {load}, "
+          f"malloc {malloc}")
     rows = [("step time", "median_s", "wall clock, medians")]
     if device.type == "cpu":  # CPU seconds of this process: less sensitive to other load on the machine
         rows.append(("step CPU", "median_cpu_s", "process CPU time, medians"))
