@@ -233,15 +233,15 @@ def test_compiled_8_bit_codes_are_the_torch_formula_s_codes(dtype):
     lo, hi = torch.aminmax(x)
     scale = (hi - lo) / 255
     codes = torch.empty(x.numel(), dtype=torch.uint8)
-    assert encode_affine8(x.numpy(), codes.numpy()) == (lo.item(), scale.item())  # the same range, bit for bit
+    assert encode_affine8(x.numpy(), lo.item(), hi.item(), codes.numpy()) == scale.item()  # bit for bit
     assert torch.equal(codes, ((x - lo) * (1 / scale)).round().clamp(0, 255).to(torch.uint8))
     ties = torch.tensor([0.0, 127.5, 1.5, 2.5, 3.5, 255.0], dtype=dtype)  # scale exactly 1
-    assert encode_affine8(ties.numpy(), codes[:6].numpy()) == (0.0, 1.0)
+    assert encode_affine8(ties.numpy(), 0.0, 255.0, codes[:6].numpy()) == 1.0
     assert codes[:6].tolist() == [0, 128, 2, 2, 4, 255]  # round half to even, as torch.round
-    assert encode_affine8(torch.full((5,), 2.5, dtype=dtype).numpy(), codes[:5].numpy()) == (2.5, 0.0)
+    assert encode_affine8(torch.full((5,), 2.5, dtype=dtype).numpy(), 2.5, 2.5, codes[:5].numpy()) == 0.0
     assert codes[:5].tolist() == [0] * 5  # a constant tensor: all codes 0, decoded exactly
-    lo_nan, scale_nan = encode_affine8(torch.tensor([1.0, math.nan, 3.0], dtype=dtype).numpy(), codes[:3].numpy())
-    assert math.isnan(lo_nan) and math.isnan(scale_nan)  # as aminmax: a NaN shows in the range
+    assert math.isnan(encode_affine8(ties.numpy(), math.nan, math.nan, codes[:6].numpy()))  # aminmax of a NaN
+    assert codes[:6].tolist() == [0] * 6
     target = torch.randn(x.numel(), dtype=dtype)
     expected = target + -0.25 * (codes.to(dtype) * scale + lo)
     add_decoded(codes.numpy(), -0.25, target.numpy(), scale=scale.item(), zero_point=lo.item())
@@ -250,8 +250,8 @@ def test_compiled_8_bit_codes_are_the_torch_formula_s_codes(dtype):
     torch.testing.assert_close(target, expected, rtol=2 * eps, atol=2 * eps)
     with pytest.raises(ValueError, match="values must be a uint8 array of shape"):
         add_decoded(codes[:-1].numpy(), 1.0, target.numpy(), scale=1.0, zero_point=0.0)
-    with pytest.raises(ValueError, match="x must not be empty"):
-        encode_affine8(x[:0].numpy(), codes[:0].numpy())
+    with pytest.raises(ValueError, match="lo must be <= hi"):
+        encode_affine8(x.numpy(), 1.0, 0.0, codes.numpy())
 
 
 @pytest.mark.parametrize("value_bits", [None, 8])
@@ -301,6 +301,8 @@ def test_largest_in_band_keeps_the_largest_magnitudes_in_band_order_and_the_earl
     indices, values = np.empty(3, np.int64), np.empty(3, np.float64)
     largest_in_band(np.arange(6) * 10, ties, indices, values)
     assert indices.tolist() == [10, 20, 40] and values.tolist() == [-2.0, 2.0, -2.0]
+    largest_in_band(np.arange(6) * 10, np.full(6, -3.0), indices, values)  # one magnitude: one histogram bin
+    assert indices.tolist() == [0, 10, 20] and values.tolist() == [-3.0] * 3
     with pytest.raises(ValueError, match="indices must be a 1-D integer array of at most 6 entries"):
         largest_in_band(np.arange(6), ties, np.empty(7, np.int64), np.empty(7, np.float64))
     with pytest.raises(ValueError, match="values must be a float64 array of shape"):

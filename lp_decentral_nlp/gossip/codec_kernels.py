@@ -1,4 +1,5 @@
-"""Compiled CPU kernels of the codecs (numba): the top-k scan and the 8-bit affine codes.
+"""Compiled CPU kernels of the codecs (numba): the top-k selection, the 8-bit affine codes and
+the decoding of messages into their targets.
 
 Each replaces a chain of whole-array numpy/torch passes by one pass that keeps its intermediates
 in registers:
@@ -9,10 +10,19 @@ in registers:
   output costs a few cycles per entry written, not a branch per entry read. It writes the kept
   values as it goes, and for Choco-SGD it scans a difference ``a - b`` without writing it: one
   read of each input replaces a subtraction pass, numpy's ``abs``, ``greater_equal`` and
-  ``flatnonzero``, and the gather of the kept values.
-* :func:`encode_affine8` and :func:`add_affine8`, the 8-bit codes of SPEC 4's affine quantizer
-  (:class:`~.compressors.Quantize` and ``value_bits=8``): about 0.2 ns per entry each, against
-  4 and 3 torch passes (subtract, scale, round, clamp, convert; convert, scale, shift, add).
+  ``flatnonzero``, and the gather of the kept values. :func:`largest_in_band` then ranks the thin
+  band the scan leaves (a histogram of its magnitudes, then only the bin of the k-th largest),
+  in place of ``torch.topk`` and two gathers.
+* :func:`encode_affine8`, the 8-bit codes of SPEC 4's affine quantizer and their scale
+  (:class:`~.compressors.Quantize` and ``value_bits=8``), in place of 5 torch passes (subtract,
+  scale, round, clamp, convert) and the small ops that derive the scale. The range itself comes
+  from ``torch.aminmax`` (vectorised; a compiled min/max that keeps NaN semantics is not).
+* :func:`add_decoded`, a message added into its target: dense 8-bit codes, or a top-k/random-k
+  message (float values or 8-bit codes) at its indices, decoded on the fly, in place of a decode
+  into a buffer (convert, scale, shift) and ``add_``/``index_add_``.
+
+Each wrapper checks its arrays' shapes and dtypes (and :func:`add_decoded` every index), because
+the kernels run without bounds checks.
 
 numba compiles a kernel on its first use, once per combination of array types, and caches the
 machine code on disk (``NUMBA_CACHE_DIR`` moves the cache). :mod:`.compressors` imports this
@@ -189,26 +199,26 @@ def _largest_in_band(band, band_values, indices, values):
             written += 1
 
 
-def encode_affine8(x: np.ndarray, codes: np.ndarray) -> tuple[float, float]:
-    """SPEC 4's 8-bit affine codes of ``x`` with its own range: ``lo, hi = min(x), max(x)``,
-    ``scale = (hi - lo) / 255``, ``codes = clamp(round((x - lo) / scale), 0, 255)`` (all 0 for a
-    constant ``x``), computed in ``x``'s dtype as torch's ``aminmax``, ``sub``, ``mul`` by
-    ``1 / scale``, ``round`` (half to even) and ``clamp`` do: the same codes, scale and zero point.
+def encode_affine8(x: np.ndarray, lo: float, hi: float, codes: np.ndarray) -> float:
+    """SPEC 4's 8-bit affine codes of ``x`` on ``[lo, hi]`` (its range, from ``torch.aminmax``):
+    ``scale = (hi - lo) / 255``, ``codes = clamp(round((x - lo) / scale), 0, 255)`` (all 0 when
+    ``scale`` is 0 or NaN), computed in ``x``'s dtype as torch's ``sub``, ``mul`` by ``1 / scale``,
+    ``round`` (half to even) and ``clamp`` do: the same codes and scale.
 
     Args:
-        x: ``(n,)`` contiguous float32 or float64 array, ``n >= 1``. A NaN makes ``lo`` and
-            ``scale`` NaN, as ``aminmax`` does.
+        x: ``(n,)`` contiguous float32 or float64 array.
+        lo, hi: the range (``lo <= hi``, or NaN as ``aminmax`` gives for a NaN in ``x``).
         codes: ``(n,)`` uint8 array, written.
     Returns:
-        ``(lo, scale)``: the zero point and the step, values of ``x``'s dtype.
+        ``scale``, a value of ``x``'s dtype.
     """
     _check_float_vector(x)
     if codes.shape != x.shape or codes.dtype != np.uint8:
         raise ValueError(f"codes must be a uint8 array of shape {x.shape}, got {codes.dtype} of shape {codes.shape}")
-    if x.size == 0:
-        raise ValueError("x must not be empty")
-    lo, scale = _encode_affine8(x, codes)
-    return float(lo), float(scale)
+    if lo > hi:
+        raise ValueError(f"lo must be <= hi, got {lo} > {hi}")
+    real = x.dtype.type
+    return float(_encode_affine8(x, real(lo), real(hi), codes))
 
 
 def add_decoded(values: np.ndarray, alpha: float, target: np.ndarray, indices: np.ndarray | None = None,
@@ -250,20 +260,14 @@ def _check_float_vector(x: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _encode_affine8(x, codes):
+def _encode_affine8(x, lo, hi, codes):
     real = x.dtype.type
-    lo = hi = x[0]
-    has_nan = False
-    for i in range(x.size):
-        lo, hi, has_nan = min(lo, x[i]), max(hi, x[i]), has_nan or x[i] != x[i]
-    if has_nan:
-        lo = hi = real(np.nan)
     scale = (hi - lo) / real(255)
     inv_scale = real(1) / scale if scale > 0 else real(0)
     top = real(255)
     for i in range(x.size):
         codes[i] = np.uint8(min(max(np.rint((x[i] - lo) * inv_scale), real(0)), top))
-    return lo, scale
+    return scale
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

@@ -329,14 +329,14 @@ def _as_index(indices: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _affine_encode(x, bits, codes_out, scale_out, zero_out, work) -> None:
     """SPEC 4 affine quantization of ``x`` to ``bits``-bit codes with one scale and zero point."""
-    if bits == 8 and _compiled(x):  # the same range and codes in two fused passes
+    lo, hi = torch.aminmax(x)
+    if bits == 8 and _compiled(x):  # the same scale and codes in one fused pass
         from .codec_kernels import encode_affine8
-        lo, scale = encode_affine8(x.numpy(), codes_out.numpy())
-        scale_out.fill_(scale)
+        lo = lo.item()
+        scale_out.fill_(encode_affine8(x.numpy(), lo, hi.item(), codes_out.numpy()))
         zero_out.fill_(lo)
         return
     levels = 2**bits - 1
-    lo, hi = torch.aminmax(x)
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))  # constant x: all codes 0
     torch.sub(x, lo, out=work)
