@@ -6,6 +6,10 @@
 On a machine shared with other busy processes, pass ``--threads 1``: with more OpenMP threads
 than free cores, torch's parallel kernels wait on descheduled threads, and both the local steps
 and the gossip steps get several times slower and erratic. The load average is printed.
+Like the trainer on the CPU (``tune_cpu_malloc``), the benchmark keeps freed memory for the next
+step (:func:`lp_decentral_nlp.cpu_malloc.keep_freed_memory`); ``--default-malloc`` measures under
+glibc's default policy, where the training round's steps and large codec buffers page-fault their
+memory in again every time.
 
 1. Gossip step: one ``gossip.step(nodes)`` of 8 nodes on a directed ring, each node holding
    DistilBERT's 104 parameter tensors (66.96M parameters, real shapes), per algorithm/compressor.
@@ -32,6 +36,7 @@ import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
@@ -151,15 +156,19 @@ def main():
     parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
     parser.add_argument("--threads", type=_ranged(int, 1, None), default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's default malloc policy instead of the trainer's (freed memory kept for the "
+                             "next step, lp_decentral_nlp.cpu_malloc)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    malloc = "glibc default" if args.default_malloc or not keep_freed_memory() else "freed memory kept"
 
     shapes = [tuple(p.shape) for p in distilbert().parameters()]
     params = sum(int(torch.Size(s).numel()) for s in shapes)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; DistilBERT: {len(shapes)} tensors, {params / 1e6:.2f}M parameters; "
-          f"{NUM_NODES} nodes, directed ring\n")
+          f"{NUM_NODES} nodes, directed ring; malloc: {malloc}\n")
 
     steps = gossip_steps(shapes, args.passes)
     fp32_bytes = 4 * (params + 1)

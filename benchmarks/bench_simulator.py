@@ -32,6 +32,7 @@ from run to run).
 
     python benchmarks/bench_simulator.py --threads 2              # ~5 minutes on 2 CPU cores
     python benchmarks/bench_simulator.py --threads 2 --small      # 2 layers, dim 256: ~1 minute
+    python benchmarks/bench_simulator.py --threads 2 --json run.json   # also every repeat's times
 """
 from __future__ import annotations
 
@@ -218,7 +219,8 @@ def measure_time(args, precision):
     gossip_s = [r.get("gossip.step", 0.0) for r in timer.rounds[keep]]
     own_work_ratios = [r / (p + g) for r, p, g in zip(round_s, plain_s, gossip_s)]
     distinct_s = callback.distinct_s[keep]
-    return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s),
+    per_repeat = dict(round_s=round_s, plain_s=plain_s, gossip_s=gossip_s, distinct_s=distinct_s or None)
+    return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s), per_repeat=per_repeat,
                 ratio=statistics.median(ratios), ratio_quartiles=(quartiles[0], quartiles[2]), own_work_ratio=statistics.median(own_work_ratios),
                 sections=sections, plain_sections=plain_sections,
                 kernel=args.kernel if precision == "8-bit" else "-",
@@ -277,6 +279,8 @@ def main(argv=None):
     p.add_argument("--default-malloc", action="store_true",
                    help="CPU: train under glibc's default malloc policy (tune_cpu_malloc=False) rather than the "
                         "trainer's default, which keeps freed memory for the next step (lp_decentral_nlp.cpu_malloc)")
+    p.add_argument("--json", metavar="PATH", help="also write the settings, every repeat's times (seconds) and the "
+                                                  "peak memory (bytes) to this JSON file")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -292,8 +296,11 @@ def main(argv=None):
     mib = 2**20
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"}, "load_average": os.getloadavg(),
+              "torch": torch.__version__, "time": {}, "memory": memory}
     for precision in args.precisions:
         r = measure_time(args, precision)
+        report["time"][precision] = r
         gc.collect()  # the trainer holds reference cycles: free its models before the next precision
         kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
         print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
@@ -310,6 +317,9 @@ def main(argv=None):
             print(f"  {args.nodes} plain steps of {args.nodes} distinct copies: {r['distinct_s']:.3f} s, "
                   f"{r['distinct_ratio']:.3f}x one model's (holding {args.nodes} models alone); "
                   f"round / distinct = {r['round_s'] / r['distinct_s']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     if memory:
         print()
         for precision, m in memory.items():
