@@ -6,10 +6,14 @@ batch 8 per node, AdamW:
 * a simulated round: ``DecentralizedTrainer(backend="simulated")`` with ``--nodes`` nodes, the
   time between the trainer's ``on_step_begin`` and ``on_step_end`` callbacks (data loading, every
   node's forward/backward and AdamW step, the NaN check, the gossip step);
-* the reference, measured next to each round (interleaved, alternately after and before it):
-  ``--nodes`` plain steps of one model of the same precision on one fixed batch, each what a
-  single-node ``transformers.Trainer`` step does: forward + backward, gradient clipping (``clip_grad_norm_`` to the trainer's
-  ``max_grad_norm`` when > 0), AdamW;
+* the reference, measured in the same repeat: ``--nodes`` plain steps of one model of the same
+  precision on one fixed batch, each what a single-node ``transformers.Trainer`` step does:
+  forward + backward, gradient clipping (``clip_grad_norm_`` to the trainer's ``max_grad_norm``
+  when > 0), AdamW. By default (``--interleave node``) one reference step runs next to each
+  node's local step, alternately after and before it, and is not counted in the round's time;
+  ``--interleave round`` runs the ``--nodes`` reference steps together, alternately after and
+  before the round (the method of the README's runs 1-8). The ratio reported is the median over
+  repeats of round / reference;
 * with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
   step each: what holding n models in one process costs by itself (memory traffic: every step
   touches another model's weights, gradients and optimizer state);
@@ -126,39 +130,67 @@ class SectionTimer:
 
 
 class Interleaved(TrainerCallback):
-    """Times each round and `nodes` plain steps of a reference model next to it: after the round in
-    even repeats, before it in odd ones, so neither side always inherits the other's allocator state."""
+    """Times each round and ``nodes`` plain steps of a reference model next to it.
 
-    def __init__(self, reference_step, nodes, timer, sync, distinct):
+    ``per_node=False``: the ``nodes`` reference steps run together, after the round in even
+    repeats and before it in odd ones, so neither side always inherits the other's allocator state.
+    ``per_node=True``: one reference step runs next to each node's local step (after it in even
+    repeats, before it in odd ones; :meth:`around_node` wraps the trainer's ``_local_step``), so the
+    two sides of a repeat are measured within a second or two of each other rather than ~10 s
+    apart, and a drift of the machine's speed moves both alike. The reference steps are not counted
+    in the round's time."""
+
+    def __init__(self, reference_step, nodes, timer, sync, distinct, per_node):
         self.reference_step, self.nodes, self.timer, self.sync = reference_step, nodes, timer, sync
-        self.distinct = distinct
+        self.distinct, self.per_node = distinct, per_node
         self.round_s, self.plain_s, self.plain_sections, self.distinct_s = [], [], [], []
 
+    @property
+    def _reference_first(self) -> bool:
+        return len(self.round_s) % 2 == 1
+
     def on_step_begin(self, args, state, control, **kw):
-        if len(self.round_s) % 2:
-            self._reference()
+        self._plain, self._distinct, self._sections, self._inside = 0.0, 0.0, defaultdict(float), 0.0
+        if not self.per_node and self._reference_first:
+            self._reference_steps(range(self.nodes))
         self.sync()
         self._start = time.perf_counter()
 
+    def around_node(self, local_step):
+        """``local_step`` (the trainer's ``_local_step``) with a reference step before or after each call."""
+        def step(k, *a, **kw):
+            if self.per_node and self._reference_first:
+                self._inside += self._reference_steps([k])
+            local_step(k, *a, **kw)
+            if self.per_node and not self._reference_first:
+                self._inside += self._reference_steps([k])
+        return step
+
     def on_step_end(self, args, state, control, **kw):
         self.sync()
-        self.round_s.append(time.perf_counter() - self._start)
+        self.round_s.append(time.perf_counter() - self._start - self._inside)
         self.timer.end_round()
-        if len(self.round_s) % 2:
-            self._reference()
-
-    def _reference(self):
-        sections = defaultdict(float)
-        start = time.perf_counter()
-        for _ in range(self.nodes):
-            self.reference_step(sections)
-        self.plain_s.append(time.perf_counter() - start)
-        self.plain_sections.append(sections)
+        if not self.per_node and len(self.round_s) % 2:  # this repeat's reference comes after the round
+            self._reference_steps(range(self.nodes))
+        self.plain_s.append(self._plain)
+        self.plain_sections.append(self._sections)
         if self.distinct:
-            start = time.perf_counter()
-            for i in range(self.nodes):
+            self.distinct_s.append(self._distinct)
+
+    def _reference_steps(self, copies) -> float:
+        """One reference step per entry of ``copies`` (and, with distinct copies, one step of each of
+        those copies); adds their times to this repeat's; returns the wall seconds spent."""
+        self.sync()
+        start = time.perf_counter()
+        for _ in copies:
+            self.reference_step(self._sections)
+        middle = time.perf_counter()
+        self._plain += middle - start
+        if self.distinct:
+            for i in copies:
                 self.reference_step(defaultdict(float), i)
-            self.distinct_s.append(time.perf_counter() - start)
+            self._distinct += time.perf_counter() - middle
+        return time.perf_counter() - start
 
 
 def measure_time(args, precision):
@@ -205,7 +237,9 @@ def measure_time(args, precision):
             return opt, sched
 
         trainer._make_optimizer_and_scheduler = make_timed
-        callback = Interleaved(reference_step, args.nodes, timer, sync, args.distinct_reference)
+        callback = Interleaved(reference_step, args.nodes, timer, sync, args.distinct_reference,
+                               per_node=args.interleave == "node")
+        trainer._local_step = callback.around_node(trainer._local_step)
         trainer.add_callback(callback)
         trainer.train()
     keep = slice(args.warmup, None)
@@ -273,6 +307,9 @@ def main(argv=None):
     p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
     p.add_argument("--memory-rounds", type=NONNEGATIVE, default=2, help="rounds of the peak-memory subprocess (0: skip)")
     p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
+    p.add_argument("--interleave", choices=["node", "round"], default="node",
+                   help="where the reference steps run: one next to each node's local step (node, the default) "
+                        "or all together next to the round (round, the runs before the node mode existed)")
     p.add_argument("--distinct-reference", action="store_true",
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -291,7 +328,8 @@ def main(argv=None):
     shape = "2 layers, dim 256, FFN 1024" if args.small else "DistilBERT-base (6 layers, dim 768, FFN 3072)"
     print(f"{shape}, {args.nodes} simulated nodes, batch {args.batch_size}/node x seq {args.seq_len}, AdamW, "
           f"{args.algorithm} top-k {args.compression:g}%, device {args.device}, torch threads {args.threads}, "
-          f"{args.repeats} interleaved repeats, load average {load}, "
+          f"{args.repeats} repeats interleaved {'node by node' if args.interleave == 'node' else 'round by round'}, "
+          f"load average {load}, "
           f"malloc {'glibc default' if args.default_malloc else 'tune_cpu_malloc (freed memory kept)'}")
     mib = 2**20
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
