@@ -45,6 +45,7 @@ import copy
 import gc
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -193,6 +194,15 @@ class Interleaved(TrainerCallback):
         return time.perf_counter() - start
 
 
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median of ``values`` (fixed seed: the same values give
+    the same interval): where the median of this many repeats would lie on another run of equal noise."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = round((1 - level) / 2 * resamples)
+    return medians[tail], medians[resamples - 1 - tail]
+
+
 def measure_time(args, precision):
     rounds = args.warmup + args.repeats
     device = torch.device(args.device)
@@ -255,7 +265,8 @@ def measure_time(args, precision):
     distinct_s = callback.distinct_s[keep]
     per_repeat = dict(round_s=round_s, plain_s=plain_s, gossip_s=gossip_s, distinct_s=distinct_s or None)
     return dict(round_s=statistics.median(round_s), plain_s=statistics.median(plain_s), per_repeat=per_repeat,
-                ratio=statistics.median(ratios), ratio_quartiles=(quartiles[0], quartiles[2]), own_work_ratio=statistics.median(own_work_ratios),
+                ratio=statistics.median(ratios), ratio_quartiles=(quartiles[0], quartiles[2]),
+                ratio_interval=median_interval(ratios), own_work_ratio=statistics.median(own_work_ratios),
                 sections=sections, plain_sections=plain_sections,
                 kernel=args.kernel if precision == "8-bit" else "-",
                 distinct_s=statistics.median(distinct_s) if distinct_s else None,
@@ -342,7 +353,8 @@ def main(argv=None):
         gc.collect()  # the trainer holds reference cycles: free its models before the next precision
         kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
         print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
-              f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios, quartiles {r['ratio_quartiles'][0]:.3f}-"
+              f"round / plain = {r['ratio']:.3f} (median of per-repeat ratios, 95% bootstrap interval "
+              f"{r['ratio_interval'][0]:.3f}-{r['ratio_interval'][1]:.3f}, quartiles {r['ratio_quartiles'][0]:.3f}-"
               f"{r['ratio_quartiles'][1]:.3f}; overhead {r['ratio'] - 1:+.1%})")
         print(f"  {'section':<28}{'round s':>9}{'plain s':>9}")
         for name in sorted(set(r["sections"]) | set(r["plain_sections"])):
