@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
 from lp_decentral_nlp.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
@@ -156,13 +156,13 @@ def main():
     parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
     parser.add_argument("--threads", type=_ranged(int, 1, None), default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="keep glibc's default malloc policy instead of the trainer's (freed memory kept for the "
-                             "next step, lp_decentral_nlp.cpu_malloc)")
+    add_default_malloc_flag(parser)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    malloc = "glibc default" if args.default_malloc or not keep_freed_memory() else "freed memory kept"
+    malloc = "glibc default"
+    if not args.default_malloc and keep_freed_memory():
+        malloc = "freed memory kept"
 
     shapes = [tuple(p.shape) for p in distilbert().parameters()]
     params = sum(int(torch.Size(s).numel()) for s in shapes)

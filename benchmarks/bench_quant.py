@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
 from lp_decentral_nlp.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
@@ -147,9 +147,7 @@ def main(argv=None):
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="CPU: keep glibc's default malloc policy instead of the trainer's (tune_cpu_malloc: freed "
-                        "memory kept for the next step, lp_decentral_nlp.cpu_malloc)")
+    add_default_malloc_flag(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

@@ -59,7 +59,7 @@ from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp import QuantConfig
-from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
 NUM_LABELS = 4
@@ -324,9 +324,7 @@ def main(argv=None):
     p.add_argument("--distinct-reference", action="store_true",
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="CPU: train under glibc's default malloc policy (tune_cpu_malloc=False) rather than the "
-                        "trainer's default, which keeps freed memory for the next step (lp_decentral_nlp.cpu_malloc)")
+    add_default_malloc_flag(p)
     p.add_argument("--json", metavar="PATH", help="also write the settings, every repeat's times (seconds) and the "
                                                   "peak memory (bytes) to this JSON file")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)

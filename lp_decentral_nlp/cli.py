@@ -134,12 +134,18 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
                    help="skip a node's update on a NaN/Inf loss or gradient (default: stop naming node and step)")
     f.add_argument("--gossip-timeout", type=_ranged(float, 0.0, None, lo_open=True), default=300.0,
                    help="distributed backend: seconds to wait for a peer before failing with its name (default 300)")
-    r.add_argument("--default-malloc", action="store_true",
-                   help="CPU: keep glibc's default malloc policy, which returns freed memory to the system and "
-                        "page-faults it in again every step (default: keep it for the next step; see "
-                        "lp_decentral_nlp.cpu_malloc)")
+    add_default_malloc_flag(r)
     if isinstance(parser, _Parser):
         parser.add_check(_check_decentralized_flags)
+
+
+def add_default_malloc_flag(parser) -> None:
+    """``--default-malloc``: opt out of keeping freed memory on the CPU (``tune_cpu_malloc``,
+    :mod:`lp_decentral_nlp.cpu_malloc`); shared by the recipes and the benchmarks."""
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="CPU: keep glibc's default malloc policy, which returns freed memory to the system and "
+                             "page-faults it in again every step (default: keep it for the next step, as "
+                             "DecentralizedTrainer's tune_cpu_malloc does; see lp_decentral_nlp.cpu_malloc)")
 
 
 def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
