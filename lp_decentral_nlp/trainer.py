@@ -48,16 +48,15 @@ from . import checkpoint as ckpt
 from . import gossip as gossip_lib
 from .cpu_malloc import keep_freed_memory
 from .data import skewed_partition
+from .gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig, build_compressor, build_gossip, \
+    build_topology
 from .gossip.faults import FaultPlan, parse_absence, parse_straggler
 from .gossip.transport import GossipPeerError
 from .quant import QuantConfig, QuantModule, quantize_model
 
 logger = logging.get_logger(__name__)
 
-ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
 BACKENDS = ("simulated", "distributed")
-COMPRESSORS = ("topk", "randomk", "qsgd")
-TOPOLOGIES = ("directed_ring", "ring", "torus", "exponential", "complete")
 
 
 @dataclass
@@ -116,44 +115,34 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "(lp_decentral_nlp.cpu_malloc.keep_freed_memory) instead of page-faulting it in again every step."})
 
     def __post_init__(self):
-        _check_choice("algorithm", self.algorithm, ALGORITHMS)
         _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("compressor", self.compressor, COMPRESSORS)
-        _check_choice("topology", self.topology, TOPOLOGIES)
-        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
-            raise ValueError(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
-        if not 0.0 <= self.compression < 100.0:
-            raise ValueError(f"compression must be a percentage with 0 <= compression < 100, got {self.compression!r}")
-        if self.algorithm == "dpsgd" and self.compression > 0:
-            raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
+        self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         if not 0.0 <= self.skew <= 1.0:
             raise ValueError(f"skew must be in [0, 1], got {self.skew!r}")
-        if self.consensus_lr is not None and not 0.0 < self.consensus_lr <= 1.0:
-            raise ValueError(f"consensus_lr must be in (0, 1], got {self.consensus_lr!r}")
-        if isinstance(self.qsgd_levels, bool) or not isinstance(self.qsgd_levels, int) or not 1 <= self.qsgd_levels <= 127:
-            raise ValueError(f"qsgd_levels must be an integer in [1, 127], got {self.qsgd_levels!r}")
         if not 0.0 <= self.qgm_beta < 1.0:
             raise ValueError(f"qgm_beta must be in [0, 1), got {self.qgm_beta!r}")
-        if self.torus_rows is not None and (self.topology != "torus" or self.torus_rows < 1
-                                            or self.num_nodes % self.torus_rows):
-            raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
-                             f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
-        if self.topology == "exponential" and (self.algorithm == "choco" or (self.algorithm == "dpsgd" and self.low_precision)):
-            uses = "algorithm='choco'" if self.algorithm == "choco" else "algorithm='dpsgd' with low_precision (8-bit Choco messages)"
-            raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
-                             "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
         if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
                 or not 0 < self.gossip_timeout < math.inf:
             raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
         self._check_lr_milestones()
-        plan = self.fault_plan  # validates drop_prob, stragglers, absences
+        plan = self.fault_plan
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
         if slow and self.backend == "distributed":
             raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         super().__post_init__()
+
+    @property
+    def gossip_config(self) -> GossipConfig:
+        """The run's :class:`~lp_decentral_nlp.gossip.factory.GossipConfig` (checks its fields:
+        ValueError naming the one that is wrong)."""
+        plan = self.fault_plan
+        return GossipConfig(num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows,
+                            algorithm=self.algorithm, compression=self.compression, compressor=self.compressor,
+                            qsgd_levels=self.qsgd_levels, low_precision=self.low_precision,
+                            consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None)
 
     @property
     def fault_plan(self) -> FaultPlan:
@@ -189,10 +178,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
 
     @property
     def gamma(self) -> float:
-        """Consensus step size: ``consensus_lr`` if set, else 1.0 without compression and 0.01 with it."""
-        if self.consensus_lr is not None:
-            return self.consensus_lr
-        return 1.0 if self.compression == 0 else 0.01
+        """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
+        return self.gossip_config.gamma
 
 
 def _check_choice(name, value, allowed):
@@ -299,53 +286,11 @@ class NonFiniteError(FloatingPointError):
         self.node, self.step = node, step
 
 
-def build_gossip(args: DecentralizedTrainingArguments, transport=None):
-    """The gossip algorithm described by ``args`` (SPEC 2-3).
-
-    Low precision sends 8-bit values: ``Quantize(8)`` without sparsification, top-k/random-k with
-    8-bit values with it. ``dpsgd`` is plain SGP (push-sum D-PSGD); with low precision its messages
-    are 8-bit model differences (Choco-style with ``gamma=1``), the only way to put 8-bit values on
-    the wire without a drifting error.
-    """
-    topo = build_topology(args)
-    compressor = build_compressor(args)
-    plan = args.fault_plan
-    kwargs = {"transport": transport, "seed": args.seed, "faults": plan if plan.active else None}
-    if args.algorithm == "dpsgd":
-        if compressor is None:
-            return gossip_lib.SGP(topo, **kwargs)
-        return gossip_lib.ChocoSGD(topo, compressor=compressor, gamma=1.0, **kwargs)
-    cls = gossip_lib.ChocoSGD if args.algorithm == "choco" else gossip_lib.DeepSqueeze
-    return cls(topo, compressor=compressor or gossip_lib.Identity(), gamma=args.gamma, **kwargs)
-
-
-def build_topology(args: DecentralizedTrainingArguments) -> gossip_lib.Topology:
-    """The graph of ``args``; a torus uses ``torus_rows`` or the most square ``rows x cols``."""
-    if args.topology != "torus":
-        return gossip_lib.make_topology(args.topology, num_nodes=args.num_nodes)
-    n = args.num_nodes
-    rows = args.torus_rows or max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
-    return gossip_lib.make_topology("torus", num_nodes=n, rows=rows, cols=n // rows)
-
-
-def build_compressor(args: DecentralizedTrainingArguments):
-    """Compressor for ``args`` or None for exact fp32 messages."""
-    value_bits = 8 if args.low_precision else None
-    if args.compression == 0:
-        return gossip_lib.Quantize(bits=8) if value_bits else None
-    keep = (100.0 - args.compression) / 100.0
-    if args.compressor == "topk":
-        return gossip_lib.TopK(keep, value_bits=value_bits)
-    if args.compressor == "randomk":
-        return gossip_lib.RandomK(keep, value_bits=value_bits)
-    # scaled: divide by 1 + omega so Choco/Deep-Squeeze stay stable with QSGD's variance
-    return gossip_lib.QSGD(levels=args.qsgd_levels, scaled=True)
-
-
 def resume_config(args: DecentralizedTrainingArguments) -> dict:
     """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
-    return {"num_nodes": args.num_nodes, "topology": build_topology(args).name, "algorithm": args.algorithm,
-            "compressor": repr(build_compressor(args)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
+    config = args.gossip_config
+    return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
+            "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
             "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
             "per_device_train_batch_size": args.per_device_train_batch_size}
 
@@ -415,7 +360,7 @@ class DecentralizedTrainer(Trainer):
         self.nodes = [copy.deepcopy(self.model) for _ in self.node_ids]
         # z_i of every local node, as the gossip engine updates them in place
         self.node_params = [[p.detach() for p in node.parameters()] for node in self.nodes]
-        self.gossip = build_gossip(args, transport)
+        self.gossip = build_gossip(args.gossip_config, transport)
         self.qgm = gossip_lib.QuasiGlobalMomentum(self.node_params, beta=args.qgm_beta) if args.qgm else None
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)

@@ -127,9 +127,9 @@ def test_bad_arguments_are_named(tmp_path, kwargs, word):
     (dict(compression=50.0, compressor="qsgd", qsgd_levels=4), "QSGD(levels=4, scaled=True)"),
 ])
 def test_compressor_follows_arguments(tmp_path, kwargs, expected):
-    from lp_decentral_nlp.trainer import build_compressor
+    from lp_decentral_nlp.gossip.factory import build_compressor
 
-    compressor = build_compressor(targs(tmp_path, **kwargs))
+    compressor = build_compressor(targs(tmp_path, **kwargs).gossip_config)
     assert (compressor is None) if expected is None else repr(compressor).startswith(expected)
 
 

@@ -13,7 +13,6 @@ training (SPEC 3).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from .report import OPTIMIZER_STATES, estimate_cost, format_comparison
@@ -38,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer state per parameter (default momentum for --arch, adam for --model)")
     p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco")
     p.add_argument("--topology", default="directed_ring",
-                   help="directed_ring, ring, torus (square), exponential or complete (directed_ring)")
+                   help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")
     p.add_argument("--num-nodes", type=int, default=4)
     p.add_argument("--compression", type=float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
@@ -61,30 +60,21 @@ def _build_model(args, precision: str):
     return AutoModelForSequenceClassification.from_config(config), (args.seq_len,)
 
 
-def _build_gossip(args, precision: str):
-    """The run's gossip algorithm: fp32 or 8-bit values on the wire (SPEC 3)."""
-    from lp_decentral_nlp import gossip
+def _gossip_config(args, precision: str):
+    """The run's gossip settings: fp32 or 8-bit values on the wire (SPEC 3); ValueError naming a bad one."""
+    from lp_decentral_nlp.gossip.factory import GossipConfig
 
-    side = math.isqrt(args.num_nodes)
-    dims = {"rows": side, "cols": side} if args.topology == "torus" else {}
-    topology = gossip.make_topology(args.topology, args.num_nodes, **dims)
-    value_bits = 8 if precision == "int8" else None
-    if args.compression == 0:
-        compressor = gossip.Quantize(bits=8) if value_bits else gossip.Identity()
-    else:
-        sparsifier = gossip.TopK if args.compressor == "topk" else gossip.RandomK
-        compressor = sparsifier(1 - args.compression / 100, value_bits=value_bits)
-    cls = gossip.ChocoSGD if args.algorithm == "choco" else gossip.DeepSqueeze
-    return cls(topology, compressor=compressor, gamma=1.0 if args.compression == 0 else 0.01)
+    return GossipConfig(num_nodes=args.num_nodes, topology=args.topology, algorithm=args.algorithm,
+                        compression=args.compression, compressor=args.compressor, low_precision=precision == "int8")
 
 
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.compression < 100:
-        parser.error(f"--compression must be in [0, 100), got {args.compression:g}")
-    if args.topology == "torus" and math.isqrt(args.num_nodes) ** 2 != args.num_nodes:
-        parser.error(f"--topology torus needs a square --num-nodes, got {args.num_nodes}")
+    try:
+        configs = {precision: _gossip_config(args, precision) for precision in ("fp32", "int8")}
+    except ValueError as err:
+        parser.error(str(err).replace("num_nodes", "--num-nodes").replace("compression", "--compression"))
     if args.batch_size < 1 or args.num_nodes < 1:
         parser.error("--batch-size and --num-nodes must be positive")
     defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
@@ -93,12 +83,14 @@ def main(argv=None) -> int:
     train_samples = args.train_samples or defaults["train_samples"]
     if train_samples < args.num_nodes:
         parser.error(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
+    from lp_decentral_nlp.gossip.factory import build_gossip
+
     reports = {}
-    for precision in ("fp32", "int8"):
+    for precision, config in configs.items():
         model, input_shape = _build_model(args, precision)
         reports[precision] = estimate_cost(
             model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
-            gossip=_build_gossip(args, precision), samples_per_node=train_samples // args.num_nodes)
+            gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes)
     fp32_weight_grad = estimate_cost(model, input_shape, args.batch_size, "int8", optimizer=args.optimizer,
                                      weight_grad_gemm="fp32")
     what = args.arch or args.model

@@ -1,0 +1,155 @@
+"""From settings to a running gossip algorithm: graph, compressor, algorithm (SPEC 1-3).
+
+The only place that turns user-facing settings into a :class:`~.topology.Topology`, a
+:class:`~.compressors.Compressor` and a :class:`~.algorithms.PushSumGossip`. The trainer's
+arguments and the cost command line both describe their run with a :class:`GossipConfig` and call
+:func:`build_gossip`, so the two cannot drift apart::
+
+    config = GossipConfig(num_nodes=8, topology="torus", algorithm="choco", compression=99.0)
+    gossip = build_gossip(config)
+    stats = gossip.step(nodes)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .algorithms import SGP, ChocoSGD, DeepSqueeze, PushSumGossip
+from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
+from .faults import FaultPlan
+from .topology import TOPOLOGIES, Topology, make_topology
+
+ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
+COMPRESSORS = ("topk", "randomk", "qsgd")
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """What decides the gossip of a run (SPEC 1-3); checked on construction (ValueError naming the field).
+
+    Attributes:
+        num_nodes: number of peer nodes ``n >= 1``.
+        topology: one of ``TOPOLOGIES`` (``directed_ring``, ``ring``, ``torus``, ``exponential``,
+            ``complete``).
+        torus_rows: rows of a torus (must divide ``num_nodes``); None: the most square shape.
+        algorithm: ``"choco"`` (Choco-SGD), ``"deepsqueeze"`` (Deep-Squeeze / Sparse-Push) or
+            ``"dpsgd"`` (uncompressed push-sum SGP).
+        compression: percent of entries dropped per tensor, ``0 <= compression < 100``
+            (``99`` keeps 1%, SPEC 3).
+        compressor: ``"topk"``, ``"randomk"`` or ``"qsgd"`` (used when ``compression > 0``).
+        qsgd_levels: QSGD levels ``s`` in ``[1, 127]``.
+        low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads").
+        consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :attr:`gamma`'s default.
+        seed: base seed of stochastic compressors and message loss.
+        faults: a :class:`~.faults.FaultPlan` (None: no faults).
+    """
+
+    num_nodes: int = 4
+    topology: str = "directed_ring"
+    torus_rows: int | None = None
+    algorithm: str = "choco"
+    compression: float = 0.0
+    compressor: str = "topk"
+    qsgd_levels: int = 16
+    low_precision: bool = True
+    consensus_lr: float | None = None
+    seed: int = 0
+    faults: FaultPlan | None = None
+
+    def __post_init__(self):
+        _check_int("num_nodes", self.num_nodes, 1)
+        _check_choice("topology", self.topology, TOPOLOGIES)
+        _check_choice("algorithm", self.algorithm, ALGORITHMS)
+        _check_choice("compressor", self.compressor, COMPRESSORS)
+        _check_number("compression", self.compression)
+        if not 0.0 <= self.compression < 100.0:
+            raise ValueError(f"compression must be a percentage with 0 <= compression < 100, got {self.compression!r}")
+        if self.algorithm == "dpsgd" and self.compression > 0:
+            raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
+        _check_int("qsgd_levels", self.qsgd_levels, 1, 127)
+        if self.consensus_lr is not None:
+            _check_number("consensus_lr", self.consensus_lr)
+            if not 0.0 < self.consensus_lr <= 1.0:
+                raise ValueError(f"consensus_lr must be in (0, 1], got {self.consensus_lr!r}")
+        if self.torus_rows is not None:
+            _check_int("torus_rows", self.torus_rows, 1)
+            if self.topology != "torus" or self.num_nodes % self.torus_rows:
+                raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
+                                 f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
+        if self.topology == "exponential" and (self.algorithm == "choco"
+                                               or (self.algorithm == "dpsgd" and self.low_precision)):
+            uses = ("algorithm='choco'" if self.algorithm == "choco"
+                    else "algorithm='dpsgd' with low_precision (8-bit Choco messages)")
+            raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
+                             "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
+        if self.faults is not None:
+            self.faults.check_nodes(self.num_nodes)
+
+    @property
+    def gamma(self) -> float:
+        """Consensus step size: ``consensus_lr`` if set, else 1.0 without compression and 0.01 with it."""
+        if self.consensus_lr is not None:
+            return self.consensus_lr
+        return 1.0 if self.compression == 0 else 0.01
+
+
+def build_topology(config: GossipConfig) -> Topology:
+    """The graph of ``config``; a torus uses ``torus_rows`` or the most square ``rows x cols``."""
+    if config.topology != "torus":
+        return make_topology(config.topology, num_nodes=config.num_nodes)
+    n = config.num_nodes
+    rows = config.torus_rows or max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return make_topology("torus", num_nodes=n, rows=rows, cols=n // rows)
+
+
+def build_compressor(config: GossipConfig) -> Compressor | None:
+    """The message codec of ``config`` (SPEC 3), or None for exact full-precision messages.
+
+    Low precision sends 8-bit values: ``Quantize(8)`` without sparsification, top-k/random-k with
+    8-bit values with it. QSGD is scaled by ``1 / (1 + omega)`` so Choco/Deep-Squeeze stay stable
+    with its variance.
+    """
+    value_bits = 8 if config.low_precision else None
+    if config.compression == 0:
+        return Quantize(bits=8) if value_bits else None
+    keep = (100.0 - config.compression) / 100.0
+    if config.compressor == "topk":
+        return TopK(keep, value_bits=value_bits)
+    if config.compressor == "randomk":
+        return RandomK(keep, value_bits=value_bits)
+    return QSGD(levels=config.qsgd_levels, scaled=True)
+
+
+def build_gossip(config: GossipConfig, transport=None) -> PushSumGossip:
+    """The gossip algorithm of ``config`` over ``transport`` (default: all nodes simulated here).
+
+    ``dpsgd`` is plain SGP (push-sum D-PSGD); with low precision its messages are 8-bit model
+    differences (Choco-style with ``gamma=1``), the only way to put 8-bit values on the wire
+    without a drifting error.
+    """
+    topology = build_topology(config)
+    compressor = build_compressor(config)
+    faults = config.faults if config.faults is not None and config.faults.active else None
+    kwargs = {"transport": transport, "seed": config.seed, "faults": faults}
+    if config.algorithm == "dpsgd":
+        if compressor is None:
+            return SGP(topology, **kwargs)
+        return ChocoSGD(topology, compressor=compressor, gamma=1.0, **kwargs)
+    cls = ChocoSGD if config.algorithm == "choco" else DeepSqueeze
+    return cls(topology, compressor=compressor or Identity(), gamma=config.gamma, **kwargs)
