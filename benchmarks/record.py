@@ -1,0 +1,65 @@
+"""Benchmark results as data: one ``benchmarks/results/<name>.json`` per benchmark.
+
+Every benchmark ends with ``save_results("<name>", results)``. The file holds the command that
+produced it, the machine, the date and the benchmark's own ``results`` dict; re-running the
+benchmark replaces it. ``benchmarks/render.py`` turns the files into ``docs/benchmarks.md``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import sys
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """The machine a benchmark ran on: CPU model, cores, memory, accelerator, library versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_gib, 1) if mem_gib else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def save_results(name: str, results: dict, argv: list[str] | None = None) -> pathlib.Path:
+    """Write ``results`` to ``benchmarks/results/<name>.json`` with the command, machine and date.
+
+    Args:
+        name: the benchmark's name (file stem), e.g. ``"bench_quant"``.
+        results: JSON-serialisable figures (ratios, medians in seconds, bytes...).
+        argv: the command's arguments (default ``sys.argv``).
+    Returns:
+        The path written.
+    """
+    argv = sys.argv if argv is None else argv
+    record = {
+        "benchmark": name,
+        "command": "python " + shlex.join(["benchmarks/" + pathlib.Path(argv[0]).name, *argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "results": results,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
