@@ -1,7 +1,9 @@
 """lp_decentral_nlp: low-precision decentralized training for Hugging Face models.
 
 Subpackages:
-    quant   -- 8-bit layers (gradient bifurcation) and the model surgery.
+    quant   -- 8-bit layers (gradient bifurcation) and the model surgery; importing the package
+               registers the surgery as a transformers quantizer ("lp_decentral_nlp"), so saved
+               8-bit models reload with from_pretrained / pipeline.
     gossip  -- graphs, push-sum, compressors, Choco-SGD / Deep-Squeeze, transports.
     data    -- tasks and skewed (non-IID) shards.
     vision  -- ResNet/VGG with EvoNorm and Range EvoNorm.
@@ -9,6 +11,14 @@ Subpackages:
 
 __version__ = "0.1.0"
 
-from .quant import QuantConfig, dequantize_model, export_int8_state_dict, load_quantized, quantize_model
+from .quant import (
+    LpQuantizationConfig,
+    QuantConfig,
+    dequantize_model,
+    export_int8_state_dict,
+    load_quantized,
+    quantize_model,
+)
 
-__all__ = ["QuantConfig", "dequantize_model", "export_int8_state_dict", "load_quantized", "quantize_model"]
+__all__ = ["LpQuantizationConfig", "QuantConfig", "dequantize_model", "export_int8_state_dict", "load_quantized",
+           "quantize_model"]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lp_decentral_nlp.cost import ENERGY_PJ, estimate_cost
+from lp_decentral_nlp.cost import ENERGY_PJ, estimate_cost, format_comparison
 
 FP, I8 = ENERGY_PJ["fp32"], ENERGY_PJ["int8"]
 
@@ -57,9 +57,11 @@ def test_single_linear_int8_exact():
     assert fc.train.fp32_mults == 12 + 6 + 8 + 8 + 12 + 6
     assert r.train_energy_mj == pytest.approx(
         (186 * FP["add"] + 52 * FP["mult"] + 72 * I8["add"] + 72 * I8["mult"]) * 1e-9)
-    # 8-bit weight (6 B) + fp32 bias (8 B); gradients alike; Adam: 2 states; input saved at 8 bits
+    # 8-bit weight (6 B) + fp32 bias (8 B); gradients alike; Adam: 2 states; input saved as 12
+    # 8-bit codes + a fp32 scale and offset (8 B)
     assert r.memory_breakdown_mb["train"] == pytest.approx(
-        {"weights": 14e-6, "gradients": 14e-6, "optimizer": 28e-6, "activations": 12e-6})
+        {"weights": 14e-6, "gradients": 14e-6, "optimizer": 28e-6, "activations": 20e-6})
+    assert (r.convention, r.memory_unit) == ("ours", "MB")
     assert r.memory_breakdown_mb["inference"] == pytest.approx({"weights": 14e-6, "activations": 80e-6})
 
 
@@ -68,6 +70,54 @@ def test_weight_gradient_gemm_priced_fp32():
     assert (fc.train.int8_adds, fc.train.int8_mults) == (48, 48)
     # one GEMM moves to fp32, and its output needs no rescaling (6 weights)
     assert (fc.train.fp32_adds, fc.train.fp32_mults) == (186 - 6 + 24, 52 - 6 + 24)
+
+
+def test_single_linear_paper_convention_exact():
+    """The paper's convention (SPEC 7, Table 10): every op of the 8-bit model int8, inference
+    memory = the weights alone, memory in MiB."""
+    ours = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam")
+    r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam", convention="paper")
+    fc = layer(r, "0")
+    assert (fc.train.fp32_adds, fc.train.fp32_mults) == (0, 0)
+    assert (fc.train.int8_adds, fc.train.int8_mults) == (72 + 186, 72 + 52)  # ours' int8 + fp32 ops
+    assert (fc.inference.fp32_adds, fc.inference.int8_adds, fc.inference.int8_mults) == (0, 24 + 64, 24 + 20)
+    assert r.adds == ours.adds and r.mults == ours.mults  # same ops, priced differently
+    assert r.train_energy_mj == pytest.approx((258 * I8["add"] + 124 * I8["mult"]) * 1e-9)
+    mib = 2**20
+    # inference: the 8 parameters at 1 byte, no activations; training counted as in ours
+    assert r.memory_breakdown_mb["inference"] == pytest.approx({"weights": 8 / mib})
+    assert r.memory_breakdown_mb["train"] == pytest.approx(
+        {k: v * 1e6 / mib for k, v in ours.memory_breakdown_mb["train"].items()})
+    assert (r.convention, r.memory_unit) == ("paper", "MiB")
+    assert r.to_dict()["convention"] == "paper" and r.to_dict()["memory_unit"] == "MiB"
+    assert "convention paper" in str(r) and "inference memory (MiB)" in str(r) and "peak activations" not in str(r)
+    assert "convention ours" in str(ours) and "inference memory (MB)" in str(ours)
+    fp32 = estimate_cost(linear_model(), (3,), 4, "fp32", optimizer="adam", convention="paper")
+    assert fp32.train_energy_mj == pytest.approx(
+        estimate_cost(linear_model(), (3,), 4, "fp32", optimizer="adam").train_energy_mj)
+    assert fp32.memory_breakdown_mb["inference"] == pytest.approx({"weights": 32 / mib})
+    with pytest.raises(ValueError, match="share one convention"):
+        format_comparison({"fp32": fp32, "int8": ours})
+
+
+def test_paper_convention_reproduces_table_10():
+    """ResNet-20 (CIFAR-10, batch 32): 19.9x less training energy; inference memory 1.04 MB fp32 vs
+    0.26 MB 8-bit; VGG-11: 36.22 vs 9.01 MB (the paper's MB are MiB)."""
+    vision = pytest.importorskip("lp_decentral_nlp.vision")
+
+    def pair(arch, batch_size):
+        return (estimate_cost(vision.build_vision_model(arch, 10, "evonorm"), (3, 32, 32), batch_size, "fp32",
+                              convention="paper"),
+                estimate_cost(vision.build_vision_model(arch, 10, "range_evonorm"), (3, 32, 32), batch_size,
+                              "int8", convention="paper"))
+
+    fp32, int8 = pair("resnet20", 32)
+    assert fp32.train_energy_mj / int8.train_energy_mj == pytest.approx(19.9, rel=0.01)
+    assert fp32.inference_memory_mb == pytest.approx(1.04, rel=0.05)
+    assert int8.inference_memory_mb == pytest.approx(0.26, rel=0.05)
+    fp32, int8 = pair("vgg11", 2)
+    assert fp32.inference_memory_mb == pytest.approx(36.22, rel=0.05)
+    assert int8.inference_memory_mb == pytest.approx(9.01, rel=0.05)
 
 
 # -- a single convolution ----------------------------------------------------------------------
@@ -111,7 +161,8 @@ def test_linear_residual_add_exact():
     # fp32: fc saves its input (8 floats); inference peak = input, fc output and sum live together
     assert f32.memory_breakdown_mb["train"]["activations"] == pytest.approx(32e-6)
     assert f32.memory_breakdown_mb["inference"]["activations"] == pytest.approx(96e-6)
-    assert r.memory_breakdown_mb["train"]["activations"] == pytest.approx(8e-6)
+    # 8-bit: fc saves its input as 8 codes + a fp32 scale and offset
+    assert r.memory_breakdown_mb["train"]["activations"] == pytest.approx(16e-6)
 
 
 # -- op rules of norms, softmax, pooling -----------------------------------------------------------
@@ -279,6 +330,8 @@ def test_to_dict_is_json():
         ({"batch_size": 0}, "batch_size must be a positive int"),
         ({"input_shape": (4, 0)}, "input_shape must be"),
         ({"samples_per_node": 100}, "needs gossip="),
+        ({"convention": "table10"}, "convention must be one of"),
+        ({"convention": "paper", "weight_grad_gemm": "fp32"}, "weight_grad_gemm='fp32' needs convention='ours'"),
     ],
 )
 def test_bad_arguments(kwargs, match):

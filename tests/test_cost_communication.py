@@ -73,6 +73,14 @@ def test_cli_vision(capsys):
     assert "ops without a cost rule" not in out
 
 
+def test_cli_paper_convention(capsys):
+    pytest.importorskip("lp_decentral_nlp.vision")
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--convention", "paper"]) == 0
+    out = capsys.readouterr().out
+    assert "convention paper" in out and "inference memory (MiB)" in out
+    assert "weight-gradient GEMM priced fp32" not in out  # an ours-only figure
+
+
 def test_cli_hf_model(capsys, minilm_path):
     assert main(["--model", str(minilm_path), "--seq-len", "16", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
@@ -81,7 +89,9 @@ def test_cli_hf_model(capsys, minilm_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--compression", "100"], "--compression must be in"), (["--topology", "torus", "--num-nodes", "8"], "square --num-nodes")],
+    [(["--compression", "100"], "--compression must be a percentage with 0 <= --compression < 100"),
+     (["--train-samples", "2"], "--train-samples (2) must be at least --num-nodes (4)"),
+     (["--convention", "table10"], "argument --convention: invalid choice: 'table10'")],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -119,13 +119,13 @@ def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
     model = train_steps(quantize_model(ARCHITECTURES["distilbert"](), QuantConfig(grad_granularity="sample")))
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["lp_quant_config"] == QuantConfig(grad_granularity="sample").to_dict()
-    assert "quantization_config" not in saved
+    assert saved["quantization_config"] == {"quant_method": "lp_decentral_nlp",
+                                            **QuantConfig(grad_granularity="sample").to_dict()}
 
     with caplog.at_level(logging.WARNING):
         loaded = load_quantized(tmp_path, auto_class=AutoModelForSequenceClassification)
     assert caplog.records == [], "loading a quantized checkpoint should not warn"
-    assert loaded.config.lp_quant_config == saved["lp_quant_config"]
+    assert loaded.config.quantization_config.to_dict() == saved["quantization_config"]
     assert {n: type(m) for n, m in loaded.named_modules()} == {n: type(m) for n, m in model.named_modules()}
     reference, restored = model.state_dict(), loaded.state_dict()
     assert set(restored) == set(reference)
@@ -144,7 +144,7 @@ def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
 
 def test_load_quantized_refuses_a_float_checkpoint(tmp_path):
     ARCHITECTURES["distilbert"]().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="lp_quant_config"):
+    with pytest.raises(ValueError, match="no quantization_config with quant_method 'lp_decentral_nlp'"):
         load_quantized(tmp_path, auto_class=AutoModelForSequenceClassification)
 
 
@@ -244,7 +244,7 @@ def test_8bit_embeddings_train_export_exactly_and_reload(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = load_quantized(tmp_path, auto_class=AutoModelForCausalLM).eval()
     assert type(loaded.transformer.wte) is QuantEmbedding
-    assert loaded.config.lp_quant_config["embeddings"] is True
+    assert loaded.config.quantization_config.embeddings is True
     with torch.no_grad():
         assert torch.equal(output_of(loaded, inputs), output_of(model, inputs))
 

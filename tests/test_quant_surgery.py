@@ -36,7 +36,7 @@ def test_default_quantizes_every_linear_but_the_heads():
     assert all(p is params_before[n] for n, p in model.named_parameters())
     new_keys = set(model.state_dict()) - keys_before
     assert new_keys == {f"{n}.{b}" for n in names for b in ("act_running_min", "act_running_max", "act_num_batches")}
-    assert getattr(model.config, CONFIG_KEY) == QuantConfig().to_dict()
+    assert getattr(model.config, CONFIG_KEY).to_quant_config() == QuantConfig()
 
 
 def test_dry_run_reports_without_touching_the_model():
@@ -126,7 +126,7 @@ def test_embeddings_are_quantized_only_when_asked_and_the_swap_undoes():
     quantize_model(model, QuantConfig(embeddings=True))
     assert {n for n, m in model.named_modules() if isinstance(m, QuantEmbedding)} == set(tables)
     assert all(model.get_submodule(n).weight is w for n, w in tables.items())  # same Parameter objects
-    assert getattr(model.config, CONFIG_KEY)["embeddings"] is True
+    assert getattr(model.config, CONFIG_KEY).embeddings is True
     dequantize_model(model)
     assert all(type(model.get_submodule(n)) is nn.Embedding and model.get_submodule(n).weight is w
                for n, w in tables.items())

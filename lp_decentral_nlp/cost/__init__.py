@@ -3,10 +3,12 @@
 ``estimate_cost(model, input_shape, batch_size, precision)`` walks the real model once on the
 ``meta`` device and returns a :class:`CostReport`; ``communication_cost`` measures the gossip
 traffic with the gossip engine's real encoders. ``python -m lp_decentral_nlp.cost`` prints
-fp32 vs 8-bit side by side.
+fp32 vs 8-bit side by side. ``convention="ours"`` (default) or ``"paper"`` (Table 10) chooses how
+the 8-bit model is priced (SPEC 7).
 """
 from .communication import CommunicationCost, communication_cost
 from .report import (
+    CONVENTIONS,
     ENERGY_PJ,
     OPTIMIZER_STATES,
     PRECISIONS,
@@ -21,6 +23,7 @@ from .report import (
 __all__ = [
     "CommunicationCost",
     "communication_cost",
+    "CONVENTIONS",
     "ENERGY_PJ",
     "OPTIMIZER_STATES",
     "PRECISIONS",

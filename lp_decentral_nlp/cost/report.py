@@ -31,10 +31,20 @@ Memory (bytes, 1 MB = 10^6 bytes): training holds weights + gradients + optimize
 (``optimizer``: 0, 1 or 2 tensors per parameter) + the activations autograd saves for backward;
 inference holds the weights + the peak of the live activation tensors during the forward pass.
 With ``precision="int8"`` the weights (not biases) of the quantized layers, their gradients and
-optimizer state, and the inputs they save for backward count 8 bits; every other tensor counts
-its dtype's size. This prices an 8-bit accelerator as SPEC 7 does: the float simulation in
-``lp_decentral_nlp.quant`` keeps fp32 master weights, fp32 weight gradients and fp32 saved
-inputs, so it does not realise these savings.
+optimizer state count 8 bits, as SPEC 7's 8-bit accelerator holds them (``lp_decentral_nlp.quant``
+keeps fp32 master weights and weight gradients). The input a quantized layer saves for backward
+counts what the 8-bit layers store: its 8-bit codes (1 byte per element) plus a per-tensor scale
+and offset (two fp32 values, ``SAVED_RANGE_BYTES``). Every other tensor counts its dtype's size.
+
+Conventions (SPEC 7, ``convention=``):
+
+* ``"ours"`` (default): as above -- only what our 8-bit training runs in 8 bits is priced int8.
+* ``"paper"`` (the paper's Table 10): every add and multiply of the 8-bit model -- quantization
+  arithmetic, norms, heads and all -- is an int8 op, so the fp32 / 8-bit energy ratio is about
+  (0.9 + 3.7) / (0.03 + 0.2) = 20 by construction (19.9x for ResNet-20); inference memory is the
+  model weights alone (every parameter at 8 bits in the 8-bit model); training memory is counted
+  as in ``"ours"``; memory is in MiB (2^20 bytes), the unit of the paper's "MB" (ResNet-20:
+  1.04 vs 0.26; VGG-11: 36.22 vs 9.01). ``weight_grad_gemm="fp32"`` has no meaning there and is refused.
 """
 from __future__ import annotations
 
@@ -49,6 +59,16 @@ from .ops import Ops, dequantize, quantize
 from .walk import Row, Walk, walk
 
 PRECISIONS = ("fp32", "int8")
+CONVENTIONS = ("ours", "paper")
+# Unit of the memory figures of each convention: name, bytes. The paper's Table 10 "MB" are MiB.
+MEMORY_UNITS = {"ours": ("MB", 10**6), "paper": ("MiB", 2**20)}
+CONVENTION_TEXT = {
+    "ours": "convention ours: only what 8-bit training runs in 8 bits is priced int8; memory in MB (10^6 bytes)",
+    "paper": "convention paper (Table 10): every add and mult of the 8-bit model priced int8; inference memory "
+             "= the weights alone; memory in MiB (2^20 bytes)",
+}
+# A quantized layer saves its input for backward as 8-bit codes plus a per-tensor scale and offset (2 x fp32).
+SAVED_RANGE_BYTES = 8
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
 # Energy per operation in picojoules, 45 nm (Horowitz, ISSCC 2014), as SPEC 7 lists.
 ENERGY_PJ = {"fp32": {"add": 0.9, "mult": 3.7}, "int8": {"add": 0.03, "mult": 0.2}}
@@ -113,10 +133,12 @@ class LayerCost:
 class CostReport:
     """Cost of one iteration of one node: ``batch_size`` samples of shape ``input_shape``.
 
-    ``adds``/``mults``: operation counts (training, inference). Energies in millijoules, memory
-    in MB (10^6 bytes); ``memory_breakdown_mb`` splits them into weights, gradients, optimizer
-    state and activations. ``quantized_mac_share``: fraction of the forward MACs that run in
-    int8. ``uncounted_ops``: ATen ops the model ran that the cost model has no rule for (name ->
+    ``convention``: ``"ours"`` or ``"paper"`` (module docstring). ``adds``/``mults``: operation
+    counts (training, inference). Energies in millijoules, memory in ``memory_unit`` (``"MB"``,
+    10^6 bytes, in the ours convention; ``"MiB"``, 2^20 bytes, in the paper's, despite the ``_mb``
+    names); ``memory_breakdown_mb`` splits them into weights, gradients, optimizer state and
+    activations (inference in the paper convention: weights only). ``quantized_mac_share``:
+    fraction of the forward MACs that run in quantized layers. ``uncounted_ops``: ATen ops the model ran that the cost model has no rule for (name ->
     calls; they are costed as zero). ``walk_device``: ``"meta"``, or the real device when the
     model needed real values. ``communication``: gossip traffic, when a compressor was given.
     See the module docstring for exactly what is counted.
@@ -127,6 +149,8 @@ class CostReport:
     input_shape: tuple[int, ...]
     optimizer: str
     weight_grad_gemm: str
+    convention: str
+    memory_unit: str
     adds: TrainInference
     mults: TrainInference
     train_energy_mj: float
@@ -155,12 +179,13 @@ class CostReport:
 
     def layer_table(self) -> str:
         """The per-layer breakdown as a text table."""
+        unit = MEMORY_UNITS[self.convention][1]
         header = ("layer", "kind", "prec", "fwd MACs", "train adds", "train mults",
-                  "train uJ", "infer uJ", "saved MB")
+                  "train uJ", "infer uJ", f"saved {self.memory_unit}")
         rows = [(layer.name, layer.kind, layer.precision, f"{layer.forward_macs:,}",
                  f"{layer.train.adds:,}", f"{layer.train.mults:,}",
                  f"{layer.train.energy_pj * 1e-6:.2f}", f"{layer.inference.energy_pj * 1e-6:.2f}",
-                 f"{layer.saved_activation_bytes / MB:.3f}") for layer in self.layers]
+                 f"{layer.saved_activation_bytes / unit:.3f}") for layer in self.layers]
         return _format_table(header, rows)
 
     def __str__(self) -> str:
@@ -178,6 +203,7 @@ def estimate_cost(
     weight_grad_gemm: str = "int8",
     gossip=None,
     samples_per_node: int | None = None,
+    convention: str = "ours",
 ) -> CostReport:
     """Compute, energy and memory of one iteration of one node (SPEC 7); see the module docstring.
 
@@ -200,10 +226,15 @@ def estimate_cost(
         gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``/``ChocoSGD``/``DeepSqueeze``,
             which fixes compressor and topology): adds the gossip traffic (``communication_cost``).
         samples_per_node: training samples per node, for the traffic per epoch.
+        convention: ``"ours"`` or ``"paper"`` (SPEC 7, module docstring); the report says which.
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
     _check_choice("weight_grad_gemm", weight_grad_gemm, PRECISIONS)
+    _check_choice("convention", convention, CONVENTIONS)
+    if convention == "paper" and weight_grad_gemm != "int8":
+        raise ValueError(f"weight_grad_gemm={weight_grad_gemm!r} needs convention='ours': the paper's convention "
+                         "prices every op of the 8-bit model int8")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -219,6 +250,7 @@ def estimate_cost(
     eval_walk = walk(model, make_inputs, training=False)
     quantized = _quantized_layers(model, quant_config) if precision == "int8" else set()
     int8_weight_grad = weight_grad_gemm == "int8"
+    all_int8 = convention == "paper" and precision == "int8"
 
     saved_by_row = _saved_activation_bytes(train_walk, quantized)
     layers = []
@@ -228,28 +260,33 @@ def estimate_cost(
         layers.append(LayerCost(
             name=name, kind=tr.kind or ev.kind, precision="int8" if q else "fp32",
             forward_macs=tr.ops.macs,
-            train=_train_ops(tr, q, int8_weight_grad), inference=_inference_ops(ev, q),
+            train=_train_ops(tr, q, int8_weight_grad, all_int8), inference=_inference_ops(ev, q, all_int8),
             saved_activation_bytes=saved_by_row.get(name, 0)))
 
     train_total = sum((layer.train for layer in layers), PricedOps())
     infer_total = sum((layer.inference for layer in layers), PricedOps())
-    weights, trainable = _parameter_bytes(model, quantized)
+    weights, trainable = _parameter_bytes(model, _eight_bit_weights(model, quantized))
     states = OPTIMIZER_STATES[optimizer]
     train_mem = {"weights": weights, "gradients": trainable, "optimizer": states * trainable,
                  "activations": sum(saved_by_row.values())}
-    infer_mem = {"weights": weights, "activations": eval_walk.peak_activation_bytes}
+    if convention == "paper":  # the weights alone, every one at 8 bits in the 8-bit model
+        everything = {id(p) for p in model.parameters()} if precision == "int8" else set()
+        infer_mem = {"weights": _parameter_bytes(model, everything)[0]}
+    else:
+        infer_mem = {"weights": weights, "activations": eval_walk.peak_activation_bytes}
+    unit_name, unit = MEMORY_UNITS[convention]
     total_macs = sum(layer.forward_macs for layer in layers)
     report = CostReport(
         precision=precision, batch_size=batch_size, input_shape=input_shape, optimizer=optimizer,
-        weight_grad_gemm=weight_grad_gemm,
+        weight_grad_gemm=weight_grad_gemm, convention=convention, memory_unit=unit_name,
         adds=TrainInference(train_total.adds, infer_total.adds),
         mults=TrainInference(train_total.mults, infer_total.mults),
         train_energy_mj=train_total.energy_pj * 1e-9,
         inference_energy_mj=infer_total.energy_pj * 1e-9,
-        train_memory_mb=sum(train_mem.values()) / MB,
-        inference_memory_mb=sum(infer_mem.values()) / MB,
-        memory_breakdown_mb={"train": {k: v / MB for k, v in train_mem.items()},
-                             "inference": {k: v / MB for k, v in infer_mem.items()}},
+        train_memory_mb=sum(train_mem.values()) / unit,
+        inference_memory_mb=sum(infer_mem.values()) / unit,
+        memory_breakdown_mb={"train": {k: v / unit for k, v in train_mem.items()},
+                             "inference": {k: v / unit for k, v in infer_mem.items()}},
         quantized_mac_share=sum(l.forward_macs for l in layers if l.precision == "int8") / max(total_macs, 1),
         layers=layers,
         uncounted_ops=dict(train_walk.uncounted_ops + eval_walk.uncounted_ops),
@@ -265,8 +302,16 @@ def estimate_cost(
 # -- pricing ------------------------------------------------------------------------------------
 
 
-def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool) -> PricedOps:
-    """Training ops of one row: 3x its train-mode forward; quantized GEMMs priced as documented."""
+def _as_int8(ops: PricedOps) -> PricedOps:
+    """`ops` with every add and mult priced int8 (the paper's convention for the 8-bit model)."""
+    return PricedOps(int8_adds=ops.adds, int8_mults=ops.mults)
+
+
+def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool, all_int8: bool) -> PricedOps:
+    """Training ops of one row: 3x its train-mode forward; quantized GEMMs priced as documented
+    (`all_int8`: every op priced int8)."""
+    if all_int8:
+        return _as_int8(_train_ops(row, quantized, int8_weight_grad, False))
     if not quantized:
         return PricedOps.of(fp32=row.ops.scaled(3))
     macs = row.ops.macs
@@ -285,9 +330,12 @@ def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool) -> PricedOps:
     return PricedOps.of(fp32=other.scaled(3) + quant + gemm_one, int8=gemm_one.scaled(2))
 
 
-def _inference_ops(row: Row, quantized: bool) -> PricedOps:
+def _inference_ops(row: Row, quantized: bool, all_int8: bool) -> PricedOps:
     """Inference ops of one row: its eval-mode forward; a quantized GEMM runs in int8, its input
-    is quantized with the running range and its output rescaled (weights are stored 8-bit)."""
+    is quantized with the running range and its output rescaled (weights are stored 8-bit).
+    `all_int8`: every op priced int8."""
+    if all_int8:
+        return _as_int8(_inference_ops(row, quantized, False))
     if not quantized:
         return PricedOps.of(fp32=row.ops)
     macs = row.ops.macs
@@ -299,9 +347,13 @@ def _inference_ops(row: Row, quantized: bool) -> PricedOps:
 # -- memory -------------------------------------------------------------------------------------
 
 
-def _parameter_bytes(model: nn.Module, quantized: set[str]) -> tuple[int, int]:
-    """Bytes of all parameters and of the trainable ones; weights of quantized layers at 8 bits."""
-    eight_bit = {id(model.get_submodule(name).weight) for name in quantized}
+def _eight_bit_weights(model: nn.Module, quantized: set[str]) -> set[int]:
+    """Ids of the weights of the quantized layers (stored 8-bit)."""
+    return {id(model.get_submodule(name).weight) for name in quantized}
+
+
+def _parameter_bytes(model: nn.Module, eight_bit: set[int]) -> tuple[int, int]:
+    """Bytes of all parameters and of the trainable ones; the parameters whose id is in `eight_bit` at 8 bits."""
     total = trainable = 0
     for p in model.parameters():
         nbytes = p.numel() if id(p) in eight_bit else p.numel() * p.element_size()
@@ -312,7 +364,8 @@ def _parameter_bytes(model: nn.Module, quantized: set[str]) -> tuple[int, int]:
 
 def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, int]:
     """Bytes saved for backward, per row. A storage saved by several ops counts once per precision
-    it is kept at (8 bits when saved by a quantized layer, its dtype's size otherwise)."""
+    it is kept at (8-bit codes plus a per-tensor scale and offset when saved by a quantized layer,
+    its dtype's size otherwise)."""
     by_row: dict[str, int] = {}
     for entries in train_walk.saved.values():
         seen_bits = set()
@@ -320,7 +373,8 @@ def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, 
             bits = 8 if e.row in quantized else 8 * e.itemsize
             if bits not in seen_bits:
                 seen_bits.add(bits)
-                by_row[e.row] = by_row.get(e.row, 0) + e.numel * bits // 8
+                nbytes = e.numel * bits // 8 + (SAVED_RANGE_BYTES if e.row in quantized else 0)
+                by_row[e.row] = by_row.get(e.row, 0) + nbytes
     return by_row
 
 
@@ -377,10 +431,15 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_comparison(reports: dict[str, CostReport]) -> str:
-    """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``); with two reports a
-    last column gives the ratio first / second."""
+    """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``) of one convention, which
+    the text names; with two reports a last column gives the ratio first / second."""
     labels = list(reports)
     rs = list(reports.values())
+    conventions = {r.convention for r in rs}
+    if len(conventions) != 1:
+        raise ValueError(f"reports must share one convention to be compared, got {sorted(conventions)}")
+    convention = rs[0].convention
+    unit = rs[0].memory_unit
     items = [
         ("train adds", lambda r: r.adds.train, "{:,.0f}"),
         ("train mults", lambda r: r.mults.train, "{:,.0f}"),
@@ -388,16 +447,17 @@ def format_comparison(reports: dict[str, CostReport]) -> str:
         ("inference mults", lambda r: r.mults.inference, "{:,.0f}"),
         ("train energy (mJ)", lambda r: r.train_energy_mj, "{:.4g}"),
         ("inference energy (mJ)", lambda r: r.inference_energy_mj, "{:.4g}"),
-        ("train memory (MB)", lambda r: r.train_memory_mb, "{:.3f}"),
+        (f"train memory ({unit})", lambda r: r.train_memory_mb, "{:.3f}"),
         ("  weights", lambda r: r.memory_breakdown_mb["train"]["weights"], "{:.3f}"),
         ("  gradients", lambda r: r.memory_breakdown_mb["train"]["gradients"], "{:.3f}"),
         ("  optimizer state", lambda r: r.memory_breakdown_mb["train"]["optimizer"], "{:.3f}"),
         ("  saved activations", lambda r: r.memory_breakdown_mb["train"]["activations"], "{:.3f}"),
-        ("inference memory (MB)", lambda r: r.inference_memory_mb, "{:.3f}"),
+        (f"inference memory ({unit})", lambda r: r.inference_memory_mb, "{:.3f}"),
         ("  weights", lambda r: r.memory_breakdown_mb["inference"]["weights"], "{:.3f}"),
-        ("  peak activations", lambda r: r.memory_breakdown_mb["inference"]["activations"], "{:.3f}"),
-        ("forward MACs in int8", lambda r: 100 * r.quantized_mac_share, "{:.1f}%"),
     ]
+    if convention == "ours":  # the paper's inference memory is the weights alone
+        items.append(("  peak activations", lambda r: r.memory_breakdown_mb["inference"]["activations"], "{:.3f}"))
+    items.append(("forward MACs in int8", lambda r: 100 * r.quantized_mac_share, "{:.1f}%"))
     if all(r.communication is not None for r in rs):
         items += [
             ("gossip bytes/iteration", lambda r: r.communication.bytes_per_iteration, "{:,.0f}"),
@@ -413,4 +473,4 @@ def format_comparison(reports: dict[str, CostReport]) -> str:
         rows.append((label, *(fmt.format(v) for v in values), *ratio))
     setup = ", ".join(f"{k}={v}" for k, v in (("batch", rs[0].batch_size),
                                                 ("input", rs[0].input_shape), ("optimizer", rs[0].optimizer)))
-    return f"{setup}\n" + _format_table(header, rows)
+    return f"{setup}\n{CONVENTION_TEXT[convention]}\n" + _format_table(header, rows)

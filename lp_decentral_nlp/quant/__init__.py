@@ -1,5 +1,6 @@
 """8-bit training (SPEC section 4): quantized layers with gradient bifurcation and the model surgery."""
 from .config import DEFAULT_SKIP, QuantConfig
+from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
 from .export import dequantize_int8_state_dict, export_int8_state_dict, state_dict_nbytes
 from .kernels import KERNELS, Kernel, register_kernel
 from .layers import (
@@ -25,6 +26,9 @@ __all__ = [
     "KERNELS",
     "QUANT_LAYERS",
     "Kernel",
+    "LpHfQuantizer",
+    "LpQuantizationConfig",
+    "QUANT_METHOD",
     "QuantConfig",
     "QuantConv1D",
     "QuantConv2d",

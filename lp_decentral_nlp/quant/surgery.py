@@ -2,27 +2,25 @@
 
 Selection follows PEFT: name patterns (see ``config.name_matches``), explicit skips, an error
 when a pattern matches nothing, a type -> replacement-class registry others can extend, and an
-undo (``dequantize_model``). The applied ``QuantConfig`` is recorded in the model's
-``config.json`` under ``lp_quant_config`` (not ``quantization_config``, which ``Trainer`` reads as a
-transformers quantizer) so ``load_quantized`` can re-apply it.
+undo (``dequantize_model``). The applied ``QuantConfig`` is recorded as the model's
+``config.quantization_config`` (an ``LpQuantizationConfig``, ``quant_method="lp_decentral_nlp"``), so
+``save_pretrained`` writes it to ``config.json`` and ``from_pretrained`` re-applies the surgery through
+the transformers quantizer registered in ``hf_quantizer.py``.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
+from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
 from .kernels import resolve_kernel
 from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantLinear, QuantModule
 
-CONFIG_KEY = "lp_quant_config"
-logger = logging.getLogger(__name__)
+CONFIG_KEY = "quantization_config"
 
 # Exact float module type -> 8-bit replacement class (subclasses are not dispatched: e.g.
 # nn.MultiheadAttention's out_proj is a Linear subclass whose forward is never called).
@@ -86,13 +84,15 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     of `model` with its 8-bit version, in place.
 
     Args:
-        model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.lp_quant_config``).
+        model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.quantization_config``,
+            an ``LpQuantizationConfig``, which ``save_pretrained`` stores and ``from_pretrained`` re-applies).
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
     Returns:
         `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer,
-        when nothing would be quantized, or when `model` is already quantized.
+        when nothing would be quantized, or when `model` is already quantized (by us or by
+        another transformers quantization method).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -103,6 +103,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     if already:
         raise ValueError(f"model is already quantized ({len(already)} 8-bit layers, e.g. {already[0]!r}); "
                          "call dequantize_model first to change the QuantConfig")
+    other = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if other is not None and not isinstance(other, LpQuantizationConfig):
+        method = other.get("quant_method") if isinstance(other, dict) else getattr(other, "quant_method", other)
+        raise ValueError(f"model carries a quantization_config of quant_method {method!r}: 8-bit training needs "
+                         "the float model (load it without quantization_config)")
     report = _plan(model, config)
     if dry_run:
         return report
@@ -111,20 +116,25 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
-        setattr(model.config, CONFIG_KEY, config.to_dict())
+        setattr(model.config, CONFIG_KEY, LpQuantizationConfig.from_quant_config(config))
     return model
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Swap every 8-bit layer back for a plain float layer holding its fp32 master weights (in place).
 
-    The activation-range buffers are dropped and ``config.lp_quant_config`` removed.
+    The activation-range buffers are dropped and ``config.quantization_config`` removed (with the
+    transformers quantizer state of a model ``from_pretrained`` loaded 8-bit; ``model.dequantize()``
+    does the same).
     """
     selected = {id(m) for m in model.modules() if isinstance(m, QuantModule)}
     if not selected:
         raise ValueError("dequantize_model: model has no quantized layers")
     _replace(model, selected, lambda m: m.to_float())
-    if hasattr(model, "config") and hasattr(model.config, CONFIG_KEY):
+    quantizer = getattr(model, "hf_quantizer", None)
+    if isinstance(quantizer, LpHfQuantizer):
+        quantizer.remove_quantization_config(model)
+    elif isinstance(getattr(getattr(model, "config", None), CONFIG_KEY, None), LpQuantizationConfig):
         delattr(model.config, CONFIG_KEY)
     return model
 
@@ -191,79 +201,30 @@ def _replace(model: nn.Module, selected: set[int], build) -> None:
             setattr(model.get_submodule(parent), child, built[id(module)])
 
 
+_LOCATION_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download")
+
+
 def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_kwargs) -> nn.Module:
-    """Load a model saved (``save_pretrained``) after ``quantize_model``, re-apply the surgery and
-    restore the activation-range buffers.
+    """Load a model saved (``save_pretrained``) after ``quantize_model``: the 8-bit layers with their
+    fp32 master weights and activation ranges. A shortcut for ``auto_class.from_pretrained(path)``
+    (which does the same once ``lp_decentral_nlp`` is imported) that refuses a checkpoint without our
+    ``quantization_config`` instead of loading it as a float model.
 
     Args:
         path: local folder or hub repo id.
         auto_class: e.g. ``AutoModelForSequenceClassification`` (default ``AutoModel``).
-        **from_pretrained_kwargs: passed to ``auto_class.from_pretrained``.
+        **from_pretrained_kwargs: passed to ``auto_class.from_pretrained`` (those locating the files,
+            e.g. ``revision``, also to ``AutoConfig.from_pretrained``).
     """
     import transformers
-    from transformers.utils import logging as hf_logging
 
     auto_class = transformers.AutoModel if auto_class is None else auto_class
-    folder = _local_folder(path, from_pretrained_kwargs.get("revision"))
-    with open(folder / "config.json", encoding="utf-8") as f:
-        saved = json.load(f).get(CONFIG_KEY)
-    if saved is None:
-        raise ValueError(f"{folder / 'config.json'} has no {CONFIG_KEY!r}: it was not saved from a quantize_model "
-                         "model; load it with from_pretrained and call quantize_model")
-    # The checkpoint holds our buffers, which the float model does not expect: keep transformers'
-    # load report quiet and report the other discrepancies ourselves.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model, info = auto_class.from_pretrained(folder, output_loading_info=True, **from_pretrained_kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    quantize_model(model, QuantConfig.from_dict(saved))
-
-    buffer_keys = [f"{name}.{b}" for name, m in model.named_modules() if isinstance(m, QuantModule)
-                   for b, _ in m.named_buffers(recurse=False)]
-    tensors, found = _read_checkpoint(folder, buffer_keys, getattr(model, "base_model_prefix", ""))
-    missing = [k for k in buffer_keys if k not in tensors]
-    if missing:
-        raise ValueError(f"checkpoint in {folder} lacks {len(missing)} quantization buffers, e.g. {missing[:3]}")
-    model.load_state_dict(tensors, strict=False)
-    other_unexpected = sorted(set(info["unexpected_keys"]) - found)
-    for kind, keys in (("missing", sorted(info["missing_keys"])), ("unexpected", other_unexpected),
-                       ("mismatched", sorted(info["mismatched_keys"]))):
-        if keys:
-            logger.warning("load_quantized(%s): %d %s keys, e.g. %s", path, len(keys), kind, keys[:5])
-    return model
-
-
-def _local_folder(path, revision) -> Path:
-    if Path(path).is_dir():
-        return Path(path)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(path), revision=revision, allow_patterns=["*.json", "*.safetensors"]))
-
-
-def _read_checkpoint(folder: Path, keys: list[str], prefix: str) -> tuple[dict, set[str]]:
-    """Tensors of `keys` from the safetensors checkpoint in `folder` (keys may carry the base-model
-    `prefix` or lack it there). Returns ``{model key: tensor}`` and the checkpoint keys read."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif (folder / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"no safetensors checkpoint (model.safetensors or its index) in {folder}")
-    tensors, found = {}, set()
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as f:
-            available = set(f.keys())
-            for key in keys:
-                candidates = [key, f"{prefix}.{key}"] + ([key[len(prefix) + 1:]] if key.startswith(prefix + ".") else [])
-                hit = next((c for c in candidates if c in available), None)
-                if hit is not None:
-                    tensors[key] = f.get_tensor(hit)
-                    found.add(hit)
-    return tensors, found
+    location = {k: v for k, v in from_pretrained_kwargs.items() if k in _LOCATION_KWARGS}
+    config = transformers.AutoConfig.from_pretrained(path, **location)
+    saved = getattr(config, CONFIG_KEY, None)
+    method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
+    if method != QUANT_METHOD:
+        raise ValueError(f"config.json of {path} has no quantization_config with quant_method {QUANT_METHOD!r} "
+                         f"(found {method!r}): it was not saved from a quantize_model model; load it with "
+                         "from_pretrained and call quantize_model")
+    return auto_class.from_pretrained(path, **from_pretrained_kwargs)

@@ -1,0 +1,180 @@
+"""A saved 8-bit model reloads through transformers' own entry points (from_pretrained, pipeline)."""
+import contextlib
+import json
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+    pipeline,
+)
+
+from lp_decentral_nlp import LpQuantizationConfig, QuantConfig, quantize_model
+from lp_decentral_nlp.quant import QuantModule
+
+TEXTS = ["Stocks rallied after the central bank held rates.", "The striker scored twice in the final."]
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """Collect the warnings transformers logs (its logger does not propagate to the root) or raises."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield records
+        records.extend(caught)
+    finally:
+        hf_logger.removeHandler(handler)
+
+
+def messages(records) -> list[str]:
+    return [str(r.getMessage() if isinstance(r, logging.LogRecord) else r.message) for r in records]
+
+
+def tiny_bert(vocab_size: int) -> BertForSequenceClassification:
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=4)
+    return BertForSequenceClassification(config)
+
+
+def calibrated(model, batch):
+    """`model` after one training-mode forward (sets the activation ranges), in eval mode."""
+    model.train()
+    with torch.no_grad():
+        model(**batch)
+    return model.eval()
+
+
+def module_types(model) -> dict[str, type]:
+    return {name: type(m) for name, m in model.named_modules()}
+
+
+def check_reload(model, folder, batch):
+    """from_pretrained gives the same 8-bit modules, buffers and eval logits, without a load warning."""
+    with transformers_warnings() as records:
+        reloaded = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert messages(records) == []
+    assert module_types(reloaded) == module_types(model)
+    assert sum(isinstance(m, QuantModule) for m in reloaded.modules()) > 0
+    reference, restored = model.state_dict(), reloaded.state_dict()
+    assert set(restored) == set(reference)
+    assert all(torch.equal(restored[k], reference[k]) for k in reference)
+    with torch.no_grad():
+        assert torch.equal(reloaded(**batch).logits, model(**batch).logits)
+    return reloaded
+
+
+def test_tiny_bert_reloads_8bit_with_from_pretrained_and_pipeline(tmp_path, tokenizer):
+    model = quantize_model(tiny_bert(tokenizer.vocab_size), QuantConfig(grad_granularity="sample"))
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    calibrated(model, batch)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved == {"quant_method": "lp_decentral_nlp", **QuantConfig(grad_granularity="sample").to_dict()}
+
+    reloaded = check_reload(model, tmp_path, batch)
+    assert reloaded.config.quantization_config.to_quant_config() == QuantConfig(grad_granularity="sample")
+    query = reloaded.bert.encoder.layer[0].attention.self.query
+    assert query.act_num_batches.item() == 1 and query.act_running_max > query.act_running_min
+
+    with transformers_warnings() as records:
+        classify = pipeline("text-classification", model=str(tmp_path), device="cpu")
+    assert messages(records) == []
+    assert module_types(classify.model) == module_types(model)
+    scores = classify(TEXTS, top_k=None)
+    with torch.no_grad():
+        expected = model(**batch).logits.softmax(-1)
+    for row, text_scores in zip(expected, scores):
+        by_label = {s["label"]: s["score"] for s in text_scores}
+        got = torch.tensor([by_label[model.config.id2label[i]] for i in range(len(row))])
+        assert torch.allclose(got, row, atol=1e-6), (got, row)
+
+
+def test_packaged_minilm_reloads_8bit(tmp_path, minilm_path, tokenizer):
+    with transformers_warnings():  # the fresh classification head is reported as newly initialised
+        model = AutoModelForSequenceClassification.from_pretrained(minilm_path, num_labels=4)
+    quantize_model(model)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    calibrated(model, batch)
+    model.save_pretrained(tmp_path)
+    check_reload(model, tmp_path, batch)
+
+
+def test_a_reloaded_8bit_model_trains_saves_again_and_dequantizes(tmp_path, tokenizer):
+    model = quantize_model(tiny_bert(tokenizer.vocab_size))
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    calibrated(model, batch)
+    model.save_pretrained(tmp_path / "first")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "first")
+    # Trainer refuses quantized models whose quantizer is not trainable without adapters; ours is.
+    Trainer(model=reloaded, args=TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none"))
+    reloaded.train()
+    reloaded(**batch, labels=torch.tensor([0, 1])).loss.backward()
+    assert reloaded.bert.encoder.layer[0].output.dense.weight.grad is not None
+
+    reloaded.eval().save_pretrained(tmp_path / "second")
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "second")
+    assert module_types(again) == module_types(model)
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, reloaded(**batch).logits)
+
+    again.dequantize()
+    assert not any(isinstance(m, QuantModule) for m in again.modules())
+    assert type(again.bert.encoder.layer[0].output.dense) is nn.Linear
+    assert not hasattr(again.config, "quantization_config") and not again.is_quantized
+
+
+def test_a_float_checkpoint_quantizes_on_load_with_an_lp_quantization_config(tmp_path, tokenizer):
+    float_model = tiny_bert(tokenizer.vocab_size)
+    float_model.save_pretrained(tmp_path)
+    with transformers_warnings() as records:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            tmp_path, quantization_config=LpQuantizationConfig(bits=6, skip=["classifier", "pooler"]))
+    assert messages(records) == []  # the absent activation ranges are expected, not reported
+    expected = quantize_model(tiny_bert(tokenizer.vocab_size), QuantConfig(bits=6, skip=("classifier", "pooler")))
+    assert module_types(model) == module_types(expected)
+    assert type(model.bert.pooler.dense) is nn.Linear
+    dense = model.bert.encoder.layer[1].output.dense
+    assert dense.quant_config.bits == 6
+    assert dense.act_num_batches.item() == 0 and dense.act_running_min.item() == dense.act_running_max.item() == 0
+    assert torch.equal(dense.weight, float_model.bert.encoder.layer[1].output.dense.weight)
+
+
+def test_reload_refuses_a_non_float32_dtype(tmp_path, tokenizer):
+    model = quantize_model(tiny_bert(tokenizer.vocab_size))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 is not supported .* master weights are float32"):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16)
+
+
+def test_lp_quantization_config_checks_its_fields():
+    assert LpQuantizationConfig.from_quant_config(QuantConfig(kernel="int8")).to_quant_config() == QuantConfig(
+        kernel="int8")
+    with pytest.raises(ValueError, match="quant_method must be 'lp_decentral_nlp', got 'gptq'"):
+        LpQuantizationConfig(quant_method="gptq")
+    with pytest.raises(ValueError, match=r"unknown QuantConfig keys \['group_size'\]"):
+        LpQuantizationConfig(group_size=128)
+    with pytest.raises(ValueError, match=r"bits must be an integer in \[2, 8\], got 9"):
+        LpQuantizationConfig(bits=9)
+    with pytest.raises(TypeError, match="config must be a QuantConfig, got dict"):
+        LpQuantizationConfig.from_quant_config({"bits": 8})
+
+
+def test_quantize_model_refuses_a_model_quantized_by_another_method():
+    model = tiny_bert(100)
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with pytest.raises(ValueError, match="quantization_config of quant_method 'bitsandbytes'"):
+        quantize_model(model)
