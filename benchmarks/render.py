@@ -15,7 +15,8 @@ does not know renders too:
 * a list of numbers is summarised (its size, median and range) unless it is short.
 
 Column names come from the keys, with the unit read from the suffix (``_s`` seconds, ``_gb_s``
-GB/s, ``_bytes``, ``_mib``); keys holding ``share`` are shown as percentages.
+GB/s, ``_bytes``, ``_mib``); fractions under keys holding ``share`` or ``accuracy`` are shown as
+percentages.
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ def label(key: str) -> str:
     return key.replace("_", " ")
 
 
-def _number(value: float) -> str:
+def _number(value: float, percent: bool = False) -> str:
+    if percent and isinstance(value, float):
+        return f"{100 * value:.2f}%"
     if isinstance(value, int):
         return f"{value:,}"
     if value != value or value in (float("inf"), float("-inf")):
@@ -86,13 +89,14 @@ def cell(key: str, value) -> str:
         return ""
     if isinstance(value, bool):
         return "yes" if value else "no"
+    percent = "share" in key or "accuracy" in key
     if isinstance(value, (int, float)):
-        return f"{100 * value:.1f}%" if "share" in key and isinstance(value, float) else _number(value)
+        return _number(value, percent)
     if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         if len(value) <= 3:
-            return ", ".join(_number(v) for v in value)
-        return (f"{len(value)} values: median {_number(statistics.median(value))}, "
-                f"{_number(min(value))} to {_number(max(value))}")
+            return ", ".join(_number(v, percent) for v in value)
+        return (f"{len(value)} values: median {_number(statistics.median(value), percent)}, "
+                f"{_number(min(value), percent)} to {_number(max(value), percent)}")
     if isinstance(value, (list, dict)):
         text = json.dumps(value, separators=(", ", ": "))
     else:

@@ -40,7 +40,8 @@ def results_dir(tmp_path):
         ],
         "training_round": {"configuration": "Choco TopK(1%)", "round_s": 45.7, "gossip_share": 0.0164},
     })
-    write(d, "vision_norm_comparison_skew0.8", {"runs": [{"norm": "BatchNorm", "precision": "fp32", "accuracy": 0.981}]})
+    write(d, "vision_norm_comparison_skew0.8", {"runs": [{"norm": "BatchNorm", "precision": "fp32", "accuracy": 0.981,
+                                                                    "node_accuracy": [0.9, 0.95, 0.5, 0.7]}]})
     write(d, "zz_new_benchmark", {"speedup": 1.5, "variants": [{"name": "a|b", "time_s": 0.25, "ok": True}],
                                   "per_repeat": {"fp32": {"round_s": [3.0, 1.0, 2.0, 5.0]}}})
     return d
@@ -70,8 +71,11 @@ def test_render_known_unknown_and_order(results_dir):
     assert "| Choco TopK(1%) | 0.9 | 5,355,511 | 0.9 |" in gossip
     # a dict of plain values is a two-column table; shares are percentages
     assert "| parameters | 66,955,010 |" in gossip
-    assert "| gossip share | 1.6% |" in gossip
+    assert "| gossip share | 1.64% |" in gossip
     assert "| round (s) | 45.7 |" in gossip
+    vision = found[titles[1]]
+    assert "The file name carries the skew." in vision                   # described by its prefix
+    assert "| BatchNorm | fp32 | 98.10% | 4 values: median 80.00%, 50.00% to 95.00% |" in vision
     # the unknown benchmark: no description, generic rendering, '|' escaped, nested dicts as sub-sections
     new = found[titles[2]]
     assert "**speedup**: 1.5" in new
