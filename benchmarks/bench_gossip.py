@@ -184,8 +184,8 @@ def main():
         "setup": {"nodes": NUM_NODES, "graph": "directed_ring", "tensors": len(shapes), "parameters": params,
                   "torch_threads": torch.get_num_threads(), "malloc": malloc, "passes": args.passes},
         "gossip_step": [{"configuration": name, "step_s": r["median"], "per_node_s": r["median"] / NUM_NODES,
-                         "bytes_per_node": r["message_bytes"], "fewer_bytes_than_fp32": fp32_bytes / r["message_bytes"],
-                         "times_s": r["times"]} for name, r in steps.items()],
+                         "bytes_per_node": r["message_bytes"],
+                         "fewer_bytes_than_fp32": fp32_bytes / r["message_bytes"], "times_s": r["times"]} for name, r in steps.items()],
     }
     tp = throughput(shapes, args.passes)
     print(f"\n2. Compression throughput, one node ({params / 1e6:.1f}M fp32 parameters, median of {args.passes})")

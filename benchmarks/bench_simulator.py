@@ -346,8 +346,9 @@ def main(argv=None):
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
     results = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"},
                "load_average": os.getloadavg(), "rounds": [], "sections": [], "per_repeat": {},
-               "memory": [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"], "peak_rss_bytes": m["peak_rss"],
-                           "cuda_peak_bytes": m["cuda_peak"]} for precision, m in memory.items()]}
+               "memory": [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"],
+                           "peak_rss_bytes": m["peak_rss"], "cuda_peak_bytes": m["cuda_peak"]}
+                          for precision, m in memory.items()]}
     for precision in args.precisions:
         r = measure_time(args, precision)
         results["rounds"].append({

@@ -129,7 +129,8 @@ def main(argv=None) -> str:
              "node_accuracy": e["results"]["node_accuracy"], "consensus_distance": e["results"]["consensus_distance"],
              "wall_time_s": e["results"]["wall_time_s"]} for e in entries]
     command = [__file__, *(sys.argv[1:] if argv is None else argv)]
-    print(f"results: {save_results(f'vision_norm_comparison_skew{args.skew:g}', {'setup': setup, 'runs': rows}, command)}")
+    path = save_results(f"vision_norm_comparison_skew{args.skew:g}", {"setup": setup, "runs": rows}, command)
+    print(f"results: {path}")
     print(f"plot: {args.plot}")
     return table
 

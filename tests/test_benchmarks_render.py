@@ -104,8 +104,10 @@ def test_bad_results_dirs(tmp_path):
     with pytest.raises(ValueError, match="broken.json: not valid JSON"):
         render.render(empty)
     (empty / "broken.json").write_text(json.dumps({"benchmark": "x", "results": {}}))
-    with pytest.raises(ValueError, match=r"broken.json: not a benchmark record .* lacks \['command', 'date', 'machine'\]"):
+    lacks = r"broken.json: not a benchmark record .* lacks \['command', 'date', 'machine'\]"
+    with pytest.raises(ValueError, match=lacks):
         render.render(empty)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py"), "--results-dir",
-                           str(tmp_path / "missing"), "--output", str(tmp_path / "out.md")], capture_output=True, text=True)
+                           str(tmp_path / "missing"), "--output", str(tmp_path / "out.md")],
+                          capture_output=True, text=True)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr and not (tmp_path / "out.md").exists()
