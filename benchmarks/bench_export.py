@@ -17,6 +17,7 @@ import argparse
 import copy
 import os
 import pathlib
+import sys
 
 import torch
 from transformers import AutoModel, AutoTokenizer
@@ -26,6 +27,7 @@ from lp_decentral_nlp.cli import _existing_path, _ranged, packaged_model_path
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
+from record import save_results
 
 POSITIVE = _ranged(int, 1, None)
 SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
@@ -83,11 +85,15 @@ def main(argv=None):
             model(**tokenizer(calibration[i:i + BATCH], padding=True, truncation=True, max_length=MAX_LENGTH,
                               return_tensors="pt"))
     reference = sentence_embeddings(model, tokenizer, texts)
+    fp32_accuracy, reference_accuracy = (knn_accuracy(sentence_embeddings(fp32, tokenizer, texts), labels),
+                                         knn_accuracy(reference, labels))
+    rows = [{"model": "fp32", "state_dict_bytes": fp32_bytes, "knn_accuracy": fp32_accuracy},
+            {"model": "8-bit", "knn_accuracy": reference_accuracy}]
 
     print(f"{path}: {len(texts)} held-out AG News texts, {len(calibration)} calibration texts, max length {MAX_LENGTH}")
     print(f"  fp32 model                 {fp32_bytes / 2**20:7.1f} MiB          "
-          f"{NEIGHBOURS}-NN accuracy {knn_accuracy(sentence_embeddings(fp32, tokenizer, texts), labels):.4f}")
-    print(f"  8-bit model                                      {NEIGHBOURS}-NN accuracy {knn_accuracy(reference, labels):.4f}")
+          f"{NEIGHBOURS}-NN accuracy {fp32_accuracy:.4f}")
+    print(f"  8-bit model                                      {NEIGHBOURS}-NN accuracy {reference_accuracy:.4f}")
     for label, tables in (("int8 export", False), ("int8 export, 8-bit tables", True)):
         exported = export_int8_state_dict(model, embeddings=tables)
         reloaded = copy.deepcopy(model)
@@ -95,9 +101,16 @@ def main(argv=None):
         embeddings = sentence_embeddings(reloaded, tokenizer, texts)
         cosine = (embeddings * reference).sum(1)
         size = state_dict_nbytes(exported)
+        accuracy = knn_accuracy(embeddings, labels)
         print(f"  {label:<26} {size / 2**20:7.1f} MiB ({fp32_bytes / size:.2f}x smaller)  {NEIGHBOURS}-NN accuracy "
-              f"{knn_accuracy(embeddings, labels):.4f}  cosine to the 8-bit model: mean {cosine.mean():.5f}, "
-              f"min {cosine.min():.5f}")
+              f"{accuracy:.4f}  cosine to the 8-bit model: mean {cosine.mean():.5f}, min {cosine.min():.5f}")
+        rows.append({"model": f"{label}, reloaded", "state_dict_bytes": size, "size_ratio": fp32_bytes / size,
+                     "knn_accuracy": accuracy, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())})
+    setup = {"model": args.model or "packaged all-MiniLM-L6-v2", "held_out_texts": len(texts),
+             "calibration_texts": len(calibration), "max_length": MAX_LENGTH, "neighbours": NEIGHBOURS,
+             "seed": args.seed, "torch_threads": args.threads}
+    command = [__file__, *(sys.argv[1:] if argv is None else argv)]
+    print(f"results: {save_results('bench_export', {'setup': setup, 'models': rows}, command)}")
 
 
 if __name__ == "__main__":

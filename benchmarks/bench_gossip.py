@@ -41,6 +41,7 @@ from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
 from lp_decentral_nlp.gossip.wire import Message, MessageLayout
+from record import save_results
 
 NUM_NODES = 8
 
@@ -179,14 +180,24 @@ def main():
         print(f"| {name} | {r['median']:.2f} | {r['median'] / NUM_NODES:.3f} | {r['message_bytes']:,} | "
               f"{fp32_bytes / r['message_bytes']:.1f}x less |")
 
+    results = {
+        "setup": {"nodes": NUM_NODES, "graph": "directed_ring", "tensors": len(shapes), "parameters": params,
+                  "torch_threads": torch.get_num_threads(), "malloc": malloc, "passes": args.passes},
+        "gossip_step": [{"configuration": name, "step_s": r["median"], "per_node_s": r["median"] / NUM_NODES,
+                         "bytes_per_node": r["message_bytes"],
+                         "fewer_bytes_than_fp32": fp32_bytes / r["message_bytes"], "times_s": r["times"]} for name, r in steps.items()],
+    }
     tp = throughput(shapes, args.passes)
     print(f"\n2. Compression throughput, one node ({params / 1e6:.1f}M fp32 parameters, median of {args.passes})")
     print("| compressor | encode (GB/s) | decode+add (GB/s) |")
     print("| --- | ---: | ---: |")
     for name, (enc, dec) in tp.items():
         print(f"| {name} | {enc:.2f} | {dec:.2f} |")
+    results["throughput"] = [{"compressor": name, "encode_gb_s": enc, "decode_add_gb_s": dec}
+                             for name, (enc, dec) in tp.items()]
 
     if args.skip_round:
+        print(f"results: {save_results('bench_gossip', results)}")
         return
     gc.collect()
     rnd = training_round(args.round_config, args.rounds)
@@ -199,6 +210,13 @@ def main():
     for name, r in steps.items():
         print(f"| {name} | {r['median']:.2f} | {100 * r['median'] / (local_round + r['median']):.1f}% |")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    results["training_round"] = {"configuration": args.round_config, "rounds": args.rounds,
+                                 "local_step_s": rnd["local_median"], "round_s": rnd["round"],
+                                 "gossip_s": rnd["gossip"], "gossip_share": rnd["gossip"] / rnd["round"]}
+    results["round_share"] = [{"configuration": name, "gossip_step_s": r["median"],
+                               "share_of_round": r["median"] / (local_round + r["median"])}
+                              for name, r in steps.items()]
+    print(f"results: {save_results('bench_gossip', results)}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ from run to run).
 
     python benchmarks/bench_simulator.py --threads 2              # ~5 minutes on 2 CPU cores
     python benchmarks/bench_simulator.py --threads 2 --small      # 2 layers, dim 256: ~1 minute
-    python benchmarks/bench_simulator.py --threads 2 --json run.json   # also every repeat's times
+
+The figures, every repeat's times (seconds) and the peak memory (bytes) go to
+``benchmarks/results/bench_simulator.json`` (``benchmarks/record.py``).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification, 
 from lp_decentral_nlp import QuantConfig
 from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from record import save_results
 
 NUM_LABELS = 4
 POSITIVE, NONNEGATIVE = _ranged(int, 1, None), _ranged(int, 0, None)
@@ -325,8 +328,6 @@ def main(argv=None):
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_default_malloc_flag(p)
-    p.add_argument("--json", metavar="PATH", help="also write the settings, every repeat's times (seconds) and the "
-                                                  "peak memory (bytes) to this JSON file")
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -343,11 +344,22 @@ def main(argv=None):
     mib = 2**20
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
-    report = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"}, "load_average": os.getloadavg(),
-              "torch": torch.__version__, "time": {}, "memory": memory}
+    results = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"},
+               "load_average": os.getloadavg(), "rounds": [], "sections": [], "per_repeat": {},
+               "memory": [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"],
+                           "peak_rss_bytes": m["peak_rss"], "cuda_peak_bytes": m["cuda_peak"]}
+                          for precision, m in memory.items()]}
     for precision in args.precisions:
         r = measure_time(args, precision)
-        report["time"][precision] = r
+        results["rounds"].append({
+            "precision": precision, "kernel": r["kernel"], "round_s": r["round_s"], "plain_s": r["plain_s"],
+            "ratio": r["ratio"], "ratio_quartiles": r["ratio_quartiles"], "ratio_interval": r["ratio_interval"],
+            "own_work_ratio": r["own_work_ratio"], "gossip_s": r["sections"].get("gossip.step", 0.0),
+            "distinct_s": r["distinct_s"], "distinct_ratio": r["distinct_ratio"]})
+        results["sections"] += [{"precision": precision, "section": name, "round_s": r["sections"].get(name, 0.0),
+                                 "plain_s": r["plain_sections"].get(name, 0.0)}
+                                for name in sorted(set(r["sections"]) | set(r["plain_sections"]))]
+        results["per_repeat"][precision] = r["per_repeat"]
         gc.collect()  # the trainer holds reference cycles: free its models before the next precision
         kernel = f" (kernel {r['kernel']})" if precision == "8-bit" else ""
         print(f"\n{precision}{kernel}: round {r['round_s']:.3f} s, {args.nodes} plain steps {r['plain_s']:.3f} s, "
@@ -365,9 +377,7 @@ def main(argv=None):
             print(f"  {args.nodes} plain steps of {args.nodes} distinct copies: {r['distinct_s']:.3f} s, "
                   f"{r['distinct_ratio']:.3f}x one model's (holding {args.nodes} models alone); "
                   f"round / distinct = {r['round_s'] / r['distinct_s']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    print(f"results: {save_results('bench_simulator', results)}")
     if memory:
         print()
         for precision, m in memory.items():

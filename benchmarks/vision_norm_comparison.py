@@ -10,13 +10,17 @@ accuracy over training:
 Runs (``--runs``, ``norm:precision``): the paper's pairing is fp32 for BatchNorm, GroupNorm and
 EvoNorm-S0 and 8-bit for Range EvoNorm; ``range_evonorm:fp32`` separates the norm from the
 precision. Each run's files land in ``--output-dir/<norm>_<precision>/`` (results.json,
-metrics.csv, model/); ``--skip-existing`` reuses finished runs (e.g. to redraw the plot).
+metrics.csv, model/); ``--skip-existing`` reuses finished runs (e.g. to redraw the plot). The table's
+figures go to ``benchmarks/results/vision_norm_comparison_skew<skew>.json`` (``benchmarks/record.py``).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import os
+import sys
+
+from record import save_results
 
 DEFAULT_RUNS = ("batchnorm:fp32", "groupnorm:fp32", "evonorm:fp32", "range_evonorm:int8", "range_evonorm:fp32")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm": "GroupNorm", "evonorm": "EvoNorm-S0",
@@ -118,6 +122,15 @@ def main(argv=None) -> str:
         fh.write(table + "\n")
     plot(entries, args, args.plot)
     print(table)
+    setup = {k: v for k, v in vars(args).items() if k not in ("runs", "output_dir", "plot", "skip_existing")}
+    rows = [{"norm": LABELS[e["norm"]], "precision": "8-bit" if e["precision"] == "int8" else "fp32",
+             "accuracy": e["results"]["accuracy"],
+             "mean_node_accuracy": sum(e["results"]["node_accuracy"]) / len(e["results"]["node_accuracy"]),
+             "node_accuracy": e["results"]["node_accuracy"], "consensus_distance": e["results"]["consensus_distance"],
+             "wall_time_s": e["results"]["wall_time_s"]} for e in entries]
+    command = [__file__, *(sys.argv[1:] if argv is None else argv)]
+    path = save_results(f"vision_norm_comparison_skew{args.skew:g}", {"setup": setup, "runs": rows}, command)
+    print(f"results: {path}")
     print(f"plot: {args.plot}")
     return table
 

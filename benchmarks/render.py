@@ -1,0 +1,226 @@
+"""Render every ``benchmarks/results/*.json`` into ``docs/benchmarks.md``.
+
+    python benchmarks/render.py
+    python benchmarks/render.py --results-dir path/to/results --output path/to/benchmarks.md
+
+Each results file is a record written by ``benchmarks/record.py`` (``benchmark``, ``command``,
+``date``, ``machine``, ``results``). Every file becomes one section: what the benchmark measures
+(for the benchmarks named in :data:`BENCHMARKS`), the command, machine and date, then its
+figures. Figures are laid out from the shape of ``results`` alone, so a benchmark this script
+does not know renders too:
+
+* a list of dicts is a table (one row per dict, the union of their keys as columns);
+* a dict of plain values is a two-column table; a dict holding lists or dicts gets one
+  sub-section per such key;
+* a list of numbers is summarised (its size, median and range) unless it is short.
+
+Column names come from the keys, with the unit read from the suffix (``_s`` seconds, ``_gb_s``
+GB/s, ``_bytes``, ``_mib``); fractions under keys holding ``share`` or ``accuracy`` are shown as
+percentages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+OUTPUT = ROOT / "docs" / "benchmarks.md"
+
+#: name (or name prefix) -> (title, what the benchmark measures), in the order the page lists them
+BENCHMARKS = {
+    "bench_quant": (
+        "8-bit training step",
+        "Time and peak tensor memory of one training step (forward, backward, AdamW) of a "
+        "DistilBERT-base-shaped model, fp32 against the 8-bit kernels (`simulated`, `int8`, `int8_bf16`), "
+        "the variants' steps interleaved; and the size of the int8 export against fp32."),
+    "bench_gossip": (
+        "Gossip engine",
+        "One gossip step of 8 simulated nodes on a directed ring, each holding DistilBERT's parameter "
+        "tensors, per algorithm and compressor, with the bytes each node sends; the codecs' encode and "
+        "decode+add throughput on one node's parameters (GB/s of fp32 input); and the share of the gossip "
+        "step in a training round of 8 local DistilBERT steps."),
+    "bench_simulator": (
+        "Simulated decentralized round",
+        "A `DecentralizedTrainer` round of n simulated nodes (local steps, NaN check, gossip) against n plain "
+        "steps of one model measured in the same repeats: the median of the per-repeat ratios round / plain "
+        "with its quartiles and 95% bootstrap interval, where the round's time goes, every repeat's times, "
+        "and the peak resident memory of a fresh process running the round."),
+    "bench_export": (
+        "int8 export: size and fidelity",
+        "State-dict size of the int8 inference export (with and without 8-bit embedding tables) against "
+        "fp32, and how close the reloaded export stays to the 8-bit model: cosine of mean-pooled sentence "
+        "embeddings and leave-one-out 5-nearest-neighbour label accuracy on held-out AG News texts."),
+    "vision_norm_comparison": (
+        "Normalisation under label skew (vision)",
+        "The same decentralized vision run once per normalisation layer (BatchNorm, GroupNorm, EvoNorm-S0, "
+        "Range EvoNorm in 8-bit and fp32): test accuracy of the averaged model, mean node accuracy and "
+        "consensus distance. The file name carries the skew."),
+}
+
+_UNITS = (("_gb_s", "GB/s"), ("_mib", "MiB"), ("_bytes", "bytes"), ("_s", "s"))
+
+
+def label(key: str) -> str:
+    """Column or row name of ``key``: underscores to spaces, the unit suffix in parentheses."""
+    for suffix, unit in _UNITS:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return f"{key[: -len(suffix)].replace('_', ' ')} ({unit})"
+    return key.replace("_", " ")
+
+
+def _number(value: float, percent: bool = False) -> str:
+    if percent and isinstance(value, float):
+        return f"{100 * value:.2f}%"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.3e}"
+    return f"{value:.4g}"
+
+
+def cell(key: str, value) -> str:
+    """One value as Markdown table text."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    percent = "share" in key or "accuracy" in key
+    if isinstance(value, (int, float)):
+        return _number(value, percent)
+    if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        if len(value) <= 3:
+            return ", ".join(_number(v, percent) for v in value)
+        return (f"{len(value)} values: median {_number(statistics.median(value), percent)}, "
+                f"{_number(min(value), percent)} to {_number(max(value), percent)}")
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value, separators=(", ", ": "))
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _is_rows(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """A Markdown table of ``rows``: one column per key, in order of first appearance."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(label(c) for c in columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(c, row.get(c)) for c in columns) + " |" for row in rows]
+    return lines
+
+
+def block(key: str, value, level: int) -> list[str]:
+    """Markdown for one entry of a benchmark's ``results`` (heading ``level`` for its sub-sections)."""
+    if _is_rows(value):
+        return [f"{'#' * level} {label(key)}", "", *table(value), ""]
+    if isinstance(value, dict):
+        plain = {k: v for k, v in value.items() if not (_is_rows(v) or isinstance(v, dict))}
+        lines = [f"{'#' * level} {label(key)}", ""]
+        if plain:
+            lines += ["| name | value |", "| --- | --- |"]
+            lines += [f"| {label(k)} | {cell(k, v)} |" for k, v in plain.items()]
+            lines.append("")
+        for k, v in value.items():
+            if k not in plain:
+                lines += block(k, v, min(level + 1, 6))
+        return lines
+    return [f"**{label(key)}**: {cell(key, value)}", ""]
+
+
+def describe(name: str) -> tuple[str, str | None]:
+    """(title, what it measures) of benchmark ``name``: the longest entry of :data:`BENCHMARKS` that
+    ``name`` starts with, or the name itself and None for a benchmark not listed there."""
+    known = [k for k in BENCHMARKS if name == k or name.startswith(k + "_")]
+    if not known:
+        return name, None
+    return BENCHMARKS[max(known, key=len)]
+
+
+def load_records(results_dir: pathlib.Path) -> list[dict]:
+    """Every ``*.json`` record in ``results_dir``, known benchmarks first (in :data:`BENCHMARKS` order),
+    then the rest by name."""
+    results_dir = pathlib.Path(results_dir)
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"results_dir: {results_dir} is not a directory: run a benchmark first "
+                                "(each one writes benchmarks/results/<name>.json)")
+    records = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        missing = [k for k in ("benchmark", "command", "date", "machine", "results") if k not in record]
+        if missing:
+            raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): it lacks {missing}")
+        records.append(record)
+    if not records:
+        raise FileNotFoundError(f"results_dir: no *.json results in {results_dir}: run a benchmark first")
+    order = list(BENCHMARKS)
+
+    def rank(record):
+        known = [i for i, k in enumerate(order) if record["benchmark"] == k or record["benchmark"].startswith(k + "_")]
+        return (known[-1] if known else len(order), record["benchmark"])
+
+    return sorted(records, key=rank)
+
+
+def machine_text(machine: dict) -> str:
+    """One line describing the machine of a record."""
+    parts = [str(machine.get("cpu") or "unknown CPU")]
+    if machine.get("cores"):
+        parts.append(f"{machine['cores']} cores")
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']} GiB memory")
+    parts.append(f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU")
+    parts += [f"{lib} {machine[lib]}" for lib in ("python", "torch") if machine.get(lib)]
+    extra = {k: v for k, v in machine.items() if k not in ("cpu", "cores", "memory_gib", "gpu", "python", "torch")}
+    parts += [f"{label(k)} {cell(k, v)}" for k, v in extra.items()]
+    return ", ".join(parts)
+
+
+def render(results_dir: pathlib.Path = RESULTS_DIR) -> str:
+    """The Markdown page of every record in ``results_dir``."""
+    lines = ["# Benchmarks", "",
+             "Generated by `python benchmarks/render.py` from `benchmarks/results/*.json` (written by each "
+             "benchmark through `benchmarks/record.py`); do not edit by hand. Compare figures only within one "
+             "section: each was measured on the machine and date it names.", ""]
+    for record in load_records(results_dir):
+        title, what = describe(record["benchmark"])
+        lines += [f"## {title} (`{record['benchmark']}`)", ""]
+        if what:
+            lines += [what, ""]
+        lines += [f"- command: `{record['command']}`", f"- machine: {machine_text(record['machine'])}",
+                  f"- date: {record['date']}", ""]
+        results = record["results"]
+        if isinstance(results, dict):
+            for key, value in results.items():
+                lines += block(key, value, 3)
+        else:
+            lines += block("results", results, 3)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> pathlib.Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR, help="default %(default)s")
+    parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="default %(default)s")
+    args = parser.parse_args(argv)
+    try:
+        page = render(args.results_dir)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(page)
+    print(f"wrote {args.output}")
+    return args.output
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""benchmarks/render.py: a synthetic results directory rendered into the benchmarks page."""
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MACHINE = {"cpu": "Test CPU 9000", "cores": 2, "memory_gib": 15.6, "gpu": None, "python": "3.11.9", "torch": "2.13.0"}
+
+
+def load_render():
+    spec = importlib.util.spec_from_file_location("render", REPO / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = load_render()
+
+
+def write(results_dir, name, results, command=None):
+    record = {"benchmark": name, "command": command or f"python benchmarks/{name}.py --threads 1",
+              "date": "2026-11-24", "machine": MACHINE, "results": results}
+    (results_dir / f"{name}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    write(d, "bench_gossip", {
+        "setup": {"nodes": 8, "graph": "directed_ring", "parameters": 66955010, "malloc": "freed memory kept"},
+        "gossip_step": [
+            {"configuration": "SGP (fp32, exact)", "step_s": 1.08, "bytes_per_node": 267826196,
+             "times_s": [1.1, 1.0, 1.08, 1.2, 0.9]},
+            {"configuration": "Choco TopK(1%)", "step_s": 0.9, "bytes_per_node": 5355511, "times_s": [0.9]},
+        ],
+        "training_round": {"configuration": "Choco TopK(1%)", "round_s": 45.7, "gossip_share": 0.0164},
+    })
+    write(d, "vision_norm_comparison_skew0.8", {"runs": [{"norm": "BatchNorm", "precision": "fp32", "accuracy": 0.981,
+                                                                    "node_accuracy": [0.9, 0.95, 0.5, 0.7]}]})
+    write(d, "zz_new_benchmark", {"speedup": 1.5, "variants": [{"name": "a|b", "time_s": 0.25, "ok": True}],
+                                  "per_repeat": {"fp32": {"round_s": [3.0, 1.0, 2.0, 5.0]}}})
+    return d
+
+
+def sections(page):
+    """Section title line -> the section's text."""
+    parts = page.split("\n## ")[1:]
+    return {p.splitlines()[0]: p for p in parts}
+
+
+def test_render_known_unknown_and_order(results_dir):
+    page = render.render(results_dir)
+    found = sections(page)
+    titles = list(found)
+    assert titles == ["Gossip engine (`bench_gossip`)",
+                      "Normalisation under label skew (vision) (`vision_norm_comparison_skew0.8`)",
+                      "zz_new_benchmark (`zz_new_benchmark`)"]
+    gossip = found[titles[0]]
+    assert "One gossip step of 8 simulated nodes" in gossip            # what it measures
+    assert "- command: `python benchmarks/bench_gossip.py --threads 1`" in gossip
+    assert "- machine: Test CPU 9000, 2 cores, 15.6 GiB memory, no GPU, python 3.11.9, torch 2.13.0" in gossip
+    assert "- date: 2026-11-24" in gossip
+    # a list of dicts is a table with units from the key suffixes; long number lists are summarised
+    assert "| configuration | step (s) | bytes per node | times (s) |" in gossip
+    assert "| SGP (fp32, exact) | 1.08 | 267,826,196 | 5 values: median 1.08, 0.9 to 1.2 |" in gossip
+    assert "| Choco TopK(1%) | 0.9 | 5,355,511 | 0.9 |" in gossip
+    # a dict of plain values is a two-column table; shares are percentages
+    assert "| parameters | 66,955,010 |" in gossip
+    assert "| gossip share | 1.64% |" in gossip
+    assert "| round (s) | 45.7 |" in gossip
+    vision = found[titles[1]]
+    assert "The file name carries the skew." in vision                   # described by its prefix
+    assert "| BatchNorm | fp32 | 98.10% | 4 values: median 80.00%, 50.00% to 95.00% |" in vision
+    # the unknown benchmark: no description, generic rendering, '|' escaped, nested dicts as sub-sections
+    new = found[titles[2]]
+    assert "**speedup**: 1.5" in new
+    assert "| name | time (s) | ok |" in new and "| a\\|b | 0.25 | yes |" in new
+    assert "### per repeat" in new and "#### fp32" in new
+    assert "| round (s) | 4 values: median 2.5, 1 to 5 |" in new
+
+
+def test_cli_writes_the_page(results_dir, tmp_path):
+    out = tmp_path / "docs" / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py"), "--results-dir", str(results_dir),
+                           "--output", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == render.render(results_dir)
+    assert out.read_text().startswith("# Benchmarks\n")
+
+
+def test_bad_results_dirs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="results_dir: .* is not a directory"):
+        render.render(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.json results"):
+        render.render(empty)
+    (empty / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json: not valid JSON"):
+        render.render(empty)
+    (empty / "broken.json").write_text(json.dumps({"benchmark": "x", "results": {}}))
+    lacks = r"broken.json: not a benchmark record .* lacks \['command', 'date', 'machine'\]"
+    with pytest.raises(ValueError, match=lacks):
+        render.render(empty)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py"), "--results-dir",
+                           str(tmp_path / "missing"), "--output", str(tmp_path / "out.md")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr and not (tmp_path / "out.md").exists()
