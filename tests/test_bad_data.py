@@ -275,3 +275,141 @@ def test_check_enough_rows_agrees_with_a_loaded_split(tmp_path):
     with pytest.raises(ValueError, match="small.csv: 64 training rows .* 4 nodes one batch of 17"):
         check_enough_rows(len(train), 4, 17, str(source))
     assert np.bincount(train["label"]).tolist() == [16] * 4
+
+
+# --- vision sources (load_vision_dataset) ------------------------------------------------------
+
+TEN = [f"class{i}" for i in range(10)]
+
+
+def _png(path: pathlib.Path, seed=0) -> pathlib.Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _image_tree(root: pathlib.Path, splits=("train", "test"), classes=TEN, per_class=1) -> pathlib.Path:
+    for split in splits:
+        for c in classes:
+            for k in range(per_class):
+                _png(root / split / c / f"{k}.png", seed=k)
+    return root
+
+
+def _load_vision(folder, name="cifar10"):
+    from lp_decentral_nlp.vision.data import load_vision_dataset
+
+    return lambda: load_vision_dataset(name, data_dir=folder)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "imagenette"])
+def test_vision_missing_path(tmp_path, name):
+    missing = tmp_path / "no_images"
+    err = _expect(FileNotFoundError, "does not exist", _load_vision(missing, name), missing)
+    assert str(missing) in str(err)
+
+
+def test_vision_file_instead_of_folder(tmp_path):
+    source = _png(tmp_path / "one.png")
+    _expect(ValueError, "one.png' is a file: expected a DatasetDict.save_to_disk folder or an image folder tree",
+            _load_vision(source), source)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda root: root.mkdir(), r"has no train folder \(found none\)"),
+    (lambda root: _image_tree(root, splits=("train",)), r"has no test folder \(found \['train'\]\)"),
+    (lambda root: _image_tree(root, splits=("training", "pictures")), r"has no test folder"),
+    (lambda root: (_image_tree(root, splits=("test",)), (root / "train").mkdir()), "train: holds no class folder"),
+    (lambda root: (_image_tree(root), (root / "train" / "extra").mkdir()), "extra: class folder holds no image"),
+])
+def test_vision_folder_layout(tmp_path, make, match):
+    root = tmp_path / "tree"
+    make(root)
+    _expect(ValueError, match, _load_vision(root), root)
+
+
+@pytest.mark.parametrize("stray, match", [
+    ("train/loose.png", "loose.png: a file outside a class folder"),
+    ("train/class3/notes.txt", r"notes.txt: not an image file \(extension '.txt'\)"),
+    ("test/class1/labels", "labels: not an image file"),
+    ("train/class2/nested/x.png", "nested: a folder inside class folder 'class2'"),
+])
+def test_vision_stray_files(tmp_path, stray, match):
+    root = _image_tree(tmp_path / "tree")
+    target = root / stray
+    if target.suffix == ".png":
+        _png(target)
+    else:
+        _write(target, "not an image\n")
+    _expect(ValueError, match, _load_vision(root), root)
+
+
+def test_vision_hidden_files_are_skipped(tmp_path):
+    root = _image_tree(tmp_path / "tree")
+    _write(root / "train" / "class0" / ".DS_Store", b"\x00\x01")
+    _write(root / "train" / ".cache", b"")
+    dsd = _load_vision(root)()
+    assert (dsd["train"].num_rows, dsd["test"].num_rows) == (10, 10)
+
+
+@pytest.mark.parametrize("content", [b"", b"plain text, not a PNG", None])
+def test_vision_unreadable_image(tmp_path, content):
+    root = _image_tree(tmp_path / "tree")
+    bad = root / "test" / "class7" / "0.png"
+    bad.write_bytes(bad.read_bytes()[:40] if content is None else content)  # None: a truncated PNG
+    _expect(ValueError, r"class7/0.png: not a readable image", _load_vision(root), root)
+
+
+def test_vision_classes_that_do_not_match(tmp_path):
+    root = _image_tree(tmp_path / "tree")
+    _png(root / "test" / "zebra" / "0.png")
+    _expect(ValueError, r"test: class folder\(s\) \['zebra'\] are not in", _load_vision(root), root)
+    two = _image_tree(tmp_path / "two", classes=["a", "b"])
+    _expect(ValueError, "cifar10 has 10 classes but the 'train' split of the source .*two has 2", _load_vision(two), two)
+
+
+def _saved_images(folder, images, labels, label_feature=None):
+    from datasets import Image
+
+    features = Features({"image": Image(), "label": label_feature or ClassLabel(num_classes=10)})
+    part = Dataset.from_dict({"image": images, "label": labels}, features=features)
+    DatasetDict(train=part, test=part).save_to_disk(folder)
+    return folder
+
+
+def test_vision_saved_dataset_problems(tmp_path):
+    from PIL import Image
+
+    good = [Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))] * 2
+    single = tmp_path / "single"
+    Dataset.from_dict({"image": [0], "label": [0]}).save_to_disk(single)
+    _expect(ValueError, "holds a single saved Dataset", _load_vision(single), single)
+    broken = _write(tmp_path / "broken" / "dataset_dict.json", "{not json").parent
+    _expect(ValueError, "looks like a save_to_disk folder but cannot be loaded", _load_vision(broken), broken)
+    ints = tmp_path / "ints"
+    part = Dataset.from_dict({"image": [1, 2], "label": [0, 1]},
+                             features=Features({"image": Value("int64"), "label": ClassLabel(num_classes=10)}))
+    DatasetDict(train=part, test=part).save_to_disk(ints)
+    _expect(ValueError, r"ints \[train\]: column 'image' holds Value\('int64'\), not images", _load_vision(ints), ints)
+    corrupt = _saved_images(tmp_path / "corrupt", [good[0], {"bytes": b"garbage", "path": None}], [0, 1])
+    _expect(ValueError, r"corrupt \[train\] row 1: not a readable image", _load_vision(corrupt), corrupt)
+    twelve = _saved_images(tmp_path / "twelve", good, [0, 1], ClassLabel(num_classes=12))
+    _expect(ValueError, "cifar10 has 10 classes but the 'train' split .* has 12", _load_vision(twelve), twelve)
+    no_label = tmp_path / "no_label"
+    DatasetDict(train=Dataset.from_dict({"img": good}), test=Dataset.from_dict({"img": good})).save_to_disk(no_label)
+    _expect(ValueError, r"no_label\) \[train\]: no label column found", _load_vision(no_label), no_label)
+
+
+def test_vision_saved_labels_outside_the_classes(tmp_path):
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    images = [Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))] * 3
+    part = Dataset.from_dict({"image": images, "label": [3, 12, -1]},
+                             features=Features({"image": ImageFeature(), "label": Value("int64")}))
+    folder = tmp_path / "labels"
+    part = part.cast_column("label", ClassLabel(num_classes=10))  # casting does not check the values
+    DatasetDict(train=part, test=part).save_to_disk(folder)
+    _expect(ValueError, r"the 'train' split has labels \[-1, 12\] outside its classes 0-9", _load_vision(folder), folder)
