@@ -413,3 +413,10 @@ def test_vision_saved_labels_outside_the_classes(tmp_path):
     part = part.cast_column("label", ClassLabel(num_classes=10))  # casting does not check the values
     DatasetDict(train=part, test=part).save_to_disk(folder)
     _expect(ValueError, r"the 'train' split has labels \[-1, 12\] outside its classes 0-9", _load_vision(folder), folder)
+
+
+def test_sentlen_from_a_csv_with_too_few_sentences(tmp_path):
+    source = _write(tmp_path / "short.csv", HEADER + _rows(40))
+    err = _expect(ValueError, r"data_dir '.*short.csv': too few sentences to build a balanced Sentlen task",
+                  lambda: load_task("sentlen", data_dir=source), source)
+    assert "per-class counts {'5-8': 0, '9-12': 0" in str(err)  # 'Title i.' and 'Description number i.' are 3-4 tokens

@@ -92,7 +92,8 @@ def load_task(
     elif data_dir is not None and _senteval_file(Path(data_dir)) is not None:
         ds = _load_senteval(_senteval_file(Path(data_dir)))
     else:
-        ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed)
+        origin = "the hub's ag_news" if data_dir is None else f"data_dir {str(data_dir)!r}"
+        ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed, origin=origin)
 
     for split in list(ds):
         arg, limit = ("max_train_samples", max_train_samples) if split == "train" else ("max_eval_samples", max_eval_samples)
@@ -378,12 +379,15 @@ def sentence_length_class(sentence: str) -> int | None:
     return None
 
 
-def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0) -> DatasetDict:
+def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0,
+                  origin: str = "the source") -> DatasetDict:
     """Build the Sentlen task from the sentences of another text dataset.
 
     Every text of every split of ``source`` is split into sentences; each distinct sentence of 5-28
     tokens is labelled by its length bin; classes are balanced by seeded down-sampling to the
-    rarest class; a stratified ``eval_fraction`` is held out as ``test``.
+    rarest class; a stratified ``eval_fraction`` is held out as ``test``. ``origin`` names where
+    ``source`` came from in the ValueError raised when some length class has fewer than 2
+    sentences.
     """
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
@@ -395,7 +399,8 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
     per_class = min(len(members) for members in by_class)
     if per_class < 2:
         counts = dict(zip(SENTLEN_LABELS, map(len, by_class)))
-        raise ValueError(f"too few sentences to build a balanced Sentlen task: per-class counts {counts}")
+        raise ValueError(f"{origin}: too few sentences to build a balanced Sentlen task (every length class needs "
+                         f"at least 2 distinct sentences): per-class counts {counts}")
     rng = np.random.default_rng(seed)
     text, label = [], []
     for cls, members in enumerate(by_class):
@@ -403,4 +408,4 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
         text += [members[i] for i in sorted(keep)]
         label += [cls] * per_class
     ds = _as_class_label(Dataset.from_dict({"text": text, "label": label}), SENTLEN_LABELS)
-    return _with_eval_split(ds, eval_fraction, seed, "the Sentlen task built from the source's sentences")
+    return _with_eval_split(ds, eval_fraction, seed, f"the Sentlen task built from {origin}")
