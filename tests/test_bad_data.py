@@ -228,6 +228,13 @@ def test_non_utf8_text(tmp_path, task, name, content, match):
     _expect(ValueError, f"{name}: not UTF-8 text \\({match}", lambda: load_task(task, data_dir=source), source)
 
 
+def test_header_names_match_whatever_their_case(tmp_path):
+    source = _write(tmp_path / "caps.csv", "Label,Title,DESCRIPTION\n" + _rows(40))
+    assert load_task("ag_news", data_dir=source)["train"].features["label"].names[0] == "World"
+    bad = _write(tmp_path / "caps_bad.csv", "Label,Headline\n1,a\n")
+    _expect(ValueError, r"found \['Label', 'Headline'\]", lambda: load_task("ag_news", data_dir=bad), bad)
+
+
 def test_utf8_with_byte_order_mark_is_read(tmp_path):
     source = _write(tmp_path / "bom.csv", "\ufeff" + HEADER + _rows(40))
     ds = load_task("ag_news", data_dir=source)

@@ -50,10 +50,11 @@ def load_task(
         name: ``"ag_news"`` or ``"sentlen"``.
         data_dir: ``None`` reads the hub. Otherwise a local source:
 
-            * ``ag_news``: a CSV file or a directory of CSV files in the original layout
-              (``label,title,description``, labels 1-4) or with ``text,label`` columns (labels
-              0-3); a directory with ``train.csv``/``test.csv`` keeps those splits; or a directory
-              written by ``DatasetDict.save_to_disk``.
+            * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
+              the original layout (``label,title,description``, labels 1-4) or ``text,label``
+              columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``, no other
+              CSV) keeps those splits; or a directory written by ``DatasetDict.save_to_disk``
+              (``text`` strings, ``label`` integers 0-3, a ``train`` split).
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
               :func:`build_sentlen`). Without ``data_dir`` the sentences come from the hub's AG News.
@@ -237,7 +238,8 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
 def _read_ag_news_csv(file: Path) -> Dataset:
     """One AG News CSV file as ``text`` (str) and ``label`` (ClassLabel 0..3).
 
-    Either layout of :data:`_AG_NEWS_LAYOUTS`, with a header line; other columns are dropped. Every
+    Either layout of :data:`_AG_NEWS_LAYOUTS`, with a header line (names in any case); other columns
+    are dropped. Every
     problem (not UTF-8, empty, header only, missing columns, rows of the wrong width, labels that
     are not integers or not classes) is a ValueError naming the file and, for a row, its line.
     """
@@ -250,17 +252,18 @@ def _read_ag_news_csv(file: Path) -> Dataset:
             line = reader.line_num + 1
     except csv.Error as err:
         raise ValueError(f"{file}:{line}: not valid CSV ({err})") from None
-    header = [name.strip() for name in rows[0][1]]
+    names = [name.strip() for name in rows[0][1]]
+    header = [name.lower() for name in names]  # column names match whatever their case
     layout = next(((cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)), None)
     if layout is None:
         looks_like_data = bool(header) and _INTEGER.fullmatch(header[0]) is not None
         raise ValueError(f"{file}: expected columns label,title,description (labels 1-4) or text,label (labels "
-                         f"0-3), found {header}" + ("; the first line looks like data: add " + _AG_NEWS_LAYOUT_HINT
+                         f"0-3), found {names}" + ("; the first line looks like data: add " + _AG_NEWS_LAYOUT_HINT
                                                     if looks_like_data else ""))
     (columns, first), data = layout, rows[1:]
     repeated = sorted({c for c in columns if header.count(c) > 1})
     if repeated:
-        raise ValueError(f"{file}: column(s) {repeated} appear more than once in the header {header}")
+        raise ValueError(f"{file}: column(s) {repeated} appear more than once in the header {names}")
     if not data:
         raise ValueError(f"{file}: has a header line but no data rows")
     where = {c: header.index(c) for c in columns}
@@ -269,7 +272,7 @@ def _read_ag_news_csv(file: Path) -> Dataset:
     for lineno, fields in data:
         if len(fields) != len(header):
             raise ValueError(f"{file}:{lineno}: {len(fields)} fields, but the header has {len(header)} "
-                             f"({','.join(header)}); quote fields that contain commas")
+                             f"({','.join(names)}); quote fields that contain commas")
         value = fields[where["label"]].strip()
         if _INTEGER.fullmatch(value) is None:
             raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; labels must be {allowed}")
