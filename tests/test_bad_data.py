@@ -448,3 +448,19 @@ def test_sentlen_from_a_csv_with_too_few_sentences(tmp_path):
     err = _expect(ValueError, r"data_dir '.*short.csv': too few sentences to build a balanced Sentlen task",
                   lambda: load_task("sentlen", data_dir=source), source)
     assert "per-class counts {'5-8': 0, '9-12': 0" in str(err)  # 'Title i.' and 'Description number i.' are 3-4 tokens
+
+
+@pytest.mark.parametrize("relative", [b"train/caf\xe9", b"test/class4/\xff.png"])
+def test_vision_names_that_are_not_utf8(tmp_path, relative):
+    import os
+
+    root = _image_tree(tmp_path / "tree")
+    target = os.fsencode(root) + b"/" + relative
+    if target.endswith(b".png"):
+        with open(target, "wb") as fh:
+            fh.write((root / "train" / "class0" / "0.png").read_bytes())
+    else:
+        os.mkdir(target)
+        with open(target + b"/0.png", "wb") as fh:
+            fh.write((root / "train" / "class0" / "0.png").read_bytes())
+    _expect(ValueError, r"the name is not UTF-8; rename it", _load_vision(root), root)

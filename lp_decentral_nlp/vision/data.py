@@ -169,13 +169,24 @@ def _check_image(image: str | bytes, where: str) -> None:
         raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {err})") from None
 
 
+def _check_utf8_name(path: Path) -> None:
+    """ValueError when ``path``'s name is not UTF-8 (Arrow stores class names and paths as UTF-8)."""
+    try:
+        path.name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path)
+        raise ValueError(f"{shown!r}: the name is not UTF-8; rename it (class names and image paths are stored "
+                         "as UTF-8 text)") from None
+
+
 def _read_image_folder(path: Path) -> datasets.DatasetDict:
     """An image folder tree as ``train``/``test`` with ``image`` (paths, decoded by ``datasets.Image``)
     and ``label`` (ClassLabel of the train class folders' names, sorted).
 
     Hidden files (``.DS_Store``...) are skipped; any other file that is not an image, an image
-    outside a class folder, a folder inside a class folder, an empty class folder, an image PIL
-    cannot open and a test class absent from ``train`` are ValueErrors naming the path.
+    outside a class folder, a folder inside a class folder, an empty class folder, a name that is
+    not UTF-8, an image PIL cannot open and a test class absent from ``train`` are ValueErrors
+    naming the path.
     """
     folders = {p.name: p for p in path.iterdir() if p.is_dir()}
     train_name = next((f for f in _TRAIN_FOLDERS if f in folders), None)
@@ -191,12 +202,14 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
         for entry in sorted(folder.iterdir()):
             if entry.name.startswith("."):
                 continue
+            _check_utf8_name(entry)
             if not entry.is_dir():
                 raise ValueError(f"{entry}: a file outside a class folder; images go in {folder}/<class>/")
             images = []
             for item in sorted(entry.iterdir()):
                 if item.name.startswith("."):
                     continue
+                _check_utf8_name(item)
                 if item.is_dir():
                     raise ValueError(f"{item}: a folder inside class folder {entry.name!r}; images go directly in "
                                      f"{entry}/")
