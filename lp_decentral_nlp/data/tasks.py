@@ -239,9 +239,9 @@ def _read_ag_news_csv(file: Path) -> Dataset:
     """One AG News CSV file as ``text`` (str) and ``label`` (ClassLabel 0..3).
 
     Either layout of :data:`_AG_NEWS_LAYOUTS`, with a header line (names in any case); other columns
-    are dropped. Every
-    problem (not UTF-8, empty, header only, missing columns, rows of the wrong width, labels that
-    are not integers or not classes) is a ValueError naming the file and, for a row, its line.
+    are dropped; blank lines are skipped. Every problem (not UTF-8, empty, header only, missing or
+    repeated columns, rows of the wrong width, labels that are not integers or not classes) is a
+    ValueError naming the file and, for a row, its line.
     """
     reader = csv.reader(io.StringIO(_read_text(file), newline=""))
     rows, line = [], 1
