@@ -118,6 +118,7 @@ def _load_digits(seed: int, test_fraction: float = 0.2) -> datasets.DatasetDict:
 # Folder names of an image folder tree (those `datasets` recognises), in order of preference.
 _TRAIN_FOLDERS = ("train", "training")
 _TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid", "val", "dev")
+_FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
 
 
 def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
@@ -146,8 +147,6 @@ def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike
         return _standardise(raw, name, spec, source=str(path), check_images=True)
     return _standardise(_read_image_folder(path), name, spec, source=str(path))
 
-
-_FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
 
 
 def _image_extensions() -> set[str]:
