@@ -192,7 +192,7 @@ def test_invalid_arguments(tmp_path, monkeypatch):
         load_vision_dataset("mnist")
     with pytest.raises(ValueError, match="data_dir must be None"):
         load_vision_dataset("digits", data_dir=tmp_path)
-    with pytest.raises(FileNotFoundError, match="neither"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         load_vision_dataset("cifar10", data_dir=tmp_path / "missing")
     only_train = _hub_like_cifar100()
     monkeypatch.setattr(vdata.datasets, "load_dataset",

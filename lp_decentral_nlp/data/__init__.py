@@ -2,7 +2,8 @@
 from pathlib import Path
 
 from .partition import skewed_partition
-from .tasks import AG_NEWS_LABELS, SENTLEN_BINS, SENTLEN_LABELS, TASKS, build_sentlen, load_task, sentence_length_class
+from .tasks import (AG_NEWS_LABELS, SENTLEN_BINS, SENTLEN_LABELS, TASKS, build_sentlen, check_enough_rows, load_task,
+                    sentence_length_class)
 
 _ACCURACY_SCRIPT = Path(__file__).with_name("accuracy.py")
 
@@ -21,6 +22,7 @@ __all__ = [
     "TASKS",
     "accuracy_metric",
     "build_sentlen",
+    "check_enough_rows",
     "load_task",
     "sentence_length_class",
     "skewed_partition",

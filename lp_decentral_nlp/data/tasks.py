@@ -10,12 +10,16 @@ so the same code runs on a laptop with internet and on an offline cluster.
 """
 from __future__ import annotations
 
+import csv
+import io
+import math
 import os
 import re
 from pathlib import Path
 
 import numpy as np
-from datasets import ClassLabel, Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
+from datasets import (ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset,
+                      load_from_disk)
 
 AG_NEWS_HUB_ID = "ag_news"
 AG_NEWS_LABELS = ("World", "Sports", "Business", "Sci/Tech")
@@ -46,10 +50,11 @@ def load_task(
         name: ``"ag_news"`` or ``"sentlen"``.
         data_dir: ``None`` reads the hub. Otherwise a local source:
 
-            * ``ag_news``: a CSV file or a directory of CSV files in the original layout
-              (``label,title,description``, labels 1-4) or with ``text,label`` columns (labels
-              0-3); a directory with ``train.csv``/``test.csv`` keeps those splits; or a directory
-              written by ``DatasetDict.save_to_disk``.
+            * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
+              the original layout (``label,title,description``, labels 1-4) or ``text,label``
+              columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``, no other
+              CSV) keeps those splits; or a directory written by ``DatasetDict.save_to_disk``
+              (``text`` strings, ``label`` integers 0-3, a ``train`` split).
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
               :func:`build_sentlen`). Without ``data_dir`` the sentences come from the hub's AG News.
@@ -65,6 +70,14 @@ def load_task(
     Returns:
         ``DatasetDict`` with ``train`` and ``test`` (and ``validation`` where the source has one);
         ``label`` is a ``ClassLabel`` with values ``0..K-1``.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` does not exist.
+        ValueError: naming the file (and line) for any unusable local source: not UTF-8, empty,
+            header only, missing columns, rows of the wrong width, labels that are not integers or
+            not the task's classes, too few rows to hold out a stratified test split. The files
+            are only read, never modified. Whether the training split is large enough for the
+            nodes and batch size is :func:`check_enough_rows`.
     """
     if name not in TASKS:
         raise ValueError(f"name must be one of {TASKS}, got {name!r}")
@@ -80,7 +93,8 @@ def load_task(
     elif data_dir is not None and _senteval_file(Path(data_dir)) is not None:
         ds = _load_senteval(_senteval_file(Path(data_dir)))
     else:
-        ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed)
+        origin = "the hub's ag_news" if data_dir is None else f"data_dir {str(data_dir)!r}"
+        ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed, origin=origin)
 
     for split in list(ds):
         arg, limit = ("max_train_samples", max_train_samples) if split == "train" else ("max_eval_samples", max_eval_samples)
@@ -103,12 +117,88 @@ def _subset(ds: Dataset, limit: int | None, seed: int, arg: str) -> Dataset:
     return ds.shuffle(seed=seed).select(range(min(limit, len(ds))))
 
 
-def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int) -> DatasetDict:
-    """Carve a stratified, seeded held-out ``test`` split from a single split."""
+def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: str, skew: float = 0.0) -> None:
+    """Refuse a training split too small for ``num_nodes`` nodes of ``batch_size`` rows each.
+
+    Every node trains on its own shard (:func:`~lp_decentral_nlp.data.skewed_partition`, SPEC
+    section 6) and drops its last incomplete batch, so every shard needs ``batch_size`` rows. The
+    shards of ``N`` rows hold ``N // num_nodes`` rows or more without skew; with skew they are cut
+    from two pools and the smallest can be one row shorter. Hence the rows needed:
+    ``num_nodes * batch_size`` at ``skew == 0``, ``num_nodes * (batch_size + 1) - 1`` otherwise.
+    A split that passes always gives every node at least one batch.
+
+    Args:
+        num_rows: rows of the training split.
+        num_nodes: number of nodes (``--nodes``).
+        batch_size: batch size of each node, in rows (``--batch-size``).
+        source: what the rows came from (a file, ``--data-dir ...``), named in the error.
+        skew: label skew of the shards, in ``[0, 1]`` (``--skew``).
+
+    Raises:
+        ValueError: naming ``source``, the rows it has and the rows needed; or naming a bad argument.
+    """
+    for arg, value, low in (("num_rows", num_rows, 0), ("num_nodes", num_nodes, 1), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+    if isinstance(skew, bool) or not isinstance(skew, (int, float, np.floating)) or not 0.0 <= skew <= 1.0:
+        raise ValueError(f"skew must be a number in [0, 1], got {skew!r}")
+    needed = num_nodes * batch_size if skew == 0 else num_nodes * (batch_size + 1) - 1
+    if num_rows < needed:
+        why = "" if skew == 0 else f" (skew {skew:g} can leave a shard one row short of an even split)"
+        raise ValueError(f"{source}: {num_rows} training rows cannot give each of {num_nodes} nodes one batch of "
+                         f"{batch_size}: at least {needed} rows are needed{why}; give more data, or lower the "
+                         "batch size or the number of nodes")
+
+
+def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) -> DatasetDict:
+    """Carve a stratified, seeded held-out ``test`` split from a single split.
+
+    ``test`` gets ``ceil(eval_fraction * N)`` rows; the split needs two rows of every label present
+    and at least one row per label present in each part (ValueError naming ``source`` otherwise).
+    """
+    counts = np.bincount(np.asarray(ds["label"], dtype=np.int64), minlength=1)
+    present = int((counts > 0).sum())
+    n_test = math.ceil(eval_fraction * len(ds))
+    n_train = len(ds) - n_test
+    names = ds.features["label"].names
+    rare = [names[c] for c in np.flatnonzero((counts > 0) & (counts < 2))]
+    if rare or n_test < present or n_train < present:
+        raise ValueError(f"{source}: {len(ds)} rows are too few to hold out a stratified {eval_fraction:g} as test "
+                         f"({present} labels present, per label {dict(zip(names, counts.tolist()))}): every label "
+                         f"needs at least 2 rows and each part at least {present} rows; give more rows or provide "
+                         "a test split")
     return ds.train_test_split(test_size=eval_fraction, stratify_by_column="label", seed=seed)
 
 
+# --- Reading local files -----------------------------------------------------------------------
+
+
+def _read_text(file: Path) -> str:
+    """The whole of ``file`` decoded as UTF-8 (a leading byte-order mark is dropped).
+
+    ValueError naming the file when it cannot be read, is not UTF-8, or holds only white space.
+    """
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{file}: cannot be read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{file}: not UTF-8 text (line {line}, byte {err.start}: "
+                         f"{raw[err.start:err.start + 1]!r}); re-save the file as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"{file}: the file is empty")
+    return text
+
+
 # --- AG News -----------------------------------------------------------------------------------
+
+# Column layouts of an AG News CSV and the number of the first class in each.
+_AG_NEWS_LAYOUTS = ((("label", "title", "description"), 1), (("text", "label"), 0))
+_AG_NEWS_LAYOUT_HINT = "a header line 'label,title,description' (labels 1-4) or 'text,label' (labels 0-3)"
+_INTEGER = re.compile(r"[+-]?\d+")
 
 
 def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
@@ -116,63 +206,132 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
         return load_dataset(AG_NEWS_HUB_ID)
     path = Path(data_dir)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-        saved = load_from_disk(str(path))
-        for part in saved.values() if isinstance(saved, DatasetDict) else [saved]:
-            missing = {"text", "label"} - set(part.column_names)
-            if missing:
-                raise ValueError(f"saved dataset at {str(path)!r} lacks column(s) {sorted(missing)}; "
-                                 f"expected 'text' and 'label', found {part.column_names}")
-        if isinstance(saved, Dataset):
-            saved = _with_eval_split(_as_class_label(saved, AG_NEWS_LABELS), eval_fraction, seed)
-        return saved
-
+        return _load_saved_ag_news(path, eval_fraction, seed)
     if path.is_file():
-        files = {"data": [str(path)]}
+        if path.suffix.lower() != ".csv":
+            raise ValueError(f"data_dir {str(path)!r} is not a .csv file: the local sources are a CSV file, a "
+                             "directory of CSV files, a DatasetDict.save_to_disk directory, and for sentlen also "
+                             "SentEval's sentence_length.txt")
+        files = {"data": [path]}
     else:
-        csvs = sorted(path.glob("*.csv"))
+        csvs = sorted(p for p in path.glob("*.csv") if p.is_file())
         if not csvs:
             raise ValueError(f"data_dir {str(path)!r} holds no CSV file and no saved dataset "
                              "(expected label,title,description CSVs or a save_to_disk directory)")
-        by_name = {p.stem: str(p) for p in csvs}
+        by_name = {p.stem: p for p in csvs}
         if "train" in by_name:
+            others = sorted(p.name for p in csvs if p.stem not in ("train", "test"))
+            if others:
+                raise ValueError(f"data_dir {str(path)!r} holds train.csv and also {others}: with train.csv only "
+                                 "train.csv and test.csv are read; move the other CSV files out")
             files = {split: [by_name[split]] for split in ("train", "test") if split in by_name}
         else:
-            files = {"data": [str(p) for p in csvs]}
-    raw = load_dataset("csv", data_files=files)
-    ds = DatasetDict({split: _normalise_ag_news_csv(part, files[split][0]) for split, part in raw.items()})
+            files = {"data": csvs}
+    ds = DatasetDict({split: concatenate_datasets([_read_ag_news_csv(f) for f in parts])
+                      for split, parts in files.items()})
     if "test" not in ds:
-        ds = _with_eval_split(ds["data"] if "data" in ds else ds["train"], eval_fraction, seed)
+        split = "data" if "data" in ds else "train"
+        ds = _with_eval_split(ds[split], eval_fraction, seed, ", ".join(str(f) for f in files[split]))
     return ds
 
 
-def _normalise_ag_news_csv(ds: Dataset, source: str) -> Dataset:
-    """Map either CSV layout to ``text`` (str) and ``label`` (ClassLabel 0..3)."""
-    cols = set(ds.column_names)
-    if {"label", "title", "description"} <= cols:
-        offset = 1  # the original distribution numbers classes 1-4
+def _read_ag_news_csv(file: Path) -> Dataset:
+    """One AG News CSV file as ``text`` (str) and ``label`` (ClassLabel 0..3).
 
-        def to_text(batch):
-            return {"text": [f"{_unescape(t)}. {_unescape(d)}" for t, d in zip(batch["title"], batch["description"])]}
+    Either layout of :data:`_AG_NEWS_LAYOUTS`, with a header line (names in any case); other columns
+    are dropped; blank lines are skipped. Every problem (not UTF-8, empty, header only, missing or
+    repeated columns, rows of the wrong width, labels that are not integers or not classes) is a
+    ValueError naming the file and, for a row, its line.
+    """
+    reader = csv.reader(io.StringIO(_read_text(file), newline=""))
+    rows, line = [], 1
+    try:
+        for fields in reader:
+            if any(f.strip() for f in fields):
+                rows.append((line, fields))
+            line = reader.line_num + 1
+    except csv.Error as err:
+        raise ValueError(f"{file}:{line}: not valid CSV ({err})") from None
+    names = [name.strip() for name in rows[0][1]]
+    header = [name.lower() for name in names]  # column names match whatever their case
+    layout = next(((cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)), None)
+    if layout is None:
+        looks_like_data = bool(header) and _INTEGER.fullmatch(header[0]) is not None
+        raise ValueError(f"{file}: expected columns label,title,description (labels 1-4) or text,label (labels "
+                         f"0-3), found {names}" + ("; the first line looks like data: add " + _AG_NEWS_LAYOUT_HINT
+                                                    if looks_like_data else ""))
+    (columns, first), data = layout, rows[1:]
+    repeated = sorted({c for c in columns if header.count(c) > 1})
+    if repeated:
+        raise ValueError(f"{file}: column(s) {repeated} appear more than once in the header {names}")
+    if not data:
+        raise ValueError(f"{file}: has a header line but no data rows")
+    where = {c: header.index(c) for c in columns}
+    allowed = f"{first}-{first + len(AG_NEWS_LABELS) - 1}"
+    text, label = [], []
+    for lineno, fields in data:
+        if len(fields) != len(header):
+            raise ValueError(f"{file}:{lineno}: {len(fields)} fields, but the header has {len(header)} "
+                             f"({','.join(names)}); quote fields that contain commas")
+        value = fields[where["label"]].strip()
+        if _INTEGER.fullmatch(value) is None:
+            raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; labels must be {allowed}")
+        if not first <= int(value) < first + len(AG_NEWS_LABELS):
+            raise ValueError(f"{file}:{lineno}: label {int(value)} is not a class; labels must be {allowed}")
+        label.append(int(value) - first)
+        if "text" in where:
+            text.append(fields[where["text"]])
+        else:
+            text.append(f"{_unescape(fields[where['title']])}. {_unescape(fields[where['description']])}")
+    features = Features({"text": Value("string"), "label": ClassLabel(names=list(AG_NEWS_LABELS))})
+    return Dataset.from_dict({"text": text, "label": label}, features=features)
 
-        ds = ds.map(to_text, batched=True, remove_columns=sorted(cols - {"label"}))
-    elif {"text", "label"} <= cols:
-        offset = 0
-        ds = ds.remove_columns(sorted(cols - {"text", "label"}))
-    else:
-        raise ValueError(f"{source}: expected columns label,title,description (labels 1-4) or "
-                         f"text,label (labels 0-3), found {ds.column_names}")
-    labels = np.asarray(ds["label"]) - offset
-    bad = sorted(set(labels[(labels < 0) | (labels >= len(AG_NEWS_LABELS))].tolist()))
+
+def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetDict:
+    """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV."""
+    try:
+        saved = load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk directory but cannot be loaded "
+                         f"({err.__class__.__name__}: {err})") from None
+    parts = saved if isinstance(saved, DatasetDict) else DatasetDict({"data": saved})
+    if isinstance(saved, DatasetDict) and "train" not in saved:
+        raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")
+    parts = DatasetDict({split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()})
+    if "test" in parts:
+        return parts
+    split = "data" if "data" in parts else "train"
+    held_out = _with_eval_split(parts.pop(split), eval_fraction, seed, f"saved dataset at {str(path)!r}")
+    return DatasetDict({**held_out, **parts})
+
+
+def _checked_saved_split(part: Dataset, source: str) -> Dataset:
+    """``text`` (strings) and ``label`` (integers 0..3 or a 4-class ClassLabel) of a saved split."""
+    missing = {"text", "label"} - set(part.column_names)
+    if missing:
+        raise ValueError(f"{source}: lacks column(s) {sorted(missing)}; expected 'text' and 'label', "
+                         f"found {part.column_names}")
+    text, label = part.features["text"], part.features["label"]
+    if not (isinstance(text, Value) and text.dtype in ("string", "large_string")):
+        raise ValueError(f"{source}: column 'text' must hold strings, found {text}")
+    if isinstance(label, ClassLabel):
+        if label.num_classes != len(AG_NEWS_LABELS):
+            raise ValueError(f"{source}: label has {label.num_classes} classes {label.names}; ag_news has "
+                             f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
+    elif not (isinstance(label, Value) and re.fullmatch(r"u?int\d+", label.dtype)):
+        raise ValueError(f"{source}: column 'label' must hold integers 0-3 (or be a ClassLabel), found {label}")
+    values = np.asarray(part["label"], dtype=np.int64)
+    bad = sorted(set(values[(values < 0) | (values >= len(AG_NEWS_LABELS))].tolist()))
     if bad:
-        allowed = "1-4" if offset else "0-3"
-        raise ValueError(f"{source}: labels must be {allowed}, found {[b + offset for b in bad]}")
-    ds = ds.remove_columns("label").add_column("label", labels.tolist())
-    return _as_class_label(ds, AG_NEWS_LABELS)
+        raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
+    if not len(part):
+        raise ValueError(f"{source}: has no rows")
+    return _as_class_label(part.select_columns(["text", "label"]), AG_NEWS_LABELS)
 
 
-def _unescape(text: str | None) -> str:
+def _unescape(text: str) -> str:
     # The original CSVs escape '$' as '\$' and write line breaks as a lone backslash.
-    return (text or "").replace("\\$", "$").replace("\\", " ").strip()
+    return text.replace("\\$", "$").replace("\\", " ").strip()
 
 
 def _as_class_label(ds: Dataset, names) -> Dataset:
@@ -190,19 +349,26 @@ def _senteval_file(path: Path) -> Path | None:
 
 
 def _load_senteval(file: Path) -> DatasetDict:
-    """Parse SentEval's probing format: one ``split<TAB>label<TAB>sentence`` per line."""
+    """Parse SentEval's probing format: one ``split<TAB>label<TAB>sentence`` per line.
+
+    Blank lines are skipped; every other problem is a ValueError naming the file and the line.
+    """
     rows = {split: {"text": [], "label": []} for split in _SENTEVAL_SPLITS.values()}
-    with open(file, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) != 3 or parts[0] not in _SENTEVAL_SPLITS or not parts[1].strip().isdigit():
-                raise ValueError(f"{file}:{lineno}: expected 'tr|va|te<TAB>label<TAB>sentence', got {line[:80]!r}")
-            split = _SENTEVAL_SPLITS[parts[0]]
-            rows[split]["text"].append(parts[2])
-            rows[split]["label"].append(int(parts[1]))
-    bad = sorted({lab for r in rows.values() for lab in r["label"]} - set(range(len(SENTLEN_LABELS))))
-    if bad:
-        raise ValueError(f"{file}: sentence-length labels must be 0-{len(SENTLEN_LABELS) - 1}, found {bad}")
+    last = len(SENTLEN_LABELS) - 1
+    for lineno, line in enumerate(_read_text(file).splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != 3 or parts[0] not in _SENTEVAL_SPLITS:
+            raise ValueError(f"{file}:{lineno}: expected 'tr|va|te<TAB>label<TAB>sentence', got {line[:80]!r}")
+        value = parts[1].strip()
+        if _INTEGER.fullmatch(value) is None:
+            raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; sentence-length labels must be 0-{last}")
+        if not 0 <= int(value) <= last:
+            raise ValueError(f"{file}:{lineno}: label {int(value)} is not a class; sentence-length labels must be 0-{last}")
+        split = _SENTEVAL_SPLITS[parts[0]]
+        rows[split]["text"].append(parts[2])
+        rows[split]["label"].append(int(value))
     if not rows["train"]["text"] or not rows["test"]["text"]:
         raise ValueError(f"{file}: needs both 'tr' and 'te' rows")
     return DatasetDict(
@@ -222,12 +388,15 @@ def sentence_length_class(sentence: str) -> int | None:
     return None
 
 
-def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0) -> DatasetDict:
+def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0,
+                  origin: str = "the source") -> DatasetDict:
     """Build the Sentlen task from the sentences of another text dataset.
 
     Every text of every split of ``source`` is split into sentences; each distinct sentence of 5-28
     tokens is labelled by its length bin; classes are balanced by seeded down-sampling to the
-    rarest class; a stratified ``eval_fraction`` is held out as ``test``.
+    rarest class; a stratified ``eval_fraction`` is held out as ``test``. ``origin`` names where
+    ``source`` came from in the ValueError raised when some length class has fewer than 2
+    sentences.
     """
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
@@ -239,7 +408,8 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
     per_class = min(len(members) for members in by_class)
     if per_class < 2:
         counts = dict(zip(SENTLEN_LABELS, map(len, by_class)))
-        raise ValueError(f"too few sentences to build a balanced Sentlen task: per-class counts {counts}")
+        raise ValueError(f"{origin}: too few sentences to build a balanced Sentlen task (every length class needs "
+                         f"at least 2 distinct sentences): per-class counts {counts}")
     rng = np.random.default_rng(seed)
     text, label = [], []
     for cls, members in enumerate(by_class):
@@ -247,4 +417,4 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
         text += [members[i] for i in sorted(keep)]
         label += [cls] * per_class
     ds = _as_class_label(Dataset.from_dict({"text": text, "label": label}), SENTLEN_LABELS)
-    return _with_eval_split(ds, eval_fraction, seed)
+    return _with_eval_split(ds, eval_fraction, seed, f"the Sentlen task built from {origin}")

@@ -7,8 +7,8 @@
 - ``cifar10`` / ``cifar100`` / ``imagenette`` from the Hugging Face hub (``uoft-cs/cifar10``,
   ``uoft-cs/cifar100``, the parquet export of ``frgfm/imagenette`` at 320 px), or from
   ``data_dir``: a folder written by ``DatasetDict.save_to_disk`` or an image folder tree
-  (``train/<class>/*.png``, ``test/`` or ``val/<class>/...``, read by the ``imagefolder``
-  builder). Hub column names (``img``/``image``, ``label``/``fine_label``) are mapped to
+  (``train/<class>/*.png``, ``test/`` or ``val/<class>/...``; classes are the train folder
+  names, sorted). Hub column names (``img``/``image``, ``label``/``fine_label``) are mapped to
   ``image``/``label``; a ``validation`` split serves as ``test`` when there is no ``test``.
 - ``digits``: scikit-learn's bundled 8x8 grey digits (1,797 images, 10 classes), offline, with a
   seeded stratified 80/20 train/test split. The default for quick runs.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -114,52 +115,190 @@ def _load_digits(seed: int, test_fraction: float = 0.2) -> datasets.DatasetDict:
     return datasets.DatasetDict(train=split(train_idx), test=split(test_idx))
 
 
-def _read_source(spec: VisionDatasetSpec, data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
+# Folder names of an image folder tree (those `datasets` recognises), in order of preference.
+_TRAIN_FOLDERS = ("train", "training")
+_TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid", "val", "dev")
+_FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
+
+
+def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
+    """``name`` from the hub, a ``save_to_disk`` folder or an image folder tree, standardised.
+
+    A local source is checked whole: every image of a folder tree and of a saved dataset must
+    open with PIL. Problems are ValueError/FileNotFoundError naming the folder or file.
+    """
     if data_dir is None:
-        return datasets.load_dataset(spec.hub_id, **spec.hub_kwargs)
-    path = os.fspath(data_dir)
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        return datasets.load_from_disk(path)
-    if os.path.isdir(path):
-        return datasets.load_dataset("imagefolder", data_dir=path)
-    raise FileNotFoundError(
-        f"data_dir={path!r} is neither a DatasetDict.save_to_disk folder nor an image folder tree"
-    )
+        return _standardise(datasets.load_dataset(spec.hub_id, **spec.hub_kwargs), name, spec)
+    path = Path(data_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"data_dir {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"data_dir {str(path)!r} is a file: expected a DatasetDict.save_to_disk folder or an image "
+                         f"folder tree ({_FOLDER_LAYOUT})")
+    if (path / "state.json").is_file() and not (path / "dataset_dict.json").exists():
+        raise ValueError(f"data_dir {str(path)!r} holds a single saved Dataset: save a DatasetDict with 'train' and "
+                         "'test' splits instead")
+    if (path / "dataset_dict.json").exists():
+        try:
+            raw = datasets.load_from_disk(str(path))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk folder but cannot be loaded "
+                             f"({err.__class__.__name__}: {err})") from None
+        return _standardise(raw, name, spec, source=str(path), check_images=True)
+    return _standardise(_read_image_folder(path), name, spec, source=str(path))
 
 
-def _pick(candidates: tuple[str, ...], available: list[str], what: str) -> str:
+
+def _image_extensions() -> set[str]:
+    from PIL import Image
+
+    return {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+
+
+def _check_image(image: str | bytes, where: str) -> None:
+    """Open ``image`` (a path, or the encoded bytes of ``where``) and verify it; ValueError if PIL cannot."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as im:
+            im.verify()
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, struct.error... on a bad file
+        raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {err})") from None
+
+
+def _check_utf8_name(path: Path) -> None:
+    """ValueError when ``path``'s name is not UTF-8 (Arrow stores class names and paths as UTF-8)."""
+    try:
+        path.name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path)
+        raise ValueError(f"{shown!r}: the name is not UTF-8; rename it (class names and image paths are stored "
+                         "as UTF-8 text)") from None
+
+
+def _read_image_folder(path: Path) -> datasets.DatasetDict:
+    """An image folder tree as ``train``/``test`` with ``image`` (paths, decoded by ``datasets.Image``)
+    and ``label`` (ClassLabel of the train class folders' names, sorted).
+
+    Hidden files (``.DS_Store``...) are skipped; any other file that is not an image, an image
+    outside a class folder, a folder inside a class folder, an empty class folder, a name that is
+    not UTF-8, an image PIL cannot open and a test class absent from ``train`` are ValueErrors
+    naming the path.
+    """
+    folders = {p.name: p for p in path.iterdir() if p.is_dir()}
+    train_name = next((f for f in _TRAIN_FOLDERS if f in folders), None)
+    test_name = next((f for f in _TEST_FOLDERS if f in folders), None)
+    if train_name is None or test_name is None:
+        what = "train" if train_name is None else "test"
+        raise ValueError(f"data_dir {str(path)!r} has no {what} folder (found {sorted(folders) or 'none'}): expected "
+                         f"a DatasetDict.save_to_disk folder or an image folder tree ({_FOLDER_LAYOUT})")
+    extensions = _image_extensions()
+    files = {}
+    for split, folder in (("train", folders[train_name]), ("test", folders[test_name])):
+        classes = {}
+        for entry in sorted(folder.iterdir()):
+            if entry.name.startswith("."):
+                continue
+            _check_utf8_name(entry)
+            if not entry.is_dir():
+                raise ValueError(f"{entry}: a file outside a class folder; images go in {folder}/<class>/")
+            images = []
+            for item in sorted(entry.iterdir()):
+                if item.name.startswith("."):
+                    continue
+                _check_utf8_name(item)
+                if item.is_dir():
+                    raise ValueError(f"{item}: a folder inside class folder {entry.name!r}; images go directly in "
+                                     f"{entry}/")
+                if item.suffix.lower() not in extensions:
+                    raise ValueError(f"{item}: not an image file (extension {item.suffix or 'none'!r}); move it out "
+                                     "of the image folder tree")
+                _check_image(str(item), str(item))
+                images.append(str(item))
+            if not images:
+                raise ValueError(f"{entry}: class folder holds no image")
+            classes[entry.name] = images
+        if not classes:
+            raise ValueError(f"{folder}: holds no class folder ({_FOLDER_LAYOUT})")
+        files[split] = classes
+    names = sorted(files["train"])
+    unknown = sorted(set(files["test"]) - set(names))
+    if unknown:
+        raise ValueError(f"{folders[test_name]}: class folder(s) {unknown} are not in {folders[train_name]} "
+                         f"(train classes: {names})")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    return datasets.DatasetDict({
+        split: datasets.Dataset.from_dict(
+            {"image": [f for c in names for f in classes.get(c, [])],
+             "label": [i for i, c in enumerate(names) for _ in classes.get(c, [])]},
+            features=features)
+        for split, classes in files.items()})
+
+
+def _pick(candidates: tuple[str, ...], available: list[str], what: str, where: str) -> str:
     for name in candidates:
         if name in available:
             return name
-    raise ValueError(f"no {what} column found: expected one of {candidates}, got {available}")
+    raise ValueError(f"{where}: no {what} column found: expected one of {candidates}, got {available}")
 
 
-def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec) -> datasets.DatasetDict:
+def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
+                 source: str | None = None, check_images: bool = False) -> datasets.DatasetDict:
+    """``train``/``test`` with columns ``image``/``label`` from a hub, saved or folder DatasetDict.
+
+    ``source``: the local folder it came from, named in errors. ``check_images``: open every
+    image with PIL (a saved dataset's; a hub dataset's are trusted, a folder's were checked).
+    """
+    where = name if source is None else f"{name} ({source})"
     splits = list(raw.keys())
     if "train" not in splits:
-        raise ValueError(f"{name}: the source has no 'train' split (splits: {splits})")
+        raise ValueError(f"{where}: the source has no 'train' split (splits: {splits})")
     test_split = next((s for s in _TEST_SPLITS if s in splits), None)
     if test_split is None:
-        raise ValueError(f"{name}: the source has no test split, expected one of {_TEST_SPLITS} "
+        raise ValueError(f"{where}: the source has no test split, expected one of {_TEST_SPLITS} "
                          f"(splits: {splits})")
     out = {}
-    for target, source in (("train", "train"), ("test", test_split)):
-        ds = raw[source]
-        image_col = _pick(_IMAGE_COLUMNS, ds.column_names, "image")
-        label_col = _pick(_LABEL_COLUMNS, ds.column_names, "label")
+    for target, split in (("train", "train"), ("test", test_split)):
+        ds = raw[split]
+        image_col = _pick(_IMAGE_COLUMNS, ds.column_names, "image", f"{where} [{split}]")
+        label_col = _pick(_LABEL_COLUMNS, ds.column_names, "label", f"{where} [{split}]")
         ds = ds.select_columns([image_col, label_col])
         ds = ds.rename_columns({c: t for c, t in ((image_col, "image"), (label_col, "label")) if c != t})
         label = ds.features["label"]
         if not isinstance(label, datasets.ClassLabel):
-            raise TypeError(f"{name}: the label column must be a datasets.ClassLabel, got {label}; "
+            raise TypeError(f"{where}: the label column must be a datasets.ClassLabel, got {label}; "
                             "cast it with ds.cast_column('label', datasets.ClassLabel(...))")
         if label.num_classes != spec.num_classes:
-            raise ValueError(f"{name} has {spec.num_classes} classes but the {source!r} split of the "
-                             f"source has {label.num_classes}: {label.names}")
+            raise ValueError(f"{name} has {spec.num_classes} classes but the {split!r} split of the "
+                             f"source{'' if source is None else ' ' + source} has {label.num_classes}: {label.names}")
+        values = np.asarray(ds["label"], dtype=np.int64)
+        bad = sorted(set(values[(values < 0) | (values >= label.num_classes)].tolist()))
+        if bad:
+            raise ValueError(f"{where}: the {split!r} split has labels {bad} outside its classes "
+                             f"0-{label.num_classes - 1}")
+        if not len(ds):
+            raise ValueError(f"{where}: the {split!r} split has no rows")
+        if check_images:
+            _check_saved_images(ds, f"{source} [{split}]")
         if not isinstance(ds.features["image"], datasets.Image):
             ds = ds.cast_column("image", datasets.Image())
         out[target] = ds
     return datasets.DatasetDict(out)
+
+
+def _check_saved_images(ds: datasets.Dataset, where: str) -> None:
+    """Every row's image (encoded bytes or a path) opens with PIL; ValueError naming the row otherwise."""
+    try:
+        encoded = ds.cast_column("image", datasets.Image(decode=False))
+    except (TypeError, ValueError, NotImplementedError) as err:
+        raise ValueError(f"{where}: column 'image' holds {ds.features['image']}, not images "
+                         f"({err.__class__.__name__})") from None
+    for row, image in enumerate(encoded["image"]):
+        if image is None or (image.get("bytes") is None and image.get("path") is None):
+            raise ValueError(f"{where}: row {row} has no image")
+        _check_image(image["bytes"] if image.get("bytes") is not None else image["path"], f"{where} row {row}")
 
 
 def load_vision_dataset(
@@ -171,13 +310,19 @@ def load_vision_dataset(
     data_dir: a ``save_to_disk`` folder or an image folder tree to read instead of the hub
     (not allowed for ``digits``, which ships with scikit-learn). seed: the stratified split of
     ``digits`` (the other datasets come with their own test split).
+
+    A local source is only read, never modified, and checked whole: FileNotFoundError when
+    ``data_dir`` does not exist; ValueError naming the folder or file for a source that is not
+    one of the two layouts, lacks a train or test split, image or label column, has the wrong
+    number of classes or labels outside them, stray files, empty class folders, or an image PIL
+    cannot open; TypeError for a label column that is not a ClassLabel.
     """
     spec = vision_dataset_spec(name)
     if name == "digits":
         if data_dir is not None:
             raise ValueError("digits is bundled with scikit-learn: data_dir must be None")
         return _load_digits(seed)
-    return _standardise(_read_source(spec, data_dir), name, spec)
+    return _load_source(spec, name, data_dir)
 
 
 def _to_square_tensor(image, size: int) -> torch.Tensor:

@@ -1,0 +1,277 @@
+"""Table 6 (the paper's NLP table) at CPU scale: SPEC section 8's NLP grid on the packaged MiniLM.
+
+    python benchmarks/table6_cpu.py --jobs 2            # the whole grid: 48 runs, hours on a CPU
+    python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' --max-steps 5 --limit-rows 256
+
+Every cell is one run of the NLP recipe (``lp_decentral_nlp.cli.run_nlp``): the packaged
+all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds out a stratified
+20% as test), or on the Sentlen task built from that sample's sentences (``build_sentlen``); a
+4-node directed ring, max length 64 tokens, batch 16 per node, 3 epochs, Adam lr 1e-4, betas
+(0.9, 0.9), and the trainer's own consensus step (1 without compression, 0.01 with it: none is set
+here). Grid: task {ag_news, sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
+{DS, LP-DS, Choco, LP-Choco} (LP: 8-bit training and gossip; DS: Deep-Squeeze).
+
+Writes ``benchmarks/results/table6_cpu.json`` (``record.save_results``: every cell's accuracy of the
+averaged model, per-node accuracy, consensus distance, bytes sent per node, wall time and the
+recipe command that reproduces it), ``docs/table6_cpu.md`` (the table, laid out like the paper's)
+and ``docs/table6_cpu.png`` (accuracy vs skew). Each run keeps its folder under ``--output-dir``;
+a cell whose ``results.json`` is finished with the same settings is reused, not run again.
+
+``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
+``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import fnmatch
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import shlex
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO / "recipes")]
+
+from record import save_results  # noqa: E402
+from sweep import COLUMNS, markdown_table, run_logged  # noqa: E402
+
+from lp_decentral_nlp.cli import _ranged, build_nlp_parser, finished_results, packaged_model_path, run_nlp  # noqa: E402
+from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
+
+TASKS = ("ag_news", "sentlen")
+SKEWS = (0.0, 0.5, 0.9)
+COMPRESSIONS = (0.0, 99.0)
+# SPEC section 8 at CPU scale; the consensus step is left to the trainer.
+SETTINGS = {"nodes": 4, "topology": "directed_ring", "max_length": 64, "batch_size": 16, "epochs": 3,
+            "lr": 1e-4}
+RECIPES = {("ag_news", "choco"): "agnews_choco.py", ("ag_news", "deepsqueeze"): "agnews_deepsqueeze.py",
+           ("sentlen", "choco"): "sentlen_choco.py", ("sentlen", "deepsqueeze"): "sentlen_deepsqueeze.py"}
+# The paper's AG News row (DistilBERT on the full set, 5 epochs; SPEC section 8), accuracy in %.
+PAPER_AG_NEWS = {(0.0, 0.0): (94.18, 93.99, 94.21, 94.12), (0.9, 0.0): (92.19, 91.35, 91.56, 91.49),
+                 (0.0, 99.0): (93.88, 93.55, 94.54, 94.04), (0.9, 99.0): (91.93, 91.21, 92.33, 91.80)}
+# The sample beside the checkout (../shared), or under $LPDN_SHARED as the tests read it.
+DEFAULT_DATA = pathlib.Path(os.environ.get("LPDN_SHARED", REPO.parent / "shared")) / "data" / "ag_news" / "ag_news_6000.csv"
+
+
+def cell_id(task: str, column: str, skew: float, comp: float) -> str:
+    """The name ``--cells`` matches, e.g. ``ag_news/LP-Choco/skew0.5/comp99``."""
+    return f"{task}/{column}/skew{skew:g}/comp{comp:g}"
+
+
+def all_cells() -> list[dict]:
+    """The 48 cells of the grid, in table order."""
+    return [{"task": task, "column": column, "algorithm": algorithm, "low_precision": low_precision,
+             "skew": skew, "comp": comp, "id": cell_id(task, column, skew, comp)}
+            for task, skew, comp, (algorithm, low_precision, column)
+            in itertools.product(TASKS, SKEWS, COMPRESSIONS, COLUMNS)]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
+                        help=f"the AG News CSV (default {DEFAULT_DATA})")
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--output-dir", type=pathlib.Path, default=REPO / "runs" / "table6_cpu",
+                        help="one folder per run under it (default runs/table6_cpu)")
+    parser.add_argument("--docs-dir", type=pathlib.Path, default=REPO / "docs",
+                        help="where the Markdown table and the plot go (default docs/)")
+    parser.add_argument("--jobs", type=_ranged(int, 1, None), default=1,
+                        help="cells run at once, each in its own process with cores/jobs threads (default 1)")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
+                        help="run only the cells whose id matches one of these shell patterns; ids are "
+                             "TASK/COLUMN/skewS/compC, e.g. 'ag_news/LP-Choco/skew0.5/comp99' or 'sentlen/*/skew0/*'")
+    parser.add_argument("--max-steps", type=_ranged(int, 1, None), default=None,
+                        help="shrink: stop every run after this many steps (instead of 3 epochs)")
+    parser.add_argument("--limit-rows", type=_ranged(int, 1, None), default=None,
+                        help="shrink: train on a seeded subset of this many rows and test on at most this many")
+    args = parser.parse_args(argv)
+    if not args.data_dir.is_file():
+        parser.error(f"argument --data-dir: {str(args.data_dir)!r} is not a file (the AG News CSV sample)")
+    args.selected = all_cells()
+    if args.cells is not None:
+        unmatched = [p for p in args.cells if not any(fnmatch.fnmatchcase(c["id"], p) for c in args.selected)]
+        if unmatched:
+            parser.error(f"argument --cells: {unmatched} match no cell; ids look like "
+                         f"{args.selected[0]['id']!r} (tasks {list(TASKS)}, columns {[c[2] for c in COLUMNS]}, "
+                         f"skews {[f'{s:g}' for s in SKEWS]}, compressions {[f'{c:g}' for c in COMPRESSIONS]})")
+        args.selected = [c for c in args.selected if any(fnmatch.fnmatchcase(c["id"], p) for p in args.cells)]
+    if args.limit_rows is not None:
+        try:
+            check_enough_rows(args.limit_rows, SETTINGS["nodes"], SETTINGS["batch_size"], "--limit-rows",
+                              skew=max(c["skew"] for c in args.selected))
+        except ValueError as err:
+            parser.error(f"argument {err}")
+    if args.model is None:
+        args.model = packaged_model_path()
+    args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
+    return args
+
+
+def recipe_argv(args: argparse.Namespace, cell: dict) -> list[str]:
+    """The NLP recipe's arguments that run ``cell``."""
+    argv = ["--model", str(args.model), "--data-dir", str(args.data_dir),
+            "--output-dir", str(args.output_dir / cell["id"].replace("/", "_")),
+            "--skew", f"{cell['skew']:g}", "--comp", f"{cell['comp']:g}"]
+    argv += [token for key, value in SETTINGS.items() for token in (f"--{key.replace('_', '-')}", str(value))]
+    if not cell["low_precision"]:
+        argv.append("--full-precision")
+    if args.max_steps is not None:
+        argv += ["--max-steps", str(args.max_steps)]
+    if args.limit_rows is not None:
+        argv += ["--max-train-samples", str(args.limit_rows), "--max-eval-samples", str(args.limit_rows)]
+    return argv
+
+
+def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[argparse.Namespace, str]:
+    """The parsed recipe arguments of ``cell`` and the command line that runs it."""
+    argv = recipe_argv(args, cell)
+    run = build_nlp_parser(cell["task"], cell["algorithm"]).parse_args(argv)
+    command = shlex.join(["python", f"recipes/{RECIPES[cell['task'], cell['algorithm']]}", *argv])
+    return run, command
+
+
+def reusable(run: argparse.Namespace) -> dict | None:
+    """The finished ``results.json`` of ``run`` if its recorded settings are ``run``'s, else None."""
+    done = finished_results(run.output_dir)
+    if done is None:
+        return None
+    settings = json.loads(json.dumps(vars(run), default=str))
+    recorded = {k: v for k, v in done["config"].items() if k != "consensus_lr_used"}
+    if recorded != settings:
+        changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+        print(f"note: {run.output_dir} was run with other settings ({', '.join(changed)}): running it again",
+              file=sys.stderr)
+        return None
+    return done
+
+
+def _one_process_share(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_cells(args: argparse.Namespace) -> list[dict]:
+    """Run (or reuse) every selected cell; one record per cell, in table order."""
+    runs = [recipe_run(args, cell) for cell in args.selected]
+    results = {i: r for i, r in ((i, reusable(run)) for i, (run, _) in enumerate(runs)) if r is not None}
+    todo = [i for i in range(len(runs)) if i not in results]
+    print(f"{len(args.selected)} cells: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
+    if args.jobs == 1:
+        for done, i in enumerate(todo, 1):
+            results[i] = run_nlp(runs[i][0])
+            print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%", file=sys.stderr)
+    elif todo:
+        threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_one_process_share,
+                                                    initargs=(threads,)) as pool:
+            futures = {pool.submit(run_logged, runs[i][0]): i for i in todo}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except BaseException as err:
+                    for other in futures:
+                        other.cancel()
+                    raise RuntimeError(f"cell {args.selected[i]['id']} failed: {err!r}; its log: "
+                                       f"{os.path.join(runs[i][0].output_dir, 'run.log')}") from err
+                print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%",
+                      file=sys.stderr)
+    return [{**cell, "accuracy": results[i]["accuracy"], "node_accuracy": results[i]["node_accuracy"],
+             "consensus_distance": results[i]["consensus_distance"],
+             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
+             "steps": results[i]["steps"], "gamma": results[i]["config"]["consensus_lr_used"],
+             "command": runs[i][1], "output_dir": str(runs[i][0].output_dir)}
+            for i, cell in enumerate(args.selected)]
+
+
+def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: pathlib.Path) -> str:
+    """The Markdown page: settings, one table per task (rows skew/compression, columns as the
+    paper's), the paper's AG News row for reference, and every cell's details."""
+    settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in SETTINGS.items())
+    lines = [f"# Table 6 at CPU scale ({args.name})", "",
+             f"Packaged all-MiniLM-L6-v2 on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
+             "Adam betas (0.9, 0.9); the trainer's consensus step (1 without compression, 0.01 with it). "
+             "Accuracy (%) of the averaged model on the test split. "
+             + ("" if args.name == "table6_cpu" else
+                f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
+             + f"Every figure and the command of every cell: `{json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}`.",
+             ""]
+    for task in TASKS:
+        rows = [c for c in cells if c["task"] == task]
+        if rows:
+            lines += [f"## {task}", "", markdown_table(rows)]
+    if any(c["task"] == "ag_news" for c in cells):
+        lines += ["Reference: the paper's AG News row (DistilBERT, full 120k/7.6k set, 5 epochs):", "",
+                  "| skew | compression | " + " | ".join(c[2] for c in COLUMNS) + " |",
+                  "| --- | --- |" + " --- |" * len(COLUMNS)]
+        lines += [f"| {skew:g} | {comp:g}% | " + " | ".join(f"{a:.2f}" for a in accs) + " |"
+                  for (skew, comp), accs in sorted(PAPER_AG_NEWS.items())]
+        lines.append("")
+    lines += ["## Every cell", "",
+              "| cell | accuracy % | node accuracy % (min-max) | consensus distance | MB sent per node | gamma | steps "
+              "| wall time s |", "| --- |" + " --- |" * 7]
+    for c in cells:
+        nodes = [100 * a for a in c["node_accuracy"]]
+        lines.append(f"| {c['id']} | {100 * c['accuracy']:.2f} | {min(nodes):.2f}-{max(nodes):.2f} "
+                     f"| {c['consensus_distance']:.4g} | {max(c['bytes_sent_per_node']) / 1e6:.2f} | {c['gamma']:g} "
+                     f"| {c['steps']} | {c['wall_time_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(cells: list[dict], path: pathlib.Path) -> None:
+    """Accuracy vs skew, one panel per task; fp32 solid, 8-bit dashed; circles 0%, squares 99% compression."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in TASKS if any(c["task"] == t for c in cells)]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for (column, comp), group in itertools.groupby(
+                sorted((c for c in cells if c["task"] == task), key=lambda c: (c["column"], c["comp"], c["skew"])),
+                key=lambda c: (c["column"], c["comp"])):
+            group = list(group)
+            ax.plot([c["skew"] for c in group], [100 * c["accuracy"] for c in group],
+                    linestyle="--" if group[0]["low_precision"] else "-", marker="s" if comp else "o",
+                    label=f"{column}, comp {comp:g}%")
+        ax.set_title(task)
+        ax.set_xticks(SKEWS)
+        ax.set_xlabel("skew")
+        ax.set_ylabel("test accuracy of the averaged model (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> pathlib.Path:
+    """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
+    args = parse(argv)
+    start = time.time()
+    cells = run_cells(args)
+    json_path = save_results(args.name, {
+        "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
+                     "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells},
+        "wall_time_s": time.time() - start,
+        "cells": cells,
+    }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)])
+    args.docs_dir.mkdir(parents=True, exist_ok=True)
+    (args.docs_dir / f"{args.name}.md").write_text(render_markdown(args, cells, json_path))
+    plot(cells, args.docs_dir / f"{args.name}.png")
+    print(f"wrote {json_path}, {args.docs_dir / (args.name + '.md')} and {args.docs_dir / (args.name + '.png')}",
+          file=sys.stderr)
+    return json_path
+
+
+if __name__ == "__main__":
+    main()
