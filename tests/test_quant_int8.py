@@ -18,7 +18,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
 from lp_decentral_nlp.quant import QuantConfig, quantize_model
-from lp_decentral_nlp.quant.int8_kernel import Int8Kernel, Int8Operand, affine_int8_matmul
+from lp_decentral_nlp.quant.kernels import Int8Kernel, Int8Operand, affine_int8_matmul
 from lp_decentral_nlp.quant.kernels import AUTO_MIN_FEATURES, KERNELS, resolve_kernel
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 

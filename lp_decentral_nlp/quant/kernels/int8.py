@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .functional import quantize_codes
-from .gemm import Gemm, LinearGemm, TransposedLinearGemm
-from .kernels import Kernel
+from ..functional import quantize_codes
+from ..gemm import Gemm, LinearGemm, TransposedLinearGemm
+from .base import Kernel
 
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, K and N multiples of 8
 CUDA_MULTIPLE = 8
