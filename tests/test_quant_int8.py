@@ -53,7 +53,7 @@ def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
     lo, hi = x.min(), x.max()
     q = Int8Kernel().quantize(x, lo, hi, 8, False)
     assert q.codes.dtype == torch.int8 and q.codes.min() == -128 and q.codes.max() == 127
-    simulated = KERNELS["simulated"].quantize(x, lo, hi, 8, False)
+    simulated = KERNELS["simulated"].quantize(x, lo, hi, 8, False).dequantize()
     assert torch.allclose(q.dequantize(), simulated, atol=4 * EPS * x.abs().max())
     const = Int8Kernel().quantize(torch.full((3, 4), 2.5), torch.tensor(2.5), torch.tensor(2.5), 8, False)
     assert torch.equal(const.dequantize(), torch.full((3, 4), 2.5)), "zero-width range dequantizes to lo"
@@ -93,7 +93,7 @@ def test_int8_matches_simulated_outputs_and_gradients(kind, granularity, monkeyp
     run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
 
     (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
-    w_hat = KERNELS["simulated"].quantize(base.weight.detach(), *base.weight.detach().aminmax(), 8, False)
+    w_hat = KERNELS["simulated"].quantize(base.weight.detach(), *base.weight.detach().aminmax(), 8, False).dequantize()
     x_hat = x.abs().max()  # the quantized input stays within the input range
     assert (y_i - y_s).abs().max() <= 32 * EPS * 48 * x_hat * w_hat.abs().max()
     assert (gx_i - gx_s).abs().max() <= 32 * EPS * 40 * grad_out.abs().max() * w_hat.abs().max()

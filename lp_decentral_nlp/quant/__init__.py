@@ -11,6 +11,7 @@ from .layers import (
     QuantLinear,
     QuantModule,
 )
+from .memory import saved_tensor_bytes
 from .surgery import (
     QUANT_LAYERS,
     QuantReport,
@@ -41,5 +42,6 @@ __all__ = [
     "quantize_model",
     "register_kernel",
     "register_quant_layer",
+    "saved_tensor_bytes",
     "state_dict_nbytes",
 ]

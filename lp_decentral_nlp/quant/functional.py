@@ -63,6 +63,27 @@ def fake_quantize(
     return codes.mul_(scale).add_(lo)
 
 
+@torch.no_grad()
+def quantize_uint8(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x` on its affine grid in two forms (SPEC 4): ``(codes, scale, x_hat)``.
+
+    ``codes`` uint8 ``q`` in ``[0, 2**bits - 1]`` (one byte per element, what a layer keeps for
+    backward), ``scale`` the step ``s`` (shape of ``hi - lo``), ``x_hat`` the fp32 value
+    ``q * s + lo``, bit for bit ``fake_quantize(x, lo, hi, bits, stochastic)`` and
+    ``dequantize_uint8(codes, scale, lo)``.
+    """
+    codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
+    return codes.to(torch.uint8), scale, codes.mul_(scale).add_(lo)
+
+
+def dequantize_uint8(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``q * s + lo`` in fp32 from uint8 codes (shape of `codes`): the same operations on the same
+    values as ``fake_quantize``, so the same bits."""
+    return torch.mul(codes, scale).add_(lo)
+
+
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` of the whole tensor, two 0-d tensors."""
     return torch.aminmax(x)

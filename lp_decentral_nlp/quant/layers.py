@@ -30,43 +30,39 @@ class QuantGemmFunction(torch.autograd.Function):
     * weight gradient ``dL/dW = grad_weight(Q(x), g)`` from the *full-precision* ``g``, so the
       quantized layer gradient never leaks into it; ``dL/db = sum g``.
 
-    The quantized operands are recomputed in backward from the saved float inputs and ranges
-    (an elementwise pass, deterministic) instead of being stored: no memory beyond a float layer's.
-    A kernel with ``saves_operands = True`` (int8: its operands are a quarter of the float
-    tensors) keeps the forward's quantized input and weight for backward instead of the float input.
+    Saved for backward (``ctx.save_for_backward``) is what these products use, the forward's
+    quantized operands, not the float tensors: the input's 8-bit codes with their scale and offset
+    when ``dL/dW`` is needed, the weight's 8-bit codes when ``dL/dx`` is (a quarter of the fp32
+    bytes; the kernel's ``for_backward`` drops float copies). The backward is the same computation
+    as recomputing the operands from the float tensors, bit for bit.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_lo, x_hi, gemm: Gemm, kernel: Kernel, config: QuantConfig, training: bool):
-        w_lo, w_hi = tensor_range(weight)
+        need_x, need_w = ctx.needs_input_grad[:2]
         x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
-        w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
-        if kernel.saves_operands:
-            ctx.operands, ctx.shapes = (x_q, w_q), (x.shape, weight.shape)
-        else:
-            ctx.save_for_backward(x, weight, x_lo, x_hi, w_lo, w_hi)
+        w_q = kernel.quantize(weight, *tensor_range(weight), config.bits, False)
+        y = kernel.forward(gemm, x_q, w_q, bias)
+        kept_x = kernel.for_backward(x_q) if need_w else (None,) * len(x_q)
+        kept_w = kernel.for_backward(w_q) if need_x else (None,) * len(w_q)
+        ctx.save_for_backward(*kept_x, *kept_w)
+        ctx.operand_types, ctx.shapes = (type(x_q), type(w_q)), (x.shape, weight.shape)
         ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
         ctx.stochastic = config.stochastic_grad_rounding and training
-        return kernel.forward(gemm, x_q, w_q, bias)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
-        if kernel.saves_operands:
-            (x_q, w_q), (x_shape, w_shape) = ctx.operands, ctx.shapes
-        else:
-            x, weight, x_lo, x_hi, w_lo, w_hi = ctx.saved_tensors
-            x_shape, w_shape = x.shape, weight.shape
+        (x_type, w_type), (x_shape, w_shape) = ctx.operand_types, ctx.shapes
+        saved = ctx.saved_tensors
+        x_q, w_q = x_type(*saved[: len(x_type._fields)]), w_type(*saved[len(x_type._fields):])
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:
             g_q = kernel.quantize(g, *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
-            if not kernel.saves_operands:
-                w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
             grad_x = kernel.grad_input(gemm, g_q, w_q, x_shape)
         if need_w:
-            if not kernel.saves_operands:
-                x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
             grad_w = kernel.grad_weight(gemm, x_q, g, w_shape)
         if need_b:
             grad_b = gemm.grad_bias(g)

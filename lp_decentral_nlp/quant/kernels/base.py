@@ -15,11 +15,11 @@ from ..gemm import Gemm
 
 
 class Kernel(abc.ABC):
-    """Executes quantized GEMMs. Quantized operands are whatever `quantize` returns."""
+    """Executes quantized GEMMs. A quantized operand is whatever `quantize` returns: a NamedTuple
+    whose fields are tensors (or None), so the layer can keep it for backward through
+    ``ctx.save_for_backward`` (visible to ``torch.autograd.graph.saved_tensors_hooks``)."""
 
     name: str
-    #: keep the forward's quantized operands for backward instead of re-quantizing the float input
-    saves_operands: bool = False
 
     def unsupported_reason(self, gemm_type: type, weight: torch.Tensor) -> str | None:
         """Why this kernel cannot run a layer of `gemm_type` (a class of ``gemm.py``) with `weight`
@@ -29,6 +29,11 @@ class Kernel(abc.ABC):
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool):
         """Quantize `x` on the affine grid of ``[lo, hi]`` (see ``functional.quantize_codes``)."""
+
+    def for_backward(self, operand):
+        """What of a forward operand the layer keeps for backward (same NamedTuple type; fields not
+        needed set to None, e.g. a float copy rebuilt from 8-bit codes). Default: all of it."""
+        return operand
 
     @abc.abstractmethod
     def forward(self, gemm: Gemm, x_q, w_q, bias: torch.Tensor | None) -> torch.Tensor:

@@ -103,7 +103,6 @@ class Int8Kernel(Kernel):
     """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear and Conv1D layers."""
 
     name = "int8"
-    saves_operands = True  # int8 codes: a quarter of the float input the Function would keep
 
     def unsupported_reason(self, gemm_type, weight):
         if gemm_type not in (LinearGemm, TransposedLinearGemm):
