@@ -17,9 +17,16 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
-from lp_decentral_nlp.quant import QuantConfig, quantize_model
-from lp_decentral_nlp.quant.kernels import Int8Kernel, Int8Operand, affine_int8_matmul
-from lp_decentral_nlp.quant.kernels import AUTO_MIN_FEATURES, KERNELS, resolve_kernel
+from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model
+from lp_decentral_nlp.quant.kernels import (
+    AUTO_MIN_FEATURES,
+    KERNELS,
+    Int8Kernel,
+    Int8Operand,
+    affine_int8_matmul,
+    cpu_has_int8_dot,
+    resolve_kernel,
+)
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 
 EPS = torch.finfo(torch.float32).eps
@@ -198,3 +205,49 @@ def test_int8_bf16_differs_from_int8_only_in_a_bfloat16_rounded_weight_gradient(
     spy = SpyIntMM(monkeypatch)
     run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8_bf16")), x, grad_out)
     assert len(spy.calls) == 2  # forward and layer gradient still on int8 operands
+
+
+def train_steps(model, steps=3, lr=0.05):
+    """A few SGD steps on a fixed regression batch; the losses and the final parameters."""
+    torch.manual_seed(11)
+    x, target = torch.randn(64, AUTO_MIN_FEATURES), torch.randn(64, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+def test_default_auto_trains_like_simulated_up_to_gemm_rounding():
+    """``kernel="auto"`` (the default) runs int8 only on a wide layer and int8 hardware
+    (``kernel_report`` says which). Where it does, the int8 GEMMs compute the same products of the
+    same 8-bit operands as the simulated kernel, so each differs by fp32 rounding only (module
+    docstring); over a few steps such a difference can move a value across a rounding boundary of
+    a later quantizer (one 8-bit step of one element, a tiny share of a 64-sample gradient), so the
+    losses and the parameter updates must agree to 1e-4 and 1e-3 relative. Where auto picks the
+    simulated kernel everywhere (a CPU without VNNI/AMX) the run is the simulated run, bit for bit."""
+    torch.manual_seed(0)
+    width = AUTO_MIN_FEATURES
+    base = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
+    start = [p.detach().clone() for p in base.parameters()]
+    assert QuantConfig().kernel == "auto"
+    runs, reports = {}, {}
+    for kernel in ("auto", "simulated"):
+        model = quantize_model(copy.deepcopy(base), QuantConfig() if kernel == "auto" else QuantConfig(kernel=kernel))
+        reports[kernel] = kernel_report(model)
+        runs[kernel] = train_steps(model)
+    wide = "int8" if cpu_has_int8_dot() else "simulated"
+    assert reports["auto"] == {"0": wide, "2": wide, "4": "simulated"}, "the 8-output layer is too narrow for int8"
+    assert reports["simulated"] == {"0": "simulated", "2": "simulated", "4": "simulated"}
+    (loss_a, params_a), (loss_s, params_s) = runs["auto"], runs["simulated"]
+    assert not torch.equal(params_s[0], start[0]), "the run trains"
+    if wide == "simulated":
+        assert torch.equal(loss_a, loss_s) and all(torch.equal(a, s) for a, s in zip(params_a, params_s))
+    else:
+        assert torch.allclose(loss_a, loss_s, rtol=1e-4)
+        for a, s, p0 in zip(params_a, params_s, start):
+            assert (a - s).abs().max() <= 1e-3 * (s - p0).abs().max()

@@ -10,6 +10,7 @@ from .layers import (
     QuantGemmLayer,
     QuantLinear,
     QuantModule,
+    kernel_report,
 )
 from .memory import saved_tensor_bytes
 from .surgery import (
@@ -38,6 +39,7 @@ __all__ = [
     "dequantize_int8_state_dict",
     "dequantize_model",
     "export_int8_state_dict",
+    "kernel_report",
     "load_quantized",
     "quantize_model",
     "register_kernel",

@@ -167,7 +167,7 @@ class QuantGemmLayer(ActivationQuantizer):
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
-        kernel, _ = resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight)
+        kernel = self.kernel()
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
@@ -175,9 +175,26 @@ class QuantGemmLayer(ActivationQuantizer):
                 x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
             )
 
+    def kernel(self) -> Kernel:
+        """The kernel this layer's forward runs now (``resolve_kernel`` for its config, weight
+        device and shape; the simulated one where the configured kernel cannot run it)."""
+        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight, **self._kernel_constraints())[0]
+
+    def _kernel_constraints(self) -> dict:
+        """Layer settings beyond the weight's shape and device that decide kernel support
+        (keyword arguments of ``resolve_kernel``)."""
+        return {}
+
     def extra_repr(self) -> str:
         c = self.quant_config
         return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}, kernel={c.kernel}"
+
+
+def kernel_report(model: nn.Module) -> dict[str, str]:
+    """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its next
+    forward runs (``resolve_kernel`` on the layer's ``QuantConfig.kernel``, device and shape, the
+    call the forward makes), e.g. to record in a run's results. Empty when nothing is quantized."""
+    return {name: module.kernel().name for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
 
 
 class QuantLinear(QuantGemmLayer, nn.Linear):
