@@ -152,13 +152,14 @@ def test_tiny_distilbert_int8_close_to_simulated():
 
 
 def test_fallback_per_layer_with_reason():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
     report = quantize_model(model, QuantConfig(kernel="int8"), dry_run=True)
     reasons = {d.name: d.reason for d in report.layers}
-    assert "kernel simulated (int8 falls back: Conv2d has no int8 kernel)" in reasons["0"]
+    assert "kernel simulated (int8 falls back: grouped Conv2d (groups=2) has no int8 kernel)" in reasons["0"]
     assert reasons["2"].endswith("kernel int8")
     quantize_model(model, QuantConfig(kernel="int8"))
-    model(torch.randn(2, 3, 8, 8)).sum().backward()  # the Conv2d runs simulated, the Linear int8
+    assert kernel_report(model) == {"0": "simulated", "2": "int8"}
+    model(torch.randn(2, 4, 8, 8)).sum().backward()  # the grouped Conv2d runs simulated, the Linear int8
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
 
 
@@ -166,8 +167,8 @@ def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
     wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
     kernel, reason = resolve_kernel("auto", LinearGemm, narrow)
     assert kernel.name == "simulated" and "narrower" in reason
-    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide)
-    assert kernel.name == "simulated" and "Conv2d" in reason
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1), groups=2)
+    assert kernel.name == "simulated" and "grouped Conv2d" in reason
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
     assert (kernel.name, reason) in (("int8", None), ("simulated", "CPU without int8 dot-product instructions (VNNI/AMX)"))
     assert resolve_kernel("int8", LinearGemm, narrow) == (KERNELS["int8"], None), "int8 asked for is honoured"
@@ -251,3 +252,45 @@ def test_default_auto_trains_like_simulated_up_to_gemm_rounding():
         assert torch.allclose(loss_a, loss_s, rtol=1e-4)
         for a, s, p0 in zip(params_a, params_s, start):
             assert (a - s).abs().max() <= 1e-3 * (s - p0).abs().max()
+
+
+CONV_CASES = {  # (in, out, kernel, stride, padding, dilation, padding_mode), input (N, C, H, W)
+    "3x3 pad 1": ((6, 10, 3, 1, 1, 1, "zeros"), (3, 6, 9, 9)),
+    "stride 2 odd size": ((6, 10, 3, 2, 1, 1, "zeros"), (3, 6, 10, 7)),
+    "5x3 pad (2, 0) dilation 2": ((5, 8, (5, 3), 1, (2, 0), 2, "zeros"), (2, 5, 12, 11)),
+    "1x1 stride 2": ((8, 16, 1, 2, 0, 1, "zeros"), (4, 8, 8, 8)),
+    "reflect padding": ((4, 6, 3, 1, 1, 1, "reflect"), (2, 4, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.parametrize("granularity", ["tensor", "sample"])
+def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
+    """Conv2d on int8 im2col GEMMs: output, layer gradient (8-bit, stochastic rounding) and weight
+    gradient (fp32, from the quantized input) equal the simulated kernel's up to fp32 rounding
+    (module docstring's bound, ``K = C kh kw`` for the forward and ``Cout kh kw`` terms per input
+    element for the layer gradient); the bias gradient is the same computation."""
+    (cin, cout, k, stride, padding, dilation, mode), shape = CONV_CASES[case]
+    base = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dilation=dilation, padding_mode=mode)
+    nn.init.normal_(base.bias)
+    x = torch.randn(shape) * 2 + 0.7  # skewed: a large zero point, so padding must be exact 0
+    grad_out = torch.randn_like(base(x)).exp()
+    results = {}
+    for kernel in ("simulated", "int8"):
+        model = quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel, grad_granularity=granularity))
+        assert kernel_report(model) == {"0": kernel}
+        results[kernel] = run_step(model, x, grad_out)
+    spy = SpyIntMM(monkeypatch)
+    run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
+    (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
+    w_max = base.weight.detach().abs().max()
+    k_taps = base.weight[0].numel()
+    assert y_i.shape == y_s.shape
+    assert (y_i - y_s).abs().max() <= 32 * EPS * k_taps * x.abs().max() * w_max
+    assert (gx_i - gx_s).abs().max() <= 32 * EPS * cout * base.weight[0, 0].numel() * grad_out.abs().max() * w_max
+    assert (gp_i[0] - gp_s[0]).abs().max() <= 32 * EPS * grad_out[:, 0].numel() * grad_out.abs().max() * x.abs().max()
+    assert torch.equal(gp_i[1], gp_s[1])
+    assert not torch.allclose(y_s, base(x), atol=1e-3), "outputs are really quantized"
+    assert len(spy.calls) == 2, "forward and layer gradient are int8 GEMMs"
+    for a, b in spy.calls:
+        assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and (b.is_contiguous() or b.T.is_contiguous())

@@ -248,6 +248,9 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             bias=module.bias is not None, padding_mode=module.padding_mode,
         )
 
+    def _kernel_constraints(self) -> dict:
+        return {"groups": self.groups}
+
     def _numeric_padding(self) -> tuple[int, int] | None:
         """Zero padding ``(h, w)`` the GEMM can take, or None when ``F.pad`` must apply it."""
         if self.padding_mode != "zeros":

@@ -21,9 +21,10 @@ class Kernel(abc.ABC):
 
     name: str
 
-    def unsupported_reason(self, gemm_type: type, weight: torch.Tensor) -> str | None:
+    def unsupported_reason(self, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> str | None:
         """Why this kernel cannot run a layer of `gemm_type` (a class of ``gemm.py``) with `weight`
-        (its device and shape), or None when it can. The layer then uses the simulated kernel."""
+        (its device and shape) and `groups` (Conv2d's; 1 for other layers), or None when it can.
+        The layer then uses the simulated kernel."""
         return None
 
     @abc.abstractmethod
