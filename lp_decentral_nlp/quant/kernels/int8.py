@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..functional import quantize_codes
+from ..functional import quantize_fused
 from ..gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
 from .base import Kernel
 
@@ -145,10 +145,10 @@ class Int8Kernel(Kernel):
         return None
 
     def quantize(self, x, lo, hi, bits, stochastic):
-        codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed=True)
         # Linear/Conv1D rows run along the last dim; a 4-D (Conv2d) tensor's GEMM rows are patches
-        sums = codes.sum(-1, keepdim=True) if x.dim() < 4 else None
-        return Int8Operand(codes.to(torch.int8), scale, lo + 2 ** (bits - 1) * scale, sums)
+        codes, _, sums, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=True, values=False,
+                                               last_dim_sums=x.dim() < 4)
+        return Int8Operand(codes, scale, lo + 2 ** (bits - 1) * scale, sums)
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
         if isinstance(gemm, Conv2dGemm):
