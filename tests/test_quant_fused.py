@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lp_decentral_nlp.quant.functional import grad_range, quantize_codes, quantize_fused, tensor_range
+from lp_decentral_nlp.quant.fused import PARALLEL_MIN_ELEMENTS
 
 SHAPES = [(64, 50), (4, 9, 48), (3, 5, 7, 9), (1000,), (1, 1)]
 
@@ -49,3 +50,17 @@ def test_zero_width_range_and_out_of_range_values():
 def test_signed_values_are_refused():
     with pytest.raises(ValueError, match="signed=False"):
         quantize_fused(torch.randn(3), torch.tensor(0.0), torch.tensor(1.0), 8, False, True, values=True, last_dim_sums=False)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_parallel_rows_give_the_same_codes(stochastic):
+    """A tensor of at least ``PARALLEL_MIN_ELEMENTS`` with two torch threads runs split by rows."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    x = torch.randn(3, 40, PARALLEL_MIN_ELEMENTS // 64)
+    lo, hi = grad_range(x, "sample")
+    torch.manual_seed(2)
+    codes, values, sums, _ = quantize_fused(x, lo, hi, 8, stochastic, False, values=True, last_dim_sums=True)
+    torch.manual_seed(2)
+    expected, scale = quantize_codes(x, lo, hi, 8, stochastic)
+    assert torch.equal(codes, expected.to(torch.uint8)) and torch.equal(values, expected * scale + lo)
+    assert torch.equal(sums, expected.sum(-1, keepdim=True))

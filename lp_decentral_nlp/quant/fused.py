@@ -11,7 +11,9 @@ tensor whose ranges are 0-d or one per leading row; ``functional`` uses the torc
 anything else (CUDA, other dtypes or strides).
 
 numba compiles each kernel on its first use and caches the machine code on disk; this module is
-imported on the first CPU call that needs it. Kernels run with the GIL released.
+imported on the first CPU call that needs it. Kernels run with the GIL released; a tensor of at
+least ``PARALLEL_MIN_ELEMENTS`` is split by rows over as many threads as torch's intra-op pool
+(``torch.get_num_threads()``, at most numba's ``NUMBA_NUM_THREADS``).
 """
 from __future__ import annotations
 
@@ -27,11 +29,10 @@ def _clamp(v, low, high):
     return v if v < high else high
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale, lo, values, row_sums):
     rows, cols = x.shape
     per_row = inv.shape[0] > 1
-    for r in range(rows):
+    for r in numba.prange(rows):  # rows are independent: each element's operations do not change
         k = r if per_row else 0
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
@@ -58,6 +59,10 @@ def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale
             row_sums[r] = np.float32(total)
 
 
+_quantize_rows_serial = numba.njit(cache=True, nogil=True, boundscheck=False)(_quantize_rows)
+_quantize_rows_parallel = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)(_quantize_rows)
+# below this many elements a parallel call costs more than it saves
+PARALLEL_MIN_ELEMENTS = 2**16
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
 
 
@@ -96,7 +101,13 @@ def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scal
     out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
     sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     params = [t.detach().reshape(-1).numpy() for t in (inv, offset, scale, lo)]
-    _quantize_rows(
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1 and x.numel() >= PARALLEL_MIN_ELEMENTS:  # as many threads as torch's intra-op pool
+        numba.set_num_threads(threads)
+        kernel = _quantize_rows_parallel
+    else:
+        kernel = _quantize_rows_serial
+    kernel(
         matrix, params[0], params[1], np.float32(low), np.float32(high),
         dither.numpy() if dither is not None else np.zeros(0, dtype=np.int16), np.float32(dither_scale),
         codes.reshape(rows, -1).numpy(), params[2], params[3],
