@@ -13,6 +13,7 @@ whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer 
 (``kernel_report``). Results go to ``benchmarks/results/bench_8bit.json``.
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
+    python benchmarks/bench_8bit.py --threads 2 --conv-sweep   # and one Conv2d per width: where int8 pays
     python benchmarks/bench_8bit.py --smoke                 # tiny shapes, checks the script runs; saves nothing
 """
 from __future__ import annotations
@@ -132,6 +133,36 @@ def measure(variants, args, device) -> dict:
     return out
 
 
+def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
+    """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width on ``32 x w x 16 x 16``
+    inputs (8,192 GEMM rows), fp32 vs simulated vs int8, interleaved medians: the data for
+    ``kernels.AUTO_MIN_FEATURES`` on convolutions (the threshold was measured on Linear layers)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = 4 if args.smoke else 16
+    out = {}
+    for width in widths:
+        base = torch.nn.Conv2d(width, width, 3, padding=1).to(device)
+        layers = {"fp32": base}
+        for kernel in ("simulated", "int8"):
+            layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
+        x = torch.randn(args.image_batch_size, width, size, size, device=device, requires_grad=True)
+        times = {k: [] for k in layers}
+        for i in range(args.warmup + args.repeats):
+            for name, layer in layers.items():
+                sync()
+                start = time.perf_counter()
+                layer(x).sum().backward()
+                sync()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[width] = {"fp32_s": med["fp32"], "simulated_ratio": med["simulated"] / med["fp32"],
+                      "int8_ratio": med["int8"] / med["fp32"]}
+        print(f"Conv2d width {width:4d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated "
+              f"{out[width]['simulated_ratio']:.2f}x   int8 {out[width]['int8_ratio']:.2f}x fp32")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
@@ -142,6 +173,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (default: torch's, here %(default)s)")
+    p.add_argument("--conv-sweep", action="store_true",
+                   help="also time single Conv2d layers of several widths (fp32, simulated, int8)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models and images to check the script runs; prints, saves no results")
     args = p.parse_args(argv)
@@ -150,6 +183,8 @@ def main(argv=None):
     results = {"settings": {k: v for k, v in vars(args).items()}, "goals": GOALS}
     for model_name, build in (("distilbert", distilbert_variants), ("resnet20", resnet_variants)):
         results[model_name] = measure(build(args, device), args, device)
+    if args.conv_sweep:
+        results["conv_sweep"] = conv_sweep(args, device)
     met = {}
     for key, bound in GOALS.items():
         model_name, metric, variant = key.split(".")
