@@ -49,7 +49,8 @@ def test_zero_width_range_and_out_of_range_values():
 
 def test_signed_values_are_refused():
     with pytest.raises(ValueError, match="signed=False"):
-        quantize_fused(torch.randn(3), torch.tensor(0.0), torch.tensor(1.0), 8, False, True, values=True, last_dim_sums=False)
+        quantize_fused(torch.randn(3), torch.tensor(0.0), torch.tensor(1.0), 8, False, True,
+                       values=True, last_dim_sums=False)
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

@@ -167,7 +167,8 @@ def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
     wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
     kernel, reason = resolve_kernel("auto", LinearGemm, narrow)
     assert kernel.name == "simulated" and "narrower" in reason
-    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1), groups=2)
+    wide_conv = wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1)
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, groups=2)
     assert kernel.name == "simulated" and "grouped Conv2d" in reason
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
     assert (kernel.name, reason) in (("int8", None), ("simulated", "CPU without int8 dot-product instructions (VNNI/AMX)"))
@@ -277,7 +278,8 @@ def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
     grad_out = torch.randn_like(base(x)).exp()
     results = {}
     for kernel in ("simulated", "int8"):
-        model = quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel, grad_granularity=granularity))
+        config = QuantConfig(kernel=kernel, grad_granularity=granularity)
+        model = quantize_model(nn.Sequential(copy.deepcopy(base)), config)
         assert kernel_report(model) == {"0": kernel}
         results[kernel] = run_step(model, x, grad_out)
     spy = SpyIntMM(monkeypatch)

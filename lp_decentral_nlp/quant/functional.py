@@ -88,7 +88,8 @@ def quantize_uint8(
     ``q * s + lo``, bit for bit ``fake_quantize(x, lo, hi, bits, stochastic)`` and
     ``dequantize_uint8(codes, scale, lo)``.
     """
-    codes, values, _, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True, last_dim_sums=False)
+    codes, values, _, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True,
+                                             last_dim_sums=False)
     return codes, scale, values
 
 
@@ -113,7 +114,8 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
     if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
         dither = _dither(x.numel(), x.device) if stochastic else None
         codes, out_values, sums = fused.quantize_rows(
-            x, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS, values, last_dim_sums
+            x, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
+            values, last_dim_sums,
         )
         return codes, out_values, sums, scale
     float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)

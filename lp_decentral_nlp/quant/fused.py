@@ -5,10 +5,11 @@ the dither and floor), clamp, convert to 8 bits, and for the simulated kernel de
 (multiply, add) -- seven reads and writes of the tensor. :func:`quantize_rows` does them in one
 pass that keeps the intermediates in registers, with the same fp32 operations in the same order
 (``v = x * inv + offset``, no fused multiply-add; ``rint`` rounds half to even like
-``torch.round``, and clamping to the integer bounds before rounding gives the same codes; the stochastic dither is torch's own random words, passed in), so its codes and
-values are bit for bit those of the torch passes (tests). It needs a contiguous float32 CPU
-tensor whose ranges are 0-d or one per leading row; ``functional`` uses the torch passes for
-anything else (CUDA, other dtypes or strides).
+``torch.round``; clamping to the integer bounds before rounding gives the same codes; the
+stochastic dither is torch's own random words, passed in), so its codes and values are bit for
+bit those of the torch passes (tests). It needs a contiguous float32 CPU tensor whose ranges are
+0-d or one per sample (dim 0); ``functional`` uses the torch passes for anything else (CUDA,
+other dtypes or strides).
 
 numba compiles each kernel on its first use and caches the machine code on disk; this module is
 imported on the first CPU call that needs it. Kernels run with the GIL released; a tensor of at

@@ -84,7 +84,8 @@ class QuantNormFunction(torch.autograd.Function):
         wanted = [p for p, n in zip(params_q, need_params) if n]
         grad_x = None
         if need_x:
-            g_q = quantize_uint8(g.contiguous(), *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)[2]
+            g_range = grad_range(g, config.grad_granularity)
+            g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
             (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
         grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
         grad_params = [next(grads) if n else None for n in need_params]

@@ -139,7 +139,8 @@ class Int8Kernel(Kernel):
         if weight.device.type == "cuda":
             dims = (weight.shape[0], weight[0].numel())  # (out, in) of the GEMM, or (Cout, C kh kw)
             if any(d % CUDA_MULTIPLE for d in dims):
-                return f"CUDA int8 GEMM needs GEMM dims multiple of {CUDA_MULTIPLE}, got {dims} (weight {tuple(weight.shape)})"
+                return (f"CUDA int8 GEMM needs GEMM dims multiple of {CUDA_MULTIPLE}, got {dims} "
+                        f"(weight {tuple(weight.shape)})")
         elif weight.device.type != "cpu":
             return f"no int8 GEMM on device type {weight.device.type!r}"
         return None
