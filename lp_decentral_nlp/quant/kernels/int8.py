@@ -99,15 +99,21 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
+def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
+    """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
+    (any dtype: ``F.unfold`` has no int8 version)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, gemm.stride, gemm.padding, gemm.dilation
+    windows = F.pad(t, (pw, pw, ph, ph)).unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+    return windows[..., ::dh, ::dw]
+
+
 def conv_patches(codes: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
     """im2col of int8 `codes` ``(N, C, H, W)``: ``(N * Ho * Wo, C * kh * kw)`` contiguous, rows in
     ``(n, ho, wo)`` order, columns in ``(c, i, j)`` order (a Conv2d weight's ``reshape(Cout, -1)``).
-    Padded positions hold code 0; the caller corrects for them (``F.unfold`` has no int8 version)."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, gemm.stride, gemm.padding, gemm.dilation
-    patches = F.pad(codes, (pw, pw, ph, ph)).unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
-    patches = patches[..., ::dh, ::dw]  # (N, C, Ho, Wo, kh, kw)
+    Padded positions hold code 0; the caller corrects for them."""
+    patches = conv_windows(codes, gemm, kernel_size)
     n, c, ho, wo = patches.shape[:4]
-    return patches.permute(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kh * kw)
+    return patches.permute(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kernel_size[0] * kernel_size[1])
 
 
 def conv_valid_taps(gemm: Conv2dGemm, input_hw: tuple[int, int], kernel_size: tuple[int, int],
@@ -179,10 +185,10 @@ class Int8Kernel(Kernel):
         """``(N, C, H, W)`` -> ``(N, Cout, Ho, Wo)`` (channels-last strides); 0-d input range."""
         cout, kernel_size = w_q.codes.shape[0], tuple(w_q.codes.shape[2:])
         n, c, h, w = x_q.codes.shape
-        # each patch's code sum (padding: code 0), a box filter over the channel sums, exact in fp32
+        # each patch's code sum (padding: code 0): the channel sums summed over each window, in fp32,
+        # exact in any order (integers below 2**24; not a float conv, which may use TF32 or Winograd)
         channel_sums = x_q.codes.sum(1, keepdim=True, dtype=torch.float32)
-        box = torch.ones((1, 1) + kernel_size, device=channel_sums.device)
-        patch_sums = F.conv2d(channel_sums, box, None, gemm.stride, gemm.padding, gemm.dilation)  # (N, 1, Ho, Wo)
+        patch_sums = conv_windows(channel_sums, gemm, kernel_size).sum((-2, -1))  # (N, 1, Ho, Wo)
         ho, wo = patch_sums.shape[2:]
         patches = Int8Operand(conv_patches(x_q.codes, gemm, kernel_size), x_q.scale, x_q.offset,
                               patch_sums.reshape(-1, 1))
