@@ -69,8 +69,11 @@ _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
 
 def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
     """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a contiguous float32
-    CPU tensor with at least one dim, each range 0-d or shaped ``(x.shape[0], 1, ..., 1)``."""
+    CPU tensor with at least one dim and real storage (not a tensor subclass such as a fake
+    tensor of a tracer), each range 0-d or shaped ``(x.shape[0], 1, ..., 1)``."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
+        return False
+    if type(x.detach()) is not torch.Tensor:  # a Parameter detaches to a plain tensor
         return False
     return all(t.device.type == "cpu" and (t.dim() == 0 or t.numel() == t.shape[0] == x.shape[0]) for t in ranges)
 
