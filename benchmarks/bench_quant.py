@@ -14,6 +14,8 @@ int8_bf16 kernel (int8 GEMMs, bfloat16 weight-gradient GEMM):
   matmuls and the classification head -- stays float);
 * the checkpoint size, fp32 state dict vs ``export_int8_state_dict`` (without and with 8-bit embedding tables).
 
+The figures also go to ``benchmarks/results/bench_quant.json`` (not for ``--layer-sweep``).
+
     python benchmarks/bench_quant.py --threads 2                # ~3-4 minutes on 2 CPU cores
     python benchmarks/bench_quant.py --threads 2 --repeats 20   # tighter medians
     python benchmarks/bench_quant.py --threads 2 --layer-sweep  # one Linear per width: where int8 pays
@@ -38,6 +40,7 @@ from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
 from lp_decentral_nlp.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
+from record import save_results
 
 POSITIVE = _ranged(int, 1, None)
 
@@ -226,6 +229,18 @@ def main(argv=None):
     print(f"quantized layers' weights fp32 {fp32_layers / mib:6.1f} MiB  int8 {int8_layers / mib:6.1f} MiB  "
           f"fp32/int8 {fp32_layers / int8_layers:.2f}x")
     print(f"forward FLOPs in quantized layers {share:.1%}; float (attention matmuls, head) {1 - share:.1%}")
+    results = {
+        "settings": {"batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats,
+                     "device": str(device), "threads": torch.get_num_threads(), "malloc": malloc, "load": load},
+        "median_s": {n: v["median_s"] for n, v in variants.items()},
+        "median_cpu_s": {n: v["median_cpu_s"] for n, v in variants.items()},
+        "peak_step_bytes": {n: v["peak_bytes"] for n, v in variants.items()},
+        "time_ratio": {n: v["median_s"] / f["median_s"] for n, v in variants.items() if n != "fp32"},
+        "checkpoint_bytes": {"fp32": fp32_ckpt, "int8": int8_ckpt, "int8_embeddings": int8_tables_ckpt},
+        "quantized_layer_weight_bytes": {"fp32": fp32_layers, "int8": int8_layers},
+        "quantized_flop_share": share,
+    }
+    print(f"wrote {save_results('bench_quant', results)}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,16 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
-from lp_decentral_nlp.quant import QuantConfig, quantize_model
-from lp_decentral_nlp.quant.int8_kernel import Int8Kernel, Int8Operand, affine_int8_matmul
-from lp_decentral_nlp.quant.kernels import AUTO_MIN_FEATURES, KERNELS, resolve_kernel
+from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model
+from lp_decentral_nlp.quant.kernels import (
+    AUTO_MIN_FEATURES,
+    KERNELS,
+    Int8Kernel,
+    Int8Operand,
+    affine_int8_matmul,
+    cpu_has_int8_dot,
+    resolve_kernel,
+)
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 
 EPS = torch.finfo(torch.float32).eps
@@ -53,7 +60,7 @@ def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
     lo, hi = x.min(), x.max()
     q = Int8Kernel().quantize(x, lo, hi, 8, False)
     assert q.codes.dtype == torch.int8 and q.codes.min() == -128 and q.codes.max() == 127
-    simulated = KERNELS["simulated"].quantize(x, lo, hi, 8, False)
+    simulated = KERNELS["simulated"].quantize(x, lo, hi, 8, False).dequantize()
     assert torch.allclose(q.dequantize(), simulated, atol=4 * EPS * x.abs().max())
     const = Int8Kernel().quantize(torch.full((3, 4), 2.5), torch.tensor(2.5), torch.tensor(2.5), 8, False)
     assert torch.equal(const.dequantize(), torch.full((3, 4), 2.5)), "zero-width range dequantizes to lo"
@@ -93,7 +100,7 @@ def test_int8_matches_simulated_outputs_and_gradients(kind, granularity, monkeyp
     run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
 
     (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
-    w_hat = KERNELS["simulated"].quantize(base.weight.detach(), *base.weight.detach().aminmax(), 8, False)
+    w_hat = KERNELS["simulated"].quantize(base.weight.detach(), *base.weight.detach().aminmax(), 8, False).dequantize()
     x_hat = x.abs().max()  # the quantized input stays within the input range
     assert (y_i - y_s).abs().max() <= 32 * EPS * 48 * x_hat * w_hat.abs().max()
     assert (gx_i - gx_s).abs().max() <= 32 * EPS * 40 * grad_out.abs().max() * w_hat.abs().max()
@@ -145,13 +152,14 @@ def test_tiny_distilbert_int8_close_to_simulated():
 
 
 def test_fallback_per_layer_with_reason():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
     report = quantize_model(model, QuantConfig(kernel="int8"), dry_run=True)
     reasons = {d.name: d.reason for d in report.layers}
-    assert "kernel simulated (int8 falls back: Conv2d has no int8 kernel)" in reasons["0"]
+    assert "kernel simulated (int8 falls back: grouped Conv2d (groups=2) has no int8 kernel)" in reasons["0"]
     assert reasons["2"].endswith("kernel int8")
     quantize_model(model, QuantConfig(kernel="int8"))
-    model(torch.randn(2, 3, 8, 8)).sum().backward()  # the Conv2d runs simulated, the Linear int8
+    assert kernel_report(model) == {"0": "simulated", "2": "int8"}
+    model(torch.randn(2, 4, 8, 8)).sum().backward()  # the grouped Conv2d runs simulated, the Linear int8
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
 
 
@@ -159,8 +167,9 @@ def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
     wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
     kernel, reason = resolve_kernel("auto", LinearGemm, narrow)
     assert kernel.name == "simulated" and "narrower" in reason
-    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide)
-    assert kernel.name == "simulated" and "Conv2d" in reason
+    wide_conv = wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1)
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, groups=2)
+    assert kernel.name == "simulated" and "grouped Conv2d" in reason
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
     assert (kernel.name, reason) in (("int8", None), ("simulated", "CPU without int8 dot-product instructions (VNNI/AMX)"))
     assert resolve_kernel("int8", LinearGemm, narrow) == (KERNELS["int8"], None), "int8 asked for is honoured"
@@ -198,3 +207,92 @@ def test_int8_bf16_differs_from_int8_only_in_a_bfloat16_rounded_weight_gradient(
     spy = SpyIntMM(monkeypatch)
     run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8_bf16")), x, grad_out)
     assert len(spy.calls) == 2  # forward and layer gradient still on int8 operands
+
+
+def train_steps(model, steps=3, lr=0.05):
+    """A few SGD steps on a fixed regression batch; the losses and the final parameters."""
+    torch.manual_seed(11)
+    x, target = torch.randn(64, AUTO_MIN_FEATURES), torch.randn(64, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+def test_default_auto_trains_like_simulated_up_to_gemm_rounding():
+    """``kernel="auto"`` (the default) runs int8 only on a wide layer and int8 hardware
+    (``kernel_report`` says which). Where it does, the int8 GEMMs compute the same products of the
+    same 8-bit operands as the simulated kernel, so each differs by fp32 rounding only (module
+    docstring); over a few steps such a difference can move a value across a rounding boundary of
+    a later quantizer (one 8-bit step of one element, a tiny share of a 64-sample gradient), so the
+    losses and the parameter updates must agree to 1e-4 and 1e-3 relative. Where auto picks the
+    simulated kernel everywhere (a CPU without VNNI/AMX) the run is the simulated run, bit for bit."""
+    torch.manual_seed(0)
+    width = AUTO_MIN_FEATURES
+    base = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
+    start = [p.detach().clone() for p in base.parameters()]
+    assert QuantConfig().kernel == "auto"
+    runs, reports = {}, {}
+    for kernel in ("auto", "simulated"):
+        model = quantize_model(copy.deepcopy(base), QuantConfig() if kernel == "auto" else QuantConfig(kernel=kernel))
+        reports[kernel] = kernel_report(model)
+        runs[kernel] = train_steps(model)
+    wide = "int8" if cpu_has_int8_dot() else "simulated"
+    assert reports["auto"] == {"0": wide, "2": wide, "4": "simulated"}, "the 8-output layer is too narrow for int8"
+    assert reports["simulated"] == {"0": "simulated", "2": "simulated", "4": "simulated"}
+    (loss_a, params_a), (loss_s, params_s) = runs["auto"], runs["simulated"]
+    assert not torch.equal(params_s[0], start[0]), "the run trains"
+    if wide == "simulated":
+        assert torch.equal(loss_a, loss_s) and all(torch.equal(a, s) for a, s in zip(params_a, params_s))
+    else:
+        assert torch.allclose(loss_a, loss_s, rtol=1e-4)
+        for a, s, p0 in zip(params_a, params_s, start):
+            assert (a - s).abs().max() <= 1e-3 * (s - p0).abs().max()
+
+
+CONV_CASES = {  # (in, out, kernel, stride, padding, dilation, padding_mode), input (N, C, H, W)
+    "3x3 pad 1": ((6, 10, 3, 1, 1, 1, "zeros"), (3, 6, 9, 9)),
+    "stride 2 odd size": ((6, 10, 3, 2, 1, 1, "zeros"), (3, 6, 10, 7)),
+    "5x3 pad (2, 0) dilation 2": ((5, 8, (5, 3), 1, (2, 0), 2, "zeros"), (2, 5, 12, 11)),
+    "1x1 stride 2": ((8, 16, 1, 2, 0, 1, "zeros"), (4, 8, 8, 8)),
+    "reflect padding": ((4, 6, 3, 1, 1, 1, "reflect"), (2, 4, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.parametrize("granularity", ["tensor", "sample"])
+def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
+    """Conv2d on int8 im2col GEMMs: output, layer gradient (8-bit, stochastic rounding) and weight
+    gradient (fp32, from the quantized input) equal the simulated kernel's up to fp32 rounding
+    (module docstring's bound, ``K = C kh kw`` for the forward and ``Cout kh kw`` terms per input
+    element for the layer gradient); the bias gradient is the same computation."""
+    (cin, cout, k, stride, padding, dilation, mode), shape = CONV_CASES[case]
+    base = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dilation=dilation, padding_mode=mode)
+    nn.init.normal_(base.bias)
+    x = torch.randn(shape) * 2 + 0.7  # skewed: a large zero point, so padding must be exact 0
+    grad_out = torch.randn_like(base(x)).exp()
+    results = {}
+    for kernel in ("simulated", "int8"):
+        config = QuantConfig(kernel=kernel, grad_granularity=granularity)
+        model = quantize_model(nn.Sequential(copy.deepcopy(base)), config)
+        assert kernel_report(model) == {"0": kernel}
+        results[kernel] = run_step(model, x, grad_out)
+    spy = SpyIntMM(monkeypatch)
+    run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
+    (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
+    w_max = base.weight.detach().abs().max()
+    k_taps = base.weight[0].numel()
+    assert y_i.shape == y_s.shape
+    assert (y_i - y_s).abs().max() <= 32 * EPS * k_taps * x.abs().max() * w_max
+    assert (gx_i - gx_s).abs().max() <= 32 * EPS * cout * base.weight[0, 0].numel() * grad_out.abs().max() * w_max
+    assert (gp_i[0] - gp_s[0]).abs().max() <= 32 * EPS * grad_out[:, 0].numel() * grad_out.abs().max() * x.abs().max()
+    assert torch.equal(gp_i[1], gp_s[1])
+    assert not torch.allclose(y_s, base(x), atol=1e-3), "outputs are really quantized"
+    assert len(spy.calls) == 2, "forward and layer gradient are int8 GEMMs"
+    for a, b in spy.calls:
+        assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and (b.is_contiguous() or b.T.is_contiguous())

@@ -43,21 +43,21 @@ def quantized_operands(q, x):
 
 
 class RecordingKernel(SimulatedKernel):
-    """The simulated kernel, keeping the operands each product received."""
+    """The simulated kernel, keeping the (dequantized) operands each product received."""
 
     name = "recording-test"
     calls: dict = {}
 
     def forward(self, gemm, x_q, w_q, bias):
-        self.calls.update(fwd_x=x_q, fwd_w=w_q, n_forward=self.calls.get("n_forward", 0) + 1)
+        self.calls.update(fwd_x=x_q.dequantize(), fwd_w=w_q.dequantize(), n_forward=self.calls.get("n_forward", 0) + 1)
         return super().forward(gemm, x_q, w_q, bias)
 
     def grad_input(self, gemm, g_q, w_q, input_shape):
-        self.calls.update(g_q=g_q)
+        self.calls.update(g_q=g_q.dequantize())
         return super().grad_input(gemm, g_q, w_q, input_shape)
 
     def grad_weight(self, gemm, x_q, g, weight_shape):
-        self.calls.update(gw_x=x_q, gw_g=g)
+        self.calls.update(gw_x=x_q.dequantize(), gw_g=g)
         return super().grad_weight(gemm, x_q, g, weight_shape)
 
 

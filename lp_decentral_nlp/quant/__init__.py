@@ -11,7 +11,9 @@ from .layers import (
     QuantGemmLayer,
     QuantLinear,
     QuantModule,
+    kernel_report,
 )
+from .memory import saved_tensor_bytes
 from .surgery import (
     QUANT_LAYERS,
     QuantReport,
@@ -41,9 +43,11 @@ __all__ = [
     "dequantize_int8_state_dict",
     "dequantize_model",
     "export_int8_state_dict",
+    "kernel_report",
     "load_quantized",
     "quantize_model",
     "register_kernel",
     "register_quant_layer",
+    "saved_tensor_bytes",
     "state_dict_nbytes",
 ]

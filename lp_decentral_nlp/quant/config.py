@@ -32,11 +32,14 @@ class QuantConfig:
             is a dot-separated suffix of it, or fully matches it as a regular expression.
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
-        kernel: how the quantized GEMMs run: ``"simulated"`` (float fake quantization, the paper's
-            method), ``"int8"`` (int8 GEMMs, ``int8_kernel.py``), ``"int8_bf16"`` (int8 GEMMs and a
-            bfloat16 weight-gradient GEMM), ``"auto"`` (int8 where supported and faster, see
-            ``kernels.resolve_kernel``) or another registered kernel. A layer the kernel
-            cannot run falls back to ``"simulated"``; ``quantize_model(..., dry_run=True)`` says why.
+        kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where the device has
+            int8 dot-product hardware and the layer is wide enough, simulated elsewhere, see
+            ``kernels.resolve_kernel``; the two compute the same products up to fp32 rounding),
+            ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
+            GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another
+            registered kernel. A layer the kernel cannot run falls back to ``"simulated"``;
+            ``quantize_model(..., dry_run=True)`` says why and ``kernel_report(model)`` names the
+            kernel each layer runs.
         embeddings: also quantize ``nn.Embedding`` tables (SPEC 4 keeps them full precision by
             default): the rows a forward looks up are put on the table's 8-bit grid (per-tensor
             min/max, nearest rounding, straight-through estimator), see ``layers.QuantEmbedding``.
@@ -49,7 +52,7 @@ class QuantConfig:
     act_momentum: float = 0.1
     skip: tuple[str, ...] = DEFAULT_SKIP
     target: tuple[str, ...] | None = None
-    kernel: str = "simulated"
+    kernel: str = "auto"
     embeddings: bool = False
 
     def __post_init__(self):

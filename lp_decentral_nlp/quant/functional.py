@@ -37,6 +37,19 @@ def quantize_codes(
         codes 0, so every element dequantizes to ``lo``. Not differentiable (rounding has zero
         gradient): callers apply the straight-through estimator.
     """
+    scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
+    v = torch.mul(x, inv).add_(offset)
+    if stochastic:
+        v.add_(_dither(v.numel(), v.device).view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
+    else:
+        v.round_()
+    return v.clamp_(-shift, levels - shift), scale
+
+
+def _affine_parameters(lo, hi, bits, stochastic, signed):
+    """``(scale, inv, offset, levels, shift)`` of ``quantize_codes``: ``v = x * inv + offset``
+    (the dither's constant part folded into the offset), then round and clamp to
+    ``[-shift, levels - shift]``."""
     levels = 2**bits - 1
     shift = 2 ** (bits - 1) if signed else 0
     scale = (hi - lo) / levels
@@ -45,13 +58,14 @@ def quantize_codes(
     offset = -lo * inv - shift
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
         offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
-    v = torch.mul(x, inv).add_(offset)
-    if stochastic:
-        words = torch.empty((v.numel() + 3) // 4, dtype=torch.int64, device=v.device).random_(-(2**63), None)
-        v.add_(words.view(torch.int16)[: v.numel()].view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
-    else:
-        v.round_()
-    return v.clamp_(-shift, levels - shift), scale
+    return scale, inv, offset, levels, shift
+
+
+def _dither(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int16 random words ``r`` (the dither is ``r / 2**16`` plus the offset's constant),
+    four from each 64-bit draw of torch's generator."""
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
+    return words.view(torch.int16)[:n]
 
 
 @torch.no_grad()
@@ -61,6 +75,59 @@ def fake_quantize(
     """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
     return codes.mul_(scale).add_(lo)
+
+
+@torch.no_grad()
+def quantize_uint8(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x` on its affine grid in two forms (SPEC 4): ``(codes, scale, x_hat)``.
+
+    ``codes`` uint8 ``q`` in ``[0, 2**bits - 1]`` (one byte per element, what a layer keeps for
+    backward), ``scale`` the step ``s`` (shape of ``hi - lo``), ``x_hat`` the fp32 value
+    ``q * s + lo``, bit for bit ``fake_quantize(x, lo, hi, bits, stochastic)`` and
+    ``dequantize_uint8(codes, scale, lo)``.
+    """
+    codes, values, _, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True,
+                                             last_dim_sums=False)
+    return codes, scale, values
+
+
+@torch.no_grad()
+def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool, signed: bool,
+                   values: bool, last_dim_sums: bool):
+    """``quantize_codes`` with 8-bit integer output, in one pass where it can (``fused.py``).
+
+    Returns:
+        ``(codes, values, sums, scale)``: codes uint8 (``signed``: int8, shifted by
+        ``2**(bits-1)``) of `x`'s shape; ``values`` (if asked) the fp32 ``codes * scale + lo`` of
+        the unsigned codes; ``sums`` (if asked) the codes summed over the last dim (fp32,
+        keepdim); the step ``scale``. Bit for bit the torch passes' results: a contiguous float32
+        CPU tensor goes through ``fused.quantize_rows``, anything else through ``quantize_codes``.
+    """
+    scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
+    code_dtype = torch.int8 if signed else torch.uint8
+    if values and signed:
+        raise ValueError("values are the unsigned codes' dequantized tensor; ask for signed=False")
+    from . import fused
+
+    if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
+        dither = _dither(x.numel(), x.device) if stochastic else None
+        codes, out_values, sums = fused.quantize_rows(
+            x, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
+            values, last_dim_sums,
+        )
+        return codes, out_values, sums, scale
+    float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)
+    sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
+    codes = float_codes.to(code_dtype)
+    return codes, float_codes.mul_(scale).add_(lo) if values else None, sums, scale
+
+
+def dequantize_uint8(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``q * s + lo`` in fp32 from uint8 codes (shape of `codes`): the same operations on the same
+    values as ``fake_quantize``, so the same bits."""
+    return torch.mul(codes, scale).add_(lo)
 
 
 def tensor_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

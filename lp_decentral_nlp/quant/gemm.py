@@ -1,6 +1,6 @@
 """The float GEMM of each supported layer type and its two backward products.
 
-A kernel (``kernels.py``) runs these on its quantized operands; the autograd Function in
+A kernel (``kernels/``) runs these on its quantized operands; the autograd Function in
 ``layers.py`` decides which operands each product gets (gradient bifurcation, SPEC 4).
 """
 from __future__ import annotations

@@ -30,43 +30,39 @@ class QuantGemmFunction(torch.autograd.Function):
     * weight gradient ``dL/dW = grad_weight(Q(x), g)`` from the *full-precision* ``g``, so the
       quantized layer gradient never leaks into it; ``dL/db = sum g``.
 
-    The quantized operands are recomputed in backward from the saved float inputs and ranges
-    (an elementwise pass, deterministic) instead of being stored: no memory beyond a float layer's.
-    A kernel with ``saves_operands = True`` (int8: its operands are a quarter of the float
-    tensors) keeps the forward's quantized input and weight for backward instead of the float input.
+    Saved for backward (``ctx.save_for_backward``) is what these products use, the forward's
+    quantized operands, not the float tensors: the input's 8-bit codes with their scale and offset
+    when ``dL/dW`` is needed, the weight's 8-bit codes when ``dL/dx`` is (a quarter of the fp32
+    bytes; the kernel's ``for_backward`` drops float copies). The backward is the same computation
+    as recomputing the operands from the float tensors, bit for bit.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, x_lo, x_hi, gemm: Gemm, kernel: Kernel, config: QuantConfig, training: bool):
-        w_lo, w_hi = tensor_range(weight)
+        need_x, need_w = ctx.needs_input_grad[:2]
         x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
-        w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
-        if kernel.saves_operands:
-            ctx.operands, ctx.shapes = (x_q, w_q), (x.shape, weight.shape)
-        else:
-            ctx.save_for_backward(x, weight, x_lo, x_hi, w_lo, w_hi)
+        w_q = kernel.quantize(weight, *tensor_range(weight), config.bits, False)
+        y = kernel.forward(gemm, x_q, w_q, bias)
+        kept_x = kernel.for_backward(x_q) if need_w else (None,) * len(x_q)
+        kept_w = kernel.for_backward(w_q) if need_x else (None,) * len(w_q)
+        ctx.save_for_backward(*kept_x, *kept_w)
+        ctx.operand_types, ctx.shapes = (type(x_q), type(w_q)), (x.shape, weight.shape)
         ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
         ctx.stochastic = config.stochastic_grad_rounding and training
-        return kernel.forward(gemm, x_q, w_q, bias)
+        return y
 
     @staticmethod
     def backward(ctx, g):
         gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
-        if kernel.saves_operands:
-            (x_q, w_q), (x_shape, w_shape) = ctx.operands, ctx.shapes
-        else:
-            x, weight, x_lo, x_hi, w_lo, w_hi = ctx.saved_tensors
-            x_shape, w_shape = x.shape, weight.shape
+        (x_type, w_type), (x_shape, w_shape) = ctx.operand_types, ctx.shapes
+        saved = ctx.saved_tensors
+        x_q, w_q = x_type(*saved[: len(x_type._fields)]), w_type(*saved[len(x_type._fields):])
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:
             g_q = kernel.quantize(g, *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
-            if not kernel.saves_operands:
-                w_q = kernel.quantize(weight, w_lo, w_hi, config.bits, False)
             grad_x = kernel.grad_input(gemm, g_q, w_q, x_shape)
         if need_w:
-            if not kernel.saves_operands:
-                x_q = kernel.quantize(x, x_lo, x_hi, config.bits, False)
             grad_w = kernel.grad_weight(gemm, x_q, g, w_shape)
         if need_b:
             grad_b = gemm.grad_bias(g)
@@ -171,7 +167,7 @@ class QuantGemmLayer(ActivationQuantizer):
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
-        kernel, _ = resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight)
+        kernel = self.kernel()
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
@@ -179,9 +175,26 @@ class QuantGemmLayer(ActivationQuantizer):
                 x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
             )
 
+    def kernel(self) -> Kernel:
+        """The kernel this layer's forward runs now (``resolve_kernel`` for its config, weight
+        device and shape; the simulated one where the configured kernel cannot run it)."""
+        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight, **self._kernel_constraints())[0]
+
+    def _kernel_constraints(self) -> dict:
+        """Layer settings beyond the weight's shape and device that decide kernel support
+        (keyword arguments of ``resolve_kernel``)."""
+        return {}
+
     def extra_repr(self) -> str:
         c = self.quant_config
         return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}, kernel={c.kernel}"
+
+
+def kernel_report(model: nn.Module) -> dict[str, str]:
+    """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its next
+    forward runs (``resolve_kernel`` on the layer's ``QuantConfig.kernel``, device and shape, the
+    call the forward makes), e.g. to record in a run's results. Empty when nothing is quantized."""
+    return {name: module.kernel().name for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
 
 
 class QuantLinear(QuantGemmLayer, nn.Linear):
@@ -234,6 +247,9 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             stride=module.stride, padding=module.padding, dilation=module.dilation, groups=module.groups,
             bias=module.bias is not None, padding_mode=module.padding_mode,
         )
+
+    def _kernel_constraints(self) -> dict:
+        return {"groups": self.groups}
 
     def _numeric_padding(self) -> tuple[int, int] | None:
         """Zero padding ``(h, w)`` the GEMM can take, or None when ``F.pad`` must apply it."""

@@ -174,7 +174,7 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
-            kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight)
+            kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
             reason += f"; kernel {kernel.name}" + (f" ({config.kernel} falls back: {fallback})" if fallback else "")
         report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
 

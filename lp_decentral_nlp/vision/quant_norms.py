@@ -21,8 +21,10 @@ elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
   min/max of ``g`` or per sample, as ``QuantConfig.grad_granularity``); the parameter gradients
   are the VJP with the full-precision ``g``. Straight-through estimator for every rounding.
 
-As ``QuantGemmFunction`` does, the backward recomputes the quantized operands and the formula from
-the saved float input (no memory beyond the float layer's saved input); a Range BatchNorm's
+As ``QuantGemmFunction`` does, the layer keeps for backward (``ctx.save_for_backward``) the
+input's 8-bit codes with their scale and offset (a quarter of the fp32 input; the float layer's
+autograd keeps several fp32 intermediates) and the (C,) parameters, and the backward recomputes
+the formula from the dequantized input, bit for bit the forward's; a Range BatchNorm's
 recomputation in training uses the same batch statistics without touching the running buffers.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
-from ..quant.functional import fake_quantize, grad_range, tensor_range
+from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8, tensor_range
 from ..quant.layers import ActivationQuantizer
 from .norms import (
     EvoNormS0,
@@ -63,26 +65,27 @@ class QuantNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lo, x_hi, layer: "QuantNormLayer", training: bool, *params):
         bits = layer.quant_config.bits
-        ctx.save_for_backward(x, x_lo, x_hi, *params)
+        codes, scale, x_q = quantize_uint8(x, x_lo, x_hi, bits)
+        ctx.save_for_backward(codes, scale, x_lo, *params)
         ctx.layer, ctx.training = layer, training
         ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
-        x_q = fake_quantize(x, x_lo, x_hi, bits)
         return layer.normalize(x_q, [_quantize_parameter(p, bits) for p in params], training, update_stats=True)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        x, x_lo, x_hi, *params = ctx.saved_tensors
+        codes, scale, x_lo, *params = ctx.saved_tensors
         layer, config = ctx.layer, ctx.layer.quant_config
         need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         with torch.enable_grad():
-            x_q = fake_quantize(x, x_lo, x_hi, config.bits).requires_grad_(need_x)
+            x_q = dequantize_uint8(codes, scale, x_lo).requires_grad_(need_x)
             params_q = [_quantize_parameter(p, config.bits).requires_grad_(n) for p, n in zip(params, need_params)]
             y = layer.normalize(x_q, params_q, ctx.training, update_stats=False)
         wanted = [p for p, n in zip(params_q, need_params) if n]
         grad_x = None
         if need_x:
-            g_q = fake_quantize(g, *grad_range(g, config.grad_granularity), config.grad_bits, ctx.stochastic)
+            g_range = grad_range(g, config.grad_granularity)
+            g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
             (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
         grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
         grad_params = [next(grads) if n else None for n in need_params]

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .functional import quantize_codes
-from .gemm import Gemm, LinearGemm, TransposedLinearGemm
-from .kernels import Kernel
+from ..functional import quantize_fused
+from ..gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
+from .base import Kernel
 
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, K and N multiples of 8
 CUDA_MULTIPLE = 8
@@ -99,28 +99,67 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
+def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
+    """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
+    (any dtype: ``F.unfold`` has no int8 version)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, gemm.stride, gemm.padding, gemm.dilation
+    windows = F.pad(t, (pw, pw, ph, ph)).unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+    return windows[..., ::dh, ::dw]
+
+
+def conv_patches(codes: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
+    """im2col of int8 `codes` ``(N, C, H, W)``: ``(N * Ho * Wo, C * kh * kw)`` contiguous, rows in
+    ``(n, ho, wo)`` order, columns in ``(c, i, j)`` order (a Conv2d weight's ``reshape(Cout, -1)``).
+    Padded positions hold code 0; the caller corrects for them."""
+    patches = conv_windows(codes, gemm, kernel_size)
+    n, c, ho, wo = patches.shape[:4]
+    return patches.permute(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kernel_size[0] * kernel_size[1])
+
+
+def conv_valid_taps(gemm: Conv2dGemm, input_hw: tuple[int, int], kernel_size: tuple[int, int],
+                    device: torch.device) -> torch.Tensor:
+    """``(Ho * Wo, kh * kw)`` fp32, 1 where a kernel tap of an output position falls inside the
+    input, 0 where it falls on zero padding."""
+    ones = torch.ones((1, 1) + tuple(input_hw), device=device)
+    return F.unfold(ones, kernel_size, gemm.dilation, gemm.padding, gemm.stride)[0].T
+
+
 class Int8Kernel(Kernel):
-    """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear and Conv1D layers."""
+    """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear, Conv1D and Conv2d
+    (``groups=1``) layers; the weight gradient is the float GEMM of the dequantized input.
+
+    Conv2d as a GEMM over im2col patches of the int8 input codes, ``(N Ho Wo, C kh kw) @ (C kh kw,
+    Cout)``. Zero padding is an exact 0, which no affine code represents: padded taps hold code 0
+    and the zero-point terms count only taps inside the input (``conv_valid_taps``), so the output
+    is ``conv2d(x^, W^)`` of the simulated kernel up to fp32 rounding. The layer gradient is the
+    int8 GEMM ``g^ (N Ho Wo, Cout) @ W^ (Cout, C kh kw)`` folded back (col2im) onto the input.
+    """
 
     name = "int8"
-    saves_operands = True  # int8 codes: a quarter of the float input the Function would keep
 
-    def unsupported_reason(self, gemm_type, weight):
-        if gemm_type not in (LinearGemm, TransposedLinearGemm):
+    def unsupported_reason(self, gemm_type, weight, groups=1):
+        if gemm_type not in (LinearGemm, TransposedLinearGemm, Conv2dGemm):
             return f"{gemm_type.__name__[:-4]} has no int8 kernel"
+        if groups != 1:
+            return f"grouped Conv2d (groups={groups}) has no int8 kernel"
         if weight.device.type == "cuda":
-            bad = [d for d in weight.shape if d % CUDA_MULTIPLE]
-            if bad:
-                return f"CUDA int8 GEMM needs in/out features multiple of {CUDA_MULTIPLE}, got {tuple(weight.shape)}"
+            dims = (weight.shape[0], weight[0].numel())  # (out, in) of the GEMM, or (Cout, C kh kw)
+            if any(d % CUDA_MULTIPLE for d in dims):
+                return (f"CUDA int8 GEMM needs GEMM dims multiple of {CUDA_MULTIPLE}, got {dims} "
+                        f"(weight {tuple(weight.shape)})")
         elif weight.device.type != "cpu":
             return f"no int8 GEMM on device type {weight.device.type!r}"
         return None
 
     def quantize(self, x, lo, hi, bits, stochastic):
-        codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed=True)
-        return Int8Operand(codes.to(torch.int8), scale, lo + 2 ** (bits - 1) * scale, codes.sum(-1, keepdim=True))
+        # Linear/Conv1D rows run along the last dim; a 4-D (Conv2d) tensor's GEMM rows are patches
+        codes, _, sums, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=True, values=False,
+                                               last_dim_sums=x.dim() < 4)
+        return Int8Operand(codes, scale, lo + 2 ** (bits - 1) * scale, sums)
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
+        if isinstance(gemm, Conv2dGemm):
+            return self._conv_forward(gemm, x_q, w_q, bias)
         if isinstance(gemm, LinearGemm):  # W (out, in): B = W.T, its column sums are W's row sums
             w, colsum = w_q.codes.T, w_q.last_dim_sums.reshape(1, -1)
         else:
@@ -129,6 +168,8 @@ class Int8Kernel(Kernel):
         return y.reshape(x_q.codes.shape[:-1] + (y.shape[-1],))
 
     def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
+        if isinstance(gemm, Conv2dGemm):
+            return self._conv_grad_input(gemm, g_q, w_q, input_shape)
         if isinstance(gemm, LinearGemm):  # B = W (out, in); on the CPU as the transpose of a contiguous
             w, colsum = w_q.codes, None  # (in, out) copy, _int_mm's fast layout (CUDA takes W as it is)
             if w.device.type == "cpu":
@@ -139,6 +180,37 @@ class Int8Kernel(Kernel):
 
     def grad_weight(self, gemm: Gemm, x_q: Int8Operand, g, weight_shape):
         return gemm.grad_weight(x_q.dequantize(), g, weight_shape)
+
+    def _conv_forward(self, gemm: Conv2dGemm, x_q: Int8Operand, w_q: Int8Operand, bias):
+        """``(N, C, H, W)`` -> ``(N, Cout, Ho, Wo)`` (channels-last strides); 0-d input range."""
+        cout, kernel_size = w_q.codes.shape[0], tuple(w_q.codes.shape[2:])
+        n, c, h, w = x_q.codes.shape
+        # each patch's code sum (padding: code 0): the channel sums summed over each window, in fp32,
+        # exact in any order (integers below 2**24; not a float conv, which may use TF32 or Winograd)
+        channel_sums = x_q.codes.sum(1, keepdim=True, dtype=torch.float32)
+        patch_sums = conv_windows(channel_sums, gemm, kernel_size).sum((-2, -1))  # (N, 1, Ho, Wo)
+        ho, wo = patch_sums.shape[2:]
+        patches = Int8Operand(conv_patches(x_q.codes, gemm, kernel_size), x_q.scale, x_q.offset,
+                              patch_sums.reshape(-1, 1))
+        w_rows = w_q.codes.reshape(cout, -1)  # (Cout, C kh kw); B is its transpose
+        y = affine_int8_matmul(patches, Int8Operand(w_rows.T, w_q.scale, w_q.offset), None, bias)  # (M, Cout)
+        # that counts a padded tap as x^ = o_x (code 0); it is 0: take o_x * W^ over padded taps off
+        padded = 1 - conv_valid_taps(gemm, (h, w), kernel_size, y.device)  # (P, kh kw)
+        tap_sums = w_q.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Cout, kh kw), over C
+        border = x_q.offset * (w_q.scale * (padded @ tap_sums.T) + w_q.offset * c * padded.sum(1, keepdim=True))
+        return y.reshape(n, ho * wo, cout).sub_(border).reshape(n, ho, wo, cout).permute(0, 3, 1, 2)
+
+    def _conv_grad_input(self, gemm: Conv2dGemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
+        """``dL/dx`` ``(N, C, H, W)``: ``g^`` rows ``(N Ho Wo, Cout)`` (per-tensor or per-sample range)
+        times ``W^`` ``(Cout, C kh kw)``, then col2im."""
+        cout, kernel_size = w_q.codes.shape[0], tuple(w_q.codes.shape[2:])
+        n = g_q.codes.shape[0]
+        g_rows = Int8Operand(g_q.codes.permute(0, 2, 3, 1), g_q.scale, g_q.offset).rows()  # (M, Cout)
+        g_rows = g_rows._replace(last_dim_sums=g_q.codes.sum(1, dtype=torch.float32).reshape(-1, 1))
+        w_rows = Int8Operand(w_q.codes.reshape(cout, -1), w_q.scale, w_q.offset)  # (Cout, K)
+        cols = affine_int8_matmul(g_rows, w_rows)  # (M, K)
+        cols = cols.reshape(n, -1, cols.shape[1]).transpose(1, 2)  # (N, K, P)
+        return F.fold(cols, tuple(input_shape[2:]), kernel_size, gemm.dilation, gemm.padding, gemm.stride)
 
 
 class Int8Bf16Kernel(Int8Kernel):
@@ -154,6 +226,11 @@ class Int8Bf16Kernel(Int8Kernel):
     """
 
     name = "int8_bf16"
+
+    def unsupported_reason(self, gemm_type, weight, groups=1):
+        if gemm_type is Conv2dGemm:
+            return "int8_bf16 has no bfloat16 Conv2d weight gradient"
+        return super().unsupported_reason(gemm_type, weight, groups)
 
     def grad_weight(self, gemm, x_q, g, weight_shape):
         # the input operand has one range per tensor (0-d scale and offset, see layers.py)

@@ -1,0 +1,211 @@
+"""8-bit training (SPEC 4) against fp32 on the two paths users run, side by side in one process.
+
+* DistilBERT-base shape (random weights), batch 8 x 128, AdamW full step: fp32, the default
+  8-bit model (``QuantConfig()``, kernel ``"auto"``) and the simulated kernel (the paper's float
+  fake quantization). Goals: default / fp32 <= 0.5, simulated / fp32 <= 1.05.
+* ResNet-20, batch 32 x 3 x 32 x 32, SGD with momentum: fp32 with EvoNorm-S0 against the default
+  8-bit model with Range EvoNorm (SPEC 5 pairs each precision with its norm). Goal: <= 0.8.
+
+For each: step time (the variants' steps interleaved, median of ``--repeats``; on the CPU also the
+process CPU time, which other jobs disturb far less), bytes autograd holds for backward after one
+forward (``quant.saved_tensor_bytes``; goals: 8-bit <= 0.35x fp32) and the peak tensor memory of a
+whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran
+(``kernel_report``). Results go to ``benchmarks/results/bench_8bit.json``.
+
+    python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
+    python benchmarks/bench_8bit.py --threads 2 --conv-sweep   # and one Conv2d per width: where int8 pays
+    python benchmarks/bench_8bit.py --smoke                 # tiny shapes, checks the script runs; saves nothing
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+import statistics
+import time
+
+import torch
+from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+from bench_quant import peak_step_memory
+from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
+from lp_decentral_nlp.vision import resnet20
+from record import save_results
+
+POSITIVE = _ranged(int, 1, None)
+GOALS = {  # result key -> largest ratio to fp32 that meets issue 23's goal
+    "distilbert.time_ratio.default": 0.5,
+    "distilbert.time_ratio.simulated": 1.05,
+    "distilbert.saved_bytes_ratio.default": 0.35,
+    "resnet20.time_ratio.default": 0.8,
+    "resnet20.saved_bytes_ratio.default": 0.35,
+}
+
+
+def distilbert_variants(args, device):
+    """fp32, default 8-bit and simulated DistilBERT, the same weights; one batch."""
+    if args.smoke:
+        config = DistilBertConfig(vocab_size=1000, dim=64, n_layers=2, n_heads=2, hidden_dim=256, num_labels=4)
+    else:
+        config = DistilBertConfig(num_labels=4)  # DistilBERT-base: 6 layers, dim 768, FFN 3072
+    torch.manual_seed(0)
+    fp32 = DistilBertForSequenceClassification(config).to(device)
+    models = {
+        "fp32": fp32,
+        "default": quantize_model(copy.deepcopy(fp32), QuantConfig()),
+        "simulated": quantize_model(copy.deepcopy(fp32), QuantConfig(kernel="simulated")),
+    }
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device=device),
+        "labels": torch.randint(0, 4, (args.batch_size,), device=device),
+    }
+    variants = {}
+    for name, model in models.items():
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5)
+
+        def forward(model=model):
+            return model(**batch).loss
+
+        variants[name] = (model, optimizer, forward)
+    return variants
+
+
+def resnet_variants(args, device):
+    """fp32 ResNet-20 with EvoNorm-S0 and the default 8-bit one with Range EvoNorm; one batch."""
+    torch.manual_seed(0)
+    models = {
+        "fp32": resnet20(num_classes=10, norm="evonorm"),
+        "default": quantize_model(resnet20(num_classes=10, norm="range_evonorm"), QuantConfig()),
+    }
+    size = 8 if args.smoke else 32
+    images = torch.randn(args.image_batch_size, 3, size, size, device=device)
+    labels = torch.randint(0, 10, (args.image_batch_size,), device=device)
+    variants = {}
+    for name, model in models.items():
+        model.to(device).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def forward(model=model):
+            return torch.nn.functional.cross_entropy(model(images), labels)
+
+        variants[name] = (model, optimizer, forward)
+    return variants
+
+
+def measure(variants, args, device) -> dict:
+    """Interleaved step times, saved-for-backward bytes and whole-step peak memory per variant."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(model, optimizer, forward):
+        forward().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for v in variants.values():
+        for _ in range(args.warmup):
+            step(*v)
+    times = {n: [] for n in variants}
+    cpu_times = {n: [] for n in variants}
+    for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
+        for name, v in variants.items():
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            step(*v)
+            sync()
+            times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
+    out = {"median_s": {}, "median_cpu_s": {}, "saved_bytes": {}, "peak_step_bytes": {}, "kernels": {}}
+    for name, (model, optimizer, forward) in variants.items():
+        out["median_s"][name] = statistics.median(times[name])
+        out["median_cpu_s"][name] = statistics.median(cpu_times[name])
+        loss, nbytes = saved_tensor_bytes(forward)
+        del loss
+        out["saved_bytes"][name] = nbytes
+        out["peak_step_bytes"][name] = peak_step_memory(lambda v=variants[name]: step(*v), model, optimizer, device)
+        if name != "fp32":
+            out["kernels"][name] = dict(collections.Counter(kernel_report(model).values()))  # kernel: layers
+    for key, label in (("median_s", "time_ratio"), ("median_cpu_s", "cpu_time_ratio"),
+                       ("saved_bytes", "saved_bytes_ratio"), ("peak_step_bytes", "peak_step_ratio")):
+        out[label] = {n: out[key][n] / out[key]["fp32"] for n in variants if n != "fp32"}
+    return out
+
+
+def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
+    """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width on ``32 x w x 16 x 16``
+    inputs (8,192 GEMM rows), fp32 vs simulated vs int8, interleaved medians: the data for
+    ``kernels.AUTO_MIN_FEATURES`` on convolutions (the threshold was measured on Linear layers)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = 4 if args.smoke else 16
+    out = {}
+    for width in widths:
+        base = torch.nn.Conv2d(width, width, 3, padding=1).to(device)
+        layers = {"fp32": base}
+        for kernel in ("simulated", "int8"):
+            layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
+        x = torch.randn(args.image_batch_size, width, size, size, device=device, requires_grad=True)
+        times = {k: [] for k in layers}
+        for i in range(args.warmup + args.repeats):
+            for name, layer in layers.items():
+                sync()
+                start = time.perf_counter()
+                layer(x).sum().backward()
+                sync()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[width] = {"fp32_s": med["fp32"], "simulated_ratio": med["simulated"] / med["fp32"],
+                      "int8_ratio": med["int8"] / med["fp32"]}
+        print(f"Conv2d width {width:4d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated "
+              f"{out[width]['simulated_ratio']:.2f}x   int8 {out[width]['int8_ratio']:.2f}x fp32")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
+    p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
+    p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
+    p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
+    p.add_argument("--image-batch-size", type=POSITIVE, default=32, help="ResNet-20 batch (default %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
+                   help="torch intra-op threads (default: torch's, here %(default)s)")
+    p.add_argument("--conv-sweep", action="store_true",
+                   help="also time single Conv2d layers of several widths (fp32, simulated, int8)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny models and images to check the script runs; prints, saves no results")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    results = {"settings": {k: v for k, v in vars(args).items()}, "goals": GOALS}
+    for model_name, build in (("distilbert", distilbert_variants), ("resnet20", resnet_variants)):
+        results[model_name] = measure(build(args, device), args, device)
+    if args.conv_sweep:
+        results["conv_sweep"] = conv_sweep(args, device)
+    met = {}
+    for key, bound in GOALS.items():
+        model_name, metric, variant = key.split(".")
+        met[key] = {"ratio": results[model_name][metric][variant], "goal": bound,
+                    "met": results[model_name][metric][variant] <= bound}
+    results["goals_met"] = met
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    print(f"device {device}, torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
+          f"load average {load}{', SMOKE (tiny shapes)' if args.smoke else ''}")
+    for model_name in ("distilbert", "resnet20"):
+        r = results[model_name]
+        for label in ("time_ratio", "cpu_time_ratio", "saved_bytes_ratio", "peak_step_ratio"):
+            print(f"{model_name:<10} {label:<18}" + "".join(f"  {n} {x:.2f}x fp32" for n, x in r[label].items()))
+        print(f"{model_name:<10} fp32 step {r['median_s']['fp32'] * 1e3:.1f} ms; kernels {r['kernels']}")
+    for key, m in met.items():
+        print(f"goal {key} <= {m['goal']}: {m['ratio']:.2f} {'met' if m['met'] else 'NOT met'}")
+    if args.smoke:
+        print("smoke run: results not saved")
+    else:
+        print(f"wrote {save_results('bench_8bit', results)}")
+
+
+if __name__ == "__main__":
+    main()

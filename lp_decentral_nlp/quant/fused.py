@@ -1,0 +1,121 @@
+"""One-pass CPU quantizer (numba) for ``functional.quantize_uint8`` and the int8 kernel.
+
+SPEC 4's affine quantizer in torch is a chain of whole-tensor passes: scale, shift, round (or add
+the dither and floor), clamp, convert to 8 bits, and for the simulated kernel dequantize again
+(multiply, add) -- seven reads and writes of the tensor. :func:`quantize_rows` does them in one
+pass that keeps the intermediates in registers, with the same fp32 operations in the same order
+(``v = x * inv + offset``, no fused multiply-add; ``rint`` rounds half to even like
+``torch.round``; clamping to the integer bounds before rounding gives the same codes; the
+stochastic dither is torch's own random words, passed in), so its codes and values are bit for
+bit those of the torch passes (tests). It needs a contiguous float32 CPU tensor whose ranges are
+0-d or one per sample (dim 0); ``functional`` uses the torch passes for anything else (CUDA,
+other dtypes or strides).
+
+numba compiles each kernel on its first use and caches the machine code on disk; this module is
+imported on the first CPU call that needs it. Kernels run with the GIL released; a tensor of at
+least ``PARALLEL_MIN_ELEMENTS`` is split by rows over as many threads as torch's intra-op pool
+(``torch.get_num_threads()``, at most numba's ``NUMBA_NUM_THREADS``).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _clamp(v, low, high):
+    # rounding commutes with clamping to integer bounds, so clamping first keeps |v| small
+    v = v if v > low else low
+    return v if v < high else high
+
+
+def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale, lo, values, row_sums):
+    rows, cols = x.shape
+    per_row = inv.shape[0] > 1
+    for r in numba.prange(rows):  # rows are independent: each element's operations do not change
+        k = r if per_row else 0
+        a, b = inv[k], offset[k]
+        x_row, code_row = x[r], codes[r]
+        if dither.shape[0] > 0:
+            d_row = dither[r * cols:(r + 1) * cols]
+            for c in range(cols):
+                v = x_row[c] * a
+                v = v + b
+                code_row[c] = np.floor(_clamp(v + np.float32(d_row[c]) * dither_scale, low, high))
+        else:
+            for c in range(cols):
+                v = x_row[c] * a
+                v = v + b
+                code_row[c] = np.rint(_clamp(v, low, high))
+        if values.shape[0] > 0:  # a row at a time: the codes are still in cache
+            s, base, value_row = scale[k], lo[k], values[r]
+            for c in range(cols):
+                q = np.float32(code_row[c]) * s
+                value_row[c] = q + base
+        if row_sums.shape[0] > 0:
+            total = np.int32(0)  # integer adds: exact, and in any order (vectorised)
+            for c in range(cols):
+                total += np.int32(code_row[c])
+            row_sums[r] = np.float32(total)
+
+
+_quantize_rows_serial = numba.njit(cache=True, nogil=True, boundscheck=False)(_quantize_rows)
+_quantize_rows_parallel = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)(_quantize_rows)
+# below this many elements a parallel call costs more than it saves
+PARALLEL_MIN_ELEMENTS = 2**16
+_EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
+
+
+def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
+    """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a contiguous float32
+    CPU tensor with at least one dim and real storage (not a tensor subclass such as a fake
+    tensor of a tracer), each range 0-d or shaped ``(x.shape[0], 1, ..., 1)``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
+        return False
+    if type(x.detach()) is not torch.Tensor:  # a Parameter detaches to a plain tensor
+        return False
+    return all(t.device.type == "cpu" and (t.dim() == 0 or t.numel() == t.shape[0] == x.shape[0]) for t in ranges)
+
+
+def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                  low: float, high: float, code_dtype: torch.dtype, dither: torch.Tensor | None,
+                  dither_scale: float, values: bool, last_dim_sums: bool):
+    """Codes ``clamp(round(x * inv + offset), low, high)`` of a :func:`fusable` `x` in one pass.
+
+    Args:
+        x: contiguous float32 CPU tensor, at least 1-D.
+        inv, offset, scale, lo: fp32, 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``
+            (``functional.quantize_codes``'s ``1/s``, offset, ``s`` and ``lo``).
+        low, high: clamp bounds of the codes.
+        code_dtype: ``torch.uint8`` or ``torch.int8``.
+        dither: None (round to nearest, half to even) or int16 ``(x.numel(),)``: ``v`` becomes
+            ``floor(v + dither * dither_scale)`` (the stochastic rounding of ``quantize_codes``,
+            whose offset then already holds the dither's constant part).
+        values: also return ``codes * scale + lo`` (fp32, `x`'s shape).
+        last_dim_sums: also return the codes summed over the last dim (fp32, keepdim; exact).
+    Returns:
+        ``(codes, values or None, sums or None)``.
+    """
+    rows = x.numel() // x.shape[-1]
+    if inv.dim() > 0:  # one range per sample (dim 0): repeat it over the sample's rows
+        inv, offset, scale, lo = (t.reshape(-1).repeat_interleave(rows // x.shape[0]) for t in (inv, offset, scale, lo))
+    matrix = x.detach().reshape(rows, -1).numpy()
+    codes = torch.empty(x.shape, dtype=code_dtype)
+    out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
+    sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
+    params = [t.detach().reshape(-1).numpy() for t in (inv, offset, scale, lo)]
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1 and x.numel() >= PARALLEL_MIN_ELEMENTS:  # as many threads as torch's intra-op pool
+        numba.set_num_threads(threads)
+        kernel = _quantize_rows_parallel
+    else:
+        kernel = _quantize_rows_serial
+    kernel(
+        matrix, params[0], params[1], np.float32(low), np.float32(high),
+        dither.numpy() if dither is not None else np.zeros(0, dtype=np.int16), np.float32(dither_scale),
+        codes.reshape(rows, -1).numpy(), params[2], params[3],
+        out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
+        sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
+    )
+    return codes, out_values, sums

@@ -1,0 +1,33 @@
+"""``QuantConfig(kernel="auto")`` and per-layer fallback: which kernel a layer runs."""
+from __future__ import annotations
+
+import torch
+
+from .base import AUTO, KERNELS, Kernel, get_kernel
+from .int8 import cpu_has_int8_dot
+
+# kernel="auto" takes int8 for layers at least this wide (in and out features). From
+# `benchmarks/bench_quant.py --threads 2 --layer-sweep --repeats 3` on the 2-core CPU with no other
+# job running (forward + backward of one square Linear, 1,024 rows, time relative to fp32):
+# width 128 int8 2.79x vs simulated 2.48x; 256: 1.21x vs 1.50x; 512: 0.84x vs 1.34x; 768: 0.63x vs 1.18x.
+AUTO_MIN_FEATURES = 256
+
+
+def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
+    """The kernel a layer runs for ``QuantConfig.kernel == name``, and why it is not the one asked
+    for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
+    another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
+    int8 where it is supported and faster: a device with int8 dot-product hardware (CUDA, or a CPU
+    with VNNI/AMX) and a layer of at least ``AUTO_MIN_FEATURES`` in and out features (channels);
+    the simulated kernel otherwise."""
+    if name != AUTO:
+        kernel = get_kernel(name)
+        reason = kernel.unsupported_reason(gemm_type, weight, groups)
+        return (kernel, None) if reason is None else (KERNELS["simulated"], reason)
+    int8 = KERNELS["int8"]
+    reason = int8.unsupported_reason(gemm_type, weight, groups)
+    if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
+        reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
+    if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
+        reason = "CPU without int8 dot-product instructions (VNNI/AMX)"
+    return (KERNELS["simulated"], reason) if reason else (int8, None)
