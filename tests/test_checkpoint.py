@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from lp_decentral_nlp import checkpoint as ckpt
+from lp_decentral_nlp.trainer import checkpointing as ckpt
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
 from helpers import agnews_sample, tiny_distilbert
 

@@ -65,7 +65,7 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     assert dist_metrics["eval_consensus_distance"] == pytest.approx(metrics["eval_consensus_distance"], rel=1e-3)
 
     # both backends write the same state into the same layout: node files hold the same tensors
-    from lp_decentral_nlp import checkpoint as ckpt
+    from lp_decentral_nlp.trainer import checkpointing as ckpt
 
     for i in range(4):
         a = ckpt.encode_state(ckpt.load_state_file(died / "checkpoint-2" / ckpt.node_file(i)))

@@ -33,7 +33,7 @@ def test_one_step_equals_local_adam_then_push_sum_mixing(tmp_path, agnews_small,
     args = targs(tmp_path, algorithm="dpsgd", low_precision=False, max_steps=1, weight_decay=0.0)
     trainer = DecentralizedTrainer(model=model, args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
     # the batch each node will see first, drawn from the trainer's own loaders
-    first_batches = [next(iter(loader)) for loader in trainer._node_dataloaders()]
+    first_batches = [next(iter(loader)) for loader in trainer.node_dataloaders()]
     trainer.train()
 
     stepped = []
@@ -53,7 +53,7 @@ def test_one_step_equals_local_adam_then_push_sum_mixing(tmp_path, agnews_small,
 def test_nodes_keep_separate_optimizers_and_shards(tmp_path, agnews_small, tokenizer):
     args = targs(tmp_path, skew=1.0, low_precision=False)
     trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
-    loaders = trainer._node_dataloaders()
+    loaders = trainer.node_dataloaders()
     shard_labels = [set(int(l) for b in loader for l in b["labels"]) for loader in loaders]
     assert all(len(s) <= 2 for s in shard_labels)  # skew 1: each node sees one or two classes only
     param_ids = [{id(p) for p in node.parameters()} for node in trainer.nodes]

@@ -1,4 +1,4 @@
-"""Atomic checkpoint directories: tensors in safetensors, everything else in JSON.
+"""Checkpoints of a decentralized run: atomic directories, tensors in safetensors, everything else in JSON.
 
 A checkpoint of a decentralized run is the directory ``output_dir/checkpoint-<step>/``. Its files
 are written into ``output_dir/checkpoint-<step>.partial/`` (each one to a ``.tmp`` name, flushed,
@@ -26,6 +26,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import TrainerState
+from transformers.utils import logging
+
+from ..gossip.factory import build_compressor, build_topology
+
+logger = logging.get_logger(__name__)
 
 MANIFEST = "decentralized_state.json"
 FORMAT = "lp_decentral_nlp.decentralized_checkpoint"
@@ -246,3 +252,156 @@ def rotate(output_dir, keep: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p)
     return doomed
+
+
+# -- the trainer's decentralized state --------------------------------------------------------
+
+def resume_config(args: DecentralizedTrainingArguments) -> dict:
+    """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
+    config = args.gossip_config
+    return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
+            "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
+            "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
+            "per_device_train_batch_size": args.per_device_train_batch_size}
+
+
+def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
+    """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
+    after checking that it was written by a run with the same :func:`resume_config` (and, when
+    given, the same number of training samples). ValueError listing every argument that differs."""
+    try:
+        path = resolve_checkpoint(path)
+        saved = read_manifest(path)["config"]
+    except ValueError as err:
+        raise ValueError(f"resume_from_checkpoint: {err}") from None
+    now = resume_config(args)
+    if train_samples is not None:
+        now["train_samples"] = train_samples
+    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
+    if diffs:
+        raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
+                         "resume with the arguments of the interrupted run")
+    return path
+
+
+class CheckpointMixin:
+    """`DecentralizedTrainer`'s save and load of the whole decentralized state (every node)."""
+
+    def _resume_hint(self) -> str:
+        found = list_checkpoints(self.args.output_dir) if self.args.output_dir else []
+        if not found:
+            return "No checkpoint was written yet (save_strategy='steps', --save-steps N writes them)"
+        return f"Resume from the last checkpoint with --resume-from-checkpoint {found[-1][1]}"
+
+    def _save_checkpoint(self, model, trial):
+        """Write ``output_dir/checkpoint-<step>/`` atomically (the functions above).
+
+        Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
+        Hugging Face format (``config.json``, ``model.safetensors``, tokenizer), ``trainer_state.json``
+        (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
+        position in the data, run configuration, logging accumulators, list of files). In the
+        distributed backend every rank writes its own node file into the shared staging
+        directory (``output_dir`` must be visible to all ranks), the ranks report success to each
+        other (an all-gather), and rank 0 writes the rest and renames the directory.
+        """
+        step = self.state.global_step
+        out = self.args.output_dir
+        self._refresh_average_model()  # a collective in the distributed backend: every rank joins
+        main = self.state.is_world_process_zero
+        if main:
+            prepare_staging(out, step)
+        self.node_group.barrier()
+        staging = staging_dir(out, step)
+        error = None
+        try:
+            for k, i in enumerate(self.node_ids):
+                save_state_file(staging / node_file(i), self._node_state(k))
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failed = [(r, e) for r, e in enumerate(self.node_group.gather_objects(error)) if e]
+        if failed:
+            rank, msg = failed[0]
+            raise RuntimeError(f"checkpoint-{step}: rank {rank} could not write its node file ({msg}); "
+                               "earlier checkpoints are untouched")
+        if main:
+            self._write_model(staging)
+            self.state.save_to_json(str(staging / "trainer_state.json"))
+            epoch, done = self._data_position
+            write_json(staging / MANIFEST, {
+                "format": FORMAT, "version": VERSION, "global_step": step,
+                "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
+                "config": self._resume_config(),
+                "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
+                "backend": self.args.backend,
+                "files": [node_file(i) for i in range(self.args.num_nodes)] + ["trainer_state.json"],
+            })
+            commit(out, step)
+            if self.args.save_total_limit:
+                rotate(out, self.args.save_total_limit)
+        self.node_group.barrier()
+
+    def _node_state(self, k: int) -> dict:
+        """Everything local node ``k`` holds: model state dict (parameters and buffers, the 8-bit
+        activation ranges included), optimizer and LR scheduler state, its RNG stream, its gossip
+        rows (push-sum weight, Choco copies / Deep-Squeeze error memory, labelled by node id), QGM
+        buffer, and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
+        i = self.node_ids[k]
+        optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
+        return {
+            "node": i,
+            "model": self.nodes[k].state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": self._rng.state_dict(i),
+            "gossip": self.gossip.node_state_dict(i),
+            "qgm": list(self.qgm.momentum[k]) if self.qgm is not None else None,
+            "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
+                         "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
+        }
+
+    def _resume_config(self) -> dict:
+        return {**resume_config(self.args), "train_samples": len(self.train_dataset)}
+
+    def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
+        """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
+        batches_done)``. ValueError (naming the file or argument) when the checkpoint does not
+        fit this run."""
+        path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
+        manifest = read_manifest(path)
+        parts = []
+        for k, i in enumerate(self.node_ids):
+            file = path / node_file(i)
+            state = load_state_file(file)
+            try:
+                self.nodes[k].load_state_dict(state["model"])
+            except RuntimeError as err:  # missing/unexpected keys, size mismatches
+                raise ValueError(f"{file} does not fit this model: {err}") from None
+            optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            self._rng.load_state_dict(i, state["rng"])
+            if self.qgm is not None:
+                if state["qgm"] is None:
+                    raise ValueError(f"{file} has no QGM buffer: the checkpoint was written without qgm")
+                torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])
+            counters = state["counters"]
+            self.bytes_sent[k] = counters["bytes_sent"]
+            self.nonfinite_skips[k] = counters["nonfinite_skips"]
+            self._loss_sum[k] = counters["loss_sum"]
+            self._loss_count[k] = counters["loss_count"]
+            parts.append(state["gossip"])
+        self.gossip.load_node_state_dicts(parts)
+        step = manifest["global_step"]
+        if self.gossip.num_steps != step:
+            raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
+        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
+        self._last_logged = manifest["logging"]["last_logged"]
+        self._total_loss = manifest["logging"]["total_loss"]
+        data = manifest["data"]
+        if data["steps_per_epoch"] != steps_per_epoch:
+            raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
+                             f"{steps_per_epoch} (a different training set or batch size)")
+        self._data_position = (data["epoch"], data["batches_done"])
+        logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
+        return self._data_position
+
