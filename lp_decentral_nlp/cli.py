@@ -367,7 +367,7 @@ def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: 
         "accuracy": metrics["eval_accuracy"],
         "loss": metrics["eval_loss"],
         "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
-        "bytes_sent_per_node": [metrics[f"bytes_sent_node_{i}"] for i in range(n)],
+        "bytes_sent_per_node": [metrics[f"eval_bytes_sent_node_{i}"] for i in range(n)],
         "consensus_distance": metrics["eval_consensus_distance"],
         "steps": trainer.state.global_step,
         "config": {**vars(args), "consensus_lr_used": trainer.args.gamma},

@@ -10,6 +10,8 @@ from transformers.trainer_utils import SchedulerType
 
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.faults import FaultPlan, parse_absence, parse_straggler
+from ..quant.kernels import kernel_names
+from .field_policy import check_number, refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
 
@@ -19,7 +21,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the decentralized setting.
 
     ``per_device_train_batch_size`` is the batch size of *each node*. ``max_grad_norm`` clips each
-    node's gradient separately (default 0: no clipping, as in the paper).
+    node's gradient separately (default 0: no clipping, as in the paper). Every `TrainingArguments`
+    field is honoured or refused at construction (:mod:`.field_policy`, ``docs/trainer.md``);
+    numeric fields that are NaN, infinite, out of range or floats where an integer is meant are a
+    ValueError naming the field.
     """
 
     num_nodes: int = field(default=4, metadata={"help": "Number of peer nodes n."})
@@ -65,22 +70,35 @@ class DecentralizedTrainingArguments(TrainingArguments):
     skip_nonfinite: bool = field(default=False, metadata={
         "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
                 "stopping the run."})
+    shard_column: str | None = field(default=None, metadata={
+        "help": "Column of class ids the shards are skewed on (SPEC 6). Default: 'label', else 'labels' when it holds "
+                "one class id per sample. Needed when skew > 0; with skew = 0 a dataset without one is split at random."})
+    final_merge: bool = field(default=False, metadata={
+        "help": "Skew-Compensated Sparse-Push final merge (SPEC 2a): after the last step every node's model becomes "
+                "the exact average of all nodes' de-biased models."})
+    quant_kernel: str = field(default="auto", metadata={
+        "help": "GEMM kernel of the 8-bit surgery when no quant_config is given (QuantConfig.kernel): 'auto' or one "
+                "of lp_decentral_nlp.quant.KERNELS."})
+    average_tokens_across_devices: bool = field(default=False, metadata={
+        "help": "Must stay False: a node's loss is normalised over its own batch (gradients never cross nodes)."})
     tune_cpu_malloc: bool = field(default=True, metadata={
         "help": "Training on the CPU under glibc: keep freed tensor memory in the process for the next step "
                 "(lp_decentral_nlp.utils.cpu_malloc.keep_freed_memory) instead of page-faulting it in again every step."})
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
+        refuse_unsupported(self)
+        self._check_numbers()
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
-        if not 0.0 <= self.skew <= 1.0:
-            raise ValueError(f"skew must be in [0, 1], got {self.skew!r}")
-        if not 0.0 <= self.qgm_beta < 1.0:
-            raise ValueError(f"qgm_beta must be in [0, 1), got {self.qgm_beta!r}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
+        check_choice("quant_kernel", self.quant_kernel, kernel_names())
         if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
                 or not 0 < self.gossip_timeout < math.inf:
             raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
+        if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
+            raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
+        if self.gradient_checkpointing and self.low_precision:
+            raise ValueError("gradient_checkpointing with low_precision=True is not supported: the recomputed forward "
+                             "would update the 8-bit activation ranges a second time per step")
         self._check_lr_milestones()
         plan = self.fault_plan
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
@@ -88,6 +106,41 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         super().__post_init__()
+
+    def _check_numbers(self) -> None:
+        """ValueError naming the first numeric field that is not a finite number in its range."""
+        big = 2**40
+        for name, kw in (
+                ("num_nodes", dict(integer=True, low=1, high=65536)),
+                ("per_device_train_batch_size", dict(integer=True, low=1, high=2**24)),
+                ("per_device_eval_batch_size", dict(integer=True, low=1, high=2**24)),
+                ("gradient_accumulation_steps", dict(integer=True, low=1, high=2**20)),
+                ("max_steps", dict(integer=True, low=-1, high=big)),
+                ("num_train_epochs", dict(low=0, low_open=True, high=1e6)),
+                ("learning_rate", dict(low=0, low_open=True, high=1e4)),
+                ("weight_decay", dict(low=0, high=1e4)),
+                ("adam_beta1", dict(low=0, high=1, high_open=True)),
+                ("adam_beta2", dict(low=0, high=1, high_open=True)),
+                ("adam_epsilon", dict(low=0, low_open=True, high=1)),
+                ("max_grad_norm", dict(low=0, high=1e12)),
+                ("label_smoothing_factor", dict(low=0, high=1, high_open=True)),
+                ("warmup_steps", dict(low=0, high=big)),
+                ("logging_steps", dict(low=0, low_open=True, high=big)),
+                ("save_steps", dict(low=0, low_open=True, high=big)),
+                ("eval_steps", dict(low=0, low_open=True, high=big, optional=True)),
+                ("eval_delay", dict(low=0, high=big)),
+                ("save_total_limit", dict(integer=True, low=0, high=2**20, optional=True)),
+                ("seed", dict(integer=True, low=0, high=2**63 - 1)),
+                ("dataloader_num_workers", dict(integer=True, low=0, high=1024)),
+                ("compression", dict(low=0, high=100, high_open=True)),
+                ("qsgd_levels", dict(integer=True, low=1, high=127)),
+                ("consensus_lr", dict(low=0, low_open=True, high=1, optional=True)),
+                ("skew", dict(low=0, high=1)),
+                ("qgm_beta", dict(low=0, high=1, high_open=True)),
+                ("torus_rows", dict(integer=True, low=1, high=65536, optional=True)),
+                ("lr_decay", dict(low=0, low_open=True, high=1)),
+                ("drop_prob", dict(low=0, high=1, high_open=True))):
+            check_number(name, getattr(self, name), **kw)
 
     @property
     def gossip_config(self) -> GossipConfig:

@@ -246,9 +246,14 @@ def resolve_checkpoint(path) -> Path:
     return found[-1][1]
 
 
-def rotate(output_dir, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints; returns the deleted paths."""
-    doomed = [p for _, p in list_checkpoints(output_dir)[:-keep]] if keep > 0 else []
+def rotate(output_dir, keep: int, best=None) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints, never ``best`` (the best model's
+    checkpoint, which counts as one of the ``keep``, as in `Trainer`); returns the deleted paths."""
+    found = [p for _, p in list_checkpoints(output_dir)]
+    if best is not None and Path(best) in found:
+        found.remove(Path(best))
+        found.append(Path(best))  # newest place: kept
+    doomed = found[:-keep] if keep > 0 else []
     for p in doomed:
         shutil.rmtree(p)
     return doomed
@@ -262,7 +267,12 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
             "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
-            "per_device_train_batch_size": args.per_device_train_batch_size}
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "shard_column": args.shard_column}
+
+
+#: values of :func:`resume_config` keys for checkpoints written before the key existed
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
@@ -277,6 +287,7 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     now = resume_config(args)
     if train_samples is not None:
         now["train_samples"] = train_samples
+    saved = {**_RESUME_DEFAULTS, **saved}
     diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
     if diffs:
         raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
@@ -323,6 +334,8 @@ class CheckpointMixin:
             rank, msg = failed[0]
             raise RuntimeError(f"checkpoint-{step}: rank {rank} could not write its node file ({msg}); "
                                "earlier checkpoints are untouched")
+        if self.state.best_global_step == step:  # on every rank: each loads its nodes from it at the end
+            self.state.best_model_checkpoint = str(checkpoint_dir(out, step))
         if main:
             self._write_model(staging)
             self.state.save_to_json(str(staging / "trainer_state.json"))
@@ -337,7 +350,7 @@ class CheckpointMixin:
             })
             commit(out, step)
             if self.args.save_total_limit:
-                rotate(out, self.args.save_total_limit)
+                rotate(out, self.args.save_total_limit, best=self.state.best_model_checkpoint)
         self.node_group.barrier()
 
     def _node_state(self, k: int) -> dict:
@@ -358,6 +371,13 @@ class CheckpointMixin:
             "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
                          "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
         }
+
+    def _load_best_nodes(self, path) -> None:
+        """Every local node's weights from checkpoint ``path`` (``load_best_model_at_end``: the
+        averaged model is then the best one evaluated)."""
+        logger.info(f"loading the best model from {path} (score: {self.state.best_metric})")
+        for k, i in enumerate(self.node_ids):
+            self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
 
     def _resume_config(self) -> dict:
         return {**resume_config(self.args), "train_samples": len(self.train_dataset)}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_detach, nested_numpify
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
 
 class EvaluationMixin:
@@ -39,54 +41,106 @@ class EvaluationMixin:
 
 
     @torch.no_grad()
-    def _eval_model(self, model, dataloader, desc: str) -> tuple[float, float]:
-        """Mean loss and accuracy of ``model`` over ``dataloader``."""
+    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:
+        """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch).
+
+        Returns ``(metrics, outputs)``: ``metrics`` holds ``loss`` (mean over samples), ``accuracy``
+        (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
+        ``compute_metrics`` and the task is classification, and whatever ``compute_metrics`` returns
+        on all predictions; ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with
+        -100 across batches) when ``keep_outputs``, else None.
+        """
         model.eval()
-        metric = self._accuracy_metric()
-        loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+        loss_only = self.args.prediction_loss_only and not keep_outputs
+        keep = keep_outputs or (self.compute_metrics is not None and not loss_only)
+        loss_sum, samples, correct, classified = 0.0, 0, 0, 0
+        predictions = label_ids = None
         for batch in tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm):
             batch = self._prepare_inputs(batch)
-            out = model(**batch)
-            n = batch["labels"].shape[0]
-            loss_sum += out.loss.double() * n
-            count += n
-            metric.add_batch(predictions=out.logits.argmax(-1).cpu(), references=batch["labels"].cpu())
-        return float(loss_sum) / max(count, 1), metric.compute()["accuracy"]
-
-    def _accuracy_metric(self):
-        from ..data import accuracy_metric
-
-        if not hasattr(self, "_metric"):
-            self._metric = accuracy_metric()
-        return self._metric
+            size = find_batch_size(batch)
+            loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            if loss is not None:
+                loss_sum += float(loss.double()) * size
+                samples += size
+            if logits is None or labels is None:
+                continue
+            if self.compute_metrics is None and torch.is_tensor(logits) and logits.dim() == 2 and labels.dim() == 1:
+                correct += int((logits.argmax(-1) == labels).sum())
+                classified += labels.shape[0]
+            if keep:
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                predictions = nested_concat(predictions, nested_detach(logits), padding_index=-100) \
+                    if predictions is not None else nested_detach(logits)
+                label_ids = nested_concat(label_ids, labels, padding_index=-100) if label_ids is not None else labels
+        metrics = {"loss": loss_sum / samples} if samples else {}
+        if classified:
+            metrics["accuracy"] = correct / classified
+        outputs = None
+        if predictions is not None:
+            outputs = (nested_numpify(predictions), nested_numpify(label_ids) if label_ids is not None else None)
+            if self.compute_metrics is not None and outputs[1] is not None:
+                metrics.update(self.compute_metrics(EvalPrediction(predictions=outputs[0], label_ids=outputs[1])))
+        return metrics, outputs if keep_outputs else None
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Accuracy and loss of the averaged model and of every node, consensus distance, bytes sent.
+        """Metrics of the averaged model and of every node, consensus distance, bytes sent.
 
-        Logged through `Trainer.log` (so callbacks and ``report_to`` integrations see it) and
-        returned as a dict with keys ``{prefix}_accuracy``, ``{prefix}_loss``,
-        ``{prefix}_accuracy_node_{i}``, ``{prefix}_loss_node_{i}``, ``{prefix}_consensus_distance``,
-        ``bytes_sent_node_{i}``.
+        ``eval_dataset`` (or the trainer's) may be a dict ``{name: dataset}``: each is evaluated
+        with the prefix ``{metric_key_prefix}_{name}``. Logged through `Trainer.log` (so callbacks
+        and ``report_to`` integrations see it) and returned as a dict with keys ``{p}_loss`` and
+        ``{p}_<metric>`` of the averaged model (``accuracy`` for classification without
+        ``compute_metrics``, else ``compute_metrics``'s keys), ``{p}_<metric>_node_{i}`` of node
+        ``i``, ``{p}_consensus_distance`` and ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix.
         """
-        dataloader = self.get_eval_dataloader(eval_dataset)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = self.get_eval_dataloader(dataset)
         p = metric_key_prefix
         metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
-        metrics[f"{p}_loss"], metrics[f"{p}_accuracy"] = self._eval_model(self.model, dataloader, "eval: average")
-        node_metrics = torch.tensor([self._eval_model(node, dataloader, f"eval: node {i}")
-                                     for i, node in zip(self.node_ids, self.nodes)], dtype=torch.float64)
-        for i, (loss, acc) in enumerate(self.node_group.gather(node_metrics).tolist()):
-            metrics[f"{p}_loss_node_{i}"], metrics[f"{p}_accuracy_node_{i}"] = loss, acc
-        metrics.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+        averaged, _ = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
+        metrics.update({f"{p}_{name}": value for name, value in averaged.items()})
+        local = [self._run_model(node, dataloader, f"eval: node {i}", ignore_keys, keep_outputs=False)[0]
+                 for i, node in zip(self.node_ids, self.nodes)]
+        per_node = [m for process in self.node_group.gather_objects(local) for m in process]
+        for i, node_metrics in enumerate(per_node):
+            metrics.update({f"{p}_{name}_node_{i}": value for name, value in node_metrics.items()})
+        metrics.update({f"{p}_bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions of the averaged model ``mean_i z_i`` on ``test_dataset``.
+
+        Returns:
+            `PredictionOutput`: ``predictions`` (numpy, e.g. ``(samples, classes)`` logits, padded
+            with -100 across batches), ``label_ids`` (or None without labels) and ``metrics``
+            (``{metric_key_prefix}_loss``, ``..._accuracy`` or ``compute_metrics``'s keys).
+        """
+        self._refresh_average_model()
+        dataloader = self.get_test_dataloader(test_dataset)
+        metrics, outputs = self._run_model(self.model, dataloader, "predict", ignore_keys, keep_outputs=True)
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in metrics.items()}
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        predictions, label_ids = outputs if outputs is not None else (None, None)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """A plain (unsharded) loader: every process evaluates on the whole evaluation set."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
-        dataset = self._remove_unused_columns(dataset, description="evaluation")
-        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator,
-                          num_workers=self.args.dataloader_num_workers)
+        return self._plain_loader(dataset, "evaluation")
 
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        """A plain (unsharded) loader over ``test_dataset``."""
+        return self._plain_loader(test_dataset, "test")
+
+    def _plain_loader(self, dataset, description: str) -> DataLoader:
+        dataset = self._remove_unused_columns(dataset, description=description)
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())

@@ -21,7 +21,6 @@ class NonFiniteError(FloatingPointError):
         self.node, self.step = node, step
 
 
-
 class LocalStepMixin:
     """`DecentralizedTrainer`'s iteration: local steps node by node, then gossip (SPEC 2)."""
 
@@ -38,18 +37,21 @@ class LocalStepMixin:
         if self.qgm is not None:
             self.qgm.begin_iteration()
         lr = self.node_optimizers[0].param_groups[0]["lr"]
-        for k, (i, node, batch, optimizer, scheduler) in enumerate(
+        for k, (i, node, micro_batches, optimizer, scheduler) in enumerate(
                 zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
             if i not in absent:
-                self._local_step(k, node, batch, optimizer, t + 1)
+                self._local_step(k, node, micro_batches, optimizer, t + 1)
             scheduler.step()
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
         if self.qgm is not None:  # an absent node's momentum does not move either
             self.qgm.end_iteration(lr, skip={k for k, i in enumerate(self.node_ids) if i in absent})
 
-    def _local_step(self, k: int, node, batch, optimizer, step: int) -> None:
+    def _local_step(self, k: int, node, micro_batches: list, optimizer, step: int) -> None:
         """SPEC 2 step 1 of local node ``k``: gradient, NaN/Inf check, clipping, optimizer update.
+
+        The gradient is the mean over ``micro_batches`` (``gradient_accumulation_steps`` of them:
+        each backward is scaled by ``1 / len(micro_batches)``), and the logged loss their mean.
 
         The node's gradients are freed right after its update, so only one node's gradients exist
         at a time and the next node's backward reuses their memory (with all ``n`` alive until
@@ -62,7 +64,8 @@ class LocalStepMixin:
         # the forward also updates running statistics (8-bit activation ranges, norm statistics):
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
         buffers = [b.clone() for b in node.buffers()] if self.args.skip_nonfinite else None
-        loss = self._backward(k, node, batch)
+        scale = 1.0 / len(micro_batches)
+        loss = sum(self._backward(k, node, batch, scale) for batch in micro_batches) * scale
         if self._finite_then_clip(k, loss, step):
             if self.qgm is not None:
                 # a parameter the loss does not reach has no gradient: momentum into a discarded zero
@@ -117,13 +120,14 @@ class LocalStepMixin:
                 return f"{where}: non-finite gradient ({kind}) in {name}"
         return f"{where}: non-finite gradient"
 
-    def _backward(self, k: int, node, batch) -> torch.Tensor:
-        """Loss and gradient of local node ``k`` at z_k on its batch (in that node's RNG stream)."""
+    def _backward(self, k: int, node, batch, scale: float = 1.0) -> torch.Tensor:
+        """Loss of local node ``k`` at z_k on ``batch``; its gradient times ``scale`` is added to
+        the node's ``.grad`` (in that node's RNG stream)."""
         node.train()
         with self._rng.activate(self.node_ids[k]):
             batch = self._prepare_inputs(batch)
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(node, batch)
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         return loss.detach()
 

@@ -26,11 +26,12 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, IterableDataset, Subset
 from transformers import Trainer, TrainerState
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import SaveStrategy, TrainOutput
 from transformers.utils import logging
 
 from .. import gossip as gossip_lib
@@ -47,6 +48,9 @@ from .node_group import NodeGroup
 from .rng import EpochSampler, NodeRNG, node_seed
 
 logger = logging.get_logger(__name__)
+
+#: the drift guard warns when the consensus distance grew over this many consecutive logging steps
+DRIFT_WINDOW = 3
 
 
 class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
@@ -74,11 +78,29 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
             raise TypeError(f"args must be DecentralizedTrainingArguments, got {type(args).__name__}")
         if model is None:
             raise ValueError("model is required (model_init is not supported by DecentralizedTrainer)")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init is not supported by DecentralizedTrainer: pass the initial model as model")
+        if any(o is not None for o in kwargs.get("optimizers") or ()):
+            raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
+                             "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
+                             "optimizer_cls_and_kwargs")
+        if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
+            raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
+                             f"{quant_config.kernel!r}: set the kernel in one of them")
+        if args.gradient_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError(f"gradient_checkpointing needs a model with gradient_checkpointing_enable() (a "
+                             f"transformers PreTrainedModel), got {type(model).__name__}")
+        train_dataset = kwargs.get("train_dataset")
+        if train_dataset is not None and (isinstance(train_dataset, IterableDataset)
+                                          or not hasattr(train_dataset, "__len__")):
+            raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
+                             "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
+                             f"{type(train_dataset).__name__}")
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
-            quantize_model(model, quant_config or QuantConfig())
+            quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         super().__init__(model=model, args=args, **kwargs)
         if self.train_dataset is not None:
-            self._check_labels(self.train_dataset, "train_dataset")
+            self._shard_labels = self._read_shard_labels(self.train_dataset)
 
         self.node_group = NodeGroup(args.num_nodes, args.backend)
         self.node_ids = self.node_group.node_ids
@@ -98,23 +120,58 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
 
     # --- setup -----------------------------------------------------------------------------
 
-    def _check_labels(self, dataset, what: str) -> None:
-        """ValueError unless ``dataset`` has a ``label`` column of class ids the model can predict."""
-        if "label" not in dataset.column_names:
-            raise ValueError(f"{what} needs a 'label' column to build skewed shards; found {dataset.column_names}")
-        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
-        labels = dataset.unique("label") if hasattr(dataset, "unique") else list(set(dataset["label"]))
-        bad = sorted(v for v in labels if not isinstance(v, int) or v < 0 or (num_labels and v >= num_labels))
+    def _read_shard_labels(self, dataset) -> list[int] | None:
+        """The class id of every training sample that the SPEC 6 shards are skewed on, read from
+        ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
+        sample); None when there is no such column (then ``skew`` must be 0: random shards).
+        ValueError naming the column or argument that is wrong."""
+        args = self.args
+        if len(dataset) == 0:
+            raise ValueError("train_dataset is empty")
+        first = dataset[0]
+        columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
+            (list(first) if isinstance(first, dict) else [])
+        name = args.shard_column
+        if name is None:
+            name = next((c for c in ("label", "labels") if c in columns and _is_class_id(first[c])), None)
+        elif name not in columns:
+            raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
+        if name is None:
+            if args.skew > 0:
+                raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
+                                 f"train_dataset has no 'label' or 'labels' column with one class id per sample "
+                                 f"(columns: {columns}): name one with shard_column, or use skew=0")
+            return None
+        if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
+            values = dataset.with_format(None)[name]
+        else:
+            values = [dataset[i][name] for i in range(len(dataset))]
+        values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None) \
+            if name in ("label", "labels") else None
+        bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
         if bad:
             allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
-            raise ValueError(f"{what}: labels must be class ids {allowed}, found {bad[:5]}")
+            what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+            raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
+        return values
 
     def _shards(self) -> list:
-        """SPEC 6 shards of the training set (indices per node), the same on every rank."""
-        dataset = self.train_dataset
-        # read the labels without running a formatting transform (e.g. image decoding) on every row
-        labels = dataset.with_format(None)["label"] if hasattr(dataset, "with_format") else dataset["label"]
-        return skewed_partition(list(labels), self.args.num_nodes, self.args.skew, seed=self.args.seed)
+        """SPEC 6 shards of the training set (indices per node), the same on every rank; random
+        (skew 0) when the training set has no class column."""
+        labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
+        return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
+
+    def _loader_options(self) -> dict:
+        """DataLoader options from ``args`` (workers, pinned memory on an accelerator)."""
+        args = self.args
+        options = {"collate_fn": self.data_collator, "num_workers": args.dataloader_num_workers,
+                   "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu"}
+        if args.dataloader_num_workers > 0:
+            options.update(persistent_workers=args.dataloader_persistent_workers,
+                           prefetch_factor=args.dataloader_prefetch_factor,
+                           multiprocessing_context=args.dataloader_multiprocessing_context)
+        return options
 
     def node_dataloaders(self) -> list[DataLoader]:
         """One loader per local node over its skewed shard, shuffled by an :class:`EpochSampler`
@@ -133,8 +190,7 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
             shard = Subset(dataset, shards[i].tolist())
             # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
             loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
-                                      collate_fn=self.data_collator, drop_last=True,
-                                      num_workers=self.args.dataloader_num_workers, generator=torch.Generator()))
+                                      drop_last=True, generator=torch.Generator(), **self._loader_options()))
         return loaders
 
     @staticmethod
@@ -193,17 +249,28 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         # the one process-wide setting the trainer changes (lp_decentral_nlp.utils.cpu_malloc)
         self.cpu_malloc_tuned = tune_process_for_training(args.device, args.tune_cpu_malloc)
         loaders = self.node_dataloaders()
-        steps_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
+        accumulation = args.gradient_accumulation_steps
+        batches_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
+        if batches_per_epoch < accumulation:
+            raise ValueError(f"gradient_accumulation_steps={accumulation} exceeds the batches per epoch of the smallest "
+                             f"shard ({batches_per_epoch}): lower it, the batch size or the number of nodes")
+        steps_per_epoch = batches_per_epoch // accumulation  # optimizer steps; leftover micro-batches are dropped
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         num_epochs = math.ceil(max_steps / steps_per_epoch)
         made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
+        for node in self.nodes:
+            if args.gradient_checkpointing:
+                node.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+            if args.torch_compile:
+                node.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
 
         self.state = TrainerState()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._last_logged, self._total_loss = 0, 0.0
+        self._drift_trail, self._drift_warned = [], False
         epoch, done = 0, 0  # position in the data: epoch, batches of it consumed
         if resume_from_checkpoint:
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
@@ -216,13 +283,15 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         self.is_in_train = True
         start = time.time()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
         try:
             while epoch < num_epochs and self.state.global_step < max_steps:
                 if done >= steps_per_epoch:
                     epoch, done = epoch + 1, 0
                     continue
                 self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-                iterators = self._start_epoch(loaders, epoch, done)
+                iterators = self._start_epoch(loaders, epoch, done * accumulation)
                 while done < steps_per_epoch and self.state.global_step < max_steps:
                     self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     self._iteration(self._next_batches(iterators))
@@ -246,6 +315,10 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
                             exc.peer) from exc
         if self._last_logged < self.state.global_step:
             self._total_loss += self._log_train()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_nodes(self.state.best_model_checkpoint)
+        if args.final_merge:
+            self.merge_nodes()
         self._refresh_average_model()
         self.is_in_train = False
         runtime = time.time() - start
@@ -256,22 +329,37 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
+    @torch.no_grad()
+    def merge_nodes(self) -> None:
+        """Skew-compensated final merge (SPEC 2a): every node's model becomes the exact average
+        ``mean_i z_i`` of all nodes' de-biased models (parameters and float buffers; one sum over
+        nodes, an all-reduce in the distributed backend). Also leaves ``self.model`` the average."""
+        self._refresh_average_model()
+        averaged = self._float_state(self.model)
+        for node in self.nodes:
+            torch._foreach_copy_(self._float_state(node), averaged)
 
     def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
+        """As `Trainer`'s: log, evaluate (tracking the best ``metric_for_best_model`` in
+        ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
         if self.control.should_log:
             self._total_loss += self._log_train()
         if self.control.should_evaluate:
-            self.evaluate(ignore_keys=ignore_keys_for_eval)
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+            new_best = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = new_best
         if self.control.should_save:
             self._save_checkpoint(self.model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _next_batches(self, iterators) -> list:
-        """The next batch of every local node, drawn in that node's RNG stream (random transforms)."""
+    def _next_batches(self, iterators) -> list[list]:
+        """The next ``gradient_accumulation_steps`` micro-batches of every local node, drawn in that
+        node's RNG stream (random transforms)."""
         batches = []
         for i, it in zip(self.node_ids, iterators):
             with self._rng.activate(i):
-                batches.append(next(it))
+                batches.append([next(it) for _ in range(self.args.gradient_accumulation_steps)])
         return batches
 
 
@@ -295,8 +383,24 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         if self.args.skip_nonfinite:
             logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.nonfinite_skips))})
         logs["consensus_distance"] = self.consensus_distance()
+        self._watch_drift(logs["consensus_distance"])
         self.log(logs)
         return loss * steps if math.isfinite(loss) else 0.0
+
+    def _watch_drift(self, distance: float) -> None:
+        """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
+        consecutive logging steps after the first epoch (in the first the nodes spread out from
+        the same initial weights, so the distance grows from 0 by design)."""
+        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
+            self._drift_trail = []
+            return
+        self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
+        trail = self._drift_trail
+        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])):
+            self._drift_warned = True
+            logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
+                           f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
+                           f"(--consensus-lr, now {self.args.gamma:g})")
 
     def _mark_main_process(self):
         """Only one process prints progress and writes logs (rank 0 in the distributed backend)."""
@@ -344,3 +448,10 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
 
     # --- checkpoints -------------------------------------------------------------------------
 
+
+
+def _is_class_id(value) -> bool:
+    """Whether ``value`` is one integer class id (a Python/numpy int or a 0-d integer tensor)."""
+    if torch.is_tensor(value):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
