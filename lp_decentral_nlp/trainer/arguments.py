@@ -96,9 +96,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
         if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
             raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
-        if self.gradient_checkpointing and self.low_precision:
-            raise ValueError("gradient_checkpointing with low_precision=True is not supported: the recomputed forward "
-                             "would update the 8-bit activation ranges a second time per step")
+        if (self.activation_checkpointing or self.gradient_checkpointing) and self.low_precision:
+            raise ValueError("activation_checkpointing (gradient_checkpointing) with low_precision=True is not supported: "
+                             "the recomputed forward would update the 8-bit activation ranges a second time per step")
         self._check_lr_milestones()
         plan = self.fault_plan
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]

@@ -142,5 +142,5 @@ class EvaluationMixin:
         return self._plain_loader(test_dataset, "test")
 
     def _plain_loader(self, dataset, description: str) -> DataLoader:
-        dataset = self._remove_unused_columns(dataset, description=description)
+        dataset = self._model_columns(dataset, description)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())

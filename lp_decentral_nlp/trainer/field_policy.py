@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from transformers.trainer_pt_utils import AcceleratorConfig
+
 HONOURED = "honoured"
 PER_NODE = "honoured per node"
 
@@ -61,10 +63,11 @@ POLICY: dict[str, str] = {
     "label_smoothing_factor": PER_NODE,
     "average_tokens_across_devices": "refused: a node's loss is normalised over its own batch; gradients and token "
                                      "counts never cross nodes",
-    "gradient_checkpointing": PER_NODE,
-    "gradient_checkpointing_kwargs": PER_NODE,
-    "activation_checkpointing": "refused: use gradient_checkpointing (enabled on every node)",
-    "activation_checkpointing_kwargs": "refused: use gradient_checkpointing_kwargs",
+    "activation_checkpointing": PER_NODE + " (not with low_precision: the recomputed forward would update the "
+                                           "8-bit activation ranges twice)",
+    "activation_checkpointing_kwargs": PER_NODE,
+    "gradient_checkpointing": PER_NODE + " (transformers' deprecated name of activation_checkpointing)",
+    "gradient_checkpointing_kwargs": PER_NODE + " (deprecated name of activation_checkpointing_kwargs)",
     "torch_compile": PER_NODE,
     "torch_compile_backend": PER_NODE,
     "torch_compile_mode": PER_NODE,
@@ -151,9 +154,20 @@ def refuse_unsupported(args) -> None:
         if not (f.init and reason.startswith("refused")):
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if getattr(args, f.name) != default:
+        if not _is_default(getattr(args, f.name), default):
             raise ValueError(f"{f.name}={getattr(args, f.name)!r} is not supported by DecentralizedTrainer "
                              f"({reason.removeprefix('refused: ')}); leave it at {default!r}")
+
+
+def _is_default(value, default) -> bool:
+    """Whether ``value`` is ``default`` or the form `TrainingArguments.__post_init__` gives an unset
+    default (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an ``AcceleratorConfig()``), so
+    a copy of processed arguments (``dataclasses.replace``) passes too."""
+    if value == default:
+        return True
+    if default in (None, "") and value in (None, "", [], {}):
+        return True
+    return default is None and isinstance(value, AcceleratorConfig) and value == AcceleratorConfig()
 
 
 def check_number(name: str, value, *, integer: bool = False, low=None, low_open: bool = False, high=None,

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from datasets import Dataset
 import safetensors.torch
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
@@ -87,9 +88,10 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
             raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                              f"{quant_config.kernel!r}: set the kernel in one of them")
-        if args.gradient_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError(f"gradient_checkpointing needs a model with gradient_checkpointing_enable() (a "
-                             f"transformers PreTrainedModel), got {type(model).__name__}")
+        if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
+            raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
+                             f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
+                             f"{type(model).__name__}")
         train_dataset = kwargs.get("train_dataset")
         if train_dataset is not None and (isinstance(train_dataset, IterableDataset)
                                           or not hasattr(train_dataset, "__len__")):
@@ -162,6 +164,11 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
         return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
 
+    def _model_columns(self, dataset, description: str):
+        """``dataset`` without the columns the model's forward does not take (``remove_unused_columns``;
+        a plain torch Dataset is passed as it is, as `Trainer` does for its collator)."""
+        return self._remove_unused_columns(dataset, description=description) if isinstance(dataset, Dataset) else dataset
+
     def _loader_options(self) -> dict:
         """DataLoader options from ``args`` (workers, pinned memory on an accelerator)."""
         args = self.args
@@ -179,7 +186,7 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
         shards = self._shards()
-        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        dataset = self._model_columns(self.train_dataset, "training")
         bs = self.args.per_device_train_batch_size
         self.shard_sizes = [len(s) for s in shards]
         if min(self.shard_sizes) < bs:
@@ -261,8 +268,8 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
         for node in self.nodes:
-            if args.gradient_checkpointing:
-                node.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+            if args.activation_checkpointing:
+                node.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
             if args.torch_compile:
                 node.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
 
