@@ -24,11 +24,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import TrainerState
 from transformers.utils import logging
 
+from .. import __version__
 from ..gossip.factory import build_compressor, build_topology
 
 logger = logging.get_logger(__name__)
@@ -38,6 +39,7 @@ FORMAT = "lp_decentral_nlp.decentralized_checkpoint"
 VERSION = 1
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _STATE_KEY = "state"  # safetensors metadata entry holding the JSON skeleton
+_MANIFEST_KEYS = ("global_step", "data", "config", "logging", "files")
 
 
 def checkpoint_dir(output_dir, step: int) -> Path:
@@ -120,13 +122,28 @@ def save_state_file(path, obj) -> None:
 
 
 def load_state_file(path):
-    """Read what :func:`save_state_file` wrote (tensors on the CPU)."""
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        if _STATE_KEY not in metadata:
-            raise ValueError(f"{path} is not a checkpoint state file (no {_STATE_KEY!r} metadata)")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
+    """Read what :func:`save_state_file` wrote (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: naming ``path``: not a safetensors file (truncated, corrupted), no state
+            skeleton, or a skeleton that does not match its tensors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: checkpoint state file not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted): {err}") from None
+    if _STATE_KEY not in metadata:
+        raise ValueError(f"{path} is not a checkpoint state file (no {_STATE_KEY!r} metadata)")
+    try:
+        return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: its state skeleton is corrupted ({type(err).__name__}: {err})") from None
 
 
 def write_json(path, obj) -> None:
@@ -189,31 +206,51 @@ def commit(output_dir, step: int) -> Path:
     return final
 
 
-def read_manifest(path) -> dict:
-    """The manifest of checkpoint directory ``path`` (ValueError if it has none or another format)."""
+def read_manifest(path, required=("files",)) -> dict:
+    """The manifest of checkpoint directory ``path``, which must hold the ``required`` fields
+    (:data:`_MANIFEST_KEYS`: all that resuming reads).
+
+    Raises:
+        ValueError: naming the manifest: missing, not JSON (truncated, corrupted), another format
+            or format version (written by another version of this package), or lacking a field.
+    """
     path = Path(path)
+    file = path / MANIFEST
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(file.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path} is not a complete checkpoint: {MANIFEST} is missing") from None
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{file} is not valid JSON (truncated or corrupted): {err}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file} is not a {FORMAT} manifest (a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"{path / MANIFEST} is not a version-{VERSION} {FORMAT} manifest "
-                         f"(format={manifest.get('format')!r}, version={manifest.get('version')!r})")
+        written_by = manifest.get("package_version")
+        raise ValueError(f"{file} is not a version-{VERSION} {FORMAT} manifest "
+                         f"(format={manifest.get('format')!r}, version={manifest.get('version')!r}"
+                         + (f", written by lp_decentral_nlp {written_by}" if written_by else "")
+                         + f"; this is lp_decentral_nlp {__version__})")
+    missing = [key for key in required if key not in manifest]
+    if missing:
+        raise ValueError(f"{file} lacks {', '.join(missing)} (truncated or edited)")
     return manifest
 
 
 def missing_files(path) -> list[str]:
-    """Files the manifest of ``path`` lists that are not there (all of them if it has no manifest)."""
+    """Files the manifest of ``path`` lists that are not there (the manifest itself if it is
+    missing); ValueError naming the manifest when it is there but unreadable."""
     path = Path(path)
-    try:
-        manifest = read_manifest(path)
-    except ValueError:
+    if not (path / MANIFEST).is_file():
         return [MANIFEST]
-    return [name for name in manifest["files"] if not (path / name).is_file()]
+    return [name for name in read_manifest(path)["files"] if not (path / name).is_file()]
 
 
 def is_complete(path) -> bool:
-    return Path(path).is_dir() and not missing_files(path)
+    """Whether ``path`` is a checkpoint directory with a readable manifest and every file it lists."""
+    try:
+        return Path(path).is_dir() and not missing_files(path)
+    except ValueError:
+        return False
 
 
 def list_checkpoints(output_dir) -> list[tuple[int, Path]]:
@@ -281,7 +318,7 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     given, the same number of training samples). ValueError listing every argument that differs."""
     try:
         path = resolve_checkpoint(path)
-        saved = read_manifest(path)["config"]
+        saved = read_manifest(path, required=_MANIFEST_KEYS)["config"]
     except ValueError as err:
         raise ValueError(f"resume_from_checkpoint: {err}") from None
     now = resume_config(args)
@@ -341,7 +378,7 @@ class CheckpointMixin:
             self.state.save_to_json(str(staging / "trainer_state.json"))
             epoch, done = self._data_position
             write_json(staging / MANIFEST, {
-                "format": FORMAT, "version": VERSION, "global_step": step,
+                "format": FORMAT, "version": VERSION, "package_version": __version__, "global_step": step,
                 "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
                 "config": self._resume_config(),
                 "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
@@ -384,44 +421,66 @@ class CheckpointMixin:
 
     def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
-        batches_done)``. ValueError (naming the file or argument) when the checkpoint does not
-        fit this run."""
+        batches_done)``. Every file is read and checked before anything is restored, and the
+        checkpoint is only read (the user's model and files are not modified). ValueError
+        (FileNotFoundError for a missing node file) naming the file or argument when the
+        checkpoint does not fit."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, required=_MANIFEST_KEYS)
+        data = manifest["data"]
+        if data["steps_per_epoch"] != steps_per_epoch:
+            raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
+                             f"{steps_per_epoch} (a different training set or batch size)")
+        state_file = path / "trainer_state.json"
+        try:
+            trainer_state = TrainerState.load_from_json(str(state_file))
+        except (ValueError, TypeError, OSError) as err:
+            raise ValueError(f"{state_file} is not a readable TrainerState (truncated or corrupted): {err}") from None
+        states = {i: load_state_file(path / node_file(i)) for i in self.node_ids}
+        for i, state in states.items():
+            missing = [key for key in ("model", "optimizer", "scheduler", "rng", "gossip", "qgm", "counters")
+                       if not isinstance(state, dict) or key not in state]
+            if missing:
+                raise ValueError(f"{path / node_file(i)} lacks {', '.join(missing)}: not a node file of this trainer")
+            if self.qgm is not None and state["qgm"] is None:
+                raise ValueError(f"{path / node_file(i)} has no QGM buffer: the checkpoint was written without qgm")
+        self._restore_nodes(path, states)
+        step = manifest["global_step"]
+        if self.gossip.num_steps != step:
+            raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
+        self.state = trainer_state
+        self._last_logged = manifest["logging"]["last_logged"]
+        self._total_loss = manifest["logging"]["total_loss"]
+        self._data_position = (data["epoch"], data["batches_done"])
+        logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
+        return self._data_position
+
+    def _restore_nodes(self, path, states: dict) -> None:
+        """Load each local node's ``states[node_id]`` (read by :func:`load_state_file`) into its
+        model, optimizer, scheduler, RNG stream, QGM buffer, counters and gossip rows; ValueError
+        naming the node file whose part does not fit."""
         parts = []
         for k, i in enumerate(self.node_ids):
-            file = path / node_file(i)
-            state = load_state_file(file)
-            try:
-                self.nodes[k].load_state_dict(state["model"])
-            except RuntimeError as err:  # missing/unexpected keys, size mismatches
-                raise ValueError(f"{file} does not fit this model: {err}") from None
-            optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            self._rng.load_state_dict(i, state["rng"])
+            file, state = path / node_file(i), states[i]
+            steps = [("model", lambda: self.nodes[k].load_state_dict(state["model"])),
+                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(state["optimizer"])),
+                     ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
+                     ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
             if self.qgm is not None:
-                if state["qgm"] is None:
-                    raise ValueError(f"{file} has no QGM buffer: the checkpoint was written without qgm")
-                torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])
+                steps.append(("qgm", lambda: torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])))
+            for part, load in steps:  # each called at once, in this iteration
+                try:
+                    load()
+                except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+                    raise ValueError(f"{file} does not fit this model: {part}: {err}") from None
             counters = state["counters"]
             self.bytes_sent[k] = counters["bytes_sent"]
             self.nonfinite_skips[k] = counters["nonfinite_skips"]
             self._loss_sum[k] = counters["loss_sum"]
             self._loss_count[k] = counters["loss_count"]
             parts.append(state["gossip"])
-        self.gossip.load_node_state_dicts(parts)
-        step = manifest["global_step"]
-        if self.gossip.num_steps != step:
-            raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
-        self.state = TrainerState.load_from_json(str(path / "trainer_state.json"))
-        self._last_logged = manifest["logging"]["last_logged"]
-        self._total_loss = manifest["logging"]["total_loss"]
-        data = manifest["data"]
-        if data["steps_per_epoch"] != steps_per_epoch:
-            raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
-                             f"{steps_per_epoch} (a different training set or batch size)")
-        self._data_position = (data["epoch"], data["batches_done"])
-        logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
-        return self._data_position
-
+        try:
+            self.gossip.load_node_state_dicts(parts)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"{path}: the gossip state of {', '.join(node_file(i) for i in self.node_ids)} does not "
+                             f"fit this run: {err}") from None

@@ -54,14 +54,18 @@ class NodeRNG:
 
     def load_state_dict(self, node: int, state: dict) -> None:
         """Restore :meth:`state_dict`; CUDA streams only when this machine has as many devices."""
-        cuda = self.states[node][1]
+        cpu, cuda = self.states[node]
+        saved_cpu = state.get("cpu") if isinstance(state, dict) else None
+        if not torch.is_tensor(saved_cpu) or saved_cpu.dtype != cpu.dtype or saved_cpu.shape != cpu.shape:
+            raise ValueError(f"node {node}: the saved CPU RNG stream is not a {cpu.dtype} tensor of shape "
+                             f"{tuple(cpu.shape)}")
         saved_cuda = state.get("cuda")
         if cuda is not None and saved_cuda is not None and len(saved_cuda) == len(cuda):
             cuda = list(saved_cuda)
         elif cuda is not None or saved_cuda is not None:
             logger.warning(f"node {node}: the checkpoint's CUDA RNG streams do not fit this machine; dropout and "
                            "stochastic rounding on CUDA will not repeat the interrupted run's draws")
-        self.states[node] = (state["cpu"], cuda)
+        self.states[node] = (saved_cpu, cuda)
 
 
 def node_seed(seed: int, node: int) -> int:
