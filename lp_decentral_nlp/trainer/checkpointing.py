@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,6 +32,9 @@ from transformers.utils import logging
 
 from .. import __version__
 from ..gossip.factory import build_compressor, build_topology
+
+if TYPE_CHECKING:
+    from .arguments import DecentralizedTrainingArguments
 
 logger = logging.get_logger(__name__)
 

@@ -1,16 +1,24 @@
-"""Evaluation of a decentralized run: the averaged model ``mean_i z_i`` (SPEC 1) and every node."""
+"""The nodes as one model: the averaged model ``mean_i z_i`` (SPEC 1), the final merge (SPEC 2a),
+training logs with the consensus distance and its drift guard, evaluation and prediction."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_detach, nested_numpify
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+#: the drift guard warns when the consensus distance grew over this many consecutive logging steps
+DRIFT_WINDOW = 3
 
 
 class EvaluationMixin:
-    """`DecentralizedTrainer`'s averaged model, consensus distance and evaluation."""
-
+    """`DecentralizedTrainer`'s averaged model, final merge, training logs and evaluation."""
 
     def _float_state(self, model):
         return [t for t in model.state_dict().values() if t.is_floating_point()]
@@ -39,6 +47,55 @@ class EvaluationMixin:
         return float(self.node_group.gather(local).mean())
 
 
+
+    @torch.no_grad()
+    def merge_nodes(self) -> None:
+        """Skew-compensated final merge (SPEC 2a): every node's model becomes the exact average
+        ``mean_i z_i`` of all nodes' de-biased models (parameters and float buffers; one sum over
+        nodes, an all-reduce in the distributed backend). Also leaves ``self.model`` the average."""
+        self._refresh_average_model()
+        averaged = self._float_state(self.model)
+        for node in self.nodes:
+            torch._foreach_copy_(self._float_state(node), averaged)
+
+    def _log_train(self) -> float:
+        """Log the mean loss of each node since the last log; returns the loss summed over those steps.
+
+        A node that took no step in the window (absent, or every step skipped) logs NaN; the
+        overall ``loss`` is the mean over the nodes that did.
+        """
+        steps = self.state.global_step - self._last_logged
+        count = self._loss_count.to(self._loss_sum.device)
+        mean = torch.where(count > 0, self._loss_sum / count.clamp(min=1), torch.nan)
+        node_losses = self.node_group.gather(mean)
+        self._loss_sum.zero_()
+        self._loss_count.zero_()
+        self._last_logged = self.state.global_step
+        loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
+        logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
+        logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
+        logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+        if self.args.skip_nonfinite:
+            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.nonfinite_skips))})
+        logs["consensus_distance"] = self.consensus_distance()
+        self._watch_drift(logs["consensus_distance"])
+        self.log(logs)
+        return loss * steps if math.isfinite(loss) else 0.0
+
+    def _watch_drift(self, distance: float) -> None:
+        """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
+        consecutive logging steps after the first epoch (in the first the nodes spread out from
+        the same initial weights, so the distance grows from 0 by design)."""
+        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
+            self._drift_trail = []
+            return
+        self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
+        trail = self._drift_trail
+        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])):
+            self._drift_warned = True
+            logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
+                           f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
+                           f"(--consensus-lr, now {self.args.gamma:g})")
 
     @torch.no_grad()
     def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:

@@ -8,8 +8,9 @@ state being trained is ``n`` models rather than one. Where the nodes run (one pr
 process per node) is hidden in :class:`~.node_group.NodeGroup`; the pieces of the trainer are:
 
 * :mod:`.arguments` -- :class:`DecentralizedTrainingArguments` and its checks;
+* :mod:`.node_data` -- each node's skewed shard (SPEC 6) and its loader;
 * :mod:`.local_step` -- one SPEC 2 iteration (local steps, NaN/Inf check, gossip);
-* :mod:`.evaluation` -- the averaged model ``mean_i z_i`` and evaluation;
+* :mod:`.evaluation` -- the averaged model ``mean_i z_i``, final merge, training logs, evaluation;
 * :mod:`.checkpointing` -- atomic checkpoints of the whole decentralized state and resuming;
 * :mod:`.rng` -- per-node random streams, so both backends draw the same numbers per node.
 
@@ -26,17 +27,13 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
-from datasets import Dataset
 import safetensors.torch
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Subset
+from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerState
 from transformers.trainer_utils import SaveStrategy, TrainOutput
-from transformers.utils import logging
 
 from .. import gossip as gossip_lib
-from ..data import skewed_partition
 from ..gossip.factory import build_gossip
 from ..gossip.transport import GossipPeerError
 from ..quant import QuantConfig, QuantModule, quantize_model
@@ -45,16 +42,11 @@ from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
+from .node_data import NodeDataMixin
 from .node_group import NodeGroup
-from .rng import EpochSampler, NodeRNG, node_seed
+from .rng import NodeRNG
 
-logger = logging.get_logger(__name__)
-
-#: the drift guard warns when the consensus distance grew over this many consecutive logging steps
-DRIFT_WINDOW = 3
-
-
-class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
+class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
     Args:
@@ -121,92 +113,6 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         self._mark_main_process()
 
     # --- setup -----------------------------------------------------------------------------
-
-    def _read_shard_labels(self, dataset) -> list[int] | None:
-        """The class id of every training sample that the SPEC 6 shards are skewed on, read from
-        ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
-        sample); None when there is no such column (then ``skew`` must be 0: random shards).
-        ValueError naming the column or argument that is wrong."""
-        args = self.args
-        if len(dataset) == 0:
-            raise ValueError("train_dataset is empty")
-        first = dataset[0]
-        columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
-            (list(first) if isinstance(first, dict) else [])
-        name = args.shard_column
-        if name is None:
-            name = next((c for c in ("label", "labels") if c in columns and _is_class_id(first[c])), None)
-        elif name not in columns:
-            raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
-        if name is None:
-            if args.skew > 0:
-                raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
-                                 f"train_dataset has no 'label' or 'labels' column with one class id per sample "
-                                 f"(columns: {columns}): name one with shard_column, or use skew=0")
-            return None
-        if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
-            values = dataset.with_format(None)[name]
-        else:
-            values = [dataset[i][name] for i in range(len(dataset))]
-        values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
-        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None) \
-            if name in ("label", "labels") else None
-        bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
-        if bad:
-            allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
-            what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
-            raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
-        return values
-
-    def _shards(self) -> list:
-        """SPEC 6 shards of the training set (indices per node), the same on every rank; random
-        (skew 0) when the training set has no class column."""
-        labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
-        return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
-
-    def _model_columns(self, dataset, description: str):
-        """``dataset`` without the columns the model's forward does not take (``remove_unused_columns``;
-        a plain torch Dataset is passed as it is, as `Trainer` does for its collator)."""
-        return self._remove_unused_columns(dataset, description=description) if isinstance(dataset, Dataset) else dataset
-
-    def _loader_options(self) -> dict:
-        """DataLoader options from ``args`` (workers, pinned memory on an accelerator)."""
-        args = self.args
-        options = {"collate_fn": self.data_collator, "num_workers": args.dataloader_num_workers,
-                   "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu"}
-        if args.dataloader_num_workers > 0:
-            options.update(persistent_workers=args.dataloader_persistent_workers,
-                           prefetch_factor=args.dataloader_prefetch_factor,
-                           multiprocessing_context=args.dataloader_multiprocessing_context)
-        return options
-
-    def node_dataloaders(self) -> list[DataLoader]:
-        """One loader per local node over its skewed shard, shuffled by an :class:`EpochSampler`
-        of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
-        if self.train_dataset is None:
-            raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
-        shards = self._shards()
-        dataset = self._model_columns(self.train_dataset, "training")
-        bs = self.args.per_device_train_batch_size
-        self.shard_sizes = [len(s) for s in shards]
-        if min(self.shard_sizes) < bs:
-            raise ValueError(f"per_device_train_batch_size={bs} exceeds the smallest shard ({min(self.shard_sizes)} "
-                             "samples): lower the batch size or the number of nodes")
-        loaders = []
-        for i in self.node_ids:
-            shard = Subset(dataset, shards[i].tolist())
-            # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
-            loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
-                                      drop_last=True, generator=torch.Generator(), **self._loader_options()))
-        return loaders
-
-    @staticmethod
-    def _start_epoch(loaders, epoch: int, batches_done: int) -> list:
-        """Iterators over epoch ``epoch`` of every loader, from batch ``batches_done`` on."""
-        for loader in loaders:
-            loader.sampler.set_epoch(epoch, batches_done * loader.batch_size)
-            loader.generator.manual_seed(loader.sampler.epoch_seed())
-        return [iter(loader) for loader in loaders]
 
     def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
         """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
@@ -336,16 +242,6 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
-    @torch.no_grad()
-    def merge_nodes(self) -> None:
-        """Skew-compensated final merge (SPEC 2a): every node's model becomes the exact average
-        ``mean_i z_i`` of all nodes' de-biased models (parameters and float buffers; one sum over
-        nodes, an all-reduce in the distributed backend). Also leaves ``self.model`` the average."""
-        self._refresh_average_model()
-        averaged = self._float_state(self.model)
-        for node in self.nodes:
-            torch._foreach_copy_(self._float_state(node), averaged)
-
     def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
         """As `Trainer`'s: log, evaluate (tracking the best ``metric_for_best_model`` in
         ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
@@ -359,55 +255,6 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
         if self.control.should_save:
             self._save_checkpoint(self.model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-
-    def _next_batches(self, iterators) -> list[list]:
-        """The next ``gradient_accumulation_steps`` micro-batches of every local node, drawn in that
-        node's RNG stream (random transforms)."""
-        batches = []
-        for i, it in zip(self.node_ids, iterators):
-            with self._rng.activate(i):
-                batches.append([next(it) for _ in range(self.args.gradient_accumulation_steps)])
-        return batches
-
-
-    def _log_train(self) -> float:
-        """Log the mean loss of each node since the last log; returns the loss summed over those steps.
-
-        A node that took no step in the window (absent, or every step skipped) logs NaN; the
-        overall ``loss`` is the mean over the nodes that did.
-        """
-        steps = self.state.global_step - self._last_logged
-        count = self._loss_count.to(self._loss_sum.device)
-        mean = torch.where(count > 0, self._loss_sum / count.clamp(min=1), torch.nan)
-        node_losses = self.node_group.gather(mean)
-        self._loss_sum.zero_()
-        self._loss_count.zero_()
-        self._last_logged = self.state.global_step
-        loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
-        logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
-        logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
-        logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
-        if self.args.skip_nonfinite:
-            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.nonfinite_skips))})
-        logs["consensus_distance"] = self.consensus_distance()
-        self._watch_drift(logs["consensus_distance"])
-        self.log(logs)
-        return loss * steps if math.isfinite(loss) else 0.0
-
-    def _watch_drift(self, distance: float) -> None:
-        """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
-        consecutive logging steps after the first epoch (in the first the nodes spread out from
-        the same initial weights, so the distance grows from 0 by design)."""
-        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
-            self._drift_trail = []
-            return
-        self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
-        trail = self._drift_trail
-        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])):
-            self._drift_warned = True
-            logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
-                           f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
-                           f"(--consensus-lr, now {self.args.gamma:g})")
 
     def _mark_main_process(self):
         """Only one process prints progress and writes logs (rank 0 in the distributed backend)."""
@@ -456,9 +303,3 @@ class DecentralizedTrainer(LocalStepMixin, EvaluationMixin, CheckpointMixin, Tra
     # --- checkpoints -------------------------------------------------------------------------
 
 
-
-def _is_class_id(value) -> bool:
-    """Whether ``value`` is one integer class id (a Python/numpy int or a 0-d integer tensor)."""
-    if torch.is_tensor(value):
-        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
