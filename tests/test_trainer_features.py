@@ -278,3 +278,18 @@ def test_docs_list_every_field_with_its_treatment():
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
     assert field_table(DecentralizedTrainingArguments) in doc
+
+
+def test_torch_compile_compiles_every_node(tmp_path, agnews_small, tokenizer):
+    plain = trainer_for(tmp_path / "p", agnews_small, tokenizer, num_nodes=2, max_steps=1)
+    plain.train()
+    trainer = trainer_for(tmp_path / "c", agnews_small, tokenizer, num_nodes=2, max_steps=1, torch_compile=True,
+                          torch_compile_backend="eager")
+    traced = {0: [], 1: []}
+    for k, node in enumerate(trainer.nodes):  # a hook runs inside the compiled call when the node is compiled
+        node.register_forward_pre_hook(lambda module, args, k=k: traced[k].append(torch.compiler.is_compiling()))
+    trainer.train()
+    assert all(any(seen) for seen in traced.values())
+    for a, b in zip(plain.nodes, trainer.nodes):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q)
