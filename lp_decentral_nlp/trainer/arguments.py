@@ -138,7 +138,6 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 ("skew", dict(low=0, high=1)),
                 ("qgm_beta", dict(low=0, high=1, high_open=True)),
                 ("torus_rows", dict(integer=True, low=1, high=65536, optional=True)),
-                ("lr_decay", dict(low=0, low_open=True, high=1)),
                 ("drop_prob", dict(low=0, high=1, high_open=True))):
             check_number(name, getattr(self, name), **kw)
 
