@@ -13,8 +13,10 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-#: the drift guard warns when the consensus distance grew over this many consecutive logging steps
+#: the drift guard warns when the consensus distance grew over this many consecutive logging steps ...
 DRIFT_WINDOW = 3
+#: ... and by at least this factor over them (a plateau's noise alone rises for a few logs by chance)
+DRIFT_GROWTH = 2.0
 
 
 class EvaluationMixin:
@@ -84,14 +86,16 @@ class EvaluationMixin:
 
     def _watch_drift(self, distance: float) -> None:
         """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
-        consecutive logging steps after the first epoch (in the first the nodes spread out from
-        the same initial weights, so the distance grows from 0 by design)."""
+        consecutive logging steps, by ``DRIFT_GROWTH`` times or more in all, after the first epoch
+        (in the first the nodes spread out from the same initial weights, so the distance grows
+        from 0 by design)."""
         if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
             self._drift_trail = []
             return
         self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
         trail = self._drift_trail
-        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])):
+        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])) \
+                and trail[-1] >= DRIFT_GROWTH * trail[0]:
             self._drift_warned = True
             logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
                            f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
