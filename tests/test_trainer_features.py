@@ -293,3 +293,16 @@ def test_torch_compile_compiles_every_node(tmp_path, agnews_small, tokenizer):
     for a, b in zip(plain.nodes, trainer.nodes):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q)
+
+
+def test_a_refused_dataset_leaves_the_users_model_as_it_was(tmp_path, agnews_small):
+    from lp_decentral_nlp.quant import QuantModule
+
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="skew=0.5 needs a column of class ids"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, low_precision=True),
+                             train_dataset=agnews_small["train"].rename_column("label", "target"))
+    assert not any(isinstance(m, QuantModule) for m in model.modules())  # no 8-bit surgery happened
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

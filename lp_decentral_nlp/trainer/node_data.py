@@ -14,42 +14,6 @@ from .rng import EpochSampler, node_seed
 class NodeDataMixin:
     """`DecentralizedTrainer`'s shards and per-node loaders."""
 
-    def _read_shard_labels(self, dataset) -> list[int] | None:
-        """The class id of every training sample that the SPEC 6 shards are skewed on, read from
-        ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
-        sample); None when there is no such column (then ``skew`` must be 0: random shards).
-        ValueError naming the column or argument that is wrong."""
-        args = self.args
-        if len(dataset) == 0:
-            raise ValueError("train_dataset is empty")
-        first = dataset[0]
-        columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
-            (list(first) if isinstance(first, dict) else [])
-        name = args.shard_column
-        if name is None:
-            name = next((c for c in ("label", "labels") if c in columns and _is_class_id(first[c])), None)
-        elif name not in columns:
-            raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
-        if name is None:
-            if args.skew > 0:
-                raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
-                                 f"train_dataset has no 'label' or 'labels' column with one class id per sample "
-                                 f"(columns: {columns}): name one with shard_column, or use skew=0")
-            return None
-        if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
-            values = dataset.with_format(None)[name]
-        else:
-            values = [dataset[i][name] for i in range(len(dataset))]
-        values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
-        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None) \
-            if name in ("label", "labels") else None
-        bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
-        if bad:
-            allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
-            what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
-            raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
-        return values
-
     def _shards(self) -> list:
         """SPEC 6 shards of the training set (indices per node), the same on every rank; random
         (skew 0) when the training set has no class column."""
@@ -108,6 +72,42 @@ class NodeDataMixin:
             with self._rng.activate(i):
                 batches.append([next(it) for _ in range(self.args.gradient_accumulation_steps)])
         return batches
+
+
+def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None:
+    """The class id of every training sample that the SPEC 6 shards are skewed on, read from
+    ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
+    sample); None when there is no such column (then ``skew`` must be 0: random shards).
+    ``num_labels``: the model's number of classes, the bound of the ``label``/``labels`` ids.
+    ValueError naming the column or argument that is wrong."""
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty")
+    first = dataset[0]
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
+        (list(first) if isinstance(first, dict) else [])
+    name = args.shard_column
+    if name is None:
+        name = next((c for c in ("label", "labels") if c in columns and _is_class_id(first[c])), None)
+    elif name not in columns:
+        raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
+    if name is None:
+        if args.skew > 0:
+            raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
+                             f"train_dataset has no 'label' or 'labels' column with one class id per sample "
+                             f"(columns: {columns}): name one with shard_column, or use skew=0")
+        return None
+    if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
+        values = dataset.with_format(None)[name]
+    else:
+        values = [dataset[i][name] for i in range(len(dataset))]
+    values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
+    num_labels = num_labels if name in ("label", "labels") else None
+    bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
+    if bad:
+        allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
+        what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+        raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
+    return values
 
 
 def _is_class_id(value) -> bool:

@@ -42,7 +42,7 @@ from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
-from .node_data import NodeDataMixin
+from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
 from .rng import NodeRNG
 
@@ -90,13 +90,14 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
             raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
                              "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
                              f"{type(train_dataset).__name__}")
+        # everything that can refuse the inputs runs before the surgery changes the user's model
+        node_group = NodeGroup(args.num_nodes, args.backend)
+        shard_labels = None if train_dataset is None else read_shard_labels(
+            train_dataset, args, getattr(getattr(model, "config", None), "num_labels", None))
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         super().__init__(model=model, args=args, **kwargs)
-        if self.train_dataset is not None:
-            self._shard_labels = self._read_shard_labels(self.train_dataset)
-
-        self.node_group = NodeGroup(args.num_nodes, args.backend)
+        self._shard_labels, self.node_group = shard_labels, node_group
         self.node_ids = self.node_group.node_ids
         # SPEC 1: every node starts from the same weights (process 0's)
         self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
