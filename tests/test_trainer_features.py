@@ -306,3 +306,20 @@ def test_a_refused_dataset_leaves_the_users_model_as_it_was(tmp_path, agnews_sma
     assert not any(isinstance(m, QuantModule) for m in model.modules())  # no 8-bit surgery happened
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_simulated_node_group_holds_every_node_in_this_process():
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    group = NodeGroup(3, "simulated")
+    assert group.node_ids == [0, 1, 2] and group.is_main and group.transport(timeout=1.0) is None
+    per_node = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(group.gather(per_node), per_node)
+    assert [t.tolist() for t in group.sum([[torch.ones(2), torch.full((1,), float(i))] for i in range(3)])] == \
+        [[3.0, 3.0], [3.0]]
+    assert group.gather_objects({"a": 1}) == [{"a": 1}]
+    before = torch.ones(2)
+    group.broadcast_([before])  # one process: nothing to receive
+    assert torch.equal(before, torch.ones(2))
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        NodeGroup(3, "distributed")
