@@ -323,3 +323,12 @@ def test_the_simulated_node_group_holds_every_node_in_this_process():
     assert torch.equal(before, torch.ones(2))
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
         NodeGroup(3, "distributed")
+
+
+def test_predict_on_a_dataset_without_labels_returns_the_predictions(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
+    trainer.train()
+    unlabelled = agnews_small["test"].remove_columns("label")
+    out = trainer.predict(unlabelled)
+    assert out.predictions.shape == (32, 4) and out.label_ids is None and "test_loss" not in out.metrics
+    np.testing.assert_allclose(out.predictions, trainer.predict(agnews_small["test"]).predictions, rtol=1e-5)

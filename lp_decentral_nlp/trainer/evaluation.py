@@ -123,9 +123,10 @@ class EvaluationMixin:
             if loss is not None:
                 loss_sum += float(loss.double()) * size
                 samples += size
-            if logits is None or labels is None:
+            if logits is None:
                 continue
-            if self.compute_metrics is None and torch.is_tensor(logits) and logits.dim() == 2 and labels.dim() == 1:
+            if self.compute_metrics is None and labels is not None and torch.is_tensor(logits) and logits.dim() == 2 \
+                    and labels.dim() == 1:
                 correct += int((logits.argmax(-1) == labels).sum())
                 classified += labels.shape[0]
             if keep:
@@ -133,7 +134,8 @@ class EvaluationMixin:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
                 predictions = nested_concat(predictions, nested_detach(logits), padding_index=-100) \
                     if predictions is not None else nested_detach(logits)
-                label_ids = nested_concat(label_ids, labels, padding_index=-100) if label_ids is not None else labels
+                if labels is not None:
+                    label_ids = nested_concat(label_ids, labels, padding_index=-100) if label_ids is not None else labels
         metrics = {"loss": loss_sum / samples} if samples else {}
         if classified:
             metrics["accuracy"] = correct / classified
