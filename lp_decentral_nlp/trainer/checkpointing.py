@@ -383,6 +383,7 @@ class CheckpointMixin:
             epoch, done = self._data_position
             write_json(staging / MANIFEST, {
                 "format": FORMAT, "version": VERSION, "package_version": __version__, "global_step": step,
+                # batches_done: optimizer steps taken in the epoch (micro-batches / gradient_accumulation_steps)
                 "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
                 "config": self._resume_config(),
                 "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},

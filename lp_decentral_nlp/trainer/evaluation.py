@@ -78,7 +78,8 @@ class EvaluationMixin:
         logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
         logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
         if self.args.skip_nonfinite:
-            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.nonfinite_skips))})
+            skips = self.node_group.gather(self.nonfinite_skips)
+            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
         logs["consensus_distance"] = self.consensus_distance()
         self._watch_drift(logs["consensus_distance"])
         self.log(logs)

@@ -46,6 +46,7 @@ from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
 from .rng import NodeRNG
 
+
 class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -54,11 +55,15 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
             (and at every evaluation) ``trainer.model`` holds the *averaged* de-biased model
             ``mean_i z_i``, the evaluation model of SPEC 1.
         args: :class:`DecentralizedTrainingArguments`.
-        train_dataset: the full training set; it is split into ``num_nodes`` skewed shards with
-            :func:`~lp_decentral_nlp.data.skewed_partition` on its ``label`` column.
+        train_dataset: the full training set (a map-style dataset); it is split into ``num_nodes``
+            shards with :func:`~lp_decentral_nlp.data.skewed_partition`, skewed on
+            ``args.shard_column`` (default ``label``, else ``labels``; random shards when
+            ``skew=0`` and there is no class column).
         quant_config: 8-bit surgery applied to every node when ``args.low_precision`` (default
-            :class:`~lp_decentral_nlp.quant.QuantConfig`).
-        Other arguments are those of `transformers.Trainer`.
+            ``QuantConfig(kernel=args.quant_kernel)``).
+        Other arguments are those of `transformers.Trainer` (``compute_metrics``,
+        ``preprocess_logits_for_metrics``, ``compute_loss_func``, ``optimizer_cls_and_kwargs``,
+        callbacks, collator, processing class); ``model_init`` and ``optimizers`` are refused.
 
     Attributes (per local node, aligned with ``node_ids``): ``nodes`` (the models z_i),
     ``bytes_sent`` (int64, bytes put on the wire), ``nonfinite_skips`` (int64, steps skipped under
@@ -151,9 +156,10 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
                 False starts afresh. The run continues exactly where the checkpoint was taken:
                 the same final weights, bytes and metrics as a run that never stopped (identical
                 in the simulated backend) as long as the arguments that shape the run are the
-                same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, seed,
-                batch size, training set size). With ``dataloader_num_workers > 0`` random data
-                transforms do not repeat after a mid-epoch resume.
+                same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
+                column, seed, batch size, gradient accumulation, training set size). With
+                ``dataloader_num_workers > 0`` random data transforms do not repeat after a
+                mid-epoch resume.
         """
         args = self.args
         if resume_from_checkpoint is None:
@@ -185,7 +191,7 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._last_logged, self._total_loss = 0, 0.0
         self._drift_trail, self._drift_warned = [], False
-        epoch, done = 0, 0  # position in the data: epoch, batches of it consumed
+        epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
         if resume_from_checkpoint:
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
         self._data_position = (epoch, done)
