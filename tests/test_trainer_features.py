@@ -241,6 +241,7 @@ def test_drift_guard_warns_once_naming_the_distance_and_consensus_lr(tmp_path, a
     (dict(num_train_epochs=float("inf"), max_steps=-1), "num_train_epochs"), (dict(seed=-1), "seed"),
     (dict(compression=float("nan")), "compression"), (dict(consensus_lr=float("inf")), "consensus_lr"),
     (dict(gossip_timeout=float("nan")), "gossip_timeout"), (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+    (dict(logging_steps=float("nan")), "logging_steps"), (dict(save_total_limit=1.5), "save_total_limit"),
 ])
 def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} must be"):

@@ -132,6 +132,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 ("save_total_limit", dict(integer=True, low=0, high=2**20, optional=True)),
                 ("seed", dict(integer=True, low=0, high=2**63 - 1)),
                 ("dataloader_num_workers", dict(integer=True, low=0, high=1024)),
+                ("dataloader_prefetch_factor", dict(integer=True, low=1, high=1024, optional=True)),
                 ("compression", dict(low=0, high=100, high_open=True)),
                 ("qsgd_levels", dict(integer=True, low=1, high=127)),
                 ("consensus_lr", dict(low=0, low_open=True, high=1, optional=True)),
