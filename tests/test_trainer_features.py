@@ -333,3 +333,13 @@ def test_predict_on_a_dataset_without_labels_returns_the_predictions(tmp_path, a
     out = trainer.predict(unlabelled)
     assert out.predictions.shape == (32, 4) and out.label_ids is None and "test_loss" not in out.metrics
     np.testing.assert_allclose(out.predictions, trainer.predict(agnews_small["test"]).predictions, rtol=1e-5)
+
+
+def test_save_strategy_best_saves_only_new_best_evaluations(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
+                          save_strategy="best", metric_for_best_model="accuracy", learning_rate=5e-3)
+    trainer.train()
+    accuracy = [h["eval_accuracy"] for h in trainer.state.log_history if "eval_accuracy" in h]
+    new_best = [step for step in range(1, 5) if accuracy[step - 1] > max(accuracy[:step - 1], default=-1.0)]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == new_best
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{new_best[-1]}")
