@@ -7,7 +7,7 @@ On a machine shared with other busy processes, pass ``--threads 1``: with more O
 than free cores, torch's parallel kernels wait on descheduled threads, and both the local steps
 and the gossip steps get several times slower and erratic. The load average is printed.
 Like the trainer on the CPU (``tune_cpu_malloc``), the benchmark keeps freed memory for the next
-step (:func:`lp_decentral_nlp.cpu_malloc.keep_freed_memory`); ``--default-malloc`` measures under
+step (:func:`lp_decentral_nlp.utils.cpu_malloc.keep_freed_memory`); ``--default-malloc`` measures under
 glibc's default policy, where the training round's steps and large codec buffers page-fault their
 memory in again every time.
 
@@ -36,7 +36,7 @@ import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
-from lp_decentral_nlp.cpu_malloc import keep_freed_memory
+from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )

@@ -28,7 +28,7 @@ batch 8 per node, AdamW:
   running a few rounds (``VmHWM``), and its baseline before the model is built.
 
 The trainer keeps freed memory for the next step on the CPU (``tune_cpu_malloc``, the default;
-:mod:`lp_decentral_nlp.cpu_malloc`), and so does the reference, which runs in the same process.
+:mod:`lp_decentral_nlp.utils.cpu_malloc`), and so does the reference, which runs in the same process.
 ``--default-malloc`` measures both under glibc's default policy instead, where every step
 page-faults its activations and gradients in again and the cost drifts with the allocator's
 history (the round's own forward/backward then ran 6% faster to 24% slower than the reference's,

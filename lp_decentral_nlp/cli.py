@@ -141,11 +141,11 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
 
 def add_default_malloc_flag(parser) -> None:
     """``--default-malloc``: opt out of keeping freed memory on the CPU (``tune_cpu_malloc``,
-    :mod:`lp_decentral_nlp.cpu_malloc`); shared by the recipes and the benchmarks."""
+    :mod:`lp_decentral_nlp.utils.cpu_malloc`); shared by the recipes and the benchmarks."""
     parser.add_argument("--default-malloc", action="store_true",
                         help="CPU: keep glibc's default malloc policy, which returns freed memory to the system and "
                              "page-faults it in again every step (default: keep it for the next step, as "
-                             "DecentralizedTrainer's tune_cpu_malloc does; see lp_decentral_nlp.cpu_malloc)")
+                             "DecentralizedTrainer's tune_cpu_malloc does; see lp_decentral_nlp.utils.cpu_malloc)")
 
 
 def _check_decentralized_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -367,7 +367,7 @@ def write_results(trainer, metrics: dict, args: argparse.Namespace, model_used: 
         "accuracy": metrics["eval_accuracy"],
         "loss": metrics["eval_loss"],
         "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
-        "bytes_sent_per_node": [metrics[f"bytes_sent_node_{i}"] for i in range(n)],
+        "bytes_sent_per_node": [metrics[f"eval_bytes_sent_node_{i}"] for i in range(n)],
         "consensus_distance": metrics["eval_consensus_distance"],
         "steps": trainer.state.global_step,
         "config": {**vars(args), "consensus_lr_used": trainer.args.gamma},

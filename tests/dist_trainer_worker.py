@@ -2,12 +2,15 @@
 
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py die OUT_DIR
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py resume OUT_DIR CHECKPOINT
+    torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py merge OUT_DIR
 
 ``die``: trains with a checkpoint every 2 steps; rank :data:`DYING_RANK` exits at the start of
 step 3 (with status 0, so that torchrun leaves the survivors running and the test sees what they
 do). Every survivor writes the error it got to ``OUT_DIR/report-<rank>.json``.
 ``resume``: resumes from CHECKPOINT to :data:`STEPS` steps and saves each rank's node state to
 ``OUT_DIR/final-<rank>.pt`` (rank 0 also the evaluation metrics).
+``merge``: trains :data:`STEPS` steps with ``final_merge`` (no checkpoints) and saves each rank's
+node state to ``OUT_DIR/final-<rank>.pt``.
 
 :func:`make_trainer` builds the same run in the simulated backend for the test to compare.
 """
@@ -86,12 +89,20 @@ def resume(out_dir, data_csv, minilm, checkpoint):
                os.path.join(out_dir, f"final-{rank}.pt"))
 
 
+def merge(out_dir, data_csv, minilm):
+    trainer = make_trainer(out_dir, "distributed", data_csv, minilm, final_merge=True, save_strategy="no")
+    trainer.train()
+    torch.save({"model": trainer.nodes[0].state_dict()}, os.path.join(out_dir, f"final-{dist.get_rank()}.pt"))
+
+
 if __name__ == "__main__":
     mode, out, data_csv, minilm = sys.argv[1:5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     if mode == "die":
         die(out, data_csv, minilm)
+    elif mode == "merge":
+        merge(out, data_csv, minilm)
     else:
         resume(out, data_csv, minilm, sys.argv[5])
     dist.destroy_process_group()

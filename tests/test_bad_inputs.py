@@ -159,9 +159,11 @@ def test_row23_resume_with_another_number_of_nodes(capsys, run_dir):
 def test_row24_dataset_without_label_column(tmp_path, data):
     train = data["train"].rename_column("label", "target")
     with pytest.raises(ValueError) as err:
-        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=train)
-    assert str(err.value) == ("train_dataset needs a 'label' column to build skewed shards; found "
-                              "['target', 'input_ids', 'token_type_ids', 'attention_mask']")
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=0.5), train_dataset=train)
+    assert str(err.value) == ("skew=0.5 needs a column of class ids to skew the shards on, and train_dataset has no "
+                              "'label' or 'labels' column with one class id per sample (columns: ['target', "
+                              "'input_ids', 'token_type_ids', 'attention_mask']): name one with shard_column, or use "
+                              "skew=0")
 
 
 def test_row25_labels_the_model_cannot_predict(tmp_path, data):

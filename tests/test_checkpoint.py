@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from lp_decentral_nlp import checkpoint as ckpt
+from lp_decentral_nlp.trainer import checkpointing as ckpt
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
 from helpers import agnews_sample, tiny_distilbert
 
@@ -43,6 +43,9 @@ CONFIGS = {
     "deepsqueeze-randomk-exponential": dict(algorithm="deepsqueeze", compression=80.0, compressor="randomk",
                                             topology="exponential", low_precision=False, lr_scheduler_type="constant",
                                             lr_milestones=[1.0, 2.0], max_grad_norm=0.5, skew=0.5),
+    # 2 micro-batches of 4 per optimizer step: the checkpoint's data position counts optimizer steps
+    "dpsgd-accumulated": dict(algorithm="dpsgd", low_precision=False, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2),
 }
 
 

@@ -65,7 +65,7 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     assert dist_metrics["eval_consensus_distance"] == pytest.approx(metrics["eval_consensus_distance"], rel=1e-3)
 
     # both backends write the same state into the same layout: node files hold the same tensors
-    from lp_decentral_nlp import checkpoint as ckpt
+    from lp_decentral_nlp.trainer import checkpointing as ckpt
 
     for i in range(4):
         a = ckpt.encode_state(ckpt.load_state_file(died / "checkpoint-2" / ckpt.node_file(i)))
@@ -84,3 +84,22 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
         for (key, x), y in zip(a.state_dict().items(), b.state_dict().values()):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
     assert torch.equal(simulated.bytes_sent, from_dist.bytes_sent)
+
+
+@pytest.mark.distributed
+def test_final_merge_gives_every_rank_the_average_of_all_nodes(tmp_path, ag_news_csv, minilm_path):
+    """SPEC 2a in the distributed backend: one all-reduce leaves every rank with mean_i z_i, the
+    same model the simulated backend's merge gives every node."""
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    proc = torchrun("merge", merged, ag_news_csv, minilm_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    finals = [torch.load(merged / f"final-{r}.pt")["model"] for r in range(4)]
+    simulated = worker.make_trainer(tmp_path / "sim", "simulated", ag_news_csv, minilm_path, final_merge=True,
+                                    save_strategy="no")
+    simulated.train()
+    for rank, final in enumerate(finals):
+        for key, value in final.items():
+            assert torch.equal(value, finals[0][key]), f"rank {rank} differs from rank 0 in {key}"
+            torch.testing.assert_close(value, simulated.nodes[rank].state_dict()[key], rtol=1e-4, atol=1e-5,
+                                       msg=f"rank {rank}: {key}")

@@ -5,16 +5,16 @@ import sys
 
 import pytest
 
-from lp_decentral_nlp import cpu_malloc
+from lp_decentral_nlp.utils import cpu_malloc
 from lp_decentral_nlp.cli import build_nlp_parser, training_arguments
 
-glibc = pytest.mark.skipif(cpu_malloc._glibc() is None, reason="needs glibc")
+glibc = pytest.mark.skipif(not cpu_malloc.glibc_available(), reason="needs glibc")
 
 # A fresh process frees 256 MiB of 8 MiB tensors and allocates them again; prints the minor page
 # faults of the second allocation, in pages.
 _REFAULTS = """
 import resource, sys, torch
-from lp_decentral_nlp.cpu_malloc import keep_freed_memory
+from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def fill():
@@ -51,9 +51,10 @@ def test_bad_settings_are_named_with_their_allowed_range(kwargs, match):
         cpu_malloc.keep_freed_memory(**kwargs)
 
 
-def test_settings_do_nothing_and_say_so_without_glibc(monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "_glibc", lambda: None)
-    assert cpu_malloc.keep_freed_memory() is False
+def test_settings_say_whether_they_were_applied():
+    assert cpu_malloc.keep_freed_memory() is cpu_malloc.glibc_available()
+    assert cpu_malloc.tune_process_for_training("cpu", False) is False
+    assert cpu_malloc.tune_process_for_training("meta", True) is False  # not the CPU: nothing to tune
 
 
 @pytest.mark.parametrize("flags,tuned", [([], True), (["--default-malloc"], False)])
@@ -63,18 +64,17 @@ def test_recipes_keep_freed_memory_unless_default_malloc_is_asked_for(flags, tun
 
 
 @pytest.mark.parametrize("tune", [True, False])
-def test_trainer_sets_the_policy_when_it_trains_on_the_cpu(tune, tmp_path, monkeypatch):
-    from helpers import tiny_distilbert
+def test_trainer_sets_the_policy_when_it_trains_on_the_cpu(tune, tmp_path):
     from datasets import Dataset
+    from helpers import tiny_distilbert
 
-    from lp_decentral_nlp import trainer as trainer_module
+    from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
-    calls = []
-    monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append(1) or True)
     data = Dataset.from_dict({"input_ids": [[101, 2000 + i, 102] for i in range(8)], "attention_mask": [[1] * 3] * 8,
                               "label": [i % 4 for i in range(8)]})
-    args = trainer_module.DecentralizedTrainingArguments(
+    args = DecentralizedTrainingArguments(
         output_dir=str(tmp_path), num_nodes=2, per_device_train_batch_size=4, max_steps=1, save_strategy="no",
         use_cpu=True, disable_tqdm=True, low_precision=False, tune_cpu_malloc=tune)
-    trainer_module.DecentralizedTrainer(model=tiny_distilbert(), args=args, train_dataset=data).train()
-    assert calls == ([1] if tune else [])
+    trainer = DecentralizedTrainer(model=tiny_distilbert(), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.cpu_malloc_tuned is (tune and cpu_malloc.glibc_available())

@@ -14,7 +14,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from lp_decentral_nlp.data import skewed_partition
 from lp_decentral_nlp.trainer import (
-    DecentralizedTrainer, DecentralizedTrainingArguments, NonFiniteError, _EpochSampler, node_seed,
+    DecentralizedTrainer, DecentralizedTrainingArguments, NonFiniteError, EpochSampler, node_seed,
 )
 
 
@@ -105,8 +105,8 @@ def test_a_node_that_leaves_is_frozen_and_rejoins(tmp_path):
     class Watch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             seen[state.global_step] = ([p.detach().clone() for p in trainer.nodes[2].parameters()],
-                                       trainer.gossip.weights[2].item(), trainer._opts[2][0].state_dict()["state"][0]["step"].item(),
-                                       trainer._opts[2][1].get_last_lr()[0], trainer.bytes_sent[2].item())
+                                       trainer.gossip.weights[2].item(), trainer.node_optimizers[2].state_dict()["state"][0]["step"].item(),
+                                       trainer.node_schedulers[2].get_last_lr()[0], trainer.bytes_sent[2].item())
 
     trainer = digits_trainer(tmp_path, absences=["2:5:12"], max_steps=20, lr_scheduler_type="linear")
     trainer.add_callback(Watch())
@@ -139,7 +139,7 @@ def poisoned_step(node, step, bs=16, seed=0):
     """Index of a training row that node ``node`` meets in training step ``step`` (1-based, epoch 0)."""
     train, _ = digits()
     shards = skewed_partition(list(train["label"]), 4, 0.0, seed=seed)
-    order = list(_EpochSampler(len(shards[node]), node_seed(seed, node)))
+    order = list(EpochSampler(len(shards[node]), node_seed(seed, node)))
     return int(shards[node][order[(step - 1) * bs]])
 
 
@@ -177,32 +177,25 @@ def test_nan_gradient_is_named_with_its_parameter(tmp_path, name, max_grad_norm)
 def test_each_node_steps_with_clipped_gradients_and_only_its_own_gradients_alive(tmp_path):
     trainer = digits_trainer(tmp_path, max_steps=2, low_precision=False, max_grad_norm=0.05)
     raw, seen = {}, []
-    backward = trainer._backward
+    for k, node in enumerate(trainer.nodes):  # a parameter hook sees the raw (unclipped) gradient
+        for j, p in enumerate(node.parameters()):
+            p.register_hook(lambda g, k=k, j=j: raw.setdefault(k, {}).__setitem__(j, g.clone()))
 
-    def keep_raw(k, node, batch):
-        loss = backward(k, node, batch)
-        raw[k] = [p.grad.clone() for p in node.parameters()]
-        return loss
+    class WatchSteps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            for k, (node, optimizer) in enumerate(zip(trainer.nodes, trainer.node_optimizers)):
+                optimizer.register_step_pre_hook(lambda *_, k=k, node=node: at_step(k, node))
 
-    trainer._backward = keep_raw
-    make = trainer._make_optimizer_and_scheduler
+    def at_step(k, node):
+        seen.append(k)
+        grads = [raw[k][j] for j in range(len(raw[k]))]
+        raw_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        assert raw_norm > 0.05  # clipping has something to do
+        for p, g in zip(node.parameters(), grads):  # clip_grad_norm_'s scaling of the raw gradients
+            torch.testing.assert_close(p.grad, g * (0.05 / (raw_norm + 1e-6)))
+        assert all(p.grad is None for j, other in enumerate(trainer.nodes) if j != k for p in other.parameters())
 
-    def make_watched(node, *a):
-        optimizer, scheduler = make(node, *a)
-        k = next(i for i, n in enumerate(trainer.nodes) if n is node)
-
-        def at_step(*_):
-            seen.append(k)
-            raw_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(raw[k]))))
-            assert raw_norm > 0.05  # clipping has something to do
-            for p, g in zip(node.parameters(), raw[k]):  # clip_grad_norm_'s scaling of the raw gradients
-                torch.testing.assert_close(p.grad, g * (0.05 / (raw_norm + 1e-6)))
-            assert all(p.grad is None for j, other in enumerate(trainer.nodes) if j != k for p in other.parameters())
-
-        optimizer.register_step_pre_hook(at_step)
-        return optimizer, scheduler
-
-    trainer._make_optimizer_and_scheduler = make_watched
+    trainer.add_callback(WatchSteps())
     trainer.train()
     assert seen == [0, 1, 2, 3] * 2
 

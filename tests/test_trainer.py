@@ -33,7 +33,7 @@ def test_one_step_equals_local_adam_then_push_sum_mixing(tmp_path, agnews_small,
     args = targs(tmp_path, algorithm="dpsgd", low_precision=False, max_steps=1, weight_decay=0.0)
     trainer = DecentralizedTrainer(model=model, args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
     # the batch each node will see first, drawn from the trainer's own loaders
-    first_batches = [next(iter(loader)) for loader in trainer._node_dataloaders()]
+    first_batches = [next(iter(loader)) for loader in trainer.node_dataloaders()]
     trainer.train()
 
     stepped = []
@@ -53,7 +53,7 @@ def test_one_step_equals_local_adam_then_push_sum_mixing(tmp_path, agnews_small,
 def test_nodes_keep_separate_optimizers_and_shards(tmp_path, agnews_small, tokenizer):
     args = targs(tmp_path, skew=1.0, low_precision=False)
     trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"], processing_class=tokenizer)
-    loaders = trainer._node_dataloaders()
+    loaders = trainer.node_dataloaders()
     shard_labels = [set(int(l) for b in loader for l in b["labels"]) for loader in loaders]
     assert all(len(s) <= 2 for s in shard_labels)  # skew 1: each node sees one or two classes only
     param_ids = [{id(p) for p in node.parameters()} for node in trainer.nodes]
@@ -72,7 +72,7 @@ def test_low_precision_train_eval_save_reload(tmp_path, agnews_small, tokenizer)
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
     assert all(0.0 <= metrics[f"eval_accuracy_node_{i}"] <= 1.0 for i in range(4))
     assert metrics["eval_consensus_distance"] > 0
-    assert all(metrics[f"bytes_sent_node_{i}"] > 0 for i in range(4))
+    assert all(metrics[f"eval_bytes_sent_node_{i}"] > 0 for i in range(4))
     header = csv_path.read_text().splitlines()[0].split(",")
     assert {"step", "loss", "loss_node_0", "bytes_sent_node_3", "consensus_distance"} <= set(header)
 
@@ -139,10 +139,19 @@ def test_distributed_backend_without_process_group_is_an_error(tmp_path, agnews_
                              train_dataset=agnews_small["train"])
 
 
-def test_dataset_without_label_column_is_an_error(tmp_path, agnews_small):
+def test_skewed_shards_need_a_class_column_which_shard_column_names(tmp_path, agnews_small):
     data = agnews_small["train"].rename_column("label", "target")
-    with pytest.raises(ValueError, match="label"):
-        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data)
+    with pytest.raises(ValueError, match=r"skew=0.5 needs a column of class ids.*shard_column"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=0.5), train_dataset=data)
+    with pytest.raises(ValueError, match="shard_column='topic' is not a column"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=0.5, shard_column="topic"), train_dataset=data)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="target",
+                                                                  remove_unused_columns=False), train_dataset=data)
+    shard_classes = [{data[j]["target"] for j in loader.dataset.indices} for loader in trainer.node_dataloaders()]
+    assert all(len(c) <= 2 for c in shard_classes)  # skewed on the named column
+    # skew 0 needs no class column: random shards of every sample
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data)
+    assert sorted(j for loader in trainer.node_dataloaders() for j in loader.dataset.indices) == list(range(len(data)))
 
 
 def test_averaged_8bit_model_evaluates_with_its_running_ranges(tmp_path, agnews_small, tokenizer):

@@ -15,10 +15,11 @@ largest mmap threshold on 64-bit systems) come from the heap, up to 1 GiB of fre
 kept, and the heap grows 256 MiB at a time. Freed memory is then reused by the next step, which
 takes fewer page faults and the same time every step; the process keeps its peak memory
 until it exits (blocks above 32 MiB, such as a large embedding's gradient, are still mapped and
-unmapped each time). :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer` calls it when it
-trains on the CPU (``tune_cpu_malloc=True``, the default; ``--default-malloc`` in the recipes
-keeps glibc's policy). ``benchmarks/bench_simulator.py`` measures its effect (README, Performance).
-The settings last for the life of the process and apply to every thread.
+unmapped each time). :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer` applies it in one
+place, :func:`tune_process_for_training` at the start of ``train()``, when it trains on the CPU
+(``tune_cpu_malloc=True``, the default; ``--default-malloc`` in the recipes keeps glibc's policy).
+``benchmarks/bench_simulator.py`` measures its effect (README, Performance). The settings last for
+the life of the process and apply to every thread.
 """
 from __future__ import annotations
 
@@ -27,10 +28,20 @@ import ctypes.util
 import functools
 import sys
 
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 #: glibc's ``mallopt`` parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 #: glibc's largest mmap threshold on 64-bit systems (``HEAP_MAX_SIZE / 2``); mallopt refuses more
 MAX_MMAP_THRESHOLD = 32 << 20
+
+
+def glibc_available() -> bool:
+    """Whether this process runs on glibc, where :func:`keep_freed_memory` can change the policy."""
+    return _glibc() is not None
 
 
 @functools.cache
@@ -73,4 +84,20 @@ def keep_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: 
                                (_M_TOP_PAD, "top_pad", top_pad)):
         if libc.mallopt(param, value) != 1:
             raise OSError(f"glibc's mallopt refused {name}={value}")
+    return True
+
+
+def tune_process_for_training(device, tune_cpu_malloc: bool) -> bool:
+    """The process-wide settings of a training run: :func:`keep_freed_memory` when training on the
+    CPU and ``tune_cpu_malloc`` is set (``DecentralizedTrainingArguments.tune_cpu_malloc``).
+
+    Args:
+        device: the ``torch.device`` the run trains on.
+        tune_cpu_malloc: whether the run asks for the malloc policy.
+    Returns:
+        True if the policy was applied (CPU, asked for, glibc), else False.
+    """
+    if not tune_cpu_malloc or torch.device(device).type != "cpu" or not keep_freed_memory():
+        return False
+    logger.info("glibc malloc keeps freed memory for the next step (tune_cpu_malloc=True)")
     return True

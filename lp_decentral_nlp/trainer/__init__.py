@@ -1,0 +1,15 @@
+"""Decentralized training of Hugging Face models (SPEC 1-2): :class:`DecentralizedTrainer` and
+:class:`DecentralizedTrainingArguments`. See ``docs/trainer.md`` for how every `TrainingArguments`
+field is treated."""
+from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES
+from .arguments import BACKENDS, DecentralizedTrainingArguments
+from .callbacks import MetricsCSVCallback
+from .checkpointing import check_resumable, resume_config
+from .local_step import NonFiniteError
+from .node_group import NodeGroup
+from .rng import EpochSampler, node_seed
+from .trainer import DecentralizedTrainer
+
+__all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "DecentralizedTrainer", "DecentralizedTrainingArguments",
+           "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError", "check_resumable", "node_seed",
+           "resume_config"]

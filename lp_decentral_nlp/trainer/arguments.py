@@ -1,0 +1,196 @@
+"""DecentralizedTrainingArguments: `TrainingArguments` plus the decentralized setting (SPEC 1-2, 6, 8),
+with every check of its fields in one place."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+from transformers.trainer_utils import SchedulerType
+
+from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
+from ..gossip.faults import FaultPlan, parse_absence, parse_straggler
+from ..quant.kernels import kernel_names
+from .field_policy import check_number, refuse_unsupported
+
+BACKENDS = ("simulated", "distributed")
+
+
+@dataclass
+class DecentralizedTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the decentralized setting.
+
+    ``per_device_train_batch_size`` is the batch size of *each node*. ``max_grad_norm`` clips each
+    node's gradient separately (default 0: no clipping, as in the paper). Every `TrainingArguments`
+    field is honoured or refused at construction (:mod:`.field_policy`, ``docs/trainer.md``);
+    numeric fields that are NaN, infinite, out of range or floats where an integer is meant are a
+    ValueError naming the field.
+    """
+
+    num_nodes: int = field(default=4, metadata={"help": "Number of peer nodes n."})
+    topology: str = field(default="directed_ring", metadata={"help": f"Communication graph, one of {TOPOLOGIES}."})
+    algorithm: str = field(default="choco", metadata={"help": f"Gossip algorithm, one of {ALGORITHMS}."})
+    compression: float = field(
+        default=0.0, metadata={"help": "Percent of entries dropped per tensor by the compressor, 0 <= c < 100."}
+    )
+    compressor: str = field(default="topk", metadata={
+        "help": f"Compressor used when compression > 0, one of {COMPRESSORS}. topk/randomk keep (100 - compression)%% "
+                "of each tensor; qsgd ignores the percentage and sends qsgd_levels levels per entry."})
+    qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127) when compressor='qsgd'."})
+    consensus_lr: float | None = field(
+        default=None, metadata={"help": "Consensus step size gamma; default 1.0 without compression, 0.01 with it."}
+    )
+    skew: float = field(default=0.0, metadata={"help": "Degree of label skew of the shards, in [0, 1] (SPEC 6)."})
+    low_precision: bool = field(
+        default=True, metadata={"help": "8-bit training on every node and 8-bit values on the wire."}
+    )
+    qgm: bool = field(default=False, metadata={
+        "help": "Quasi-global momentum (SPEC 2): replaces the optimizer's own momentum (Adam beta1 / SGD momentum)."})
+    qgm_beta: float = field(default=0.9, metadata={"help": "QGM momentum factor beta in [0, 1)."})
+    torus_rows: int | None = field(default=None, metadata={
+        "help": "Rows of the torus topology (default: the most square factorisation of num_nodes)."})
+    backend: str = field(default="simulated", metadata={"help": f"Where the nodes run, one of {BACKENDS}."})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Per-node gradient clipping norm (0 = off)."})
+    lr_milestones: list[float] | None = field(default=None, metadata={
+        "help": "Epochs at which the learning rate is multiplied by lr_decay (multi-step schedule, SPEC 8); "
+                "needs lr_scheduler_type='constant'."})
+    lr_decay: float = field(default=0.1, metadata={"help": "LR factor applied at each of lr_milestones, in (0, 1]."})
+    report_to: str | list[str] | None = field(default="none", metadata={"help": "Logging integrations."})
+    gossip_timeout: float = field(default=300.0, metadata={
+        "help": "Distributed backend: seconds a rank waits for a peer's gossip message before a GossipTimeoutError "
+                "names the peer. Count the slowest peer's work between two steps (evaluation, saving) in it."})
+    drop_prob: float = field(default=0.0, metadata={
+        "help": "Fault injection: probability in [0, 1) that a gossip message is lost (seeded per step and edge; "
+                "the push-sum mass stays exact under the rules of lp_decentral_nlp.gossip.faults)."})
+    stragglers: list[str] | None = field(default=None, metadata={
+        "help": "Fault injection: 'NODE:SECONDS' entries; that node sleeps SECONDS before each send."})
+    absences: list[str] | None = field(default=None, metadata={
+        "help": "Fault injection: 'NODE:START:END' entries; the node leaves for iterations START..END-1 (no local "
+                "step, no messages) and rejoins."})
+    skip_nonfinite: bool = field(default=False, metadata={
+        "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
+                "stopping the run."})
+    shard_column: str | None = field(default=None, metadata={
+        "help": "Column of class ids the shards are skewed on (SPEC 6). Default: 'label', else 'labels' when it holds "
+                "one class id per sample. Needed when skew > 0; with skew = 0 a dataset without one is split at random."})
+    final_merge: bool = field(default=False, metadata={
+        "help": "Skew-Compensated Sparse-Push final merge (SPEC 2a): after the last step every node's model becomes "
+                "the exact average of all nodes' de-biased models."})
+    quant_kernel: str = field(default="auto", metadata={
+        "help": "GEMM kernel of the 8-bit surgery when no quant_config is given (QuantConfig.kernel): 'auto' or one "
+                "of lp_decentral_nlp.quant.KERNELS."})
+    average_tokens_across_devices: bool = field(default=False, metadata={
+        "help": "Must stay False: a node's loss is normalised over its own batch (gradients never cross nodes)."})
+    tune_cpu_malloc: bool = field(default=True, metadata={
+        "help": "Training on the CPU under glibc: keep freed tensor memory in the process for the next step "
+                "(lp_decentral_nlp.utils.cpu_malloc.keep_freed_memory) instead of page-faulting it in again every step."})
+
+    def __post_init__(self):
+        check_choice("backend", self.backend, BACKENDS)
+        refuse_unsupported(self)
+        self._check_numbers()
+        self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
+        check_choice("quant_kernel", self.quant_kernel, kernel_names())
+        if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
+                or not 0 < self.gossip_timeout < math.inf:
+            raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
+        if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
+            raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
+        if (self.activation_checkpointing or self.gradient_checkpointing) and self.low_precision:
+            raise ValueError("activation_checkpointing (gradient_checkpointing) with low_precision=True is not supported: "
+                             "the recomputed forward would update the 8-bit activation ranges a second time per step")
+        self._check_lr_milestones()
+        plan = self.fault_plan
+        slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
+        if slow and self.backend == "distributed":
+            raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
+                             f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
+        super().__post_init__()
+
+    def _check_numbers(self) -> None:
+        """ValueError naming the first numeric field that is not a finite number in its range."""
+        big = 2**40
+        for name, kw in (
+                ("num_nodes", dict(integer=True, low=1, high=65536)),
+                ("per_device_train_batch_size", dict(integer=True, low=1, high=2**24)),
+                ("per_device_eval_batch_size", dict(integer=True, low=1, high=2**24)),
+                ("gradient_accumulation_steps", dict(integer=True, low=1, high=2**20)),
+                ("max_steps", dict(integer=True, low=-1, high=big)),
+                ("num_train_epochs", dict(low=0, low_open=True, high=1e6)),
+                ("learning_rate", dict(low=0, low_open=True, high=1e4)),
+                ("weight_decay", dict(low=0, high=1e4)),
+                ("adam_beta1", dict(low=0, high=1, high_open=True)),
+                ("adam_beta2", dict(low=0, high=1, high_open=True)),
+                ("adam_epsilon", dict(low=0, low_open=True, high=1)),
+                ("max_grad_norm", dict(low=0, high=1e12)),
+                ("label_smoothing_factor", dict(low=0, high=1, high_open=True)),
+                ("warmup_steps", dict(low=0, high=big)),
+                ("logging_steps", dict(low=0, low_open=True, high=big)),
+                ("save_steps", dict(low=0, low_open=True, high=big)),
+                ("eval_steps", dict(low=0, low_open=True, high=big, optional=True)),
+                ("eval_delay", dict(low=0, high=big)),
+                ("save_total_limit", dict(integer=True, low=0, high=2**20, optional=True)),
+                ("seed", dict(integer=True, low=0, high=2**63 - 1)),
+                ("dataloader_num_workers", dict(integer=True, low=0, high=1024)),
+                ("dataloader_prefetch_factor", dict(integer=True, low=1, high=1024, optional=True)),
+                ("compression", dict(low=0, high=100, high_open=True)),
+                ("qsgd_levels", dict(integer=True, low=1, high=127)),
+                ("consensus_lr", dict(low=0, low_open=True, high=1, optional=True)),
+                ("skew", dict(low=0, high=1)),
+                ("qgm_beta", dict(low=0, high=1, high_open=True)),
+                ("torus_rows", dict(integer=True, low=1, high=65536, optional=True)),
+                ("drop_prob", dict(low=0, high=1, high_open=True))):
+            check_number(name, getattr(self, name), **kw)
+
+    @property
+    def gossip_config(self) -> GossipConfig:
+        """The run's :class:`~lp_decentral_nlp.gossip.factory.GossipConfig` (checks its fields:
+        ValueError naming the one that is wrong)."""
+        plan = self.fault_plan
+        return GossipConfig(num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows,
+                            algorithm=self.algorithm, compression=self.compression, compressor=self.compressor,
+                            qsgd_levels=self.qsgd_levels, low_precision=self.low_precision,
+                            consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None)
+
+    @property
+    def fault_plan(self) -> FaultPlan:
+        """The :class:`~lp_decentral_nlp.gossip.faults.FaultPlan` of ``drop_prob``, ``stragglers`` and
+        ``absences`` (seeded with ``seed``); ValueError naming the argument that is wrong."""
+        def parsed(name, parse, entries):
+            if entries is not None and (isinstance(entries, str) or not isinstance(entries, (list, tuple))):
+                raise ValueError(f"{name} must be a list of strings, got {entries!r}")
+            try:
+                return tuple(parse(e) for e in entries or ())
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+
+        plan = FaultPlan(drop_prob=self.drop_prob, seed=self.seed,
+                         stragglers=parsed("stragglers", parse_straggler, self.stragglers),
+                         absences=parsed("absences", parse_absence, self.absences))
+        plan.check_nodes(self.num_nodes)
+        return plan
+
+    def _check_lr_milestones(self):
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"lr_decay must be in (0, 1], got {self.lr_decay!r}")
+        if self.lr_milestones is None:
+            return
+        m = list(self.lr_milestones)
+        if not m or any(isinstance(e, bool) or not isinstance(e, (int, float)) or e <= 0 for e in m) \
+                or m != sorted(set(m)):
+            raise ValueError(f"lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
+                             f"(or None), got {self.lr_milestones!r}")
+        if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
+            raise ValueError(f"lr_milestones needs lr_scheduler_type='constant' (the milestones are the schedule), "
+                             f"got lr_scheduler_type={self.lr_scheduler_type!r}")
+
+    @property
+    def gamma(self) -> float:
+        """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
+        return self.gossip_config.gamma
+
+
+def check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+

@@ -1,0 +1,31 @@
+"""Callbacks of the decentralized trainer."""
+from __future__ import annotations
+
+import csv
+import os
+
+from transformers import TrainerCallback
+
+
+class MetricsCSVCallback(TrainerCallback):
+    """Append every logged dict as a row of a CSV file (one column per metric, ``step`` first)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: list[dict] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed run starts from the rows logged before its checkpoint (``state.log_history``)."""
+        if not self.rows and state.log_history:
+            self.rows = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in state.log_history]
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or logs is None:
+            return
+        self.rows.append({"step": state.global_step, **logs})
+        columns = list(dict.fromkeys(k for row in self.rows for k in row))
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)

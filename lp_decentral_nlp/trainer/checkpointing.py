@@ -1,0 +1,491 @@
+"""Checkpoints of a decentralized run: atomic directories, tensors in safetensors, everything else in JSON.
+
+A checkpoint of a decentralized run is the directory ``output_dir/checkpoint-<step>/``. Its files
+are written into ``output_dir/checkpoint-<step>.partial/`` (each one to a ``.tmp`` name, flushed,
+fsynced and renamed), and the directory is renamed to ``checkpoint-<step>`` only once every file
+is complete. A crash at any point therefore leaves every earlier checkpoint untouched and at most
+a ``.partial`` directory, which :func:`list_checkpoints` ignores and the next save at that step
+replaces. The manifest (:data:`MANIFEST`) is written last and lists the node files; a directory
+is *complete* when the manifest and every file it lists are there.
+
+Nested state (optimizer and scheduler state dicts, RNG states, ...) is split by
+:func:`encode_state` into the tensors (stored in a ``.safetensors`` file under path-like keys) and
+a JSON skeleton (stored in the same file's metadata), and put back together by
+:func:`decode_state`: dicts with non-string keys, tuples and ``collections.Counter`` (e.g. a
+``MultiStepLR``'s milestones) survive the round trip.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import TrainerState
+from transformers.utils import logging
+
+from .. import __version__
+from ..gossip.factory import build_compressor, build_topology
+
+if TYPE_CHECKING:
+    from .arguments import DecentralizedTrainingArguments
+
+logger = logging.get_logger(__name__)
+
+MANIFEST = "decentralized_state.json"
+FORMAT = "lp_decentral_nlp.decentralized_checkpoint"
+VERSION = 1
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_STATE_KEY = "state"  # safetensors metadata entry holding the JSON skeleton
+_MANIFEST_KEYS = ("global_step", "data", "config", "logging", "files")
+
+
+def checkpoint_dir(output_dir, step: int) -> Path:
+    """``output_dir/checkpoint-<step>``."""
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def staging_dir(output_dir, step: int) -> Path:
+    """Where the files of ``checkpoint-<step>`` are written before the final rename."""
+    return Path(output_dir) / f"checkpoint-{step}.partial"
+
+
+def node_file(node: int) -> str:
+    """File name of graph node ``node``'s state inside a checkpoint."""
+    return f"node-{node}.safetensors"
+
+
+# -- nested state <-> (JSON skeleton, flat tensors) ----------------------------------------------
+
+def encode_state(obj, prefix: str = "") -> tuple[object, dict[str, torch.Tensor]]:
+    """Split ``obj`` (nested dicts/lists/tuples/Counters of tensors and JSON scalars) into a JSON
+    skeleton and ``{key: tensor}`` with CPU, contiguous tensors that share no memory (what
+    safetensors needs). Raises TypeError naming the path of an unsupported value."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def enc(value, path):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages:  # tied or viewed tensors: safetensors refuses shared memory
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[path] = t
+            return {"__tensor__": path}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, dict):
+            counter = isinstance(value, collections.Counter)
+            if not counter and all(isinstance(k, str) and not k.startswith("__") for k in value):
+                return {k: enc(v, f"{path}/{k}") for k, v in value.items()}
+            items = [[enc(k, f"{path}/{i}k"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(value.items())]
+            return {"__counter__" if counter else "__dict__": items}
+        if isinstance(value, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(value)]
+        raise TypeError(f"cannot checkpoint {path or 'the state'}: unsupported type {type(value).__name__}")
+
+    return enc(obj, prefix), tensors
+
+
+def decode_state(skeleton, tensors: dict[str, torch.Tensor]):
+    """Inverse of :func:`encode_state`."""
+    if isinstance(skeleton, list):
+        return [decode_state(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if "__tensor__" in skeleton:
+        return tensors[skeleton["__tensor__"]]
+    if "__tuple__" in skeleton:
+        return tuple(decode_state(v, tensors) for v in skeleton["__tuple__"])
+    if "__counter__" in skeleton:
+        return collections.Counter({decode_state(k, tensors): decode_state(v, tensors) for k, v in skeleton["__counter__"]})
+    if "__dict__" in skeleton:
+        return {_hashable(decode_state(k, tensors)): decode_state(v, tensors) for k, v in skeleton["__dict__"]}
+    return {k: decode_state(v, tensors) for k, v in skeleton.items()}
+
+
+def _hashable(key):
+    return tuple(key) if isinstance(key, list) else key
+
+
+# -- files -----------------------------------------------------------------------------------
+
+def save_state_file(path, obj) -> None:
+    """Write nested state ``obj`` to one ``.safetensors`` file, atomically (tmp file, fsync, rename)."""
+    skeleton, tensors = encode_state(obj)
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={_STATE_KEY: json.dumps(skeleton)}))
+
+
+def load_state_file(path):
+    """Read what :func:`save_state_file` wrote (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: naming ``path``: not a safetensors file (truncated, corrupted), no state
+            skeleton, or a skeleton that does not match its tensors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: checkpoint state file not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted): {err}") from None
+    if _STATE_KEY not in metadata:
+        raise ValueError(f"{path} is not a checkpoint state file (no {_STATE_KEY!r} metadata)")
+    try:
+        return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: its state skeleton is corrupted ({type(err).__name__}: {err})") from None
+
+
+def write_json(path, obj) -> None:
+    """Write ``obj`` as JSON atomically (tmp file, fsync, rename)."""
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
+
+
+def _atomic_write(path, write) -> None:
+    """``write(tmp)`` to a sibling tmp file, fsync it, then rename it over `path`."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def _fsync_file(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems cannot fsync a directory; the renames are still atomic
+        pass
+
+
+# -- directories -----------------------------------------------------------------------------
+
+def prepare_staging(output_dir, step: int) -> Path:
+    """An empty ``checkpoint-<step>.partial`` (a stale one from a crash is removed first)."""
+    staging = staging_dir(output_dir, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit(output_dir, step: int) -> Path:
+    """Rename the complete staging directory to ``checkpoint-<step>`` (replacing an older one at
+    the same step) and return its path."""
+    staging, final = staging_dir(output_dir, step), checkpoint_dir(output_dir, step)
+    if not is_complete(staging):
+        raise RuntimeError(f"{staging} is not complete: refusing to publish it as {final.name}")
+    _fsync_dir(staging)
+    if final.exists():
+        old = final.with_name(final.name + ".replaced")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def read_manifest(path, required=("files",)) -> dict:
+    """The manifest of checkpoint directory ``path``, which must hold the ``required`` fields
+    (:data:`_MANIFEST_KEYS`: all that resuming reads).
+
+    Raises:
+        ValueError: naming the manifest: missing, not JSON (truncated, corrupted), another format
+            or format version (written by another version of this package), or lacking a field.
+    """
+    path = Path(path)
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a complete checkpoint: {MANIFEST} is missing") from None
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{file} is not valid JSON (truncated or corrupted): {err}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file} is not a {FORMAT} manifest (a JSON {type(manifest).__name__}, not an object)")
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        written_by = manifest.get("package_version")
+        raise ValueError(f"{file} is not a version-{VERSION} {FORMAT} manifest "
+                         f"(format={manifest.get('format')!r}, version={manifest.get('version')!r}"
+                         + (f", written by lp_decentral_nlp {written_by}" if written_by else "")
+                         + f"; this is lp_decentral_nlp {__version__})")
+    missing = [key for key in required if key not in manifest]
+    if missing:
+        raise ValueError(f"{file} lacks {', '.join(missing)} (truncated or edited)")
+    return manifest
+
+
+def missing_files(path) -> list[str]:
+    """Files the manifest of ``path`` lists that are not there (the manifest itself if it is
+    missing); ValueError naming the manifest when it is there but unreadable."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        return [MANIFEST]
+    return [name for name in read_manifest(path)["files"] if not (path / name).is_file()]
+
+
+def is_complete(path) -> bool:
+    """Whether ``path`` is a checkpoint directory with a readable manifest and every file it lists."""
+    try:
+        return Path(path).is_dir() and not missing_files(path)
+    except ValueError:
+        return False
+
+
+def list_checkpoints(output_dir) -> list[tuple[int, Path]]:
+    """Complete ``checkpoint-<step>`` directories in ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name))]
+    return sorted((step, p) for step, p in found if is_complete(p))
+
+
+def resolve_checkpoint(path) -> Path:
+    """``path`` itself if it is a complete checkpoint, else the latest complete checkpoint in it.
+
+    Raises:
+        ValueError: ``path`` does not exist, is an incomplete checkpoint (the message lists the
+            missing files), or holds no complete checkpoint.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{str(path)!r} does not exist")
+    if (path / MANIFEST).exists() or _CHECKPOINT_DIR.match(path.name):
+        missing = missing_files(path)
+        if missing:
+            raise ValueError(f"{path} is incomplete, it lacks {', '.join(missing)}")
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ValueError(f"no complete checkpoint-<step> directory in {path}")
+    return found[-1][1]
+
+
+def rotate(output_dir, keep: int, best=None) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints, never ``best`` (the best model's
+    checkpoint, which counts as one of the ``keep``, as in `Trainer`); returns the deleted paths."""
+    found = [p for _, p in list_checkpoints(output_dir)]
+    if best is not None and Path(best) in found:
+        found.remove(Path(best))
+        found.append(Path(best))  # newest place: kept
+    doomed = found[:-keep] if keep > 0 else []
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+# -- the trainer's decentralized state --------------------------------------------------------
+
+def resume_config(args: DecentralizedTrainingArguments) -> dict:
+    """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
+    config = args.gossip_config
+    return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
+            "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
+            "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "shard_column": args.shard_column}
+
+
+#: values of :func:`resume_config` keys for checkpoints written before the key existed
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
+
+
+def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
+    """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
+    after checking that it was written by a run with the same :func:`resume_config` (and, when
+    given, the same number of training samples). ValueError listing every argument that differs."""
+    try:
+        path = resolve_checkpoint(path)
+        saved = read_manifest(path, required=_MANIFEST_KEYS)["config"]
+    except ValueError as err:
+        raise ValueError(f"resume_from_checkpoint: {err}") from None
+    now = resume_config(args)
+    if train_samples is not None:
+        now["train_samples"] = train_samples
+    saved = {**_RESUME_DEFAULTS, **saved}
+    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
+    if diffs:
+        raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
+                         "resume with the arguments of the interrupted run")
+    return path
+
+
+class CheckpointMixin:
+    """`DecentralizedTrainer`'s save and load of the whole decentralized state (every node)."""
+
+    def _resume_hint(self) -> str:
+        found = list_checkpoints(self.args.output_dir) if self.args.output_dir else []
+        if not found:
+            return "No checkpoint was written yet (save_strategy='steps', --save-steps N writes them)"
+        return f"Resume from the last checkpoint with --resume-from-checkpoint {found[-1][1]}"
+
+    def _save_checkpoint(self, model, trial):
+        """Write ``output_dir/checkpoint-<step>/`` atomically (the functions above).
+
+        Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
+        Hugging Face format (``config.json``, ``model.safetensors``, tokenizer), ``trainer_state.json``
+        (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
+        position in the data, run configuration, logging accumulators, list of files). In the
+        distributed backend every rank writes its own node file into the shared staging
+        directory (``output_dir`` must be visible to all ranks), the ranks report success to each
+        other (an all-gather), and rank 0 writes the rest and renames the directory.
+        """
+        step = self.state.global_step
+        out = self.args.output_dir
+        self._refresh_average_model()  # a collective in the distributed backend: every rank joins
+        main = self.state.is_world_process_zero
+        if main:
+            prepare_staging(out, step)
+        self.node_group.barrier()
+        staging = staging_dir(out, step)
+        error = None
+        try:
+            for k, i in enumerate(self.node_ids):
+                save_state_file(staging / node_file(i), self._node_state(k))
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failed = [(r, e) for r, e in enumerate(self.node_group.gather_objects(error)) if e]
+        if failed:
+            rank, msg = failed[0]
+            raise RuntimeError(f"checkpoint-{step}: rank {rank} could not write its node file ({msg}); "
+                               "earlier checkpoints are untouched")
+        if self.state.best_global_step == step:  # on every rank: each loads its nodes from it at the end
+            self.state.best_model_checkpoint = str(checkpoint_dir(out, step))
+        if main:
+            self._write_model(staging)
+            self.state.save_to_json(str(staging / "trainer_state.json"))
+            epoch, done = self._data_position
+            write_json(staging / MANIFEST, {
+                "format": FORMAT, "version": VERSION, "package_version": __version__, "global_step": step,
+                # batches_done: optimizer steps taken in the epoch (micro-batches / gradient_accumulation_steps)
+                "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
+                "config": self._resume_config(),
+                "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
+                "backend": self.args.backend,
+                "files": [node_file(i) for i in range(self.args.num_nodes)] + ["trainer_state.json"],
+            })
+            commit(out, step)
+            if self.args.save_total_limit:
+                rotate(out, self.args.save_total_limit, best=self.state.best_model_checkpoint)
+        self.node_group.barrier()
+
+    def _node_state(self, k: int) -> dict:
+        """Everything local node ``k`` holds: model state dict (parameters and buffers, the 8-bit
+        activation ranges included), optimizer and LR scheduler state, its RNG stream, its gossip
+        rows (push-sum weight, Choco copies / Deep-Squeeze error memory, labelled by node id), QGM
+        buffer, and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
+        i = self.node_ids[k]
+        optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
+        return {
+            "node": i,
+            "model": self.nodes[k].state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": self._rng.state_dict(i),
+            "gossip": self.gossip.node_state_dict(i),
+            "qgm": list(self.qgm.momentum[k]) if self.qgm is not None else None,
+            "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
+                         "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
+        }
+
+    def _load_best_nodes(self, path) -> None:
+        """Every local node's weights from checkpoint ``path`` (``load_best_model_at_end``: the
+        averaged model is then the best one evaluated)."""
+        logger.info(f"loading the best model from {path} (score: {self.state.best_metric})")
+        for k, i in enumerate(self.node_ids):
+            self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
+
+    def _resume_config(self) -> dict:
+        return {**resume_config(self.args), "train_samples": len(self.train_dataset)}
+
+    def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
+        """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
+        batches_done)``. Every file is read and checked before anything is restored, and the
+        checkpoint is only read (the user's model and files are not modified). ValueError
+        (FileNotFoundError for a missing node file) naming the file or argument when the
+        checkpoint does not fit."""
+        path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
+        manifest = read_manifest(path, required=_MANIFEST_KEYS)
+        data = manifest["data"]
+        if data["steps_per_epoch"] != steps_per_epoch:
+            raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
+                             f"{steps_per_epoch} (a different training set or batch size)")
+        state_file = path / "trainer_state.json"
+        try:
+            trainer_state = TrainerState.load_from_json(str(state_file))
+        except (ValueError, TypeError, OSError) as err:
+            raise ValueError(f"{state_file} is not a readable TrainerState (truncated or corrupted): {err}") from None
+        states = {i: load_state_file(path / node_file(i)) for i in self.node_ids}
+        for i, state in states.items():
+            missing = [key for key in ("model", "optimizer", "scheduler", "rng", "gossip", "qgm", "counters")
+                       if not isinstance(state, dict) or key not in state]
+            if missing:
+                raise ValueError(f"{path / node_file(i)} lacks {', '.join(missing)}: not a node file of this trainer")
+            if self.qgm is not None and state["qgm"] is None:
+                raise ValueError(f"{path / node_file(i)} has no QGM buffer: the checkpoint was written without qgm")
+        self._restore_nodes(path, states)
+        step = manifest["global_step"]
+        if self.gossip.num_steps != step:
+            raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
+        self.state = trainer_state
+        self._last_logged = manifest["logging"]["last_logged"]
+        self._total_loss = manifest["logging"]["total_loss"]
+        self._data_position = (data["epoch"], data["batches_done"])
+        logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
+        return self._data_position
+
+    def _restore_nodes(self, path, states: dict) -> None:
+        """Load each local node's ``states[node_id]`` (read by :func:`load_state_file`) into its
+        model, optimizer, scheduler, RNG stream, QGM buffer, counters and gossip rows; ValueError
+        naming the node file whose part does not fit."""
+        parts = []
+        for k, i in enumerate(self.node_ids):
+            file, state = path / node_file(i), states[i]
+            steps = [("model", lambda: self.nodes[k].load_state_dict(state["model"])),
+                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(state["optimizer"])),
+                     ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
+                     ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
+            if self.qgm is not None:
+                steps.append(("qgm", lambda: torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])))
+            for part, load in steps:  # each called at once, in this iteration
+                try:
+                    load()
+                except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+                    raise ValueError(f"{file} does not fit this model: {part}: {err}") from None
+            counters = state["counters"]
+            self.bytes_sent[k] = counters["bytes_sent"]
+            self.nonfinite_skips[k] = counters["nonfinite_skips"]
+            self._loss_sum[k] = counters["loss_sum"]
+            self._loss_count[k] = counters["loss_count"]
+            parts.append(state["gossip"])
+        try:
+            self.gossip.load_node_state_dicts(parts)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"{path}: the gossip state of {', '.join(node_file(i) for i in self.node_ids)} does not "
+                             f"fit this run: {err}") from None

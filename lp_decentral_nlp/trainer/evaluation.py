@@ -1,0 +1,210 @@
+"""The nodes as one model: the averaged model ``mean_i z_i`` (SPEC 1), the final merge (SPEC 2a),
+training logs with the consensus distance and its drift guard, evaluation and prediction."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_detach, nested_numpify
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+#: the drift guard warns when the consensus distance grew over this many consecutive logging steps ...
+DRIFT_WINDOW = 3
+#: ... and by at least this factor over them (a plateau's noise alone rises for a few logs by chance)
+DRIFT_GROWTH = 2.0
+
+
+class EvaluationMixin:
+    """`DecentralizedTrainer`'s averaged model, final merge, training logs and evaluation."""
+
+    def _float_state(self, model):
+        return [t for t in model.state_dict().values() if t.is_floating_point()]
+
+    @torch.no_grad()
+    def _refresh_average_model(self):
+        """``self.model`` <- mean_i z_i over parameters and float buffers (SPEC 1 evaluation model)."""
+        sums = self.node_group.sum([self._float_state(node) for node in self.nodes])
+        for dst, s in zip(self._float_state(self.model), sums):
+            dst.copy_(s / self.args.num_nodes)
+        # counters (e.g. act_num_batches, which switches 8-bit layers to their running range in
+        # eval) advance in lock-step on every node: take the first local node's
+        for dst, src in zip(self.model.state_dict().values(), self.nodes[0].state_dict().values()):
+            if not dst.is_floating_point():
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """``1/n * sum_i ||z_i - mean z||^2`` over all parameters (SPEC 1)."""
+        self._refresh_average_model()
+        mean = list(self.model.parameters())
+        local = torch.zeros(len(self.nodes), dtype=torch.float64)
+        for k, node in enumerate(self.nodes):
+            diffs = torch._foreach_sub(list(node.parameters()), mean)
+            local[k] = sum(torch.linalg.vector_norm(d, dtype=torch.float64) ** 2 for d in diffs)
+        return float(self.node_group.gather(local).mean())
+
+
+
+    @torch.no_grad()
+    def merge_nodes(self) -> None:
+        """Skew-compensated final merge (SPEC 2a): every node's model becomes the exact average
+        ``mean_i z_i`` of all nodes' de-biased models (parameters and float buffers; one sum over
+        nodes, an all-reduce in the distributed backend). Also leaves ``self.model`` the average."""
+        self._refresh_average_model()
+        averaged = self._float_state(self.model)
+        for node in self.nodes:
+            torch._foreach_copy_(self._float_state(node), averaged)
+
+    def _log_train(self) -> float:
+        """Log the mean loss of each node since the last log; returns the loss summed over those steps.
+
+        A node that took no step in the window (absent, or every step skipped) logs NaN; the
+        overall ``loss`` is the mean over the nodes that did.
+        """
+        steps = self.state.global_step - self._last_logged
+        count = self._loss_count.to(self._loss_sum.device)
+        mean = torch.where(count > 0, self._loss_sum / count.clamp(min=1), torch.nan)
+        node_losses = self.node_group.gather(mean)
+        self._loss_sum.zero_()
+        self._loss_count.zero_()
+        self._last_logged = self.state.global_step
+        loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
+        logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
+        logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
+        logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+        if self.args.skip_nonfinite:
+            skips = self.node_group.gather(self.nonfinite_skips)
+            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
+        logs["consensus_distance"] = self.consensus_distance()
+        self._watch_drift(logs["consensus_distance"])
+        self.log(logs)
+        return loss * steps if math.isfinite(loss) else 0.0
+
+    def _watch_drift(self, distance: float) -> None:
+        """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
+        consecutive logging steps, by ``DRIFT_GROWTH`` times or more in all, after the first epoch
+        (in the first the nodes spread out from the same initial weights, so the distance grows
+        from 0 by design)."""
+        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
+            self._drift_trail = []
+            return
+        self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
+        trail = self._drift_trail
+        if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])) \
+                and trail[-1] >= DRIFT_GROWTH * trail[0]:
+            self._drift_warned = True
+            logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
+                           f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
+                           f"(--consensus-lr, now {self.args.gamma:g})")
+
+    @torch.no_grad()
+    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:
+        """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch).
+
+        Returns ``(metrics, outputs)``: ``metrics`` holds ``loss`` (mean over samples), ``accuracy``
+        (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
+        ``compute_metrics`` and the task is classification, and whatever ``compute_metrics`` returns
+        on all predictions; ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with
+        -100 across batches) when ``keep_outputs``, else None.
+        """
+        model.eval()
+        loss_only = self.args.prediction_loss_only and not keep_outputs
+        keep = keep_outputs or (self.compute_metrics is not None and not loss_only)
+        loss_sum, samples, correct, classified = 0.0, 0, 0, 0
+        predictions = label_ids = None
+        for batch in tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm):
+            batch = self._prepare_inputs(batch)
+            size = find_batch_size(batch)
+            loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            if loss is not None:
+                loss_sum += float(loss.double()) * size
+                samples += size
+            if logits is None:
+                continue
+            if self.compute_metrics is None and labels is not None and torch.is_tensor(logits) and logits.dim() == 2 \
+                    and labels.dim() == 1:
+                correct += int((logits.argmax(-1) == labels).sum())
+                classified += labels.shape[0]
+            if keep:
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                predictions = nested_concat(predictions, nested_detach(logits), padding_index=-100) \
+                    if predictions is not None else nested_detach(logits)
+                if labels is not None:
+                    label_ids = nested_concat(label_ids, labels, padding_index=-100) if label_ids is not None else labels
+        metrics = {"loss": loss_sum / samples} if samples else {}
+        if classified:
+            metrics["accuracy"] = correct / classified
+        outputs = None
+        if predictions is not None:
+            outputs = (nested_numpify(predictions), nested_numpify(label_ids) if label_ids is not None else None)
+            if self.compute_metrics is not None and outputs[1] is not None:
+                metrics.update(self.compute_metrics(EvalPrediction(predictions=outputs[0], label_ids=outputs[1])))
+        return metrics, outputs if keep_outputs else None
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Metrics of the averaged model and of every node, consensus distance, bytes sent.
+
+        ``eval_dataset`` (or the trainer's) may be a dict ``{name: dataset}``: each is evaluated
+        with the prefix ``{metric_key_prefix}_{name}``. Logged through `Trainer.log` (so callbacks
+        and ``report_to`` integrations see it) and returned as a dict with keys ``{p}_loss`` and
+        ``{p}_<metric>`` of the averaged model (``accuracy`` for classification without
+        ``compute_metrics``, else ``compute_metrics``'s keys), ``{p}_<metric>_node_{i}`` of node
+        ``i``, ``{p}_consensus_distance`` and ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = self.get_eval_dataloader(dataset)
+        p = metric_key_prefix
+        metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
+        averaged, _ = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
+        metrics.update({f"{p}_{name}": value for name, value in averaged.items()})
+        local = [self._run_model(node, dataloader, f"eval: node {i}", ignore_keys, keep_outputs=False)[0]
+                 for i, node in zip(self.node_ids, self.nodes)]
+        per_node = [m for process in self.node_group.gather_objects(local) for m in process]
+        for i, node_metrics in enumerate(per_node):
+            metrics.update({f"{p}_{name}_node_{i}": value for name, value in node_metrics.items()})
+        metrics.update({f"{p}_bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions of the averaged model ``mean_i z_i`` on ``test_dataset``.
+
+        Returns:
+            `PredictionOutput`: ``predictions`` (numpy, e.g. ``(samples, classes)`` logits, padded
+            with -100 across batches), ``label_ids`` (or None without labels) and ``metrics``
+            (``{metric_key_prefix}_loss``, ``..._accuracy`` or ``compute_metrics``'s keys).
+        """
+        self._refresh_average_model()
+        dataloader = self.get_test_dataloader(test_dataset)
+        metrics, outputs = self._run_model(self.model, dataloader, "predict", ignore_keys, keep_outputs=True)
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in metrics.items()}
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        predictions, label_ids = outputs if outputs is not None else (None, None)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """A plain (unsharded) loader: every process evaluates on the whole evaluation set."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset")
+        return self._plain_loader(dataset, "evaluation")
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        """A plain (unsharded) loader over ``test_dataset``."""
+        return self._plain_loader(test_dataset, "test")
+
+    def _plain_loader(self, dataset, description: str) -> DataLoader:
+        dataset = self._model_columns(dataset, description)
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())

@@ -1,0 +1,204 @@
+"""How :class:`DecentralizedTrainer` treats every field of `TrainingArguments` and of
+:class:`DecentralizedTrainingArguments`: honoured, honoured per node, or refused (with the reason).
+
+A refused field keeps its default; any other value is a ValueError at construction naming the
+field and the reason, so no setting is silently ignored. ``docs/trainer.md`` holds the table
+:func:`field_table` generates from the dataclass (a test keeps the two equal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from transformers.trainer_pt_utils import AcceleratorConfig
+
+HONOURED = "honoured"
+PER_NODE = "honoured per node"
+
+#: what the trainer does with each field; ``"refused: <why>"`` entries must keep their default
+POLICY: dict[str, str] = {
+    # --- run and data -----------------------------------------------------------------------
+    "output_dir": HONOURED,
+    "num_train_epochs": HONOURED,
+    "max_steps": HONOURED,
+    "per_device_train_batch_size": PER_NODE,
+    "per_device_eval_batch_size": HONOURED,
+    "gradient_accumulation_steps": PER_NODE,
+    "seed": HONOURED,
+    "data_seed": "refused: every node's shard and data order come from seed (node_seed), the same in both backends",
+    "full_determinism": HONOURED,
+    "use_cpu": HONOURED,
+    "local_rank": HONOURED,
+    "do_train": HONOURED,
+    "do_eval": HONOURED,
+    "do_predict": HONOURED,
+    "resume_from_checkpoint": HONOURED,
+    "remove_unused_columns": HONOURED,
+    "label_names": HONOURED,
+    "dataloader_num_workers": HONOURED,
+    "dataloader_pin_memory": HONOURED,
+    "dataloader_persistent_workers": HONOURED,
+    "dataloader_prefetch_factor": HONOURED,
+    "dataloader_multiprocessing_context": HONOURED,
+    "dataloader_drop_last": "refused: the training shards always drop their last partial batch (a node's epoch is "
+                            "whole batches); evaluation sees every sample",
+    "dataloader_in_order": "refused: each node's loader yields its shard in its epoch sampler's order",
+    "train_sampling_strategy": "refused: each node shuffles its SPEC 6 shard with its own epoch sampler",
+    "length_column_name": "refused: used only by length-grouped sampling, which train_sampling_strategy refuses",
+    "ignore_data_skip": "refused: a resumed run continues at the checkpoint's exact batch (bit-identical resume)",
+    "auto_find_batch_size": "refused: the batch size shapes the shards and the checkpoints of every node",
+    # --- optimisation (each node has its own optimizer and schedule) ----------------------------
+    "learning_rate": PER_NODE,
+    "lr_scheduler_type": PER_NODE,
+    "lr_scheduler_kwargs": PER_NODE,
+    "warmup_steps": PER_NODE,
+    "optim": PER_NODE,
+    "optim_args": PER_NODE,
+    "optim_target_modules": "refused: only the GaLore/APOLLO optimizers use it; they are not checked with gossip",
+    "weight_decay": PER_NODE,
+    "adam_beta1": PER_NODE,
+    "adam_beta2": PER_NODE,
+    "adam_epsilon": PER_NODE,
+    "max_grad_norm": PER_NODE,
+    "label_smoothing_factor": PER_NODE,
+    "average_tokens_across_devices": "refused: a node's loss is normalised over its own batch; gradients and token "
+                                     "counts never cross nodes",
+    "activation_checkpointing": PER_NODE + " (not with low_precision: the recomputed forward would update the "
+                                           "8-bit activation ranges twice)",
+    "activation_checkpointing_kwargs": PER_NODE,
+    "gradient_checkpointing": PER_NODE + " (transformers' deprecated name of activation_checkpointing)",
+    "gradient_checkpointing_kwargs": PER_NODE + " (deprecated name of activation_checkpointing_kwargs)",
+    "torch_compile": PER_NODE,
+    "torch_compile_backend": PER_NODE,
+    "torch_compile_mode": PER_NODE,
+    "neftune_noise_alpha": "refused: NEFTune hooks are installed on Trainer's single model, not on the nodes",
+    "use_liger_kernel": "refused: Liger kernels patch the model class, which the 8-bit surgery also replaces",
+    "liger_kernel_config": "refused: use_liger_kernel is refused",
+    "use_cache": "refused: the nodes train without a key/value cache (the model config decides at evaluation)",
+    "torch_empty_cache_steps": "refused: the trainer does not empty the device cache between steps",
+    # --- precision and devices ---------------------------------------------------------------
+    "bf16": "refused: precision is low_precision (8-bit training) or float32; accelerate's mixed precision is not "
+            "applied to the nodes",
+    "fp16": "refused: precision is low_precision (8-bit training) or float32; accelerate's mixed precision is not "
+            "applied to the nodes",
+    "bf16_full_eval": "refused: evaluation runs in the nodes' own precision",
+    "fp16_full_eval": "refused: evaluation runs in the nodes' own precision",
+    "tf32": HONOURED,
+    "accelerator_config": "refused: the nodes are not prepared by accelerate (no DDP, no sharded loaders)",
+    "parallelism_config": "refused: a node is one model on one device; decentralization is the parallelism",
+    "ddp_find_unused_parameters": "refused: gradients never cross nodes: the model is never wrapped in DDP",
+    "ddp_bucket_cap_mb": "refused: gradients never cross nodes: the model is never wrapped in DDP",
+    "ddp_broadcast_buffers": "refused: gradients never cross nodes: the model is never wrapped in DDP",
+    "ddp_static_graph": "refused: gradients never cross nodes: the model is never wrapped in DDP",
+    "ddp_backend": "refused: backend='distributed' uses the process group the launcher initialised",
+    "ddp_timeout": "refused: gossip_timeout bounds every wait for a peer",
+    "fsdp": "refused: every node holds a whole model (no sharding)",
+    "fsdp_config": "refused: every node holds a whole model (no sharding)",
+    "deepspeed": "refused: every node holds a whole model and its own optimizer",
+    "debug": "refused: no debug modes (underflow/overflow, TPU metrics) are wired into the node loop",
+    # --- logging -----------------------------------------------------------------------------
+    "logging_strategy": HONOURED,
+    "logging_steps": HONOURED,
+    "logging_first_step": HONOURED,
+    "logging_nan_inf_filter": "refused: must stay True: a non-finite loss never enters the logged loss (the run "
+                              "stops naming the node, or skips it with skip_nonfinite)",
+    "log_on_each_node": HONOURED,
+    "log_level": HONOURED,
+    "log_level_replica": HONOURED,
+    "disable_tqdm": HONOURED,
+    "report_to": HONOURED,
+    "run_name": HONOURED,
+    "project": HONOURED,
+    "trackio_space_id": HONOURED,
+    "trackio_bucket_id": HONOURED,
+    "trackio_static_space_id": HONOURED,
+    "include_num_input_tokens_seen": "refused: token counts are not gathered over the nodes",
+    "skip_memory_metrics": "refused: must stay True: memory metrics are not collected per node",
+    # --- evaluation --------------------------------------------------------------------------
+    "eval_strategy": HONOURED,
+    "eval_steps": HONOURED,
+    "eval_delay": HONOURED,
+    "eval_on_start": HONOURED,
+    "prediction_loss_only": HONOURED,
+    "eval_do_concat_batches": "refused: must stay True: predictions are concatenated over batches",
+    "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
+    "eval_accumulation_steps": "refused: predictions are accumulated on the evaluating device until the end",
+    "include_for_metrics": "refused: compute_metrics receives predictions and label_ids only",
+    "batch_eval_metrics": "refused: compute_metrics runs once on all predictions",
+    "metric_for_best_model": HONOURED,
+    "greater_is_better": HONOURED,
+    "load_best_model_at_end": HONOURED,
+    # --- saving ------------------------------------------------------------------------------
+    "save_strategy": HONOURED,
+    "save_steps": HONOURED,
+    "save_total_limit": HONOURED,
+    "save_only_model": "refused: a checkpoint is the whole decentralized state; save_model() writes the averaged "
+                       "model alone",
+    "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
+    "enable_jit_checkpoint": "refused: checkpoints are written at save steps only",
+    "restore_callback_states_from_checkpoint": "refused: callback states are not part of the decentralized checkpoint",
+    "push_to_hub": "refused: nothing is uploaded; save_model() writes the averaged model for upload",
+    "hub_token": "refused: push_to_hub is refused",
+    "hub_private_repo": "refused: push_to_hub is refused",
+    "hub_model_id": "refused: push_to_hub is refused",
+    "hub_strategy": "refused: push_to_hub is refused",
+    "hub_always_push": "refused: push_to_hub is refused",
+    "hub_revision": "refused: push_to_hub is refused",
+}
+
+
+def refuse_unsupported(args) -> None:
+    """ValueError naming the first refused field of ``args`` that differs from its default."""
+    for f in dataclasses.fields(args):
+        reason = POLICY.get(f.name, "")
+        if not (f.init and reason.startswith("refused")):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if not _is_default(getattr(args, f.name), default):
+            raise ValueError(f"{f.name}={getattr(args, f.name)!r} is not supported by DecentralizedTrainer "
+                             f"({reason.removeprefix('refused: ')}); leave it at {default!r}")
+
+
+def _is_default(value, default) -> bool:
+    """Whether ``value`` is ``default`` or the form `TrainingArguments.__post_init__` gives an unset
+    default (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an ``AcceleratorConfig()``), so
+    a copy of processed arguments (``dataclasses.replace``) passes too."""
+    if value == default:
+        return True
+    if default in (None, "") and value in (None, "", [], {}):
+        return True
+    return default is None and isinstance(value, AcceleratorConfig) and value == AcceleratorConfig()
+
+
+def check_number(name: str, value, *, integer: bool = False, low=None, low_open: bool = False, high=None,
+                 high_open: bool = False, optional: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite number (an int if ``integer``;
+    a float field also takes an int) in the interval given by ``low``/``high`` (open ends
+    with ``low_open``/``high_open``). ``optional``: None is allowed."""
+    if optional and value is None:
+        return
+    kinds = (int,) if integer else (int, float)
+    what = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        raise ValueError(f"{name} must be {what} {' and '.join(p for p in (lo, hi) if p)}, got {value!r}")
+
+
+def field_table(args_class) -> str:
+    """Markdown table of every field of ``args_class`` and how the trainer treats it (``POLICY``
+    for `TrainingArguments` fields; the decentralized fields are honoured by construction)."""
+    own = {f.name for f in dataclasses.fields(args_class)} - {f.name for f in dataclasses.fields(args_class.__mro__[1])}
+    rows = ["| field | treatment |", "|---|---|"]
+    for f in dataclasses.fields(args_class):
+        if not f.init:
+            continue
+        treatment = POLICY.get(f.name) or ("honoured (decentralized setting)" if f.name in own else None)
+        if treatment is None:
+            raise KeyError(f"TrainingArguments field {f.name!r} has no entry in field_policy.POLICY")
+        rows.append(f"| `{f.name}` | {treatment} |")
+    return "\n".join(rows) + "\n"

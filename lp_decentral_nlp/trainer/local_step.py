@@ -1,0 +1,133 @@
+"""One SPEC 2 iteration of the local nodes: each node's gradient, NaN/Inf check, clipping and
+optimizer update, then one gossip step."""
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """A node's loss or gradient is NaN or infinite; raised before that node's update is applied or gossiped.
+
+    Attributes:
+        node: the graph node.
+        step: the training step (1-based: the ``global_step`` the step would have reached).
+    """
+
+    def __init__(self, message: str, node: int, step: int):
+        super().__init__(message)
+        self.node, self.step = node, step
+
+
+class LocalStepMixin:
+    """`DecentralizedTrainer`'s iteration: local steps node by node, then gossip (SPEC 2)."""
+
+    def _iteration(self, batches) -> None:
+        """One SPEC 2 iteration of every local node.
+
+        Step 1 (gradient at z_i on a local batch, optimizer update) runs node by node
+        (:meth:`_local_step`); steps 2-5 are one gossip step. With QGM the momentum buffer, driven
+        by the change of z_i across the whole iteration, is added to the gradient before the update.
+        A node absent under the fault plan takes no step; its LR schedule still advances.
+        """
+        t = self.state.global_step
+        absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
+        if self.qgm is not None:
+            self.qgm.begin_iteration()
+        lr = self.node_optimizers[0].param_groups[0]["lr"]
+        for k, (i, node, micro_batches, optimizer, scheduler) in enumerate(
+                zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
+            if i not in absent:
+                self._local_step(k, node, micro_batches, optimizer, t + 1)
+            scheduler.step()
+        stats = self.gossip.step(self.node_params)
+        self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
+        if self.qgm is not None:  # an absent node's momentum does not move either
+            self.qgm.end_iteration(lr, skip={k for k, i in enumerate(self.node_ids) if i in absent})
+
+    def _local_step(self, k: int, node, micro_batches: list, optimizer, step: int) -> None:
+        """SPEC 2 step 1 of local node ``k``: gradient, NaN/Inf check, clipping, optimizer update.
+
+        The gradient is the mean over ``micro_batches`` (``gradient_accumulation_steps`` of them:
+        each backward is scaled by ``1 / len(micro_batches)``), and the logged loss their mean.
+
+        The node's gradients are freed right after its update, so only one node's gradients exist
+        at a time and the next node's backward reuses their memory (with all ``n`` alive until
+        every backward had run, each backward of a simulated round page-faulted in fresh memory on
+        the CPU and ran 24-38% slower than a plain step). A non-finite node raises
+        :class:`NonFiniteError` before its own update (nodes earlier in this iteration have taken
+        theirs, as other ranks have in the distributed backend) or, with ``skip_nonfinite``, keeps
+        its parameters and running statistics.
+        """
+        # the forward also updates running statistics (8-bit activation ranges, norm statistics):
+        # a skipped step must leave them as they were, or one NaN batch poisons them for good
+        buffers = [b.clone() for b in node.buffers()] if self.args.skip_nonfinite else None
+        scale = 1.0 / len(micro_batches)
+        loss = sum(self._backward(k, node, batch, scale) for batch in micro_batches) * scale
+        if self._finite_then_clip(k, loss, step):
+            if self.qgm is not None:
+                # a parameter the loss does not reach has no gradient: momentum into a discarded zero
+                self.qgm.add_momentum(k, [p.grad if p.grad is not None else torch.zeros_like(p)
+                                          for p in node.parameters()])
+            optimizer.step()
+            self._loss_sum[k] += loss  # device-side adds: no host-to-device copy (a sync) per step
+            self._loss_count[k] += 1
+        elif buffers is not None:
+            torch._foreach_copy_(list(node.buffers()), buffers)
+        optimizer.zero_grad(set_to_none=True)
+
+    def _finite_then_clip(self, k: int, loss: torch.Tensor, step: int) -> bool:
+        """Whether local node ``k``'s loss and gradients are all finite; if so, its gradients are
+        clipped to total L2 norm ``max_grad_norm`` (when > 0), as ``clip_grad_norm_`` does.
+
+        One ``_foreach_norm`` over the gradients serves both: a NaN/Inf entry makes its tensor's
+        norm non-finite, and the total of those norms is what clipping scales by. Checking first
+        keeps one bad entry from spreading to every gradient before it is named. One host sync.
+        A flagged node is confirmed entry by entry (a norm can also overflow on finite entries),
+        then raises :class:`NonFiniteError`, or returns False and is counted in
+        ``nonfinite_skips`` under ``args.skip_nonfinite``.
+        """
+        params = [p for p in self.nodes[k].parameters() if p.grad is not None]
+        norms = torch._foreach_norm([p.grad for p in params]) if params else []
+        finite = torch.isfinite(torch.stack([loss.float(), *[n.float() for n in norms]])).all()
+        if not (bool(finite) or self._all_finite(k, loss)):
+            if not self.args.skip_nonfinite:
+                raise NonFiniteError(self._nonfinite_message(k, step, loss) + ": stopped before the update and before "
+                                     "gossip; pass skip_nonfinite=True (--skip-nonfinite) to skip such steps, or lower "
+                                     "the learning rate", self.node_ids[k], step)
+            self.nonfinite_skips[k] += 1
+            logger.warning(self._nonfinite_message(k, step, loss) + "; skipped (skip_nonfinite)")
+            return False
+        if self.args.max_grad_norm > 0 and params:
+            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))  # = get_total_norm
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
+        return True
+
+    def _all_finite(self, k: int, loss: torch.Tensor) -> bool:
+        """Entry-by-entry check of local node ``k``'s loss and gradients (slow; flagged nodes only)."""
+        return bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(p.grad).all())
+                                                        for p in self.nodes[k].parameters() if p.grad is not None)
+
+    def _nonfinite_message(self, k: int, step: int, loss: torch.Tensor) -> str:
+        where = f"node {self.node_ids[k]}, step {step}"
+        if not torch.isfinite(loss):
+            return f"{where}: non-finite loss ({float(loss)})"
+        for name, p in self.nodes[k].named_parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                kind = "nan" if torch.isnan(p.grad).any() else "inf"
+                return f"{where}: non-finite gradient ({kind}) in {name}"
+        return f"{where}: non-finite gradient"
+
+    def _backward(self, k: int, node, batch, scale: float = 1.0) -> torch.Tensor:
+        """Loss of local node ``k`` at z_k on ``batch``; its gradient times ``scale`` is added to
+        the node's ``.grad`` (in that node's RNG stream)."""
+        node.train()
+        with self._rng.activate(self.node_ids[k]):
+            batch = self._prepare_inputs(batch)
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(node, batch)
+            (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach()
+

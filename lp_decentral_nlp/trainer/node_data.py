@@ -1,0 +1,117 @@
+"""Each node's data (SPEC 6): the column its shards are skewed on, the shards, and one loader per
+local node whose order is a pure function of ``(seed, epoch)`` (:class:`~.rng.EpochSampler`)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader, Subset
+
+from ..data import skewed_partition
+from .rng import EpochSampler, node_seed
+
+
+class NodeDataMixin:
+    """`DecentralizedTrainer`'s shards and per-node loaders."""
+
+    def _shards(self) -> list:
+        """SPEC 6 shards of the training set (indices per node), the same on every rank; random
+        (skew 0) when the training set has no class column."""
+        labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
+        return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
+
+    def _model_columns(self, dataset, description: str):
+        """``dataset`` without the columns the model's forward does not take (``remove_unused_columns``;
+        a plain torch Dataset is passed as it is, as `Trainer` does for its collator)."""
+        return self._remove_unused_columns(dataset, description=description) if isinstance(dataset, Dataset) else dataset
+
+    def _loader_options(self) -> dict:
+        """DataLoader options from ``args`` (workers, pinned memory on an accelerator)."""
+        args = self.args
+        options = {"collate_fn": self.data_collator, "num_workers": args.dataloader_num_workers,
+                   "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu"}
+        if args.dataloader_num_workers > 0:
+            options.update(persistent_workers=args.dataloader_persistent_workers,
+                           prefetch_factor=args.dataloader_prefetch_factor,
+                           multiprocessing_context=args.dataloader_multiprocessing_context)
+        return options
+
+    def node_dataloaders(self) -> list[DataLoader]:
+        """One loader per local node over its skewed shard, shuffled by an :class:`EpochSampler`
+        of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
+        if self.train_dataset is None:
+            raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
+        shards = self._shards()
+        dataset = self._model_columns(self.train_dataset, "training")
+        bs = self.args.per_device_train_batch_size
+        self.shard_sizes = [len(s) for s in shards]
+        if min(self.shard_sizes) < bs:
+            raise ValueError(f"per_device_train_batch_size={bs} exceeds the smallest shard ({min(self.shard_sizes)} "
+                             "samples): lower the batch size or the number of nodes")
+        loaders = []
+        for i in self.node_ids:
+            shard = Subset(dataset, shards[i].tolist())
+            # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
+            loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
+                                      drop_last=True, generator=torch.Generator(), **self._loader_options()))
+        return loaders
+
+    @staticmethod
+    def _start_epoch(loaders, epoch: int, batches_done: int) -> list:
+        """Iterators over epoch ``epoch`` of every loader, from batch ``batches_done`` on."""
+        for loader in loaders:
+            loader.sampler.set_epoch(epoch, batches_done * loader.batch_size)
+            loader.generator.manual_seed(loader.sampler.epoch_seed())
+        return [iter(loader) for loader in loaders]
+
+    def _next_batches(self, iterators) -> list[list]:
+        """The next ``gradient_accumulation_steps`` micro-batches of every local node, drawn in that
+        node's RNG stream (random transforms)."""
+        batches = []
+        for i, it in zip(self.node_ids, iterators):
+            with self._rng.activate(i):
+                batches.append([next(it) for _ in range(self.args.gradient_accumulation_steps)])
+        return batches
+
+
+def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None:
+    """The class id of every training sample that the SPEC 6 shards are skewed on, read from
+    ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
+    sample); None when there is no such column (then ``skew`` must be 0: random shards).
+    ``num_labels``: the model's number of classes, the bound of the ``label``/``labels`` ids.
+    ValueError naming the column or argument that is wrong."""
+    if len(dataset) == 0:
+        raise ValueError("train_dataset is empty")
+    first = dataset[0]
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
+        (list(first) if isinstance(first, dict) else [])
+    name = args.shard_column
+    if name is None:
+        name = next((c for c in ("label", "labels") if c in columns and _is_class_id(first[c])), None)
+    elif name not in columns:
+        raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
+    if name is None:
+        if args.skew > 0:
+            raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
+                             f"train_dataset has no 'label' or 'labels' column with one class id per sample "
+                             f"(columns: {columns}): name one with shard_column, or use skew=0")
+        return None
+    if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
+        values = dataset.with_format(None)[name]
+    else:
+        values = [dataset[i][name] for i in range(len(dataset))]
+    values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
+    num_labels = num_labels if name in ("label", "labels") else None
+    bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
+    if bad:
+        allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
+        what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+        raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
+    return values
+
+
+def _is_class_id(value) -> bool:
+    """Whether ``value`` is one integer class id (a Python/numpy int or a 0-d integer tensor)."""
+    if torch.is_tensor(value):
+        return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -1,0 +1,91 @@
+"""NodeGroup: the ``num_nodes`` graph nodes of a run as one system, whichever backend holds them.
+
+* ``backend="simulated"``: every node lives in this process.
+* ``backend="distributed"``: one node per process of an initialised ``torch.distributed`` group
+  (``torchrun`` / ``accelerate launch``); the rank is the node index.
+
+Everything that differs between the two backends is here: which node ids are local, the
+collectives over all nodes (gather, sum, barrier, object gather), the broadcast of the initial
+model (SPEC 1: every node starts from the same weights) and the gossip transport. The trainer
+never branches on the backend itself.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import gossip as gossip_lib
+
+
+class NodeGroup:
+    """The nodes of a run and the collectives over them.
+
+    Args:
+        num_nodes: n, the number of graph nodes.
+        backend: ``"simulated"`` or ``"distributed"``.
+    Raises:
+        RuntimeError: ``backend="distributed"`` without an initialised process group.
+        ValueError: the process group's world size is not ``num_nodes``.
+    """
+
+    def __init__(self, num_nodes: int, backend: str):
+        self.num_nodes, self.backend = num_nodes, backend
+        self.distributed = backend == "distributed"
+        if self.distributed:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("backend='distributed' needs an initialised torch.distributed process group: "
+                                   "launch with torchrun/accelerate launch, one process per node")
+            if dist.get_world_size() != num_nodes:
+                raise ValueError(f"num_nodes={num_nodes} but the torch.distributed world size is "
+                                 f"{dist.get_world_size()}: launch exactly one process per node")
+            self.node_ids = [dist.get_rank()]
+        else:
+            self.node_ids = list(range(num_nodes))
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process prints progress and writes shared files (rank 0, or the only process)."""
+        return not self.distributed or dist.get_rank() == 0
+
+    def transport(self, timeout: float):
+        """The gossip transport of this backend (None: the in-process simulation)."""
+        return gossip_lib.TorchDistributedTransport(timeout=timeout) if self.distributed else None
+
+    @torch.no_grad()
+    def broadcast_(self, tensors) -> None:
+        """Overwrite ``tensors`` in place with process 0's values (no-op when simulated)."""
+        if self.distributed:
+            for tensor in tensors:
+                dist.broadcast(tensor.data, src=0)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-node values of all nodes, shape ``(num_nodes, ...)``, from ``local`` of shape
+        ``(len(node_ids), ...)`` in every process."""
+        if not self.distributed:
+            return local
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def sum(self, tensors_per_node) -> list[torch.Tensor]:
+        """Sum over all nodes of each tensor: ``tensors_per_node[k][j]`` is tensor ``j`` of local
+        node ``k``; returns one tensor per ``j`` (an all-reduce when distributed)."""
+        total = [torch.stack(ts).sum(0) for ts in zip(*tensors_per_node)]
+        if self.distributed:
+            for t in total:
+                dist.all_reduce(t)
+        return total
+
+    def barrier(self) -> None:
+        """Wait for every process (no-op when simulated)."""
+        if self.distributed:
+            dist.barrier()
+
+    def gather_objects(self, obj) -> list:
+        """``[obj of process 0, obj of process 1, ...]`` (``[obj]`` when simulated)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out

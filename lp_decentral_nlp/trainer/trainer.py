@@ -1,0 +1,312 @@
+"""DecentralizedTrainer: n peer nodes, each with its own model, optimizer and skewed data shard,
+training in lock-step and gossiping compressed models over a directed graph (SPEC sections 1-2).
+
+The trainer reuses `transformers.Trainer` for what does not change with decentralization
+(arguments, optimizer and scheduler factories, collators, loss computation, callbacks, logging
+integrations, progress bars) and replaces the training loop, evaluation and saving, because the
+state being trained is ``n`` models rather than one. Where the nodes run (one process, or one
+process per node) is hidden in :class:`~.node_group.NodeGroup`; the pieces of the trainer are:
+
+* :mod:`.arguments` -- :class:`DecentralizedTrainingArguments` and its checks;
+* :mod:`.node_data` -- each node's skewed shard (SPEC 6) and its loader;
+* :mod:`.local_step` -- one SPEC 2 iteration (local steps, NaN/Inf check, gossip);
+* :mod:`.evaluation` -- the averaged model ``mean_i z_i``, final merge, training logs, evaluation;
+* :mod:`.checkpointing` -- atomic checkpoints of the whole decentralized state and resuming;
+* :mod:`.rng` -- per-node random streams, so both backends draw the same numbers per node.
+
+Gradients never cross nodes: the model is never wrapped in DDP and the only traffic per step is
+the gossip messages. A NaN/Inf loss or gradient stops the run naming the node and step (or skips
+that node's update with ``skip_nonfinite``) before anything is gossiped. Faults can be injected for
+robustness studies (``drop_prob``, ``stragglers``, ``absences``; rules in
+:mod:`lp_decentral_nlp.gossip.faults`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch.utils.data import IterableDataset
+from transformers import Trainer, TrainerState
+from transformers.trainer_utils import SaveStrategy, TrainOutput
+
+from .. import gossip as gossip_lib
+from ..gossip.factory import build_gossip
+from ..gossip.transport import GossipPeerError
+from ..quant import QuantConfig, QuantModule, quantize_model
+from ..utils.cpu_malloc import tune_process_for_training
+from .arguments import DecentralizedTrainingArguments
+from .checkpointing import CheckpointMixin
+from .evaluation import EvaluationMixin
+from .local_step import LocalStepMixin
+from .node_data import NodeDataMixin, read_shard_labels
+from .node_group import NodeGroup
+from .rng import NodeRNG
+
+
+class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
+    """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
+
+    Args:
+        model: the initial model; every node starts from a copy of its weights. After training
+            (and at every evaluation) ``trainer.model`` holds the *averaged* de-biased model
+            ``mean_i z_i``, the evaluation model of SPEC 1.
+        args: :class:`DecentralizedTrainingArguments`.
+        train_dataset: the full training set (a map-style dataset); it is split into ``num_nodes``
+            shards with :func:`~lp_decentral_nlp.data.skewed_partition`, skewed on
+            ``args.shard_column`` (default ``label``, else ``labels``; random shards when
+            ``skew=0`` and there is no class column).
+        quant_config: 8-bit surgery applied to every node when ``args.low_precision`` (default
+            ``QuantConfig(kernel=args.quant_kernel)``).
+        Other arguments are those of `transformers.Trainer` (``compute_metrics``,
+        ``preprocess_logits_for_metrics``, ``compute_loss_func``, ``optimizer_cls_and_kwargs``,
+        callbacks, collator, processing class); ``model_init`` and ``optimizers`` are refused.
+
+    Attributes (per local node, aligned with ``node_ids``): ``nodes`` (the models z_i),
+    ``bytes_sent`` (int64, bytes put on the wire), ``nonfinite_skips`` (int64, steps skipped under
+    ``skip_nonfinite``), and after ``train()`` starts, ``node_optimizers`` and ``node_schedulers``.
+    ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend.
+    """
+
+    def __init__(self, model=None, args: DecentralizedTrainingArguments | None = None, *, quant_config=None, **kwargs):
+        if not isinstance(args, DecentralizedTrainingArguments):
+            raise TypeError(f"args must be DecentralizedTrainingArguments, got {type(args).__name__}")
+        if model is None:
+            raise ValueError("model is required (model_init is not supported by DecentralizedTrainer)")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init is not supported by DecentralizedTrainer: pass the initial model as model")
+        if any(o is not None for o in kwargs.get("optimizers") or ()):
+            raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
+                             "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
+                             "optimizer_cls_and_kwargs")
+        if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
+            raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
+                             f"{quant_config.kernel!r}: set the kernel in one of them")
+        if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
+            raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
+                             f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
+                             f"{type(model).__name__}")
+        train_dataset = kwargs.get("train_dataset")
+        if train_dataset is not None and (isinstance(train_dataset, IterableDataset)
+                                          or not hasattr(train_dataset, "__len__")):
+            raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
+                             "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
+                             f"{type(train_dataset).__name__}")
+        # everything that can refuse the inputs runs before the surgery changes the user's model
+        node_group = NodeGroup(args.num_nodes, args.backend)
+        shard_labels = None if train_dataset is None else read_shard_labels(
+            train_dataset, args, getattr(getattr(model, "config", None), "num_labels", None))
+        if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
+            quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
+        super().__init__(model=model, args=args, **kwargs)
+        self._shard_labels, self.node_group = shard_labels, node_group
+        self.node_ids = self.node_group.node_ids
+        # SPEC 1: every node starts from the same weights (process 0's)
+        self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
+        self.nodes = [copy.deepcopy(self.model) for _ in self.node_ids]
+        # z_i of every local node, as the gossip engine updates them in place
+        self.node_params = [[p.detach() for p in node.parameters()] for node in self.nodes]
+        self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout))
+        self.qgm = gossip_lib.QuasiGlobalMomentum(self.node_params, beta=args.qgm_beta) if args.qgm else None
+        self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        plan = args.fault_plan
+        self.fault_plan = plan if plan.active else None
+        self._rng = NodeRNG(args.seed, self.node_ids)
+        self._mark_main_process()
+
+    # --- setup -----------------------------------------------------------------------------
+
+    def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
+        """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
+
+        With QGM the optimizer's own momentum is switched off (Adam ``beta1 = 0``, SGD
+        ``momentum = 0``): the quasi-global buffer takes its place (SPEC 2). With
+        ``args.lr_milestones`` the schedule is ``MultiStepLR``: the LR is multiplied by
+        ``args.lr_decay`` after step ``max(1, round(epoch * steps_per_epoch))`` of each milestone.
+        """
+        self.optimizer, self.lr_scheduler = None, None
+        optimizer = self.create_optimizer(node_model)
+        if self.args.qgm:
+            for group in optimizer.param_groups:
+                if "betas" in group:
+                    group["betas"] = (0.0, group["betas"][1])
+                if "momentum" in group:
+                    group["momentum"] = 0.0
+        if self.args.lr_milestones:
+            milestones = [max(1, round(e * steps_per_epoch)) for e in self.args.lr_milestones]
+            scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=self.args.lr_decay)
+        else:
+            scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
+        self.optimizer, self.lr_scheduler = None, None
+        return optimizer, scheduler
+
+    # --- training ----------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Train every node in lock-step: local step on each node, then one gossip step (SPEC 2).
+
+        Args:
+            resume_from_checkpoint: a ``checkpoint-<step>`` directory written by this trainer, a
+                directory holding such checkpoints (its latest complete one is used), or True
+                (the latest in ``args.output_dir``). None uses ``args.resume_from_checkpoint``;
+                False starts afresh. The run continues exactly where the checkpoint was taken:
+                the same final weights, bytes and metrics as a run that never stopped (identical
+                in the simulated backend) as long as the arguments that shape the run are the
+                same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
+                column, seed, batch size, gradient accumulation, training set size). With
+                ``dataloader_num_workers > 0`` random data transforms do not repeat after a
+                mid-epoch resume.
+        """
+        args = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = args.output_dir
+        # the one process-wide setting the trainer changes (lp_decentral_nlp.utils.cpu_malloc)
+        self.cpu_malloc_tuned = tune_process_for_training(args.device, args.tune_cpu_malloc)
+        loaders = self.node_dataloaders()
+        accumulation = args.gradient_accumulation_steps
+        batches_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
+        if batches_per_epoch < accumulation:
+            raise ValueError(f"gradient_accumulation_steps={accumulation} exceeds the batches per epoch of the smallest "
+                             f"shard ({batches_per_epoch}): lower it, the batch size or the number of nodes")
+        steps_per_epoch = batches_per_epoch // accumulation  # optimizer steps; leftover micro-batches are dropped
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+        num_epochs = math.ceil(max_steps / steps_per_epoch)
+        made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
+        self.node_optimizers = [optimizer for optimizer, _ in made]
+        self.node_schedulers = [scheduler for _, scheduler in made]
+        for node in self.nodes:
+            if args.activation_checkpointing:
+                node.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
+            if args.torch_compile:
+                node.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+
+        self.state = TrainerState()
+        self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
+        self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
+        self._last_logged, self._total_loss = 0, 0.0
+        self._drift_trail, self._drift_warned = [], False
+        epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
+        if resume_from_checkpoint:
+            epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
+        self._data_position = (epoch, done)
+        self._mark_main_process()
+        self.state.max_steps, self.state.num_train_epochs = max_steps, num_epochs
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.compute_steps(args, max_steps)
+        self._steps_per_epoch = steps_per_epoch
+        self.is_in_train = True
+        start = time.time()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
+        try:
+            while epoch < num_epochs and self.state.global_step < max_steps:
+                if done >= steps_per_epoch:
+                    epoch, done = epoch + 1, 0
+                    continue
+                self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+                iterators = self._start_epoch(loaders, epoch, done * accumulation)
+                while done < steps_per_epoch and self.state.global_step < max_steps:
+                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    self._iteration(self._next_batches(iterators))
+                    self.state.global_step += 1
+                    done += 1
+                    self.state.epoch = epoch + done / steps_per_epoch
+                    self._data_position = (epoch, done)
+                    self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                    self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                    if self.control.should_training_stop or self.control.should_epoch_stop:
+                        break
+                if done >= steps_per_epoch or self.control.should_epoch_stop:
+                    epoch, done = epoch + 1, 0
+                    self._data_position = (epoch, done)
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                if self.control.should_training_stop:
+                    break
+        except GossipPeerError as exc:
+            raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
+                            exc.peer) from exc
+        if self._last_logged < self.state.global_step:
+            self._total_loss += self._log_train()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_nodes(self.state.best_model_checkpoint)
+        if args.final_merge:
+            self.merge_nodes()
+        self._refresh_average_model()
+        self.is_in_train = False
+        runtime = time.time() - start
+        train_loss = self._total_loss / max(self.state.global_step, 1)
+        metrics = {"train_runtime": runtime, "train_loss": train_loss,
+                   "train_steps_per_second": self.state.global_step / max(runtime, 1e-9)}
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
+        """As `Trainer`'s: log, evaluate (tracking the best ``metric_for_best_model`` in
+        ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
+        if self.control.should_log:
+            self._total_loss += self._log_train()
+        if self.control.should_evaluate:
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+            new_best = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = new_best
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _mark_main_process(self):
+        """Only one process prints progress and writes logs (rank 0 in the distributed backend)."""
+        main = self.node_group.is_main
+        self.state.is_world_process_zero = self.state.is_local_process_zero = main
+
+    def cost_report(self, input_shape):
+        """SPEC 7 cost of one iteration of one node of this run (compute, energy, memory, gossip bytes).
+
+        Args:
+            input_shape: one sample's shape without the batch dimension: ``(seq_len,)`` for token
+                models, ``(C, H, W)`` for images.
+        Returns:
+            :class:`lp_decentral_nlp.cost.CostReport` (``.to_dict()`` for ``results.json``).
+        """
+        from ..cost import estimate_cost
+
+        optim = str(self.args.optim).lower()
+        optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
+        bs = self.args.per_device_train_batch_size
+        # the loaders drop the last partial batch: an epoch is floor(shard / batch) iterations
+        samples_per_node = min(len(s) for s in self._shards()) // bs * bs
+        return estimate_cost(self.nodes[0], tuple(input_shape), bs,
+                             "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
+                             gossip=self.gossip, samples_per_node=samples_per_node)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the averaged model (HF format; an 8-bit one reloads with `load_quantized`)."""
+        self._refresh_average_model()
+        output_dir = output_dir or self.args.output_dir
+        if not self.node_group.is_main:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self._write_model(output_dir)
+
+    def _write_model(self, output_dir) -> None:
+        """The averaged model via ``save_pretrained`` (a plain ``nn.Module``: its state dict as
+        ``model.safetensors``) and the processing class."""
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(output_dir)
+        else:
+            safetensors.torch.save_model(self.model, str(Path(output_dir) / "model.safetensors"))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+

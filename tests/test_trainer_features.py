@@ -1,0 +1,345 @@
+"""DecentralizedTrainer honours the transformers.Trainer settings users rely on (issue 21): metrics,
+gradient accumulation, best-model tracking and early stopping, dict eval sets, predict, tasks
+without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
+guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from helpers import agnews_sample
+from helpers import tiny_distilbert as tiny_model
+from transformers import (
+    DataCollatorForLanguageModeling, DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback,
+    GPT2Config, GPT2LMHeadModel, TrainerCallback,
+)
+
+from lp_decentral_nlp.data import skewed_partition
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+
+
+@pytest.fixture(scope="module")
+def agnews_small(tokenizer):
+    return agnews_sample(tokenizer, max_length=16, max_train_samples=128, max_eval_samples=32)
+
+
+def targs(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), num_nodes=4, per_device_train_batch_size=8, per_device_eval_batch_size=32,
+                learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no", use_cpu=True,
+                disable_tqdm=True, seed=0, low_precision=False)
+    base.update(kw)
+    return DecentralizedTrainingArguments(**base)
+
+
+def trainer_for(tmp_path, data, tokenizer, **kw):
+    trainer_kw = {k: kw.pop(k) for k in ("compute_metrics", "callbacks", "eval_dataset") if k in kw}
+    trainer_kw.setdefault("eval_dataset", data["test"])
+    return DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **kw), train_dataset=data["train"],
+                                processing_class=tokenizer, **trainer_kw)
+
+
+def predicted_class_share(eval_pred):
+    """A metric only compute_metrics can produce: the share of samples predicted as class 0."""
+    return {"share_class0": float((eval_pred.predictions.argmax(-1) == 0).mean()),
+            "samples": float(len(eval_pred.label_ids))}
+
+
+def test_compute_metrics_runs_on_the_averaged_model_with_the_eval_prefix(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, compute_metrics=predicted_class_share)
+    trainer.train()
+    metrics = trainer.evaluate()
+    out = trainer.predict(agnews_small["test"])  # the averaged model's predictions
+    assert metrics["eval_share_class0"] == pytest.approx(float((out.predictions.argmax(-1) == 0).mean()))
+    assert metrics["eval_samples"] == 32 and metrics["eval_samples_node_3"] == 32
+    assert out.predictions.shape == (32, 4) and out.label_ids.tolist() == agnews_small["test"]["label"]
+    assert out.metrics["test_share_class0"] == metrics["eval_share_class0"]
+    assert out.metrics["test_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    custom = trainer.evaluate(metric_key_prefix="dev")
+    assert {"dev_loss", "dev_share_class0", "dev_consensus_distance", "dev_bytes_sent_node_0"} <= set(custom)
+    assert not [k for k in custom if not k.startswith("dev_") and k != "epoch"]  # Trainer.log adds the epoch
+
+
+def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
+    halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert {"eval_first_accuracy", "eval_second_accuracy", "eval_first_loss_node_2", "eval_second_bytes_sent_node_1"} \
+        <= set(metrics)
+    whole = trainer.evaluate(agnews_small["test"])
+    assert whole["eval_loss"] == pytest.approx((metrics["eval_first_loss"] + metrics["eval_second_loss"]) / 2)
+
+
+def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(tmp_path, agnews_small, tokenizer):
+    """k micro-batches of b samples per optimizer step: with a model without dropout this is the
+    step of one batch of k*b samples (the mean loss), and global_step counts optimizer steps."""
+    accumulated = trainer_for(tmp_path / "a", agnews_small, tokenizer, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2, max_steps=2)
+    accumulated.train()
+    assert accumulated.state.global_step == 2 and accumulated.gossip.num_steps == 2
+    # the same two steps by hand: each node's first 2 x 4 samples form one batch of 8
+    whole = trainer_for(tmp_path / "w", agnews_small, tokenizer, per_device_train_batch_size=8, max_steps=2)
+    loaders = accumulated.node_dataloaders()
+    whole_loaders = whole.node_dataloaders()
+    for small, big in zip(loaders, whole_loaders):  # the same order of the same shard
+        assert small.dataset.indices == big.dataset.indices and list(small.sampler) == list(big.sampler)
+    whole.train()
+    for a, b in zip(accumulated.nodes, whole.nodes):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    steps_logged = [h["step"] for h in accumulated.state.log_history if "loss" in h]
+    assert steps_logged == [1, 2]
+
+
+class RecordEvals(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def test_load_best_model_at_end_restores_the_best_averaged_model(tmp_path, agnews_small, tokenizer):
+    record = RecordEvals()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=6, eval_strategy="steps", eval_steps=2,
+                          save_strategy="steps", save_steps=2, save_total_limit=1, load_best_model_at_end=True,
+                          metric_for_best_model="loss", eval_on_start=True, learning_rate=5e-3, callbacks=[record])
+    trainer.train()
+    assert record.steps == [0, 2, 4, 6]  # eval_on_start, then every 2 steps
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h and h["step"] > 0}
+    best_step = min(evals, key=evals.get)
+    assert trainer.state.best_metric == evals[best_step]
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
+    # save_total_limit=1 keeps the best checkpoint (and nothing else)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{best_step}"]
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
+
+
+def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):
+    # the loss must improve by more than 10 per evaluation: the first comparison fails, the run stops
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,
+                          save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                          metric_for_best_model="loss",
+                          callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)])
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_a_causal_lm_trains_decentralized_and_lowers_its_eval_loss(tmp_path, tokenizer):
+    """No class labels: skew 0 splits at random; DataCollatorForLanguageModeling makes the labels."""
+    text = [f"the {w} sat on the mat and the {w} sat on the hat" for w in ("cat", "dog", "bird", "fox") * 16]
+    encoded = Dataset.from_dict(dict(tokenizer(text, truncation=True, max_length=16)))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=32, n_embd=32, n_layer=1,
+                                       n_head=2, bos_token_id=tokenizer.cls_token_id,
+                                       eos_token_id=tokenizer.sep_token_id, pad_token_id=tokenizer.pad_token_id))
+    args = targs(tmp_path, per_device_train_batch_size=4, max_steps=12, learning_rate=3e-3, logging_steps=6)
+    trainer = DecentralizedTrainer(model=model, args=args, train_dataset=encoded, eval_dataset=encoded.select(range(16)),
+                                   data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_loss"] < before - 1.0
+    assert "eval_accuracy" not in after and "eval_loss_node_3" in after
+
+
+def test_token_classification_with_a_labels_column_and_skew_zero(tmp_path):
+    torch.manual_seed(0)
+    model = DistilBertForTokenClassification(DistilBertConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2,
+                                                              hidden_dim=32, max_position_embeddings=16, num_labels=3))
+    ids = torch.randint(1, 50, (32, 6))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids % 3).tolist()})
+    trainer = DecentralizedTrainer(model=model, args=targs(tmp_path, max_steps=2, per_device_train_batch_size=4),
+                                   train_dataset=data, eval_dataset=data)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert np.isfinite(metrics["eval_loss"]) and "eval_accuracy" not in metrics  # no class-per-sample labels
+    with pytest.raises(ValueError, match="skew=0.5 needs a column of class ids"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5), train_dataset=data)
+
+
+class TorchDigits(torch.utils.data.Dataset):
+    """A plain map-style torch Dataset with a transformers-style ``labels`` class column."""
+
+    def __init__(self, n=64):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] > 0).long() + 2 * (self.x[:, 1] > 0).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.zeros(4, dtype=torch.long) + int(self.y[i]) + 1, "labels": self.y[i]}
+
+
+def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused(tmp_path):
+    data = TorchDigits()
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0), train_dataset=data)
+    expected = skewed_partition(data.y.tolist(), 4, 1.0, seed=0)  # skewed on the labels column
+    assert [loader.dataset.indices for loader in trainer.node_dataloaders()] == [e.tolist() for e in expected]
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    with pytest.raises(ValueError, match="train_dataset must be map-style.*got Stream"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
+
+
+def test_activation_checkpointing_is_enabled_on_every_node_and_changes_no_result(tmp_path, agnews_small, tokenizer):
+    plain = trainer_for(tmp_path / "p", agnews_small, tokenizer)
+    plain.train()
+    checkpointed = trainer_for(tmp_path / "c", agnews_small, tokenizer, activation_checkpointing=True)
+    checkpointed.train()
+    assert all(node.is_activation_checkpointing for node in checkpointed.nodes)
+    for a, b in zip(plain.nodes, checkpointed.nodes):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q)
+    with pytest.raises(ValueError, match=r"activation_checkpointing \(gradient_checkpointing\) with low_precision=True"):
+        targs(tmp_path, gradient_checkpointing=True, low_precision=True)
+
+
+def test_final_merge_leaves_every_node_equal_to_the_averaged_model(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, algorithm="choco", compression=90.0, final_merge=True,
+                          skew=1.0)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_consensus_distance"] == 0.0
+    for i in range(4):
+        assert metrics[f"eval_accuracy_node_{i}"] == metrics["eval_accuracy"]
+        assert metrics[f"eval_loss_node_{i}"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+
+
+def test_drift_guard_warns_once_naming_the_distance_and_consensus_lr(tmp_path, agnews_small, tokenizer, caplog):
+    record = []
+
+    class GrowingDistance(TrainerCallback):  # pushes node 0 away from the others after every step
+        def on_step_end(self, args, state, control, **kwargs):
+            with torch.no_grad():
+                for p in trainer.nodes[0].parameters():
+                    p.add_(0.05 * state.global_step)
+            record.append(state.global_step)
+
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, algorithm="choco", compression=90.0, max_steps=12,
+                          callbacks=[GrowingDistance()])
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "consensus distance grew" in r.getMessage()]
+    assert len(warnings) == 1 and "consensus_lr (--consensus-lr, now 0.01)" in warnings[0]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(learning_rate=float("nan")), "learning_rate"), (dict(learning_rate=float("inf")), "learning_rate"),
+    (dict(learning_rate=-1e-3), "learning_rate"), (dict(per_device_train_batch_size=8.0), "per_device_train_batch_size"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps"), (dict(num_nodes=10**9), "num_nodes"),
+    (dict(weight_decay=float("nan")), "weight_decay"), (dict(adam_beta2=1.0), "adam_beta2"),
+    (dict(skew=float("nan")), "skew"), (dict(lr_decay=float("nan")), "lr_decay"),
+    (dict(num_train_epochs=float("inf"), max_steps=-1), "num_train_epochs"), (dict(seed=-1), "seed"),
+    (dict(compression=float("nan")), "compression"), (dict(consensus_lr=float("inf")), "consensus_lr"),
+    (dict(gossip_timeout=float("nan")), "gossip_timeout"), (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+    (dict(logging_steps=float("nan")), "logging_steps"), (dict(save_total_limit=1.5), "save_total_limit"),
+])
+def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        targs(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(bf16=True), "bf16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
+    (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
+                                                      "average_tokens_across_devices"),
+    (dict(include_for_metrics=["inputs"]), "include_for_metrics"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+])
+def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):
+        targs(tmp_path, **kwargs)
+
+
+def test_quant_kernel_reaches_the_surgery_and_a_disagreeing_quant_config_is_refused(tmp_path, agnews_small):
+    from lp_decentral_nlp.quant import QuantConfig, QuantModule
+
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, low_precision=True, quant_kernel="simulated"),
+                                   train_dataset=agnews_small["train"])
+    assert {m.quant_config.kernel for m in trainer.model.modules() if isinstance(m, QuantModule)} == {"simulated"}
+    with pytest.raises(ValueError, match="quant_kernel='int8' disagrees with quant_config.kernel='simulated'"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, low_precision=True, quant_kernel="int8"),
+                             quant_config=QuantConfig(kernel="simulated"), train_dataset=agnews_small["train"])
+    with pytest.raises(ValueError, match="quant_kernel must be one of"):
+        targs(tmp_path, quant_kernel="fast")
+
+
+def test_docs_list_every_field_with_its_treatment():
+    import pathlib
+
+    from lp_decentral_nlp.trainer.field_policy import field_table
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
+    assert field_table(DecentralizedTrainingArguments) in doc
+
+
+def test_torch_compile_compiles_every_node(tmp_path, agnews_small, tokenizer):
+    plain = trainer_for(tmp_path / "p", agnews_small, tokenizer, num_nodes=2, max_steps=1)
+    plain.train()
+    trainer = trainer_for(tmp_path / "c", agnews_small, tokenizer, num_nodes=2, max_steps=1, torch_compile=True,
+                          torch_compile_backend="eager")
+    traced = {0: [], 1: []}
+    for k, node in enumerate(trainer.nodes):  # a hook runs inside the compiled call when the node is compiled
+        node.register_forward_pre_hook(lambda module, args, k=k: traced[k].append(torch.compiler.is_compiling()))
+    trainer.train()
+    assert all(any(seen) for seen in traced.values())
+    for a, b in zip(plain.nodes, trainer.nodes):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q)
+
+
+def test_a_refused_dataset_leaves_the_users_model_as_it_was(tmp_path, agnews_small):
+    from lp_decentral_nlp.quant import QuantModule
+
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="skew=0.5 needs a column of class ids"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, low_precision=True),
+                             train_dataset=agnews_small["train"].rename_column("label", "target"))
+    assert not any(isinstance(m, QuantModule) for m in model.modules())  # no 8-bit surgery happened
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_simulated_node_group_holds_every_node_in_this_process():
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    group = NodeGroup(3, "simulated")
+    assert group.node_ids == [0, 1, 2] and group.is_main and group.transport(timeout=1.0) is None
+    per_node = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(group.gather(per_node), per_node)
+    assert [t.tolist() for t in group.sum([[torch.ones(2), torch.full((1,), float(i))] for i in range(3)])] == \
+        [[3.0, 3.0], [3.0]]
+    assert group.gather_objects({"a": 1}) == [{"a": 1}]
+    before = torch.ones(2)
+    group.broadcast_([before])  # one process: nothing to receive
+    assert torch.equal(before, torch.ones(2))
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        NodeGroup(3, "distributed")
+
+
+def test_predict_on_a_dataset_without_labels_returns_the_predictions(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
+    trainer.train()
+    unlabelled = agnews_small["test"].remove_columns("label")
+    out = trainer.predict(unlabelled)
+    assert out.predictions.shape == (32, 4) and out.label_ids is None and "test_loss" not in out.metrics
+    np.testing.assert_allclose(out.predictions, trainer.predict(agnews_small["test"]).predictions, rtol=1e-5)
+
+
+def test_save_strategy_best_saves_only_new_best_evaluations(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
+                          save_strategy="best", metric_for_best_model="accuracy", learning_rate=5e-3)
+    trainer.train()
+    accuracy = [h["eval_accuracy"] for h in trainer.state.log_history if "eval_accuracy" in h]
+    new_best = [step for step in range(1, 5) if accuracy[step - 1] > max(accuracy[:step - 1], default=-1.0)]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == new_best
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{new_best[-1]}")
