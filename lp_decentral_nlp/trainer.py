@@ -95,7 +95,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": "Epochs at which the learning rate is multiplied by lr_decay (multi-step schedule, SPEC 8); "
                 "needs lr_scheduler_type='constant'."})
     lr_decay: float = field(default=0.1, metadata={"help": "LR factor applied at each of lr_milestones, in (0, 1]."})
-    report_to: str | list[str] | None = field(default="none", metadata={"help": "Logging integrations."})
+    report_to: None | str | list[str] = field(default="none", metadata={"help": "Logging integrations."})
     gossip_timeout: float = field(default=300.0, metadata={
         "help": "Distributed backend: seconds a rank waits for a peer's gossip message before a GossipTimeoutError "
                 "names the peer. Count the slowest peer's work between two steps (evaluation, saving) in it."})

@@ -5,7 +5,7 @@
 
 `--help` lists every flag; results land in --output-dir (results.json, metrics.csv, model/).
 """
-from lp_decentral_nlp.cli import main
+from lp_decentral_nlp.commands import main
 
 if __name__ == "__main__":
     main(task="ag_news", algorithm="choco")

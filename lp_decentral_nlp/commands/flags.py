@@ -1,0 +1,242 @@
+"""The recipes' flags: every ``TrainingArguments`` flag in the transformers spelling, plus short aliases.
+
+The command line is a :class:`transformers.HfArgumentParser` over
+:class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments` and a recipe's own small
+dataclass (model, data, ...). Checking is done once, by the dataclasses: the parser builds them
+and turns their ``ValueError``/``TypeError`` into the one-line flag error. The parser itself adds
+only what a dataclass cannot see: a number that is not a number, NaN/inf, an integer written as
+a float, and the ranges of the ``TrainingArguments`` fields transformers does not check
+(:data:`TRAINING_RANGES`).
+
+Adding an alias is one line in :data:`ALIASES`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from typing import NamedTuple
+
+from transformers import HfArgumentParser
+
+# Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
+# ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True.
+ALIASES = {
+    "--nodes": "num_nodes",
+    "--epochs": "num_train_epochs",
+    "--lr": "learning_rate",
+    "--batch-size": "per_device_train_batch_size",
+    "--comp": "compression",
+    "--straggler": "stragglers",
+    "--leave": "absences",
+    "--full-precision": "no_low_precision",
+    "--default-malloc": "no_tune_cpu_malloc",
+}
+
+
+class Range(NamedTuple):
+    """Allowed values ``low .. high`` (None: unbounded); ``*_open``: the bound itself is excluded."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __str__(self) -> str:
+        left, right = "(" if self.low_open else "[", ")" if self.high_open or self.high is None else "]"
+        return f"{left}{self.low:g}, {'inf' if self.high is None else format(self.high, 'g')}{right}"
+
+    def __contains__(self, value) -> bool:
+        above = value > self.low or (value == self.low and not self.low_open)
+        below = self.high is None or value < self.high or (value == self.high and not self.high_open)
+        return above and below
+
+
+# Numeric TrainingArguments fields that transformers accepts with any value; the fields of
+# DecentralizedTrainingArguments and of the recipes' dataclasses check themselves.
+TRAINING_RANGES = {
+    "learning_rate": Range(0, None, low_open=True),
+    "num_train_epochs": Range(0, None, low_open=True),
+    "per_device_train_batch_size": Range(1),
+    "per_device_eval_batch_size": Range(1),
+    "gradient_accumulation_steps": Range(1),
+    "weight_decay": Range(0),
+    "adam_beta1": Range(0, 1, high_open=True),
+    "adam_beta2": Range(0, 1, high_open=True),
+    "adam_epsilon": Range(0, None, low_open=True),
+    "max_steps": Range(-1),
+    "logging_steps": Range(0, None, low_open=True),
+    "eval_steps": Range(0, None, low_open=True),
+    "save_steps": Range(0, None, low_open=True),
+    "save_total_limit": Range(1),
+    "seed": Range(0, 2**32 - 1),
+    "data_seed": Range(0, 2**32 - 1),
+    "dataloader_num_workers": Range(0),
+    "warmup_ratio": Range(0, 1),
+}
+
+
+def integer(text: str) -> int:
+    """argparse type: a whole number written as one (``3``, not ``3.0`` or ``1e3``)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (NaN and +/-inf are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def ranged(kind, allowed: Range):
+    """argparse type: ``integer`` or ``finite_float`` (``kind`` int or float) within ``allowed``."""
+    parse = integer if kind is int else finite_float
+
+    def parse_ranged(text):
+        value = parse(text)
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"must be in {allowed}, got {text}")
+        return value
+    return parse_ranged
+
+
+def existing_path(text: str) -> str:
+    """argparse type: a path that exists."""
+    import pathlib
+
+    if not pathlib.Path(text).exists():
+        raise argparse.ArgumentTypeError(f"path {text!r} does not exist")
+    return text
+
+
+class OneLineErrors:
+    """Mixin for argparse parsers: a bad flag is one line ``<prog>: error: <message>`` on stderr,
+    exit status 2 (no usage dump, no traceback)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class OneLineParser(OneLineErrors, argparse.ArgumentParser):
+    """A plain ``argparse.ArgumentParser`` reporting bad flags as one line (:class:`OneLineErrors`)."""
+
+
+class _FieldAdder:
+    """What :class:`RecipeParser` hands to ``HfArgumentParser._parse_dataclass_field`` instead of
+    the parser: adds the field's option with its aliases, strict number types and ranges, repeatable
+    list flags (``--straggler a --straggler b``), and leaves out the fields the recipe fixes."""
+
+    def __init__(self, target, ranges: dict, fixed: dict):
+        self.target, self.ranges, self.fixed = target, ranges, fixed
+
+    def add_argument(self, *option_strings, **kwargs):
+        dest = kwargs.setdefault("dest", option_strings[0].lstrip("-"))
+        if dest in self.fixed:
+            return None
+        names = {s.lstrip("-") for s in option_strings}
+        aliases = [alias for alias, target in ALIASES.items() if target in names]
+        kind = kwargs.get("type")
+        if kind in (int, float):
+            kwargs["type"] = ranged(kind, self.ranges[dest]) if dest in self.ranges else (
+                integer if kind is int else finite_float)
+        if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
+            kwargs.update(nargs="*", action="extend")
+        return self.target.add_argument(*aliases, *option_strings, **kwargs)
+
+
+class ParsedFlags(NamedTuple):
+    """The result of :meth:`RecipeParser.parse`: one instance per dataclass, in the parser's order,
+    the flags that belong to no dataclass (``extras``), and every flag value by field name."""
+
+    dataclasses: tuple
+    extras: argparse.Namespace
+    values: dict
+
+
+class RecipeParser(OneLineErrors, HfArgumentParser):
+    """``HfArgumentParser`` over the recipe's dataclasses with the short :data:`ALIASES`,
+    :data:`TRAINING_RANGES`, one-line errors and the dataclasses' own checks reported as flag errors.
+
+    Args:
+        dataclass_types: e.g. ``(DecentralizedTrainingArguments, NLPArguments)``.
+        defaults: the recipe's defaults (shown by ``--help``), by field name.
+        fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
+        derive: ``derive(values)`` completes the values of the flags (by field name) before the
+            dataclasses are built, e.g. an output folder named after the run.
+        checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
+    """
+
+    def __init__(self, dataclass_types, *, defaults=None, fixed=None, derive=None, checks=(), **kwargs):
+        self._fixed = dict(fixed or {})
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
+        super().__init__(dataclass_types, **kwargs)
+        self.set_defaults(**(defaults or {}))
+        self._derive, self._checks = derive, list(checks)
+
+    def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
+        HfArgumentParser._parse_dataclass_field(_FieldAdder(parser, TRAINING_RANGES, self._fixed), field)
+
+    def add_check(self, check) -> None:
+        """Run ``check(parser, parsed)`` after every :meth:`parse`."""
+        self._checks.append(check)
+
+    def flag_of(self, name: str, argv=None) -> str:
+        """The flag of field ``name`` as the user wrote it in ``argv`` (default: the command line being
+        parsed), else its first spelling."""
+        argv = getattr(self, "_argv", ()) if argv is None else argv
+        for action in self._actions:
+            if action.dest == name and action.option_strings:
+                used = [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
+                return (used or action.option_strings)[0]
+        return name
+
+    def parse(self, argv=None) -> ParsedFlags:
+        """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""
+        import sys
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        self._argv = argv
+        namespace = self.parse_args(argv)
+        values = {**vars(namespace), **self._fixed}
+        if self._derive is not None:
+            self._derive(values)
+        instances, used = [], set()
+        for dtype in self.dataclass_types:
+            names = {f.name for f in dataclasses.fields(dtype) if f.init}
+            used |= names
+            try:
+                instances.append(dtype(**{k: v for k, v in values.items() if k in names}))
+            except (ValueError, TypeError) as err:
+                self.error(self._flag_message(str(err), argv))
+        extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
+        parsed = ParsedFlags(tuple(instances), extras, values)
+        for check in self._checks:
+            check(self, parsed)
+        return parsed
+
+    def _flag_message(self, message: str, argv) -> str:
+        """A dataclass's message prefixed with the flag of the field it starts with."""
+        first = re.match(r"\w+", message)
+        dests = {a.dest for a in self._actions if a.option_strings}
+        if first and first.group(0) in dests:
+            return f"argument {self.flag_of(first.group(0), argv)}: {message}"
+        return message
+
+
+def add_default_malloc_flag(parser) -> None:
+    """``--default-malloc`` for the benchmarks: opt out of keeping freed memory on the CPU
+    (``tune_cpu_malloc``, :mod:`lp_decentral_nlp.cpu_malloc`); the recipes have it as the alias of
+    ``--no_tune_cpu_malloc``."""
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="CPU: keep glibc's default malloc policy, which returns freed memory to the system and "
+                             "page-faults it in again every step (default: keep it for the next step, as "
+                             "DecentralizedTrainer's tune_cpu_malloc does; see lp_decentral_nlp.cpu_malloc)")
