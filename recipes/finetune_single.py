@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from lp_decentral_nlp import QuantConfig, quantize_model
-from lp_decentral_nlp.cli import DEFAULT_MODEL, resolve_model
+from lp_decentral_nlp.commands import DEFAULT_MODEL, resolve_model
 from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
 

@@ -153,12 +153,20 @@ class _FieldAdder:
 
 
 class ParsedFlags(NamedTuple):
-    """The result of :meth:`RecipeParser.parse`: one instance per dataclass, in the parser's order,
-    the flags that belong to no dataclass (``extras``), and every flag value by field name."""
+    """The result of :meth:`RecipeParser.parse`: the training arguments, the recipe's own
+    arguments, the flags that belong to neither (``extras``), and every flag value by field name."""
 
-    dataclasses: tuple
+    training: object
+    recipe: object
     extras: argparse.Namespace
     values: dict
+
+    def replace(self, **changes) -> ParsedFlags:
+        """These flags with some values changed (by field name), both dataclasses rebuilt (and checked)."""
+        values = {**self.values, **changes}
+        built = [type(d)(**{f.name: values[f.name] for f in dataclasses.fields(d) if f.init and f.name in values})
+                 for d in (self.training, self.recipe)]
+        return ParsedFlags(*built, self.extras, values)
 
 
 class RecipeParser(OneLineErrors, HfArgumentParser):
@@ -166,7 +174,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
     :data:`TRAINING_RANGES`, one-line errors and the dataclasses' own checks reported as flag errors.
 
     Args:
-        dataclass_types: e.g. ``(DecentralizedTrainingArguments, NLPArguments)``.
+        training_class: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`.
+        recipe_class: the recipe's own dataclass (e.g. :class:`~lp_decentral_nlp.commands.nlp.NLPArguments`).
         defaults: the recipe's defaults (shown by ``--help``), by field name.
         fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
         derive: ``derive(values)`` completes the values of the flags (by field name) before the
@@ -174,11 +183,11 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
     """
 
-    def __init__(self, dataclass_types, *, defaults=None, fixed=None, derive=None, checks=(), **kwargs):
+    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, checks=(), **kwargs):
         self._fixed = dict(fixed or {})
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
-        super().__init__(dataclass_types, **kwargs)
+        super().__init__((training_class, recipe_class), **kwargs)
         self.set_defaults(**(defaults or {}))
         self._derive, self._checks = derive, list(checks)
 
@@ -218,7 +227,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
             except (ValueError, TypeError) as err:
                 self.error(self._flag_message(str(err), argv))
         extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
-        parsed = ParsedFlags(tuple(instances), extras, values)
+        parsed = ParsedFlags(*instances, extras, values)
         for check in self._checks:
             check(self, parsed)
         return parsed

