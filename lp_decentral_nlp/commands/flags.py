@@ -45,7 +45,7 @@ class Range(NamedTuple):
 
     def __str__(self) -> str:
         left, right = "(" if self.low_open else "[", ")" if self.high_open or self.high is None else "]"
-        return f"{left}{self.low:g}, {'inf' if self.high is None else format(self.high, 'g')}{right}"
+        return f"{left}{self.low}, {'inf' if self.high is None else self.high}{right}"
 
     def __contains__(self, value) -> bool:
         above = value > self.low or (value == self.low and not self.low_open)
