@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from lp_decentral_nlp import cpu_malloc
-from lp_decentral_nlp.cli import build_nlp_parser, training_arguments
+from lp_decentral_nlp.commands import build_nlp_parser
 
 glibc = pytest.mark.skipif(cpu_malloc._glibc() is None, reason="needs glibc")
 
@@ -58,8 +58,8 @@ def test_settings_do_nothing_and_say_so_without_glibc(monkeypatch):
 
 @pytest.mark.parametrize("flags,tuned", [([], True), (["--default-malloc"], False)])
 def test_recipes_keep_freed_memory_unless_default_malloc_is_asked_for(flags, tuned, tmp_path):
-    args = build_nlp_parser("ag_news", "choco").parse_args(["--output-dir", str(tmp_path), *flags])
-    assert training_arguments(args).tune_cpu_malloc is tuned
+    parsed = build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(tmp_path), *flags])
+    assert parsed.training.tune_cpu_malloc is tuned
 
 
 @pytest.mark.parametrize("tune", [True, False])
