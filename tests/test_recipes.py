@@ -148,4 +148,4 @@ def test_sweep_rejects_bad_jobs(capsys):
         sys.path.remove(str(REPO / "recipes"))
     with pytest.raises(SystemExit):
         sweep.parse(["--jobs", "0"])
-    assert "argument --jobs: must be in [1, inf], got 0" in capsys.readouterr().err
+    assert "argument --jobs: must be in [1, inf), got 0" in capsys.readouterr().err
