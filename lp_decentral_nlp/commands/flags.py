@@ -147,6 +147,8 @@ class _FieldAdder:
         if kind in (int, float):
             kwargs["type"] = ranged(kind, self.ranges[dest]) if dest in self.ranges else (
                 integer if kind is int else finite_float)
+        if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
+            kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
         if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
             kwargs.update(nargs="*", action="extend")
         return self.target.add_argument(*aliases, *option_strings, **kwargs)
@@ -185,14 +187,26 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
 
     def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, checks=(), **kwargs):
         self._fixed = dict(fixed or {})
+        self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
+        self._groups = None
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("usage", "%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)")
         kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
         super().__init__((training_class, recipe_class), **kwargs)
         self.set_defaults(**(defaults or {}))
         self._derive, self._checks = derive, list(checks)
 
     def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
-        HfArgumentParser._parse_dataclass_field(_FieldAdder(parser, TRAINING_RANGES, self._fixed), field)
+        """Add one field's options, in the help's group: decentralized setting, recipe, or transformers'."""
+        from transformers import TrainingArguments
+
+        if self._groups is None:  # created in the order --help lists them
+            self._groups = {"decentralized": self.add_argument_group("decentralized setting (SPEC 1-3, 6)"),
+                            "recipe": self.add_argument_group("model, data and run"),
+                            "transformers": self.add_argument_group("transformers TrainingArguments")}
+        kind = ("recipe" if field.name in self._recipe_fields else "transformers"
+                if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
+        HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], TRAINING_RANGES, self._fixed), field)
 
     def add_check(self, check) -> None:
         """Run ``check(parser, parsed)`` after every :meth:`parse`."""

@@ -35,7 +35,7 @@ class NLPArguments(RunArguments):
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "Hub id or local model folder (offline, the default falls back to the packaged all-MiniLM-L6-v2)"})
     data_dir: str | None = field(default=None, metadata={
-        "help": "Local data (CSV file/folder, saved dataset, or SentEval file); default: the hub"})
+        "help": "Local data (CSV file/folder, saved dataset, or SentEval file); None: the hub"})
     max_length: int = field(default=128, metadata={"help": "Max tokens per text"})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training texts"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many test texts"})

@@ -39,8 +39,8 @@ class RunArguments:
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Write into an --output_dir that already holds another run's results (they are overwritten)."})
     threads: int | None = field(default=None, metadata={
-        "help": "torch intra-op threads of this process (default: OMP_NUM_THREADS if set, else 1: with another "
-                "job on a core, 2 threads are many times slower than 1)"})
+        "help": "torch intra-op threads of this process; None: OMP_NUM_THREADS if set, else 1 (with another job on "
+                "a core, 2 threads are many times slower than 1)"})
 
     def __post_init__(self):
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
