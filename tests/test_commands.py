@@ -180,3 +180,30 @@ def test_cost_command_line_refuses_bad_numbers_in_one_line(argv, expected, capsy
         cost_main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err == f"python -m lp_decentral_nlp.cost: error: {expected}\n"
+
+
+def clear_launcher_env(monkeypatch):
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_accelerate_simple_launcher_is_named_with_the_working_command(capsys, monkeypatch):
+    """``accelerate launch --num_processes N`` without --multi_gpu starts one process on a CPU machine."""
+    clear_launcher_env(monkeypatch)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    assert flag_error(["--backend", "distributed", "--nodes", "3"], capsys) == (
+        "argument --backend: 'distributed' runs one process per node, but accelerate launch started a single process: "
+        "on a machine without GPUs launch with accelerate launch --multi_gpu --num_processes 3 (or torchrun "
+        "--nproc_per_node 3)")
+
+
+def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
+    clear_launcher_env(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert flag_error([], capsys) == (
+        "argument --backend: the launcher started 2 processes, but --backend simulated runs every node in one "
+        "process: add --backend distributed --nodes 2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert flag_error(["--backend", "distributed"], capsys) == (
+        "argument --nodes: 4 nodes, but the launcher started 3 processes (WORLD_SIZE=3): launch one process per node "
+        "(torchrun --nproc_per_node 4)")

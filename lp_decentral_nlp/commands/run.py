@@ -51,7 +51,13 @@ class RunArguments:
 
 def derive_run_values(values: dict, run_name: str) -> None:
     """Complete the recipe flags (by field name) the way the recipes read them: no ``--output_dir``:
-    ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps"."""
+    ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
+    on a machine without CUDA, ``use_cpu`` (so that a launcher's process group is gloo, which the
+    gossip of CPU tensors needs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        values["use_cpu"] = True
     if values["output_dir"] is None:
         values["output_dir"] = os.path.join("runs", run_name)
     if values["save_steps"] is None:
