@@ -207,3 +207,24 @@ def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
     assert flag_error(["--backend", "distributed"], capsys) == (
         "argument --nodes: 4 nodes, but the launcher started 3 processes (WORLD_SIZE=3): launch one process per node "
         "(torchrun --nproc_per_node 4)")
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_multi_gpu_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_model_dir, ag_news_csv):
+    """``accelerate launch --multi_gpu --num_processes 2`` (the documented command, CPU included):
+    two ranks, one summary line, one results.json, the per-layer report in cost_report.json."""
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", "29533", str(REPO / "recipes" / "agnews_choco.py"),
+                           "--backend", "distributed", "--nodes", "2", "--model", str(tiny_model_dir),
+                           "--data-dir", str(ag_news_csv), "--max-train-samples", "64", "--max-eval-samples", "16",
+                           "--max-length", "16", "--batch-size", "8", "--max-steps", "2", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [line for line in proc.stdout.splitlines() if line.startswith('{"accuracy"')]
+    assert len(summaries) == 1
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done" and results["config"]["backend"] == "distributed"
+    assert results["accuracy"] == json.loads(summaries[0])["accuracy"] and "layers" not in results["cost"]
+    assert len(json.loads((out / "cost_report.json").read_text())["layers"]) > 0

@@ -28,6 +28,9 @@ RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RA
 # what a finished or interrupted run leaves in its output folder
 RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "model")
 GOSSIP_ESTIMATE_MAX_NODES = 4096
+# the decentralized setting, written to results.json's "config" even where it is the default
+ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
+                    "backend", "seed")
 SUMMARY_KEYS = ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
 
 
@@ -276,15 +279,16 @@ def versions() -> dict:
 
 
 def run_config(values: dict, training) -> dict:
-    """The settings of a run for ``results.json``: the recipe's options and the training arguments
-    that differ from :class:`DecentralizedTrainingArguments`' defaults."""
+    """The settings of a run for ``results.json``: the recipe's options, the decentralized setting
+    (:data:`ALWAYS_IN_CONFIG`) and the other training arguments that differ from
+    :class:`DecentralizedTrainingArguments`' defaults."""
     from ..trainer import DecentralizedTrainingArguments
 
     defaults = {f.name: f.default for f in dataclasses.fields(DecentralizedTrainingArguments)
                 if f.default is not dataclasses.MISSING}
     training_names = set(defaults) | {f.name for f in dataclasses.fields(DecentralizedTrainingArguments)}
     config = {k: v for k, v in values.items() if k not in training_names or defaults.get(k, object()) != v}
-    config["algorithm"] = training.algorithm
+    config.update({name: getattr(training, name) for name in ALWAYS_IN_CONFIG})
     return config
 
 
