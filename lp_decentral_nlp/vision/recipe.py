@@ -42,7 +42,7 @@ DEFAULT_MILESTONE_FRACTIONS = (0.5, 0.75)
 VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_args=SGD_OPTIM_ARGS,
                        lr_scheduler_type="constant", remove_unused_columns=False,  # the transform needs 'image'
                        per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
-                       logging_steps=10, save_strategy="no", save_steps=None, output_dir=None)
+                       logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
 @dataclass
