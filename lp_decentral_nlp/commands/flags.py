@@ -185,10 +185,13 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
         derive: ``derive(values)`` completes the values of the flags (by field name) before the
             dataclasses are built, e.g. an output folder named after the run.
+        value_checks: ``check(parser, values)`` run on the flag values before the dataclasses are
+            built (building ``TrainingArguments`` under a launcher joins its process group).
         checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
     """
 
-    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, checks=(), **kwargs):
+    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, value_checks=(),
+                 checks=(), **kwargs):
         self._fixed = dict(fixed or {})
         self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
         self._groups = None
@@ -197,7 +200,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
         super().__init__((training_class, recipe_class), **kwargs)
         self.set_defaults(**(defaults or {}))
-        self._derive, self._checks = derive, list(checks)
+        self._derive, self._value_checks, self._checks = derive, list(value_checks), list(checks)
 
     def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
         """Add one field's options, in the help's group: decentralized setting, recipe, or transformers'."""
@@ -235,6 +238,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         values = {**vars(namespace), **self._fixed}
         if self._derive is not None:
             self._derive(values)
+        for check in self._value_checks:
+            check(self, values)
         instances, used = [], set()
         for dtype in self.dataclass_types:
             names = {f.name for f in dataclasses.fields(dtype) if f.init}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..data import TASKS
 from .flags import RecipeParser
-from .run import (RunArguments, check_memory, derive_run_values, hub_offline, model_folder_problem,
+from .run import (RunArguments, check_launcher, check_memory, derive_run_values, hub_offline, model_folder_problem,
                   model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
                   train_and_report)
 
@@ -79,7 +79,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task or 'a text task'} (SPEC 8 "
                                      "defaults).")
     return RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
-                        fixed=fixed, derive=_derive,
+                        fixed=fixed, derive=_derive, value_checks=(check_launcher,),
                         checks=(run_checks, check_model_flag), **kwargs)
 
 

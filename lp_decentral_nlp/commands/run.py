@@ -72,8 +72,8 @@ def derive_run_values(values: dict, run_name: str) -> None:
 
 
 def run_checks(parser, parsed) -> None:
-    """The checks every recipe run makes right after parsing, before anything heavy is built."""
-    check_launcher(parser, parsed.training)
+    """The checks every recipe run makes right after parsing, before anything heavy is built
+    (:func:`check_launcher` runs earlier, on the values)."""
     check_save_total_limit(parser, parsed.training)
     check_output_dir(parser, parsed.training, parsed.recipe)
     check_resume(parser, parsed.training)
@@ -90,15 +90,16 @@ def launched_world_size() -> int | None:
     return None if world is None else int(world)
 
 
-def check_launcher(parser, training) -> None:
+def check_launcher(parser, values: dict) -> None:
     """``--backend distributed`` needs one process per node from a launcher; one-line flag error otherwise.
+    ``values``: the flag values by field name (checked before ``TrainingArguments`` joins a process group).
 
     ``accelerate launch --num_processes N`` on a machine without GPUs starts ONE process unless
     ``--multi_gpu`` is given (accelerate's simple launcher); that process sees no WORLD_SIZE.
     """
     world = launched_world_size()
-    if training.backend == "distributed":
-        nodes = training.num_nodes
+    if values["backend"] == "distributed":
+        nodes = values["num_nodes"]
         if world is None and "ACCELERATE_USE_CPU" in os.environ:
             parser.error(f"argument --backend: 'distributed' runs one process per node, but accelerate launch started "
                          f"a single process: on a machine without GPUs launch with accelerate launch --multi_gpu "

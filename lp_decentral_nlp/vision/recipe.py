@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..commands.flags import RecipeParser
-from ..commands.run import RunArguments, check_memory, derive_run_values, print_summary, run_checks, set_threads, \
-    train_and_report
+from ..commands.run import (RunArguments, check_launcher, check_memory, derive_run_values, print_summary, run_checks,
+                            set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -126,7 +126,8 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
     kwargs.setdefault("description", f"Decentralized {algorithm} training of a CNN (SPEC 8 optimizer; defaults "
                                      "sized for a CPU run on digits).")
     return RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
-                        fixed={"algorithm": algorithm}, derive=_derive, checks=(run_checks, _check_network), **kwargs)
+                        fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
+                        checks=(run_checks, _check_network), **kwargs)
 
 
 def parse_vision_args(algorithm: str, argv: list[str] | None = None):
