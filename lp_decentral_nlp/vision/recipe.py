@@ -67,12 +67,13 @@ class VisionArguments(RunArguments):
     num_classes: int | None = field(default=None, init=False)
 
     def __post_init__(self):
-        from .data import VISION_DATASETS
+        from .data import VISION_DATASETS, vision_dataset_spec
 
         super().__post_init__()
         for name, allowed in (("dataset", tuple(VISION_DATASETS)), ("arch", tuple(ARCHS)), ("norm", ("auto",) + NORMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.num_classes = vision_dataset_spec(self.dataset).num_classes
         if self.data_dir is not None:
             if self.dataset == "digits":
                 raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir")
@@ -93,7 +94,6 @@ def _derive(values: dict) -> None:
     if values["dataset"] in VISION_DATASETS:
         spec = vision_dataset_spec(values["dataset"])
         values["image_size"] = values["image_size"] or spec.image_size
-        values["num_classes"] = spec.num_classes
     if values["augment"] is None:
         values["augment"] = values["dataset"] not in NO_AUGMENT_DATASETS
     if values["lr_milestones"] is None:
@@ -107,7 +107,6 @@ def _derive(values: dict) -> None:
 def _check_network(parser, parsed) -> None:
     """Groups that do not divide the channels, or an input too small for the network, exit like a bad flag."""
     recipe = parsed.recipe
-    recipe.num_classes = parsed.values["num_classes"]
     try:
         net = build_vision_model(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
     except ValueError as err:
