@@ -55,7 +55,8 @@ class NLPArguments(RunArguments):
 
 
 def _derive(values: dict) -> None:
-    derive_run_values(values, f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}")
+    run_name = f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}"
+    derive_run_values(values, run_name)
 
 
 def check_model_flag(parser, parsed) -> None:

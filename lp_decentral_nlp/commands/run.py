@@ -128,8 +128,10 @@ def check_output_dir(parser, training, run) -> None:
     if not path.is_dir() or run.overwrite_output_dir:
         return
     resume = training.resume_from_checkpoint
-    if resume is not None and path.resolve() in (pathlib.Path(resume).resolve(), *pathlib.Path(resume).resolve().parents):
-        return
+    if resume is not None:
+        checkpoint = pathlib.Path(resume).resolve()
+        if path.resolve() in (checkpoint, *checkpoint.parents):  # continuing the run this folder holds
+            return
     found = sorted(p.name for p in path.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
     if found:
         parser.error(f"argument {flag}: {path} already holds another run's results ({', '.join(found)}): pass "

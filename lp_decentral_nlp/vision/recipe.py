@@ -51,7 +51,8 @@ class VisionArguments(RunArguments):
     (:func:`parse_vision_args`)."""
 
     dataset: str = field(default="digits", metadata={
-        "help": "Image dataset (digits: scikit-learn's bundled 8x8 digits, offline; others from the hub or --data-dir)"})
+        "help": "Image dataset (digits: scikit-learn's bundled 8x8 digits, offline; others from the hub or "
+                "--data-dir)"})
     data_dir: str | None = field(default=None, metadata={
         "help": "Local copy (save_to_disk folder or image folder tree) instead of the hub; not for digits"})
     image_size: int | None = field(default=None, metadata={
