@@ -29,12 +29,12 @@ import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from bench_quant import peak_step_memory
-from lp_decentral_nlp.cli import _ranged
+from lp_decentral_nlp.commands import Range, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import resnet20
 from record import save_results
 
-POSITIVE = _ranged(int, 1, None)
+POSITIVE = ranged(int, Range(1))
 GOALS = {  # result key -> largest ratio to fp32 that meets issue 23's goal
     "distilbert.time_ratio.default": 0.5,
     "distilbert.time_ratio.simulated": 1.05,

@@ -23,13 +23,13 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.cli import _existing_path, _ranged, packaged_model_path
+from lp_decentral_nlp.commands import Range, existing_path, packaged_model_path, ranged
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from record import save_results
 
-POSITIVE = _ranged(int, 1, None)
+POSITIVE = ranged(int, Range(1))
 SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
                           "data", "ag_news", "ag_news_6000.csv")
 BATCH, MAX_LENGTH, NEIGHBOURS = 64, 64, 5
@@ -59,13 +59,13 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: packaged MiniLM)")
-    p.add_argument("--data", type=_existing_path, default=str(SHARED_CSV), help="AG News CSV (default %(default)s)")
+    p.add_argument("--data", type=existing_path, default=str(SHARED_CSV), help="AG News CSV (default %(default)s)")
     p.add_argument("--samples", type=POSITIVE, default=None,
                    help="held-out texts compared (default: all held out, 1,200 of the 6,000-row sample)")
     p.add_argument("--calibration-batches", type=POSITIVE, default=8,
                    help=f"training batches of {BATCH} that set the activation ranges (default %(default)s)")
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads())
-    p.add_argument("--seed", type=_ranged(int, 0, None), default=0, help="seeds the calibration's dropout")
+    p.add_argument("--seed", type=ranged(int, Range(0)), default=0, help="seeds the calibration's dropout")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

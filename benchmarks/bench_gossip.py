@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
+from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
@@ -152,11 +152,11 @@ def training_round(config: str, rounds: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", type=_ranged(int, 1, None), default=2, help="passes over the configurations in parts 1-2")
-    parser.add_argument("--rounds", type=_ranged(int, 1, None), default=1, help="timed training rounds in part 3")
+    parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2")
+    parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
     parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
-    parser.add_argument("--threads", type=_ranged(int, 1, None), default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=ranged(int, Range(1)), default=None, help="torch intra-op threads (default: torch's)")
     add_default_malloc_flag(parser)
     args = parser.parse_args()
     if args.threads is not None:

@@ -36,13 +36,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
+from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from record import save_results
 
-POSITIVE = _ranged(int, 1, None)
+POSITIVE = ranged(int, Range(1))
 
 
 class LiveTensorBytes(TorchDispatchMode):

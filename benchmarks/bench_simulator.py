@@ -61,12 +61,12 @@ from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp import QuantConfig
-from lp_decentral_nlp.cli import _ranged, add_default_malloc_flag
+from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 from record import save_results
 
 NUM_LABELS = 4
-POSITIVE, NONNEGATIVE = _ranged(int, 1, None), _ranged(int, 0, None)
+POSITIVE, NONNEGATIVE = ranged(int, Range(1)), ranged(int, Range(0))
 CHECK = "NaN check + clipping"
 
 

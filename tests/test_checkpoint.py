@@ -190,7 +190,7 @@ def test_nested_state_round_trips_through_safetensors(tmp_path):
 def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_news_csv):
     from test_recipes import tiny_flags
 
-    from lp_decentral_nlp.cli import main
+    from lp_decentral_nlp.commands import main
 
     model_dir = tmp_path / "model"
     tiny_model(dropout=0.0).save_pretrained(model_dir)
@@ -204,7 +204,7 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
     for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps"):
         assert straight[key] == resumed[key], key
     assert straight["bytes_sent_per_node"][3] < straight["bytes_sent_per_node"][0]  # node 3 was away for 2 steps
-    assert straight["config"]["leave"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
+    assert straight["config"]["absences"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
     assert len(a) > 2 and a == b
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from lp_decentral_nlp.commands import build_nlp_parser
 from lp_decentral_nlp.utils import cpu_malloc
-from lp_decentral_nlp.cli import build_nlp_parser, training_arguments
 
 glibc = pytest.mark.skipif(not cpu_malloc.glibc_available(), reason="needs glibc")
 
@@ -59,8 +59,8 @@ def test_settings_say_whether_they_were_applied():
 
 @pytest.mark.parametrize("flags,tuned", [([], True), (["--default-malloc"], False)])
 def test_recipes_keep_freed_memory_unless_default_malloc_is_asked_for(flags, tuned, tmp_path):
-    args = build_nlp_parser("ag_news", "choco").parse_args(["--output-dir", str(tmp_path), *flags])
-    assert training_arguments(args).tune_cpu_malloc is tuned
+    parsed = build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(tmp_path), *flags])
+    assert parsed.training.tune_cpu_malloc is tuned
 
 
 @pytest.mark.parametrize("tune", [True, False])

@@ -67,28 +67,35 @@ def test_lr_milestone_arguments_are_checked(tmp_path, kw, match):
 
 def test_defaults_resolve_per_precision_and_dataset():
     a = parse_vision_args("choco", [])
-    assert (a.dataset, a.arch, a.norm, a.image_size, a.num_classes) == ("digits", "resnet20", "range_evonorm", 8, 10)
-    assert a.lr == 0.1 and a.weight_decay == 1e-4 and a.augment is False
-    assert a.lr_milestones == [2.5, 3.75]  # 50% and 75% of the 5 default epochs
+    r, t = a.recipe, a.training
+    assert (r.dataset, r.arch, r.norm, r.image_size, r.num_classes) == ("digits", "resnet20", "range_evonorm", 8, 10)
+    assert t.learning_rate == 0.1 and t.weight_decay == 1e-4 and r.augment is False and t.optim == "sgd"
+    assert t.lr_milestones == [2.5, 3.75]  # 50% and 75% of the 5 default epochs
     b = parse_vision_args("deepsqueeze", ["--full-precision", "--epochs", "200", "--dataset", "cifar10"])
-    assert (b.norm, b.algorithm, b.image_size, b.augment) == ("evonorm", "deepsqueeze", 32, True)
-    assert b.lr_milestones == [100, 150]  # SPEC 8
-    c = parse_vision_args("choco", ["--lr-milestones", "--norm", "batchnorm", "--no-augment", "--dataset", "cifar100"])
-    assert c.lr_milestones == [] and c.norm == "batchnorm" and c.augment is False and c.num_classes == 100
+    assert (b.recipe.norm, b.training.algorithm, b.recipe.image_size, b.recipe.augment) == (
+        "evonorm", "deepsqueeze", 32, True)
+    assert b.training.lr_milestones == [100, 150]  # SPEC 8
+    c = parse_vision_args("choco", ["--lr-milestones", "--norm", "batchnorm", "--augment", "false",
+                                    "--dataset", "cifar100"])
+    assert c.training.lr_milestones is None and c.recipe.norm == "batchnorm" and c.recipe.augment is False
+    assert c.recipe.num_classes == 100
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--norm", "layernorm"], "argument --norm: invalid choice"),
-    (["--arch", "resnet50"], "argument --arch: invalid choice"),
-    (["--dataset", "mnist"], "argument --dataset: invalid choice"),
-    (["--lr", "0"], "argument --lr: must be in (0.0, inf]"),
-    (["--skew", "1.5"], "argument --skew: must be in [0.0, 1.0]"),
-    (["--lr-milestones", "3", "2"], "argument --lr-milestones: epochs must be strictly increasing"),
-    (["--lr-milestones", "0"], "argument --lr-milestones: must be in (0.0, inf]"),
-    (["--data-dir", "."], "argument --data-dir: digits is bundled with scikit-learn"),
-    (["--arch", "vgg11"], "argument --image-size: vgg11 needs images of at least 32x32, got 8"),
+    (["--norm", "layernorm"], "argument --norm: norm must be one of"),
+    (["--arch", "resnet50"], "argument --arch: arch must be one of"),
+    (["--dataset", "mnist"], "argument --dataset: dataset must be one of"),
+    (["--lr", "0"], "argument --lr/--learning_rate/--learning-rate: must be in (0, inf), got 0"),
+    (["--skew", "1.5"], "argument --skew: skew must be in [0, 1], got 1.5"),
+    (["--lr-milestones", "3", "2"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing"),
+    (["--lr-milestones", "0"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing list "
+                               "of epochs > 0"),
+    (["--lr-milestones", "nan"], "expected a finite number, got 'nan'"),
+    (["--data-dir", "."], "argument --data-dir: data_dir: digits is bundled with scikit-learn"),
+    (["--arch", "vgg11"], "argument --image_size: vgg11 needs images of at least 32x32, got 8"),
     (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
     (["--groups", "16"], "needs at least 2 channels per group"),
+    (["--groups", "0"], "argument --groups: groups must be an integer >= 1, got 0"),
 ])
 def test_bad_flags_exit_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..commands.flags import OneLineParser, Range, finite_float, integer, ranged
 from .report import CONVENTIONS, OPTIMIZER_STATES, estimate_cost, format_comparison
 
 # Paper datasets: CIFAR-10 (50,000 training images, 10 classes), AG News (120,000 rows, 4 classes).
@@ -24,26 +25,27 @@ _TEXT_DEFAULTS = {"num_classes": 4, "train_samples": 120_000, "optimizer": "adam
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lp_decentral_nlp.cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m lp_decentral_nlp.cost", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    positive = ranged(int, Range(1))
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
     which.add_argument("--model", help="Hugging Face model id or local folder")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per node per iteration (32)")
-    p.add_argument("--image-size", type=int, default=32, help="vision input height = width (32, CIFAR)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample for --model (128)")
-    p.add_argument("--num-classes", type=int, help="classes (default 10 for --arch, 4 for --model)")
+    p.add_argument("--batch-size", type=positive, default=32, help="samples per node per iteration (32)")
+    p.add_argument("--image-size", type=positive, default=32, help="vision input height = width (32, CIFAR)")
+    p.add_argument("--seq-len", type=positive, default=128, help="tokens per sample for --model (128)")
+    p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch, 4 for --model)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                    help="optimizer state per parameter (default momentum for --arch, adam for --model)")
     p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco")
     p.add_argument("--topology", default="directed_ring",
                    help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")
-    p.add_argument("--num-nodes", type=int, default=4)
-    p.add_argument("--compression", type=float, default=0.0,
+    p.add_argument("--num-nodes", type=integer, default=4)
+    p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
     p.add_argument("--compressor", choices=("topk", "randomk"), default="topk")
-    p.add_argument("--train-samples", type=int,
+    p.add_argument("--train-samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
     p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")
     p.add_argument("--convention", choices=CONVENTIONS, default="ours",
@@ -79,8 +81,6 @@ def main(argv=None) -> int:
         configs = {precision: _gossip_config(args, precision) for precision in ("fp32", "int8")}
     except ValueError as err:
         parser.error(str(err).replace("num_nodes", "--num-nodes").replace("compression", "--compression"))
-    if args.batch_size < 1 or args.num_nodes < 1:
-        parser.error("--batch-size and --num-nodes must be positive")
     defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
     args.num_classes = args.num_classes or defaults["num_classes"]
     args.optimizer = args.optimizer or defaults["optimizer"]

@@ -20,6 +20,8 @@ from .faults import FaultPlan
 from .topology import TOPOLOGIES, Topology, make_topology
 
 ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
+#: more nodes than any graph here is meant for (the mixing matrices are dense n x n)
+MAX_NODES = 65536
 COMPRESSORS = ("topk", "randomk", "qsgd")
 
 
@@ -73,7 +75,7 @@ class GossipConfig:
     faults: FaultPlan | None = None
 
     def __post_init__(self):
-        _check_int("num_nodes", self.num_nodes, 1)
+        _check_int("num_nodes", self.num_nodes, 1, MAX_NODES)
         _check_choice("topology", self.topology, TOPOLOGIES)
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
         _check_choice("compressor", self.compressor, COMPRESSORS)
@@ -88,7 +90,7 @@ class GossipConfig:
             if not 0.0 < self.consensus_lr <= 1.0:
                 raise ValueError(f"consensus_lr must be in (0, 1], got {self.consensus_lr!r}")
         if self.torus_rows is not None:
-            _check_int("torus_rows", self.torus_rows, 1)
+            _check_int("torus_rows", self.torus_rows, 1, MAX_NODES)
             if self.topology != "torus" or self.num_nodes % self.torus_rows:
                 raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
                                  f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")

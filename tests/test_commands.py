@@ -1,0 +1,230 @@
+"""The recipes' command line (lp_decentral_nlp.commands): transformers spelling and short aliases,
+strict numbers, --help, output folder, model folder and memory checks, results.json / cost_report.json."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from lp_decentral_nlp.commands import ALIASES, build_nlp_parser
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def flag_error(argv, capsys, task="ag_news"):
+    with pytest.raises(SystemExit) as exc:
+        build_nlp_parser(task, "choco").parse(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.split(": error: ", 1)[1].rstrip("\n")
+
+
+def test_transformers_spelling_and_short_aliases_set_the_same_fields(tmp_path):
+    spelled = build_nlp_parser("ag_news", "choco").parse([
+        "--learning_rate", "1e-4", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
+        "--num_nodes", "2", "--compression", "90", "--no_low_precision", "--gradient_accumulation_steps", "2",
+        "--report_to", "none", "--output_dir", str(tmp_path / "a")]).training
+    short = build_nlp_parser("ag_news", "choco").parse([
+        "--lr", "1e-4", "--batch-size", "8", "--epochs", "2", "--nodes", "2", "--comp", "90", "--full-precision",
+        "--gradient-accumulation-steps", "2", "--output-dir", str(tmp_path / "a")]).training
+    for name in ("learning_rate", "per_device_train_batch_size", "num_train_epochs", "num_nodes", "compression",
+                 "low_precision", "gradient_accumulation_steps", "report_to"):
+        assert getattr(spelled, name) == getattr(short, name), name
+    assert (short.learning_rate, short.num_nodes, short.low_precision, short.gradient_accumulation_steps) == (
+        1e-4, 2, False, 2)
+
+
+def test_every_alias_is_listed_by_help_beside_its_transformers_spelling():
+    text = build_nlp_parser("ag_news", "choco").format_help()
+    for alias, target in ALIASES.items():
+        assert f"  {alias}" in text and f", --{target}" in text, alias
+
+
+def test_spec8_defaults_and_repeatable_fault_flags():
+    parsed = build_nlp_parser("ag_news", "deepsqueeze").parse(["--straggler", "1:0.5", "--straggler", "2:0.1",
+                                                               "--leave", "3:1:2"])
+    t = parsed.training
+    assert (t.learning_rate, t.adam_beta1, t.adam_beta2, t.weight_decay, t.per_device_train_batch_size) == (
+        3e-5, 0.9, 0.9, 1e-4, 32)
+    assert t.algorithm == "deepsqueeze" and t.stragglers == ["1:0.5", "2:0.1"] and t.absences == ["3:1:2"]
+    assert t.save_strategy == "no" and t.eval_strategy == "no"
+    saving = build_nlp_parser("ag_news", "choco").parse(["--save-steps", "5", "--eval-steps", "3"]).training
+    assert (saving.save_strategy, saving.save_steps, saving.eval_strategy, saving.eval_steps) == ("steps", 5, "steps", 3)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--nodes", "2.0"], "argument --nodes/--num_nodes/--num-nodes: expected an integer, got '2.0'"),
+    (["--nodes", "1e3"], "argument --nodes/--num_nodes/--num-nodes: expected an integer, got '1e3'"),
+    (["--batch-size", "8.5"], "expected an integer, got '8.5'"),
+    (["--lr", "nan"], "argument --lr/--learning_rate/--learning-rate: expected a finite number, got 'nan'"),
+    (["--lr=-inf"], "argument --lr/--learning_rate/--learning-rate: expected a finite number, got '-inf'"),
+    (["--skew", "nan"], "argument --skew: expected a finite number, got 'nan'"),
+    (["--comp", "inf"], "argument --comp/--compression: expected a finite number, got 'inf'"),
+    (["--gossip-timeout", "NaN"], "expected a finite number, got 'NaN'"),
+    (["--lr", "0"], "argument --lr/--learning_rate/--learning-rate: must be in (0, inf), got 0"),
+    (["--epochs", "-1"], "argument --epochs/--num_train_epochs/--num-train-epochs: must be in (0, inf), got -1"),
+    (["--batch-size", "0"], "must be in [1, inf), got 0"),
+    (["--gradient_accumulation_steps", "0"], "must be in [1, inf), got 0"),
+    (["--adam_beta2", "1"], "must be in [0, 1), got 1"),
+    (["--seed", "99999999999"], "argument --seed: must be in [0, 4294967295], got 99999999999"),
+    (["--consensus-lr", "0"], "argument --consensus-lr: consensus_lr must be in (0, 1], got 0.0"),
+    (["--gossip-timeout", "-1"], "argument --gossip-timeout: gossip_timeout must be a positive number of seconds, "
+                                 "got -1.0"),
+    (["--max-length", "1"], "argument --max-length: max_length must be an integer >= 2, got 1"),
+    (["--max-length", "99999999"], "argument --max-length: max_length must be at most 1000000 tokens, got 99999999"),
+    (["--max-train-samples", "0"], "argument --max-train-samples: max_train_samples must be an integer >= 1, got 0"),
+    (["--threads", "0"], "argument --threads: threads must be an integer in [1, "),
+])
+def test_numbers_that_mean_nothing_are_refused_naming_the_flag(argv, expected, capsys):
+    assert expected in flag_error(argv, capsys)
+
+
+def test_help_shows_defaults_and_exits_zero():
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"), "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for piece in ("--nodes", "--learning_rate", "--skew", "(default: 3e-05)", "--overwrite_output_dir"):
+        assert piece in text, piece
+
+
+def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert flag_error(["--output-dir", str(afile)], capsys) == f"argument --output-dir: {afile} is a file, not a folder"
+    assert afile.read_text() == "mine"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text('{"status": "done"}')
+    (run / "checkpoint-4").mkdir()
+    assert flag_error(["--output-dir", str(run)], capsys) == (
+        f"argument --output-dir: {run} already holds another run's results (checkpoint-4, results.json): pass "
+        "--overwrite_output_dir to write over them, or choose another --output-dir")
+    parsed = build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(run), "--overwrite_output_dir"])
+    assert parsed.recipe.overwrite_output_dir and (run / "results.json").read_text() == '{"status": "done"}'
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
+def test_output_dir_that_cannot_be_written_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert flag_error(["--output-dir", str(locked / "run")], capsys) == (
+            f"argument --output-dir: {locked / 'run'} cannot be written ({locked} is not writable)")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_model_folder_missing_or_incomplete_is_one_line(tmp_path, capsys, tiny_model_dir):
+    assert flag_error(["--model", str(tmp_path / "nope")], capsys) == f"argument --model: {tmp_path / 'nope'} does not exist"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert flag_error(["--model", str(empty)], capsys) == f"argument --model: {empty} is not a model folder (no config.json)"
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    assert flag_error(["--model", str(no_weights)], capsys) == (
+        f"argument --model: {no_weights} is incomplete: no weights (model.safetensors or pytorch_model.bin)")
+
+
+def run_recipe(*argv, recipe="agnews_choco"):
+    return subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *map(str, argv)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+
+
+def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, tiny_model_dir, ag_news_csv):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    other = tmp_path / "sentiment"
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2,
+                                                               id2label={0: "negative", 1: "positive"})
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
+    proc = run_recipe("--model", other, "--data-dir", ag_news_csv, "--max-train-samples", 64, "--max-eval-samples", 16,
+                      "--output-dir", tmp_path / "out")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"agnews_choco.py: error: argument --model: {other} has a classification head for 2 labels (negative, "
+        "positive), this task has 4 (World, Sports, Business, Sci/Tech): use a base model or one trained for this task")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp_path, tiny_model_dir, ag_news_csv):
+    proc = run_recipe("--model", tiny_model_dir, "--data-dir", ag_news_csv, "--max-train-samples", 64,
+                      "--max-eval-samples", 16, "--max-length", 16, "--nodes", 65536, "--output-dir", tmp_path / "out")
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(65536 nodes in this process x" in line
+    assert "are available on cpu: lower --nodes, --batch-size or --max-length, or run one node per process " \
+           "(--backend distributed)" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--arch", "resnet20", "--batch-size", "0"], "argument --batch-size: must be in [1, inf), got 0"),
+    (["--arch", "resnet20", "--num-nodes", "2.5"], "argument --num-nodes: expected an integer, got '2.5'"),
+    (["--arch", "resnet20", "--num-nodes", "0"], "--num-nodes must be an integer in [1, 65536], got 0"),
+    (["--arch", "resnet20", "--compression", "nan"], "argument --compression: expected a finite number, got 'nan'"),
+    (["--arch", "resnet20", "--compression", "100"],
+     "--compression must be a percentage with 0 <= --compression < 100, got 100.0"),
+    (["--model", "x", "--seq-len", "-3"], "argument --seq-len: must be in [1, inf), got -3"),
+])
+def test_cost_command_line_refuses_bad_numbers_in_one_line(argv, expected, capsys):
+    from lp_decentral_nlp.cost.__main__ import main as cost_main
+
+    with pytest.raises(SystemExit) as exc:
+        cost_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err == f"python -m lp_decentral_nlp.cost: error: {expected}\n"
+
+
+def clear_launcher_env(monkeypatch):
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_accelerate_simple_launcher_is_named_with_the_working_command(capsys, monkeypatch):
+    """``accelerate launch --num_processes N`` without --multi_gpu starts one process on a CPU machine."""
+    clear_launcher_env(monkeypatch)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    assert flag_error(["--backend", "distributed", "--nodes", "3"], capsys) == (
+        "argument --backend: 'distributed' runs one process per node, but accelerate launch started a single process: "
+        "on a machine without GPUs launch with accelerate launch --multi_gpu --num_processes 3 (or torchrun "
+        "--nproc_per_node 3)")
+
+
+def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
+    clear_launcher_env(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert flag_error([], capsys) == (
+        "argument --backend: the launcher started 2 processes, but --backend simulated runs every node in one "
+        "process: add --backend distributed --nodes 2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert flag_error(["--backend", "distributed"], capsys) == (
+        "argument --nodes: 4 nodes, but the launcher started 3 processes (WORLD_SIZE=3): launch one process per node "
+        "(torchrun --nproc_per_node 4)")
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_multi_gpu_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_model_dir, ag_news_csv):
+    """``accelerate launch --multi_gpu --num_processes 2`` (the documented command, CPU included):
+    two ranks, one summary line, one results.json, the per-layer report in cost_report.json."""
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", "29533", str(REPO / "recipes" / "agnews_choco.py"),
+                           "--backend", "distributed", "--nodes", "2", "--model", str(tiny_model_dir),
+                           "--data-dir", str(ag_news_csv), "--max-train-samples", "64", "--max-eval-samples", "16",
+                           "--max-length", "16", "--batch-size", "8", "--max-steps", "2", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [line for line in proc.stdout.splitlines() if line.startswith('{"accuracy"')]
+    assert len(summaries) == 1
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done" and results["config"]["backend"] == "distributed"
+    assert results["accuracy"] == json.loads(summaries[0])["accuracy"] and "layers" not in results["cost"]
+    assert len(json.loads((out / "cost_report.json").read_text())["layers"]) > 0
