@@ -22,8 +22,6 @@ import argparse
 import collections
 import copy
 import os
-import statistics
-import time
 
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
@@ -33,6 +31,7 @@ from lp_decentral_nlp.commands import Range, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import resnet20
 from record import save_results
+from timing import interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
 GOALS = {  # result key -> largest ratio to fp32 that meets issue 23's goal
@@ -97,30 +96,16 @@ def resnet_variants(args, device):
 
 def measure(variants, args, device) -> dict:
     """Interleaved step times, saved-for-backward bytes and whole-step peak memory per variant."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     def step(model, optimizer, forward):
         forward().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for v in variants.values():
-        for _ in range(args.warmup):
-            step(*v)
-    times = {n: [] for n in variants}
-    cpu_times = {n: [] for n in variants}
-    for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
-        for name, v in variants.items():
-            sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            step(*v)
-            sync()
-            times[name].append(time.perf_counter() - start)
-            cpu_times[name].append(time.process_time() - cpu_start)
-    out = {"median_s": {}, "median_cpu_s": {}, "saved_bytes": {}, "peak_step_bytes": {}, "kernels": {}}
+    times = interleaved_times({name: (lambda v=v: step(*v)) for name, v in variants.items()},
+                              args.repeats, args.warmup, device)
+    out = {"median_s": medians(times["wall_s"]), "median_cpu_s": medians(times["cpu_s"]), "saved_bytes": {},
+           "peak_step_bytes": {}, "kernels": {}}
     for name, (model, optimizer, forward) in variants.items():
-        out["median_s"][name] = statistics.median(times[name])
-        out["median_cpu_s"][name] = statistics.median(cpu_times[name])
         loss, nbytes = saved_tensor_bytes(forward)
         del loss
         out["saved_bytes"][name] = nbytes
@@ -137,7 +122,6 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
     """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width on ``32 x w x 16 x 16``
     inputs (8,192 GEMM rows), fp32 vs simulated vs int8, interleaved medians: the data for
     ``kernels.AUTO_MIN_FEATURES`` on convolutions (the threshold was measured on Linear layers)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     size = 4 if args.smoke else 16
     out = {}
     for width in widths:
@@ -146,16 +130,8 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
         for kernel in ("simulated", "int8"):
             layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
         x = torch.randn(args.image_batch_size, width, size, size, device=device, requires_grad=True)
-        times = {k: [] for k in layers}
-        for i in range(args.warmup + args.repeats):
-            for name, layer in layers.items():
-                sync()
-                start = time.perf_counter()
-                layer(x).sum().backward()
-                sync()
-                if i >= args.warmup:
-                    times[name].append(time.perf_counter() - start)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = medians(interleaved_times({name: (lambda layer=layer: layer(x).sum().backward())
+                                         for name, layer in layers.items()}, args.repeats, args.warmup, device)["wall_s"])
         out[width] = {"fp32_s": med["fp32"], "simulated_ratio": med["simulated"] / med["fp32"],
                       "int8_ratio": med["int8"] / med["fp32"]}
         print(f"Conv2d width {width:4d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated "

@@ -26,7 +26,6 @@ import argparse
 import copy
 import os
 import statistics
-import time
 import weakref
 
 import torch
@@ -41,6 +40,7 @@ from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from record import save_results
+from timing import interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
 
@@ -117,7 +117,6 @@ def quantized_flop_share(config, input_ids) -> float:
 def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
     """Forward + backward of one square Linear (``batch * seq`` rows) per width, fp32 vs simulated
     vs int8 kernel, interleaved medians: the data behind ``kernels.AUTO_MIN_FEATURES``."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"one Linear(w, w), {args.batch_size * args.seq_len} rows, forward + backward, device {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats")
     for width in widths:
@@ -126,16 +125,8 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
         for kernel in ("simulated", "int8", "int8_bf16"):
             layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
         x = torch.randn(args.batch_size * args.seq_len, width, device=device, requires_grad=True)
-        times = {k: [] for k in layers}
-        for i in range(args.warmup + args.repeats):
-            for name, layer in layers.items():
-                sync()
-                start = time.perf_counter()
-                layer(x).sum().backward()
-                sync()
-                if i >= args.warmup:
-                    times[name].append(time.perf_counter() - start)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = medians(interleaved_times({name: (lambda layer=layer: layer(x).sum().backward())
+                                         for name, layer in layers.items()}, args.repeats, args.warmup, device)["wall_s"])
         print(f"width {width:5d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated {med['simulated'] / med['fp32']:.2f}x"
               f"   int8 {med['int8'] / med['fp32']:.2f}x   int8_bf16 {med['int8_bf16'] / med['fp32']:.2f}x fp32")
 
@@ -180,20 +171,11 @@ def main(argv=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(args.warmup):
-            step()
-        variants[name] = {"step": step, "model": model, "optimizer": optimizer, "times": [], "cpu_times": []}
+        variants[name] = {"step": step, "model": model, "optimizer": optimizer}
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
-        for v in variants.values():
-            sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            v["step"]()
-            sync()
-            v["times"].append(time.perf_counter() - start)
-            v["cpu_times"].append(time.process_time() - cpu_start)
-    for v in variants.values():
+    times = interleaved_times({name: v["step"] for name, v in variants.items()}, args.repeats, args.warmup, device)
+    for name, v in variants.items():
+        v["times"], v["cpu_times"] = times["wall_s"][name], times["cpu_s"][name]
         v["median_s"] = statistics.median(v["times"])
         v["median_cpu_s"] = statistics.median(v["cpu_times"])
         v["peak_bytes"] = peak_step_memory(v["step"], v["model"], v["optimizer"], device)
