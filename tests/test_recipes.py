@@ -29,8 +29,11 @@ def tiny_flags(model_dir, csv, out, *extra):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     out = tmp_path / "run"
+    # --kernel int8 is honoured for every layer; "auto" runs the tiny model's narrow layers simulated
+    kernel = "int8" if recipe == "agnews_choco" else "auto"
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"),
-                           *tiny_flags(tiny_model_dir, ag_news_csv, out, "--skew", "0.9", "--comp", "99")],
+                           *tiny_flags(tiny_model_dir, ag_news_csv, out, "--skew", "0.9", "--comp", "99",
+                                       "--kernel", kernel)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -47,6 +50,11 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert cost["communication"]["bytes_per_iteration"] > 0 and "layers" not in cost
     report = json.loads((out / "cost_report.json").read_text())  # the per-layer report has its own file
     assert report["train_energy_mj"] == cost["train_energy_mj"] and len(report["layers"]) > 0
+    layer_kernels = json.loads((out / "kernels.json").read_text())  # the kernel of every 8-bit layer
+    assert len(layer_kernels) == 2 * 6  # 2 blocks x (q, k, v, out, 2 FFN); the classification head stays fp32
+    assert all(name.startswith("distilbert.transformer.layer.") for name in layer_kernels)
+    assert results["kernels"] == {"int8" if kernel == "int8" else "simulated": len(layer_kernels)}
+    assert results["config"].get("quant_kernel", "auto") == kernel
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
     model = load_quantized(out / "model", auto_class=AutoModelForSequenceClassification)

@@ -5,14 +5,19 @@ A run writes, under ``--output_dir`` (rank 0 only):
 
 * ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
   consensus distance, the settings that differ from the defaults, the model used, versions, wall
-  time, and the SPEC 7 cost summary of one node (first with ``"status": "running"``, then ``"done"``);
+  time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
+  8-bit layers running it}`` (empty for a full-precision run) (first with ``"status": "running"``,
+  then ``"done"``);
 * ``cost_report.json`` -- the full SPEC 7 cost report, per layer;
+* ``kernels.json`` -- the GEMM kernel of every 8-bit layer, by module name
+  (:func:`lp_decentral_nlp.quant.kernel_report` of a node's model);
 * ``metrics.csv`` -- one row per logging/evaluation step;
 * ``model/`` -- the averaged model (an 8-bit one reloads with :func:`lp_decentral_nlp.load_quantized`);
 * with ``--save_steps N``, ``checkpoint-<step>/`` every N steps.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # what a finished or interrupted run leaves in its output folder
-RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "model")
+RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
 GOSSIP_ESTIMATE_MAX_NODES = 4096
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
@@ -299,9 +304,11 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
                      **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
-    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); training
+    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); the 8-bit
+    layers' GEMM kernels (``kernels.json``, their counts in ``results.json``); training
     (resumed from ``training.resume_from_checkpoint`` if given); the final evaluation, ``model/``
     and ``results.json``. `values`: the flags by field name; `start`: ``time.time()`` at the start."""
+    from ..quant import kernel_report
     from ..trainer import DecentralizedTrainer, MetricsCSVCallback
 
     out = training.output_dir
@@ -311,10 +318,13 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(values, training), "consensus_lr_used": training.gamma}
+    layer_kernels = kernel_report(trainer.nodes[0])
+    kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
         _write_json(out, "cost_report.json", report)
+        _write_json(out, "kernels.json", layer_kernels)
         _write_json(out, "results.json", {"status": "running", "config": config, "model_used": model_used,
-                                          "cost": cost})
+                                          "cost": cost, "kernels": kernels})
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
@@ -332,6 +342,7 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
         "versions": versions(),
         "wall_time_s": time.time() - start,
         "cost": cost,
+        "kernels": kernels,
     }
     if trainer.state.is_world_process_zero:
         _write_json(out, "results.json", results)
