@@ -26,6 +26,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -161,6 +162,53 @@ def check_resume(parser, training) -> None:
         check_resumable(training.resume_from_checkpoint, training)
     except ValueError as err:
         parser.error(f"argument {flag}: {str(err).removeprefix('resume_from_checkpoint: ')}")
+
+
+def exit_with_error(prog: str, message: str, flag: str | None = None) -> NoReturn:
+    """Stop the run the way a bad flag does: ``<prog>: error: argument <flag>: <message>`` (without
+    ``flag``: ``<prog>: error: <message>``), one line on stderr, exit status 2."""
+    print(f"{prog}: error: {'' if flag is None else f'argument {flag}: '}{message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def load_data(load, what: str, data_dir, prog: str):
+    """``load()`` (a task's or dataset's loader), its errors told as the command line's.
+
+    With ``data_dir``: an unusable local source (ValueError, TypeError or OSError: the loaders
+    name the file, line and problem) is the one-line flag error of ``--data-dir``. Without it
+    (``what`` read from the hub): no connection is one line asking for ``--data-dir``."""
+    try:
+        return load()
+    except (ValueError, TypeError, OSError) as err:
+        if data_dir is not None:
+            exit_with_error(prog, str(err), "--data-dir")
+        if not isinstance(err, OSError):
+            raise
+        exit_with_error(prog, f"could not load {what!r} from the hub ({err.__class__.__name__}); pass --data-dir "
+                              "with a local copy")
+
+
+def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
+                        max_train_samples: int | None = None) -> None:
+    """Exit like a bad flag when a training split of ``num_rows`` rows cannot give each of
+    ``training.num_nodes`` nodes one batch of ``training.per_device_train_batch_size`` at
+    ``training.skew`` (:func:`lp_decentral_nlp.data.check_enough_rows`, SPEC 6). The flag named
+    is ``--max-train-samples`` when it cut the split to ``num_rows``, else ``--data-dir`` (no flag
+    for ``what`` read from the hub or bundled)."""
+    from ..data import check_enough_rows
+
+    if max_train_samples is not None and num_rows == max_train_samples:
+        flag, source = "--max-train-samples", f"{data_dir or what} cut to {max_train_samples} rows"
+    elif data_dir is not None:
+        flag, source = "--data-dir", str(data_dir)
+    else:
+        flag, source = None, what
+    try:
+        check_enough_rows(num_rows, training.num_nodes, training.per_device_train_batch_size, source,
+                          skew=training.skew)
+    except ValueError as err:
+        exit_with_error(prog, str(err), flag)
 
 
 def set_threads(run: RunArguments) -> int:
