@@ -307,6 +307,9 @@ def test_row29_batch_larger_than_a_shard(tmp_path, data):
     with pytest.raises(ValueError) as err:
         trainer.train()
     assert str(err.value) == ROWS[29].message
+    with pytest.raises(ValueError) as err:  # the cost report (written before training) refuses it the same way
+        trainer.cost_report((16,))
+    assert str(err.value) == ROWS[29].message
 
 
 def test_row30_plain_training_arguments(tmp_path, data):
