@@ -150,7 +150,7 @@ def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, 
     model.save_pretrained(other)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
     proc = run_recipe("--model", other, "--data-dir", ag_news_csv, "--max-train-samples", 64, "--max-eval-samples", 16,
-                      "--output-dir", tmp_path / "out")
+                      "--batch-size", 8, "--output-dir", tmp_path / "out")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         f"agnews_choco.py: error: argument --model: {other} has a classification head for 2 labels (negative, "
@@ -159,11 +159,19 @@ def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, 
 
 
 def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp_path, tiny_model_dir, ag_news_csv):
-    proc = run_recipe("--model", tiny_model_dir, "--data-dir", ag_news_csv, "--max-train-samples", 64,
-                      "--max-eval-samples", 16, "--max-length", 16, "--nodes", 65536, "--output-dir", tmp_path / "out")
+    from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+    # 4800 nodes of batch 1 (the sample's 4800 training rows), each holding a dim-256 DistilBERT
+    # (~9M parameters: weights, gradients, Adam and gossip state): terabytes
+    wide = tmp_path / "wide"
+    DistilBertForSequenceClassification(DistilBertConfig(dim=256, n_layers=2, n_heads=2, hidden_dim=512,
+                                                         max_position_embeddings=64)).save_pretrained(wide)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(wide)
+    proc = run_recipe("--model", wide, "--data-dir", ag_news_csv, "--max-eval-samples", 16, "--max-length", 16,
+                      "--nodes", 4800, "--batch-size", 1, "--output-dir", tmp_path / "out")
     assert proc.returncode != 0
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(65536 nodes in this process x" in line
+    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(4800 nodes in this process x" in line
     assert "are available on cpu: lower --nodes, --batch-size or --max-length, or run one node per process " \
            "(--backend distributed)" in line
     assert not (tmp_path / "out").exists()
