@@ -91,7 +91,8 @@ def cli(argv, message, note=""):
     return Row(f"`{' '.join(argv)}`{note}", "exit 2", message)
 
 
-DATA_LAYOUTS = "expected a DatasetDict.save_to_disk folder or an image folder tree (train/<class>/<image>, test/ or val/<class>/<image>)"
+DATA_LAYOUTS = ("expected a DatasetDict.save_to_disk folder or an image folder tree (train/<class>/<image>, test/ or "
+                "val/<class>/<image>)")
 ENOUGH_ROWS = ("training rows cannot give each of 4 nodes one batch of 16: at least 67 rows are needed (skew 0.5 can "
                "leave a shard one row short of an even split); give more data, or lower the batch size or the number "
                "of nodes")
@@ -101,7 +102,8 @@ ENOUGH_ROWS = ("training rows cannot give each of 4 nodes one batch of 16: at le
 ROWS = {
     1: cli(["--nodes", "0"], "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
     2: cli(["--skew", "1.5"], "argument --skew: skew must be a number >= 0 and <= 1, got 1.5"),
-    3: cli(["--comp", "100"], "argument --comp: compression must be a percentage with 0 <= compression < 100, got 100.0"),
+    3: cli(["--comp", "100"],
+           "argument --comp: compression must be a percentage with 0 <= compression < 100, got 100.0"),
     4: cli(["--topology", "star"], "argument --topology: topology must be one of ('directed_ring', 'ring', 'torus', "
                                    "'exponential', 'complete'), got 'star'"),
     5: cli(["--lr", "abc"], "argument --lr/--learning_rate/--learning-rate: expected a number, got 'abc'"),
@@ -128,7 +130,8 @@ ROWS = {
     18: Row("`--backend distributed` without a launcher", "exit 2",
             "argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: launch with "
             "torchrun --nproc_per_node 4 (or use --backend simulated)"),
-    19: Row("`torchrun --nproc_per_node 2 recipes/agnews_choco.py --backend distributed --nodes 4`", "exit 2 on each rank",
+    19: Row("`torchrun --nproc_per_node 2 recipes/agnews_choco.py --backend distributed --nodes 4`",
+            "exit 2 on each rank",
             "argument --nodes: 4 nodes, but the launcher started 2 processes (WORLD_SIZE=2): launch one process per "
             "node (torchrun --nproc_per_node 4)"),
     20: Row("`--backend distributed --straggler 1:400` (timeout 300)", "exit 2",
@@ -157,7 +160,8 @@ ROWS = {
     29: Row("batch larger than a node's shard", "ValueError at `train()`",
             "per_device_train_batch_size=64 exceeds the smallest shard (24 samples): lower the batch size or the "
             "number of nodes"),
-    30: Row("plain `TrainingArguments`", "TypeError", "args must be DecentralizedTrainingArguments, got TrainingArguments"),
+    30: Row("plain `TrainingArguments`", "TypeError",
+            "args must be DecentralizedTrainingArguments, got TrainingArguments"),
     31: Row('`stragglers=["9:1.0"]` with 4 nodes', "ValueError", "stragglers: node 9 does not exist (nodes are 0..3)"),
     32: Row("resume a Choco checkpoint as Deep-Squeeze", "ValueError at `train()`",
             "resume_from_checkpoint: cannot resume from DIR/checkpoint-2: it was written with algorithm='choco' (this "
