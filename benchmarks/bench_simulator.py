@@ -20,10 +20,12 @@ batch 8 per node, AdamW:
 * the round against ``--nodes`` plain steps plus the round's own gossip step: what simulating the
   nodes in one process adds beyond the work each node does anyway (in the distributed backend
   every rank computes its share of the gossip step too);
-* where the round's time goes: the trainer's ``_backward`` (loss + backward of each node),
-  ``_finite_then_clip`` (NaN check and clipping, against the reference's clipping), the optimizer
-  steps (step hooks) and ``gossip.step``, timed by wrappers; the remainder is data loading and the
-  loop itself;
+* where the round's time goes, timed through public hooks only (:class:`TimedTrainer`): each
+  node's forward + backward (``compute_loss`` to its parameters' last post-accumulate-grad hook),
+  the NaN check and clipping (from there to its optimizer's step pre-hook; against the reference's
+  clipping), the optimizer steps (step pre/post hooks) and the gossip engine's ``step``; the
+  remainder is data loading and the loop itself. On CUDA the host marks where the backward ends
+  without a sync, so its tail can land in the NaN check's share;
 * peak memory of the run, fp32 vs 8-bit nodes: the peak resident set size of a fresh subprocess
   running a few rounds (``VmHWM``), and its baseline before the model is built.
 
@@ -86,7 +88,9 @@ def make_dataset(config, rows: int, seq_len: int) -> Dataset:
     })
 
 
-def build_trainer(args, precision: str, rounds: int, output_dir: str):
+def build_trainer(args, precision: str, rounds: int, output_dir: str, trainer_class=None, **trainer_kwargs):
+    """The simulated run measured: ``trainer_class`` (default :class:`DecentralizedTrainer`) over
+    a random-token dataset of exactly ``rounds`` rounds; returns the trainer and the dataset."""
     config = model_config(args.small)
     torch.manual_seed(0)
     model = DistilBertForSequenceClassification(config)
@@ -99,38 +103,81 @@ def build_trainer(args, precision: str, rounds: int, output_dir: str):
         dataloader_num_workers=0, seed=0, disable_tqdm=True, tune_cpu_malloc=not args.default_malloc,
     )
     dataset = make_dataset(config, args.nodes * args.batch_size * rounds, args.seq_len)
-    trainer = DecentralizedTrainer(model=model, args=targs, train_dataset=dataset, quant_config=quant)
+    trainer = (trainer_class or DecentralizedTrainer)(model=model, args=targs, train_dataset=dataset,
+                                                      quant_config=quant, **trainer_kwargs)
     return trainer, dataset
 
 
-class SectionTimer:
-    """Wall seconds spent in wrapped callables, summed per section name, per round."""
+class TimedGossip:
+    """A gossip engine whose ``step`` is timed into ``sections["gossip.step"]``; everything else is
+    the engine's own."""
 
-    def __init__(self, sync):
-        self.sync, self.current, self.rounds = sync, defaultdict(float), []
+    def __init__(self, engine, sections: dict, sync):
+        self.engine, self.sections, self.sync = engine, sections, sync
 
-    def wrap(self, name, fn):
-        def timed(*a, **k):
-            self.sync()
-            start = time.perf_counter()
-            out = fn(*a, **k)
-            self.sync()
-            self.current[name] += time.perf_counter() - start
-            return out
-        return timed
+    def step(self, *args, **kwargs):
+        self.sync()
+        start = time.perf_counter()
+        stats = self.engine.step(*args, **kwargs)
+        self.sync()
+        self.sections["gossip.step"] += time.perf_counter() - start
+        return stats
 
-    def pre_hook(self, name):
-        def pre(*_):
-            self.sync()
-            self._opt_start = time.perf_counter()
-        def post(*_):
-            self.sync()
-            self.current[name] += time.perf_counter() - self._opt_start
-        return pre, post
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
-    def end_round(self):
-        self.rounds.append(dict(self.current))
-        self.current.clear()
+
+class TimedTrainer(DecentralizedTrainer):
+    """A :class:`DecentralizedTrainer` whose round is split into sections through public hooks:
+    ``compute_loss`` (Trainer's loss hook: a node's forward starts), every parameter's
+    ``register_post_accumulate_grad_hook`` (its backward ends), the optimizer's step pre/post hooks
+    (``create_optimizer``: the NaN check and clipping end, the update ends) and the gossip engine
+    (:class:`TimedGossip`). ``node_hooks``: an object with ``before_node(k)`` / ``after_node(k)``
+    run as local node ``k``'s step starts and ends (outside the sections: the interleaved
+    reference steps). Gradient accumulation 1 (one ``compute_loss`` per node and round)."""
+
+    def __init__(self, *args, sync, node_hooks, **kwargs):
+        self.sync, self.node_hooks = sync, node_hooks
+        self.sections, self.rounds = defaultdict(float), []
+        super().__init__(*args, **kwargs)
+        self.gossip = TimedGossip(self.gossip, self.sections, sync)
+        self.current_node, self.forward_start, self.grads_done, self.update_start = None, 0.0, 0.0, 0.0
+        for node in self.nodes:
+            for parameter in node.parameters():
+                if parameter.requires_grad:
+                    parameter.register_post_accumulate_grad_hook(self.mark_gradient)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        k = next(k for k, node in enumerate(self.nodes) if node is model)
+        self.current_node = k
+        self.node_hooks.before_node(k)
+        self.sync()
+        self.forward_start = self.grads_done = time.perf_counter()
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def mark_gradient(self, parameter) -> None:
+        self.grads_done = time.perf_counter()
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        optimizer.register_step_pre_hook(self.before_update)
+        optimizer.register_step_post_hook(self.after_update)
+        return optimizer
+
+    def before_update(self, *_):
+        self.sync()
+        self.update_start = time.perf_counter()
+        self.sections["forward+backward"] += self.grads_done - self.forward_start
+        self.sections[CHECK] += self.update_start - self.grads_done
+
+    def after_update(self, *_):
+        self.sync()
+        self.sections["optimizer step"] += time.perf_counter() - self.update_start
+        self.node_hooks.after_node(self.current_node)
+
+    def end_round(self) -> None:
+        self.rounds.append(dict(self.sections))
+        self.sections.clear()
 
 
 class Interleaved(TrainerCallback):
@@ -139,13 +186,13 @@ class Interleaved(TrainerCallback):
     ``per_node=False``: the ``nodes`` reference steps run together, after the round in even
     repeats and before it in odd ones, so neither side always inherits the other's allocator state.
     ``per_node=True``: one reference step runs next to each node's local step (after it in even
-    repeats, before it in odd ones; :meth:`around_node` wraps the trainer's ``_local_step``), so the
-    two sides of a repeat are measured within a second or two of each other rather than ~10 s
-    apart, and a drift of the machine's speed moves both alike. The reference steps are not counted
-    in the round's time."""
+    repeats, before it in odd ones; :class:`TimedTrainer` calls :meth:`before_node` /
+    :meth:`after_node`), so the two sides of a repeat are measured within a second or two of each
+    other rather than ~10 s apart, and a drift of the machine's speed moves both alike. The
+    reference steps are not counted in the round's time."""
 
-    def __init__(self, reference_step, nodes, timer, sync, distinct, per_node):
-        self.reference_step, self.nodes, self.timer, self.sync = reference_step, nodes, timer, sync
+    def __init__(self, reference_step, nodes, sync, distinct, per_node):
+        self.reference_step, self.nodes, self.sync = reference_step, nodes, sync
         self.distinct, self.per_node = distinct, per_node
         self.round_s, self.plain_s, self.plain_sections, self.distinct_s = [], [], [], []
 
@@ -160,20 +207,17 @@ class Interleaved(TrainerCallback):
         self.sync()
         self._start = time.perf_counter()
 
-    def around_node(self, local_step):
-        """``local_step`` (the trainer's ``_local_step``) with a reference step before or after each call."""
-        def step(k, *a, **kw):
-            if self.per_node and self._reference_first:
-                self._inside += self._reference_steps([k])
-            local_step(k, *a, **kw)
-            if self.per_node and not self._reference_first:
-                self._inside += self._reference_steps([k])
-        return step
+    def before_node(self, k: int) -> None:
+        if self.per_node and self._reference_first:
+            self._inside += self._reference_steps([k])
+
+    def after_node(self, k: int) -> None:
+        if self.per_node and not self._reference_first:
+            self._inside += self._reference_steps([k])
 
     def on_step_end(self, args, state, control, **kw):
         self.sync()
         self.round_s.append(time.perf_counter() - self._start - self._inside)
-        self.timer.end_round()
         if not self.per_node and len(self.round_s) % 2:  # this repeat's reference comes after the round
             self._reference_steps(range(self.nodes))
         self.plain_s.append(self._plain)
@@ -197,6 +241,17 @@ class Interleaved(TrainerCallback):
         return time.perf_counter() - start
 
 
+class EndRound(TrainerCallback):
+    """Closes :class:`TimedTrainer`'s sections of a round (registered after :class:`Interleaved`,
+    whose reference steps after the round are not in them)."""
+
+    def __init__(self, trainer: TimedTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kw):
+        self.trainer.end_round()
+
+
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
     """Percentile bootstrap interval of the median of ``values`` (fixed seed: the same values give
     the same interval): where the median of this many repeats would lie on another run of equal noise."""
@@ -211,7 +266,8 @@ def measure_time(args, precision):
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as out:
-        trainer, dataset = build_trainer(args, precision, rounds, out)
+        callback = Interleaved(None, args.nodes, sync, args.distinct_reference, per_node=args.interleave == "node")
+        trainer, dataset = build_trainer(args, precision, rounds, out, TimedTrainer, sync=sync, node_hooks=callback)
         copies = args.nodes if args.distinct_reference else 1
         references = [copy.deepcopy(trainer.nodes[0]).to(device).train() for _ in range(copies)]
         optimizers = [torch.optim.AdamW(r.parameters(), lr=3e-5) for r in references]
@@ -236,34 +292,19 @@ def measure_time(args, precision):
             sections[CHECK] += clip - backward
             sections["optimizer step"] += time.perf_counter() - clip
 
-        timer = SectionTimer(sync)
-        trainer._backward = timer.wrap("forward+backward", trainer._backward)
-        trainer._finite_then_clip = timer.wrap(CHECK, trainer._finite_then_clip)
-        trainer.gossip.step = timer.wrap("gossip.step", trainer.gossip.step)
-        make = trainer._make_optimizer_and_scheduler
-
-        def make_timed(*a, **k):
-            opt, sched = make(*a, **k)
-            pre, post = timer.pre_hook("optimizer step")
-            opt.register_step_pre_hook(pre)
-            opt.register_step_post_hook(post)
-            return opt, sched
-
-        trainer._make_optimizer_and_scheduler = make_timed
-        callback = Interleaved(reference_step, args.nodes, timer, sync, args.distinct_reference,
-                               per_node=args.interleave == "node")
-        trainer._local_step = callback.around_node(trainer._local_step)
+        callback.reference_step = reference_step
         trainer.add_callback(callback)
+        trainer.add_callback(EndRound(trainer))
         trainer.train()
     keep = slice(args.warmup, None)
     round_s, plain_s = callback.round_s[keep], callback.plain_s[keep]
-    sections = {k: statistics.median(r.get(k, 0.0) for r in timer.rounds[keep])
-                for k in {k for r in timer.rounds for k in r}}
+    sections = {k: statistics.median(r.get(k, 0.0) for r in trainer.rounds[keep])
+                for k in {k for r in trainer.rounds for k in r}}
     plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
                       for k in callback.plain_sections[0]}
     ratios = [r / p for r, p in zip(round_s, plain_s)]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    gossip_s = [r.get("gossip.step", 0.0) for r in timer.rounds[keep]]
+    gossip_s = [r.get("gossip.step", 0.0) for r in trainer.rounds[keep]]
     own_work_ratios = [r / (p + g) for r, p, g in zip(round_s, plain_s, gossip_s)]
     distinct_s = callback.distinct_s[keep]
     per_repeat = dict(round_s=round_s, plain_s=plain_s, gossip_s=gossip_s, distinct_s=distinct_s or None)

@@ -3,7 +3,7 @@
     python benchmarks/table6_cpu.py --jobs 2            # the whole grid: 48 runs, hours on a CPU
     python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' --max-steps 5 --limit-rows 256
 
-Every cell is one run of the NLP recipe (``lp_decentral_nlp.cli.run_nlp``): the packaged
+Every cell is one run of the NLP recipe (``lp_decentral_nlp.commands.run_nlp``): the packaged
 all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds out a stratified
 20% as test), or on the Sentlen task built from that sample's sentences (``build_sentlen``); a
 4-node directed ring, max length 64 tokens, batch 16 per node, 3 epochs, Adam lr 1e-4, betas
@@ -41,7 +41,8 @@ sys.path[:0] = [str(HERE), str(REPO / "recipes")]
 from record import save_results  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_logged  # noqa: E402
 
-from lp_decentral_nlp.cli import _ranged, build_nlp_parser, finished_results, packaged_model_path, run_nlp  # noqa: E402
+from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
+                                      finished_results, packaged_model_path, ranged, run_config, run_nlp)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -50,6 +51,8 @@ COMPRESSIONS = (0.0, 99.0)
 # SPEC section 8 at CPU scale; the consensus step is left to the trainer.
 SETTINGS = {"nodes": 4, "topology": "directed_ring", "max_length": 64, "batch_size": 16, "epochs": 3,
             "lr": 1e-4}
+# recorded in a cell's results.json but not what it computes: a finished cell is reused whatever these were
+IGNORED_WHEN_REUSING = ("threads", "consensus_lr_used")
 RECIPES = {("ag_news", "choco"): "agnews_choco.py", ("ag_news", "deepsqueeze"): "agnews_deepsqueeze.py",
            ("sentlen", "choco"): "sentlen_choco.py", ("sentlen", "deepsqueeze"): "sentlen_deepsqueeze.py"}
 # The paper's AG News row (DistilBERT on the full set, 5 epochs; SPEC section 8), accuracy in %.
@@ -73,7 +76,7 @@ def all_cells() -> list[dict]:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="table6_cpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
@@ -81,14 +84,14 @@ def parse(argv=None) -> argparse.Namespace:
                         help="one folder per run under it (default runs/table6_cpu)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=REPO / "docs",
                         help="where the Markdown table and the plot go (default docs/)")
-    parser.add_argument("--jobs", type=_ranged(int, 1, None), default=1,
+    parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="cells run at once, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
                         help="run only the cells whose id matches one of these shell patterns; ids are "
                              "TASK/COLUMN/skewS/compC, e.g. 'ag_news/LP-Choco/skew0.5/comp99' or 'sentlen/*/skew0/*'")
-    parser.add_argument("--max-steps", type=_ranged(int, 1, None), default=None,
+    parser.add_argument("--max-steps", type=ranged(int, Range(1)), default=None,
                         help="shrink: stop every run after this many steps (instead of 3 epochs)")
-    parser.add_argument("--limit-rows", type=_ranged(int, 1, None), default=None,
+    parser.add_argument("--limit-rows", type=ranged(int, Range(1)), default=None,
                         help="shrink: train on a seeded subset of this many rows and test on at most this many")
     args = parser.parse_args(argv)
     if not args.data_dir.is_file():
@@ -114,9 +117,13 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def recipe_argv(args: argparse.Namespace, cell: dict) -> list[str]:
-    """The NLP recipe's arguments that run ``cell``."""
+    """The NLP recipe's arguments that run ``cell``: the table owns the cells' folders (a cell run
+    again with other settings writes over its folder, hence ``--overwrite_output_dir``), and each of
+    the ``--jobs`` runs at once gets an equal share of the cores (``--threads``)."""
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
     argv = ["--model", str(args.model), "--data-dir", str(args.data_dir),
-            "--output-dir", str(args.output_dir / cell["id"].replace("/", "_")),
+            "--output-dir", str(args.output_dir / cell["id"].replace("/", "_")), "--overwrite_output_dir",
+            "--threads", str(threads),
             "--skew", f"{cell['skew']:g}", "--comp", f"{cell['comp']:g}"]
     argv += [token for key, value in SETTINGS.items() for token in (f"--{key.replace('_', '-')}", str(value))]
     if not cell["low_precision"]:
@@ -128,33 +135,34 @@ def recipe_argv(args: argparse.Namespace, cell: dict) -> list[str]:
     return argv
 
 
-def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[argparse.Namespace, str]:
-    """The parsed recipe arguments of ``cell`` and the command line that runs it."""
+def recipe_script(cell: dict) -> str:
+    """The recipe that runs ``cell``, relative to the checkout."""
+    return f"recipes/{RECIPES[cell['task'], cell['algorithm']]}"
+
+
+def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
+    """The recipe's parsed flags of ``cell`` (``RecipeParser.parse``) and the command line that runs it."""
     argv = recipe_argv(args, cell)
-    run = build_nlp_parser(cell["task"], cell["algorithm"]).parse_args(argv)
-    command = shlex.join(["python", f"recipes/{RECIPES[cell['task'], cell['algorithm']]}", *argv])
-    return run, command
+    script = recipe_script(cell)
+    run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
+    return run, shlex.join(["python", script, *argv])
 
 
-def reusable(run: argparse.Namespace) -> dict | None:
-    """The finished ``results.json`` of ``run`` if its recorded settings are ``run``'s, else None."""
-    done = finished_results(run.output_dir)
+def reusable(run: ParsedFlags) -> dict | None:
+    """The finished ``results.json`` of ``run`` if the settings it recorded are ``run``'s (its
+    thread count aside), else None."""
+    done = finished_results(run.training.output_dir)
     if done is None:
         return None
-    settings = json.loads(json.dumps(vars(run), default=str))
-    recorded = {k: v for k, v in done["config"].items() if k != "consensus_lr_used"}
+    settings = {k: v for k, v in json.loads(json.dumps(run_config(run.values, run.training), default=str)).items()
+                if k not in IGNORED_WHEN_REUSING}
+    recorded = {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING}
     if recorded != settings:
         changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
-        print(f"note: {run.output_dir} was run with other settings ({', '.join(changed)}): running it again",
+        print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): running it again",
               file=sys.stderr)
         return None
     return done
-
-
-def _one_process_share(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def run_cells(args: argparse.Namespace) -> list[dict]:
@@ -165,13 +173,11 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
     print(f"{len(args.selected)} cells: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
     if args.jobs == 1:
         for done, i in enumerate(todo, 1):
-            results[i] = run_nlp(runs[i][0])
+            results[i] = run_nlp(runs[i][0], recipe_script(args.selected[i]))
             print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%", file=sys.stderr)
     elif todo:
-        threads = max(1, (os.cpu_count() or 1) // args.jobs)
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_one_process_share,
-                                                    initargs=(threads,)) as pool:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
             futures = {pool.submit(run_logged, runs[i][0]): i for i in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 i = futures[future]
@@ -181,14 +187,14 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
                     for other in futures:
                         other.cancel()
                     raise RuntimeError(f"cell {args.selected[i]['id']} failed: {err!r}; its log: "
-                                       f"{os.path.join(runs[i][0].output_dir, 'run.log')}") from err
+                                       f"{os.path.join(runs[i][0].training.output_dir, 'run.log')}") from err
                 print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%",
                       file=sys.stderr)
     return [{**cell, "accuracy": results[i]["accuracy"], "node_accuracy": results[i]["node_accuracy"],
              "consensus_distance": results[i]["consensus_distance"],
              "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
              "steps": results[i]["steps"], "gamma": results[i]["config"]["consensus_lr_used"],
-             "command": runs[i][1], "output_dir": str(runs[i][0].output_dir)}
+             "command": runs[i][1], "output_dir": runs[i][0].training.output_dir}
             for i, cell in enumerate(args.selected)]
 
 

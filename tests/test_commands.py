@@ -25,15 +25,19 @@ def test_transformers_spelling_and_short_aliases_set_the_same_fields(tmp_path):
     spelled = build_nlp_parser("ag_news", "choco").parse([
         "--learning_rate", "1e-4", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
         "--num_nodes", "2", "--compression", "90", "--no_low_precision", "--gradient_accumulation_steps", "2",
-        "--report_to", "none", "--output_dir", str(tmp_path / "a")]).training
+        "--report_to", "none", "--quant_kernel", "simulated", "--final_merge", "--shard_column", "topic",
+        "--output_dir", str(tmp_path / "a")]).training
     short = build_nlp_parser("ag_news", "choco").parse([
         "--lr", "1e-4", "--batch-size", "8", "--epochs", "2", "--nodes", "2", "--comp", "90", "--full-precision",
-        "--gradient-accumulation-steps", "2", "--output-dir", str(tmp_path / "a")]).training
+        "--gradient-accumulation-steps", "2", "--kernel", "simulated", "--final-merge", "--shard-column", "topic",
+        "--output-dir", str(tmp_path / "a")]).training
     for name in ("learning_rate", "per_device_train_batch_size", "num_train_epochs", "num_nodes", "compression",
-                 "low_precision", "gradient_accumulation_steps", "report_to"):
+                 "low_precision", "gradient_accumulation_steps", "report_to", "quant_kernel", "final_merge",
+                 "shard_column"):
         assert getattr(spelled, name) == getattr(short, name), name
     assert (short.learning_rate, short.num_nodes, short.low_precision, short.gradient_accumulation_steps) == (
         1e-4, 2, False, 2)
+    assert (short.quant_kernel, short.final_merge, short.shard_column) == ("simulated", True, "topic")
 
 
 def test_every_alias_is_listed_by_help_beside_its_transformers_spelling():
@@ -76,6 +80,7 @@ def test_spec8_defaults_and_repeatable_fault_flags():
     (["--max-length", "99999999"], "argument --max-length: max_length must be at most 1000000 tokens, got 99999999"),
     (["--max-train-samples", "0"], "argument --max-train-samples: max_train_samples must be an integer >= 1, got 0"),
     (["--threads", "0"], "argument --threads: threads must be an integer in [1, "),
+    (["--kernel", "fast"], "argument --kernel: quant_kernel must be one of ("),
 ])
 def test_numbers_that_mean_nothing_are_refused_naming_the_flag(argv, expected, capsys):
     assert expected in flag_error(argv, capsys)
@@ -145,7 +150,7 @@ def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, 
     model.save_pretrained(other)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(other)
     proc = run_recipe("--model", other, "--data-dir", ag_news_csv, "--max-train-samples", 64, "--max-eval-samples", 16,
-                      "--output-dir", tmp_path / "out")
+                      "--batch-size", 8, "--output-dir", tmp_path / "out")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         f"agnews_choco.py: error: argument --model: {other} has a classification head for 2 labels (negative, "
@@ -154,11 +159,19 @@ def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, 
 
 
 def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp_path, tiny_model_dir, ag_news_csv):
-    proc = run_recipe("--model", tiny_model_dir, "--data-dir", ag_news_csv, "--max-train-samples", 64,
-                      "--max-eval-samples", 16, "--max-length", 16, "--nodes", 65536, "--output-dir", tmp_path / "out")
+    from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
+
+    # 4800 nodes of batch 1 (the sample's 4800 training rows), each holding a dim-256 DistilBERT
+    # (~9M parameters: weights, gradients, Adam and gossip state): terabytes
+    wide = tmp_path / "wide"
+    DistilBertForSequenceClassification(DistilBertConfig(dim=256, n_layers=2, n_heads=2, hidden_dim=512,
+                                                         max_position_embeddings=64)).save_pretrained(wide)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(wide)
+    proc = run_recipe("--model", wide, "--data-dir", ag_news_csv, "--max-eval-samples", 16, "--max-length", 16,
+                      "--nodes", 4800, "--batch-size", 1, "--output-dir", tmp_path / "out")
     assert proc.returncode != 0
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(65536 nodes in this process x" in line
+    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(4800 nodes in this process x" in line
     assert "are available on cpu: lower --nodes, --batch-size or --max-length, or run one node per process " \
            "(--backend distributed)" in line
     assert not (tmp_path / "out").exists()

@@ -29,8 +29,11 @@ def tiny_flags(model_dir, csv, out, *extra):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     out = tmp_path / "run"
+    # --kernel int8 is honoured for every layer; "auto" runs the tiny model's narrow layers simulated
+    kernel = "int8" if recipe == "agnews_choco" else "auto"
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"),
-                           *tiny_flags(tiny_model_dir, ag_news_csv, out, "--skew", "0.9", "--comp", "99")],
+                           *tiny_flags(tiny_model_dir, ag_news_csv, out, "--skew", "0.9", "--comp", "99",
+                                       "--kernel", kernel)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -47,6 +50,11 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert cost["communication"]["bytes_per_iteration"] > 0 and "layers" not in cost
     report = json.loads((out / "cost_report.json").read_text())  # the per-layer report has its own file
     assert report["train_energy_mj"] == cost["train_energy_mj"] and len(report["layers"]) > 0
+    layer_kernels = json.loads((out / "kernels.json").read_text())  # the kernel of every 8-bit layer
+    assert len(layer_kernels) == 2 * 6  # 2 blocks x (q, k, v, out, 2 FFN); the classification head stays fp32
+    assert all(name.startswith("distilbert.transformer.layer.") for name in layer_kernels)
+    assert results["kernels"] == {"int8" if kernel == "int8" else "simulated": len(layer_kernels)}
+    assert results["config"].get("quant_kernel", "auto") == kernel
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
     model = load_quantized(out / "model", auto_class=AutoModelForSequenceClassification)
@@ -54,9 +62,9 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--skew", "1.5", "argument --skew: skew must be in [0, 1], got 1.5"),
+    ("--skew", "1.5", "argument --skew: skew must be a number >= 0 and <= 1, got 1.5"),
     ("--comp", "100", "argument --comp: compression must be a percentage with 0 <= compression < 100, got 100.0"),
-    ("--nodes", "0", "argument --nodes: num_nodes must be an integer >= 1, got 0"),
+    ("--nodes", "0", "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
     ("--data-dir", "/no/such/dir", "argument --data-dir: data_dir: path '/no/such/dir' does not exist"),
     ("--topology", "star", "argument --topology: topology must be one of"),
     ("--lr", "abc", "argument --lr/--learning_rate/--learning-rate: expected a number, got 'abc'"),
@@ -74,7 +82,7 @@ def test_bad_flag_in_a_real_process_has_no_traceback():
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"), "--skew", "1.5"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["agnews_choco.py: error: argument --skew: skew must be in [0, 1], got 1.5"]
+    assert proc.stderr.strip().splitlines() == ["agnews_choco.py: error: argument --skew: skew must be a number >= 0 and <= 1, got 1.5"]
 
 
 def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):

@@ -26,15 +26,23 @@ def test_grid_is_the_papers(table6):
     assert {c["skew"] for c in cells} == {0.0, 0.5, 0.9} and {c["comp"] for c in cells} == {0.0, 99.0}
 
 
-def test_a_cell_runs_the_recipe_with_the_table_settings(table6, ag_news_csv):
-    args = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--cells", "sentlen/LP-DS/skew0.9/comp99"])
+def test_a_cell_runs_the_recipe_with_the_table_settings(table6, ag_news_csv, tmp_path):
+    args = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path),
+                         "--cells", "sentlen/LP-DS/skew0.9/comp99"])
     assert args.name == "table6_cpu" and [c["id"] for c in args.selected] == ["sentlen/LP-DS/skew0.9/comp99"]
     run, command = table6.recipe_run(args, args.selected[0])
-    assert (run.task, run.algorithm, run.full_precision, run.skew, run.comp) == ("sentlen", "deepsqueeze", False, 0.9, 99.0)
-    assert (run.nodes, run.topology, run.max_length, run.batch_size, run.epochs, run.lr) == (
-        4, "directed_ring", 64, 16, 3.0, 1e-4)
-    assert run.consensus_lr is None and run.max_steps is None and run.max_train_samples is None
+    training, recipe = run.training, run.recipe
+    assert (recipe.task, recipe.model, recipe.data_dir) == ("sentlen", "m", str(ag_news_csv))
+    assert (training.algorithm, training.low_precision, training.skew, training.compression) == (
+        "deepsqueeze", True, 0.9, 99.0)
+    assert (training.num_nodes, training.topology, recipe.max_length, training.per_device_train_batch_size,
+            training.num_train_epochs, training.learning_rate) == (4, "directed_ring", 64, 16, 3.0, 1e-4)
+    assert training.optim.value.startswith("adam") and (training.adam_beta1, training.adam_beta2) == (0.9, 0.9)
+    assert training.consensus_lr is None and training.max_steps == -1 and recipe.max_train_samples is None
+    assert training.output_dir == str(tmp_path / "sentlen_LP-DS_skew0.9_comp99")
     assert command.startswith("python recipes/sentlen_deepsqueeze.py --model m ")
+    fp32 = table6.recipe_run(args, {**args.selected[0], "low_precision": False})[0]
+    assert fp32.training.low_precision is False
 
 
 def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
@@ -78,7 +86,7 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     (["--limit-rows", "66"], "argument --limit-rows: 66 training rows cannot give each of 4 nodes one batch of 16: "
                              "at least 67 rows"),
     (["--cells", "ag_news/*/skew0/*", "--limit-rows", "63"], "argument --limit-rows: 63 training rows"),
-    (["--jobs", "0"], "argument --jobs: must be in [1, inf], got 0"),
+    (["--jobs", "0"], "table6_cpu.py: error: argument --jobs: must be in [1, inf), got 0"),
 ])
 def test_bad_flags(table6, ag_news_csv, flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -86,7 +86,7 @@ def test_defaults_resolve_per_precision_and_dataset():
     (["--arch", "resnet50"], "argument --arch: arch must be one of"),
     (["--dataset", "mnist"], "argument --dataset: dataset must be one of"),
     (["--lr", "0"], "argument --lr/--learning_rate/--learning-rate: must be in (0, inf), got 0"),
-    (["--skew", "1.5"], "argument --skew: skew must be in [0, 1], got 1.5"),
+    (["--skew", "1.5"], "argument --skew: skew must be a number >= 0 and <= 1, got 1.5"),
     (["--lr-milestones", "3", "2"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing"),
     (["--lr-milestones", "0"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing list "
                                "of epochs > 0"),

@@ -12,9 +12,9 @@ The vision recipes' command line is :mod:`lp_decentral_nlp.vision.recipe`; the c
 from .flags import (ALIASES, TRAINING_RANGES, OneLineErrors, OneLineParser, ParsedFlags, Range, RecipeParser,
                     add_default_malloc_flag, existing_path, finite_float, integer, ranged)
 from .nlp import DEFAULT_MODEL, NLPArguments, build_nlp_parser, main, resolve_model, run_nlp
-from .run import RunArguments, finished_results, packaged_model_path, train_and_report
+from .run import RunArguments, finished_results, packaged_model_path, run_config, train_and_report
 
 __all__ = ["ALIASES", "TRAINING_RANGES", "OneLineErrors", "OneLineParser", "ParsedFlags", "Range", "RecipeParser",
            "add_default_malloc_flag", "existing_path", "finite_float", "integer", "ranged", "DEFAULT_MODEL",
            "NLPArguments", "build_nlp_parser", "main", "resolve_model", "run_nlp", "RunArguments",
-           "finished_results", "packaged_model_path", "train_and_report"]
+           "finished_results", "packaged_model_path", "run_config", "train_and_report"]

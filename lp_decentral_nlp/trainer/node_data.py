@@ -20,6 +20,16 @@ class NodeDataMixin:
         labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
         return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
 
+    def _checked_shards(self) -> list:
+        """:meth:`_shards`, refused (ValueError) when the smallest cannot fill one batch of
+        ``per_device_train_batch_size`` (its loader drops the last incomplete batch: no step)."""
+        shards = self._shards()
+        bs, smallest = self.args.per_device_train_batch_size, min(len(s) for s in shards)
+        if smallest < bs:
+            raise ValueError(f"per_device_train_batch_size={bs} exceeds the smallest shard ({smallest} samples): lower "
+                             "the batch size or the number of nodes")
+        return shards
+
     def _model_columns(self, dataset, description: str):
         """``dataset`` without the columns the model's forward does not take (``remove_unused_columns``;
         a plain torch Dataset is passed as it is, as `Trainer` does for its collator)."""
@@ -41,13 +51,10 @@ class NodeDataMixin:
         of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
-        shards = self._shards()
+        shards = self._checked_shards()
         dataset = self._model_columns(self.train_dataset, "training")
         bs = self.args.per_device_train_batch_size
         self.shard_sizes = [len(s) for s in shards]
-        if min(self.shard_sizes) < bs:
-            raise ValueError(f"per_device_train_batch_size={bs} exceeds the smallest shard ({min(self.shard_sizes)} "
-                             "samples): lower the batch size or the number of nodes")
         loaders = []
         for i in self.node_ids:
             shard = Subset(dataset, shards[i].tolist())

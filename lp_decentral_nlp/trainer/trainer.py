@@ -276,6 +276,8 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
                 models, ``(C, H, W)`` for images.
         Returns:
             :class:`lp_decentral_nlp.cost.CostReport` (``.to_dict()`` for ``results.json``).
+        Raises:
+            ValueError: the smallest shard cannot fill one batch (as :meth:`train` does).
         """
         from ..cost import estimate_cost
 
@@ -283,7 +285,7 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
         optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
         bs = self.args.per_device_train_batch_size
         # the loaders drop the last partial batch: an epoch is floor(shard / batch) iterations
-        samples_per_node = min(len(s) for s in self._shards()) // bs * bs
+        samples_per_node = min(len(s) for s in self._checked_shards()) // bs * bs
         return estimate_cost(self.nodes[0], tuple(input_shape), bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
                              gossip=self.gossip, samples_per_node=samples_per_node)

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..commands.flags import RecipeParser
-from ..commands.run import (RunArguments, check_launcher, check_memory, derive_run_values, print_summary, run_checks,
-                            set_threads, train_and_report)
+from ..commands.run import (RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values,
+                            load_data, print_summary, run_checks, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -146,13 +146,9 @@ def run_vision(parsed, prog: str = "") -> dict:
     training, recipe = parsed.training, parsed.recipe
     start = time.time()
     set_threads(recipe)
-    try:
-        raw = load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed)
-    except (ConnectionError, OSError) as err:
-        if recipe.data_dir is not None:
-            raise
-        raise SystemExit(f"{prog}: error: could not load {recipe.dataset!r} from the hub "
-                         f"({err.__class__.__name__}); pass --data-dir with a local copy") from None
+    raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
+                    recipe.dataset, recipe.data_dir, prog)
+    check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
     data = with_vision_transforms(raw, recipe.dataset, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
         data["train"] = raw["train"].with_transform(vision_transform(recipe.dataset, False, recipe.image_size))
