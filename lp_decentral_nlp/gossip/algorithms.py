@@ -3,10 +3,19 @@
 Every node ``i`` holds a de-biased model ``z_i`` (the trainer's parameters) and a push-sum weight
 ``w_i`` (starts at 1); the push-sum numerator is ``x_i = w_i * z_i``. One call to
 :meth:`PushSumGossip.step` runs SPEC 2 steps 2-5 for every node this process holds, after the
-trainer's local optimiser step (SPEC 2 step 1) has turned ``z_i`` into ``z~_i``:
+trainer's local optimiser step has turned ``z_i`` (what the engine wrote back at its previous
+step) into ``z~_i``:
 
-1. ``x~_i = w_i * z~_i``, with ``w_i`` appended as one extra coordinate, so the weight is mixed
-   by exactly the same arithmetic as the parameters (it is always sent uncompressed);
+1. SPEC 2 step 1, the update goes into the numerator unscaled: ``x~_i = x_i + delta_i`` with
+   ``delta_i = z~_i - z_i``. The engine writes ``x~_i / w_i = z_i + delta_i / w_i`` back into the
+   parameters first (one pass, only where ``w_i != 1``), so that from here on ``x~_i = w_i * z~_i``
+   holds for what the parameters contain. For that it keeps ``z_i``, the models it wrote back, in
+   the state ``"written"`` (one parameter-sized row per local node, in the parameters' dtype), but
+   only once some local ``w_i`` has left 1: while every ``w_i == 1`` exactly (regular graphs
+   without faults) ``x_i = z_i`` and ``x~_i = z~_i`` need no extra memory. Scaling the update by
+   ``w_i`` instead would minimise a ``w``-weighted objective (SPEC 2 step 1);
+   ``w_i`` is appended as one extra coordinate, so the weight is mixed by exactly the same
+   arithmetic as the parameters (it is always sent uncompressed);
 2. ``v_i = g(x~_i)`` (algorithm), ``q_i = C(v_i)`` encoded into a real wire buffer;
 3. the transport delivers ``q_j`` from every in-neighbour ``j``;
 4. ``x_i <- keep * x~_i + gamma * d_i`` with an algorithm-specific consensus direction ``d_i``;
@@ -145,6 +154,9 @@ class PushSumGossip:
         self._state: dict[str, torch.Tensor] = {}
         self._state_nodes = {name: list(self._node_ids) for name in self._state_names}
         self._pending: dict[str, torch.Tensor] = {}
+        # z_i as written back at the previous step, (len(node_ids), P) in the parameters' dtype, or
+        # None while every local w_i == 1 (SPEC 2 step 1; see the module docstring)
+        self._written: torch.Tensor | None = None
         self._ready = False
         # Mixing coefficients per phase and local node: W_ii and {j: W_ij} over in-neighbours j.
         self._mix = [[(topology.weight(i, i, t), {j: topology.weight(i, j, t) for j in topology.in_neighbors(i, t)})
@@ -174,12 +186,14 @@ class PushSumGossip:
 
         Args:
             nodes: one parameter list per local node (``len(nodes) == len(node_ids)``): the
-                de-biased models ``z~_i`` right after the local optimiser step.
+                de-biased models ``z~_i`` right after the local optimiser step (or left as the
+                previous step wrote them, for a node that took no local step).
         Returns:
             :class:`GossipStats` with the bytes each local node sent.
         """
         with torch.no_grad():
             self._check_nodes(nodes)
+            self._add_updates_unscaled(nodes)
             t = self._step
             phase = t % self.topology.period
             absent = self.faults.absent(t) if self.faults else frozenset()
@@ -210,6 +224,7 @@ class PushSumGossip:
                     contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
                 updates.append((k, contributions))
             self._update(updates, nodes)
+            self._record_written(nodes)
             self._step += 1
             nbytes = self._layout.nbytes
             return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
@@ -222,13 +237,19 @@ class PushSumGossip:
         Keys: ``"step"`` (0-dim int64), ``"node_ids"`` (int64 ``(m,)``), ``"weights"`` (``(m,)``,
         row ``r`` for node ``node_ids[r]``), ``"config"`` (str), and after the first step, per
         state name, the buffer (``(rows, P + 1)``, column ``P`` the push-sum coordinate) and
-        ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to).
+        ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to). Once some push-sum
+        weight has left 1 also ``"written"`` (``(m, P)``, the parameters' dtype: the models ``z_i``
+        the engine wrote back, which the next step subtracts from ``z~_i``, SPEC 2 step 1) and
+        ``"written_nodes"``.
         """
         sd = {"step": torch.tensor(self._step), "node_ids": torch.tensor(self._node_ids),
               "weights": self._w, "config": self._config()}
         for name, buf in (self._state if self._ready else self._pending).items():
             sd[name] = buf
             sd[f"{name}_nodes"] = torch.tensor(self._state_nodes[name])
+        if self._written is not None:
+            sd[_WRITTEN] = self._written
+            sd[f"{_WRITTEN}_nodes"] = torch.tensor(self._node_ids)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -245,7 +266,13 @@ class PushSumGossip:
         step = int(state_dict["step"])
         if step > 0 and len(buffers) != len(self._state_names):
             raise ValueError(f"state_dict at step {step} lacks buffers {set(self._state_names) - set(buffers)}")
+        weights = state_dict["weights"][rows]
+        written = self._written_rows(state_dict, weights)
         if self._ready:
+            if written is not None and written.shape[1] != self._P:
+                raise ValueError(f"state_dict[{_WRITTEN!r}] has {written.shape[1]} columns, the model has {self._P} "
+                                 "parameters")
+            self._written = None if written is None else written.to(device=self._device, dtype=self._param_dtype)
             for name, buf in buffers.items():
                 if buf.shape != self._state[name].shape:
                     raise ValueError(f"state_dict[{name!r}] has shape {tuple(buf.shape)}, the model needs "
@@ -254,11 +281,34 @@ class PushSumGossip:
             if not buffers:
                 for buf in self._state.values():
                     buf.zero_()
-            self._w.copy_(state_dict["weights"][rows])
+            self._w.copy_(weights)
         else:
             self._pending = {name: buf.clone() for name, buf in buffers.items()}
-            self._w = state_dict["weights"][rows].clone()
+            self._w = weights.clone()
+            self._written = written
         self._step = step
+
+    def _written_rows(self, state_dict: dict, weights: torch.Tensor) -> torch.Tensor | None:
+        """The ``"written"`` rows of the local nodes from ``state_dict`` (a new tensor), or None
+        when it has none; a node without a row must have ``w == 1`` (its row is then never read
+        before the next step rewrites it, and is filled with zeros)."""
+        unit = [bool(w == 1) for w in weights]
+        if _WRITTEN not in state_dict:
+            if not all(unit):
+                raise ValueError(f"state_dict has push-sum weights != 1 but no {_WRITTEN!r} rows (the models the "
+                                 "engine wrote back), so the next step could not form x~ = x + delta exactly")
+            return None
+        buf = state_dict[_WRITTEN]
+        saved = [int(i) for i in state_dict[f"{_WRITTEN}_nodes"].tolist()]
+        missing = [i for i, u in zip(self._node_ids, unit) if i not in saved and not u]
+        if missing:
+            raise ValueError(f"state_dict[{_WRITTEN!r}] holds nodes {saved}, it lacks nodes {missing} "
+                             "whose push-sum weight is not 1")
+        out = buf.new_zeros(len(self._node_ids), buf.shape[1])
+        for k, i in enumerate(self._node_ids):
+            if i in saved:
+                out[k] = buf[saved.index(i)]
+        return out
 
     def node_state_dict(self, node: int) -> dict:
         """The part of :meth:`state_dict` that graph node ``node`` keeps itself (one checkpoint
@@ -272,7 +322,7 @@ class PushSumGossip:
         row = self._node_ids.index(node)
         part = {"step": sd["step"], "config": sd["config"], "node_ids": torch.tensor([node]),
                 "weights": sd["weights"][row:row + 1]}
-        for name in self._state_names:
+        for name in (*self._state_names, _WRITTEN):
             if name not in sd:
                 continue
             held = self._held_nodes(name, node)
@@ -292,7 +342,7 @@ class PushSumGossip:
         merged = {"step": parts[0]["step"], "config": parts[0]["config"],
                   "node_ids": torch.cat([p["node_ids"] for p in parts]),
                   "weights": torch.cat([p["weights"] for p in parts])}
-        for name in self._state_names:
+        for name in (*self._state_names, _WRITTEN):
             rows: dict[int, torch.Tensor] = {}
             for p in parts:
                 if name not in p:
@@ -365,6 +415,32 @@ class PushSumGossip:
         return [node]
 
     # -- shared machinery --------------------------------------------------------------------------
+    def _add_updates_unscaled(self, nodes: list[ParamList]) -> None:
+        """SPEC 2 step 1: ``nodes[k] <- z_k + (z~_k - z_k) / w_k`` for every local node with
+        ``w_k != 1`` (``z_k`` = the row of ``"written"``), so that ``w_k * nodes[k]`` is
+        ``x~_k = x_k + delta_k``. A node whose parameters were not changed since the previous
+        step keeps them bit for bit."""
+        if self._written is None:
+            return
+        for k, params in enumerate(nodes):
+            w = float(self._w[k])
+            if w != 1.0:
+                torch._foreach_lerp_(list(params), self._param_views(self._written[k]), 1.0 - 1.0 / w)
+
+    def _record_written(self, nodes: list[ParamList]) -> None:
+        """Keep the models just written back as ``"written"`` (``z_k`` of the next step's
+        ``delta_k``); allocated the first time some local ``w_k`` is not 1, kept from then on."""
+        if self._written is None:
+            if bool((self._w == 1).all()):
+                return
+            self._written = torch.empty(len(self._node_ids), self._P, dtype=self._param_dtype, device=self._device)
+        for row, params in zip(self._written, nodes):
+            torch._foreach_copy_(self._param_views(row), list(params))
+
+    def _param_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """The parameter-shaped views of a flat ``(P,)`` or ``(P + 1,)`` row."""
+        return [row[o:o + n].view(s) for o, n, s in self._param_slices]
+
     def _config(self) -> str:
         return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
 
@@ -477,6 +553,7 @@ class PushSumGossip:
         if len(devices) != 1:
             raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
         self._shapes = [tuple(p.shape) for p in first]
+        self._param_dtype = next(iter(dtypes))
         self._device = next(iter(devices))
         self._dtype = torch.promote_types(next(iter(dtypes)), torch.float32)
         sizes = [p.numel() for p in first]
@@ -501,6 +578,11 @@ class PushSumGossip:
                                  f"{tuple(self._state[name].shape)}")
             self._state[name].copy_(buf)
         self._pending = {}
+        if self._written is not None:
+            if self._written.shape != (len(self._node_ids), P):
+                raise ValueError(f"loaded state {_WRITTEN!r} has shape {tuple(self._written.shape)}, this model "
+                                 f"needs {(len(self._node_ids), P)}")
+            self._written = self._written.to(device=dev, dtype=self._param_dtype)
         # per state buffer and row, views shaped like the parameters (``load_state_dict`` copies in place)
         self._state_views = {name: [[buf[r, o:o + n].view(s) for o, n, s in self._param_slices]
                                     for r in range(buf.shape[0])] for name, buf in self._state.items()}
@@ -568,6 +650,8 @@ class ChocoSGD(PushSumGossip):
         return self._state["public"][self._public_row[node]]
 
     def _held_nodes(self, name, node):
+        if name != "public":
+            return super()._held_nodes(name, node)
         return sorted({node, *self.topology.in_neighbors(node)})
 
     def _committed(self, node: int) -> bool:
@@ -697,6 +781,9 @@ class DeepSqueeze(PushSumGossip):
     def _direction(self, k, contributions):
         self._mixed_sum(contributions, self_shift=1.0)
 
+
+#: state key of the models the engine wrote back at the previous step (SPEC 2 step 1)
+_WRITTEN = "written"
 
 #: entries per column chunk of Choco's CPU update (4 nodes' chunks and 4 copies' stay in cache)
 _CHUNK = 1 << 18
