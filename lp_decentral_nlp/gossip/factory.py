@@ -1,7 +1,7 @@
 """From settings to a running gossip algorithm: graph, compressor, algorithm (SPEC 1-3).
 
 The only place that turns user-facing settings into a :class:`~.topology.Topology`, a
-:class:`~.compressors.Compressor` and a :class:`~.algorithms.PushSumGossip`. The trainer's
+:class:`~.compressors.Compressor` and a :class:`~.push_sum.PushSumGossip`. The trainer's
 arguments and the cost command line both describe their run with a :class:`GossipConfig` and call
 :func:`build_gossip`, so the two cannot drift apart::
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .algorithms import SGP, ChocoSGD, DeepSqueeze, PushSumGossip
+from .choco import ChocoSGD
+from .deepsqueeze import DeepSqueeze
+from .push_sum import PushSumGossip
+from .sgp import SGP
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .faults import FaultPlan
 from .topology import TOPOLOGIES, Topology, make_topology
