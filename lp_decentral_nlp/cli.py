@@ -100,7 +100,7 @@ def add_decentralized_flags(parser: argparse.ArgumentParser, algorithm: str) -> 
     g.add_argument("--comp", type=_ranged(float, 0.0, 100.0, hi_open=True), default=0.0,
                    help="percent of entries dropped by top-k compression, 0 <= comp < 100 (99 keeps 1%%)")
     g.add_argument("--consensus-lr", type=_ranged(float, 0.0, 1.0, lo_open=True), default=None,
-                   help="consensus step size gamma (default 1.0, or 0.01 with compression)")
+                   help="consensus step size gamma (default: gossip.factory.default_consensus_lr, from the compressor and algorithm)")
     g.add_argument("--full-precision", action="store_true", help="train and gossip in fp32 instead of 8-bit")
     g.add_argument("--qgm", action="store_true", help="quasi-global momentum")
     g.add_argument("--backend", choices=BACKENDS, default="simulated",
