@@ -18,7 +18,7 @@ from .deepsqueeze import DeepSqueeze
 from .push_sum import GossipStats, PushSumGossip, average_model, consensus_distance
 from .sgp import SGP
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
-from .momentum import QuasiGlobalMomentum
+from .momentum import QuasiGlobalAdam, QuasiGlobalMomentum
 from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
@@ -28,7 +28,7 @@ __all__ = [
     "TOPOLOGIES", "Topology", "make_topology",
     "Compressor", "Identity", "TopK", "RandomK", "QSGD", "Quantize",
     "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
-    "QuasiGlobalMomentum",
+    "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
 ]
