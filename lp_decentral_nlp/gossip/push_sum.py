@@ -127,7 +127,11 @@ class PushSumGossip:
     Parameter lists. ``nodes[k]`` is the list of local node ``node_ids[k]``'s parameter tensors
     (``[p.data for p in model.parameters()]`` or the parameters themselves), all nodes with the
     same shapes, one floating dtype and one device. The state (and "full precision" wire values)
-    uses that dtype promoted to at least float32.
+    uses that dtype promoted to at least float32; ``"written"`` (SPEC 2 step 1, kept only once a
+    push-sum weight leaves 1) uses the parameters' own dtype.
+
+    Resources: on a multi-threaded CPU the object owns a thread pool for the layer-wise codecs;
+    :meth:`close` (or ``with PushSumGossip(...) as gossip:``, or garbage collection) shuts it down.
     """
 
     #: coefficient of ``x~_i`` in the update (SPEC 2 step 5 keeps the local model; SGP replaces it)
