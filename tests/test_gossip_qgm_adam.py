@@ -14,14 +14,16 @@ def quadratic_grads(params, target):
     return [p - b for p, b in zip(params, target)]  # gradient of 1/2 ||z - b||^2
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1, [0.1, 0.0]])
 def test_a_lone_node_runs_plain_adam_and_adamw(weight_decay):
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
     target = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
     mine = [p.clone() for p in start]
     reference = [torch.nn.Parameter(p.clone()) for p in start]
-    optimizer = torch.optim.AdamW(reference, lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    decays = weight_decay if isinstance(weight_decay, list) else [weight_decay] * len(SHAPES)
+    groups = [{"params": [p], "weight_decay": d} for p, d in zip(reference, decays)]  # e.g. no decay on biases
+    optimizer = torch.optim.AdamW(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-6)
     qg = QuasiGlobalAdam([mine], betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
     for _ in range(20):
         qg.begin_iteration()
@@ -87,6 +89,8 @@ def test_a_node_that_skips_keeps_its_moments_and_state_round_trips():
     assert torch.equal(other.exp_avg[0][0], qg.exp_avg[0][0])
     with pytest.raises(ValueError, match="betas"):
         QuasiGlobalAdam([[torch.ones(4)], [torch.ones(4)]], betas=(0.5, 0.9)).load_state_dict(saved)
+    with pytest.raises(ValueError, match="weight_decay must be"):
+        QuasiGlobalAdam(nodes, weight_decay=[0.1, 0.1])
     with pytest.raises(ValueError, match="betas must be"):
         QuasiGlobalAdam(nodes, betas=(1.0, 0.9))
     with pytest.raises(RuntimeError, match="begin_iteration"):
