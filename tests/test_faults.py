@@ -35,6 +35,12 @@ def mass(gossip, nodes) -> torch.Tensor:
                for i, params in enumerate(nodes))
 
 
+def mass_delta(params, written) -> torch.Tensor:
+    """[z~_i - z_i, 0] in float64: what a local step adds to node i's numerator."""
+    return torch.cat([torch.cat([(p - q).flatten() for p, q in zip(params, written)]),
+                      torch.zeros(1, dtype=torch.float64)])
+
+
 ALGORITHMS = {
     "sgp-irregular": lambda f: SGP(irregular_digraph(), faults=f),
     "sgp-exponential": lambda f: SGP(make_topology("exponential", 8), faults=f),
@@ -81,8 +87,10 @@ def test_lost_messages_and_an_absent_node_keep_the_push_sum_mass_exactly(name):
     nodes = make_nodes(n)
     saw_loss = False
     for t in range(12):
+        written = [[p.clone() for p in params] for params in nodes]
         local_step(nodes, t, skip=plan.absent(t))
-        before = mass(gossip, nodes)
+        # the local step adds delta_i = z~_i - z_i to the numerator unscaled (SPEC 2 step 1)
+        before = mass(gossip, written) + sum(mass_delta(z, z0) for z, z0 in zip(nodes, written))
         frozen = [p.clone() for p in nodes[1]], gossip.weights[1].clone()
         stats = gossip.step(nodes)
         saw_loss |= bool(gossip._lost)

@@ -65,16 +65,22 @@ def digits_trainer(out, poison=None, callbacks=None, **kw):
 
 
 class PushSumInvariant(TrainerCallback):
-    """Checks around every gossip step that sum_i w_i z_i (parameters and weight) is unchanged."""
+    """Checks around every gossip step that the push-sum mass is unchanged: before it,
+    sum_i (x_i + delta_i), the local update delta_i = z~_i - z_i entering unscaled (SPEC 2 step 1);
+    after it, sum_i w_i z_i (parameters and weight)."""
 
     def __init__(self, trainer):
         self.trainer, self.worst = trainer, 0.0
         step = trainer.gossip.step
+        written = [[p.detach().clone() for p in params] for params in trainer.node_params]
 
         def checked(nodes):
-            before = self.mass(nodes)
+            delta = sum(torch.cat([torch.cat([(p - q).double().flatten() for p, q in zip(params, old)]),
+                                   torch.zeros(1, dtype=torch.float64)]) for params, old in zip(nodes, written))
+            before = self.mass(written) + delta
             stats = step(nodes)
             after = self.mass(nodes)
+            written[:] = [[p.detach().clone() for p in params] for params in nodes]
             self.worst = max(self.worst, ((after - before).abs().max() / before.abs().max()).item())
             return stats
 

@@ -1,5 +1,7 @@
 """Push-sum gossip algorithms in the simulated backend (SPEC 1-2)."""
+import gc
 import math
+import threading
 
 import pytest
 import torch
@@ -34,6 +36,10 @@ def push_sum_mass(gossip, nodes) -> torch.Tensor:
     """sum_i w_i z_i, flattened, in float64."""
     w = gossip.weights.double()
     return sum(w[i] * torch.cat([p.double().flatten() for p in params]) for i, params in enumerate(nodes))
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.double().flatten() for p in params])
 
 
 def clone(nodes):
@@ -128,8 +134,9 @@ def test_every_gossip_step_conserves_push_sum_mass(name):
     gossip = ALGORITHMS[name](topo)
     nodes = make_nodes(5)
     for t in range(15):
-        local_step(nodes, t)  # changes the mass; the gossip step must not
-        before = push_sum_mass(gossip, nodes)
+        written = clone(nodes)
+        local_step(nodes, t)  # changes the mass by sum_i delta_i, unscaled (SPEC 2 step 1); gossip must not
+        before = push_sum_mass(gossip, written) + sum(flat(z) - flat(z0) for z, z0 in zip(nodes, written))
         gossip.step(nodes)
         after = push_sum_mass(gossip, nodes)
         # float32 rounding of O(1) values over a few terms; a mixing bug moves the mass by O(0.1)
@@ -386,13 +393,13 @@ def test_choco_update_in_column_chunks_equals_the_whole_tensor_update_exactly(mo
     """Choco's CPU update runs in column chunks of all nodes at once (large tensors split, small
     ones grouped); non-contiguous parameters cannot be split and take whole tensors. Every entry
     gets the same operations in the same order either way, so the results are bit-identical."""
-    from lp_decentral_nlp.gossip import algorithms
+    from lp_decentral_nlp.gossip import choco
 
     shapes = [(30, 40), (64,), (40, 30), (5,), (100, 50), (7, 3)]
     topo = irregular_digraph()
     runs = []
-    for chunk, contiguous in ((7, True), (1000, True), (algorithms._CHUNK, False)):
-        monkeypatch.setattr(algorithms, "_CHUNK", chunk)
+    for chunk, contiguous in ((7, True), (1000, True), (choco._CHUNK, False)):
+        monkeypatch.setattr(choco, "_CHUNK", chunk)
         nodes = make_nodes(topo.num_nodes, shapes=shapes)
         if not contiguous:  # the same values, held as transposed views
             nodes = [[p.t().contiguous().t() if p.dim() == 2 else p for p in params] for params in nodes]
@@ -410,19 +417,39 @@ def test_choco_update_in_column_chunks_equals_the_whole_tensor_update_exactly(mo
         assert all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
-def test_segment_pool_workers_run_torch_single_threaded_and_leave_the_callers_threads():
-    """Workers that opened their own OpenMP teams would slow every short parallel op of the
-    process (libgomp stops spin-waiting once it manages more threads than cores)."""
-    from lp_decentral_nlp.gossip.algorithms import _segment_pool
+def segment_workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gossip-segments")]
 
-    if not torch.backends.openmp.is_available():
-        pytest.skip("per-thread torch thread counts are an OpenMP property")
+
+def test_the_segment_pool_belongs_to_the_gossip_object_and_leaves_nothing_behind():
+    """The pool that encodes the tensors concurrently is started by the object's first step,
+    shut down by close(), by leaving a with block, or by garbage collection; the caller's torch
+    thread count is never changed."""
+    shapes = [(30, 40), (64,), (40, 30), (5,)]
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        pool = _segment_pool(3)
+        before = set(segment_workers())
+        with ChocoSGD(make_topology("ring", 3), TopK(0.2), gamma=0.5) as gossip:
+            gossip.step(make_nodes(3, shapes=shapes))
+            assert torch.get_num_threads() == 3
+            assert len(set(segment_workers()) - before) == 3
+        assert set(segment_workers()) == before
+        gossip.step(make_nodes(3, shapes=shapes))  # usable after close: a new pool
+        assert len(set(segment_workers()) - before) == 3
+        gossip.close()
+        gossip.close()  # idempotent
+        assert set(segment_workers()) == before
+
+        dropped = DeepSqueeze(make_topology("ring", 3), TopK(0.2), gamma=0.5)
+        dropped.step(make_nodes(3, shapes=shapes))
+        assert len(set(segment_workers()) - before) == 3
+        del dropped
+        gc.collect()
+        for worker in set(segment_workers()) - before:
+            worker.join(timeout=30)
+        assert set(segment_workers()) == before
         assert torch.get_num_threads() == 3
-        assert list(pool.map(lambda _: torch.get_num_threads(), range(12))) == [1] * 12
     finally:
         torch.set_num_threads(threads)
 

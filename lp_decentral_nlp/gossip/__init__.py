@@ -3,18 +3,22 @@
 Simulated (all nodes in one process)::
 
     topo = make_topology("directed_ring", num_nodes=8)
-    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.01)
+    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.025)  # factory.default_consensus_lr
     stats = gossip.step(nodes)      # nodes[i]: node i's parameter tensors z_i, updated in place
+    gossip.close()                  # (or ``with gossip: ...``) shuts down its segment thread pool
 
 Distributed (one node per rank, after ``torch.distributed.init_process_group``)::
 
-    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.01,
+    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.025,
                       transport=TorchDistributedTransport(timeout=300))
     stats = gossip.step([my_params])
 """
-from .algorithms import SGP, ChocoSGD, DeepSqueeze, GossipStats, PushSumGossip, average_model, consensus_distance
+from .choco import ChocoSGD
+from .deepsqueeze import DeepSqueeze
+from .push_sum import GossipStats, PushSumGossip, average_model, consensus_distance
+from .sgp import SGP
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
-from .momentum import QuasiGlobalMomentum
+from .momentum import QuasiGlobalAdam, QuasiGlobalMomentum
 from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
@@ -24,7 +28,7 @@ __all__ = [
     "TOPOLOGIES", "Topology", "make_topology",
     "Compressor", "Identity", "TopK", "RandomK", "QSGD", "Quantize",
     "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
-    "QuasiGlobalMomentum",
+    "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
 ]

@@ -1,7 +1,7 @@
 """From settings to a running gossip algorithm: graph, compressor, algorithm (SPEC 1-3).
 
 The only place that turns user-facing settings into a :class:`~.topology.Topology`, a
-:class:`~.compressors.Compressor` and a :class:`~.algorithms.PushSumGossip`. The trainer's
+:class:`~.compressors.Compressor` and a :class:`~.push_sum.PushSumGossip`. The trainer's
 arguments and the cost command line both describe their run with a :class:`GossipConfig` and call
 :func:`build_gossip`, so the two cannot drift apart::
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .algorithms import SGP, ChocoSGD, DeepSqueeze, PushSumGossip
+from .choco import ChocoSGD
+from .deepsqueeze import DeepSqueeze
+from .push_sum import PushSumGossip
+from .sgp import SGP
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .faults import FaultPlan
 from .topology import TOPOLOGIES, Topology, make_topology
@@ -57,7 +60,7 @@ class GossipConfig:
         compressor: ``"topk"``, ``"randomk"`` or ``"qsgd"`` (used when ``compression > 0``).
         qsgd_levels: QSGD levels ``s`` in ``[1, 127]``.
         low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads").
-        consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :attr:`gamma`'s default.
+        consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :func:`default_consensus_lr`.
         seed: base seed of stochastic compressors and message loss.
         faults: a :class:`~.faults.FaultPlan` (None: no faults).
     """
@@ -105,10 +108,62 @@ class GossipConfig:
 
     @property
     def gamma(self) -> float:
-        """Consensus step size: ``consensus_lr`` if set, else 1.0 without compression and 0.01 with it."""
+        """Consensus step size: ``consensus_lr`` if set, else :func:`default_consensus_lr` of this
+        run's compressor and algorithm (1.0 without sparsification)."""
         if self.consensus_lr is not None:
             return self.consensus_lr
-        return 1.0 if self.compression == 0 else 0.01
+        return default_consensus_lr(build_compressor(self), self.algorithm)
+
+
+#: gamma / (compression quality delta) at the fastest measured consensus, per algorithm (docs/consensus_step.md)
+CONSENSUS_LR_PER_QUALITY = {"choco": 2.5, "deepsqueeze": 1.5}
+
+#: tensor size at which a scaled QSGD's quality ``1 / (1 + omega)`` is taken (a 1024 x 1024 layer)
+QSGD_REFERENCE_NUMEL = 1 << 20
+
+
+def compression_quality(compressor: Compressor | None) -> float:
+    """The contraction quality ``delta`` in (0, 1] of ``compressor`` (Koloskova et al. 2019,
+    ``E||C(x) - x||^2 <= (1 - delta) ||x||^2``): 1 for exact and 8-bit-quantized messages (their
+    error is negligible next to sparsification), ``keep`` for top-k and random-k (whatever their
+    value bits), ``1 / (1 + omega)`` for scaled QSGD at a ``QSGD_REFERENCE_NUMEL``-entry tensor.
+    Unscaled QSGD is no contraction (ValueError)."""
+    if compressor is None or isinstance(compressor, (Identity, Quantize)):
+        return 1.0
+    if isinstance(compressor, (TopK, RandomK)):
+        return compressor.keep
+    if isinstance(compressor, QSGD):
+        if not compressor.scaled:
+            raise ValueError("compressor QSGD(scaled=False) is not a contraction (Choco-SGD diverges with it); "
+                             "use QSGD(scaled=True) or pass consensus_lr")
+        n, s = QSGD_REFERENCE_NUMEL, compressor.levels
+        return 1.0 / (1.0 + min(n / s**2, math.sqrt(n) / s))
+    raise TypeError(f"compressor must be None, Identity, Quantize, TopK, RandomK or QSGD, got "
+                    f"{type(compressor).__name__}")
+
+
+def default_consensus_lr(compressor: Compressor | None, algorithm: str) -> float:
+    """The default consensus step ``gamma`` (SPEC 2 step 5): ``min(1, c * delta)`` with ``delta``
+    the compressor's :func:`compression_quality` and ``c`` from :data:`CONSENSUS_LR_PER_QUALITY`
+    (2.5 for ``"choco"``, 1.5 for ``"deepsqueeze"``); 1.0 for ``"dpsgd"`` (exact or 8-bit SGP).
+
+    Derived from measurements of the per-step contraction of the consensus distance
+    (docs/consensus_step.md): the fastest ``gamma`` scales with ``delta`` (top-k at 10% and 1%,
+    8-bit or fp32 values) and did not move with the graph's spectral gap from 0.013 to 0.40
+    (rings of 4 to 32 nodes, a 4x4 torus), so the graph is not an input. Choco's fastest step is
+    about 2.5 delta (it diverges beyond ~10-20 delta); Deep-Squeeze, which compresses the models
+    themselves, about 1.5 delta (it diverges beyond ~7 delta).
+
+    Args:
+        compressor: the message codec (None: exact messages).
+        algorithm: ``"choco"``, ``"deepsqueeze"`` or ``"dpsgd"``.
+    Returns:
+        ``gamma`` in (0, 1].
+    """
+    _check_choice("algorithm", algorithm, ALGORITHMS)
+    if algorithm == "dpsgd":
+        return 1.0
+    return min(1.0, CONSENSUS_LR_PER_QUALITY[algorithm] * compression_quality(compressor))
 
 
 def build_topology(config: GossipConfig) -> Topology:

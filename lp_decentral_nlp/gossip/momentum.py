@@ -7,7 +7,10 @@ update direction:
     m_i <- beta * m_i + (1 - beta) * (z_i(t) - z_i(t+1)) / lr
     local step direction d = grad + beta * m_i        (Nesterov-style)
 
-Use with an optimiser without its own momentum (e.g. ``SGD(momentum=0)``). Per iteration::
+:class:`QuasiGlobalMomentum` is for SGD: use it with an optimiser without its own momentum (e.g.
+``SGD(momentum=0)``). :class:`QuasiGlobalAdam` is the Adam/AdamW form (the quasi-global buffer is
+Adam's first moment, the second moment stays local) and replaces the optimiser. QGM for SGD, per
+iteration::
 
     qgm.begin_iteration()                     # snapshot z_i(t), before the local step
     loss.backward()
@@ -93,3 +96,162 @@ class QuasiGlobalMomentum:
         with torch.no_grad():
             for m, saved in zip(self._momentum, state_dict["momentum"], strict=True):
                 torch._foreach_copy_(m, list(saved))
+
+
+class QuasiGlobalAdam:
+    """Adam/AdamW whose first moment is quasi-global (SPEC 2 "Quasi-global momentum", Lin et al.
+    2021): the second moment ``v`` stays local (from the raw gradients), and after every iteration
+    the first moment ``m`` is replaced by the one that would have produced the node's *whole*
+    model change, local step plus gossip. Use it instead of the node's optimiser.
+
+    Per local node ``k`` at its ``c``-th step (``lr`` the iteration's learning rate, ``g`` the raw
+    gradient at ``z(t)``), Adam with bias correction and decoupled weight decay ``wd`` (AdamW)::
+
+        v <- beta2 * v + (1 - beta2) * g^2                              (local)
+        m~ = beta1 * m + (1 - beta1) * g                                (Adam's recursion, on the QG m)
+        z~ = z(t) - lr * wd * z(t) - lr * u,   u = (m~ / (1 - beta1^c)) / (sqrt(v / (1 - beta2^c)) + eps)
+        ... gossip: z(t) -> z(t+1) ...
+        m <- (1 - beta1^c) * (sqrt(v / (1 - beta2^c)) + eps) * ((z(t) - z(t+1)) / lr - wd * z(t))
+
+    Without gossip the last line gives ``m = m~`` exactly (in exact arithmetic), so a lone node runs
+    plain Adam/AdamW; with gossip, ``m`` also carries the consensus part of the model change, the
+    quasi-global direction. Per iteration::
+
+        qg.begin_iteration()                 # snapshot z(t), before the local step
+        loss.backward()
+        qg.step(k, grads, lr)                # local Adam step of node k (in place), for each node that steps
+        gossip.step(nodes)
+        qg.end_iteration(lr, skip=absent)    # m of the nodes that stepped, from z(t) - z(t+1)
+
+    Args:
+        nodes: per local node, its parameter tensors (references kept; the de-biased ``z``).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the root of ``v``, > 0.
+        weight_decay: decoupled weight decay (AdamW), >= 0; 0 is Adam. A number for every
+            parameter, or one number per parameter (e.g. 0 for biases and LayerNorm weights, as
+            Hugging Face's trainer groups them).
+    State: ``m``, ``v`` and the snapshot ``z(t)`` (3x the parameters) and each node's step count.
+    Attributes ``betas``, ``eps``, ``weight_decay`` (a list, one per parameter).
+
+    ``m`` is recovered from a difference of models, ``z(t) - z(t+1)``, so in float32 it carries
+    rounding of relative size ``~1e-7 * |z| / |z(t) - z(t+1)|`` (``~1e-3`` for ``|z| ~ 0.1`` and a
+    change of ``1e-5`` per step).
+    """
+
+    def __init__(self, nodes: list[ParamList], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | list[float] = 0.0):
+        if not isinstance(nodes, (list, tuple)) or not nodes or not all(isinstance(p, (list, tuple)) for p in nodes):
+            raise TypeError("nodes must be a non-empty list of parameter lists (one per local node)")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"eps must be a positive number, got {eps!r}")
+        self._nodes = [list(params) for params in nodes]
+        count = len(self._nodes[0])
+        decays = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay] * count
+        if len(decays) != count or not all(isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0
+                                           for d in decays):
+            raise ValueError(f"weight_decay must be a number >= 0 or {count} such numbers (one per parameter), "
+                             f"got {weight_decay!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = [float(d) for d in decays]
+        self._exp_avg = [[torch.zeros_like(p) for p in params] for params in self._nodes]
+        self._exp_avg_sq = [[torch.zeros_like(p) for p in params] for params in self._nodes]
+        self._snapshot = [[torch.zeros_like(p) for p in params] for params in self._nodes]
+        self._steps = [0] * len(self._nodes)
+        self._stepped: set[int] = set()
+        self._open = False
+
+    def begin_iteration(self) -> None:
+        """Remember ``z_k(t)`` for every local node (call before the local steps)."""
+        with torch.no_grad():
+            for snap, params in zip(self._snapshot, self._nodes):
+                torch._foreach_copy_(snap, params)
+        self._stepped = set()
+        self._open = True
+
+    def step(self, node: int, grads: ParamList, lr: float) -> None:
+        """The local Adam/AdamW step of local node ``node`` from its raw gradients ``grads`` (one
+        tensor per parameter, in the order given at construction), in place on its parameters."""
+        if not self._open:
+            raise RuntimeError("step() outside an iteration: call begin_iteration() first")
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self._nodes):
+            raise ValueError(f"node must be a local node index in [0, {len(self._nodes) - 1}], got {node!r}")
+        if len(grads) != len(self._nodes[node]):
+            raise ValueError(f"grads must hold {len(self._nodes[node])} tensors (one per parameter), got {len(grads)}")
+        _check_lr(lr)
+        beta1, beta2 = self.betas
+        self._steps[node] += 1
+        c = self._steps[node]
+        params, m, v = self._nodes[node], self._exp_avg[node], self._exp_avg_sq[node]
+        with torch.no_grad():
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, list(grads), list(grads), value=1 - beta2)
+            direction = torch._foreach_mul(m, beta1)  # m~ = beta1 m + (1 - beta1) g
+            torch._foreach_add_(direction, list(grads), alpha=1 - beta1)
+            denom = self._denominator(node)
+            if any(self.weight_decay):
+                torch._foreach_mul_(params, [1 - lr * d for d in self.weight_decay])
+            torch._foreach_addcdiv_(params, direction, denom, value=-lr / (1 - beta1 ** c))
+        self._stepped.add(node)
+
+    def end_iteration(self, lr: float) -> None:
+        """Replace ``m`` of every node that stepped this iteration by the first moment implied by
+        its whole model change ``z(t) - z(t+1)`` (call after the gossip step, with the ``lr`` of
+        :meth:`step`); nodes that took no step keep ``m``, ``v`` and their step count."""
+        if not self._open:
+            raise RuntimeError("end_iteration() without begin_iteration() in this iteration")
+        _check_lr(lr)
+        beta1 = self.betas[0]
+        with torch.no_grad():
+            for k in sorted(self._stepped):
+                snap, m = self._snapshot[k], self._exp_avg[k]
+                # implied update u = (z(t) - z(t+1)) / lr - wd * z(t)
+                torch._foreach_mul_(snap, [1.0 / lr - d for d in self.weight_decay])
+                torch._foreach_sub_(snap, torch._foreach_div(self._nodes[k], lr))
+                torch._foreach_mul_(snap, self._denominator(k))
+                torch._foreach_mul_(snap, 1 - beta1 ** self._steps[k])
+                torch._foreach_copy_(m, snap)
+        self._open = False
+
+    def _denominator(self, k: int) -> ParamList:
+        """``sqrt(v_k / (1 - beta2^c)) + eps``, new tensors."""
+        denom = torch._foreach_sqrt(self._exp_avg_sq[k])
+        torch._foreach_div_(denom, (1 - self.betas[1] ** self._steps[k]) ** 0.5)
+        torch._foreach_add_(denom, self.eps)
+        return denom
+
+    @property
+    def exp_avg(self) -> list[ParamList]:
+        """The quasi-global first moments ``m``, per local node (live tensors)."""
+        return self._exp_avg
+
+    @property
+    def exp_avg_sq(self) -> list[ParamList]:
+        """The local second moments ``v``, per local node (live tensors)."""
+        return self._exp_avg_sq
+
+    def state_dict(self) -> dict:
+        return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, "steps": list(self._steps),
+                "exp_avg": [list(m) for m in self._exp_avg], "exp_avg_sq": [list(v) for v in self._exp_avg_sq]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for key in ("betas", "eps", "weight_decay"):
+            saved = state_dict[key]
+            saved = tuple(saved) if key == "betas" else list(saved) if key == "weight_decay" else saved
+            if saved != getattr(self, key):
+                raise ValueError(f"state_dict has {key}={state_dict[key]!r}, this object {key}={getattr(self, key)!r}")
+        if len(state_dict["steps"]) != len(self._nodes):
+            raise ValueError(f"state_dict holds {len(state_dict['steps'])} nodes, this object {len(self._nodes)}")
+        with torch.no_grad():
+            for mine, saved in ((self._exp_avg, state_dict["exp_avg"]), (self._exp_avg_sq, state_dict["exp_avg_sq"])):
+                for buffers, saved_buffers in zip(mine, saved, strict=True):
+                    torch._foreach_copy_(buffers, list(saved_buffers))
+        self._steps = [int(c) for c in state_dict["steps"]]
+
+
+def _check_lr(lr) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"lr must be a positive number (the learning rate of this iteration), got {lr!r}")

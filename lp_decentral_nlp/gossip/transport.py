@@ -1,6 +1,6 @@
 """How gossip messages travel: all nodes in one process, or one node per torch.distributed rank.
 
-Both transports expose the same three calls used by the algorithms in :mod:`.algorithms`:
+Both transports expose the same three calls used by the push-sum core in :mod:`.push_sum`:
 
 - ``node_ids(num_nodes)``: which graph nodes this process runs (all of them, or ``[rank]``);
 - ``prepare(topology, layout, device, start_step, config_fingerprint)``: once, before the first

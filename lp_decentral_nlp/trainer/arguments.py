@@ -38,7 +38,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "of each tensor; qsgd ignores the percentage and sends qsgd_levels levels per entry."})
     qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127) when compressor='qsgd'."})
     consensus_lr: float | None = field(
-        default=None, metadata={"help": "Consensus step size gamma; default 1.0 without compression, 0.01 with it."}
+        default=None, metadata={"help": "Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm "
+                                     "(lp_decentral_nlp.gossip.factory.default_consensus_lr, docs/consensus_step.md)."}
     )
     skew: float = field(default=0.0, metadata={"help": "Degree of label skew of the shards, in [0, 1] (SPEC 6)."})
     low_precision: bool = field(

@@ -1,12 +1,25 @@
-"""Push-sum gossip: SGP, Choco-SGD and Deep-Squeeze on one shared core (SPEC 1-2).
+"""The push-sum core shared by SGP, Choco-SGD and Deep-Squeeze (SPEC 1-2).
+
+The algorithms live in :mod:`.sgp`, :mod:`.choco` and :mod:`.deepsqueeze`; this module holds
+what they share: :class:`PushSumGossip`, :class:`GossipStats`, :func:`average_model` and
+:func:`consensus_distance`.
 
 Every node ``i`` holds a de-biased model ``z_i`` (the trainer's parameters) and a push-sum weight
 ``w_i`` (starts at 1); the push-sum numerator is ``x_i = w_i * z_i``. One call to
 :meth:`PushSumGossip.step` runs SPEC 2 steps 2-5 for every node this process holds, after the
-trainer's local optimiser step (SPEC 2 step 1) has turned ``z_i`` into ``z~_i``:
+trainer's local optimiser step has turned ``z_i`` (what the engine wrote back at its previous
+step) into ``z~_i``:
 
-1. ``x~_i = w_i * z~_i``, with ``w_i`` appended as one extra coordinate, so the weight is mixed
-   by exactly the same arithmetic as the parameters (it is always sent uncompressed);
+1. SPEC 2 step 1, the update goes into the numerator unscaled: ``x~_i = x_i + delta_i`` with
+   ``delta_i = z~_i - z_i``. The engine writes ``x~_i / w_i = z_i + delta_i / w_i`` back into the
+   parameters first (one pass, only where ``w_i != 1``), so that from here on ``x~_i = w_i * z~_i``
+   holds for what the parameters contain. For that it keeps ``z_i``, the models it wrote back, in
+   the state ``"written"`` (one parameter-sized row per local node, in the parameters' dtype), but
+   only once some local ``w_i`` has left 1: while every ``w_i == 1`` exactly (regular graphs
+   without faults) ``x_i = z_i`` and ``x~_i = z~_i`` need no extra memory. Scaling the update by
+   ``w_i`` instead would minimise a ``w``-weighted objective (SPEC 2 step 1);
+   ``w_i`` is appended as one extra coordinate, so the weight is mixed by exactly the same
+   arithmetic as the parameters (it is always sent uncompressed);
 2. ``v_i = g(x~_i)`` (algorithm), ``q_i = C(v_i)`` encoded into a real wire buffer;
 3. the transport delivers ``q_j`` from every in-neighbour ``j``;
 4. ``x_i <- keep * x~_i + gamma * d_i`` with an algorithm-specific consensus direction ``d_i``;
@@ -45,21 +58,24 @@ step does no extra work.
 
 Threads. On a multi-threaded CPU, layer-wise codecs encode and decode the model's tensors
 concurrently on a pool of ``torch.get_num_threads()`` threads (largest first), each running torch
-single-threaded (see :func:`_segment_pool`): CPU top-k selection is sequential per tensor, and each
-tensor owns disjoint slices of the buffers, so the results are the same as one tensor after
-another. Stochastic codecs encode in order (one generator per node and step).
+single-threaded (see :func:`_single_threaded_pool`): CPU top-k selection is sequential per tensor,
+and each tensor owns disjoint slices of the buffers, so the results are the same as one tensor
+after another. Stochastic codecs encode in order (one generator per node and step). The pool
+belongs to the gossip object: it is started on the first step that needs it and shut down by
+:meth:`PushSumGossip.close`, on leaving a ``with`` block, or when the object is garbage
+collected; nothing process-wide is left behind (the caller's torch thread count is never changed).
 
 Memory traffic. Choco's update of all local nodes runs in cache-sized column chunks, so each public
-copy is streamed once per step rather than once per node that mixes it (:meth:`ChocoSGD._update`).
+copy is streamed once per step rather than once per node that mixes it (:meth:`.choco.ChocoSGD._update`).
 Its message ``C(x~_i - x^_i)`` is encoded from the two operands where the codec can (CPU top-k:
 :meth:`~.compressors.Compressor.encode_difference`), so the difference is never written.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +89,8 @@ from .wire import Message, MessageLayout
 
 ParamList = list[torch.Tensor]
 
+#: state key of the models the engine wrote back at the previous step (SPEC 2 step 1)
+_WRITTEN = "written"
 
 @dataclass
 class GossipStats:
@@ -109,7 +127,11 @@ class PushSumGossip:
     Parameter lists. ``nodes[k]`` is the list of local node ``node_ids[k]``'s parameter tensors
     (``[p.data for p in model.parameters()]`` or the parameters themselves), all nodes with the
     same shapes, one floating dtype and one device. The state (and "full precision" wire values)
-    uses that dtype promoted to at least float32.
+    uses that dtype promoted to at least float32; ``"written"`` (SPEC 2 step 1, kept only once a
+    push-sum weight leaves 1) uses the parameters' own dtype.
+
+    Resources: on a multi-threaded CPU the object owns a thread pool for the layer-wise codecs;
+    :meth:`close` (or ``with PushSumGossip(...) as gossip:``, or garbage collection) shuts it down.
     """
 
     #: coefficient of ``x~_i`` in the update (SPEC 2 step 5 keeps the local model; SGP replaces it)
@@ -145,6 +167,12 @@ class PushSumGossip:
         self._state: dict[str, torch.Tensor] = {}
         self._state_nodes = {name: list(self._node_ids) for name in self._state_names}
         self._pending: dict[str, torch.Tensor] = {}
+        # z_i as written back at the previous step, (len(node_ids), P) in the parameters' dtype, or
+        # None while every local w_i == 1 (SPEC 2 step 1; see the module docstring)
+        self._written: torch.Tensor | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _segment_pool
+        self._pool_threads = 0
+        self._pool_finalizer: weakref.finalize | None = None
         self._ready = False
         # Mixing coefficients per phase and local node: W_ii and {j: W_ij} over in-neighbours j.
         self._mix = [[(topology.weight(i, i, t), {j: topology.weight(i, j, t) for j in topology.in_neighbors(i, t)})
@@ -174,12 +202,14 @@ class PushSumGossip:
 
         Args:
             nodes: one parameter list per local node (``len(nodes) == len(node_ids)``): the
-                de-biased models ``z~_i`` right after the local optimiser step.
+                de-biased models ``z~_i`` right after the local optimiser step (or left as the
+                previous step wrote them, for a node that took no local step).
         Returns:
             :class:`GossipStats` with the bytes each local node sent.
         """
         with torch.no_grad():
             self._check_nodes(nodes)
+            self._add_updates_unscaled(nodes)
             t = self._step
             phase = t % self.topology.period
             absent = self.faults.absent(t) if self.faults else frozenset()
@@ -210,11 +240,28 @@ class PushSumGossip:
                     contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
                 updates.append((k, contributions))
             self._update(updates, nodes)
+            self._record_written(nodes)
             self._step += 1
             nbytes = self._layout.nbytes
             return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
                                bytes_sent=[0 if i in absent else nbytes * f
                                            for i, f in zip(self._node_ids, self._fanout[phase])])
+
+    def close(self) -> None:
+        """Shut down this object's segment thread pool, if one was started (waits for its
+        workers to exit). Idempotent; a later :meth:`step` starts a new pool when it needs one.
+        Also runs on leaving a ``with gossip:`` block and when the object is garbage collected."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self._pool_finalizer.detach()
+            self._pool_finalizer = None
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> PushSumGossip:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def state_dict(self) -> dict:
         """The algorithm state as tensors (shared with the live state: save or clone them).
@@ -222,13 +269,19 @@ class PushSumGossip:
         Keys: ``"step"`` (0-dim int64), ``"node_ids"`` (int64 ``(m,)``), ``"weights"`` (``(m,)``,
         row ``r`` for node ``node_ids[r]``), ``"config"`` (str), and after the first step, per
         state name, the buffer (``(rows, P + 1)``, column ``P`` the push-sum coordinate) and
-        ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to).
+        ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to). Once some push-sum
+        weight has left 1 also ``"written"`` (``(m, P)``, the parameters' dtype: the models ``z_i``
+        the engine wrote back, which the next step subtracts from ``z~_i``, SPEC 2 step 1) and
+        ``"written_nodes"``.
         """
         sd = {"step": torch.tensor(self._step), "node_ids": torch.tensor(self._node_ids),
               "weights": self._w, "config": self._config()}
         for name, buf in (self._state if self._ready else self._pending).items():
             sd[name] = buf
             sd[f"{name}_nodes"] = torch.tensor(self._state_nodes[name])
+        if self._written is not None:
+            sd[_WRITTEN] = self._written
+            sd[f"{_WRITTEN}_nodes"] = torch.tensor(self._node_ids)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -245,7 +298,13 @@ class PushSumGossip:
         step = int(state_dict["step"])
         if step > 0 and len(buffers) != len(self._state_names):
             raise ValueError(f"state_dict at step {step} lacks buffers {set(self._state_names) - set(buffers)}")
+        weights = state_dict["weights"][rows]
+        written = self._written_rows(state_dict, weights)
         if self._ready:
+            if written is not None and written.shape[1] != self._P:
+                raise ValueError(f"state_dict[{_WRITTEN!r}] has {written.shape[1]} columns, the model has {self._P} "
+                                 "parameters")
+            self._written = None if written is None else written.to(device=self._device, dtype=self._param_dtype)
             for name, buf in buffers.items():
                 if buf.shape != self._state[name].shape:
                     raise ValueError(f"state_dict[{name!r}] has shape {tuple(buf.shape)}, the model needs "
@@ -254,11 +313,34 @@ class PushSumGossip:
             if not buffers:
                 for buf in self._state.values():
                     buf.zero_()
-            self._w.copy_(state_dict["weights"][rows])
+            self._w.copy_(weights)
         else:
             self._pending = {name: buf.clone() for name, buf in buffers.items()}
-            self._w = state_dict["weights"][rows].clone()
+            self._w = weights.clone()
+            self._written = written
         self._step = step
+
+    def _written_rows(self, state_dict: dict, weights: torch.Tensor) -> torch.Tensor | None:
+        """The ``"written"`` rows of the local nodes from ``state_dict`` (a new tensor), or None
+        when it has none; a node without a row must have ``w == 1`` (its row is then never read
+        before the next step rewrites it, and is filled with zeros)."""
+        unit = [bool(w == 1) for w in weights]
+        if _WRITTEN not in state_dict:
+            if not all(unit):
+                raise ValueError(f"state_dict has push-sum weights != 1 but no {_WRITTEN!r} rows (the models the "
+                                 "engine wrote back), so the next step could not form x~ = x + delta exactly")
+            return None
+        buf = state_dict[_WRITTEN]
+        saved = [int(i) for i in state_dict[f"{_WRITTEN}_nodes"].tolist()]
+        missing = [i for i, u in zip(self._node_ids, unit) if i not in saved and not u]
+        if missing:
+            raise ValueError(f"state_dict[{_WRITTEN!r}] holds nodes {saved}, it lacks nodes {missing} "
+                             "whose push-sum weight is not 1")
+        out = buf.new_zeros(len(self._node_ids), buf.shape[1])
+        for k, i in enumerate(self._node_ids):
+            if i in saved:
+                out[k] = buf[saved.index(i)]
+        return out
 
     def node_state_dict(self, node: int) -> dict:
         """The part of :meth:`state_dict` that graph node ``node`` keeps itself (one checkpoint
@@ -272,7 +354,7 @@ class PushSumGossip:
         row = self._node_ids.index(node)
         part = {"step": sd["step"], "config": sd["config"], "node_ids": torch.tensor([node]),
                 "weights": sd["weights"][row:row + 1]}
-        for name in self._state_names:
+        for name in (*self._state_names, _WRITTEN):
             if name not in sd:
                 continue
             held = self._held_nodes(name, node)
@@ -292,7 +374,7 @@ class PushSumGossip:
         merged = {"step": parts[0]["step"], "config": parts[0]["config"],
                   "node_ids": torch.cat([p["node_ids"] for p in parts]),
                   "weights": torch.cat([p["weights"] for p in parts])}
-        for name in self._state_names:
+        for name in (*self._state_names, _WRITTEN):
             rows: dict[int, torch.Tensor] = {}
             for p in parts:
                 if name not in p:
@@ -365,6 +447,32 @@ class PushSumGossip:
         return [node]
 
     # -- shared machinery --------------------------------------------------------------------------
+    def _add_updates_unscaled(self, nodes: list[ParamList]) -> None:
+        """SPEC 2 step 1: ``nodes[k] <- z_k + (z~_k - z_k) / w_k`` for every local node with
+        ``w_k != 1`` (``z_k`` = the row of ``"written"``), so that ``w_k * nodes[k]`` is
+        ``x~_k = x_k + delta_k``. A node whose parameters were not changed since the previous
+        step keeps them bit for bit."""
+        if self._written is None:
+            return
+        for k, params in enumerate(nodes):
+            w = float(self._w[k])
+            if w != 1.0:
+                torch._foreach_lerp_(list(params), self._param_views(self._written[k]), 1.0 - 1.0 / w)
+
+    def _record_written(self, nodes: list[ParamList]) -> None:
+        """Keep the models just written back as ``"written"`` (``z_k`` of the next step's
+        ``delta_k``); allocated the first time some local ``w_k`` is not 1, kept from then on."""
+        if self._written is None:
+            if bool((self._w == 1).all()):
+                return
+            self._written = torch.empty(len(self._node_ids), self._P, dtype=self._param_dtype, device=self._device)
+        for row, params in zip(self._written, nodes):
+            torch._foreach_copy_(self._param_views(row), list(params))
+
+    def _param_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """The parameter-shaped views of a flat ``(P,)`` or ``(P + 1,)`` row."""
+        return [row[o:o + n].view(s) for o, n, s in self._param_slices]
+
     def _config(self) -> str:
         return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
 
@@ -414,7 +522,16 @@ class PushSumGossip:
             for s in range(len(self._segments)):
                 fn(s)
         else:
-            list(_segment_pool(threads).map(fn, self._largest_first))
+            list(self._segment_pool(threads).map(fn, self._largest_first))
+
+    def _segment_pool(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        """This object's pool of ``threads`` single-threaded workers, started on first use (and
+        again if the caller's thread count changed); :meth:`close` or garbage collection shuts it down."""
+        if self._pool is None or self._pool_threads != threads:
+            self.close()
+            self._pool, self._pool_threads = _single_threaded_pool(threads), threads
+            self._pool_finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+        return self._pool
 
     def _scaled_copy(self, k: int, params: ParamList) -> torch.Tensor:
         """``self._flat = x~_k = w_k * [z~_k, 1]``, shape ``(P + 1,)`` (SPEC 2 step 2's numerator)."""
@@ -477,6 +594,7 @@ class PushSumGossip:
         if len(devices) != 1:
             raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
         self._shapes = [tuple(p.shape) for p in first]
+        self._param_dtype = next(iter(dtypes))
         self._device = next(iter(devices))
         self._dtype = torch.promote_types(next(iter(dtypes)), torch.float32)
         sizes = [p.numel() for p in first]
@@ -501,6 +619,11 @@ class PushSumGossip:
                                  f"{tuple(self._state[name].shape)}")
             self._state[name].copy_(buf)
         self._pending = {}
+        if self._written is not None:
+            if self._written.shape != (len(self._node_ids), P):
+                raise ValueError(f"loaded state {_WRITTEN!r} has shape {tuple(self._written.shape)}, this model "
+                                 f"needs {(len(self._node_ids), P)}")
+            self._written = self._written.to(device=dev, dtype=self._param_dtype)
         # per state buffer and row, views shaped like the parameters (``load_state_dict`` copies in place)
         self._state_views = {name: [[buf[r, o:o + n].view(s) for o, n, s in self._param_slices]
                                     for r in range(buf.shape[0])] for name, buf in self._state.items()}
@@ -511,201 +634,9 @@ class PushSumGossip:
         self._ready = True
 
 
-class SGP(PushSumGossip):
-    """Stochastic Gradient Push (Assran et al. 2019): uncompressed push-sum averaging,
-    ``x_i <- sum_j W_ij x~_j``, ``w_i <- sum_j W_ij w_j``. Works on time-varying graphs.
-
-    Args:
-        topology, transport, seed, faults: as in :class:`PushSumGossip`.
-    """
-
-    _keep = 0.0
-
-    def __init__(self, topology: Topology, transport=None, seed: int = 0, faults: FaultPlan | None = None):
-        super().__init__(topology, Identity(), 1.0, transport, seed, faults)
-
-    def _message(self, k, params):
-        return self._scaled_copy(k, params)
-
-    def _direction(self, k, contributions):
-        self._mixed_sum(contributions, self_shift=0.0)
-
-
-class ChocoSGD(PushSumGossip):
-    """Choco-SGD with push-sum (Koloskova et al. 2019; directed form of Taheri et al. 2020), SPEC 2.
-
-    Sends ``q_i = C(x~_i - x^_i)`` (model *differences*); every holder of ``x^_i`` adds ``q_i``;
-    ``x_i <- x~_i + gamma * (sum_j W_ij x^_j - x^_i)``. Public copies start at 0. Without
-    compression and with ``gamma=1`` this is SGP. Needs a static topology: the copies of
-    in-neighbours are only kept current by messages from a fixed set of in-neighbours.
-
-    Args:
-        topology: a static graph (``period == 1``).
-        compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma ~ 0.01`` for 99%.
-        gamma: consensus step size in (0, 1].
-        transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
-            to the public copies only when it reached every out-neighbour (:mod:`.faults`).
-    State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all
-    ``n`` nodes in simulation, ``{rank} + in-neighbours`` on a rank).
-    """
-
-    _state_names = ("public",)
-    _copies_absorb_losses = True
-
-    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
-                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
-        if topology.period != 1:
-            raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
-                             f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")
-        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
-                         faults)
-        held = set(self._node_ids).union(*(topology.in_neighbors(i) for i in self._node_ids))
-        self._state_nodes["public"] = sorted(held)
-        self._public_row = {j: r for r, j in enumerate(self._state_nodes["public"])}
-        self._chunks: dict[bool, list[list[tuple[int, int, int]]]] = {}
-
-    def _public(self, node: int) -> torch.Tensor:
-        return self._state["public"][self._public_row[node]]
-
-    def _held_nodes(self, name, node):
-        return sorted({node, *self.topology.in_neighbors(node)})
-
-    def _committed(self, node: int) -> bool:
-        """Whether ``node``'s message of this step reached all its out-neighbours (always without
-        faults): only then is it added to the copies of ``x^_node`` (:mod:`.faults`)."""
-        return not self._lost or not any((node, o) in self._lost for o in self.topology.out_neighbors(node))
-
-    def _encode_message(self, k, params, msg, generator):
-        # q_k = C(v_k), v_k = x~_k - x^_k = w_k [z~_k, 1] - x^_k, encoded segment by segment as x~_k
-        # minus x^_k: TopK on the CPU reads both and never writes v_k (Compressor.encode_difference).
-        # On regular graphs w_k stays exactly 1 and x~_k is the parameters themselves (the same bits
-        # as scaling by 1.0, one pass less): layer-wise codecs read the tensors; Identity (one
-        # segment) and non-contiguous tensors get v_k written tensor by tensor. Otherwise
-        # self._flat holds x~_k first.
-        node = self._node_ids[k]
-        public = self._public(node)
-        unit_weight = self._exact_scaling and self._device.type == "cpu" and self._w[k] == 1.0
-        tensors_are_segments = self.compressor.layerwise and all(p.is_contiguous() for p in params)
-        if unit_weight and not tensors_are_segments:
-            row = self._state_views["public"][self._public_row[node]]
-            for view, p, copy in zip(self._flat_views, params, row):
-                torch.sub(p, copy, out=view)
-            torch.sub(1.0, public[self._P:], out=self._flat[self._P:])
-            self._encode(self._by_segment(self._flat), msg, generator, self._own_commit(k))
-            return
-        if unit_weight:  # the segments of x~_k: the non-empty tensors, then w_k
-            x = [p.view(-1) for p in params if p.numel() > 0] + [self._w[k:k + 1]]
-        else:
-            x = self._by_segment(self._scaled_copy(k, params))
-        self._encode(x, msg, generator, self._own_commit(k), minus=self._by_segment(public))
-
-    def _own_commit(self, k):
-        node = self._node_ids[k]
-        return (self._public(node), 1.0) if self._committed(node) else None  # x^_k += q_k
-
-    def _on_receive(self, received):
-        # Copies of in-neighbours run by another process (distributed): x^_j += q_j, once each.
-        remote = {j: msg for pairs in received.values() for j, msg in pairs if j not in self._node_ids}
-        for j, msg in sorted(remote.items()):
-            if self._committed(j):
-                self._decode_add(msg, self._public(j), 1.0)
-
-    def _update(self, updates, nodes):
-        # SPEC 2 step 5 with d_k = sum_j c_kj x^_j (c_kk = W_kk - 1, c_kj = W_kj), folded into the
-        # parameters without materialising d_k:
-        #   z_k <- (w_old / w_new) z~_k + sum_j (gamma / w_new) c_kj x^_j,  w_new = w_old + gamma d_k[P].
-        # All present nodes are updated together, one column chunk at a time (CPU: ~256K entries,
-        # in cache): each chunk of a public copy is read from memory once for every node mixing
-        # it, instead of once per (node, copy). Copies are added in node order on every backend.
-        public = self._state["public"]
-        ratios, terms = [], {}  # terms: public row -> [(position in updates, coefficient)]
-        for u, (k, contributions) in enumerate(updates):
-            coefficients = {}
-            for n, (w, j, _) in enumerate(contributions):
-                r = self._public_row[j]
-                coefficients[r] = coefficients.get(r, 0.0) + (w - 1.0 if n == 0 else w)
-            w_old = self._w[k]
-            w_new = w_old + self.gamma * sum(c * public[r, self._P] for r, c in sorted(coefficients.items()))
-            ratios.append(w_old / w_new)
-            for r, c in coefficients.items():
-                terms.setdefault(r, []).append((u, self.gamma / w_new * c))
-            self._w[k] = w_new
-        params = [nodes[k] for k, _ in updates]
-        whole = not all(p.is_contiguous() for z in params for p in z)  # (only contiguous tensors split)
-        # on regular graphs w stays exactly 1: scaling by w_old / w_new == 1.0 changes no bit (CPU check)
-        rescaled = [u for u, r in enumerate(ratios) if self._device.type != "cpu" or r != 1.0]
-        for chunk in self._column_chunks(whole):
-            zs = [[self._chunk_piece(z[t], t, a, b) for t, a, b in chunk] for z in params]
-            if rescaled:
-                torch._foreach_mul_([p for u in rescaled for p in zs[u]], [ratios[u] for u in rescaled for _ in chunk])
-            for r in sorted(terms):
-                copy = [self._chunk_piece(self._state_views["public"][r][t], t, a, b) for t, a, b in chunk]
-                users = terms[r]
-                torch._foreach_addcmul_([p for u, _ in users for p in zs[u]], copy * len(users),
-                                        [c for _, c in users for _ in copy])
-
-    def _column_chunks(self, whole: bool) -> list[list[tuple[int, int, int]]]:
-        """The parameter columns in update order, as chunks of pieces ``(tensor, start, stop)``:
-        on the CPU (unless ``whole``) about ``_CHUNK`` entries a chunk, large tensors split and
-        small ones grouped; on other devices, or ``whole``, one chunk of whole tensors."""
-        key = whole or self._device.type != "cpu"
-        if key not in self._chunks:
-            if key:
-                self._chunks[key] = [[(t, 0, n) for t, (_, n, _) in enumerate(self._param_slices)]]
-            else:
-                chunks, current, size = [], [], 0
-                for t, (_, n, _) in enumerate(self._param_slices):
-                    for a in range(0, n, _CHUNK):
-                        b = min(n, a + _CHUNK)
-                        current.append((t, a, b))
-                        size += b - a
-                        if size >= _CHUNK:
-                            chunks.append(current)
-                            current, size = [], 0
-                self._chunks[key] = chunks + ([current] if current else [])
-        return self._chunks[key]
-
-    def _chunk_piece(self, tensor: torch.Tensor, t: int, a: int, b: int) -> torch.Tensor:
-        """Entries ``a:b`` of parameter-shaped ``tensor`` (parameter ``t``): the tensor itself when
-        the piece is whole, else a slice of its flat (contiguous) view."""
-        return tensor if a == 0 and b == self._param_slices[t][1] else tensor.view(-1)[a:b]
-
-
-class DeepSqueeze(PushSumGossip):
-    """Deep-Squeeze with push-sum (Tang et al. 2019; directed form of Sparse-Push, Aketi et al. 2021), SPEC 2.
-
-    Error-compensated: ``v_i = x~_i + e_i``, ``q_i = C(v_i)``, ``e_i = v_i - q_i``;
-    ``x_i <- x~_i + gamma * (sum_j W_ij q_j - q_i)``. Without compression and with ``gamma=1``
-    this is SGP. Works on time-varying graphs.
-
-    Args: as :class:`ChocoSGD` (any topology). State: ``"error"`` (``e_i``).
-    """
-
-    _state_names = ("error",)
-
-    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
-                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
-        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
-                         faults)
-
-    def _message(self, k, params):
-        return self._state["error"][k].add_(self._scaled_copy(k, params))
-
-    def _own_commit(self, k):
-        return self._state["error"][k], -1.0  # e_k = v_k - q_k
-
-    def _direction(self, k, contributions):
-        self._mixed_sum(contributions, self_shift=1.0)
-
-
-#: entries per column chunk of Choco's CPU update (4 nodes' chunks and 4 copies' stay in cache)
-_CHUNK = 1 << 18
-
-
-@functools.cache
-def _segment_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool that encodes/decodes segments with ``threads`` workers, each running
-    torch single-threaded.
+def _single_threaded_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A new pool that encodes/decodes segments with ``threads`` workers, each running torch
+    single-threaded (owned by one :class:`PushSumGossip`, which shuts it down).
 
     The workers are the parallelism. A worker that opened OpenMP parallel regions of its own
     would own a second OpenMP team, and with more OpenMP threads than cores libgomp stops
@@ -756,3 +687,4 @@ def consensus_distance(nodes: list[ParamList]) -> torch.Tensor:
         diffs = torch._foreach_sub([p.detach() for p in params], avg)
         total += torch.stack(torch._foreach_norm(diffs)).double().square().sum()
     return total / len(nodes)
+

@@ -1,0 +1,97 @@
+"""QGM with Adam/AdamW (SPEC 2 "Quasi-global momentum"): the quasi-global buffer is Adam's first
+moment, the second moment stays local."""
+import math
+
+import pytest
+import torch
+
+from lp_decentral_nlp.gossip import QuasiGlobalAdam
+
+SHAPES = [(3, 4), (5,)]
+
+
+def quadratic_grads(params, target):
+    return [p - b for p, b in zip(params, target)]  # gradient of 1/2 ||z - b||^2
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1, [0.1, 0.0]])
+def test_a_lone_node_runs_plain_adam_and_adamw(weight_decay):
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+    target = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+    mine = [p.clone() for p in start]
+    reference = [torch.nn.Parameter(p.clone()) for p in start]
+    decays = weight_decay if isinstance(weight_decay, list) else [weight_decay] * len(SHAPES)
+    groups = [{"params": [p], "weight_decay": d} for p, d in zip(reference, decays)]  # e.g. no decay on biases
+    optimizer = torch.optim.AdamW(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    qg = QuasiGlobalAdam([mine], betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    for _ in range(20):
+        qg.begin_iteration()
+        qg.step(0, quadratic_grads(mine, target), lr=0.05)
+        qg.end_iteration(lr=0.05)  # no gossip: the whole model change is the local step
+        for p, b in zip(reference, target):
+            p.grad = (p.detach() - b)
+        optimizer.step()
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-11)
+
+
+def test_with_gossip_the_first_moment_is_the_whole_model_change_and_the_second_stays_local():
+    """Two nodes averaging after every local step, against a hand-written reference."""
+    lr, beta1, beta2, eps, wd = 0.1, 0.9, 0.99, 1e-8, 0.01
+    g = torch.Generator().manual_seed(1)
+    targets = [torch.randn(6, generator=g, dtype=torch.float64) for _ in range(2)]
+    nodes = [[torch.zeros(6, dtype=torch.float64)] for _ in range(2)]
+    qg = QuasiGlobalAdam(nodes, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+    z = [torch.zeros(6, dtype=torch.float64) for _ in range(2)]  # the reference
+    m = [torch.zeros(6, dtype=torch.float64) for _ in range(2)]
+    v = [torch.zeros(6, dtype=torch.float64) for _ in range(2)]
+    for c in range(1, 8):
+        qg.begin_iteration()
+        for k in range(2):
+            qg.step(k, [nodes[k][0] - targets[k]], lr=lr)
+        mean = (nodes[0][0] + nodes[1][0]) / 2
+        for k in range(2):
+            nodes[k][0].copy_(mean)  # the gossip step: exact averaging
+        qg.end_iteration(lr=lr)
+
+        before = [zk.clone() for zk in z]
+        stepped = []
+        for k in range(2):
+            grad = z[k] - targets[k]
+            v[k] = beta2 * v[k] + (1 - beta2) * grad**2
+            direction = beta1 * m[k] + (1 - beta1) * grad
+            denom = (v[k] / (1 - beta2**c)).sqrt() + eps
+            stepped.append(z[k] - lr * wd * z[k] - lr * direction / (1 - beta1**c) / denom)
+        z = [(stepped[0] + stepped[1]) / 2] * 2
+        for k in range(2):
+            denom = (v[k] / (1 - beta2**c)).sqrt() + eps
+            m[k] = (1 - beta1**c) * denom * ((before[k] - z[k]) / lr - wd * before[k])
+        for k in range(2):
+            torch.testing.assert_close(nodes[k][0], z[k], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(qg.exp_avg[k][0], m[k], rtol=1e-7, atol=1e-9)
+            torch.testing.assert_close(qg.exp_avg_sq[k][0], v[k], rtol=1e-12, atol=0)
+    # the buffers differ from local Adam's: node 0's m carries node 1's pull
+    assert not math.isclose(qg.exp_avg[0][0].norm().item(), qg.exp_avg[1][0].norm().item())
+
+
+def test_a_node_that_skips_keeps_its_moments_and_state_round_trips():
+    nodes = [[torch.ones(4)], [torch.ones(4)]]
+    qg = QuasiGlobalAdam(nodes)
+    qg.begin_iteration()
+    qg.step(0, [torch.full((4,), 0.5)], lr=0.1)
+    qg.end_iteration(lr=0.1)
+    assert torch.equal(qg.exp_avg[1][0], torch.zeros(4)) and torch.equal(nodes[1][0], torch.ones(4))
+    saved = qg.state_dict()
+    other = QuasiGlobalAdam([[torch.ones(4)], [torch.ones(4)]])
+    other.load_state_dict(saved)
+    assert other.state_dict()["steps"] == [1, 0]
+    assert torch.equal(other.exp_avg[0][0], qg.exp_avg[0][0])
+    with pytest.raises(ValueError, match="betas"):
+        QuasiGlobalAdam([[torch.ones(4)], [torch.ones(4)]], betas=(0.5, 0.9)).load_state_dict(saved)
+    with pytest.raises(ValueError, match="weight_decay must be"):
+        QuasiGlobalAdam(nodes, weight_decay=[0.1, 0.1])
+    with pytest.raises(ValueError, match="betas must be"):
+        QuasiGlobalAdam(nodes, betas=(1.0, 0.9))
+    with pytest.raises(RuntimeError, match="begin_iteration"):
+        QuasiGlobalAdam(nodes).step(0, [torch.ones(4)], lr=0.1)
