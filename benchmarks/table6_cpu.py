@@ -7,8 +7,8 @@ Every cell is one run of the NLP recipe (``lp_decentral_nlp.commands.run_nlp``):
 all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds out a stratified
 20% as test), or on the Sentlen task built from that sample's sentences (``build_sentlen``); a
 4-node directed ring, max length 64 tokens, batch 16 per node, 3 epochs, Adam lr 1e-4, betas
-(0.9, 0.9), and the trainer's own consensus step (1 without compression, 0.01 with it: none is set
-here). Grid: task {ag_news, sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
+(0.9, 0.9), and the trainer's default consensus step (``default_consensus_lr``: 1 without
+compression, 0.025 for Choco and 0.015 for Deep-Squeeze at 99%; none is set here). Grid: task {ag_news, sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
 {DS, LP-DS, Choco, LP-Choco} (LP: 8-bit training and gossip; DS: Deep-Squeeze).
 
 Writes ``benchmarks/results/table6_cpu.json`` (``record.save_results``: every cell's accuracy of the
@@ -204,7 +204,7 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in SETTINGS.items())
     lines = [f"# Table 6 at CPU scale ({args.name})", "",
              f"Packaged all-MiniLM-L6-v2 on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
-             "Adam betas (0.9, 0.9); the trainer's consensus step (1 without compression, 0.01 with it). "
+             "Adam betas (0.9, 0.9); the trainer's default consensus step (docs/consensus_step.md). "
              "Accuracy (%) of the averaged model on the test split. "
              + ("" if args.name == "table6_cpu" else
                 f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
