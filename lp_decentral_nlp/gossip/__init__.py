@@ -23,6 +23,8 @@ from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
 from .wire import MessageLayout, index_dtype
+from .factory import ALGORITHMS, COMPRESSORS, GossipConfig, build_compressor, build_gossip, build_topology, \
+    default_consensus_lr
 
 __all__ = [
     "TOPOLOGIES", "Topology", "make_topology",
@@ -31,4 +33,6 @@ __all__ = [
     "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
+    "ALGORITHMS", "COMPRESSORS", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
+    "default_consensus_lr",
 ]

@@ -18,7 +18,7 @@ until it exits (blocks above 32 MiB, such as a large embedding's gradient, are s
 unmapped each time). :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer` applies it in one
 place, :func:`tune_process_for_training` at the start of ``train()``, when it trains on the CPU
 (``tune_cpu_malloc=True``, the default; ``--default-malloc`` in the recipes keeps glibc's policy).
-``benchmarks/bench_simulator.py`` measures its effect (README, Performance). The settings last for
+``benchmarks/bench_simulator.py`` measures its effect (docs/benchmarks.md; why: docs/design.md). The settings last for
 the life of the process and apply to every thread.
 """
 from __future__ import annotations
