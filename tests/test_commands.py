@@ -200,16 +200,6 @@ def clear_launcher_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_accelerate_simple_launcher_is_named_with_the_working_command(capsys, monkeypatch):
-    """``accelerate launch --num_processes N`` without --multi_gpu starts one process on a CPU machine."""
-    clear_launcher_env(monkeypatch)
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
-    assert flag_error(["--backend", "distributed", "--nodes", "3"], capsys) == (
-        "argument --backend: 'distributed' runs one process per node, but accelerate launch started a single process: "
-        "on a machine without GPUs launch with accelerate launch --multi_gpu --num_processes 3 (or torchrun "
-        "--nproc_per_node 3)")
-
-
 def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
     clear_launcher_env(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -223,12 +213,14 @@ def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
 
 
 @pytest.mark.distributed
-def test_accelerate_launch_multi_gpu_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_model_dir, ag_news_csv):
-    """``accelerate launch --multi_gpu --num_processes 2`` (the documented command, CPU included):
-    two ranks, one summary line, one results.json, the per-layer report in cost_report.json."""
+@pytest.mark.parametrize("launcher_flags", [["--multi_gpu"], []], ids=["multi_gpu", "plain"])
+def test_accelerate_launch_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_model_dir, ag_news_csv, launcher_flags):
+    """``accelerate launch [--multi_gpu] --num_processes 2`` on a CPU machine: two ranks (plain: accelerate
+    starts one process and the recipe starts the two), one summary line, one results.json, the
+    per-layer report in cost_report.json."""
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher_flags, "--num_processes", "2",
                            "--main_process_port", "29533", str(REPO / "recipes" / "agnews_choco.py"),
                            "--backend", "distributed", "--nodes", "2", "--model", str(tiny_model_dir),
                            "--data-dir", str(ag_news_csv), "--max-train-samples", "64", "--max-eval-samples", "16",

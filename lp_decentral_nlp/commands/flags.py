@@ -205,6 +205,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         super().__init__((training_class, recipe_class), **kwargs)
         self.set_defaults(**(defaults or {}))
         self._derive, self._value_checks, self._checks = derive, list(value_checks), list(checks)
+        #: the command line being parsed (set by :meth:`parse`)
+        self.argv: list[str] = []
 
     def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
         """Add one field's options, in the help's group: decentralized setting, recipe, or transformers'."""
@@ -225,7 +227,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
     def flag_of(self, name: str, argv=None) -> str:
         """The flag of field ``name`` as the user wrote it in ``argv`` (default: the command line being
         parsed), else its first spelling."""
-        argv = getattr(self, "_argv", ()) if argv is None else argv
+        argv = self.argv if argv is None else argv
         for action in self._actions:
             if action.dest == name and action.option_strings:
                 used = [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
@@ -237,7 +239,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         import sys
 
         argv = list(sys.argv[1:] if argv is None else argv)
-        self._argv = argv
+        self.argv = argv
         namespace = self.parse_args(argv)
         values = {**vars(namespace), **self._fixed}
         if self._derive is not None:

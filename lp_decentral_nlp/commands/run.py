@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -101,15 +102,14 @@ def check_launcher(parser, values: dict) -> None:
     ``values``: the flag values by field name (checked before ``TrainingArguments`` joins a process group).
 
     ``accelerate launch --num_processes N`` on a machine without GPUs starts ONE process unless
-    ``--multi_gpu`` is given (accelerate's simple launcher); that process sees no WORLD_SIZE.
+    ``--multi_gpu`` is given (accelerate's simple launcher, which does not pass N on); that process
+    sees no WORLD_SIZE, so it starts the ``--nodes`` processes itself (:func:`relaunch_one_process_per_node`).
     """
     world = launched_world_size()
     if values["backend"] == "distributed":
         nodes = values["num_nodes"]
         if world is None and "ACCELERATE_USE_CPU" in os.environ:
-            parser.error(f"argument --backend: 'distributed' runs one process per node, but accelerate launch started "
-                         f"a single process: on a machine without GPUs launch with accelerate launch --multi_gpu "
-                         f"--num_processes {nodes} (or torchrun --nproc_per_node {nodes})")
+            relaunch_one_process_per_node(parser, nodes)
         if world is None:
             parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
                          f"launch with torchrun --nproc_per_node {nodes} (or use --backend simulated)")
@@ -119,6 +119,17 @@ def check_launcher(parser, values: dict) -> None:
     elif world is not None and world > 1:
         parser.error(f"argument --backend: the launcher started {world} processes, but --backend simulated runs every "
                      f"node in one process: add --backend distributed --nodes {world}")
+
+
+def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
+    """Run this recipe again as ``nodes`` processes under ``torch.distributed.run`` (gloo on the CPU)
+    and exit with its status: what ``accelerate launch --multi_gpu`` does, for the single process
+    accelerate's simple launcher starts on a machine without GPUs."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nodes}",
+               sys.argv[0], *parser.argv]
+    print(f"{parser.prog}: accelerate launch started one process; starting {nodes} (one per node) with "
+          f"torch.distributed.run", file=sys.stderr)
+    sys.exit(subprocess.run(command).returncode)
 
 
 def check_output_dir(parser, training, run) -> None:
