@@ -33,8 +33,8 @@ def parse(argv=None):
     parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"])
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
     parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
-                        help="gamma of the runs with --comps > 0 (default: the trainer's, 0.01); "
-                             "runs without compression keep gamma 1")
+                        help="gamma of the runs with --comps > 0 (default: the trainer's default_consensus_lr, "
+                             "from the compressor and algorithm); runs without compression keep gamma 1")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
     return parser.parse(argv)
