@@ -36,7 +36,8 @@ def targs(out, **kw):
 
 
 CONFIGS = {
-    # 8-bit, Choco top-10% with 8-bit values, QGM, dropout, lost messages and a node away over the checkpoint
+    # 8-bit, Choco top-10% with 8-bit values, QGM with AdamW (QuasiGlobalAdam: m, v and step count per
+    # node), dropout, lost messages and a node away over the checkpoint
     "choco-8bit-qgm-faults": dict(algorithm="choco", compression=90.0, qgm=True, drop_prob=0.2, absences=["1:3:6"]),
     # fp32 Deep-Squeeze random-k (stochastic compressor) on the time-varying exponential graph, multi-step LR
     # (a MultiStepLR with a Counter in its state), gradient clipping, skew
@@ -46,6 +47,8 @@ CONFIGS = {
     # 2 micro-batches of 4 per optimizer step: the checkpoint's data position counts optimizer steps
     "dpsgd-accumulated": dict(algorithm="dpsgd", low_precision=False, per_device_train_batch_size=4,
                               gradient_accumulation_steps=2),
+    # QGM with SGD: the momentum buffer added to the gradient (QuasiGlobalMomentum)
+    "dpsgd-sgd-qgm": dict(algorithm="dpsgd", low_precision=False, optim="sgd", qgm=True, learning_rate=0.05),
 }
 
 
@@ -117,12 +120,15 @@ def test_checkpoint_layout_holds_every_part_of_the_state(tmp_path, agnews, token
     with safe_open(str(path / "node-2.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert any(k.startswith("/model/") and k.endswith("act_running_min") for k in keys)  # 8-bit activation ranges
-    assert any(k.startswith("/optimizer/state/") and k.endswith("exp_avg_sq") for k in keys)
-    assert {"/rng/cpu", "/gossip/weights", "/gossip/public", "/gossip/public_nodes", "/qgm/0"} <= keys
+    # QGM with AdamW: QuasiGlobalAdam holds the moments, the optimizer only the LR and groups
+    assert not any(k.startswith("/optimizer/state/") for k in keys)
+    assert {"/rng/cpu", "/gossip/weights", "/gossip/public", "/gossip/public_nodes", "/qgm/exp_avg/0",
+            "/qgm/exp_avg_sq/0"} <= keys
     state = ckpt.load_state_file(path / "node-2.safetensors")
     assert state["node"] == 2 and state["gossip"]["public_nodes"].tolist() == [1, 2]  # own copy + in-neighbour's
     torch.testing.assert_close(state["gossip"]["public"][1], trainer.gossip.state_dict()["public"][2])
     assert state["counters"]["bytes_sent"] == int(trainer.bytes_sent[2])
+    assert state["qgm"]["steps"] == 4 and torch.equal(state["qgm"]["exp_avg_sq"][0], trainer.qgm.exp_avg_sq[2][0])
 
 
 def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, agnews, tokenizer, monkeypatch):

@@ -132,7 +132,7 @@ def test_an_absent_node_keeps_its_quasi_global_momentum(tmp_path):
 
     class Watch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            momentum[state.global_step] = [m.clone() for m in trainer.qgm.momentum[2]]
+            momentum[state.global_step] = [m.clone() for m in trainer.qgm.exp_avg[2]]
 
     trainer = digits_trainer(tmp_path, absences=["2:3:6"], max_steps=8, qgm=True)
     trainer.add_callback(Watch())

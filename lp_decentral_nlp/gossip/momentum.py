@@ -237,6 +237,22 @@ class QuasiGlobalAdam:
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, "steps": list(self._steps),
                 "exp_avg": [list(m) for m in self._exp_avg], "exp_avg_sq": [list(v) for v in self._exp_avg_sq]}
 
+    def node_state_dict(self, node: int) -> dict:
+        """Local node ``node``'s part of the state (for a per-node checkpoint file): its ``exp_avg``
+        and ``exp_avg_sq`` (lists of live tensors, one per parameter) and its step count ``steps``."""
+        return {"exp_avg": list(self._exp_avg[node]), "exp_avg_sq": list(self._exp_avg_sq[node]),
+                "steps": self._steps[node]}
+
+    def load_node_state_dict(self, node: int, state: dict) -> None:
+        """Restore what :meth:`node_state_dict` returned into local node ``node``; ValueError when the
+        number of tensors differs (RuntimeError from the copy when a shape differs)."""
+        with torch.no_grad():
+            for buffers, saved in ((self._exp_avg[node], state["exp_avg"]), (self._exp_avg_sq[node], state["exp_avg_sq"])):
+                if len(saved) != len(buffers):
+                    raise ValueError(f"state holds {len(saved)} tensors, node {node} has {len(buffers)} parameters")
+                torch._foreach_copy_(buffers, list(saved))
+        self._steps[node] = int(state["steps"])
+
     def load_state_dict(self, state_dict: dict) -> None:
         for key in ("betas", "eps", "weight_decay"):
             saved = state_dict[key]

@@ -46,8 +46,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         default=True, metadata={"help": "8-bit training on every node and 8-bit values on the wire."}
     )
     qgm: bool = field(default=False, metadata={
-        "help": "Quasi-global momentum (SPEC 2): replaces the optimizer's own momentum (Adam beta1 / SGD momentum)."})
-    qgm_beta: float = field(default=0.9, metadata={"help": "QGM momentum factor beta in [0, 1)."})
+        "help": "Quasi-global momentum (SPEC 2): SGD's momentum buffer, or Adam/AdamW's first moment (the second "
+                "moment stays local); other optimizers are refused."})
+    qgm_beta: float = field(default=0.9, metadata={
+        "help": "QGM momentum factor beta in [0, 1), for SGD (with Adam/AdamW the first moment uses adam_beta1)."})
     torus_rows: int | None = field(default=None, metadata={
         "help": "Rows of the torus topology (default: the most square factorisation of num_nodes)."})
     backend: str = field(default="simulated", metadata={"help": f"Where the nodes run, one of {BACKENDS}."})

@@ -31,6 +31,7 @@ from transformers import TrainerState
 from transformers.utils import logging
 
 from .. import __version__
+from ..gossip import QuasiGlobalAdam
 from ..gossip.factory import build_compressor, build_topology
 
 if TYPE_CHECKING:
@@ -399,7 +400,8 @@ class CheckpointMixin:
         """Everything local node ``k`` holds: model state dict (parameters and buffers, the 8-bit
         activation ranges included), optimizer and LR scheduler state, its RNG stream, its gossip
         rows (push-sum weight, Choco copies / Deep-Squeeze error memory, labelled by node id), QGM
-        buffer, and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
+        state (SGD: the buffer ``m``, a list of tensors; Adam/AdamW: ``exp_avg``, ``exp_avg_sq`` and
+        ``steps`` of :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`), and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
         i = self.node_ids[k]
         optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
         return {
@@ -409,10 +411,29 @@ class CheckpointMixin:
             "scheduler": scheduler.state_dict(),
             "rng": self._rng.state_dict(i),
             "gossip": self.gossip.node_state_dict(i),
-            "qgm": list(self.qgm.momentum[k]) if self.qgm is not None else None,
+            "qgm": self._qgm_node_state(k),
             "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
                          "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
         }
+
+    def _qgm_node_state(self, k: int):
+        """Local node ``k``'s QGM state for its node file (None without QGM)."""
+        if self.qgm is None:
+            return None
+        if isinstance(self.qgm, QuasiGlobalAdam):
+            return self.qgm.node_state_dict(k)
+        return list(self.qgm.momentum[k])
+
+    def _load_qgm_node_state(self, k: int, state) -> None:
+        """Restore what :meth:`_qgm_node_state` gave into local node ``k``."""
+        if isinstance(self.qgm, QuasiGlobalAdam):
+            if not isinstance(state, dict):
+                raise TypeError("it holds an SGD momentum buffer, this run uses QGM with Adam/AdamW")
+            self.qgm.load_node_state_dict(k, state)
+        else:
+            if not isinstance(state, list):
+                raise TypeError("it holds QGM Adam moments, this run uses QGM with SGD")
+            torch._foreach_copy_(self.qgm.momentum[k], state)
 
     def _load_best_nodes(self, path) -> None:
         """Every local node's weights from checkpoint ``path`` (``load_best_model_at_end``: the
@@ -472,7 +493,7 @@ class CheckpointMixin:
                      ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
                      ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
             if self.qgm is not None:
-                steps.append(("qgm", lambda: torch._foreach_copy_(self.qgm.momentum[k], state["qgm"])))
+                steps.append(("qgm", lambda: self._load_qgm_node_state(k, state["qgm"])))
             for part, load in steps:  # each called at once, in this iteration
                 try:
                     load()

@@ -2,8 +2,12 @@
 optimizer update, then one gossip step."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.utils import logging
+
+from ..gossip import QuasiGlobalAdam
 
 logger = logging.get_logger(__name__)
 
@@ -28,27 +32,42 @@ class LocalStepMixin:
         """One SPEC 2 iteration of every local node.
 
         Step 1 (gradient at z_i on a local batch, optimizer update) runs node by node
-        (:meth:`_local_step`); steps 2-5 are one gossip step. With QGM the momentum buffer, driven
-        by the change of z_i across the whole iteration, is added to the gradient before the update.
-        A node absent under the fault plan takes no step; its LR schedule still advances.
+        (:meth:`_local_step`); steps 2-5 are one gossip step. With QGM the momentum, driven by the
+        change of z_i across the whole iteration, enters the update: SGD adds ``beta * m`` to the
+        gradient before ``optimizer.step()``; Adam/AdamW steps with
+        :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam` (the quasi-global buffer as the first
+        moment, the second moment local) instead of ``optimizer.step()``, at the LR of the
+        optimizer's schedule. An iteration at LR 0 (the first of a linear warm-up) moves no
+        parameter and leaves the QGM state as it is (the momentum is recovered from
+        ``(z(t) - z(t+1)) / lr``). A node absent under the fault plan takes no step and its QGM
+        state does not move; its LR schedule still advances.
         """
         t = self.state.global_step
         absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
-        if self.qgm is not None:
-            self.qgm.begin_iteration()
         lr = self.node_optimizers[0].param_groups[0]["lr"]
+        qgm = self.qgm if self.qgm is not None and lr > 0 else None
+        if qgm is not None:
+            qgm.begin_iteration()
         for k, (i, node, micro_batches, optimizer, scheduler) in enumerate(
                 zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
             if i not in absent:
-                self._local_step(k, node, micro_batches, optimizer, t + 1)
-            scheduler.step()
+                self._local_step(k, node, micro_batches, optimizer, t + 1, qgm)
+            if isinstance(qgm, QuasiGlobalAdam):  # QuasiGlobalAdam steps, not the optimizer, by design
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                    scheduler.step()
+            else:
+                scheduler.step()
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
-        if self.qgm is not None:  # an absent node's momentum does not move either
-            self.qgm.end_iteration(lr, skip={k for k, i in enumerate(self.node_ids) if i in absent})
+        if isinstance(qgm, QuasiGlobalAdam):  # updates the nodes that stepped
+            qgm.end_iteration(lr)
+        elif qgm is not None:  # an absent node's momentum does not move either
+            qgm.end_iteration(lr, skip={k for k, i in enumerate(self.node_ids) if i in absent})
 
-    def _local_step(self, k: int, node, micro_batches: list, optimizer, step: int) -> None:
-        """SPEC 2 step 1 of local node ``k``: gradient, NaN/Inf check, clipping, optimizer update.
+    def _local_step(self, k: int, node, micro_batches: list, optimizer, step: int, qgm=None) -> None:
+        """SPEC 2 step 1 of local node ``k``: gradient, NaN/Inf check, clipping, optimizer update
+        (with ``qgm``, the iteration's quasi-global momentum or None, as :meth:`_iteration` says).
 
         The gradient is the mean over ``micro_batches`` (``gradient_accumulation_steps`` of them:
         each backward is scaled by ``1 / len(micro_batches)``), and the logged loss their mean.
@@ -67,11 +86,17 @@ class LocalStepMixin:
         scale = 1.0 / len(micro_batches)
         loss = sum(self._backward(k, node, batch, scale) for batch in micro_batches) * scale
         if self._finite_then_clip(k, loss, step):
-            if self.qgm is not None:
-                # a parameter the loss does not reach has no gradient: momentum into a discarded zero
-                self.qgm.add_momentum(k, [p.grad if p.grad is not None else torch.zeros_like(p)
-                                          for p in node.parameters()])
-            optimizer.step()
+            if qgm is None:
+                optimizer.step()
+            else:
+                # a parameter the loss does not reach has no gradient: a zero one (SGD's step skips
+                # it, the momentum added goes nowhere; QuasiGlobalAdam moves it by momentum and decay)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]
+                if isinstance(qgm, QuasiGlobalAdam):
+                    qgm.step(k, grads, optimizer.param_groups[0]["lr"])
+                else:
+                    qgm.add_momentum(k, grads)
+                    optimizer.step()
             self._loss_sum[k] += loss  # device-side adds: no host-to-device copy (a sync) per step
             self._loss_count[k] += 1
         elif buffers is not None:

@@ -1,0 +1,167 @@
+"""Quasi-global momentum in DecentralizedTrainer (SPEC 2): with Adam/AdamW the quasi-global buffer is
+Adam's first moment and the second moment stays local (QuasiGlobalAdam replaces optimizer.step());
+SGD adds beta * m to the gradient; any other optimizer is refused at construction."""
+import datasets
+import pytest
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from lp_decentral_nlp.gossip import QuasiGlobalAdam, QuasiGlobalMomentum
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from test_faults_training import DigitsMLP, digits
+
+
+class TinyMLP(nn.Module):
+    """4 -> 3 -> 2 classifier; weights and biases, so AdamW's per-group decay matters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Linear(4, 3)
+        self.classifier = nn.Linear(3, 2)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.classifier(torch.tanh(self.hidden(pixel_values)))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+# two rows, 8 copies each: with skew=1 node 0 holds only ROWS[0] and node 1 only ROWS[1], so every
+# batch of a node is its row repeated and each local gradient is a function of z_k alone
+ROWS = [([0.5, -1.0, 2.0, 0.25], 0), ([-1.5, 0.75, 0.5, -0.25], 1)]
+
+
+def two_row_dataset():
+    x = [r for r, _ in ROWS for _ in range(8)]
+    y = [c for _, c in ROWS for _ in range(8)]
+    return datasets.Dataset.from_dict({"pixel_values": x, "label": y}).with_format("torch")
+
+
+def args(out, **kw):
+    base = dict(output_dir=str(out), num_nodes=2, topology="directed_ring", algorithm="dpsgd", low_precision=False,
+                skew=1.0, per_device_train_batch_size=4, learning_rate=0.05, lr_scheduler_type="constant",
+                weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, qgm=True, max_steps=4,
+                logging_steps=100, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    base.update(kw)
+    return DecentralizedTrainingArguments(**base)
+
+
+def reference_qgm_adamw(steps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, wd=0.1):
+    """SPEC 2 QGM with AdamW for the two nodes, written out in float64: local AdamW step from the
+    QG first moment and the local second moment, exact averaging of the two nodes (D-PSGD on the
+    2-node ring: both keep half and send half), then m from the whole change of z."""
+    b1, b2 = betas
+    models = [TinyMLP().double(), TinyMLP().double()]
+    decay = [wd if name.endswith("weight") else 0.0 for name, _ in models[0].named_parameters()]
+    m = [[torch.zeros_like(p) for p in mod.parameters()] for mod in models]
+    v = [[torch.zeros_like(p) for p in mod.parameters()] for mod in models]
+    for c in range(1, steps + 1):
+        before = [[p.detach().clone() for p in mod.parameters()] for mod in models]
+        stepped = []
+        for k, mod in enumerate(models):
+            x, y = ROWS[k]
+            mod.zero_grad()
+            mod(torch.tensor([x] * 4, dtype=torch.float64), torch.tensor([y] * 4)).loss.backward()
+            new = []
+            for j, p in enumerate(mod.parameters()):
+                g = p.grad
+                v[k][j] = b2 * v[k][j] + (1 - b2) * g * g
+                m_tilde = b1 * m[k][j] + (1 - b1) * g
+                denom = (v[k][j] / (1 - b2 ** c)).sqrt() + eps
+                new.append(before[k][j] * (1 - lr * decay[j]) - lr * (m_tilde / (1 - b1 ** c)) / denom)
+            stepped.append(new)
+        after = [(a + b) / 2 for a, b in zip(*stepped)]
+        for k, mod in enumerate(models):
+            with torch.no_grad():
+                for j, p in enumerate(mod.parameters()):
+                    p.copy_(after[j])
+                    denom = (v[k][j] / (1 - b2 ** c)).sqrt() + eps
+                    m[k][j] = (1 - b1 ** c) * denom * ((before[k][j] - after[j]) / lr - decay[j] * before[k][j])
+    return models, m, v
+
+
+def test_two_nodes_with_adamw_follow_the_hand_computed_quasi_global_adam(tmp_path):
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path), train_dataset=two_row_dataset())
+    trainer.train()
+    assert isinstance(trainer.qgm, QuasiGlobalAdam)
+    assert trainer.qgm.weight_decay == [0.1, 0.0, 0.1, 0.0]  # Trainer's groups: no decay on biases
+    models, m, v = reference_qgm_adamw(4)
+    for k in range(2):
+        for got, want in zip(trainer.nodes[k].parameters(), models[k].parameters()):
+            torch.testing.assert_close(got.detach().double(), want.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip(trainer.qgm.exp_avg_sq[k], v[k]):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-9)
+        for got, want in zip(trainer.qgm.exp_avg[k], m[k]):  # recovered from z(t) - z(t+1): float32 rounding
+            torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=1e-5)
+    assert trainer.qgm.node_state_dict(0)["steps"] == 4
+    # the optimizer only carries the LR: its own moments never run
+    assert trainer.node_optimizers[0].state_dict()["state"] == {}
+
+
+def test_with_equal_nodes_and_no_disagreement_qgm_adamw_is_plain_torch_adamw(tmp_path):
+    # both nodes see the same row: gossip averages equal models, so every node runs plain AdamW
+    data = datasets.Dataset.from_dict({"pixel_values": [ROWS[0][0]] * 16, "label": [ROWS[0][1]] * 16})
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, skew=0.0), train_dataset=data.with_format("torch"))
+    trainer.train()
+    reference = TinyMLP()
+    decay = [p for n, p in reference.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in reference.named_parameters() if not n.endswith("weight")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    x, y = torch.tensor([ROWS[0][0]] * 4), torch.tensor([ROWS[0][1]] * 4)
+    for _ in range(4):
+        optimizer.zero_grad()
+        reference(x, y).loss.backward()
+        optimizer.step()
+    for node in trainer.nodes:
+        for got, want in zip(node.parameters(), reference.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_keeps_the_momentum_buffer_added_to_the_gradient(tmp_path):
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, optim="sgd", max_steps=2),
+                                   train_dataset=two_row_dataset())
+    trainer.train()
+    assert isinstance(trainer.qgm, QuasiGlobalMomentum)
+    assert all(group["momentum"] == 0.0 for group in trainer.node_optimizers[0].param_groups)
+    assert any(m.abs().sum() > 0 for m in trainer.qgm.momentum[0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(optim="adafactor"), r"qgm=True needs an SGD or Adam/AdamW optimizer .*optim='adafactor' \(Adafactor\)"),
+    (dict(qgm_beta=0.5), r"qgm_beta=0.5 applies to SGD; with AdamW the quasi-global first moment uses adam_beta1"),
+])
+def test_an_optimizer_qgm_cannot_serve_is_refused_at_construction(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, **kwargs), train_dataset=two_row_dataset())
+
+
+def test_adam_with_l2_weight_decay_is_refused_before_the_first_step(tmp_path):
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path), train_dataset=two_row_dataset(),
+                                   optimizer_cls_and_kwargs=(torch.optim.Adam, {"lr": 0.05}))
+    with pytest.raises(ValueError, match=r"qgm=True with torch.optim.Adam and weight_decay > 0"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.nodes[0].parameters(), TinyMLP().parameters()))
+
+
+def test_a_skewed_qgm_adamw_run_lowers_the_loss(tmp_path):
+    # on the complete graph: on the directed ring QuasiGlobalAdam's replaced first moment re-applies
+    # 0.9x every consensus move, and the disagreement grows (docs/trainer.md, QGM)
+    train, test = digits()
+    losses = []
+
+    class Record(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            losses.append(metrics["eval_loss"])
+
+    run_args = args(tmp_path, num_nodes=4, topology="complete", algorithm="choco", compression=90.0, consensus_lr=0.3, low_precision=True,
+                    skew=0.8, per_device_train_batch_size=16, per_device_eval_batch_size=400, learning_rate=3e-3,
+                    weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_steps=40,
+                    eval_strategy="steps", eval_steps=40, eval_on_start=True)
+    trainer = DecentralizedTrainer(model=DigitsMLP(), args=run_args, train_dataset=train, eval_dataset=test,
+                                   callbacks=[Record()])
+    trainer.train()
+    assert isinstance(trainer.qgm, QuasiGlobalAdam)
+    assert len(losses) == 2 and losses[1] < 0.9 * losses[0], losses
