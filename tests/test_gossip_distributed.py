@@ -14,6 +14,8 @@ import torch
 
 import dist_gossip_worker as worker
 
+from lp_decentral_nlp.gossip import SGP, make_topology
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(__file__).resolve().parent / "dist_gossip_worker.py"
 
@@ -60,7 +62,9 @@ def test_simulated_and_distributed_backends_give_the_same_results(distributed_ru
         # the rank's state rows are the simulation's rows of the same nodes
         state = got["state"]
         assert state["node_ids"].tolist() == [rank]
-        for key in gossip._state_names:
+        buffers = [key for key in sim_state if f"{key}_nodes" in sim_state]  # state_dict's row-keyed buffers
+        assert sorted(buffers) == sorted(key for key in state if f"{key}_nodes" in state)
+        for key in buffers:
             rows = state[f"{key}_nodes"].tolist()
             assert rank in rows
             torch.testing.assert_close(state[key], sim_state[key][rows], rtol=1e-5, atol=1e-6)
@@ -90,12 +94,13 @@ def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp
 @pytest.mark.parametrize("broken", ["isend", "irecv"])
 def test_a_connection_already_closed_when_posting_names_the_peer(monkeypatch, broken):
     """gloo raises while *posting* an op on a pair whose peer has exited (the race the dead-peer test
-    can hit): the error is a GossipPeerError naming that peer, like a failure while waiting."""
+    can hit): the error is a GossipPeerError naming that peer, like a failure while waiting. Rank 3
+    of 4 on a directed ring (process group calls stood in for): its first step's pre-flight posts."""
     from lp_decentral_nlp.gossip.transport import GossipPeerError, TorchDistributedTransport
 
-    transport = TorchDistributedTransport(timeout=5)
-    transport._rank = 3
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    for name, value in (("is_available", True), ("is_initialized", True), ("get_world_size", 4), ("get_rank", 3),
+                        ("get_backend", "gloo")):
+        monkeypatch.setattr(torch.distributed, name, lambda *args, value=value, **kwargs: value)
 
     def closed(tensor, dst_or_src, group=None):
         raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
@@ -108,8 +113,12 @@ def test_a_connection_already_closed_when_posting_names_the_peer(monkeypatch, br
 
     monkeypatch.setattr(torch.distributed, "isend", closed if broken == "isend" else fine)
     monkeypatch.setattr(torch.distributed, "irecv", closed if broken == "irecv" else fine)
+    gossip = SGP(make_topology("directed_ring", 4), transport=TorchDistributedTransport(timeout=5))
+    assert gossip.node_ids == [3]
     peer = 0 if broken == "isend" else 2  # rank 3 of a directed ring sends to 0, receives from 2
-    with pytest.raises(GossipPeerError, match=f"rank 3: gossip step 2: {'sending to' if broken == 'isend' else 'receiving from'} "
+    doing = "sending to" if broken == "isend" else "receiving from"
+    with pytest.raises(GossipPeerError, match=f"rank 3: pre-flight check before step 0: {doing} "
                                               f"rank {peer} failed .*Connection closed") as info:
-        transport._transfer([torch.zeros(4)], [0], [torch.zeros(4)], [2], "gossip step 2")
+        gossip.step([[torch.zeros(4)]])
     assert info.value.peer == peer
+    assert posted == ([] if broken == "isend" else [0])  # sends are posted first

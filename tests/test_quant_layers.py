@@ -257,25 +257,29 @@ def test_quantized_gemm_stays_fp32_under_autocast():
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(padding="same"), dict(kernel_size=(3, 2), padding="same"), dict(padding=1, padding_mode="reflect"),
-     dict(padding=(1, 2), padding_mode="circular")],
+    "kwargs, pad_first, conv_padding",
+    [(dict(padding="same"), None, (1, 1)),
+     # even kernel width: "same" pads 0 left, 1 right (F.pad order: left, right, top, bottom)
+     (dict(kernel_size=(3, 2), padding="same"), ((0, 1, 1, 1), "constant"), 0),
+     (dict(padding=1, padding_mode="reflect"), ((1, 1, 1, 1), "reflect"), 0),
+     (dict(padding=(1, 2), padding_mode="circular"), ((2, 2, 1, 1), "circular"), 0)],
 )
-def test_conv2d_padding_modes_and_unbatched_input(kwargs):
+def test_conv2d_padding_modes_and_unbatched_input(kwargs, pad_first, conv_padding):
     kwargs = {"kernel_size": 3, **kwargs}
     f = nn.Conv2d(2, 3, **kwargs)
     q = QuantConv2d.from_float(f, QuantConfig())
-    x = torch.randn(2, 2, 7, 7, requires_grad=True)
+    # positive inputs: zeros padded before quantizing would widen the input's range
+    x = (torch.rand(2, 2, 7, 7) + 0.5).requires_grad_()
     out = q(x)
-    # Reference: the float conv on the 8-bit input and weight. Zero padding stays outside the
-    # quantizer (exact zeros); other modes (and asymmetric "same") pad before quantizing.
-    padding = q._numeric_padding()
+    # Reference: the float conv on the 8-bit input and weight. Symmetric zero padding stays outside
+    # the quantizer (exact zeros, not in the input's range); other modes and asymmetric "same" pad
+    # before quantizing.
     x_in = x.detach()
-    if padding is None:
-        mode = "constant" if q.padding_mode == "zeros" else q.padding_mode
-        x_in, padding = nn.functional.pad(x_in, q._reversed_padding_repeated_twice, mode=mode), 0
+    if pad_first is not None:
+        x_in = nn.functional.pad(x_in, pad_first[0], mode=pad_first[1])
     x_q, w_q = quantized_operands(q, x_in)
-    ref = nn.functional.conv2d(x_q, w_q, f.bias, q.stride, padding, q.dilation, q.groups)
+    ref = nn.functional.conv2d(x_q, w_q, f.bias, q.stride, conv_padding, q.dilation, q.groups)
+    assert ref.shape == f(x).shape
     assert torch.allclose(out, ref, atol=1e-5)
     out.sum().backward()
     assert x.grad.shape == x.shape and q.weight.grad.shape == q.weight.shape

@@ -45,9 +45,12 @@ def test_lr_milestones_multiply_the_lr_at_epoch_boundaries(tmp_path):
     logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
     # logged after each step's scheduler update: the LR of the next step
     assert logged == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025])
-    sgd = trainer._make_optimizer_and_scheduler(trainer.nodes[0], 5, 2)[0]
-    assert all(g["momentum"] == 0.9 and g["nesterov"] for g in sgd.param_groups)
-    assert sorted(g["weight_decay"] for g in sgd.param_groups) == [0.0, 0.0]  # weight_decay defaults to 0
+    assert len(trainer.node_optimizers) == 2
+    for sgd in trainer.node_optimizers:
+        assert isinstance(sgd, torch.optim.SGD)
+        assert all(g["momentum"] == 0.9 and g["nesterov"] for g in sgd.param_groups)
+        assert sorted(g["weight_decay"] for g in sgd.param_groups) == [0.0, 0.0]  # weight_decay defaults to 0
+        assert [g["lr"] for g in sgd.param_groups] == pytest.approx([0.025, 0.025])  # after both milestones
 
 
 @pytest.mark.parametrize("kw, match", [

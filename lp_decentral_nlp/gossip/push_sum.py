@@ -102,12 +102,16 @@ class GossipStats:
         bytes_sent: per local node, bytes put on the wire: the encoded message length (values,
             indices, scales, push-sum weight) times the number of out-neighbours it went to.
         message_bytes: length in bytes of one node's encoded message.
+        lost_edges: the directed edges ``(sender j, receiver i)`` whose message this step's
+            :class:`~.faults.FaultPlan` dropped (lost messages and every edge into or out of an
+            absent node); empty without a fault plan.
     """
 
     step: int
     node_ids: list[int]
     bytes_sent: list[int]
     message_bytes: int
+    lost_edges: frozenset[tuple[int, int]] = frozenset()
 
 
 class PushSumGossip:
@@ -245,7 +249,8 @@ class PushSumGossip:
             nbytes = self._layout.nbytes
             return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
                                bytes_sent=[0 if i in absent else nbytes * f
-                                           for i, f in zip(self._node_ids, self._fanout[phase])])
+                                           for i, f in zip(self._node_ids, self._fanout[phase])],
+                               lost_edges=self._lost)
 
     def close(self) -> None:
         """Shut down this object's segment thread pool, if one was started (waits for its
