@@ -49,9 +49,10 @@ def args(out, **kw):
 
 
 def reference_qgm_adamw(steps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, wd=0.1):
-    """SPEC 2 QGM with AdamW for the two nodes, written out in float64: local AdamW step from the
-    QG first moment and the local second moment, exact averaging of the two nodes (D-PSGD on the
-    2-node ring: both keep half and send half), then m from the whole change of z."""
+    """SPEC 2 QGM with AdamW for the two nodes, written out in float64: local AdamW step (Adam's
+    first-moment recursion on the QG m, the local second moment), exact averaging of the two nodes
+    (D-PSGD on the 2-node ring: both keep half and send half), then m moved toward the first moment
+    implied by the whole change of z with weight 1 - beta1."""
     b1, b2 = betas
     models = [TinyMLP().double(), TinyMLP().double()]
     decay = [wd if name.endswith("weight") else 0.0 for name, _ in models[0].named_parameters()]
@@ -68,9 +69,9 @@ def reference_qgm_adamw(steps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, wd=0.1):
             for j, p in enumerate(mod.parameters()):
                 g = p.grad
                 v[k][j] = b2 * v[k][j] + (1 - b2) * g * g
-                m_tilde = b1 * m[k][j] + (1 - b1) * g
+                m[k][j] = b1 * m[k][j] + (1 - b1) * g
                 denom = (v[k][j] / (1 - b2 ** c)).sqrt() + eps
-                new.append(before[k][j] * (1 - lr * decay[j]) - lr * (m_tilde / (1 - b1 ** c)) / denom)
+                new.append(before[k][j] * (1 - lr * decay[j]) - lr * (m[k][j] / (1 - b1 ** c)) / denom)
             stepped.append(new)
         after = [(a + b) / 2 for a, b in zip(*stepped)]
         for k, mod in enumerate(models):
@@ -78,7 +79,8 @@ def reference_qgm_adamw(steps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, wd=0.1):
                 for j, p in enumerate(mod.parameters()):
                     p.copy_(after[j])
                     denom = (v[k][j] / (1 - b2 ** c)).sqrt() + eps
-                    m[k][j] = (1 - b1 ** c) * denom * ((before[k][j] - after[j]) / lr - decay[j] * before[k][j])
+                    implied = (1 - b1 ** c) * denom * ((before[k][j] - after[j]) / lr - decay[j] * before[k][j])
+                    m[k][j] = b1 * m[k][j] + (1 - b1) * implied
     return models, m, v
 
 
