@@ -36,7 +36,7 @@ def test_a_lone_node_runs_plain_adam_and_adamw(weight_decay):
         torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-11)
 
 
-def test_with_gossip_the_first_moment_is_the_whole_model_change_and_the_second_stays_local():
+def test_with_gossip_the_first_moment_moves_toward_the_whole_model_change_and_the_second_stays_local():
     """Two nodes averaging after every local step, against a hand-written reference."""
     lr, beta1, beta2, eps, wd = 0.1, 0.9, 0.99, 1e-8, 0.01
     g = torch.Generator().manual_seed(1)
@@ -60,13 +60,14 @@ def test_with_gossip_the_first_moment_is_the_whole_model_change_and_the_second_s
         for k in range(2):
             grad = z[k] - targets[k]
             v[k] = beta2 * v[k] + (1 - beta2) * grad**2
-            direction = beta1 * m[k] + (1 - beta1) * grad
+            m[k] = beta1 * m[k] + (1 - beta1) * grad  # Adam's first moment
             denom = (v[k] / (1 - beta2**c)).sqrt() + eps
-            stepped.append(z[k] - lr * wd * z[k] - lr * direction / (1 - beta1**c) / denom)
+            stepped.append(z[k] - lr * wd * z[k] - lr * m[k] / (1 - beta1**c) / denom)
         z = [(stepped[0] + stepped[1]) / 2] * 2
         for k in range(2):
             denom = (v[k] / (1 - beta2**c)).sqrt() + eps
-            m[k] = (1 - beta1**c) * denom * ((before[k] - z[k]) / lr - wd * before[k])
+            implied = (1 - beta1**c) * denom * ((before[k] - z[k]) / lr - wd * before[k])
+            m[k] = beta1 * m[k] + (1 - beta1) * implied  # the whole change enters with weight 1 - beta1
         for k in range(2):
             torch.testing.assert_close(nodes[k][0], z[k], rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(qg.exp_avg[k][0], m[k], rtol=1e-7, atol=1e-9)

@@ -100,28 +100,32 @@ class QuasiGlobalMomentum:
 
 class QuasiGlobalAdam:
     """Adam/AdamW whose first moment is quasi-global (SPEC 2 "Quasi-global momentum", Lin et al.
-    2021): the second moment ``v`` stays local (from the raw gradients), and after every iteration
-    the first moment ``m`` is replaced by the one that would have produced the node's *whole*
-    model change, local step plus gossip. Use it instead of the node's optimiser.
+    2021): the second moment ``v`` stays local (from the raw gradients); the first moment ``m`` is
+    Adam's, and after every iteration it is moved toward the one that would have produced the
+    node's *whole* model change (local step plus gossip) with weight ``1 - beta1``, the EMA of
+    SPEC 2's QGM. Use it instead of the node's optimiser.
 
     Per local node ``k`` at its ``c``-th step (``lr`` the iteration's learning rate, ``g`` the raw
     gradient at ``z(t)``), Adam with bias correction and decoupled weight decay ``wd`` (AdamW)::
 
         v <- beta2 * v + (1 - beta2) * g^2                              (local)
-        m~ = beta1 * m + (1 - beta1) * g                                (Adam's recursion, on the QG m)
-        z~ = z(t) - lr * wd * z(t) - lr * u,   u = (m~ / (1 - beta1^c)) / (sqrt(v / (1 - beta2^c)) + eps)
-        ... gossip: z(t) -> z(t+1) ...
-        m <- (1 - beta1^c) * (sqrt(v / (1 - beta2^c)) + eps) * ((z(t) - z(t+1)) / lr - wd * z(t))
+        m <- beta1 * m + (1 - beta1) * g                                (Adam's recursion)
+        z~ = z(t) - lr * wd * z(t) - lr * u,   u = (m / (1 - beta1^c)) / (sqrt(v / (1 - beta2^c)) + eps)
+        ... gossip: z~ -> z(t+1) ...
+        m_implied = (1 - beta1^c) * (sqrt(v / (1 - beta2^c)) + eps) * ((z(t) - z(t+1)) / lr - wd * z(t))
+        m <- m + (1 - beta1) * (m_implied - m)
 
-    Without gossip the last line gives ``m = m~`` exactly (in exact arithmetic), so a lone node runs
-    plain Adam/AdamW; with gossip, ``m`` also carries the consensus part of the model change, the
-    quasi-global direction. Per iteration::
+    Without gossip ``m_implied = m`` (in exact arithmetic), so the last line changes nothing and a
+    lone node runs plain Adam/AdamW. With gossip, ``m_implied - m = (1 - beta1^c) * (sqrt(v/(1 -
+    beta2^c)) + eps) * (z~ - z(t+1)) / lr``: the consensus move enters ``m`` with weight
+    ``1 - beta1``, as the whole-iteration change enters QGM-SGD's buffer (:class:`QuasiGlobalMomentum`),
+    so a gossip move is not re-applied as a heavy-ball step at ``~beta1``. Per iteration::
 
         qg.begin_iteration()                 # snapshot z(t), before the local step
         loss.backward()
         qg.step(k, grads, lr)                # local Adam step of node k (in place), for each node that steps
         gossip.step(nodes)
-        qg.end_iteration(lr, skip=absent)    # m of the nodes that stepped, from z(t) - z(t+1)
+        qg.end_iteration(lr)                 # m of the nodes that stepped, toward m_implied
 
     Args:
         nodes: per local node, its parameter tensors (references kept; the de-biased ``z``).
@@ -133,9 +137,9 @@ class QuasiGlobalAdam:
     State: ``m``, ``v`` and the snapshot ``z(t)`` (3x the parameters) and each node's step count.
     Attributes ``betas``, ``eps``, ``weight_decay`` (a list, one per parameter).
 
-    ``m`` is recovered from a difference of models, ``z(t) - z(t+1)``, so in float32 it carries
-    rounding of relative size ``~1e-7 * |z| / |z(t) - z(t+1)|`` (``~1e-3`` for ``|z| ~ 0.1`` and a
-    change of ``1e-5`` per step).
+    ``m_implied`` is recovered from a difference of models, ``z(t) - z(t+1)``, so in float32 it
+    carries rounding of relative size ``~1e-7 * |z| / |z(t) - z(t+1)|`` (``~1e-3`` for ``|z| ~ 0.1``
+    and a change of ``1e-5`` per step); it enters ``m`` scaled by ``1 - beta1``.
     """
 
     def __init__(self, nodes: list[ParamList], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -189,18 +193,18 @@ class QuasiGlobalAdam:
         with torch.no_grad():
             torch._foreach_mul_(v, beta2)
             torch._foreach_addcmul_(v, list(grads), list(grads), value=1 - beta2)
-            direction = torch._foreach_mul(m, beta1)  # m~ = beta1 m + (1 - beta1) g
-            torch._foreach_add_(direction, list(grads), alpha=1 - beta1)
+            torch._foreach_lerp_(m, list(grads), 1 - beta1)  # m <- beta1 m + (1 - beta1) g
             denom = self._denominator(node)
             if any(self.weight_decay):
                 torch._foreach_mul_(params, [1 - lr * d for d in self.weight_decay])
-            torch._foreach_addcdiv_(params, direction, denom, value=-lr / (1 - beta1 ** c))
+            torch._foreach_addcdiv_(params, m, denom, value=-lr / (1 - beta1 ** c))
         self._stepped.add(node)
 
     def end_iteration(self, lr: float) -> None:
-        """Replace ``m`` of every node that stepped this iteration by the first moment implied by
-        its whole model change ``z(t) - z(t+1)`` (call after the gossip step, with the ``lr`` of
-        :meth:`step`); nodes that took no step keep ``m``, ``v`` and their step count."""
+        """Move ``m`` of every node that stepped this iteration toward the first moment implied by
+        its whole model change ``z(t) - z(t+1)``, with weight ``1 - beta1`` (call after the gossip
+        step, with the ``lr`` of :meth:`step`); nodes that took no step keep ``m``, ``v`` and their
+        step count."""
         if not self._open:
             raise RuntimeError("end_iteration() without begin_iteration() in this iteration")
         _check_lr(lr)
@@ -212,8 +216,8 @@ class QuasiGlobalAdam:
                 torch._foreach_mul_(snap, [1.0 / lr - d for d in self.weight_decay])
                 torch._foreach_sub_(snap, torch._foreach_div(self._nodes[k], lr))
                 torch._foreach_mul_(snap, self._denominator(k))
-                torch._foreach_mul_(snap, 1 - beta1 ** self._steps[k])
-                torch._foreach_copy_(m, snap)
+                torch._foreach_mul_(snap, 1 - beta1 ** self._steps[k])  # snap = m_implied
+                torch._foreach_lerp_(m, snap, 1 - beta1)  # m <- m + (1 - beta1) (m_implied - m)
         self._open = False
 
     def _denominator(self, k: int) -> ParamList:
