@@ -288,6 +288,8 @@ class DecentralizedTrainer(NodeDataMixin, LocalStepMixin, EvaluationMixin, Check
         except GossipPeerError as exc:
             raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
                             exc.peer) from exc
+        finally:
+            self.gossip.close()  # the engine's worker threads; a later train() starts them again
         if self._last_logged < self.state.global_step:
             self._total_loss += self._log_train()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
