@@ -1,0 +1,95 @@
+"""Each node's optimizer and LR schedule, and quasi-global momentum over the local nodes (SPEC 2 QGM).
+
+The optimizers come from `transformers.Trainer`'s own factories (``optim``, ``learning_rate``,
+``weight_decay``, ``lr_scheduler_type``... per node); ``lr_milestones`` gives the paper's
+multi-step schedule. With ``qgm`` the quasi-global buffer replaces the optimizer's momentum: SGD
+through :class:`~lp_decentral_nlp.gossip.QuasiGlobalMomentum`, Adam/AdamW through
+:class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`, which takes the local step itself.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from .. import gossip as gossip_lib
+from .arguments import DecentralizedTrainingArguments
+
+
+def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None) -> None:
+    """Refuse, at construction, an optimizer that quasi-global momentum cannot serve (SPEC 2): QGM
+    replaces the momentum of SGD or the first moment of Adam/AdamW (``torch.optim.SGD``,
+    ``torch.optim.Adam`` and subclasses); ``qgm_beta`` is the SGD buffer's factor, so with Adam
+    (whose first moment uses ``adam_beta1``) it must keep its default."""
+    if optimizer_cls_and_kwargs is not None:
+        optimizer_cls, where = optimizer_cls_and_kwargs[0], "optimizer_cls_and_kwargs"
+    else:
+        optim = getattr(args.optim, "value", args.optim)
+        optimizer_cls, where = Trainer.get_optimizer_cls_and_kwargs(args, model)[0], f"optim={optim!r}"
+    name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
+    if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, (torch.optim.SGD, torch.optim.Adam)):
+        raise ValueError(f"qgm=True needs an SGD or Adam/AdamW optimizer (QGM replaces its momentum), got {where} "
+                         f"({name}): use optim='adamw_torch' or 'sgd', or qgm=False")
+    default_beta = DecentralizedTrainingArguments.qgm_beta
+    if issubclass(optimizer_cls, torch.optim.Adam) and args.qgm_beta != default_beta:
+        raise ValueError(f"qgm_beta={args.qgm_beta} applies to SGD; with {name} the quasi-global first moment uses "
+                         f"adam_beta1 ({args.adam_beta1}): set adam_beta1 instead and leave qgm_beta at {default_beta}")
+
+
+class OptimizerMixin:
+    """The optimizer side of :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer`."""
+
+    def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
+        """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
+
+        With QGM and SGD the optimizer's own momentum is switched off (``momentum = 0``): the
+        quasi-global buffer takes its place (SPEC 2); with Adam/AdamW the optimizer only holds the
+        parameter groups and the LR, :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam` takes the
+        step (:meth:`_build_qgm`). With
+        ``args.lr_milestones`` the schedule is ``MultiStepLR``: the LR is multiplied by
+        ``args.lr_decay`` after step ``max(1, round(epoch * steps_per_epoch))`` of each milestone.
+        """
+        self.optimizer, self.lr_scheduler = None, None
+        optimizer = self.create_optimizer(node_model)
+        if self.args.qgm and isinstance(optimizer, torch.optim.SGD):
+            for group in optimizer.param_groups:
+                group["momentum"] = 0.0
+        if self.args.lr_milestones:
+            milestones = [max(1, round(e * steps_per_epoch)) for e in self.args.lr_milestones]
+            scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=self.args.lr_decay)
+        else:
+            scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
+        self.optimizer, self.lr_scheduler = None, None
+        return optimizer, scheduler
+
+    def _build_qgm(self):
+        """The quasi-global momentum of the local nodes (SPEC 2), for the optimizers just built.
+
+        SGD: :class:`~lp_decentral_nlp.gossip.QuasiGlobalMomentum` with ``args.qgm_beta``, added
+        to the gradient before ``optimizer.step()``. Adam/AdamW: one
+        :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam` over the local nodes that replaces
+        ``optimizer.step()`` (the quasi-global buffer is Adam's first moment, the second moment
+        stays local), with ``betas`` and ``eps`` of the optimizer's parameter groups and each
+        parameter's weight decay from the group holding it (Trainer: ``weight_decay`` for weights,
+        0 for biases and LayerNorm weights; 0 for a parameter outside every group). ValueError
+        for settings QuasiGlobalAdam cannot honour (amsgrad, maximize, L2 weight decay of
+        ``torch.optim.Adam``, groups with different betas, eps or LR).
+        """
+        optimizer = self.node_optimizers[0]
+        if isinstance(optimizer, torch.optim.SGD):
+            return gossip_lib.QuasiGlobalMomentum(self.node_params, beta=self.args.qgm_beta)
+        groups = optimizer.param_groups
+        for option in ("amsgrad", "maximize"):
+            if any(group.get(option) for group in groups):
+                raise ValueError(f"qgm=True with Adam {option}=True: QuasiGlobalAdam runs plain Adam/AdamW; "
+                                 f"set {option}=False or qgm=False")
+        if any(group["weight_decay"] and not group.get("decoupled_weight_decay") for group in groups):
+            raise ValueError("qgm=True with torch.optim.Adam and weight_decay > 0 (L2 added to the gradient): "
+                             "QuasiGlobalAdam decays decoupled, as AdamW: use optim='adamw_torch' or weight_decay=0")
+        for key in ("betas", "eps", "lr"):
+            if len({group[key] for group in groups}) > 1:
+                raise ValueError(f"qgm=True needs one {key} for every parameter group of the optimizer, got "
+                                 f"{[group[key] for group in groups]}")
+        decay = {id(p): group["weight_decay"] for group in groups for p in group["params"]}
+        return gossip_lib.QuasiGlobalAdam(
+            self.node_params, betas=tuple(groups[0]["betas"]), eps=groups[0]["eps"],
+            weight_decay=[float(decay.get(id(p), 0.0)) for p in self.nodes[0].parameters()])
