@@ -23,11 +23,9 @@ a cell whose ``results.json`` is finished with the same settings is reused, not 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import fnmatch
 import itertools
 import json
-import multiprocessing
 import os
 import pathlib
 import shlex
@@ -39,10 +37,10 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "recipes")]
 
 from record import save_results  # noqa: E402
-from sweep import COLUMNS, markdown_table, run_logged  # noqa: E402
+from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      finished_results, packaged_model_path, ranged, run_config, run_nlp)
+                                      finished_results, packaged_model_path, ranged, run_config)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -171,25 +169,8 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
     results = {i: r for i, r in ((i, reusable(run)) for i, (run, _) in enumerate(runs)) if r is not None}
     todo = [i for i in range(len(runs)) if i not in results]
     print(f"{len(args.selected)} cells: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
-    if args.jobs == 1:
-        for done, i in enumerate(todo, 1):
-            results[i] = run_nlp(runs[i][0], recipe_script(args.selected[i]))
-            print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%", file=sys.stderr)
-    elif todo:
-        context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-            futures = {pool.submit(run_logged, runs[i][0]): i for i in todo}
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                i = futures[future]
-                try:
-                    results[i] = future.result()
-                except BaseException as err:
-                    for other in futures:
-                        other.cancel()
-                    raise RuntimeError(f"cell {args.selected[i]['id']} failed: {err!r}; its log: "
-                                       f"{os.path.join(runs[i][0].training.output_dir, 'run.log')}") from err
-                print(f"[{done}/{len(todo)}] {args.selected[i]['id']}: {100 * results[i]['accuracy']:.2f}%",
-                      file=sys.stderr)
+    results.update(run_pending([run for run, _ in runs], todo, args.jobs, [cell["id"] for cell in args.selected],
+                               [recipe_script(cell) for cell in args.selected]))
     return [{**cell, "accuracy": results[i]["accuracy"], "node_accuracy": results[i]["node_accuracy"],
              "consensus_distance": results[i]["consensus_distance"],
              "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],

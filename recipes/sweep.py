@@ -55,7 +55,7 @@ def grid(sweep) -> list:
     return runs
 
 
-def run_logged(run) -> dict:
+def run_logged(run, prog: str = "") -> dict:
     """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
     os.makedirs(run.training.output_dir, exist_ok=True)
     with open(os.path.join(run.training.output_dir, "run.log"), "w") as log:
@@ -63,7 +63,7 @@ def run_logged(run) -> dict:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
-            return run_nlp(run)
+            return run_nlp(run, prog)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
@@ -75,19 +75,26 @@ def describe(run) -> str:
     return f"{t.algorithm} {'int8' if t.low_precision else 'fp32'} skew={t.skew:g} comp={t.compression:g}"
 
 
-def run_grid(sweep) -> list[dict]:
-    runs = grid(sweep)
-    results = {i: r for i, r in ((i, finished_results(run.training.output_dir)) for i, run in enumerate(runs))
-               if r is not None}
-    todo = [i for i in range(len(runs)) if i not in results]
-    if sweep.extras.jobs == 1:
-        for i in todo:
-            print(f"== {describe(runs[i])}", file=sys.stderr)
-            results[i] = run_nlp(runs[i])
+def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[str] | None = None) -> dict[int, dict]:
+    """Run ``runs[i]`` (:meth:`RecipeParser.parse` results) for every ``i`` in ``todo``: one after
+    the other in this process when ``jobs == 1``, else ``jobs`` at a time in fresh (spawned)
+    processes, each printing into its output folder's ``run.log``. Prints ``[k/n] name: accuracy``
+    after each (``names[i]``; ``progs[i]``: the recipe named in its errors). Returns ``{i: results}``;
+    a failed run cancels the rest and raises RuntimeError naming it and its log."""
+    progs = progs or [""] * len(runs)
+    results = {}
+
+    def report(done: int, i: int) -> None:
+        print(f"[{done}/{len(todo)}] {names[i]}: accuracy {100 * results[i]['accuracy']:.2f}%", file=sys.stderr)
+
+    if jobs == 1:
+        for done, i in enumerate(todo, 1):
+            results[i] = run_nlp(runs[i], progs[i])
+            report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with concurrent.futures.ProcessPoolExecutor(sweep.extras.jobs, mp_context=context) as pool:
-            futures = {pool.submit(run_logged, runs[i]): i for i in todo}
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {pool.submit(run_logged, runs[i], progs[i]): i for i in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 i = futures[future]
                 try:
@@ -95,10 +102,18 @@ def run_grid(sweep) -> list[dict]:
                 except BaseException as err:
                     for other in futures:
                         other.cancel()
-                    raise RuntimeError(f"sweep run {describe(runs[i])} failed: {err!r}; its log: "
+                    raise RuntimeError(f"{names[i]} failed: {err!r}; its log: "
                                        f"{os.path.join(runs[i].training.output_dir, 'run.log')}") from err
-                print(f"[{done}/{len(todo)}] {describe(runs[i])}: accuracy {100 * results[i]['accuracy']:.2f}%",
-                      file=sys.stderr)
+                report(done, i)
+    return results
+
+
+def run_grid(sweep) -> list[dict]:
+    runs = grid(sweep)
+    results = {i: r for i, r in ((i, finished_results(run.training.output_dir)) for i, run in enumerate(runs))
+               if r is not None}
+    todo = [i for i in range(len(runs)) if i not in results]
+    results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs]))
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,
              "gamma": results[i]["config"]["consensus_lr_used"], "accuracy": results[i]["accuracy"],

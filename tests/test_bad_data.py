@@ -171,7 +171,7 @@ def test_saved_dataset_without_train_split_or_unreadable(tmp_path):
     ("tr\t0\ta\textra tab\n", "expected 'tr|va|te<TAB>label<TAB>sentence'"),
 ])
 def test_senteval_lines_of_the_wrong_shape(tmp_path, line, match):
-    source = _write(tmp_path / "sentence_length.txt", "tr\t0\tfine sentence\n" + line)
+    _write(tmp_path / "sentence_length.txt", "tr\t0\tfine sentence\n" + line)
     _expect(ValueError, "sentence_length.txt:2: " + match, lambda: load_task("sentlen", data_dir=tmp_path), tmp_path)
 
 
