@@ -102,9 +102,9 @@ def quantized_flop_share(config, input_ids) -> float:
 
     Eager attention, so the score/context matmuls show up as counted ``bmm`` ops.
     """
-    config = copy.deepcopy(config)
-    config._attn_implementation = "eager"
-    model = quantize_model(DistilBertForSequenceClassification(config).to(input_ids.device).eval())
+    model = DistilBertForSequenceClassification(copy.deepcopy(config))
+    model.set_attn_implementation("eager")
+    model = quantize_model(model.to(input_ids.device).eval())
     root = type(model).__name__
     names = {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, QuantModule)}
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
