@@ -180,10 +180,10 @@ def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp
 @pytest.mark.parametrize("argv, expected", [
     (["--arch", "resnet20", "--batch-size", "0"], "argument --batch-size: must be in [1, inf), got 0"),
     (["--arch", "resnet20", "--num-nodes", "2.5"], "argument --num-nodes: expected an integer, got '2.5'"),
-    (["--arch", "resnet20", "--num-nodes", "0"], "--num-nodes must be an integer in [1, 65536], got 0"),
+    (["--arch", "resnet20", "--num-nodes", "0"], "argument --num-nodes: num_nodes must be an integer in [1, 65536], got 0"),
     (["--arch", "resnet20", "--compression", "nan"], "argument --compression: expected a finite number, got 'nan'"),
     (["--arch", "resnet20", "--compression", "100"],
-     "--compression must be a percentage with 0 <= --compression < 100, got 100.0"),
+     "argument --compression: compression must be a percentage with 0 <= compression < 100, got 100.0"),
     (["--model", "x", "--seq-len", "-3"], "argument --seq-len: must be in [1, inf), got -3"),
 ])
 def test_cost_command_line_refuses_bad_numbers_in_one_line(argv, expected, capsys):

@@ -14,6 +14,7 @@ training (SPEC 3).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from ..commands.flags import OneLineParser, Range, finite_float, integer, ranged
@@ -79,8 +80,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         configs = {precision: _gossip_config(args, precision) for precision in ("fp32", "int8")}
-    except ValueError as err:
-        parser.error(str(err).replace("num_nodes", "--num-nodes").replace("compression", "--compression"))
+    except ValueError as err:  # GossipConfig names the field first, as the recipes show it: behind its flag
+        field = re.match(r"\w+", str(err)).group()
+        parser.error(f"argument --{field.replace('_', '-')}: {err}")
     defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
     args.num_classes = args.num_classes or defaults["num_classes"]
     args.optimizer = args.optimizer or defaults["optimizer"]
