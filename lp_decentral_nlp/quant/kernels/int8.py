@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..functional import quantize_fused
 from ..gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
 from .base import Kernel
+from .simulated import dequantize_codes
 
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, K and N multiples of 8
 CUDA_MULTIPLE = 8
@@ -47,7 +48,7 @@ class Int8Operand(NamedTuple):
     last_dim_sums: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return torch.mul(self.codes, self.scale).add_(self.offset)
+        return dequantize_codes(self.codes, self.scale, self.offset)
 
     def rows(self) -> "Int8Operand":
         """As a matrix ``(M, K)`` over the last dim, contiguous; scale/offset/sums 0-d or ``(M, 1)``."""
