@@ -21,6 +21,7 @@ from .int8 import cpu_has_int8_dot
 # the gap to simulated is within the noise of a shared machine: auto keeps the simulated kernel
 # (the paper's method, bit for bit) on such CPUs.
 AUTO_MIN_FEATURES = 256
+NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 
 
 def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
@@ -28,8 +29,8 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
     another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
     int8 where it is supported and faster: a device where ``torch._int_mm`` is a real int8 GEMM
-    (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``) and a layer of at least ``AUTO_MIN_FEATURES`` in and out features (channels);
-    the simulated kernel otherwise."""
+    (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``) and a layer of at least
+    ``AUTO_MIN_FEATURES`` in and out features (channels); the simulated kernel otherwise."""
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight, groups)
@@ -39,5 +40,5 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
-        reason = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
+        reason = NO_INT8_GEMM_REASON
     return (KERNELS["simulated"], reason) if reason else (int8, None)

@@ -13,8 +13,9 @@ signed range is folded into the offset). For ``A (M, K)`` and ``B (K, N)``::
     A^ @ B^ = s_a s_b (C_a @ C_b) + s_a o_b rowsum(C_a) 1^T + o_a s_b 1 colsum(C_b) + K o_a o_b
 
 The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``), and in an fp32
-GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap vectors, so the result equals the simulated kernel's float GEMM of the same
-dequantized operands up to fp32 rounding (no symmetric-scale approximation).
+GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap
+vectors, so the result equals the simulated kernel's float GEMM of the same dequantized operands
+up to fp32 rounding (no symmetric-scale approximation).
 """
 from __future__ import annotations
 
@@ -97,16 +98,28 @@ def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
     return b if b.is_contiguous() else b.contiguous()
 
 
+def int8_gemm_path(device: torch.device) -> str:
+    """How :func:`int8_gemm` multiplies on `device`: ``"torch._int_mm"`` (a real int8 GEMM: CUDA, or
+    a CPU where :func:`cpu_has_int8_dot`) or ``"fp32 GEMM of the codes"`` (other CPUs)."""
+    if torch.device(device).type == "cpu" and not cpu_has_int8_dot():
+        return FLOAT_PATH
+    return INT_MM_PATH
+
+
+INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"
+
+
 def int8_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The integer product ``a @ b`` of int8 `a` ``(M, K)`` (contiguous) and `b` ``(K, N)`` (any
     strides), ``(M, N)``.
 
     ``torch._int_mm`` (int32, exact) on CUDA and on CPUs where it is a real int8 GEMM
-    (:func:`cpu_has_int8_dot`). On other CPUs one fp32 GEMM of the codes (the BLAS's fast path):
-    exact for ``K <= FLOAT_EXACT_MAX_K`` (1,024: every partial sum is an integer below 2**24),
-    beyond that rounded like any fp32 GEMM's partial sums (fp32 result).
+    (:func:`cpu_has_int8_dot`; :func:`int8_gemm_path` says which). On other CPUs one fp32 GEMM
+    of the codes (the BLAS's fast path): exact for ``K <= FLOAT_EXACT_MAX_K`` (1,024: every
+    partial sum is an integer below 2**24), beyond that rounded like any fp32 GEMM's partial sums
+    (fp32 result).
     """
-    if a.device.type == "cpu" and not cpu_has_int8_dot():
+    if int8_gemm_path(a.device) == FLOAT_PATH:
         return a.float() @ b.float()
     m = a.shape[0]
     if a.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
@@ -158,7 +171,8 @@ def conv_valid_taps(gemm: Conv2dGemm, input_hw: tuple[int, int], kernel_size: tu
 
 class Int8Kernel(Kernel):
     """Integer GEMMs of the int8 codes (:func:`int8_gemm`) for the forward and layer-gradient
-    GEMMs of Linear, Conv1D and Conv2d (``groups=1``) layers; the weight gradient is the float GEMM of the dequantized input.
+    GEMMs of Linear, Conv1D and Conv2d (``groups=1``) layers; the weight gradient is the float
+    GEMM of the dequantized input.
 
     Conv2d as a GEMM over im2col patches of the int8 input codes, ``(N Ho Wo, C kh kw) @ (C kh kw,
     Cout)``. Zero padding is an exact 0, which no affine code represents: padded taps hold code 0
