@@ -64,6 +64,7 @@ class Int8Operand(NamedTuple):
 # |c_a c_b| <= 128 * 128 = 2**14 per product, so up to 2**10 products in any order
 FLOAT_EXACT_MAX_K = 2**24 // 128**2
 INT_MM_CPU_FLAG = "avx512_vnni"
+INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"  # int8_gemm_path's answers
 
 
 @functools.cache
@@ -106,9 +107,6 @@ def int8_gemm_path(device: torch.device) -> str:
     return INT_MM_PATH
 
 
-INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"
-
-
 def int8_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The integer product ``a @ b`` of int8 `a` ``(M, K)`` (contiguous) and `b` ``(K, N)`` (any
     strides), ``(M, N)``.
@@ -131,7 +129,7 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
     from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    exact int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms. `b_colsum`: `b`'s
+    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms. `b_colsum`: `b`'s
     codes summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
     k = a.codes.shape[1]
     acc = int8_gemm(a.codes, b.codes)
