@@ -16,10 +16,11 @@ from .int8 import cpu_has_int8_dot
 # against 26 ms for the fp32 GEMM on the 2-core AVX2 EPYC; a DistilBERT-base step with
 # kernel="int8" took 14.4x fp32), so the int8 kernel runs fp32 GEMMs of the codes there
 # (int8.int8_gemm): the same GEMM as the simulated kernel, plus the code conversions and
-# zero-point terms. Measured on that CPU (busy, 3 interleaved steps): DistilBERT-base step, batch
-# 8 x 128, AdamW: int8 1.19x fp32, simulated 1.28x, int8_bf16 1.30x. Not faster than fp32, and
-# the gap to simulated is within the noise of a shared machine: auto keeps the simulated kernel
-# (the paper's method, bit for bit) on such CPUs.
+# zero-point terms. Measured on that CPU, busy (load 4-6 on 2 cores), 3 interleaved steps of
+# DistilBERT-base, batch 8 x 128, AdamW, wall time relative to fp32: int8 1.19x, simulated 1.28x,
+# int8_bf16 1.30x; a second run int8 1.62x, simulated 2.01x (process CPU time 1.73x and 1.48x).
+# Not faster than fp32, and no steady gap to simulated: auto keeps the simulated kernel (the
+# paper's method, bit for bit) on such CPUs.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 
