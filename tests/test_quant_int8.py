@@ -67,6 +67,7 @@ def test_int8_gemm_is_the_exact_integer_product(onednn):
     with torch.backends.mkldnn.flags(enabled=onednn):
         if not onednn:
             assert not cpu_has_int8_dot(), "torch._int_mm needs oneDNN for a real int8 GEMM"
+            assert int8_module.int8_gemm_path(torch.device("cpu")) == int8_module.FLOAT_PATH
         k = int8_module.FLOAT_EXACT_MAX_K
         a = torch.randint(-128, 128, (33, k), dtype=torch.int8)
         a[0], a[1] = -128, 127
