@@ -1,8 +1,10 @@
 """fp32 vs 8-bit (SPEC 4) training step of a DistilBERT-base-shaped model, side by side.
 
 Measures, in one process and on the same inputs, for fp32 and the 8-bit model with the simulated
-kernel (float fake quantization, the paper's method), the int8 kernel (``torch._int_mm``) and the
-int8_bf16 kernel (int8 GEMMs, bfloat16 weight-gradient GEMM):
+kernel (float fake quantization, the paper's method), the int8 kernel (``kernels.int8_gemm``:
+``torch._int_mm`` where it is a real int8 GEMM, fp32 GEMMs of the codes on CPUs without
+AVX512-VNNI; the output names the path) and the int8_bf16 kernel (int8 GEMMs, bfloat16
+weight-gradient GEMM):
 
 * step time (forward + backward + AdamW step), the variants' steps interleaved, median of
   ``--repeats``; on the CPU also the process CPU time per step, which other jobs sharing the
@@ -38,6 +40,7 @@ from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
 from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
+from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from record import save_results
 from timing import interleaved_times, medians
@@ -118,7 +121,8 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
     """Forward + backward of one square Linear (``batch * seq`` rows) per width, fp32 vs simulated
     vs int8 kernel, interleaved medians: the data behind ``kernels.AUTO_MIN_FEATURES``."""
     print(f"one Linear(w, w), {args.batch_size * args.seq_len} rows, forward + backward, device {device}, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats")
+          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
+          f"int8 GEMM: {int8_gemm_path(device)}")
     for width in widths:
         base = torch.nn.Linear(width, width).to(device)
         layers = {"fp32": base}
@@ -192,7 +196,7 @@ def main(argv=None):
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"DistilBERT-base shape, batch {args.batch_size} x seq {args.seq_len}, AdamW, device {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, load average {load}, "
-          f"malloc {malloc}")
+          f"malloc {malloc}, int8 GEMM: {int8_gemm_path(device)}")
     rows = [("step time", "median_s", "wall clock, medians")]
     if device.type == "cpu":  # CPU seconds of this process: less sensitive to other load on the machine
         rows.append(("step CPU", "median_cpu_s", "process CPU time, medians"))
@@ -213,7 +217,8 @@ def main(argv=None):
     print(f"forward FLOPs in quantized layers {share:.1%}; float (attention matmuls, head) {1 - share:.1%}")
     results = {
         "settings": {"batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats,
-                     "device": str(device), "threads": torch.get_num_threads(), "malloc": malloc, "load": load},
+                     "device": str(device), "threads": torch.get_num_threads(), "malloc": malloc, "load": load,
+                     "int8_gemm": int8_gemm_path(device)},
         "median_s": {n: v["median_s"] for n, v in variants.items()},
         "median_cpu_s": {n: v["median_cpu_s"] for n, v in variants.items()},
         "peak_step_bytes": {n: v["peak_bytes"] for n, v in variants.items()},

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from lp_decentral_nlp.quant.functional import grad_range, quantize_codes, quantize_fused, tensor_range
+from lp_decentral_nlp.quant import fused
 from lp_decentral_nlp.quant.fused import PARALLEL_MIN_ELEMENTS
+from lp_decentral_nlp.quant.kernels.simulated import dequantize_codes
 
 SHAPES = [(64, 50), (4, 9, 48), (3, 5, 7, 9), (1000,), (1, 1)]
 
@@ -65,3 +67,36 @@ def test_parallel_rows_give_the_same_codes(stochastic):
     expected, scale = quantize_codes(x, lo, hi, 8, stochastic)
     assert torch.equal(codes, expected.to(torch.uint8)) and torch.equal(values, expected * scale + lo)
     assert torch.equal(sums, expected.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(3, 40, PARALLEL_MIN_ELEMENTS // 64)])
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("code_dtype", [torch.uint8, torch.int8])
+def test_one_pass_dequantize_equals_torch_multiply_add(shape, per_sample, code_dtype):
+    """``kernels.simulated.dequantize_codes`` (one compiled pass where ``fused.dequantizable``,
+    serial and split by rows) gives the bits of ``torch.mul(codes, scale).add_(lo)``."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    low, high = (0, 256) if code_dtype == torch.uint8 else (-128, 128)
+    codes = torch.randint(low, high, shape, dtype=code_dtype)
+    range_shape = (shape[0],) + (1,) * (len(shape) - 1) if per_sample else ()
+    scale, lo = torch.rand(range_shape) * 0.1 + 1e-3, torch.randn(range_shape) * 3
+    # a 1-D tensor with one range per element has no rows to split: torch's passes
+    assert fused.dequantizable(codes, scale, lo) == (not per_sample or len(shape) > 1)
+    expected = torch.mul(codes, scale).add_(lo)
+    assert torch.equal(dequantize_codes(codes, scale, lo), expected)
+    if len(shape) > 1 and shape[0] > 1:  # strided codes: not fusable, torch's passes, same values
+        strided = codes.transpose(0, -1)
+        assert not fused.dequantizable(strided, torch.tensor(0.5), torch.tensor(1.0))
+        assert torch.equal(dequantize_codes(strided, torch.tensor(0.5), torch.tensor(1.0)),
+                           torch.mul(strided, 0.5).add_(1.0))
+
+
+def test_one_dim_tensor_with_a_range_per_element_takes_the_torch_passes():
+    """A 1-D tensor is one row: one range per element cannot be split by rows (it used to read
+    past the repeated ranges); the torch passes give the codes."""
+    x = torch.randn(1000) * 3
+    lo, hi = x - torch.rand(1000), x + torch.rand(1000)
+    assert not fused.fusable(x, lo, hi)
+    codes, values, _, scale = quantize_fused(x, lo, hi, 8, False, False, values=True, last_dim_sums=False)
+    expected, expected_scale = quantize_codes(x, lo, hi, 8)
+    assert torch.equal(codes, expected.to(torch.uint8)) and torch.equal(values, expected * expected_scale + lo)

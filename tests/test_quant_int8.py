@@ -28,6 +28,8 @@ from lp_decentral_nlp.quant.kernels import (
     resolve_kernel,
 )
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
+from lp_decentral_nlp.quant.kernels import int8 as int8_module
+from lp_decentral_nlp.quant.kernels.auto import NO_INT8_GEMM_REASON
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -55,6 +57,34 @@ def test_affine_int8_matmul_equals_float_product_of_dequantized_operands(row_ran
     assert (a.codes.double() * a.scale @ (b.codes.double() * b.scale) - expected).abs().max() > 1.0
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # from mkldnn.flags, harmless
+@pytest.mark.parametrize("onednn", [True, False])
+def test_int8_gemm_is_the_exact_integer_product(onednn):
+    """``int8_gemm`` on either CPU path (``torch._int_mm`` where ``cpu_has_int8_dot``, fp32 GEMMs
+    of the codes elsewhere, e.g. with oneDNN disabled): the exact integer product up to ``K = 1024``,
+    extreme codes included (``1024 * 128 * 128 = 2**24``); beyond, within fp32 GEMM rounding."""
+    torch.manual_seed(0)
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        if not onednn:
+            assert not cpu_has_int8_dot(), "torch._int_mm needs oneDNN for a real int8 GEMM"
+            assert int8_module.int8_gemm_path(torch.device("cpu")) == int8_module.FLOAT_PATH
+        k = int8_module.FLOAT_EXACT_MAX_K
+        a = torch.randint(-128, 128, (33, k), dtype=torch.int8)
+        a[0], a[1] = -128, 127
+        b = torch.randint(-128, 128, (40, k), dtype=torch.int8)
+        b[0], b[1] = -128, 127
+        for b_kn in (b.T, b.T.contiguous()):  # a Linear's W.T and a contiguous operand
+            exact = a.long() @ b_kn.long()
+            out = int8_module.int8_gemm(a, b_kn)
+            assert out.shape == (33, 40) and torch.equal(out.double(), exact.double())
+        assert exact[0, 0] == 2**24, "the largest product that must stay exact"
+        long_a = torch.randint(-128, 128, (17, 3 * k + 5), dtype=torch.int8)
+        long_b = torch.randint(-128, 128, (3 * k + 5, 9), dtype=torch.int8)
+        exact = (long_a.double() @ long_b.double())
+        bound = long_a.shape[1] * EPS * (long_a.double().abs() @ long_b.double().abs())
+        assert ((int8_module.int8_gemm(long_a, long_b).double() - exact).abs() <= bound).all()
+
+
 def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
     x = torch.randn(5, 7)
     lo, hi = x.min(), x.max()
@@ -67,11 +97,11 @@ def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
 
 
 class SpyIntMM:
-    """Wraps ``torch._int_mm`` and records its operands."""
+    """Wraps the int8 kernel's integer GEMM (``int8_gemm``) and records its operands."""
 
     def __init__(self, monkeypatch):
-        self.calls, self.real = [], torch._int_mm
-        monkeypatch.setattr(torch, "_int_mm", self)
+        self.calls, self.real = [], int8_module.int8_gemm
+        monkeypatch.setattr(int8_module, "int8_gemm", self)
 
     def __call__(self, a, b):
         self.calls.append((a, b))
@@ -109,8 +139,7 @@ def test_int8_matches_simulated_outputs_and_gradients(kind, granularity, monkeyp
     assert (gp_i[0] - gp_s[0]).abs().max() <= 32 * EPS * x.shape[0] * x.shape[1] * grad_out.abs().max() * x_hat
     assert torch.equal(gp_i[1], gp_s[1])
     assert not torch.allclose(y_s, base(x), atol=1e-3), "outputs are really quantized"
-    # forward and layer gradient really ran on int8 operands in _int_mm's exact layouts: two int8
-    # GEMMs per step, `a` contiguous, `b` contiguous or (CPU) the transpose of a contiguous tensor
+    # forward and layer gradient really ran as int8 GEMMs: two per step, `a` contiguous
     assert len(spy.calls) == 2
     for a, b in spy.calls:
         assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and (b.is_contiguous() or b.T.is_contiguous())
@@ -171,7 +200,7 @@ def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
     kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, groups=2)
     assert kernel.name == "simulated" and "grouped Conv2d" in reason
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
-    assert (kernel.name, reason) in (("int8", None), ("simulated", "CPU without int8 dot-product instructions (VNNI/AMX)"))
+    assert (kernel.name, reason) == (("int8", None) if cpu_has_int8_dot() else ("simulated", NO_INT8_GEMM_REASON))
     assert resolve_kernel("int8", LinearGemm, narrow) == (KERNELS["int8"], None), "int8 asked for is honoured"
     assert QuantConfig(kernel="auto").kernel == "auto"
     with pytest.raises(ValueError, match=r"kernel must be one of .*'int8'.*'auto'"):
@@ -231,7 +260,7 @@ def test_default_auto_trains_like_simulated_up_to_gemm_rounding():
     docstring); over a few steps such a difference can move a value across a rounding boundary of
     a later quantizer (one 8-bit step of one element, a tiny share of a 64-sample gradient), so the
     losses and the parameter updates must agree to 1e-4 and 1e-3 relative. Where auto picks the
-    simulated kernel everywhere (a CPU without VNNI/AMX) the run is the simulated run, bit for bit."""
+    simulated kernel everywhere (a CPU without AVX512-VNNI) the run is the simulated run, bit for bit."""
     torch.manual_seed(0)
     width = AUTO_MIN_FEATURES
     base = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))

@@ -60,22 +60,64 @@ def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale
             row_sums[r] = np.float32(total)
 
 
-_quantize_rows_serial = numba.njit(cache=True, nogil=True, boundscheck=False)(_quantize_rows)
-_quantize_rows_parallel = numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)(_quantize_rows)
+def _dequantize_rows(codes, scale, lo, values):
+    rows, cols = codes.shape
+    row_step = 1 if scale.shape[0] > 1 else 0  # one range per row, or one for all
+    for r in numba.prange(rows):
+        s, base = scale[r * row_step], lo[r * row_step]
+        code_row, value_row = codes[r], values[r]
+        for c in range(cols):
+            q = np.float32(code_row[c]) * s
+            value_row[c] = q + base
+
+
+def _compile(kernel):
+    """`kernel` compiled serial and parallel (``prange`` rows over numba's threads)."""
+    return (numba.njit(cache=True, nogil=True, boundscheck=False)(kernel),
+            numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)(kernel))
+
+
+_QUANTIZE_ROWS = _compile(_quantize_rows)
+_DEQUANTIZE_ROWS = _compile(_dequantize_rows)
 # below this many elements a parallel call costs more than it saves
 PARALLEL_MIN_ELEMENTS = 2**16
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
 
 
+def _variant(kernels, numel: int):
+    """The serial or the parallel compiled kernel for a tensor of `numel` elements, the parallel one
+    on as many threads as torch's intra-op pool (at most numba's ``NUMBA_NUM_THREADS``)."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1 and numel >= PARALLEL_MIN_ELEMENTS:
+        numba.set_num_threads(threads)
+        return kernels[1]
+    return kernels[0]
+
+
+def _per_row(params, x: torch.Tensor) -> list[np.ndarray]:
+    """Range tensors (0-d or one per sample, dim 0 of `x`) as 1-D arrays: one entry, or one per row
+    of `x` seen as a matrix over its last dim."""
+    rows = x.numel() // x.shape[-1]
+    if params[0].dim() > 0:  # one range per sample (dim 0): repeat it over the sample's rows
+        params = [t.reshape(-1).repeat_interleave(rows // x.shape[0]) for t in params]
+    return [t.detach().reshape(-1).numpy() for t in params]
+
+
+def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether range `t` holds one value per sample (dim 0) of an `x` of at least 2 dims, whose
+    rows over the last dim each lie in one sample (a 1-D `x` is one row)."""
+    return x.dim() > 1 and t.numel() == t.shape[0] == x.shape[0]
+
+
 def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
     """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a contiguous float32
     CPU tensor with at least one dim and real storage (not a tensor subclass such as a fake
-    tensor of a tracer), each range 0-d or shaped ``(x.shape[0], 1, ..., 1)``."""
+    tensor of a tracer), each range 0-d or (`x` at least 2-D) shaped ``(x.shape[0], 1, ..., 1)``."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
         return False
     if type(x.detach()) is not torch.Tensor:  # a Parameter detaches to a plain tensor
         return False
-    return all(t.device.type == "cpu" and (t.dim() == 0 or t.numel() == t.shape[0] == x.shape[0]) for t in ranges)
+    return all(t.device.type == "cpu" and (t.dim() == 0 or _one_per_sample(t, x)) for t in ranges)
 
 
 def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
@@ -98,20 +140,12 @@ def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scal
         ``(codes, values or None, sums or None)``.
     """
     rows = x.numel() // x.shape[-1]
-    if inv.dim() > 0:  # one range per sample (dim 0): repeat it over the sample's rows
-        inv, offset, scale, lo = (t.reshape(-1).repeat_interleave(rows // x.shape[0]) for t in (inv, offset, scale, lo))
     matrix = x.detach().reshape(rows, -1).numpy()
     codes = torch.empty(x.shape, dtype=code_dtype)
     out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
     sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
-    params = [t.detach().reshape(-1).numpy() for t in (inv, offset, scale, lo)]
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads > 1 and x.numel() >= PARALLEL_MIN_ELEMENTS:  # as many threads as torch's intra-op pool
-        numba.set_num_threads(threads)
-        kernel = _quantize_rows_parallel
-    else:
-        kernel = _quantize_rows_serial
-    kernel(
+    params = _per_row((inv, offset, scale, lo), x)
+    _variant(_QUANTIZE_ROWS, x.numel())(
         matrix, params[0], params[1], np.float32(low), np.float32(high),
         dither.numpy() if dither is not None else np.zeros(0, dtype=np.int16), np.float32(dither_scale),
         codes.reshape(rows, -1).numpy(), params[2], params[3],
@@ -119,3 +153,28 @@ def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scal
         sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
     )
     return codes, out_values, sums
+
+
+def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
+    """Whether :func:`dequantize_rows` can take `codes`: contiguous 8-bit CPU codes with at least
+    one dim and one element, `scale` and `lo` float32 CPU tensors of one shape, 0-d or (`codes`
+    at least 2-D) ``(codes.shape[0], 1, ..., 1)``."""
+    if codes.device.type != "cpu" or codes.dtype not in (torch.uint8, torch.int8) or codes.dim() == 0:
+        return False
+    if not codes.is_contiguous() or codes.numel() == 0 or type(codes) is not torch.Tensor:
+        return False
+    if scale.shape != lo.shape or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (scale, lo)):
+        return False
+    return scale.dim() == 0 or _one_per_sample(scale, codes)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``codes * scale + lo`` (fp32, shape of `codes`) of :func:`dequantizable` operands in one
+    pass: the same two fp32 roundings as ``torch.mul(codes, scale).add_(lo)``, so the same bits.
+    `scale`, `lo`: 0-d or one per sample (dim 0)."""
+    rows = codes.numel() // codes.shape[-1]
+    values = torch.empty(codes.shape, dtype=torch.float32)
+    scale_rows, lo_rows = _per_row((scale, lo), codes)
+    _variant(_DEQUANTIZE_ROWS, codes.numel())(
+        codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
+    return values

@@ -2,7 +2,9 @@
 simulated kernel (``simulated``), the int8 kernels (``int8``) and the ``"auto"`` choice (``auto``)."""
 from .auto import AUTO_MIN_FEATURES, resolve_kernel
 from .base import AUTO, KERNELS, Kernel, get_kernel, kernel_names, register_kernel
-from .int8 import Int8Bf16Kernel, Int8Kernel, Int8Operand, affine_int8_matmul, cpu_has_int8_dot
+from .int8 import (
+    Int8Bf16Kernel, Int8Kernel, Int8Operand, affine_int8_matmul, cpu_has_int8_dot, int8_gemm, int8_gemm_path,
+)
 from .simulated import SimulatedKernel
 
 register_kernel(SimulatedKernel())
@@ -11,6 +13,6 @@ register_kernel(Int8Bf16Kernel())
 
 __all__ = [
     "AUTO", "AUTO_MIN_FEATURES", "KERNELS", "Int8Bf16Kernel", "Int8Kernel", "Int8Operand", "Kernel",
-    "SimulatedKernel", "affine_int8_matmul", "cpu_has_int8_dot", "get_kernel", "kernel_names",
-    "register_kernel", "resolve_kernel",
+    "SimulatedKernel", "affine_int8_matmul", "cpu_has_int8_dot", "get_kernel", "int8_gemm", "int8_gemm_path",
+    "kernel_names", "register_kernel", "resolve_kernel",
 ]

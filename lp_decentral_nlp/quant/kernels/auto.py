@@ -7,19 +7,31 @@ from .base import AUTO, KERNELS, Kernel, get_kernel
 from .int8 import cpu_has_int8_dot
 
 # kernel="auto" takes int8 for layers at least this wide (in and out features). From
-# `benchmarks/bench_quant.py --threads 2 --layer-sweep --repeats 3` on the 2-core CPU with no other
-# job running (forward + backward of one square Linear, 1,024 rows, time relative to fp32):
-# width 128 int8 2.79x vs simulated 2.48x; 256: 1.21x vs 1.50x; 512: 0.84x vs 1.34x; 768: 0.63x vs 1.18x.
+# `benchmarks/bench_quant.py --threads 2 --layer-sweep --repeats 3` on a 2-core CPU whose
+# torch._int_mm ran oneDNN (it had AVX512-VNNI: the 0.71x fp32 DistilBERT step of the same day is
+# out of reach of the scalar loop), no other job running (forward + backward of one square Linear,
+# 1,024 rows, time relative to fp32): width 128 int8 2.79x vs simulated 2.48x; 256: 1.21x vs 1.50x;
+# 512: 0.84x vs 1.34x; 768: 0.63x vs 1.18x.
+# On a CPU without AVX512-VNNI, torch._int_mm is a scalar loop (1,024 x 768 x 768: 300-400 ms
+# against 26 ms for the fp32 GEMM on the 2-core AVX2 EPYC; a DistilBERT-base step with
+# kernel="int8" took 14.4x fp32), so the int8 kernel runs fp32 GEMMs of the codes there
+# (int8.int8_gemm): the same GEMM as the simulated kernel, plus the code conversions and
+# zero-point terms. Measured on that CPU, busy (load 4-6 on 2 cores), 3 interleaved steps of
+# DistilBERT-base, batch 8 x 128, AdamW, wall time relative to fp32: int8 1.19x, simulated 1.28x,
+# int8_bf16 1.30x; a second run int8 1.62x, simulated 2.01x (process CPU time 1.73x and 1.48x).
+# Not faster than fp32, and no steady gap to simulated: auto keeps the simulated kernel (the
+# paper's method, bit for bit) on such CPUs.
 AUTO_MIN_FEATURES = 256
+NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 
 
 def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
     """The kernel a layer runs for ``QuantConfig.kernel == name``, and why it is not the one asked
     for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
     another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
-    int8 where it is supported and faster: a device with int8 dot-product hardware (CUDA, or a CPU
-    with VNNI/AMX) and a layer of at least ``AUTO_MIN_FEATURES`` in and out features (channels);
-    the simulated kernel otherwise."""
+    int8 where it is supported and faster: a device where ``torch._int_mm`` is a real int8 GEMM
+    (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``) and a layer of at least
+    ``AUTO_MIN_FEATURES`` in and out features (channels); the simulated kernel otherwise."""
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight, groups)
@@ -29,5 +41,5 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
-        reason = "CPU without int8 dot-product instructions (VNNI/AMX)"
+        reason = NO_INT8_GEMM_REASON
     return (KERNELS["simulated"], reason) if reason else (int8, None)

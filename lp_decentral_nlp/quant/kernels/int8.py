@@ -1,8 +1,10 @@
 """Real int8 GEMMs for the 8-bit layers (``QuantConfig(kernel="int8")``, SPEC section 4).
 
-The forward GEMM and the layer-gradient GEMM run on int8 codes with int32 accumulation
-(``torch._int_mm``); the weight gradient is a float GEMM of the dequantized input and the
-full-precision output gradient, as gradient bifurcation requires.
+The forward GEMM and the layer-gradient GEMM run on int8 codes (:func:`int8_gemm`:
+``torch._int_mm`` with int32 accumulation where it is a real int8 GEMM, CUDA or a CPU with
+AVX512-VNNI; an fp32 GEMM of the codes on other CPUs, where ``torch._int_mm`` is a scalar loop);
+the weight gradient is a float GEMM of the dequantized input and the full-precision output
+gradient, as gradient bifurcation requires.
 
 Affine operands, exactly. An operand holds int8 codes ``c = q - 2**(bits-1)`` of the SPEC-4 codes
 ``q`` with ``value = c * scale + offset``, ``offset = lo + 2**(bits-1) * scale`` (the shift to
@@ -10,9 +12,10 @@ signed range is folded into the offset). For ``A (M, K)`` and ``B (K, N)``::
 
     A^ @ B^ = s_a s_b (C_a @ C_b) + s_a o_b rowsum(C_a) 1^T + o_a s_b 1 colsum(C_b) + K o_a o_b
 
-The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``); the correction
-terms are cheap vectors, so the result equals the simulated kernel's float GEMM of the same
-dequantized operands up to fp32 rounding (no symmetric-scale approximation).
+The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``), and in an fp32
+GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap
+vectors, so the result equals the simulated kernel's float GEMM of the same dequantized operands
+up to fp32 rounding (no symmetric-scale approximation).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from ..functional import quantize_fused
 from ..gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
 from .base import Kernel
+from .simulated import dequantize_codes
 
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, K and N multiples of 8
 CUDA_MULTIPLE = 8
@@ -45,7 +49,7 @@ class Int8Operand(NamedTuple):
     last_dim_sums: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return torch.mul(self.codes, self.scale).add_(self.offset)
+        return dequantize_codes(self.codes, self.scale, self.offset)
 
     def rows(self) -> "Int8Operand":
         """As a matrix ``(M, K)`` over the last dim, contiguous; scale/offset/sums 0-d or ``(M, 1)``."""
@@ -56,47 +60,86 @@ class Int8Operand(NamedTuple):
         return Int8Operand(self.codes.reshape(-1, k).contiguous(), scale, offset, sums)
 
 
+# An fp32 GEMM of int8 codes is exact while every partial sum is an integer of at most 2**24:
+# |c_a c_b| <= 128 * 128 = 2**14 per product, so up to 2**10 products in any order
+FLOAT_EXACT_MAX_K = 2**24 // 128**2
+INT_MM_CPU_FLAG = "avx512_vnni"
+INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"  # int8_gemm_path's answers
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where unknown)."""
+    if not sys.platform.startswith("linux"):
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def cpu_has_int8_dot() -> bool:
+    """Whether ``torch._int_mm`` runs a real int8 GEMM on this CPU: PyTorch's CPU ``_int_mm`` calls
+    oneDNN only when the CPU has AVX512-VNNI (AMX CPUs have it too) and oneDNN is enabled
+    (``torch.backends.mkldnn``); everywhere else (AVX2, AVX-VNNI without AVX-512, ARM) it runs a
+    scalar triple loop, 10-60x slower than an fp32 GEMM (``aten/src/ATen/native/LinearAlgebra.cpp``,
+    ``_int_mm_out_cpu``). Where this is False, :func:`int8_gemm` takes fp32 GEMMs of the codes instead."""
+    return (INT_MM_CPU_FLAG in _cpu_flags() and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled)
+
+
 def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
-    """`b` ``(K, N)`` in a layout ``torch._int_mm`` computes correctly: contiguous, or on the CPU
-    also the transpose of a contiguous ``(N, K)`` tensor (oneDNN's preferred layout, checked exact
-    in tests). Other strides are copied (strided operands have given wrong results)."""
-    if b.is_contiguous() or (b.device.type == "cpu" and b.T.is_contiguous()):
-        return b
-    return b.contiguous()
+    """`b` ``(K, N)`` in the layout ``torch._int_mm`` takes: on the CPU the transpose of a
+    contiguous ``(N, K)`` tensor (oneDNN's preferred layout, the one a Linear's ``W.T`` has;
+    checked exact in tests), on CUDA contiguous. Other strides are copied (strided operands have
+    given wrong results)."""
+    if b.device.type == "cpu":
+        return b if b.T.is_contiguous() else b.T.contiguous().T
+    return b if b.is_contiguous() else b.contiguous()
+
+
+def int8_gemm_path(device: torch.device) -> str:
+    """How :func:`int8_gemm` multiplies on `device`: ``"torch._int_mm"`` (a real int8 GEMM: CUDA, or
+    a CPU where :func:`cpu_has_int8_dot`) or ``"fp32 GEMM of the codes"`` (other CPUs)."""
+    if torch.device(device).type == "cpu" and not cpu_has_int8_dot():
+        return FLOAT_PATH
+    return INT_MM_PATH
+
+
+def int8_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The integer product ``a @ b`` of int8 `a` ``(M, K)`` (contiguous) and `b` ``(K, N)`` (any
+    strides), ``(M, N)``.
+
+    ``torch._int_mm`` (int32, exact) on CUDA and on CPUs where it is a real int8 GEMM
+    (:func:`cpu_has_int8_dot`; :func:`int8_gemm_path` says which). On other CPUs one fp32 GEMM
+    of the codes (the BLAS's fast path): exact for ``K <= FLOAT_EXACT_MAX_K`` (1,024: every
+    partial sum is an integer below 2**24), beyond that rounded like any fp32 GEMM's partial sums
+    (fp32 result).
+    """
+    if int8_gemm_path(a.device) == FLOAT_PATH:
+        return a.float() @ b.float()
+    m = a.shape[0]
+    if a.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
+        a = F.pad(a, (0, 0, 0, CUDA_MIN_ROWS - m))
+    return torch._int_mm(a, _int_mm_operand(b))[:m]
 
 
 def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
     from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    int8 x int8 -> int32 GEMM and the exact zero-point terms. `b_colsum`: `b`'s codes summed over
-    dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
-    a_codes, b_codes = a.codes, _int_mm_operand(b.codes)
-    m, k = a_codes.shape
-    if a_codes.is_cuda and m < CUDA_MIN_ROWS:  # zero rows are exact and dropped below
-        a_codes = F.pad(a_codes, (0, 0, 0, CUDA_MIN_ROWS - m))
-    acc = torch._int_mm(a_codes, b_codes)[:m]
+    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms. `b_colsum`: `b`'s
+    codes summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
+    k = a.codes.shape[1]
+    acc = int8_gemm(a.codes, b.codes)
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
-    colsum = b_colsum if b_colsum is not None else b_codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
+    colsum = b_colsum if b_colsum is not None else b.codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
     row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
     col_term = a.offset * (b.scale * colsum)  # (1, N), or (M, N) with per-row offsets
     if bias is not None:
         col_term = col_term + bias
-    return torch.mul(acc, a.scale * b.scale).add_(row_term).add_(col_term)
-
-
-@functools.cache
-def cpu_has_int8_dot() -> bool:
-    """Whether the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
-    make ``torch._int_mm`` fast on the CPU (Linux ``/proc/cpuinfo``; False where unknown)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+    return torch.addcmul(col_term, acc, a.scale * b.scale).add_(row_term)
 
 
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
@@ -125,8 +168,9 @@ def conv_valid_taps(gemm: Conv2dGemm, input_hw: tuple[int, int], kernel_size: tu
 
 
 class Int8Kernel(Kernel):
-    """``torch._int_mm`` for the forward and layer-gradient GEMMs of Linear, Conv1D and Conv2d
-    (``groups=1``) layers; the weight gradient is the float GEMM of the dequantized input.
+    """Integer GEMMs of the int8 codes (:func:`int8_gemm`) for the forward and layer-gradient
+    GEMMs of Linear, Conv1D and Conv2d (``groups=1``) layers; the weight gradient is the float
+    GEMM of the dequantized input.
 
     Conv2d as a GEMM over im2col patches of the int8 input codes, ``(N Ho Wo, C kh kw) @ (C kh kw,
     Cout)``. Zero padding is an exact 0, which no affine code represents: padded taps hold code 0
@@ -170,10 +214,8 @@ class Int8Kernel(Kernel):
     def grad_input(self, gemm: Gemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
         if isinstance(gemm, Conv2dGemm):
             return self._conv_grad_input(gemm, g_q, w_q, input_shape)
-        if isinstance(gemm, LinearGemm):  # B = W (out, in); on the CPU as the transpose of a contiguous
-            w, colsum = w_q.codes, None  # (in, out) copy, _int_mm's fast layout (CUDA takes W as it is)
-            if w.device.type == "cpu":
-                w = w.T.contiguous().T
+        if isinstance(gemm, LinearGemm):  # B = W (out, in)
+            w, colsum = w_q.codes, None
         else:  # Conv1D: B = W.T (out, in), its column sums are W's row sums
             w, colsum = w_q.codes.T, w_q.last_dim_sums.reshape(1, -1)
         return affine_int8_matmul(g_q.rows(), Int8Operand(w, w_q.scale, w_q.offset), colsum).reshape(input_shape)

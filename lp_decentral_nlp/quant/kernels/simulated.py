@@ -9,6 +9,17 @@ from ..functional import dequantize_uint8, quantize_uint8
 from .base import Kernel
 
 
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """``codes * scale + lo`` in fp32 (shape of `codes`; uint8 or int8 codes, `scale` and `lo`
+    0-d or one per sample): one compiled pass on the CPU where ``fused.dequantize_rows`` takes the
+    operands, torch's multiply and add elsewhere; the same two fp32 roundings, so the same bits."""
+    from .. import fused  # numba, imported on the first call
+
+    if fused.dequantizable(codes, scale, lo):
+        return fused.dequantize_rows(codes, scale, lo)
+    return dequantize_uint8(codes, scale, lo)
+
+
 class SimulatedOperand(NamedTuple):
     """A tensor on its affine grid: ``value = codes * scale + lo``.
 
@@ -24,7 +35,7 @@ class SimulatedOperand(NamedTuple):
     value: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return self.value if self.value is not None else dequantize_uint8(self.codes, self.scale, self.lo)
+        return self.value if self.value is not None else dequantize_codes(self.codes, self.scale, self.lo)
 
 
 class SimulatedKernel(Kernel):
