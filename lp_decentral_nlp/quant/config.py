@@ -32,8 +32,8 @@ class QuantConfig:
             is a dot-separated suffix of it, or fully matches it as a regular expression.
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
-        kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where the device has
-            int8 dot-product hardware and the layer is wide enough, simulated elsewhere, see
+        kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where ``torch._int_mm`` is
+            a real int8 GEMM (CUDA, or a CPU with AVX512-VNNI) and the layer is wide enough, simulated elsewhere, see
             ``kernels.resolve_kernel``; the two compute the same products up to fp32 rounding),
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another
