@@ -11,6 +11,7 @@ arguments and the cost command line both describe their run with a :class:`Gossi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..checks import check_choice, check_field

@@ -1,5 +1,6 @@
 """DecentralizedTrainingArguments: `TrainingArguments` plus the decentralized setting (SPEC 1-2, 6, 8),
-with every check of its fields in one place."""
+with every check of its fields in one place (numeric ranges: :data:`lp_decentral_nlp.checks.NUMBER_FIELDS`,
+the checks the recipes' flags make too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
