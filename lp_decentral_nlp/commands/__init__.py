@@ -23,9 +23,9 @@ _EXPORTS = {
                      "ranged"), ".flags"),
     "RecipeParser": ".recipe_parser",
     "recipe_main": ".entry",
-    **dict.fromkeys(("DEFAULT_MODEL", "NLPArguments", "build_nlp_parser", "main", "resolve_model", "run_nlp"), ".nlp"),
-    **dict.fromkeys(("RunArguments", "finished_results", "packaged_model_path", "run_config", "train_and_report"),
-                    ".run"),
+    **dict.fromkeys(("NLPArguments", "build_nlp_parser", "main", "resolve_model", "run_nlp"), ".nlp"),
+    **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "finished_results", "packaged_model_path", "run_config",
+                     "train_and_report"), ".run"),
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("entry", "flag_table", "flags", "nlp",

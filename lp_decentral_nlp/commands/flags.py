@@ -3,7 +3,7 @@ and the flag check that runs before torch is imported. Imports only the standard
 
 The command line is a :class:`~lp_decentral_nlp.commands.recipe_parser.RecipeParser` (an
 ``HfArgumentParser`` over :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments` and a
-recipe's own small dataclass). Checking is done once: every flag's value goes through a
+recipe's own small dataclass). Every check is defined once: every flag's value goes through a
 :class:`FlagType`, which parses it (a number that is not a number, NaN/inf, an integer written as a
 float, a boolean) and applies the field's range (:data:`lp_decentral_nlp.checks.NUMBER_FIELDS`) and
 allowed values, the checks the dataclasses make on construction; the dataclasses' other checks

