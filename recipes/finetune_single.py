@@ -18,20 +18,7 @@ import pathlib
 import sys
 import time
 
-import numpy as np
-import torch
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    Trainer,
-    TrainingArguments,
-    set_seed,
-)
-
-from lp_decentral_nlp import QuantConfig, quantize_model
-from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged, resolve_model
-from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
+from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged
 
 
 def parse_args(argv=None):
@@ -53,7 +40,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before the heavy imports: a bad flag is answered at once
+    import numpy as np
+    import torch
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainingArguments, set_seed)
+
+    from lp_decentral_nlp import QuantConfig, quantize_model
+    from lp_decentral_nlp.commands import resolve_model
+    from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
+
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -7,7 +7,7 @@
 `--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
 in --output-dir (results.json, cost_report.json, metrics.csv, model/).
 """
-from lp_decentral_nlp.commands import main
+from lp_decentral_nlp.commands import recipe_main
 
 if __name__ == "__main__":
-    main(task="sentlen", algorithm="deepsqueeze")
+    recipe_main("nlp", "deepsqueeze", task="sentlen")

@@ -8,7 +8,7 @@
 `--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
 in --output-dir (results.json, cost_report.json, metrics.csv, model/).
 """
-from lp_decentral_nlp.vision.recipe import main
+from lp_decentral_nlp.commands import recipe_main
 
 if __name__ == "__main__":
-    main(algorithm="choco")
+    recipe_main("vision", "choco")

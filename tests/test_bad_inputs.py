@@ -101,14 +101,14 @@ ENOUGH_ROWS = ("training rows cannot give each of 4 nodes one batch of 16: at le
 # run folder; 24-34: the library (DecentralizedTrainingArguments / DecentralizedTrainer).
 ROWS = {
     1: cli(["--nodes", "0"], "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
-    2: cli(["--skew", "1.5"], "argument --skew: skew must be a number >= 0 and <= 1, got 1.5"),
+    2: cli(["--skew", "1.5"], "argument --skew: skew must be a number in [0, 1], got 1.5"),
     3: cli(["--comp", "100"],
-           "argument --comp: compression must be a percentage with 0 <= compression < 100, got 100.0"),
+           "argument --comp: compression must be a percentage in [0, 100), got 100.0"),
     4: cli(["--topology", "star"], "argument --topology: topology must be one of ('directed_ring', 'ring', 'torus', "
                                    "'exponential', 'complete'), got 'star'"),
-    5: cli(["--lr", "abc"], "argument --lr/--learning_rate/--learning-rate: expected a number, got 'abc'"),
+    5: cli(["--lr", "abc"], "argument --lr: expected a number, got 'abc'"),
     6: cli(["--data-dir", "/no/such/dir"], "argument --data-dir: data_dir: path '/no/such/dir' does not exist"),
-    7: cli(["--seed", "-1"], "argument --seed: must be in [0, 4294967295], got -1"),
+    7: cli(["--seed", "-1"], "argument --seed: seed must be an integer in [0, 4294967295], got -1"),
     8: cli(["--drop-prob", "1"], "argument --drop-prob: drop_prob must be a probability in [0, 1), got 1.0"),
     9: cli(["--straggler", "2"], "argument --straggler: stragglers: expected NODE:SECONDS (e.g. 2:0.5), got '2'"),
     10: cli(["--straggler", "7:0.5"], "argument --straggler: stragglers: node 7 does not exist (nodes are 0..3)",
@@ -169,7 +169,7 @@ ROWS = {
     33: Row("resume into a different model", "ValueError at `train()`",
             "DIR/checkpoint-2/node-0.safetensors does not fit this model: ...size mismatch for "
             "distilbert.embeddings.word_embeddings.weight..."),
-    34: Row("`gossip_timeout=0`", "ValueError", "gossip_timeout must be a positive number of seconds, got 0"),
+    34: Row("`gossip_timeout=0`", "ValueError", "gossip_timeout must be a number of seconds > 0, got 0"),
     35: Row("`--data-dir` an empty file", "exit 2", "argument --data-dir: DIR/data.csv: the file is empty"),
     36: Row("`--data-dir` a CSV with a header line only", "exit 2",
             "argument --data-dir: DIR/data.csv: has a header line but no data rows"),

@@ -89,7 +89,7 @@ def test_cli_hf_model(capsys, minilm_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--compression", "100"], "argument --compression: compression must be a percentage with 0 <= compression < 100"),
+    [(["--compression", "100"], "argument --compression: compression must be a percentage in [0, 100)"),
      (["--train-samples", "2"], "--train-samples (2) must be at least --num-nodes (4)"),
      (["--convention", "table10"], "argument --convention: invalid choice: 'table10'")],
 )

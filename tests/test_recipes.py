@@ -62,12 +62,12 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--skew", "1.5", "argument --skew: skew must be a number >= 0 and <= 1, got 1.5"),
-    ("--comp", "100", "argument --comp: compression must be a percentage with 0 <= compression < 100, got 100.0"),
+    ("--skew", "1.5", "argument --skew: skew must be a number in [0, 1], got 1.5"),
+    ("--comp", "100", "argument --comp: compression must be a percentage in [0, 100), got 100.0"),
     ("--nodes", "0", "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
     ("--data-dir", "/no/such/dir", "argument --data-dir: data_dir: path '/no/such/dir' does not exist"),
     ("--topology", "star", "argument --topology: topology must be one of"),
-    ("--lr", "abc", "argument --lr/--learning_rate/--learning-rate: expected a number, got 'abc'"),
+    ("--lr", "abc", "argument --lr: expected a number, got 'abc'"),
 ])
 def test_bad_flags_exit_with_one_line(flag, value, expected, capsys):
     parser = build_nlp_parser("ag_news", "choco")
@@ -82,7 +82,7 @@ def test_bad_flag_in_a_real_process_has_no_traceback():
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"), "--skew", "1.5"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["agnews_choco.py: error: argument --skew: skew must be a number >= 0 and <= 1, got 1.5"]
+    assert proc.stderr.strip().splitlines() == ["agnews_choco.py: error: argument --skew: skew must be a number in [0, 1], got 1.5"]
 
 
 def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):

@@ -1,20 +1,32 @@
 """The command lines: the recipes' shared flags and run contract, and the NLP and vision recipes.
 
-* :mod:`.flags` -- :class:`RecipeParser` (``HfArgumentParser`` with short aliases, strict numbers
-  and one-line errors), :data:`ALIASES`, :func:`ranged`, :func:`existing_path`.
+* :mod:`.flags` -- :data:`ALIASES`, the flag types (:class:`FlagType`, :func:`ranged`,
+  :func:`existing_path` ...), one-line errors, and :func:`check_flags`, the flag check made
+  before torch is imported (from the generated :mod:`.flag_table`).
+* :mod:`.recipe_parser` -- :class:`RecipeParser` (``HfArgumentParser`` with short aliases, the
+  fields' checks as flag types, one-line errors), which generates the flag table.
+* :mod:`.entry` -- :func:`recipe_main`, what the recipe scripts run: the flag check, then the run.
 * :mod:`.run` -- checks made before a run (launcher, output folder, model folder, memory), the
   thread default and the results contract (``results.json``, ``cost_report.json``).
 * :mod:`.nlp` -- the NLP recipes (``main(task, algorithm)``).
 
 The vision recipes' command line is :mod:`lp_decentral_nlp.vision.recipe`; the cost command line
-``python -m lp_decentral_nlp.cost``.
+``python -m lp_decentral_nlp.cost``. Lazy (:mod:`lp_decentral_nlp.utils.lazy`): importing the
+package imports neither torch nor transformers.
 """
-from .flags import (ALIASES, TRAINING_RANGES, OneLineErrors, OneLineParser, ParsedFlags, Range, RecipeParser,
-                    add_default_malloc_flag, existing_path, finite_float, integer, ranged)
-from .nlp import DEFAULT_MODEL, NLPArguments, build_nlp_parser, main, resolve_model, run_nlp
-from .run import RunArguments, finished_results, packaged_model_path, run_config, train_and_report
+from ..utils.lazy import lazy_namespace
 
-__all__ = ["ALIASES", "TRAINING_RANGES", "OneLineErrors", "OneLineParser", "ParsedFlags", "Range", "RecipeParser",
-           "add_default_malloc_flag", "existing_path", "finite_float", "integer", "ranged", "DEFAULT_MODEL",
-           "NLPArguments", "build_nlp_parser", "main", "resolve_model", "run_nlp", "RunArguments",
-           "finished_results", "packaged_model_path", "run_config", "train_and_report"]
+# public name -> the submodule that defines it
+_EXPORTS = {
+    **dict.fromkeys(("ALIASES", "FlagType", "OneLineErrors", "OneLineParser", "ParsedFlags", "Range",
+                     "add_default_malloc_flag", "boolean", "check_flags", "existing_path", "finite_float", "integer",
+                     "ranged"), ".flags"),
+    "RecipeParser": ".recipe_parser",
+    "recipe_main": ".entry",
+    **dict.fromkeys(("NLPArguments", "build_nlp_parser", "main", "resolve_model", "run_nlp"), ".nlp"),
+    **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "finished_results", "packaged_model_path", "run_config",
+                     "train_and_report"), ".run"),
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("entry", "flag_table", "flags", "nlp",
+                                                                        "recipe_parser", "run"))

@@ -1,12 +1,18 @@
-"""The recipes' flags: every ``TrainingArguments`` flag in the transformers spelling, plus short aliases.
+"""The recipes' flags: every ``TrainingArguments`` flag in the transformers spelling, plus short aliases,
+and the flag check that runs before torch is imported. Imports only the standard library.
 
-The command line is a :class:`transformers.HfArgumentParser` over
-:class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments` and a recipe's own small
-dataclass (model, data, ...). Checking is done once, by the dataclasses: the parser builds them
-and turns their ``ValueError``/``TypeError`` into the one-line flag error. The parser itself adds
-only what a dataclass cannot see: a number that is not a number, NaN/inf, an integer written as
-a float, and the ranges of the ``TrainingArguments`` fields transformers does not check
-(:data:`TRAINING_RANGES`).
+The command line is a :class:`~lp_decentral_nlp.commands.recipe_parser.RecipeParser` (an
+``HfArgumentParser`` over :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments` and a
+recipe's own small dataclass). Every check is defined once: every flag's value goes through a
+:class:`FlagType`, which parses it (a number that is not a number, NaN/inf, an integer written as a
+float, a boolean) and applies the field's range (:data:`lp_decentral_nlp.checks.NUMBER_FIELDS`) and
+allowed values, the checks the dataclasses make on construction; the dataclasses' other checks
+(combinations, files) are turned into the same one-line flag error by the parser.
+
+:func:`check_flags` runs those flag types over a table of every flag of the recipes
+(:mod:`.flag_table`, generated from the live parsers by :func:`.recipe_parser.render_flag_table`;
+a test keeps it equal to them), so a bad flag, or ``--help``, is answered in a fraction of a
+second; the recipes then build the real parser, which stays the source of truth.
 
 Adding an alias is one line in :data:`ALIASES`.
 """
@@ -15,11 +21,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import re
+import sys
 from typing import NamedTuple
 
-from transformers import HfArgumentParser
-from transformers.hf_argparser import string_to_bool
+from ..checks import NUMBER_FIELDS, check_choice, check_field
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
 # ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True. An
@@ -39,6 +44,9 @@ ALIASES = {
     "--shard-column": "shard_column",
 }
 
+#: the recipes' usage line
+RECIPE_USAGE = "%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)"
+
 
 class Range(NamedTuple):
     """Allowed values ``low .. high`` (None: unbounded); ``*_open``: the bound itself is excluded."""
@@ -56,30 +64,6 @@ class Range(NamedTuple):
         above = value > self.low or (value == self.low and not self.low_open)
         below = self.high is None or value < self.high or (value == self.high and not self.high_open)
         return above and below
-
-
-# Numeric TrainingArguments fields that transformers accepts with any value; the fields of
-# DecentralizedTrainingArguments and of the recipes' dataclasses check themselves.
-TRAINING_RANGES = {
-    "learning_rate": Range(0, None, low_open=True),
-    "num_train_epochs": Range(0, None, low_open=True),
-    "per_device_train_batch_size": Range(1),
-    "per_device_eval_batch_size": Range(1),
-    "gradient_accumulation_steps": Range(1),
-    "weight_decay": Range(0),
-    "adam_beta1": Range(0, 1, high_open=True),
-    "adam_beta2": Range(0, 1, high_open=True),
-    "adam_epsilon": Range(0, None, low_open=True),
-    "max_steps": Range(-1),
-    "logging_steps": Range(0, None, low_open=True),
-    "eval_steps": Range(0, None, low_open=True),
-    "save_steps": Range(0, None, low_open=True),
-    "save_total_limit": Range(1),
-    "seed": Range(0, 2**32 - 1),
-    "data_seed": Range(0, 2**32 - 1),
-    "dataloader_num_workers": Range(0),
-    "warmup_ratio": Range(0, 1),
-}
 
 
 def integer(text: str) -> int:
@@ -122,43 +106,81 @@ def existing_path(text: str) -> str:
     return text
 
 
+def boolean(text: str) -> bool:
+    """argparse type: a boolean written yes/no, true/false, t/f, y/n or 1/0 (any case)."""
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if text.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false, yes/no, 1/0), got {text!r}")
+
+
+#: how a flag's text is parsed, by kind (the kinds :class:`FlagType` and the flag table know)
+FLAG_KINDS = {"integer": integer, "finite_float": finite_float, "boolean": boolean, "str": str, "dict": dict}
+
+
+class FlagType:
+    """argparse type of a recipe flag: the text parsed as ``kind`` (:data:`FLAG_KINDS`; ``"choice"``:
+    one of ``choices``, given as text), then the checks of field ``dest``: its range in
+    :data:`~lp_decentral_nlp.checks.NUMBER_FIELDS` and, with ``allowed``, its allowed values -- the
+    checks (and messages) of the dataclass that holds the field."""
+
+    def __init__(self, kind: str, dest: str, allowed=None, choices=None):
+        if kind == "choice":
+            by_text = {str(choice): choice for choice in choices}
+            self.parse = lambda text: by_text.get(text, text)  # argparse then checks the choices
+        elif kind in FLAG_KINDS:
+            self.parse = FLAG_KINDS[kind]
+        else:
+            raise ValueError(f"kind must be one of {(*FLAG_KINDS, 'choice')}, got {kind!r}")
+        self.kind, self.dest = kind, dest
+        self.allowed = None if allowed is None else tuple(allowed)
+        self.__name__ = getattr(self.parse, "__name__", kind)  # argparse's "invalid <name> value" message
+
+    def __call__(self, text):
+        value = self.parse(text)
+        try:
+            if self.kind in ("integer", "finite_float") and self.dest in NUMBER_FIELDS:
+                check_field(self.dest, value)
+            if self.allowed is not None:
+                check_choice(self.dest, value, self.allowed)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+
 class OneLineErrors:
     """Mixin for argparse parsers: a bad flag is one line ``<prog>: error: <message>`` on stderr,
-    exit status 2 (no usage dump, no traceback)."""
+    exit status 2 (no usage dump, no traceback). A bad value is told behind the spelling of the flag
+    the user wrote (``argument --lr: ...``, not every alias of it)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("exit_on_error", False)  # parse_known_args below reports the error
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        try:
+            return super().parse_known_args(args, namespace)
+        except argparse.ArgumentError as err:  # its argument_name is "/".join(the action's option_strings)
+            action = next((a for a in self._actions
+                           if a.option_strings and "/".join(a.option_strings) == err.argument_name), None)
+            self.error(str(err) if action is None else f"argument {option_used(action, args)}: {err.message}")
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def option_used(action: argparse.Action, argv) -> str:
+    """The option of ``action`` that ``argv`` uses (``--lr`` or ``--lr=...``), else its first one."""
+    used = [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
+    return (used or action.option_strings or [action.dest])[0]
+
+
 class OneLineParser(OneLineErrors, argparse.ArgumentParser):
     """A plain ``argparse.ArgumentParser`` reporting bad flags as one line (:class:`OneLineErrors`)."""
-
-
-class _FieldAdder:
-    """What :class:`RecipeParser` hands to ``HfArgumentParser._parse_dataclass_field`` instead of
-    the parser: adds the field's option with its aliases, strict number types and ranges, repeatable
-    list flags (``--straggler a --straggler b``), and leaves out the fields the recipe fixes."""
-
-    def __init__(self, target, ranges: dict, fixed: dict):
-        self.target, self.ranges, self.fixed = target, ranges, fixed
-
-    def add_argument(self, *option_strings, **kwargs):
-        dest = kwargs.setdefault("dest", option_strings[0].lstrip("-"))
-        if dest in self.fixed:
-            return None
-        names = {s.lstrip("-") for s in option_strings}
-        aliases = [alias for alias, target in ALIASES.items() if target in names]
-        kind = kwargs.get("type")
-        if kind in (int, float):
-            kwargs["type"] = ranged(kind, self.ranges[dest]) if dest in self.ranges else (
-                integer if kind is int else finite_float)
-        if kind is string_to_bool and "nargs" not in kwargs:  # an Optional[bool] field: the flag alone means True
-            kwargs.update(nargs="?", const=True)
-        if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
-            kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
-        if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
-            kwargs.update(nargs="*", action="extend")
-        return self.target.add_argument(*aliases, *(s for s in option_strings if s not in aliases), **kwargs)
 
 
 class ParsedFlags(NamedTuple):
@@ -178,95 +200,45 @@ class ParsedFlags(NamedTuple):
         return ParsedFlags(*built, self.extras, values)
 
 
-class RecipeParser(OneLineErrors, HfArgumentParser):
-    """``HfArgumentParser`` over the recipe's dataclasses with the short :data:`ALIASES`,
-    :data:`TRAINING_RANGES`, one-line errors and the dataclasses' own checks reported as flag errors.
+def check_flags(family: str, argv=None, *, fixed=(), description: str | None = None, prog: str | None = None):
+    """Check a recipe's command line against the flag table, without importing torch or transformers.
+
+    A bad flag exits as the recipe's parser would (one line ``<prog>: error: <message>``, status 2);
+    ``--help`` prints the recipe's help and exits (status 0). Returns the parsed flags (only those
+    given) when they pass; the caller then runs the real parser, which also makes the checks that
+    need the libraries (combinations of flags, files, the launcher).
 
     Args:
-        training_class: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`.
-        recipe_class: the recipe's own dataclass (e.g. :class:`~lp_decentral_nlp.commands.nlp.NLPArguments`).
-        defaults: the recipe's defaults (shown by ``--help``), by field name.
-        fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
-        derive: ``derive(values)`` completes the values of the flags (by field name) before the
-            dataclasses are built, e.g. an output folder named after the run.
-        value_checks: ``check(parser, values)`` run on the flag values before the dataclasses are
-            built (building ``TrainingArguments`` under a launcher joins its process group).
-        checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
+        family: ``"nlp"`` or ``"vision"`` (:data:`.flag_table.FLAG_TABLES`).
+        argv: the arguments (default ``sys.argv[1:]``).
+        fixed: fields the recipe sets, which are not flags (e.g. ``("algorithm", "task")``).
+        description: the recipe's description, shown by ``--help``.
+        prog: the program name (default: argparse's, the script's file name).
     """
+    from .flag_table import FLAG_TABLES
 
-    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, value_checks=(),
-                 checks=(), **kwargs):
-        self._fixed = dict(fixed or {})
-        self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
-        self._groups = None
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        kwargs.setdefault("usage", "%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)")
-        kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
-        super().__init__((training_class, recipe_class), **kwargs)
-        self.set_defaults(**(defaults or {}))
-        self._derive, self._value_checks, self._checks = derive, list(value_checks), list(checks)
-        #: the command line being parsed (set by :meth:`parse`)
-        self.argv: list[str] = []
+    if family not in FLAG_TABLES:
+        raise ValueError(f"family must be one of {tuple(FLAG_TABLES)}, got {family!r}")
+    table = FLAG_TABLES[family]
+    parser = OneLineParser(prog=prog, usage=table["usage"], description=description, allow_abbrev=False)
+    groups = {title: parser.add_argument_group(title) for title in table["groups"]}
+    for flag in table["flags"]:
+        if flag["dest"] in fixed:
+            continue
+        kwargs = {key: flag[key] for key in ("dest", "help", "action", "nargs", "const", "choices", "metavar",
+                                              "required") if key in flag}
+        if "type" in flag:
+            kwargs["type"] = FlagType(flag["type"], flag["dest"], flag.get("allowed"), flag.get("choices"))
+        groups[flag["group"]].add_argument(*flag["options"], default=argparse.SUPPRESS, **kwargs)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
-        """Add one field's options, in the help's group: decentralized setting, recipe, or transformers'."""
-        from transformers import TrainingArguments
 
-        if self._groups is None:  # created in the order --help lists them
-            self._groups = {"decentralized": self.add_argument_group("decentralized setting (SPEC 1-3, 6)"),
-                            "recipe": self.add_argument_group("model, data and run"),
-                            "transformers": self.add_argument_group("transformers TrainingArguments")}
-        kind = ("recipe" if field.name in self._recipe_fields else "transformers"
-                if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
-        HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], TRAINING_RANGES, self._fixed), field)
+def __getattr__(name: str):
+    if name == "RecipeParser":  # needs transformers: imported on first use
+        from .recipe_parser import RecipeParser
 
-    def add_check(self, check) -> None:
-        """Run ``check(parser, parsed)`` after every :meth:`parse`."""
-        self._checks.append(check)
-
-    def flag_of(self, name: str, argv=None) -> str:
-        """The flag of field ``name`` as the user wrote it in ``argv`` (default: the command line being
-        parsed), else its first spelling."""
-        argv = self.argv if argv is None else argv
-        for action in self._actions:
-            if action.dest == name and action.option_strings:
-                used = [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
-                return (used or action.option_strings)[0]
-        return name
-
-    def parse(self, argv=None) -> ParsedFlags:
-        """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""
-        import sys
-
-        argv = list(sys.argv[1:] if argv is None else argv)
-        self.argv = argv
-        namespace = self.parse_args(argv)
-        values = {**vars(namespace), **self._fixed}
-        if self._derive is not None:
-            self._derive(values)
-        for check in self._value_checks:
-            check(self, values)
-        instances, used = [], set()
-        for dtype in self.dataclass_types:
-            names = {f.name for f in dataclasses.fields(dtype) if f.init}
-            used |= names
-            try:
-                instances.append(dtype(**{k: v for k, v in values.items() if k in names}))
-            except (ValueError, TypeError) as err:
-                self.error(self._flag_message(str(err), argv))
-        extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
-        parsed = ParsedFlags(*instances, extras, values)
-        for check in self._checks:
-            check(self, parsed)
-        return parsed
-
-    def _flag_message(self, message: str, argv) -> str:
-        """A dataclass's message prefixed with the flag of the field it starts with."""
-        first = re.match(r"\w+", message)
-        dests = {a.dest for a in self._actions if a.option_strings}
-        if first and first.group(0) in dests:
-            return f"argument {self.flag_of(first.group(0), argv)}: {message}"
-        return message
+        return RecipeParser
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_default_malloc_flag(parser) -> None:

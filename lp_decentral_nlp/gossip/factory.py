@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..checks import check_choice, check_field
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
 from .push_sum import PushSumGossip
@@ -23,25 +24,7 @@ from .faults import FaultPlan
 from .topology import TOPOLOGIES, Topology, make_topology
 
 ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
-#: more nodes than any graph here is meant for (the mixing matrices are dense n x n)
-MAX_NODES = 65536
 COMPRESSORS = ("topk", "randomk", "qsgd")
-
-
-def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-
-
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -78,25 +61,19 @@ class GossipConfig:
     faults: FaultPlan | None = None
 
     def __post_init__(self):
-        _check_int("num_nodes", self.num_nodes, 1, MAX_NODES)
-        _check_choice("topology", self.topology, TOPOLOGIES)
-        _check_choice("algorithm", self.algorithm, ALGORITHMS)
-        _check_choice("compressor", self.compressor, COMPRESSORS)
-        _check_number("compression", self.compression)
-        if not 0.0 <= self.compression < 100.0:
-            raise ValueError(f"compression must be a percentage with 0 <= compression < 100, got {self.compression!r}")
+        check_field("num_nodes", self.num_nodes)
+        check_choice("topology", self.topology, TOPOLOGIES)
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        check_choice("compressor", self.compressor, COMPRESSORS)
+        check_field("compression", self.compression)
         if self.algorithm == "dpsgd" and self.compression > 0:
             raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
-        _check_int("qsgd_levels", self.qsgd_levels, 1, 127)
-        if self.consensus_lr is not None:
-            _check_number("consensus_lr", self.consensus_lr)
-            if not 0.0 < self.consensus_lr <= 1.0:
-                raise ValueError(f"consensus_lr must be in (0, 1], got {self.consensus_lr!r}")
-        if self.torus_rows is not None:
-            _check_int("torus_rows", self.torus_rows, 1, MAX_NODES)
-            if self.topology != "torus" or self.num_nodes % self.torus_rows:
-                raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
-                                 f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
+        check_field("qsgd_levels", self.qsgd_levels)
+        check_field("consensus_lr", self.consensus_lr)
+        check_field("torus_rows", self.torus_rows)
+        if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):
+            raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
+                             f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
         if self.topology == "exponential" and (self.algorithm == "choco"
                                                or (self.algorithm == "dpsgd" and self.low_precision)):
             uses = ("algorithm='choco'" if self.algorithm == "choco"
@@ -160,7 +137,7 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str) -> float
     Returns:
         ``gamma`` in (0, 1].
     """
-    _check_choice("algorithm", algorithm, ALGORITHMS)
+    check_choice("algorithm", algorithm, ALGORITHMS)
     if algorithm == "dpsgd":
         return 1.0
     return min(1.0, CONSENSUS_LR_PER_QUALITY[algorithm] * compression_quality(compressor))

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_field
 from .topology import Topology
 
 # Separates the drop draws from every other use of the run's seed.
@@ -91,9 +92,7 @@ class FaultPlan:
     absences: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
-        p = self.drop_prob
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-            raise ValueError(f"drop_prob must be a probability in [0, 1), got {p!r}")
+        check_field("drop_prob", self.drop_prob)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a nonnegative int, got {self.seed!r}")
         object.__setattr__(self, "stragglers", tuple((int(n), float(s)) for n, s in self.stragglers))

@@ -1,53 +1,37 @@
-"""8-bit training (SPEC section 4): quantized layers with gradient bifurcation and the model surgery."""
-from .config import DEFAULT_SKIP, QuantConfig
-from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
-from .export import dequantize_int8_state_dict, export_int8_state_dict, state_dict_nbytes
-from .kernels import KERNELS, Kernel, register_kernel
-from .layers import (
-    QuantConv1D,
-    QuantConv2d,
-    QuantEmbedding,
-    QuantGemmFunction,
-    QuantGemmLayer,
-    QuantLinear,
-    QuantModule,
-    kernel_report,
-)
-from .memory import saved_tensor_bytes
-from .surgery import (
-    QUANT_LAYERS,
-    QuantReport,
-    dequantize_model,
-    load_quantized,
-    quantize_model,
-    register_quant_layer,
-)
+"""8-bit training (SPEC section 4): quantized layers with gradient bifurcation and the model surgery.
 
-__all__ = [
-    "DEFAULT_SKIP",
-    "KERNELS",
-    "QUANT_LAYERS",
-    "Kernel",
-    "LpHfQuantizer",
-    "LpQuantizationConfig",
-    "QUANT_METHOD",
-    "QuantConfig",
-    "QuantConv1D",
-    "QuantConv2d",
-    "QuantEmbedding",
-    "QuantGemmFunction",
-    "QuantGemmLayer",
-    "QuantLinear",
-    "QuantModule",
-    "QuantReport",
-    "dequantize_int8_state_dict",
-    "dequantize_model",
-    "export_int8_state_dict",
-    "kernel_report",
-    "load_quantized",
-    "quantize_model",
-    "register_kernel",
-    "register_quant_layer",
-    "saved_tensor_bytes",
-    "state_dict_nbytes",
-]
+Lazy (:mod:`lp_decentral_nlp.utils.lazy`): a name imports its submodule on first use."""
+from ..utils.lazy import lazy_namespace
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "DEFAULT_SKIP": ".config",
+    "KERNELS": ".kernels",
+    "Kernel": ".kernels",
+    "LpHfQuantizer": ".hf_quantizer",
+    "LpQuantizationConfig": ".hf_quantizer",
+    "QUANT_LAYERS": ".surgery",
+    "QUANT_METHOD": ".hf_quantizer",
+    "QuantConfig": ".config",
+    "QuantConv1D": ".layers",
+    "QuantConv2d": ".layers",
+    "QuantEmbedding": ".layers",
+    "QuantGemmFunction": ".layers",
+    "QuantGemmLayer": ".layers",
+    "QuantLinear": ".layers",
+    "QuantModule": ".layers",
+    "QuantReport": ".surgery",
+    "dequantize_int8_state_dict": ".export",
+    "dequantize_model": ".surgery",
+    "export_int8_state_dict": ".export",
+    "kernel_report": ".layers",
+    "load_quantized": ".surgery",
+    "quantize_model": ".surgery",
+    "register_kernel": ".kernels",
+    "register_quant_layer": ".surgery",
+    "saved_tensor_bytes": ".memory",
+    "state_dict_nbytes": ".export",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("config", "export", "functional", "fused", "gemm",
+                                                                            "hf_quantizer", "kernels", "layers", "memory", "surgery"))

@@ -1,19 +1,28 @@
 """DecentralizedTrainingArguments: `TrainingArguments` plus the decentralized setting (SPEC 1-2, 6, 8),
-with every check of its fields in one place."""
+with every check of its fields in one place (numeric ranges: :data:`lp_decentral_nlp.checks.NUMBER_FIELDS`,
+the checks the recipes' flags make too)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 
+from ..checks import check_choice, check_fields
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.faults import FaultPlan, parse_absence, parse_straggler
 from ..quant.kernels import kernel_names
-from .field_policy import check_number, refuse_unsupported
+from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
+# the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
+# GossipConfig, drop_prob by FaultPlan, against the same table)
+NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                   "max_steps", "num_train_epochs", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+                   "adam_epsilon", "max_grad_norm", "label_smoothing_factor", "warmup_steps", "logging_steps",
+                   "save_steps", "eval_steps", "eval_delay", "save_total_limit", "seed", "data_seed",
+                   "dataloader_num_workers", "dataloader_prefetch_factor", "skew", "qgm_beta", "lr_decay",
+                   "gossip_timeout")
 
 
 @dataclass
@@ -90,12 +99,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
-        self._check_numbers()
+        check_fields(self, NUMBER_SETTINGS)
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         check_choice("quant_kernel", self.quant_kernel, kernel_names())
-        if isinstance(self.gossip_timeout, bool) or not isinstance(self.gossip_timeout, (int, float)) \
-                or not 0 < self.gossip_timeout < math.inf:
-            raise ValueError(f"gossip_timeout must be a positive number of seconds, got {self.gossip_timeout!r}")
         if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
             raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
         if (self.activation_checkpointing or self.gradient_checkpointing) and self.low_precision:
@@ -110,37 +116,6 @@ class DecentralizedTrainingArguments(TrainingArguments):
         super().__post_init__()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         refuse_unsupported(self)
-
-    def _check_numbers(self) -> None:
-        """ValueError naming the first numeric field that is not a finite number in its range (the gossip
-        fields are checked by :class:`~lp_decentral_nlp.gossip.factory.GossipConfig`, the fault fields by
-        :class:`~lp_decentral_nlp.gossip.faults.FaultPlan`)."""
-        big = 2**40
-        for name, kw in (
-                ("per_device_train_batch_size", dict(integer=True, low=1, high=2**24)),
-                ("per_device_eval_batch_size", dict(integer=True, low=1, high=2**24)),
-                ("gradient_accumulation_steps", dict(integer=True, low=1, high=2**20)),
-                ("max_steps", dict(integer=True, low=-1, high=big)),
-                ("num_train_epochs", dict(low=0, low_open=True, high=1e6)),
-                ("learning_rate", dict(low=0, low_open=True, high=1e4)),
-                ("weight_decay", dict(low=0, high=1e4)),
-                ("adam_beta1", dict(low=0, high=1, high_open=True)),
-                ("adam_beta2", dict(low=0, high=1, high_open=True)),
-                ("adam_epsilon", dict(low=0, low_open=True, high=1)),
-                ("max_grad_norm", dict(low=0, high=1e12)),
-                ("label_smoothing_factor", dict(low=0, high=1, high_open=True)),
-                ("warmup_steps", dict(low=0, high=big)),
-                ("logging_steps", dict(low=0, low_open=True, high=big)),
-                ("save_steps", dict(low=0, low_open=True, high=big)),
-                ("eval_steps", dict(low=0, low_open=True, high=big, optional=True)),
-                ("eval_delay", dict(low=0, high=big)),
-                ("save_total_limit", dict(integer=True, low=0, high=2**20, optional=True)),
-                ("seed", dict(integer=True, low=0, high=2**63 - 1)),
-                ("dataloader_num_workers", dict(integer=True, low=0, high=1024)),
-                ("dataloader_prefetch_factor", dict(integer=True, low=1, high=1024, optional=True)),
-                ("skew", dict(low=0, high=1)),
-                ("qgm_beta", dict(low=0, high=1, high_open=True))):
-            check_number(name, getattr(self, name), **kw)
 
     @property
     def gossip_config(self) -> GossipConfig:
@@ -171,8 +146,6 @@ class DecentralizedTrainingArguments(TrainingArguments):
         return plan
 
     def _check_lr_milestones(self):
-        if not 0.0 < self.lr_decay <= 1.0:
-            raise ValueError(f"lr_decay must be in (0, 1], got {self.lr_decay!r}")
         if self.lr_milestones is None:
             return
         m = list(self.lr_milestones)
@@ -188,9 +161,3 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def gamma(self) -> float:
         """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
         return self.gossip_config.gamma
-
-
-def check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-

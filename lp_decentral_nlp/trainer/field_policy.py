@@ -8,7 +8,6 @@ field and the reason, so no setting is silently ignored. ``docs/trainer.md`` hol
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from transformers.trainer_pt_utils import AcceleratorConfig
 
@@ -168,25 +167,6 @@ def _is_default(value, default) -> bool:
     if default in (None, "") and value in (None, "", [], {}):
         return True
     return default is None and isinstance(value, AcceleratorConfig) and value == AcceleratorConfig()
-
-
-def check_number(name: str, value, *, integer: bool = False, low=None, low_open: bool = False, high=None,
-                 high_open: bool = False, optional: bool = False) -> None:
-    """ValueError naming ``name`` unless ``value`` is a finite number (an int if ``integer``;
-    a float field also takes an int) in the interval given by ``low``/``high`` (open ends
-    with ``low_open``/``high_open``). ``optional``: None is allowed."""
-    if optional and value is None:
-        return
-    kinds = (int,) if integer else (int, float)
-    what = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if below or above:
-        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
-        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
-        raise ValueError(f"{name} must be {what} {' and '.join(p for p in (lo, hi) if p)}, got {value!r}")
 
 
 def field_table(args_class) -> str:

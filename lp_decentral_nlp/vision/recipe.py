@@ -21,7 +21,8 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from ..commands.flags import RecipeParser
+from ..checks import check_fields
+from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values,
                             load_data, print_summary, run_checks, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
@@ -80,10 +81,7 @@ class VisionArguments(RunArguments):
                 raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir")
             if not pathlib.Path(self.data_dir).exists():
                 raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
-        for name in ("image_size", "groups"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_fields(self, ("image_size", "groups"))
 
 
 def _derive(values: dict) -> None:

@@ -1,0 +1,127 @@
+"""The one set of range checks of the numeric settings, shared by the library and the command lines.
+
+:data:`NUMBER_FIELDS` gives the allowed values of every numeric field of
+:class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments` (the ``TrainingArguments`` fields
+transformers accepts with any value, and the decentralized setting of SPEC sections 1-3 and 6),
+of :class:`~lp_decentral_nlp.gossip.GossipConfig` and of the recipes' own arguments.
+:func:`check_field` is what those dataclasses call in ``__post_init__`` and what the recipes'
+flag types call on a parsed value (:mod:`lp_decentral_nlp.commands.flags`), so a bad value gives
+the same message from either. This module imports only the standard library: the recipes check
+their flags with it before torch is imported.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+
+class Number(NamedTuple):
+    """Allowed values of a numeric setting: ``low .. high`` (None: unbounded; ``*_open``: the bound
+    itself is excluded), an int if ``integer`` (a float setting also takes an int), None allowed if
+    ``optional``. ``what`` names the kind of value in the message (default "an integer"/"a number")."""
+
+    integer: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    what: str | None = None
+
+    def describe(self) -> str:
+        """``"an integer in [1, 65536]"``, ``"a number > 0"``, ..."""
+        what = self.what or ("an integer" if self.integer else "a number")
+        if self.low is not None and self.high is not None:
+            return (f"{what} in {'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{what} {'>' if self.low_open else '>='} {_show(self.low)}"
+        if self.high is not None:
+            return f"{what} {'<' if self.high_open else '<='} {_show(self.high)}"
+        return what
+
+
+def _show(bound) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+_BIG = 2**40  # more steps than any run makes
+_SEED = Number(integer=True, low=0, high=2**32 - 1)  # numpy's seed range (transformers.set_seed seeds numpy)
+
+#: allowed values of every numeric setting, by field name
+NUMBER_FIELDS: dict[str, Number] = {
+    # TrainingArguments fields that transformers accepts with any value
+    "per_device_train_batch_size": Number(integer=True, low=1, high=2**24),
+    "per_device_eval_batch_size": Number(integer=True, low=1, high=2**24),
+    "gradient_accumulation_steps": Number(integer=True, low=1, high=2**20),
+    "max_steps": Number(integer=True, low=-1, high=_BIG),
+    "num_train_epochs": Number(low=0, low_open=True, high=1e6),
+    "learning_rate": Number(low=0, low_open=True, high=1e4),
+    "weight_decay": Number(low=0, high=1e4),
+    "adam_beta1": Number(low=0, high=1, high_open=True),
+    "adam_beta2": Number(low=0, high=1, high_open=True),
+    "adam_epsilon": Number(low=0, low_open=True, high=1),
+    "max_grad_norm": Number(low=0, high=1e12),
+    "label_smoothing_factor": Number(low=0, high=1, high_open=True),
+    "warmup_steps": Number(low=0, high=_BIG),
+    "logging_steps": Number(low=0, low_open=True, high=_BIG),
+    "save_steps": Number(low=0, low_open=True, high=_BIG),
+    "eval_steps": Number(low=0, low_open=True, high=_BIG, optional=True),
+    "eval_delay": Number(low=0, high=_BIG),
+    "save_total_limit": Number(integer=True, low=1, high=2**20, optional=True),
+    "seed": _SEED,
+    "data_seed": _SEED._replace(optional=True),
+    "dataloader_num_workers": Number(integer=True, low=0, high=1024),
+    "dataloader_prefetch_factor": Number(integer=True, low=1, high=1024, optional=True),
+    # the decentralized setting (SPEC 1-3, 6)
+    "num_nodes": Number(integer=True, low=1, high=65536),  # the mixing matrices are dense n x n
+    "torus_rows": Number(integer=True, low=1, high=65536, optional=True),
+    "compression": Number(low=0, high=100, high_open=True, what="a percentage"),
+    "qsgd_levels": Number(integer=True, low=1, high=127),
+    "consensus_lr": Number(low=0, low_open=True, high=1, optional=True),
+    "skew": Number(low=0, high=1),
+    "qgm_beta": Number(low=0, high=1, high_open=True),
+    "lr_decay": Number(low=0, low_open=True, high=1),
+    "gossip_timeout": Number(low=0, low_open=True, what="a number of seconds"),
+    "drop_prob": Number(low=0, high=1, high_open=True, what="a probability"),
+    # the recipes' own arguments
+    "threads": Number(integer=True, low=1, high=os.cpu_count() or 1, optional=True),  # this machine's cores
+    "max_length": Number(integer=True, low=2, high=1_000_000),
+    "max_train_samples": Number(integer=True, low=1, optional=True),
+    "max_eval_samples": Number(integer=True, low=1, optional=True),
+    "image_size": Number(integer=True, low=1, optional=True),  # None: the dataset's
+    "groups": Number(integer=True, low=1),
+}
+
+
+def check_number(name: str, value, allowed: Number) -> None:
+    """ValueError ``"<name> must be <allowed.describe()>, got <value!r>"`` unless ``value`` is a
+    finite number (an int if ``allowed.integer``; never a bool) within ``allowed``."""
+    if allowed.optional and value is None:
+        return
+    kinds = (int,) if allowed.integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
+    if ok:
+        low, high = allowed.low, allowed.high
+        ok = not (low is not None and (value <= low if allowed.low_open else value < low)) and \
+            not (high is not None and (value >= high if allowed.high_open else value > high))
+    if not ok:
+        raise ValueError(f"{name} must be {allowed.describe()}, got {value!r}")
+
+
+def check_field(name: str, value) -> None:
+    """:func:`check_number` of setting ``name`` against its :data:`NUMBER_FIELDS` entry."""
+    check_number(name, value, NUMBER_FIELDS[name])
+
+
+def check_fields(obj, names) -> None:
+    """:func:`check_field` of each attribute ``names`` of ``obj``, in order (the first bad one raises)."""
+    for name in names:
+        check_field(name, getattr(obj, name))
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """ValueError ``"<name> must be one of <allowed>, got <value!r>"`` unless ``value in allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")

@@ -1,0 +1,38 @@
+"""The recipes' entry point: the flag check first (no torch), then the run.
+
+``recipe_main("nlp", "choco", task="ag_news")`` is what ``recipes/agnews_choco.py`` runs: a bad flag
+or ``--help`` is answered by :func:`.flags.check_flags` from the flag table, before torch and
+transformers are imported; flags that pass go to the recipe's ``main`` (:func:`.nlp.main`,
+:func:`lp_decentral_nlp.vision.recipe.main`), whose parser checks them again, and the rest.
+"""
+from __future__ import annotations
+
+from .flags import check_flags
+
+RECIPE_FAMILIES = ("nlp", "vision")
+
+
+def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list[str] | None = None) -> dict:
+    """Run a recipe: ``family`` ``"nlp"`` (``task`` one of the NLP tasks, or None for a ``--task``
+    flag) or ``"vision"`` (no ``task``), gossip ``algorithm``; ``argv`` default ``sys.argv[1:]``.
+    Returns the run's results (``results.json``)."""
+    from .flag_table import FLAG_TABLES
+
+    if family not in RECIPE_FAMILIES:
+        raise ValueError(f"family must be one of {RECIPE_FAMILIES}, got {family!r}")
+    if family == "vision" and task is not None:
+        raise ValueError(f"task: the vision recipes take --dataset, not a task, got task={task!r}")
+    descriptions = FLAG_TABLES[family]["descriptions"]
+    if (task, algorithm) not in descriptions:
+        known = sorted({t for t, _ in descriptions if t is not None}) if family == "nlp" else []
+        raise ValueError(f"algorithm must be one of {sorted({a for _, a in descriptions})}"
+                         + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
+    check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
+                description=descriptions[task, algorithm])
+    if family == "vision":
+        from ..vision.recipe import main as vision_main
+
+        return vision_main(algorithm, argv)
+    from .nlp import main as nlp_main
+
+    return nlp_main(task, algorithm, argv)

@@ -1,0 +1,233 @@
+"""The recipes' parser, :class:`RecipeParser` (needs transformers), and the flag table it generates.
+
+:func:`render_flag_table` writes :mod:`.flag_table`, every flag of the NLP and vision recipes'
+parsers (options, kind, allowed values, help with its default, group) and their descriptions, from
+which :func:`.flags.check_flags` checks a command line before torch is imported. Regenerate it
+after changing a flag, a dataclass field or transformers::
+
+    python -m lp_decentral_nlp.commands.recipe_parser
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import pathlib
+import pprint
+import re
+
+from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
+
+from .flags import ALIASES, RECIPE_USAGE, FlagType, OneLineErrors, ParsedFlags, option_used
+
+#: the text fields whose allowed values the flag types check: where those values are defined, by field name
+#: (the dataclasses holding the fields check the same values on construction)
+FIELD_CHOICES = {
+    "topology": lambda: _values("lp_decentral_nlp.gossip.topology", "TOPOLOGIES"),
+    "compressor": lambda: _values("lp_decentral_nlp.gossip.factory", "COMPRESSORS"),
+    "backend": lambda: _values("lp_decentral_nlp.trainer.arguments", "BACKENDS"),
+    "task": lambda: _values("lp_decentral_nlp.data.tasks", "TASKS"),
+    "dataset": lambda: _values("lp_decentral_nlp.vision.data", "VISION_DATASETS"),
+    "arch": lambda: _values("lp_decentral_nlp.vision.models", "ARCHS"),
+    "norm": lambda: ("auto", *_values("lp_decentral_nlp.vision.models", "NORMS")),  # auto: SPEC 5's pairing
+}
+# HfArgumentParser's types -> FlagType kinds (its Enum and Literal fields have a choice type of their own)
+_KINDS = {int: "integer", float: "finite_float", string_to_bool: "boolean", str: "str", dict: "dict"}
+
+
+def _values(module: str, name: str) -> tuple:
+    return tuple(getattr(importlib.import_module(module), name))
+
+
+def field_choices() -> dict[str, tuple]:
+    """The allowed values of each field of :data:`FIELD_CHOICES`, by field name."""
+    return {name: values() for name, values in FIELD_CHOICES.items()}
+
+
+class _FieldAdder:
+    """What :class:`RecipeParser` hands to ``HfArgumentParser._parse_dataclass_field`` instead of
+    the parser: adds the field's option with its aliases, a :class:`~.flags.FlagType` (strict
+    numbers and booleans, the field's range and allowed values), repeatable list flags
+    (``--straggler a --straggler b``), and leaves out the fields the recipe fixes."""
+
+    def __init__(self, target, allowed: dict, fixed: dict):
+        self.target, self.allowed, self.fixed = target, allowed, fixed
+
+    def add_argument(self, *option_strings, **kwargs):
+        dest = kwargs.setdefault("dest", option_strings[0].lstrip("-"))
+        if dest in self.fixed:
+            return None
+        names = {s.lstrip("-") for s in option_strings}
+        aliases = [alias for alias, target in ALIASES.items() if target in names]
+        kind = kwargs.get("type")
+        if kind is string_to_bool and "nargs" not in kwargs:  # an Optional[bool] field: the flag alone means True
+            kwargs.update(nargs="?", const=True)
+        if getattr(kind, "__qualname__", "").startswith("make_choice_type_function"):  # an Enum or Literal field
+            kwargs["type"] = FlagType("choice", dest, choices=kwargs["choices"])
+        elif kind in _KINDS:
+            kwargs["type"] = FlagType(_KINDS[kind], dest, self.allowed.get(dest))
+        if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
+            kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
+        if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
+            kwargs.update(nargs="*", action="extend")
+        return self.target.add_argument(*aliases, *(s for s in option_strings if s not in aliases), **kwargs)
+
+
+class RecipeParser(OneLineErrors, HfArgumentParser):
+    """``HfArgumentParser`` over the recipe's dataclasses with the short :data:`ALIASES`,
+    :class:`~.flags.FlagType` flag types (each field's range and allowed values), one-line errors and the
+    dataclasses' other checks reported as flag errors.
+
+    Args:
+        training_class: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`.
+        recipe_class: the recipe's own dataclass (e.g. :class:`~lp_decentral_nlp.commands.nlp.NLPArguments`).
+        defaults: the recipe's defaults (shown by ``--help``), by field name.
+        fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
+        derive: ``derive(values)`` completes the values of the flags (by field name) before the
+            dataclasses are built, e.g. an output folder named after the run.
+        value_checks: ``check(parser, values)`` run on the flag values before the dataclasses are
+            built (building ``TrainingArguments`` under a launcher joins its process group).
+        checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
+    """
+
+    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, value_checks=(),
+                 checks=(), **kwargs):
+        self._fixed = dict(fixed or {})
+        self._allowed = field_choices()
+        self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
+        self._groups = None
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("usage", RECIPE_USAGE)
+        kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
+        super().__init__((training_class, recipe_class), **kwargs)
+        self.set_defaults(**(defaults or {}))
+        self._derive, self._value_checks, self._checks = derive, list(value_checks), list(checks)
+        #: the command line being parsed (set by :meth:`parse`)
+        self.argv: list[str] = []
+
+    def _parse_dataclass_field(self, parser, field):  # noqa: D401 -- HfArgumentParser's hook per field
+        """Add one field's options, in the help's group: decentralized setting, recipe, or transformers'."""
+        from transformers import TrainingArguments
+
+        if self._groups is None:  # created in the order --help lists them
+            self._groups = {"decentralized": self.add_argument_group("decentralized setting (SPEC 1-3, 6)"),
+                            "recipe": self.add_argument_group("model, data and run"),
+                            "transformers": self.add_argument_group("transformers TrainingArguments")}
+        kind = ("recipe" if field.name in self._recipe_fields else "transformers"
+                if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
+        HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], self._allowed, self._fixed), field)
+
+    def add_check(self, check) -> None:
+        """Run ``check(parser, parsed)`` after every :meth:`parse`."""
+        self._checks.append(check)
+
+    def flag_of(self, name: str, argv=None) -> str:
+        """The flag of field ``name`` as the user wrote it in ``argv`` (default: the command line being
+        parsed), else its first spelling."""
+        argv = self.argv if argv is None else argv
+        for action in self._actions:
+            if action.dest == name and action.option_strings:
+                return option_used(action, argv)
+        return name
+
+    def parse(self, argv=None) -> ParsedFlags:
+        """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""
+        import sys
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        self.argv = argv
+        namespace = self.parse_args(argv)
+        values = {**vars(namespace), **self._fixed}
+        if self._derive is not None:
+            self._derive(values)
+        for check in self._value_checks:
+            check(self, values)
+        instances, used = [], set()
+        for dtype in self.dataclass_types:
+            names = {f.name for f in dataclasses.fields(dtype) if f.init}
+            used |= names
+            try:
+                instances.append(dtype(**{k: v for k, v in values.items() if k in names}))
+            except (ValueError, TypeError) as err:
+                self.error(self._flag_message(str(err), argv))
+        extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
+        parsed = ParsedFlags(*instances, extras, values)
+        for check in self._checks:
+            check(self, parsed)
+        return parsed
+
+    def _flag_message(self, message: str, argv) -> str:
+        """A dataclass's message prefixed with the flag of the field it starts with."""
+        first = re.match(r"\w+", message)
+        dests = {a.dest for a in self._actions if a.option_strings}
+        if first and first.group(0) in dests:
+            return f"argument {self.flag_of(first.group(0), argv)}: {message}"
+        return message
+
+
+def flag_table(parser: RecipeParser) -> dict:
+    """Every flag of ``parser`` as :func:`.flags.check_flags` rebuilds it: options, destination,
+    argparse action, group, help (with its default, as ``--help`` shows it), and for flags taking a
+    value its :class:`~.flags.FlagType` kind and allowed values, nargs, const and choices. A flag of a
+    type the table does not know (transformers' own classes) is kind ``"str"``: the real parser checks it."""
+    action_names = {cls: name for name, cls in parser._registries["action"].items() if name is not None}
+    formatter = parser._get_formatter()
+    groups = {id(action): group.title for group in parser._action_groups for action in group._group_actions}
+    flags = []
+    for action in parser._actions:
+        name = action_names[type(action)]
+        if name == "help":
+            continue
+        flag = {"options": list(action.option_strings), "dest": action.dest, "action": name,
+                "group": groups[id(action)],
+                "help": formatter._expand_help(action).replace("%", "%%") if action.help and action.help.strip()
+                else action.help}
+        if name in ("store", "extend"):
+            if action.type is not None:
+                flag["type"] = action.type.kind if isinstance(action.type, FlagType) else "str"
+                if isinstance(action.type, FlagType) and action.type.allowed is not None:
+                    flag["allowed"] = list(action.type.allowed)
+            flag.update({key: getattr(action, key) for key in ("nargs", "const") if getattr(action, key) is not None})
+            if action.choices is not None:
+                flag["choices"] = list(action.choices)
+        if action.metavar is not None:
+            flag["metavar"] = action.metavar
+        if action.required:
+            flag["required"] = True
+        flags.append(flag)
+    return {"usage": parser.usage, "groups": [group.title for group in parser._action_groups[2:]], "flags": flags}
+
+
+def flag_tables() -> dict:
+    """:func:`flag_table` of the NLP recipes' parser (with ``--task``) and of the vision recipes',
+    with their descriptions by ``(task, algorithm)`` (task None: the vision recipes, or ``--task``)."""
+    from ..data import TASKS
+    from ..gossip.factory import ALGORITHMS
+    from ..vision.recipe import build_vision_parser
+    from .nlp import build_nlp_parser
+
+    return {
+        "nlp": {**flag_table(build_nlp_parser(None, ALGORITHMS[0])),
+                "descriptions": {(task, algorithm): build_nlp_parser(task, algorithm).description
+                                 for task in (None, *TASKS) for algorithm in ALGORITHMS}},
+        "vision": {**flag_table(build_vision_parser(ALGORITHMS[0])),
+                   "descriptions": {(None, algorithm): build_vision_parser(algorithm).description
+                                    for algorithm in ALGORITHMS}},
+    }
+
+
+FLAG_TABLE_PATH = pathlib.Path(__file__).with_name("flag_table.py")
+FLAG_TABLE_DOC = ("Every flag of the recipes' parsers, for the flag check made before torch is imported "
+                  "(lp_decentral_nlp.commands.flags.check_flags).\n\nGenerated from the parsers by "
+                  "``python -m lp_decentral_nlp.commands.recipe_parser``; do not edit.\n")
+
+
+def render_flag_table() -> str:
+    """The text of :mod:`.flag_table` for the installed transformers and this package."""
+    return f'"""{FLAG_TABLE_DOC}"""\n\nFLAG_TABLES = {pprint.pformat(flag_tables(), width=120, sort_dicts=False)}\n'
+
+
+if __name__ == "__main__":
+    FLAG_TABLE_PATH.write_text(render_flag_table())
+    print(f"wrote {FLAG_TABLE_PATH}")
