@@ -166,3 +166,20 @@ def test_a_real_recipe_answers_a_bad_flag_or_help_without_importing_torch(recipe
                                                              else f"{recipe}: error: unrecognized arguments")
     else:
         assert messages == [] and proc.stdout.startswith(f"usage: {recipe} [options]")
+
+
+@pytest.mark.parametrize("argv", [["--arch", "resnet20", "--batch-size", "0"], ["--arch", "resnet20", "--convention", "x"],
+                                  ["--help"]])
+def test_the_cost_command_answers_a_bad_flag_or_help_without_importing_torch(argv):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lp_decentral_nlp.cost", *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == (0 if argv == ["--help"] else 2), proc.stderr[-2000:]
+    modules = imported_modules(proc.stderr)
+    assert "lp_decentral_nlp.cost.conventions" in modules
+    assert not {m for m in modules if m.split(".")[0] in ("torch", "transformers", "numpy", "datasets")}
+    messages = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    if argv == ["--help"]:
+        assert messages == [] and "--convention" in proc.stdout
+    else:
+        assert len(messages) == 1 and messages[0].startswith("python -m lp_decentral_nlp.cost: error: argument --")

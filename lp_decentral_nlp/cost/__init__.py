@@ -5,32 +5,27 @@
 traffic with the gossip engine's real encoders. ``python -m lp_decentral_nlp.cost`` prints
 fp32 vs 8-bit side by side. ``convention="ours"`` (default) or ``"paper"`` (Table 10) chooses how
 the 8-bit model is priced (SPEC 7).
-"""
-from .communication import CommunicationCost, communication_cost
-from .report import (
-    CONVENTIONS,
-    ENERGY_PJ,
-    OPTIMIZER_STATES,
-    PRECISIONS,
-    CostReport,
-    LayerCost,
-    PricedOps,
-    TrainInference,
-    estimate_cost,
-    format_comparison,
-)
 
-__all__ = [
-    "CommunicationCost",
-    "communication_cost",
-    "CONVENTIONS",
-    "ENERGY_PJ",
-    "OPTIMIZER_STATES",
-    "PRECISIONS",
-    "CostReport",
-    "LayerCost",
-    "PricedOps",
-    "TrainInference",
-    "estimate_cost",
-    "format_comparison",
-]
+Lazy (:mod:`lp_decentral_nlp.utils.lazy`): a name imports its submodule on first use, so the
+command line checks its flags before torch is imported.
+"""
+from ..utils.lazy import lazy_namespace
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "CommunicationCost": ".communication",
+    "communication_cost": ".communication",
+    "CONVENTIONS": ".conventions",
+    "ENERGY_PJ": ".conventions",
+    "OPTIMIZER_STATES": ".conventions",
+    "PRECISIONS": ".conventions",
+    "CostReport": ".report",
+    "LayerCost": ".report",
+    "PricedOps": ".report",
+    "TrainInference": ".report",
+    "estimate_cost": ".report",
+    "format_comparison": ".report",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("communication", "conventions", "layers", "ops",
+                                                                            "report", "walk"))

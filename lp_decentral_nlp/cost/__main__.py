@@ -18,7 +18,7 @@ import re
 import sys
 
 from ..commands.flags import OneLineParser, Range, finite_float, integer, ranged
-from .report import CONVENTIONS, OPTIMIZER_STATES, estimate_cost, format_comparison
+from .conventions import CONVENTIONS, OPTIMIZER_STATES
 
 # Paper datasets: CIFAR-10 (50,000 training images, 10 classes), AG News (120,000 rows, 4 classes).
 _VISION_DEFAULTS = {"num_classes": 10, "train_samples": 50_000, "optimizer": "momentum"}
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     if train_samples < args.num_nodes:
         parser.error(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
     from lp_decentral_nlp.gossip.factory import build_gossip
+
+    from .report import estimate_cost, format_comparison  # torch: only once the flags are good
 
     reports = {}
     for precision, config in configs.items():
