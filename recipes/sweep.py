@@ -18,25 +18,40 @@ import multiprocessing
 import os
 import sys
 
-from lp_decentral_nlp.commands import Range, build_nlp_parser, finished_results, ranged, run_nlp
+from lp_decentral_nlp import commands
+from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
 
 COLUMNS = [("deepsqueeze", False, "DS"), ("deepsqueeze", True, "LP-DS"), ("choco", False, "Choco"), ("choco", True, "LP-Choco")]
 
 
-def parse(argv=None):
-    """The NLP recipes' flags (``--task`` included) plus the grid's; returns the parsed flags
-    (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``)."""
-    parser = build_nlp_parser(None, "choco", description=__doc__.splitlines()[0])
-    parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
-    parser.add_argument("--skews", type=ranged(float, Range(0, 1)), nargs="+", default=[0.0, 0.9])
-    parser.add_argument("--comps", type=ranged(float, Range(0, 100, high_open=True)), nargs="+", default=[0.0, 99.0])
-    parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"])
-    parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"])
+def add_grid_flags(parser) -> None:
+    """The grid's own flags, on the recipes' parser (and on its torch-free check)."""
+    parser.add_argument("--skews", type=ranged(float, Range(0, 1)), nargs="+", default=[0.0, 0.9],
+                        help="skews of the grid, each in [0, 1] (default: 0 0.9)")
+    parser.add_argument("--comps", type=ranged(float, Range(0, 100, high_open=True)), nargs="+", default=[0.0, 99.0],
+                        help="compressions of the grid in percent, each in [0, 100) (default: 0 99)")
+    parser.add_argument("--algorithms", nargs="+", choices=["choco", "deepsqueeze"], default=["choco", "deepsqueeze"],
+                        help="algorithms of the grid (default: both)")
+    parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
+                        help="precisions of the grid: fp32 or int8 (8-bit training and gossip) (default: both)")
     parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
                         help="gamma of the runs with --comps > 0 (default: the trainer's default_consensus_lr, "
                              "from the compressor and algorithm); runs without compression keep gamma 1")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
+
+
+def parse(argv=None):
+    """The NLP recipes' flags (``--task`` included) plus the grid's; returns the parsed flags
+    (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``). A bad flag or ``--help``
+    is answered from the flag table before torch is imported."""
+    description = __doc__.splitlines()[0]
+    check = flag_check_parser("nlp", description=description, fixed=("algorithm",))
+    add_grid_flags(check)
+    check.parse_args(sys.argv[1:] if argv is None else argv)
+    parser = commands.build_nlp_parser(None, "choco", description=description)
+    parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
+    add_grid_flags(parser)
     return parser.parse(argv)
 
 
@@ -63,7 +78,7 @@ def run_logged(run, prog: str = "") -> dict:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
-            return run_nlp(run, prog)
+            return commands.run_nlp(run, prog)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
@@ -89,7 +104,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
     if jobs == 1:
         for done, i in enumerate(todo, 1):
-            results[i] = run_nlp(runs[i], progs[i])
+            results[i] = commands.run_nlp(runs[i], progs[i])
             report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
@@ -110,7 +125,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
 def run_grid(sweep) -> list[dict]:
     runs = grid(sweep)
-    results = {i: r for i, r in ((i, finished_results(run.training.output_dir)) for i, run in enumerate(runs))
+    results = {i: r for i, r in ((i, commands.finished_results(run.training.output_dir)) for i, run in enumerate(runs))
                if r is not None}
     todo = [i for i in range(len(runs)) if i not in results]
     results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs]))

@@ -151,6 +151,8 @@ def imported_modules(importtime_stderr: str) -> set[str]:
     ("vision_choco.py", ["--nodes", "0"], 2),
     ("agnews_choco.py", ["--help"], 0),
     ("vision_deepsqueeze.py", ["--help"], 0),
+    ("sweep.py", ["--skews", "2"], 2),
+    ("sweep.py", ["--help"], 0),
 ])
 def test_a_real_recipe_answers_a_bad_flag_or_help_without_importing_torch(recipe, argv, status):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

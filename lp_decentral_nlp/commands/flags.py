@@ -201,7 +201,8 @@ class ParsedFlags(NamedTuple):
 
 
 def check_flags(family: str, argv=None, *, fixed=(), description: str | None = None, prog: str | None = None):
-    """Check a recipe's command line against the flag table, without importing torch or transformers.
+    """Check a recipe's command line against the flag table, without importing torch or transformers:
+    ``flag_check_parser(family, ...).parse_args(argv)``.
 
     A bad flag exits as the recipe's parser would (one line ``<prog>: error: <message>``, status 2);
     ``--help`` prints the recipe's help and exits (status 0). Returns the parsed flags (only those
@@ -215,6 +216,14 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
         description: the recipe's description, shown by ``--help``.
         prog: the program name (default: argparse's, the script's file name).
     """
+    return flag_check_parser(family, fixed=fixed, description=description, prog=prog).parse_args(
+        sys.argv[1:] if argv is None else argv)
+
+
+def flag_check_parser(family: str, *, fixed=(), description: str | None = None, prog: str | None = None):
+    """The torch-free parser :func:`check_flags` runs: every flag of the ``family``'s table (all
+    defaults suppressed, so it returns only the flags given). A command with flags of its own
+    (``recipes/sweep.py``) adds them to it before parsing. Arguments as for :func:`check_flags`."""
     from .flag_table import FLAG_TABLES
 
     if family not in FLAG_TABLES:
@@ -230,7 +239,7 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
         if "type" in flag:
             kwargs["type"] = FlagType(flag["type"], flag["dest"], flag.get("allowed"), flag.get("choices"))
         groups[flag["group"]].add_argument(*flag["options"], default=argparse.SUPPRESS, **kwargs)
-    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
 
 
 def __getattr__(name: str):
