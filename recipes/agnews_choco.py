@@ -2,7 +2,7 @@
 
     python recipes/agnews_choco.py --skew 0.9 --comp 99
     torchrun --nproc_per_node 4 recipes/agnews_choco.py --backend distributed
-    accelerate launch --num_processes 4 recipes/agnews_choco.py --backend distributed  # CPU or GPU
+    accelerate launch --num_processes 4 recipes/agnews_choco.py --backend distributed  # on CPU as well
 
 `--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
 in --output-dir (results.json, cost_report.json, metrics.csv, model/).

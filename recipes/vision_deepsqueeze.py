@@ -3,7 +3,7 @@
     python recipes/vision_deepsqueeze.py --nodes 4 --skew 0.4 --comp 90 --epochs 30
     python recipes/vision_deepsqueeze.py --dataset cifar10 --arch vgg11 --nodes 16 --topology torus --epochs 200
     torchrun --nproc_per_node 4 recipes/vision_deepsqueeze.py --backend distributed
-    accelerate launch --num_processes 4 recipes/vision_deepsqueeze.py --backend distributed  # CPU or GPU
+    accelerate launch --num_processes 4 recipes/vision_deepsqueeze.py --backend distributed  # on CPU as well
 
 `--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
 in --output-dir (results.json, cost_report.json, metrics.csv, model/).
