@@ -23,9 +23,12 @@ elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
 
 As ``QuantGemmFunction`` does, the layer keeps for backward (``ctx.save_for_backward``) the
 input's 8-bit codes with their scale and offset (a quarter of the fp32 input; the float layer's
-autograd keeps several fp32 intermediates) and the (C,) parameters, and the backward recomputes
-the formula from the dequantized input, bit for bit the forward's; a Range BatchNorm's
-recomputation in training uses the same batch statistics without touching the running buffers.
+autograd keeps several fp32 intermediates) and the (C,) parameters; the backward works at the
+dequantized input, bit for bit the forward's (``QuantNormLayer.normalize_backward``). Range
+EvoNorm on the CPU runs its hand-written backward there (``RangeEvoNormFunction.gradients``: both
+VJPs in one pass over each group); the other layers, and Range EvoNorm elsewhere, recompute the
+formula under autograd, a Range BatchNorm in training with the same batch statistics and without
+touching the running buffers.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
     RangeEvoNorm2d,
+    RangeEvoNormFunction,
     _check_input,
     evonorm_s0,
     range_batch_norm2d,
@@ -76,19 +80,14 @@ class QuantNormFunction(torch.autograd.Function):
     def backward(ctx, g):
         codes, scale, x_lo, *params = ctx.saved_tensors
         layer, config = ctx.layer, ctx.layer.quant_config
-        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
-        with torch.enable_grad():
-            x_q = dequantize_uint8(codes, scale, x_lo).requires_grad_(need_x)
-            params_q = [_quantize_parameter(p, config.bits).requires_grad_(n) for p, n in zip(params, need_params)]
-            y = layer.normalize(x_q, params_q, ctx.training, update_stats=False)
-        wanted = [p for p, n in zip(params_q, need_params) if n]
-        grad_x = None
+        need_x, need_params = ctx.needs_input_grad[0], list(ctx.needs_input_grad[5:])
+        x_q = dequantize_uint8(codes, scale, x_lo)
+        params_q = [_quantize_parameter(p, config.bits) for p in params]
+        g_q = None
         if need_x:
             g_range = grad_range(g, config.grad_granularity)
             g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
-            (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
-        grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
-        grad_params = [next(grads) if n else None for n in need_params]
+        grad_x, grad_params = layer.normalize_backward(x_q, params_q, ctx.training, g_q, g, need_params)
         return (grad_x, None, None, None, None, *grad_params)
 
 
@@ -107,6 +106,26 @@ class QuantNormLayer(ActivationQuantizer):
         order) in the mode of the forward call (``training``); ``update_stats=False``: no side effect
         on running statistics (the backward recomputation)."""
         raise NotImplementedError
+
+    def normalize_backward(self, x: torch.Tensor, params: list[torch.Tensor], training: bool,
+                           grad_for_input: torch.Tensor | None, grad_for_params: torch.Tensor,
+                           need_params: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """VJPs of :meth:`normalize` at ``x`` (N, C, H, W) and ``params`` (the forward's 8-bit
+        operands), no side effect on running statistics: ``(dL/dx from grad_for_input, [dL/dp from
+        grad_for_params where need_params])`` (``grad_for_input=None``: no ``dL/dx``, None). This
+        one recomputes :meth:`normalize` under autograd; a layer with a hand-written backward
+        overrides it."""
+        need_x = grad_for_input is not None
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(need_x)
+            params = [p.detach().requires_grad_(n) for p, n in zip(params, need_params)]
+            y = self.normalize(x, params, training, update_stats=False)
+        wanted = [p for p, n in zip(params, need_params) if n]
+        grad_x = None
+        if need_x:
+            (grad_x,) = torch.autograd.grad(y, x, grad_for_input, retain_graph=bool(wanted))
+        grads = iter(torch.autograd.grad(y, wanted, grad_for_params) if wanted else ())
+        return grad_x, [next(grads) if n else None for n in need_params]
 
     def quant_parameters(self) -> list[nn.Parameter]:
         """The parameters quantized in the forward pass: ``weight``, ``bias`` and ``v`` if present."""
@@ -151,6 +170,18 @@ class QuantRangeEvoNorm2d(_QuantGroupNormAct, RangeEvoNorm2d):
 
     float_type = RangeEvoNorm2d
     norm_fn = staticmethod(range_evonorm2d)
+
+    def normalize_backward(self, x, params, training, grad_for_input, grad_for_params, need_params):
+        """The hand-written backward (:meth:`RangeEvoNormFunction.gradients`) where it runs: the
+        layer gradient from ``grad_for_input``, the parameter gradients from ``grad_for_params``
+        in one pass over the group, no recomputation under autograd."""
+        if not RangeEvoNormFunction.supports(x):
+            return super().normalize_backward(x, params, training, grad_for_input, grad_for_params, need_params)
+        weight, bias, *v = params
+        dx, dw, db, dv = RangeEvoNormFunction.gradients(
+            x, grad_for_input, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
+            self.groups, self.eps)
+        return dx, [d if n else None for d, n in zip((dw, db, dv), need_params)]
 
 
 class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
