@@ -140,11 +140,12 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
                             d += a * val * one_sixth * vj
                     else:
                         d = a
+                    through_range = 0.0  # summed first: a constant group's +-dL/dR/n cancel exactly
                     if val == hi:
-                        d += to_max
+                        through_range += to_max
                     if val == lo:
-                        d -= to_min
-                    dx[n, grp, j, k] = d
+                        through_range -= to_min
+                    dx[n, grp, j, k] = d + through_range
 
 
 def _grouped(t: torch.Tensor, groups: int) -> np.ndarray:
