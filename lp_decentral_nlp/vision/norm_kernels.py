@@ -7,8 +7,8 @@ more (``amax``/``amin`` backward alone builds equality masks and counts). These 
 cache between their passes:
 
 * :func:`range_evonorm_forward`: one pass for the group's max and min, one writing ``y``;
-* :func:`range_evonorm_backward`: one pass for the max and min with their counts (ties, below)
-  and the per-channel sums of the parameter gradients and of ``dL/d range``, one writing
+* :func:`range_evonorm_backward`: one pass for the max and min, one for their counts (ties,
+  below) and the per-channel sums of the parameter gradients and of ``dL/d range``, one writing
   ``dL/dx``.
 
 Backward of ``y = x * hsig(v*x) / D * w + b`` with ``D = C(c/g) * (max - min + eps)`` over a
@@ -26,8 +26,9 @@ bifurcation passes two, SPEC 4):
 
 ``hsig``'s derivative is taken as autograd's ``hardsigmoid_backward`` does: ``1/6`` rounded to
 float32 (also for float64 tensors) strictly inside ``(-3, 3)``, 0 outside and on the kinks.
-Element-wise arithmetic is in the tensor's dtype (float32 or float64), in the order of the torch
-formula; sums accumulate in float64. Arrays are ``(N, G, C/G, H*W)`` views of contiguous
+Element-wise arithmetic is in the tensor's dtype (float32 or float64), the forward's in the order
+of the torch formula (the same bits); the backward's sums accumulate in float64, in whatever order
+vectorises (``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf). Arrays are ``(N, G, C/G, H*W)`` views of contiguous
 ``(N, C, H, W)`` tensors; samples are split over numba's threads.
 
 numba compiles each kernel on its first use, once per dtype, and caches the machine code on disk
@@ -69,7 +70,7 @@ def _forward(x, weight, bias, v, apply_act, eps, scale, three, six, y):
                     ys[j, k] = val / denom * w + b
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)
+@numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True, fastmath={"reassoc"})
 def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six, one_sixth,
               dx, part_b, part_w, part_v):
     samples, groups, per_group, positions = x.shape
@@ -79,22 +80,13 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
             xs = x[n, grp]
             hi = xs[0, 0]
             lo = hi
-            n_hi = 0
-            n_lo = 0
             for j in range(per_group):
                 for k in range(positions):
-                    val = xs[j, k]
-                    if val > hi:
-                        hi = val
-                        n_hi = 1
-                    elif val == hi:
-                        n_hi += 1
-                    if val < lo:
-                        lo = val
-                        n_lo = 1
-                    elif val == lo:
-                        n_lo += 1
+                    hi = max(hi, xs[j, k])
+                    lo = min(lo, xs[j, k])
             denom = scale * ((hi - lo) + eps)
+            n_hi = 0
+            n_lo = 0
             range_sum = 0.0  # sum_c w_c sum gx * num
             for j in range(per_group):
                 w, vj = weight[grp, j], v[grp, j]
@@ -104,18 +96,19 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
                 sum_x = 0.0
                 for k in range(positions):
                     val = xs[j, k]
+                    n_hi += val == hi
+                    n_lo += val == lo
                     num = val
-                    inside = False
+                    inside = zero
                     if apply_act:
                         t = vj * val
                         num = val * (min(max(t + three, zero), six) / six)
-                        inside = t > -three and t < three
+                        inside = (t > -three) & (t < three)
                     if want_params:
                         g = gp[n, grp, j, k]
                         sum_b += g
                         sum_w += g * num
-                        if inside:
-                            sum_v += g * val * val
+                        sum_v += g * val * val * inside
                     if want_dx:
                         sum_x += gx[n, grp, j, k] * num
                 if want_params:
@@ -133,18 +126,13 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
                 for k in range(positions):
                     val = xs[j, k]
                     a = gx[n, grp, j, k] * w / denom
+                    d = a
                     if apply_act:
                         t = vj * val
-                        d = a * (min(max(t + three, zero), six) / six)
-                        if t > -three and t < three:
-                            d += a * val * one_sixth * vj
-                    else:
-                        d = a
-                    through_range = 0.0  # summed first: a constant group's +-dL/dR/n cancel exactly
-                    if val == hi:
-                        through_range += to_max
-                    if val == lo:
-                        through_range -= to_min
+                        inside = (t > -three) & (t < three)
+                        d = a * (min(max(t + three, zero), six) / six) + a * val * one_sixth * vj * inside
+                    # summed first: a constant group's +-dL/dR/n cancel exactly
+                    through_range = to_max * (val == hi) - to_min * (val == lo)
                     dx[n, grp, j, k] = d + through_range
 
 
