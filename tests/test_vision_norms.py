@@ -348,3 +348,23 @@ def test_range_evonorm_gradcheck_through_the_function():
     x, params = _range_evonorm_case(torch.float64, True, False, seed=2)
     leaves = [t.clone().requires_grad_(True) for t in (x, *params)]
     assert torch.autograd.gradcheck(lambda *t: RangeEvoNormFunction.apply(*t, 2, 1e-5), leaves)
+
+
+def test_range_evonorm_gradients_from_8bit_codes_equal_those_from_their_values():
+    """The 8-bit layer's backward hands over the input's codes: decoded on the fly, the same bits
+    as the gradients at the dequantized tensor."""
+    from lp_decentral_nlp.quant.functional import dequantize_uint8, quantize_uint8
+
+    x, params = _range_evonorm_case(torch.float32, True, False, seed=4)
+    x = torch.cat([x] * 3)
+    lo, hi = x.amin(), x.amax() * 0.8  # some values clamp: ties at the top code
+    codes, scale, values = quantize_uint8(x, lo, hi, 8)
+    g_x, g_p = torch.randn(x.shape), torch.randn(x.shape)
+    weight, bias, v = params
+    from_codes = RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5, scale, lo)
+    from_values = RangeEvoNormFunction.gradients(dequantize_uint8(codes, scale, lo), g_x, g_p, weight, v, 2, 1e-5)
+    assert torch.equal(dequantize_uint8(codes, scale, lo), values)
+    for a, b in zip(from_codes, from_values):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="x_scale and x_lo"):
+        RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5)

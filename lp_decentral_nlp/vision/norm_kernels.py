@@ -71,19 +71,20 @@ def _forward(x, weight, bias, v, apply_act, eps, scale, three, six, y):
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True, fastmath={"reassoc"})
-def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six, one_sixth,
-              dx, part_b, part_w, part_v):
+def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six,
+              one_sixth, dx, part_b, part_w, part_v):
     samples, groups, per_group, positions = x.shape
     zero = three - three
     for n in numba.prange(samples):
         for grp in range(groups):
             xs = x[n, grp]
-            hi = xs[0, 0]
+            hi = xs[0, 0] * x_scale + x_lo
             lo = hi
             for j in range(per_group):
                 for k in range(positions):
-                    hi = max(hi, xs[j, k])
-                    lo = min(lo, xs[j, k])
+                    val = xs[j, k] * x_scale + x_lo
+                    hi = max(hi, val)
+                    lo = min(lo, val)
             denom = scale * ((hi - lo) + eps)
             n_hi = 0
             n_lo = 0
@@ -95,7 +96,7 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
                 sum_v = 0.0
                 sum_x = 0.0
                 for k in range(positions):
-                    val = xs[j, k]
+                    val = xs[j, k] * x_scale + x_lo
                     n_hi += val == hi
                     n_lo += val == lo
                     num = val
@@ -124,7 +125,7 @@ def _backward(x, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale,
             for j in range(per_group):
                 w, vj = weight[grp, j], v[grp, j]
                 for k in range(positions):
-                    val = xs[j, k]
+                    val = xs[j, k] * x_scale + x_lo
                     a = gx[n, grp, j, k] * w / denom
                     d = a
                     if apply_act:
@@ -179,28 +180,37 @@ def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
                            grad_for_params: torch.Tensor | None, weight: torch.Tensor, v: torch.Tensor | None,
-                           groups: int, eps: float, scale: float):
-    """Gradients of Range EvoNorm (module docstring) at a contiguous float32/float64 CPU ``x`` (N, C, H, W).
+                           groups: int, eps: float, scale: float, x_scale: torch.Tensor | None = None,
+                           x_lo: torch.Tensor | None = None):
+    """Gradients of Range EvoNorm (module docstring) at a contiguous CPU ``x`` (N, C, H, W).
 
-    ``grad_for_input`` (``gx``) / ``grad_for_params`` (``gp``): output gradients of ``x``'s shape
-    and dtype, or None when that gradient is not wanted. Returns ``(dx, dweight, dbias, dv)``:
-    ``dx`` of ``x``'s shape and dtype (None without ``gx``), the parameter gradients (C,) in
-    ``x``'s dtype (None without ``gp``; ``dv`` None when ``v`` is None).
+    ``x``: float32/float64 values, or uint8 codes with ``x_scale``/``x_lo`` (0-d float32) standing
+    for ``codes * x_scale + x_lo`` (SPEC 4's dequantization, the same float32 operations as
+    ``quant.functional.dequantize_uint8``, decoded on the fly: the float tensor is never written).
+    ``grad_for_input`` (``gx``) / ``grad_for_params`` (``gp``): output gradients of ``x``'s shape in
+    the values' dtype, or None when that gradient is not wanted. Returns ``(dx, dweight, dbias,
+    dv)``: ``dx`` (N, C, H, W) (None without ``gx``), the parameter gradients (C,) (None without
+    ``gp``; ``dv`` None when ``v`` is None), all in the values' dtype.
     """
     n, c = x.shape[:2]
+    if x.dtype == torch.uint8:
+        dtype, decode = torch.float32, (x_scale.detach().numpy().astype(np.float32)[()],
+                                        x_lo.detach().numpy().astype(np.float32)[()])
+    else:
+        dtype, decode = x.dtype, (_real(x.dtype)(1.0), _real(x.dtype)(0.0))
     want_dx, want_params = grad_for_input is not None, grad_for_params is not None
-    dx = torch.empty_like(x) if want_dx else x.new_empty((0,) * 4)
+    dx = torch.empty(x.shape, dtype=dtype) if want_dx else torch.empty((0,) * 4, dtype=dtype)
     parts = torch.empty((3, n, groups, c // groups) if want_params else (3, 0, 0, 0), dtype=torch.float64)
-    w = _per_group(weight, groups, x.dtype)
-    empty = x.detach().numpy()[:0]
+    w = _per_group(weight, groups, dtype)
+    empty = dx.numpy()[:0]
     _set_threads()
-    _backward(_grouped(x, groups),
+    _backward(_grouped(x, groups), *decode,
               _grouped(grad_for_input.contiguous(), groups) if want_dx else empty,
               _grouped(grad_for_params.contiguous(), groups) if want_params else empty,
-              w, w if v is None else _per_group(v, groups, x.dtype), v is not None, want_dx, want_params,
-              *_constants(x.dtype, eps, scale), _real(x.dtype)(_ONE_SIXTH),
-              dx.numpy() if not want_dx else _grouped(dx, groups), *parts.numpy())
+              w, w if v is None else _per_group(v, groups, dtype), v is not None, want_dx, want_params,
+              *_constants(dtype, eps, scale), _real(dtype)(_ONE_SIXTH),
+              _grouped(dx, groups) if want_dx else dx.numpy(), *parts.numpy())
     if not want_params:
         return (dx if want_dx else None), None, None, None
-    d_bias, d_weight, d_v = (part.reshape(n, c).sum(0).to(x.dtype) for part in parts)
+    d_bias, d_weight, d_v = parts.reshape(3, n, c).sum(1).to(dtype).unbind()
     return (dx if want_dx else None), d_weight, d_bias, (d_v if v is not None else None)

@@ -81,13 +81,12 @@ class QuantNormFunction(torch.autograd.Function):
         codes, scale, x_lo, *params = ctx.saved_tensors
         layer, config = ctx.layer, ctx.layer.quant_config
         need_x, need_params = ctx.needs_input_grad[0], list(ctx.needs_input_grad[5:])
-        x_q = dequantize_uint8(codes, scale, x_lo)
         params_q = [_quantize_parameter(p, config.bits) for p in params]
         g_q = None
         if need_x:
             g_range = grad_range(g, config.grad_granularity)
             g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
-        grad_x, grad_params = layer.normalize_backward(x_q, params_q, ctx.training, g_q, g, need_params)
+        grad_x, grad_params = layer.normalize_backward(codes, scale, x_lo, params_q, ctx.training, g_q, g, need_params)
         return (grad_x, None, None, None, None, *grad_params)
 
 
@@ -107,17 +106,18 @@ class QuantNormLayer(ActivationQuantizer):
         on running statistics (the backward recomputation)."""
         raise NotImplementedError
 
-    def normalize_backward(self, x: torch.Tensor, params: list[torch.Tensor], training: bool,
-                           grad_for_input: torch.Tensor | None, grad_for_params: torch.Tensor,
+    def normalize_backward(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                           params: list[torch.Tensor], training: bool, grad_for_input: torch.Tensor | None,
+                           grad_for_params: torch.Tensor,
                            need_params: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """VJPs of :meth:`normalize` at ``x`` (N, C, H, W) and ``params`` (the forward's 8-bit
-        operands), no side effect on running statistics: ``(dL/dx from grad_for_input, [dL/dp from
-        grad_for_params where need_params])`` (``grad_for_input=None``: no ``dL/dx``, None). This
-        one recomputes :meth:`normalize` under autograd; a layer with a hand-written backward
-        overrides it."""
+        """VJPs of :meth:`normalize` at the forward's 8-bit operands, the input ``codes * scale + lo``
+        (uint8 codes (N, C, H, W), 0-d step and offset; ``dequantize_uint8``) and ``params``, no side
+        effect on running statistics: ``(dL/dx from grad_for_input, [dL/dp from grad_for_params
+        where need_params])`` (``grad_for_input=None``: no ``dL/dx``, None). This one recomputes
+        :meth:`normalize` under autograd; a layer with a hand-written backward overrides it."""
         need_x = grad_for_input is not None
         with torch.enable_grad():
-            x = x.detach().requires_grad_(need_x)
+            x = dequantize_uint8(codes, scale, lo).requires_grad_(need_x)
             params = [p.detach().requires_grad_(n) for p, n in zip(params, need_params)]
             y = self.normalize(x, params, training, update_stats=False)
         wanted = [p for p, n in zip(params, need_params) if n]
@@ -171,16 +171,17 @@ class QuantRangeEvoNorm2d(_QuantGroupNormAct, RangeEvoNorm2d):
     float_type = RangeEvoNorm2d
     norm_fn = staticmethod(range_evonorm2d)
 
-    def normalize_backward(self, x, params, training, grad_for_input, grad_for_params, need_params):
-        """The hand-written backward (:meth:`RangeEvoNormFunction.gradients`) where it runs: the
-        layer gradient from ``grad_for_input``, the parameter gradients from ``grad_for_params``
-        in one pass over the group, no recomputation under autograd."""
-        if not RangeEvoNormFunction.supports(x):
-            return super().normalize_backward(x, params, training, grad_for_input, grad_for_params, need_params)
+    def normalize_backward(self, codes, scale, lo, params, training, grad_for_input, grad_for_params, need_params):
+        """The hand-written backward (:meth:`RangeEvoNormFunction.gradients`) on the CPU: the layer
+        gradient from ``grad_for_input``, the parameter gradients from ``grad_for_params``, the
+        input decoded from its codes on the fly; no recomputation under autograd."""
+        if codes.device.type != "cpu":
+            return super().normalize_backward(codes, scale, lo, params, training, grad_for_input, grad_for_params,
+                                              need_params)
         weight, bias, *v = params
         dx, dw, db, dv = RangeEvoNormFunction.gradients(
-            x, grad_for_input, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
-            self.groups, self.eps)
+            codes, grad_for_input, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
+            self.groups, self.eps, scale, lo)
         return dx, [d if n else None for d, n in zip((dw, db, dv), need_params)]
 
 
