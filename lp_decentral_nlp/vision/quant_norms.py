@@ -23,7 +23,7 @@ elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
 
 As ``QuantGemmFunction`` does, the layer keeps for backward (``ctx.save_for_backward``) the
 input's 8-bit codes with their scale and offset (a quarter of the fp32 input; the float layer's
-autograd keeps several fp32 intermediates) and the (C,) parameters; the backward works at the
+autograd keeps several fp32 intermediates) and the (C,) 8-bit parameters; the backward works at the
 dequantized input, bit for bit the forward's (``QuantNormLayer.normalize_backward``). Range
 EvoNorm on the CPU runs its hand-written backward there (``RangeEvoNormFunction.gradients``: both
 VJPs in one pass over each group); the other layers, and Range EvoNorm elsewhere, recompute the
@@ -70,18 +70,18 @@ class QuantNormFunction(torch.autograd.Function):
     def forward(ctx, x, x_lo, x_hi, layer: "QuantNormLayer", training: bool, *params):
         bits = layer.quant_config.bits
         codes, scale, x_q = quantize_uint8(x, x_lo, x_hi, bits)
-        ctx.save_for_backward(codes, scale, x_lo, *params)
+        params_q = [_quantize_parameter(p, bits) for p in params]
+        ctx.save_for_backward(codes, scale, x_lo, *params_q)
         ctx.layer, ctx.training = layer, training
         ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
-        return layer.normalize(x_q, [_quantize_parameter(p, bits) for p in params], training, update_stats=True)
+        return layer.normalize(x_q, params_q, training, update_stats=True)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        codes, scale, x_lo, *params = ctx.saved_tensors
+        codes, scale, x_lo, *params_q = ctx.saved_tensors
         layer, config = ctx.layer, ctx.layer.quant_config
         need_x, need_params = ctx.needs_input_grad[0], list(ctx.needs_input_grad[5:])
-        params_q = [_quantize_parameter(p, config.bits) for p in params]
         g_q = None
         if need_x:
             g_range = grad_range(g, config.grad_granularity)
