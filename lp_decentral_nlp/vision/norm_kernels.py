@@ -26,9 +26,9 @@ bifurcation passes two, SPEC 4):
 
 ``hsig``'s derivative is taken as autograd's ``hardsigmoid_backward`` does: ``1/6`` rounded to
 float32 (also for float64 tensors) strictly inside ``(-3, 3)``, 0 outside and on the kinks.
-Element-wise arithmetic is in the tensor's dtype (float32 or float64), the forward's in the order
-of the torch formula (the same bits); the backward's sums accumulate in float64, in whatever order
-vectorises (``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf). Arrays are ``(N, G, C/G, H*W)`` views of contiguous
+Arithmetic is in the tensor's dtype (float32 or float64), the forward's in the order of the torch
+formula (the same bits); the backward's per-channel sums in whatever order vectorises
+(``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf), as torch's own sums. Arrays are ``(N, G, C/G, H*W)`` views of contiguous
 ``(N, C, H, W)`` tensors; samples are split over numba's threads.
 
 numba compiles each kernel on its first use, once per dtype, and caches the machine code on disk
@@ -74,7 +74,7 @@ def _forward(x, weight, bias, v, apply_act, eps, scale, three, six, y):
 def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six,
               one_sixth, dx, part_b, part_w, part_v):
     samples, groups, per_group, positions = x.shape
-    zero = three - three
+    zero = three - three  # every per-element quantity in the values' dtype (selects, no bool products)
     for n in numba.prange(samples):
         for grp in range(groups):
             xs = x[n, grp]
@@ -88,19 +88,19 @@ def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_para
             denom = scale * ((hi - lo) + eps)
             n_hi = 0
             n_lo = 0
-            range_sum = 0.0  # sum_c w_c sum gx * num
+            range_sum = 0.0  # sum_c w_c sum gx * num, float64 over the channels
             for j in range(per_group):
                 w, vj = weight[grp, j], v[grp, j]
-                sum_b = 0.0
-                sum_w = 0.0
-                sum_v = 0.0
-                sum_x = 0.0
+                sum_b = zero
+                sum_w = zero
+                sum_v = zero
+                sum_x = zero
                 for k in range(positions):
                     val = xs[j, k] * x_scale + x_lo
                     n_hi += val == hi
                     n_lo += val == lo
                     num = val
-                    inside = zero
+                    inside = False
                     if apply_act:
                         t = vj * val
                         num = val * (min(max(t + three, zero), six) / six)
@@ -109,7 +109,7 @@ def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_para
                         g = gp[n, grp, j, k]
                         sum_b += g
                         sum_w += g * num
-                        sum_v += g * val * val * inside
+                        sum_v += (g * val * val) if inside else zero
                     if want_dx:
                         sum_x += gx[n, grp, j, k] * num
                 if want_params:
@@ -120,8 +120,8 @@ def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_para
             if not want_dx:
                 continue
             grad_range = -scale * range_sum / (denom * denom)
-            to_max = grad_range / n_hi
-            to_min = grad_range / n_lo
+            to_max = dx.dtype.type(grad_range / n_hi)
+            to_min = dx.dtype.type(grad_range / n_lo)
             for j in range(per_group):
                 w, vj = weight[grp, j], v[grp, j]
                 for k in range(positions):
@@ -131,9 +131,9 @@ def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_para
                     if apply_act:
                         t = vj * val
                         inside = (t > -three) & (t < three)
-                        d = a * (min(max(t + three, zero), six) / six) + a * val * one_sixth * vj * inside
+                        d = a * (min(max(t + three, zero), six) / six) + ((a * val * one_sixth * vj) if inside else zero)
                     # summed first: a constant group's +-dL/dR/n cancel exactly
-                    through_range = to_max * (val == hi) - to_min * (val == lo)
+                    through_range = (to_max if val == hi else zero) - (to_min if val == lo else zero)
                     dx[n, grp, j, k] = d + through_range
 
 
