@@ -28,8 +28,9 @@ bifurcation passes two, SPEC 4):
 float32 (also for float64 tensors) strictly inside ``(-3, 3)``, 0 outside and on the kinks.
 Arithmetic is in the tensor's dtype (float32 or float64), the forward's in the order of the torch
 formula (the same bits); the backward's per-channel sums in whatever order vectorises
-(``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf), as torch's own sums. Arrays are ``(N, G, C/G, H*W)`` views of contiguous
-``(N, C, H, W)`` tensors; samples are split over numba's threads.
+(``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf), as torch's own sums.
+Arrays are ``(N, G, C/G, H*W)`` views of contiguous ``(N, C, H, W)`` tensors; samples are split
+over numba's threads (as many as torch's intra-op pool).
 
 numba compiles each kernel on its first use, once per dtype, and caches the machine code on disk
 (``NUMBA_CACHE_DIR`` moves the cache); :mod:`.norms` imports this module on the first CPU call
