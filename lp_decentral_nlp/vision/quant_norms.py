@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
-from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8, tensor_range
+from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8
 from ..quant.layers import ActivationQuantizer
 from .norms import (
     EvoNormS0,
@@ -53,9 +53,12 @@ from .norms import (
 __all__ = ["QuantNormFunction", "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d"]
 
 
-def _quantize_parameter(p: torch.Tensor, bits: int) -> torch.Tensor:
-    """A (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4)."""
-    return fake_quantize(p, *tensor_range(p), bits)
+def _quantize_parameters(params: list[torch.Tensor], bits: int) -> list[torch.Tensor]:
+    """Each (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4):
+    stacked into one (P, C) tensor with one range per row, so one chain of small ops serves them
+    all (each row's operations are those of quantizing it alone: the same values)."""
+    stacked = torch.stack([p.detach() for p in params])
+    return list(fake_quantize(stacked, stacked.amin(1, keepdim=True), stacked.amax(1, keepdim=True), bits).unbind())
 
 
 class QuantNormFunction(torch.autograd.Function):
@@ -70,7 +73,7 @@ class QuantNormFunction(torch.autograd.Function):
     def forward(ctx, x, x_lo, x_hi, layer: "QuantNormLayer", training: bool, *params):
         bits = layer.quant_config.bits
         codes, scale, x_q = quantize_uint8(x, x_lo, x_hi, bits)
-        params_q = [_quantize_parameter(p, bits) for p in params]
+        params_q = _quantize_parameters(params, bits)
         ctx.save_for_backward(codes, scale, x_lo, *params_q)
         ctx.layer, ctx.training = layer, training
         ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
