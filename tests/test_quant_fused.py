@@ -33,9 +33,11 @@ def test_fused_quantizer_equals_torch_passes(shape, per_sample, signed, stochast
     if not signed:
         assert torch.equal(values, expected * expected_scale + lo)
 
-    torch.manual_seed(5)
-    quantize_fused(x, lo, hi, 8, stochastic, signed, values=False, last_dim_sums=False)
+    torch.manual_seed(5)  # without the last-dim sums (rows of whole samples where x has 3+ dims): same codes
+    codes_no_sums, values_no_sums, _, _ = quantize_fused(x, lo, hi, 8, stochastic, signed, values=not signed,
+                                                         last_dim_sums=False)
     after_fused = torch.rand(())
+    assert torch.equal(codes_no_sums, codes) and (signed or torch.equal(values_no_sums, values))
     torch.manual_seed(5)
     quantize_codes(x, lo, hi, 8, stochastic, signed)
     assert torch.equal(after_fused, torch.rand(())), "both draw the same random numbers: later draws stay in step"

@@ -8,6 +8,7 @@ from lp_decentral_nlp.vision.norms import (
     EvoNormS0,
     RangeBatchNorm2d,
     RangeEvoNorm2d,
+    RangeEvoNormFunction,
     evonorm_s0,
     range_batch_norm2d,
     range_evonorm2d,
@@ -226,3 +227,144 @@ def test_argument_errors():
         RangeBatchNorm2d(4)(torch.randn(1, 4, 1, 1))
     with pytest.raises(ValueError, match="divisible by groups"):
         range_evonorm2d(torch.randn(1, 6, 2, 2), torch.ones(6), torch.zeros(6), None, 4, 1e-5)
+
+
+# -- Range EvoNorm's hand-written backward (RangeEvoNormFunction) ---------------------------------
+
+
+def _autograd_range_evonorm(x, weight, bias, v, groups, eps):
+    """Range EvoNorm in torch ops, differentiated by autograd (the implementation the Function
+    replaced on the CPU): amax/amin give the range's gradient to the max/min elements, shared
+    evenly among ties."""
+    n, c = x.shape[:2]
+    grouped = x.reshape(n, groups, -1)
+    group_range = grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)
+    numerator = x if v is None else x * torch.nn.functional.hardsigmoid(v.view(1, -1, 1, 1) * x)
+    denominator = range_scale_constant(c // groups) * (group_range + eps)
+    y = (numerator.reshape(n, groups, -1) / denominator).reshape(x.shape)
+    return y * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+
+
+def _range_evonorm_case(dtype, apply_act, ties, seed=0):
+    """An input (2 samples, 8 channels, 5 x 4) and parameters with both hsig kinks in play;
+    ``ties``: the input on a coarse grid, so maxima, minima and hsig's kinks repeat, and sample 1
+    constant over group 0 (range 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 8, 5, 4, generator=gen, dtype=dtype) * 3
+    if ties:
+        x = (x * 2).round() / 2
+        x[1, :4] = 1.5
+    params = [torch.randn(8, generator=gen, dtype=dtype) * 1.5 for _ in range(3 if apply_act else 2)]
+    if apply_act and ties:
+        params[2][0] = 2.0  # v*x = +-3 at x = +-1.5: on hsig's kinks, where its gradient is 0
+    return x, params
+
+
+def _grads(fn, x, params, upstream, groups=2, eps=1e-5):
+    leaves = [t.clone().requires_grad_(True) for t in (x, *params)]
+    weight, bias, *v = leaves[1:]
+    y = fn(leaves[0], weight, bias, v[0] if v else None, groups, eps)
+    return y.detach(), torch.autograd.grad(y, leaves, upstream)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("apply_act", [True, False])
+def test_range_evonorm_function_matches_autograd_float64(apply_act, ties):
+    x, params = _range_evonorm_case(torch.float64, apply_act, ties)
+    upstream = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    y, grads = _grads(RangeEvoNormFunction.apply, x, params, upstream)
+    y_ref, grads_ref = _grads(_autograd_range_evonorm, x, params, upstream)
+    assert torch.equal(y, y_ref)
+    for name, got, want in zip(["x", "weight", "bias", "v"], grads, grads_ref):
+        # 1e-10 of the gradient's scale: a constant group divides by C * eps, gradients ~1e6
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10 * max(1.0, want.abs().max().item()), msg=name)
+    if ties:  # the constant group gets no gradient through its range, only the elementwise part
+        assert grads[0][1, :4].abs().max() > 0
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_range_evonorm_function_close_to_autograd_float32(ties):
+    x, params = _range_evonorm_case(torch.float32, True, ties, seed=3)
+    x = torch.cat([x] * 4) * 0.7 + 0.2  # 8 samples; groups of 4 channels x 20 positions
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    y, grads = _grads(range_evonorm2d, x, params, upstream)
+    y_ref, grads_ref = _grads(_autograd_range_evonorm, x, params, upstream)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def test_range_evonorm_ties_share_the_range_gradient_evenly():
+    """Two maxima and three minima in a group: each gets 1/2 (1/3) of dL/drange, as amax/amin."""
+    x = torch.tensor([[4.0, 4.0, 1.0, 2.0], [-1.0, -1.0, -1.0, 0.5]], dtype=torch.float64).view(1, 2, 2, 2)
+    weight, bias = torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    leaf = x.clone().requires_grad_(True)
+    # y = x / D, D = C(2) * (R + eps); L = sum(y * u) with u = 1 off the extremes -> only D matters there
+    upstream = torch.ones_like(x)
+    y = RangeEvoNormFunction.apply(leaf, weight, bias, None, 1, 1e-5)
+    (dx,) = torch.autograd.grad(y, leaf, upstream)
+    scale, r = range_scale_constant(2), 5.0
+    d = scale * (r + 1e-5)
+    grad_range = -scale * x.sum().item() / d**2
+    expected = torch.full_like(x, 1.0 / d)
+    expected.view(-1)[x.view(-1) == 4.0] += grad_range / 2
+    expected.view(-1)[x.view(-1) == -1.0] -= grad_range / 3
+    torch.testing.assert_close(dx, expected, rtol=0, atol=1e-12)
+
+
+def test_range_evonorm_function_partial_gradients_and_layouts():
+    x, params = _range_evonorm_case(torch.float64, True, False)
+    upstream = torch.randn(x.shape, dtype=torch.float64)
+    _, want = _grads(_autograd_range_evonorm, x, params, upstream)
+    # only the input, only the parameters
+    leaf = x.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(RangeEvoNormFunction.apply(leaf, *params, 2, 1e-5), leaf, upstream)
+    torch.testing.assert_close(dx, want[0], rtol=0, atol=1e-10)
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    dparams = torch.autograd.grad(RangeEvoNormFunction.apply(x, *leaves, 2, 1e-5), leaves, upstream)
+    for got, expected in zip(dparams, want[1:]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    # a channels-last input and a non-contiguous output gradient
+    leaf = x.clone().to(memory_format=torch.channels_last).requires_grad_(True)
+    y = RangeEvoNormFunction.apply(leaf, *params, 2, 1e-5)
+    (dx,) = torch.autograd.grad(y, leaf, upstream.transpose(2, 3).contiguous().transpose(2, 3))
+    torch.testing.assert_close(dx, want[0], rtol=0, atol=1e-10)
+
+
+def test_range_evonorm_layer_runs_the_function_on_cpu_and_keeps_fewer_bytes():
+    from lp_decentral_nlp.quant import saved_tensor_bytes
+
+    layer = _randomise(RangeEvoNorm2d(16))
+    x = torch.randn(4, 16, 8, 8, requires_grad=True)
+    y, nbytes = saved_tensor_bytes(layer, x)
+    assert type(y.grad_fn).__name__ == "RangeEvoNormFunctionBackward"
+    _, nbytes_autograd = saved_tensor_bytes(
+        _autograd_range_evonorm, x, layer.weight, layer.bias, layer.v, layer.groups, layer.eps)
+    assert nbytes <= x.numel() * 4 + 3 * 16 * 4 < nbytes_autograd
+    assert RangeEvoNormFunction.supports(x) and not RangeEvoNormFunction.supports(x.bfloat16())
+
+
+def test_range_evonorm_gradcheck_through_the_function():
+    x, params = _range_evonorm_case(torch.float64, True, False, seed=2)
+    leaves = [t.clone().requires_grad_(True) for t in (x, *params)]
+    assert torch.autograd.gradcheck(lambda *t: RangeEvoNormFunction.apply(*t, 2, 1e-5), leaves)
+
+
+def test_range_evonorm_gradients_from_8bit_codes_equal_those_from_their_values():
+    """The 8-bit layer's backward hands over the input's codes: decoded on the fly, the same bits
+    as the gradients at the dequantized tensor."""
+    from lp_decentral_nlp.quant.functional import dequantize_uint8, quantize_uint8
+
+    x, params = _range_evonorm_case(torch.float32, True, False, seed=4)
+    x = torch.cat([x] * 3)
+    lo, hi = x.amin(), x.amax() * 0.8  # some values clamp: ties at the top code
+    codes, scale, values = quantize_uint8(x, lo, hi, 8)
+    g_x, g_p = torch.randn(x.shape), torch.randn(x.shape)
+    weight, bias, v = params
+    from_codes = RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5, scale, lo)
+    from_values = RangeEvoNormFunction.gradients(dequantize_uint8(codes, scale, lo), g_x, g_p, weight, v, 2, 1e-5)
+    assert torch.equal(dequantize_uint8(codes, scale, lo), values)
+    for a, b in zip(from_codes, from_values):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="x_scale and x_lo"):
+        RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5)

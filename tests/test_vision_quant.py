@@ -108,7 +108,7 @@ def test_forward_is_the_formula_on_8bit_input_and_parameters(kind):
     for p_q, p in zip(call["params"], q.quant_parameters()):
         p_lo, p_hi = tensor_range(p.detach())
         assert_on_grid(p_q, p_lo, (p_hi - p_lo) / 255)
-        assert not torch.equal(p_q, p.detach())
+        assert torch.equal(p_q, q8(p)) and not torch.equal(p_q, p.detach())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -113,11 +113,14 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
 
     if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
         dither = _dither(x.numel(), x.device) if stochastic else None
+        # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
+        # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
+        rows = x if last_dim_sums or x.dim() < 3 else x.reshape(x.shape[0], -1)
         codes, out_values, sums = fused.quantize_rows(
-            x, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
+            rows, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
             values, last_dim_sums,
         )
-        return codes, out_values, sums, scale
+        return codes.view(x.shape), None if out_values is None else out_values.view(x.shape), sums, scale
     float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)
     sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
     codes = float_codes.to(code_dtype)

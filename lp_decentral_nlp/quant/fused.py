@@ -34,7 +34,7 @@ def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale
     rows, cols = x.shape
     per_row = inv.shape[0] > 1
     for r in numba.prange(rows):  # rows are independent: each element's operations do not change
-        k = r if per_row else 0
+        k = r if per_row else r - r  # the prange index's integer type: with 0, a parallel first compile fails
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
         if dither.shape[0] > 0:

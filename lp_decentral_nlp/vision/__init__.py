@@ -17,6 +17,7 @@ from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
     RangeEvoNorm2d,
+    RangeEvoNormFunction,
     evonorm_s0,
     range_batch_norm2d,
     range_evonorm2d,
@@ -26,7 +27,7 @@ from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, 
 
 __all__ = [
     "ARCHS", "NORMS", "VISION_DATASETS",
-    "EvoNormS0", "RangeEvoNorm2d", "RangeBatchNorm2d",
+    "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",
     "build_vision_model", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",

@@ -23,11 +23,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "range_scale_constant",
     "evonorm_s0",
     "range_evonorm2d",
+    "RangeEvoNormFunction",
     "range_batch_norm2d",
     "EvoNormS0",
     "RangeEvoNorm2d",
@@ -135,15 +137,82 @@ def range_evonorm2d(
     ``C(c/g) = 1/sqrt(2 ln(c/g))`` with ``c/g`` the channels per group, as the paper's equation
     states (not the number of elements the range spans); ``c/g`` must be at least 2.
     ``hsig(t) = max(0, min(1, (t + 3) / 6))``.
+
+    A float32 or float64 CPU input runs :class:`RangeEvoNormFunction` (compiled forward, hand-written
+    backward); other devices and dtypes the torch formula through autograd. Both give the
+    gradient autograd gives the formula: the range's goes to the group's max and min elements,
+    shared evenly among ties.
     """
     n, c = x.shape[:2]
     _check_channels_groups(c, groups)
     scale = range_scale_constant(c // groups)
+    if RangeEvoNormFunction.supports(x):
+        return RangeEvoNormFunction.apply(x, weight, bias, v, groups, eps)
     grouped = x.to(_stat_dtype(x)).reshape(n, groups, -1)
     group_range = grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)
     numerator = x if v is None else x * F.hardsigmoid(_per_channel(v, x) * x)
     denominator = scale * (group_range + eps)
     return _affine(_divide_by_group_stat(numerator, denominator, groups), weight, bias)
+
+
+class RangeEvoNormFunction(torch.autograd.Function):
+    """Range EvoNorm (:func:`range_evonorm2d`) with a hand-written backward, on the CPU.
+
+    ``apply(x, weight, bias, v, groups, eps)``: ``x`` (N, C, H, W) float32 or float64 on the CPU
+    (:meth:`supports`), ``weight``, ``bias``, ``v`` (C,) (``v`` may be None), returns ``y`` like
+    ``x``. The forward and :meth:`gradients` run compiled kernels (``vision/norm_kernels.py``,
+    where the backward is derived) that keep each (sample, group) in cache; the Function saves
+    only ``x`` and the (C,) parameters. Gradients are autograd's of the torch formula up to
+    rounding, including the ``amax``/``amin`` subgradient for ties (shared evenly).
+    """
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        """Whether the compiled kernels take `x`: a float32/float64 CPU tensor of real storage."""
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+                and type(x.detach()) is torch.Tensor and x.numel() > 0)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, v, groups: int, eps: float):
+        from .norm_kernels import range_evonorm_forward
+
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight, v)
+        ctx.groups, ctx.eps = groups, eps
+        return range_evonorm_forward(x, weight, bias, v, groups, eps, range_scale_constant(x.shape[1] // groups))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, weight, v = ctx.saved_tensors
+        need_x, need_w, need_b, need_v = ctx.needs_input_grad[:4]
+        dx, dw, db, dv = RangeEvoNormFunction.gradients(
+            x, g if need_x else None, g if (need_w or need_b or need_v) else None,
+            weight, v, ctx.groups, ctx.eps)
+        return (dx, dw if need_w else None, db if need_b else None, dv if need_v else None, None, None)
+
+    @staticmethod
+    def gradients(x: torch.Tensor, grad_for_input: torch.Tensor | None, grad_for_params: torch.Tensor | None,
+                  weight: torch.Tensor, v: torch.Tensor | None, groups: int, eps: float,
+                  x_scale: torch.Tensor | None = None, x_lo: torch.Tensor | None = None):
+        """``(dL/dx, dL/dweight, dL/dbias, dL/dv)`` of :func:`range_evonorm2d` at ``x``, with the
+        output gradient ``grad_for_input`` for ``dL/dx`` and ``grad_for_params`` for the parameters
+        (the 8-bit layer passes its quantized and its full-precision gradient, SPEC 4; either None:
+        those gradients are not computed and come back None).
+
+        ``x`` (N, C, H, W): a tensor :meth:`supports` takes, or the uint8 codes of an 8-bit input
+        with its 0-d float32 step ``x_scale`` and offset ``x_lo`` (``x = codes * x_scale + x_lo``,
+        SPEC 4, decoded on the fly). The output gradients are like ``x``'s values; parameter
+        gradients (C,) in the dtype of ``weight``.
+        """
+        from .norm_kernels import range_evonorm_backward
+
+        if x.dtype == torch.uint8 and (x_scale is None or x_lo is None or x_scale.dim() or x_lo.dim()):
+            raise ValueError("uint8 codes x need their 0-d x_scale and x_lo")
+        dx, dw, db, dv = range_evonorm_backward(
+            x.contiguous(), grad_for_input, grad_for_params, weight, v, groups, eps,
+            range_scale_constant(x.shape[1] // groups), x_scale, x_lo)
+        return (dx, *(None if d is None else d.to(weight.dtype) for d in (dw, db, dv)))
 
 
 def range_batch_norm2d(

@@ -23,9 +23,12 @@ elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
 
 As ``QuantGemmFunction`` does, the layer keeps for backward (``ctx.save_for_backward``) the
 input's 8-bit codes with their scale and offset (a quarter of the fp32 input; the float layer's
-autograd keeps several fp32 intermediates) and the (C,) parameters, and the backward recomputes
-the formula from the dequantized input, bit for bit the forward's; a Range BatchNorm's
-recomputation in training uses the same batch statistics without touching the running buffers.
+autograd keeps several fp32 intermediates) and the (C,) 8-bit parameters; the backward works at the
+dequantized input, bit for bit the forward's (``QuantNormLayer.normalize_backward``). Range
+EvoNorm on the CPU runs its hand-written backward there (``RangeEvoNormFunction.gradients``: both
+VJPs in one pass over each group); the other layers, and Range EvoNorm elsewhere, recompute the
+formula under autograd, a Range BatchNorm in training with the same batch statistics and without
+touching the running buffers.
 """
 from __future__ import annotations
 
@@ -34,12 +37,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
-from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8, tensor_range
+from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8
 from ..quant.layers import ActivationQuantizer
 from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
     RangeEvoNorm2d,
+    RangeEvoNormFunction,
     _check_input,
     evonorm_s0,
     range_batch_norm2d,
@@ -49,9 +53,12 @@ from .norms import (
 __all__ = ["QuantNormFunction", "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d"]
 
 
-def _quantize_parameter(p: torch.Tensor, bits: int) -> torch.Tensor:
-    """A (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4)."""
-    return fake_quantize(p, *tensor_range(p), bits)
+def _quantize_parameters(params: list[torch.Tensor], bits: int) -> list[torch.Tensor]:
+    """Each (C,) parameter on the ``bits``-bit grid of its own min/max, nearest rounding (SPEC 4):
+    stacked into one (P, C) tensor with one range per row, so one chain of small ops serves them
+    all (each row's operations are those of quantizing it alone: the same values)."""
+    stacked = torch.stack([p.detach() for p in params])
+    return list(fake_quantize(stacked, stacked.amin(1, keepdim=True), stacked.amax(1, keepdim=True), bits).unbind())
 
 
 class QuantNormFunction(torch.autograd.Function):
@@ -66,29 +73,23 @@ class QuantNormFunction(torch.autograd.Function):
     def forward(ctx, x, x_lo, x_hi, layer: "QuantNormLayer", training: bool, *params):
         bits = layer.quant_config.bits
         codes, scale, x_q = quantize_uint8(x, x_lo, x_hi, bits)
-        ctx.save_for_backward(codes, scale, x_lo, *params)
+        params_q = _quantize_parameters(params, bits)
+        ctx.save_for_backward(codes, scale, x_lo, *params_q)
         ctx.layer, ctx.training = layer, training
         ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
-        return layer.normalize(x_q, [_quantize_parameter(p, bits) for p in params], training, update_stats=True)
+        return layer.normalize(x_q, params_q, training, update_stats=True)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        codes, scale, x_lo, *params = ctx.saved_tensors
+        codes, scale, x_lo, *params_q = ctx.saved_tensors
         layer, config = ctx.layer, ctx.layer.quant_config
-        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
-        with torch.enable_grad():
-            x_q = dequantize_uint8(codes, scale, x_lo).requires_grad_(need_x)
-            params_q = [_quantize_parameter(p, config.bits).requires_grad_(n) for p, n in zip(params, need_params)]
-            y = layer.normalize(x_q, params_q, ctx.training, update_stats=False)
-        wanted = [p for p, n in zip(params_q, need_params) if n]
-        grad_x = None
+        need_x, need_params = ctx.needs_input_grad[0], list(ctx.needs_input_grad[5:])
+        g_q = None
         if need_x:
             g_range = grad_range(g, config.grad_granularity)
             g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
-            (grad_x,) = torch.autograd.grad(y, x_q, g_q, retain_graph=bool(wanted))
-        grads = iter(torch.autograd.grad(y, wanted, g) if wanted else ())
-        grad_params = [next(grads) if n else None for n in need_params]
+        grad_x, grad_params = layer.normalize_backward(codes, scale, x_lo, params_q, ctx.training, g_q, g, need_params)
         return (grad_x, None, None, None, None, *grad_params)
 
 
@@ -107,6 +108,27 @@ class QuantNormLayer(ActivationQuantizer):
         order) in the mode of the forward call (``training``); ``update_stats=False``: no side effect
         on running statistics (the backward recomputation)."""
         raise NotImplementedError
+
+    def normalize_backward(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                           params: list[torch.Tensor], training: bool, grad_for_input: torch.Tensor | None,
+                           grad_for_params: torch.Tensor,
+                           need_params: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """VJPs of :meth:`normalize` at the forward's 8-bit operands, the input ``codes * scale + lo``
+        (uint8 codes (N, C, H, W), 0-d step and offset; ``dequantize_uint8``) and ``params``, no side
+        effect on running statistics: ``(dL/dx from grad_for_input, [dL/dp from grad_for_params
+        where need_params])`` (``grad_for_input=None``: no ``dL/dx``, None). This one recomputes
+        :meth:`normalize` under autograd; a layer with a hand-written backward overrides it."""
+        need_x = grad_for_input is not None
+        with torch.enable_grad():
+            x = dequantize_uint8(codes, scale, lo).requires_grad_(need_x)
+            params = [p.detach().requires_grad_(n) for p, n in zip(params, need_params)]
+            y = self.normalize(x, params, training, update_stats=False)
+        wanted = [p for p, n in zip(params, need_params) if n]
+        grad_x = None
+        if need_x:
+            (grad_x,) = torch.autograd.grad(y, x, grad_for_input, retain_graph=bool(wanted))
+        grads = iter(torch.autograd.grad(y, wanted, grad_for_params) if wanted else ())
+        return grad_x, [next(grads) if n else None for n in need_params]
 
     def quant_parameters(self) -> list[nn.Parameter]:
         """The parameters quantized in the forward pass: ``weight``, ``bias`` and ``v`` if present."""
@@ -151,6 +173,19 @@ class QuantRangeEvoNorm2d(_QuantGroupNormAct, RangeEvoNorm2d):
 
     float_type = RangeEvoNorm2d
     norm_fn = staticmethod(range_evonorm2d)
+
+    def normalize_backward(self, codes, scale, lo, params, training, grad_for_input, grad_for_params, need_params):
+        """The hand-written backward (:meth:`RangeEvoNormFunction.gradients`) on the CPU: the layer
+        gradient from ``grad_for_input``, the parameter gradients from ``grad_for_params``, the
+        input decoded from its codes on the fly; no recomputation under autograd."""
+        if codes.device.type != "cpu":
+            return super().normalize_backward(codes, scale, lo, params, training, grad_for_input, grad_for_params,
+                                              need_params)
+        weight, bias, *v = params
+        dx, dw, db, dv = RangeEvoNormFunction.gradients(
+            codes, grad_for_input, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
+            self.groups, self.eps, scale, lo)
+        return dx, [d if n else None for d, n in zip((dw, db, dv), need_params)]
 
 
 class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
