@@ -1,5 +1,10 @@
 """The SPEC section 5 normalisation layers against their equations, computed here independently."""
 import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from lp_decentral_nlp.vision.norms import (
     range_evonorm2d,
     range_scale_constant,
 )
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _randomise(layer, gen_scale=1.0):
@@ -368,3 +375,26 @@ def test_range_evonorm_gradients_from_8bit_codes_equal_those_from_their_values()
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="x_scale and x_lo"):
         RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5)
+
+
+def test_the_compiled_range_evonorm_leaves_torchs_thread_count_as_set():
+    """Numba's OpenMP pool shares the runtime with torch and sets every core when it starts: a run on
+    one thread must stay on one (results depend on torch's thread count), and on two stay on two.
+    In a fresh process, where the pool has not started yet."""
+    code = textwrap.dedent("""
+        import torch
+        from lp_decentral_nlp.vision import RangeEvoNormFunction
+        x = torch.randn(32, 16, 32, 32, requires_grad=True)
+        w = torch.ones(16, requires_grad=True)
+        counts = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            RangeEvoNormFunction.apply(x, w, w, w, 8, 1e-5).sum().backward()
+            counts.append(torch.get_num_threads())
+        print(counts)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               NUMBA_NUM_THREADS="4")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[1, 2]"

@@ -30,7 +30,8 @@ Arithmetic is in the tensor's dtype (float32 or float64), the forward's in the o
 formula (the same bits); the backward's per-channel sums in whatever order vectorises
 (``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf), as torch's own sums.
 Arrays are ``(N, G, C/G, H*W)`` views of contiguous ``(N, C, H, W)`` tensors; samples are split
-over numba's threads (as many as torch's intra-op pool).
+over numba's threads (as many as torch's intra-op pool; one thread runs the serial build without
+starting numba's pool: :mod:`lp_decentral_nlp.utils.numba_threads`).
 
 numba compiles each kernel on its first use, once per dtype, and caches the machine code on disk
 (``NUMBA_CACHE_DIR`` moves the cache); :mod:`.norms` imports this module on the first CPU call
@@ -42,12 +43,13 @@ import numba
 import numpy as np
 import torch
 
+from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
+
 # autograd's hardsigmoid_backward multiplies by 1/6 as a float32 constant, also for float64
 _ONE_SIXTH = np.float32(1.0 / 6.0)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)
-def _forward(x, weight, bias, v, apply_act, eps, scale, three, six, y):
+def _forward_kernel(x, weight, bias, v, apply_act, eps, scale, three, six, y):
     samples, groups, per_group, positions = x.shape
     zero = three - three
     for n in numba.prange(samples):
@@ -71,8 +73,7 @@ def _forward(x, weight, bias, v, apply_act, eps, scale, three, six, y):
                     ys[j, k] = val / denom * w + b
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True, fastmath={"reassoc"})
-def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six,
+def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six,
               one_sixth, dx, part_b, part_w, part_v):
     samples, groups, per_group, positions = x.shape
     zero = three - three  # every per-element quantity in the values' dtype (selects, no bool products)
@@ -138,6 +139,10 @@ def _backward(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_para
                     dx[n, grp, j, k] = d + through_range
 
 
+_FORWARD = compile_serial_and_parallel(_forward_kernel)
+_BACKWARD = compile_serial_and_parallel(_backward_kernel, fastmath={"reassoc"})
+
+
 def _grouped(t: torch.Tensor, groups: int) -> np.ndarray:
     """A contiguous (N, C, H, W) CPU tensor as its (N, groups, C/groups, H*W) numpy view."""
     n, c = t.shape[:2]
@@ -147,10 +152,6 @@ def _grouped(t: torch.Tensor, groups: int) -> np.ndarray:
 def _per_group(p: torch.Tensor, groups: int, dtype: torch.dtype) -> np.ndarray:
     """A (C,) parameter as a contiguous (groups, C/groups) array of `dtype`."""
     return p.detach().to(dtype).contiguous().numpy().reshape(groups, -1)
-
-
-def _set_threads() -> None:
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
 def _real(dtype: torch.dtype):
@@ -172,8 +173,7 @@ def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     ``scale = C(c/g)``. Returns ``y`` of ``x``'s shape and dtype."""
     y = torch.empty_like(x)
     w = _per_group(weight, groups, x.dtype)
-    _set_threads()
-    _forward(_grouped(x, groups), w, _per_group(bias, groups, x.dtype),
+    run_kernel(_FORWARD, x.numel(), _grouped(x, groups), w, _per_group(bias, groups, x.dtype),
              w if v is None else _per_group(v, groups, x.dtype), v is not None,
              *_constants(x.dtype, eps, scale), _grouped(y, groups))
     return y
@@ -204,8 +204,7 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     parts = torch.empty((3, n, groups, c // groups) if want_params else (3, 0, 0, 0), dtype=torch.float64)
     w = _per_group(weight, groups, dtype)
     empty = dx.numpy()[:0]
-    _set_threads()
-    _backward(_grouped(x, groups), *decode,
+    run_kernel(_BACKWARD, x.numel(), _grouped(x, groups), *decode,
               _grouped(grad_for_input.contiguous(), groups) if want_dx else empty,
               _grouped(grad_for_params.contiguous(), groups) if want_params else empty,
               w, w if v is None else _per_group(v, groups, dtype), v is not None, want_dx, want_params,

@@ -1,0 +1,43 @@
+"""Numba's compiled CPU kernels on torch's intra-op threads: the one place where they meet.
+
+Numba's OpenMP threading layer shares the OpenMP runtime with torch, and launching it (the first
+parallel call in a process) sets the runtime's thread count to ``NUMBA_NUM_THREADS`` (every core),
+which is torch's intra-op count too. A run that had set one thread (``--threads``, the recipes'
+default) would train on every core from that call on, and its results would depend on when the
+first call came (torch's reductions split their work by thread count, so a resumed run would no
+longer repeat a straight one bit for bit). Hence each kernel has a serial and a parallel build:
+the serial one whenever torch runs one thread or the tensor is small (numba's pool never starts),
+the parallel one on torch's thread count, which is set back after the call if numba changed it.
+"""
+from __future__ import annotations
+
+import numba
+import torch
+
+# below this many elements a parallel call costs more than it saves
+PARALLEL_MIN_ELEMENTS = 2**16
+
+
+def compile_serial_and_parallel(kernel, **options) -> tuple:
+    """``(serial, parallel)`` builds of the Python function `kernel` (its ``numba.prange`` loops
+    run over numba's threads in the parallel one); `options`: more ``numba.njit`` options, e.g.
+    ``fastmath``. Both are cached on disk."""
+    return (numba.njit(cache=True, nogil=True, boundscheck=False, **options)(kernel),
+            numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True, **options)(kernel))
+
+
+def run_kernel(kernels: tuple, numel: int, *args):
+    """Call the serial or the parallel build of ``kernels`` (:func:`compile_serial_and_parallel`)
+    on ``args`` for work over `numel` elements: parallel only with at least
+    ``PARALLEL_MIN_ELEMENTS`` elements and more than one torch thread, then on as many threads as
+    torch's intra-op pool (at most ``NUMBA_NUM_THREADS``), leaving torch's thread count as it was."""
+    torch_threads = torch.get_num_threads()
+    threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
+    if threads == 1 or numel < PARALLEL_MIN_ELEMENTS:
+        return kernels[0](*args)
+    try:
+        numba.set_num_threads(threads)
+        return kernels[1](*args)
+    finally:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
