@@ -172,9 +172,11 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     """``codes * scale + lo`` (fp32, shape of `codes`) of :func:`dequantizable` operands in one
     pass: the same two fp32 roundings as ``torch.mul(codes, scale).add_(lo)``, so the same bits.
     `scale`, `lo`: 0-d or one per sample (dim 0)."""
-    rows = codes.numel() // codes.shape[-1]
+    # one row per sample (dim 0, as the per-sample ranges; a 1-D tensor is one row): a short last
+    # dim (a conv's W) costs no loop per row and the ranges need no repeating
+    rows = codes.shape[0] if codes.dim() > 1 else 1
     values = torch.empty(codes.shape, dtype=torch.float32)
-    scale_rows, lo_rows = _per_row((scale, lo), codes)
+    scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))
     _variant(_DEQUANTIZE_ROWS, codes.numel())(
         codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
     return values
