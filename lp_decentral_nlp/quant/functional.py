@@ -24,10 +24,12 @@ def quantize_codes(
         lo, hi: range, 0-d or broadcastable to `x`; values outside it are clamped.
         bits: grid has ``2**bits`` levels.
         stochastic: round ``v`` to ``floor(v + u)``, ``u`` uniform on the ``2**16`` midpoints
-            ``(j + 1/2) / 2**16`` of [0, 1) drawn from torch's RNG: ``v`` goes up with probability
-            ``v - floor(v)`` up to ``2**-17`` (unbiased to that resolution inside the range). Four
-            dithers come from each 64-bit draw, a quarter of the draws of ``rand_like`` (the CPU
-            generator is sequential). Nearest rounding otherwise.
+            ``(j + 1/2) / 2**16`` of [0, 1): ``v`` goes up with probability ``v - floor(v)`` up
+            to ``2**-17`` (unbiased to that resolution inside the range). On the CPU the 16-bit
+            words come from a counter-based hash keyed by one 64-bit draw of torch's generator
+            per call (``fused.dither_words``: computed in parallel, reproducible from
+            ``torch.manual_seed``); elsewhere four words from each 64-bit draw of the device's
+            generator. Nearest rounding otherwise.
         signed: return ``q - 2**(bits - 1)`` (the shift folded into the affine offset: no extra pass).
 
     Returns:
@@ -62,10 +64,38 @@ def _affine_parameters(lo, hi, bits, stochastic, signed):
 
 
 def _dither(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` int16 random words ``r`` (the dither is ``r / 2**16`` plus the offset's constant),
-    four from each 64-bit draw of torch's generator."""
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
-    return words.view(torch.int16)[:n]
+    """``n`` int16 random words ``r`` (the dither is ``r / 2**16`` plus the offset's constant).
+
+    CPU: ``fused.dither_words`` keyed by one draw of torch's generator (:func:`_dither_key`), the
+    words the one-pass quantizer computes in place (the same hash in torch's integer ops while a
+    tracer hands out tensors without data). Other devices: four words from each 64-bit draw of
+    the device's generator."""
+    if device.type != "cpu":
+        words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
+        return words.view(torch.int16)[:n]
+    key = _dither_key()
+    if type(key) is torch.Tensor:
+        from . import fused
+
+        return fused.dither_words(n, int(key.numpy()))
+    return _hashed_words(n, key)
+
+
+def _dither_key() -> torch.Tensor:
+    """One 64-bit draw of torch's default CPU generator (0-d int64), the key of a call's CPU dither
+    words. Read on the host with ``.numpy()``: a CPU tensor, so no device sync and no scalar op."""
+    return torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+
+
+def _hashed_words(n: int, key: torch.Tensor) -> torch.Tensor:
+    """``fused.dither_words(n, key)`` in torch's int64 ops (each product masked to 32 bits)."""
+    mask = 0xFFFFFFFF
+    h = (torch.arange(n, dtype=torch.int64) * 0x9E3779B9 + (key & mask)).bitwise_and_(mask)
+    h.bitwise_xor_((key >> 32) & mask)
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        h.bitwise_xor_(h >> shift).mul_(factor).bitwise_and_(mask)
+    h.bitwise_xor_(h >> 16)
+    return ((h >> 16) - 32768).to(torch.int16)
 
 
 @torch.no_grad()
@@ -112,12 +142,12 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
     from . import fused
 
     if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
-        dither = _dither(x.numel(), x.device) if stochastic else None
+        dither_key = int(_dither_key().numpy()) if stochastic else None
         # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
         # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
         rows = x if last_dim_sums or x.dim() < 3 else x.reshape(x.shape[0], -1)
         codes, out_values, sums = fused.quantize_rows(
-            rows, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
+            rows, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither_key, 2.0**-DITHER_BITS,
             values, last_dim_sums,
         )
         return codes.view(x.shape), None if out_values is None else out_values.view(x.shape), sums, scale
