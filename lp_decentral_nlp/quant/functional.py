@@ -11,6 +11,7 @@ import torch
 
 # Resolution of the stochastic-rounding dither: u takes the 2**16 values (j + 1/2) / 2**16.
 DITHER_BITS = 16
+_DITHER_OFFSET = 0.5 + 2.0 ** -(DITHER_BITS + 1)  # the dither's constant part
 
 
 @torch.no_grad()
@@ -59,7 +60,7 @@ def _affine_parameters(lo, hi, bits, stochastic, signed):
     # (x - lo) / s - shift = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
     offset = -lo * inv - shift
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
-        offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
+        offset = offset + _DITHER_OFFSET
     return scale, inv, offset, levels, shift
 
 
@@ -135,22 +136,21 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
         keepdim); the step ``scale``. Bit for bit the torch passes' results: a contiguous float32
         CPU tensor goes through ``fused.quantize_rows``, anything else through ``quantize_codes``.
     """
-    scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
-    code_dtype = torch.int8 if signed else torch.uint8
     if values and signed:
         raise ValueError("values are the unsigned codes' dequantized tensor; ask for signed=False")
     from . import fused
 
-    if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
+    if fused.fusable(x, lo, hi) and lo.shape == hi.shape and lo.dtype == hi.dtype == torch.float32:
         dither_key = int(_dither_key().numpy()) if stochastic else None
         # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
         # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
         rows = x if last_dim_sums or x.dim() < 3 else x.reshape(x.shape[0], -1)
-        codes, out_values, sums = fused.quantize_rows(
-            rows, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither_key, 2.0**-DITHER_BITS,
-            values, last_dim_sums,
+        codes, out_values, sums, scale = fused.quantize_rows(
+            rows, lo, hi, bits, signed, dither_key, 2.0**-DITHER_BITS, _DITHER_OFFSET, values,
+            last_dim_sums,
         )
         return codes.view(x.shape), None if out_values is None else out_values.view(x.shape), sums, scale
+    code_dtype = torch.int8 if signed else torch.uint8
     float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)
     sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
     codes = float_codes.to(code_dtype)

@@ -55,18 +55,28 @@ def _dither_word(index, key_low, key_high):
     return np.int32(h >> _U32(16)) - np.int32(32768)
 
 
-def _quantize_rows(x, inv, offset, low, high, stochastic, key_low, key_high, dither_scale, codes, scale, lo, values,
-                   row_sums):
+def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, codes,
+                   scale, values, row_sums):
     rows, cols = x.shape
-    per_row = inv.shape[0] > 1
+    ranges = lo.shape[0]
+    # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
+    inv, offset = np.empty(ranges, np.float32), np.empty(ranges, np.float32)
+    low, high = -shift, levels - shift
+    for j in range(ranges):
+        step = (hi[j] - lo[j]) / levels
+        scale[j] = step
+        inv[j] = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+        b = -lo[j] * inv[j]
+        b = b - shift
+        offset[j] = b + dither_offset if stochastic else b
+    rows_per_range = rows // ranges
     for r in numba.prange(rows):  # rows are independent: each element's operations do not change
-        k = r if per_row else r - r  # the prange index's integer type: with 0, a parallel first compile fails
+        # int64: a parallel prange index may be uint64, and uint64 with int64 types as float64
+        k = np.int64(r) // rows_per_range
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
         if stochastic:
-            # flat index of the row's first element, the dither's counter (int64: a parallel prange
-            # index may be uint64, and uint64 * int64 types as float64)
-            first = np.int64(r) * cols
+            first = np.int64(r) * cols  # flat index of the row's first element: the dither's counter
             for c in range(cols):
                 v = x_row[c] * a
                 v = v + b
@@ -132,15 +142,6 @@ def _variant(kernels, numel: int):
     return kernels[0]
 
 
-def _per_row(params, x: torch.Tensor) -> list[np.ndarray]:
-    """Range tensors (0-d or one per sample, dim 0 of `x`) as 1-D arrays: one entry, or one per row
-    of `x` seen as a matrix over its last dim."""
-    rows = x.numel() // x.shape[-1]
-    if params[0].dim() > 0:  # one range per sample (dim 0): repeat it over the sample's rows
-        params = [t.reshape(-1).repeat_interleave(rows // x.shape[0]) for t in params]
-    return [t.detach().reshape(-1).numpy() for t in params]
-
-
 def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether range `t` holds one value per sample (dim 0) of an `x` of at least 2 dims, whose
     rows over the last dim each lie in one sample (a 1-D `x` is one row)."""
@@ -158,41 +159,42 @@ def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and (t.dim() == 0 or _one_per_sample(t, x)) for t in ranges)
 
 
-def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-                  low: float, high: float, code_dtype: torch.dtype, dither_key: int | None,
-                  dither_scale: float, values: bool, last_dim_sums: bool):
-    """Codes ``clamp(round(x * inv + offset), low, high)`` of a :func:`fusable` `x` in one pass.
+def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, signed: bool,
+                  dither_key: int | None, dither_scale: float, dither_offset: float, values: bool,
+                  last_dim_sums: bool):
+    """``functional.quantize_codes``' codes of a :func:`fusable` `x` in one pass, its affine
+    parameters (``_affine_parameters``' fp32 operations) included.
 
     Args:
         x: contiguous float32 CPU tensor, at least 1-D.
-        inv, offset, scale, lo: fp32, 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``
-            (``functional.quantize_codes``'s ``1/s``, offset, ``s`` and ``lo``).
-        low, high: clamp bounds of the codes.
-        code_dtype: ``torch.uint8`` or ``torch.int8``.
+        lo, hi: float32 range, one shape: 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``.
+        bits: the grid has ``2**bits`` levels; `signed`: codes shifted by ``-2**(bits-1)``, int8
+            (uint8 otherwise).
         dither_key: None (round to nearest, half to even) or a 64-bit key: ``v`` becomes
             ``floor(v + w * dither_scale)``, ``w`` the element's word of ``dither_words(n, dither_key)``
-            in row-major order (the stochastic rounding of ``quantize_codes``, whose offset then
-            already holds the dither's constant part).
-        values: also return ``codes * scale + lo`` (fp32, `x`'s shape).
+            in row-major order, with `dither_offset` (the dither's constant part) added to the
+            offset: the stochastic rounding of ``quantize_codes``.
+        values: also return ``codes * scale + lo`` (fp32, `x`'s shape; unsigned codes).
         last_dim_sums: also return the codes summed over the last dim (fp32, keepdim; exact).
     Returns:
-        ``(codes, values or None, sums or None)``.
+        ``(codes, values or None, sums or None, scale)``, ``scale = (hi - lo) / (2**bits - 1)``
+        (fp32, `lo`'s shape).
     """
     rows = x.numel() // x.shape[-1]
     matrix = x.detach().reshape(rows, -1).numpy()
-    codes = torch.empty(x.shape, dtype=code_dtype)
+    codes = torch.empty(x.shape, dtype=torch.int8 if signed else torch.uint8)
     out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
     sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
-    params = _per_row((inv, offset, scale, lo), x)
+    scale = torch.empty(lo.shape, dtype=torch.float32)
     key_low, key_high = _key_halves(0 if dither_key is None else dither_key)
     _variant(_QUANTIZE_ROWS, x.numel())(
-        matrix, params[0], params[1], np.float32(low), np.float32(high),
-        dither_key is not None, key_low, key_high, np.float32(dither_scale),
-        codes.reshape(rows, -1).numpy(), params[2], params[3],
-        out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
+        matrix, lo.detach().reshape(-1).numpy(), hi.detach().reshape(-1).numpy(), np.float32(2**bits - 1),
+        np.float32(2 ** (bits - 1) if signed else 0), dither_key is not None, key_low, key_high,
+        np.float32(dither_scale), np.float32(dither_offset), codes.reshape(rows, -1).numpy(),
+        scale.reshape(-1).numpy(), out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
         sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
     )
-    return codes, out_values, sums
+    return codes, out_values, sums, scale
 
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
@@ -216,7 +218,7 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     # dim (a conv's W) costs no loop per row and the ranges need no repeating
     rows = codes.shape[0] if codes.dim() > 1 else 1
     values = torch.empty(codes.shape, dtype=torch.float32)
-    scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))
+    scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))  # one range, or one per row
     _variant(_DEQUANTIZE_ROWS, codes.numel())(
         codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
     return values
