@@ -204,3 +204,21 @@ def test_a_stochastic_call_advances_torch_generator_by_one_draw():
     torch.manual_seed(3)
     torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # one draw
     assert torch.equal(after[0], torch.rand(())) and torch.equal(after[1], after[0])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fake_quantize_one_pass_equals_torch_passes(stochastic, per_row):
+    """``fake_quantize`` of a contiguous float32 tensor (one compiled pass) gives the bits of the
+    torch passes it takes for a strided copy of the same values (the dither words follow the
+    logical element order in both)."""
+    from lp_decentral_nlp.quant.functional import fake_quantize
+
+    strided = (torch.randn(40, 3) * 2).T  # (3, 40), not contiguous: the torch passes
+    x = strided.contiguous()
+    lo, hi = (x.amin(1, keepdim=True), x.amax(1, keepdim=True)) if per_row else tensor_range(x)
+    assert fused.fusable(x, lo, hi) and not fused.fusable(strided, lo, hi)
+    torch.manual_seed(4)
+    one_pass = fake_quantize(x, lo, hi, 8, stochastic)
+    torch.manual_seed(4)
+    assert torch.equal(one_pass, fake_quantize(strided, lo, hi, 8, stochastic))

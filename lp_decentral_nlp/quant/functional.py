@@ -103,7 +103,10 @@ def _hashed_words(n: int, key: torch.Tensor) -> torch.Tensor:
 def fake_quantize(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
-    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
+    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`).
+    One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the operands: the same bits."""
+    if bits <= 8 and _fusable(x, lo, hi):
+        return quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True, last_dim_sums=False)[1]
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
     return codes.mul_(scale).add_(lo)
 
@@ -138,9 +141,9 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
     """
     if values and signed:
         raise ValueError("values are the unsigned codes' dequantized tensor; ask for signed=False")
-    from . import fused
+    if _fusable(x, lo, hi):
+        from . import fused
 
-    if fused.fusable(x, lo, hi) and lo.shape == hi.shape and lo.dtype == hi.dtype == torch.float32:
         dither_key = int(_dither_key().numpy()) if stochastic else None
         # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
         # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
@@ -155,6 +158,15 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
     sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
     codes = float_codes.to(code_dtype)
     return codes, float_codes.mul_(scale).add_(lo) if values else None, sums, scale
+
+
+def _fusable(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether ``fused.quantize_rows`` takes `x` with the float32 range ``[lo, hi]`` (one shape)."""
+    if lo.shape != hi.shape or lo.dtype != torch.float32 or hi.dtype != torch.float32:
+        return False
+    from . import fused  # numba, imported on the first call that can use it
+
+    return fused.fusable(x, lo, hi)
 
 
 def dequantize_uint8(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
