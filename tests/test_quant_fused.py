@@ -102,3 +102,123 @@ def test_one_dim_tensor_with_a_range_per_element_takes_the_torch_passes():
     codes, values, _, scale = quantize_fused(x, lo, hi, 8, False, False, values=True, last_dim_sums=False)
     expected, expected_scale = quantize_codes(x, lo, hi, 8)
     assert torch.equal(codes, expected.to(torch.uint8)) and torch.equal(values, expected * expected_scale + lo)
+
+
+def _chi_square_bound(dof: int, z: float = 4.75) -> float:
+    """Upper ``~1e-6`` quantile of the chi-square distribution with `dof` degrees of freedom
+    (Wilson-Hilferty): a uniform generator exceeds it about once in a million seeds."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + z * a**0.5) ** 3
+
+
+def _chi_square(counts: torch.Tensor) -> float:
+    expected = counts.sum() / counts.numel()
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+def test_dither_words_are_uniform_and_independent():
+    """The counter-based CPU dither (``fused.dither_words``): the top 8 bits of 2**20 words are
+    uniform over their 256 values, pairs of neighbouring words (same key) and words of two keys at
+    one index (two calls) are uniform over the 256 pairs of their top 4 bits, and the low 8 bits
+    too (chi-square, fixed keys)."""
+    n = 2**20
+    words = fused.dither_words(n, 12345).long() + 2**15  # in [0, 2**16)
+    assert words.min() >= 0 and words.max() < 2**16
+    bound = _chi_square_bound(255)
+    assert _chi_square(torch.bincount(words >> 8, minlength=256)) < bound
+    assert _chi_square(torch.bincount(words & 255, minlength=256)) < bound
+    top = words >> 12
+    assert _chi_square(torch.bincount(top[:-1] * 16 + top[1:], minlength=256)) < bound, "neighbours"
+    other = (fused.dither_words(n, 12346).long() + 2**15) >> 12  # the next key: another call
+    assert _chi_square(torch.bincount(top * 16 + other, minlength=256)) < bound, "two keys"
+    # a generator stuck on part of its range fails the same check
+    assert _chi_square(torch.bincount((words >> 8).clamp(max=250), minlength=256)) > bound
+
+
+def _lowbias32_word(index: int, key: int) -> int:
+    """The documented word: top 16 bits of lowbias32((index * 0x9E3779B9 + key_low) ^ key_high),
+    minus 2**15, in plain Python integers."""
+    m = 2**32 - 1
+    key %= 2**64
+    h = ((index * 0x9E3779B9 + (key & m)) & m) ^ (key >> 32)
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & m
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & m
+    h ^= h >> 16
+    return (h >> 16) - 2**15
+
+
+@pytest.mark.parametrize("key", [0, 12345, -(2**63), 2**63 - 1])
+def test_dither_words_are_the_documented_hash(key):
+    words = fused.dither_words(3000, key)
+    assert [int(words[i]) for i in (0, 1, 2, 1023, 1024, 2999)] == [
+        _lowbias32_word(i, key) for i in (0, 1, 2, 1023, 1024, 2999)]
+
+
+def test_dither_words_split_over_threads_and_sized_calls_agree():
+    """Word ``i`` depends on ``i`` and the key only: the same words serial and split over two
+    threads, and a shorter call gives a prefix of a longer one."""
+    serial = fused.dither_words(2 * PARALLEL_MIN_ELEMENTS, 7)
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    assert torch.equal(fused.dither_words(2 * PARALLEL_MIN_ELEMENTS, 7), serial)
+    assert torch.equal(fused.dither_words(1000, 7), serial[:1000])
+    assert not torch.equal(fused.dither_words(1000, 8), serial[:1000])
+    with pytest.raises(ValueError, match="n must be"):
+        fused.dither_words(-1, 7)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_pass_stochastic_rounding_is_unbiased(threads):
+    """Stochastic rounding in the one-pass quantizer: the mean code of many roundings of a fixed
+    value is the value (in steps) within 6 standard errors, over the elements of one call (one
+    key, serial and split over threads) and over many calls of a small tensor (one key each)."""
+    torch.set_num_threads(threads)  # the autouse fixture restores the thread count
+    lo, hi = torch.tensor(0.0), torch.tensor(255.0)  # one step per unit: the code is the rounded value
+    steps = torch.tensor([10.1, 40.3, 100.5, 200.7, 250.9])
+    n = 2**15
+    x = steps[:, None].expand(-1, n).contiguous()  # 5 * 2**15 >= PARALLEL_MIN_ELEMENTS elements
+    assert fused.fusable(x, lo, hi)
+    codes, _, _, _ = quantize_fused(x, lo, hi, 8, True, False, values=False, last_dim_sums=False)
+    tol = 6 * 0.5 / n**0.5  # a rounding's standard deviation is at most half a step
+    mean = codes.double().mean(1)
+    assert (codes.double() - steps[:, None].double()).abs().max() < 1, "at most one step away"
+    assert torch.allclose(mean, steps.double(), atol=tol)
+    assert ((steps.double().round() - steps.double()).abs() > 2 * tol).all(), "nearest rounding would fail"
+    calls = 4000
+    small = torch.stack([quantize_fused(steps, lo, hi, 8, True, False, False, False)[0] for _ in range(calls)])
+    assert torch.allclose(small.double().mean(0), steps.double(), atol=6 * 0.5 / calls**0.5)
+
+
+def test_a_stochastic_call_advances_torch_generator_by_one_draw():
+    """Whatever the size, a stochastic call on the CPU takes one 64-bit draw of torch's generator
+    (its key): a resumed run's generator stays in step, and the draws are reproducible."""
+    lo, hi = torch.tensor(-3.0), torch.tensor(3.0)
+    after = []
+    for x in (torch.randn(7), torch.randn(300, 500)):
+        torch.manual_seed(3)
+        first, _, _, _ = quantize_fused(x, lo, hi, 8, True, False, False, False)
+        after.append(torch.rand(()))
+        torch.manual_seed(3)
+        assert torch.equal(quantize_fused(x, lo, hi, 8, True, False, False, False)[0], first)
+    torch.manual_seed(3)
+    torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # one draw
+    assert torch.equal(after[0], torch.rand(())) and torch.equal(after[1], after[0])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fake_quantize_one_pass_equals_torch_passes(stochastic, per_row):
+    """``fake_quantize`` of a contiguous float32 tensor (one compiled pass) gives the bits of the
+    torch passes it takes for a strided copy of the same values (the dither words follow the
+    logical element order in both)."""
+    from lp_decentral_nlp.quant.functional import fake_quantize
+
+    strided = (torch.randn(40, 3) * 2).T  # (3, 40), not contiguous: the torch passes
+    x = strided.contiguous()
+    lo, hi = (x.amin(1, keepdim=True), x.amax(1, keepdim=True)) if per_row else tensor_range(x)
+    assert fused.fusable(x, lo, hi) and not fused.fusable(strided, lo, hi)
+    torch.manual_seed(4)
+    one_pass = fake_quantize(x, lo, hi, 8, stochastic)
+    torch.manual_seed(4)
+    assert torch.equal(one_pass, fake_quantize(strided, lo, hi, 8, stochastic))

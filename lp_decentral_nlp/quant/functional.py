@@ -11,6 +11,7 @@ import torch
 
 # Resolution of the stochastic-rounding dither: u takes the 2**16 values (j + 1/2) / 2**16.
 DITHER_BITS = 16
+_DITHER_OFFSET = 0.5 + 2.0 ** -(DITHER_BITS + 1)  # the dither's constant part
 
 
 @torch.no_grad()
@@ -24,10 +25,12 @@ def quantize_codes(
         lo, hi: range, 0-d or broadcastable to `x`; values outside it are clamped.
         bits: grid has ``2**bits`` levels.
         stochastic: round ``v`` to ``floor(v + u)``, ``u`` uniform on the ``2**16`` midpoints
-            ``(j + 1/2) / 2**16`` of [0, 1) drawn from torch's RNG: ``v`` goes up with probability
-            ``v - floor(v)`` up to ``2**-17`` (unbiased to that resolution inside the range). Four
-            dithers come from each 64-bit draw, a quarter of the draws of ``rand_like`` (the CPU
-            generator is sequential). Nearest rounding otherwise.
+            ``(j + 1/2) / 2**16`` of [0, 1): ``v`` goes up with probability ``v - floor(v)`` up
+            to ``2**-17`` (unbiased to that resolution inside the range). On the CPU the 16-bit
+            words come from a counter-based hash keyed by one 64-bit draw of torch's generator
+            per call (``fused.dither_words``: computed in parallel, reproducible from
+            ``torch.manual_seed``); elsewhere four words from each 64-bit draw of the device's
+            generator. Nearest rounding otherwise.
         signed: return ``q - 2**(bits - 1)`` (the shift folded into the affine offset: no extra pass).
 
     Returns:
@@ -57,22 +60,53 @@ def _affine_parameters(lo, hi, bits, stochastic, signed):
     # (x - lo) / s - shift = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
     offset = -lo * inv - shift
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
-        offset = offset + (0.5 + 2.0 ** -(DITHER_BITS + 1))
+        offset = offset + _DITHER_OFFSET
     return scale, inv, offset, levels, shift
 
 
 def _dither(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` int16 random words ``r`` (the dither is ``r / 2**16`` plus the offset's constant),
-    four from each 64-bit draw of torch's generator."""
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
-    return words.view(torch.int16)[:n]
+    """``n`` int16 random words ``r`` (the dither is ``r / 2**16`` plus the offset's constant).
+
+    CPU: ``fused.dither_words`` keyed by one draw of torch's generator (:func:`_dither_key`), the
+    words the one-pass quantizer computes in place (the same hash in torch's integer ops while a
+    tracer hands out tensors without data). Other devices: four words from each 64-bit draw of
+    the device's generator."""
+    if device.type != "cpu":
+        words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
+        return words.view(torch.int16)[:n]
+    key = _dither_key()
+    if type(key) is torch.Tensor:
+        from . import fused
+
+        return fused.dither_words(n, int(key.numpy()))
+    return _hashed_words(n, key)
+
+
+def _dither_key() -> torch.Tensor:
+    """One 64-bit draw of torch's default CPU generator (0-d int64), the key of a call's CPU dither
+    words. Read on the host with ``.numpy()``: a CPU tensor, so no device sync and no scalar op."""
+    return torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+
+
+def _hashed_words(n: int, key: torch.Tensor) -> torch.Tensor:
+    """``fused.dither_words(n, key)`` in torch's int64 ops (each product masked to 32 bits)."""
+    mask = 0xFFFFFFFF
+    h = (torch.arange(n, dtype=torch.int64) * 0x9E3779B9 + (key & mask)).bitwise_and_(mask)
+    h.bitwise_xor_((key >> 32) & mask)
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        h.bitwise_xor_(h >> shift).mul_(factor).bitwise_and_(mask)
+    h.bitwise_xor_(h >> 16)
+    return ((h >> 16) - 32768).to(torch.int16)
 
 
 @torch.no_grad()
 def fake_quantize(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
-    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`)."""
+    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`).
+    One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the operands: the same bits."""
+    if bits <= 8 and _fusable(x, lo, hi):
+        return quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True, last_dim_sums=False)[1]
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
     return codes.mul_(scale).add_(lo)
 
@@ -105,26 +139,34 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
         keepdim); the step ``scale``. Bit for bit the torch passes' results: a contiguous float32
         CPU tensor goes through ``fused.quantize_rows``, anything else through ``quantize_codes``.
     """
-    scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
-    code_dtype = torch.int8 if signed else torch.uint8
     if values and signed:
         raise ValueError("values are the unsigned codes' dequantized tensor; ask for signed=False")
-    from . import fused
+    if _fusable(x, lo, hi):
+        from . import fused
 
-    if fused.fusable(x, inv, offset) and lo.shape == inv.shape:
-        dither = _dither(x.numel(), x.device) if stochastic else None
+        dither_key = int(_dither_key().numpy()) if stochastic else None
         # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
         # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
         rows = x if last_dim_sums or x.dim() < 3 else x.reshape(x.shape[0], -1)
-        codes, out_values, sums = fused.quantize_rows(
-            rows, inv, offset, scale, lo, -shift, levels - shift, code_dtype, dither, 2.0**-DITHER_BITS,
-            values, last_dim_sums,
+        codes, out_values, sums, scale = fused.quantize_rows(
+            rows, lo, hi, bits, signed, dither_key, 2.0**-DITHER_BITS, _DITHER_OFFSET, values,
+            last_dim_sums,
         )
         return codes.view(x.shape), None if out_values is None else out_values.view(x.shape), sums, scale
+    code_dtype = torch.int8 if signed else torch.uint8
     float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)
     sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
     codes = float_codes.to(code_dtype)
     return codes, float_codes.mul_(scale).add_(lo) if values else None, sums, scale
+
+
+def _fusable(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether ``fused.quantize_rows`` takes `x` with the float32 range ``[lo, hi]`` (one shape)."""
+    if lo.shape != hi.shape or lo.dtype != torch.float32 or hi.dtype != torch.float32:
+        return False
+    from . import fused  # numba, imported on the first call that can use it
+
+    return fused.fusable(x, lo, hi)
 
 
 def dequantize_uint8(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

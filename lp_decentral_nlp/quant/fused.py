@@ -6,10 +6,16 @@ the dither and floor), clamp, convert to 8 bits, and for the simulated kernel de
 pass that keeps the intermediates in registers, with the same fp32 operations in the same order
 (``v = x * inv + offset``, no fused multiply-add; ``rint`` rounds half to even like
 ``torch.round``; clamping to the integer bounds before rounding gives the same codes; the
-stochastic dither is torch's own random words, passed in), so its codes and values are bit for
-bit those of the torch passes (tests). It needs a contiguous float32 CPU tensor whose ranges are
-0-d or one per sample (dim 0); ``functional`` uses the torch passes for anything else (CUDA,
-other dtypes or strides).
+stochastic dither is :func:`dither_words`' word of each element, computed in place), so its codes
+and values are bit for bit those of the torch passes (tests). It needs a contiguous float32 CPU
+tensor whose ranges are 0-d or one per sample (dim 0); ``functional`` uses the torch passes for
+anything else (CUDA, other dtypes or strides).
+
+The CPU dither (SPEC 4 stochastic rounding) is counter based: element ``i`` of a call gets the
+16-bit word ``hash(i, key)``, ``key`` one 64-bit draw of torch's generator per call. So the words
+of any element come without drawing the ones before it (the rounding splits over threads like
+the rest of the pass), a run is reproducible from ``torch.manual_seed``, and the generator moves
+by one draw per stochastic call whatever the tensor's size (a resumed run stays in step).
 
 numba compiles each kernel on its first use and caches the machine code on disk; this module is
 imported on the first CPU call that needs it. Kernels run with the GIL released; a tensor of at
@@ -30,19 +36,52 @@ def _clamp(v, low, high):
     return v if v < high else high
 
 
-def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale, lo, values, row_sums):
+_U32 = np.uint32
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _dither_word(index, key_low, key_high):
+    """The dither word in ``[-2**15, 2**15)`` of element `index` (an integer, taken mod 2**32)
+    under the 64-bit key ``(key_high, key_low)`` (two uint32): the top 16 bits of
+    ``lowbias32((index * 0x9E3779B9 + key_low) ^ key_high)``, C. Wellons' 32-bit integer hash
+    (a bijection with full avalanche). All arithmetic in uint32 (wraps mod 2**32)."""
+    h = _U32(_U32(_U32(index) * _U32(0x9E3779B9)) + key_low)  # numba widens uint32 products: cast back
+    h = _U32(h ^ key_high)
+    h = _U32(h ^ (h >> _U32(16)))
+    h = _U32(h * _U32(0x7FEB352D))
+    h = _U32(h ^ (h >> _U32(15)))
+    h = _U32(h * _U32(0x846CA68B))
+    h = _U32(h ^ (h >> _U32(16)))
+    return np.int32(h >> _U32(16)) - np.int32(32768)
+
+
+def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, codes,
+                   scale, values, row_sums):
     rows, cols = x.shape
-    per_row = inv.shape[0] > 1
+    ranges = lo.shape[0]
+    # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
+    inv, offset = np.empty(ranges, np.float32), np.empty(ranges, np.float32)
+    low, high = -shift, levels - shift
+    for j in range(ranges):
+        step = (hi[j] - lo[j]) / levels
+        scale[j] = step
+        inv[j] = np.float32(1.0) / step if step > 0 else np.float32(0.0)
+        b = -lo[j] * inv[j]
+        b = b - shift
+        offset[j] = b + dither_offset if stochastic else b
+    rows_per_range = rows // ranges
     for r in numba.prange(rows):  # rows are independent: each element's operations do not change
-        k = r if per_row else r - r  # the prange index's integer type: with 0, a parallel first compile fails
+        # int64: a parallel prange index may be uint64, and uint64 with int64 types as float64
+        k = np.int64(r) // rows_per_range
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
-        if dither.shape[0] > 0:
-            d_row = dither[r * cols:(r + 1) * cols]
+        if stochastic:
+            first = np.int64(r) * cols  # flat index of the row's first element: the dither's counter
             for c in range(cols):
                 v = x_row[c] * a
                 v = v + b
-                code_row[c] = np.floor(_clamp(v + np.float32(d_row[c]) * dither_scale, low, high))
+                d = np.float32(_dither_word(first + c, key_low, key_high))
+                code_row[c] = np.floor(_clamp(v + d * dither_scale, low, high))
         else:
             for c in range(cols):
                 v = x_row[c] * a
@@ -58,6 +97,14 @@ def _quantize_rows(x, inv, offset, low, high, dither, dither_scale, codes, scale
             for c in range(cols):
                 total += np.int32(code_row[c])
             row_sums[r] = np.float32(total)
+
+
+def _dither_rows(key_low, key_high, words):
+    rows, cols = words.shape
+    for r in numba.prange(rows):
+        first, word_row = np.int64(r) * cols, words[r]
+        for c in range(cols):
+            word_row[c] = _dither_word(first + c, key_low, key_high)
 
 
 def _dequantize_rows(codes, scale, lo, values):
@@ -79,6 +126,7 @@ def _compile(kernel):
 
 _QUANTIZE_ROWS = _compile(_quantize_rows)
 _DEQUANTIZE_ROWS = _compile(_dequantize_rows)
+_DITHER_ROWS = _compile(_dither_rows)
 # below this many elements a parallel call costs more than it saves
 PARALLEL_MIN_ELEMENTS = 2**16
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
@@ -92,15 +140,6 @@ def _variant(kernels, numel: int):
         numba.set_num_threads(threads)
         return kernels[1]
     return kernels[0]
-
-
-def _per_row(params, x: torch.Tensor) -> list[np.ndarray]:
-    """Range tensors (0-d or one per sample, dim 0 of `x`) as 1-D arrays: one entry, or one per row
-    of `x` seen as a matrix over its last dim."""
-    rows = x.numel() // x.shape[-1]
-    if params[0].dim() > 0:  # one range per sample (dim 0): repeat it over the sample's rows
-        params = [t.reshape(-1).repeat_interleave(rows // x.shape[0]) for t in params]
-    return [t.detach().reshape(-1).numpy() for t in params]
 
 
 def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
@@ -120,39 +159,42 @@ def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and (t.dim() == 0 or _one_per_sample(t, x)) for t in ranges)
 
 
-def quantize_rows(x: torch.Tensor, inv: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-                  low: float, high: float, code_dtype: torch.dtype, dither: torch.Tensor | None,
-                  dither_scale: float, values: bool, last_dim_sums: bool):
-    """Codes ``clamp(round(x * inv + offset), low, high)`` of a :func:`fusable` `x` in one pass.
+def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, signed: bool,
+                  dither_key: int | None, dither_scale: float, dither_offset: float, values: bool,
+                  last_dim_sums: bool):
+    """``functional.quantize_codes``' codes of a :func:`fusable` `x` in one pass, its affine
+    parameters (``_affine_parameters``' fp32 operations) included.
 
     Args:
         x: contiguous float32 CPU tensor, at least 1-D.
-        inv, offset, scale, lo: fp32, 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``
-            (``functional.quantize_codes``'s ``1/s``, offset, ``s`` and ``lo``).
-        low, high: clamp bounds of the codes.
-        code_dtype: ``torch.uint8`` or ``torch.int8``.
-        dither: None (round to nearest, half to even) or int16 ``(x.numel(),)``: ``v`` becomes
-            ``floor(v + dither * dither_scale)`` (the stochastic rounding of ``quantize_codes``,
-            whose offset then already holds the dither's constant part).
-        values: also return ``codes * scale + lo`` (fp32, `x`'s shape).
+        lo, hi: float32 range, one shape: 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``.
+        bits: the grid has ``2**bits`` levels; `signed`: codes shifted by ``-2**(bits-1)``, int8
+            (uint8 otherwise).
+        dither_key: None (round to nearest, half to even) or a 64-bit key: ``v`` becomes
+            ``floor(v + w * dither_scale)``, ``w`` the element's word of ``dither_words(n, dither_key)``
+            in row-major order, with `dither_offset` (the dither's constant part) added to the
+            offset: the stochastic rounding of ``quantize_codes``.
+        values: also return ``codes * scale + lo`` (fp32, `x`'s shape; unsigned codes).
         last_dim_sums: also return the codes summed over the last dim (fp32, keepdim; exact).
     Returns:
-        ``(codes, values or None, sums or None)``.
+        ``(codes, values or None, sums or None, scale)``, ``scale = (hi - lo) / (2**bits - 1)``
+        (fp32, `lo`'s shape).
     """
     rows = x.numel() // x.shape[-1]
     matrix = x.detach().reshape(rows, -1).numpy()
-    codes = torch.empty(x.shape, dtype=code_dtype)
+    codes = torch.empty(x.shape, dtype=torch.int8 if signed else torch.uint8)
     out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
     sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
-    params = _per_row((inv, offset, scale, lo), x)
+    scale = torch.empty(lo.shape, dtype=torch.float32)
+    key_low, key_high = _key_halves(0 if dither_key is None else dither_key)
     _variant(_QUANTIZE_ROWS, x.numel())(
-        matrix, params[0], params[1], np.float32(low), np.float32(high),
-        dither.numpy() if dither is not None else np.zeros(0, dtype=np.int16), np.float32(dither_scale),
-        codes.reshape(rows, -1).numpy(), params[2], params[3],
-        out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
+        matrix, lo.detach().reshape(-1).numpy(), hi.detach().reshape(-1).numpy(), np.float32(2**bits - 1),
+        np.float32(2 ** (bits - 1) if signed else 0), dither_key is not None, key_low, key_high,
+        np.float32(dither_scale), np.float32(dither_offset), codes.reshape(rows, -1).numpy(),
+        scale.reshape(-1).numpy(), out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
         sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
     )
-    return codes, out_values, sums
+    return codes, out_values, sums, scale
 
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
@@ -172,9 +214,30 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     """``codes * scale + lo`` (fp32, shape of `codes`) of :func:`dequantizable` operands in one
     pass: the same two fp32 roundings as ``torch.mul(codes, scale).add_(lo)``, so the same bits.
     `scale`, `lo`: 0-d or one per sample (dim 0)."""
-    rows = codes.numel() // codes.shape[-1]
+    # one row per sample (dim 0, as the per-sample ranges; a 1-D tensor is one row): a short last
+    # dim (a conv's W) costs no loop per row and the ranges need no repeating
+    rows = codes.shape[0] if codes.dim() > 1 else 1
     values = torch.empty(codes.shape, dtype=torch.float32)
-    scale_rows, lo_rows = _per_row((scale, lo), codes)
+    scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))  # one range, or one per row
     _variant(_DEQUANTIZE_ROWS, codes.numel())(
         codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
     return values
+
+
+def _key_halves(key: int) -> tuple[np.uint32, np.uint32]:
+    """A 64-bit key (any Python int, taken mod 2**64) as ``(low, high)`` uint32 halves."""
+    key %= 2**64
+    return _U32(key & 0xFFFFFFFF), _U32(key >> 32)
+
+
+def dither_words(n: int, key: int) -> torch.Tensor:
+    """The ``n`` CPU dither words (int16 ``(n,)``, uniform on ``[-2**15, 2**15)``) of the 64-bit
+    `key`: word ``i`` is a hash of ``(i mod 2**32, key)`` (see the module docstring), so element
+    ``i`` of a tensor rounded by :func:`quantize_rows` with ``dither_key=key`` gets word ``i``.
+    Distinct indices below ``2**32`` hash to distinct 32-bit values; split over threads by rows."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    words = torch.empty(n, dtype=torch.int16)
+    cols = 1024 if n % 1024 == 0 else max(n, 1)  # rows for the threads, when n splits evenly
+    _variant(_DITHER_ROWS, n)(*_key_halves(key), words.numpy().reshape(-1, cols) if n else np.zeros((0, 1), np.int16))
+    return words

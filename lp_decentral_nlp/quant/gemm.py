@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
-from torch.nn.grad import conv2d_input, conv2d_weight
+from torch.nn.grad import conv2d_weight
 
 
 class LinearGemm:
@@ -59,7 +60,15 @@ class Conv2dGemm:
         return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
     def grad_input(self, g, w, input_shape):
-        return conv2d_input(input_shape, w, g, self.stride, self.padding, self.dilation, self.groups)
+        """``dL/dx`` of shape `input_shape` from ``g (N, Cout, Ho, Wo)`` and ``w``: the convolution
+        backward with only the input gradient asked for. It reads the input's shape and layout, not
+        its values, so it gets an uninitialised contiguous tensor: ``torch.nn.grad.conv2d_input``'s
+        stride-0 placeholder sends the CPU backward down a ~20% slower path (same values)."""
+        layout = g.new_empty(input_shape)
+        return torch.ops.aten.convolution_backward(
+            g, layout, w, None, self.stride, self.padding, self.dilation, False, [0, 0], self.groups,
+            (True, False, False),
+        )[0]
 
     def grad_weight(self, x, g, weight_shape):
         return conv2d_weight(x, weight_shape, g, self.stride, self.padding, self.dilation, self.groups)
