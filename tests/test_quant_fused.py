@@ -5,7 +5,7 @@ import torch
 
 from lp_decentral_nlp.quant.functional import grad_range, quantize_codes, quantize_fused, tensor_range
 from lp_decentral_nlp.quant import fused
-from lp_decentral_nlp.quant.fused import PARALLEL_MIN_ELEMENTS
+from lp_decentral_nlp.utils.numba_threads import PARALLEL_MIN_ELEMENTS
 from lp_decentral_nlp.quant.kernels.simulated import dequantize_codes
 
 SHAPES = [(64, 50), (4, 9, 48), (3, 5, 7, 9), (1000,), (1, 1)]

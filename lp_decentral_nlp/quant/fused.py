@@ -19,14 +19,17 @@ by one draw per stochastic call whatever the tensor's size (a resumed run stays 
 
 numba compiles each kernel on its first use and caches the machine code on disk; this module is
 imported on the first CPU call that needs it. Kernels run with the GIL released; a tensor of at
-least ``PARALLEL_MIN_ELEMENTS`` is split by rows over as many threads as torch's intra-op pool
-(``torch.get_num_threads()``, at most numba's ``NUMBA_NUM_THREADS``).
+least ``utils.numba_threads.PARALLEL_MIN_ELEMENTS`` is split by rows over as many threads as torch's intra-op pool
+(``torch.get_num_threads()``, at most numba's ``NUMBA_NUM_THREADS``), without changing torch's
+thread count (:mod:`lp_decentral_nlp.utils.numba_threads`).
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 import torch
+
+from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
@@ -118,28 +121,10 @@ def _dequantize_rows(codes, scale, lo, values):
             value_row[c] = q + base
 
 
-def _compile(kernel):
-    """`kernel` compiled serial and parallel (``prange`` rows over numba's threads)."""
-    return (numba.njit(cache=True, nogil=True, boundscheck=False)(kernel),
-            numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True)(kernel))
-
-
-_QUANTIZE_ROWS = _compile(_quantize_rows)
-_DEQUANTIZE_ROWS = _compile(_dequantize_rows)
-_DITHER_ROWS = _compile(_dither_rows)
-# below this many elements a parallel call costs more than it saves
-PARALLEL_MIN_ELEMENTS = 2**16
+_QUANTIZE_ROWS = compile_serial_and_parallel(_quantize_rows)
+_DEQUANTIZE_ROWS = compile_serial_and_parallel(_dequantize_rows)
+_DITHER_ROWS = compile_serial_and_parallel(_dither_rows)
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
-
-
-def _variant(kernels, numel: int):
-    """The serial or the parallel compiled kernel for a tensor of `numel` elements, the parallel one
-    on as many threads as torch's intra-op pool (at most numba's ``NUMBA_NUM_THREADS``)."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads > 1 and numel >= PARALLEL_MIN_ELEMENTS:
-        numba.set_num_threads(threads)
-        return kernels[1]
-    return kernels[0]
 
 
 def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
@@ -187,7 +172,7 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     scale = torch.empty(lo.shape, dtype=torch.float32)
     key_low, key_high = _key_halves(0 if dither_key is None else dither_key)
-    _variant(_QUANTIZE_ROWS, x.numel())(
+    run_kernel(_QUANTIZE_ROWS, x.numel(),
         matrix, lo.detach().reshape(-1).numpy(), hi.detach().reshape(-1).numpy(), np.float32(2**bits - 1),
         np.float32(2 ** (bits - 1) if signed else 0), dither_key is not None, key_low, key_high,
         np.float32(dither_scale), np.float32(dither_offset), codes.reshape(rows, -1).numpy(),
@@ -219,7 +204,7 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     rows = codes.shape[0] if codes.dim() > 1 else 1
     values = torch.empty(codes.shape, dtype=torch.float32)
     scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))  # one range, or one per row
-    _variant(_DEQUANTIZE_ROWS, codes.numel())(
+    run_kernel(_DEQUANTIZE_ROWS, codes.numel(),
         codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
     return values
 
@@ -239,5 +224,5 @@ def dither_words(n: int, key: int) -> torch.Tensor:
         raise ValueError(f"n must be >= 0, got {n}")
     words = torch.empty(n, dtype=torch.int16)
     cols = 1024 if n % 1024 == 0 else max(n, 1)  # rows for the threads, when n splits evenly
-    _variant(_DITHER_ROWS, n)(*_key_halves(key), words.numpy().reshape(-1, cols) if n else np.zeros((0, 1), np.int16))
+    run_kernel(_DITHER_ROWS, n, *_key_halves(key), words.numpy().reshape(-1, cols) if n else np.zeros((0, 1), np.int16))
     return words
