@@ -189,6 +189,9 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
              "Accuracy (%) of the averaged model on the test split. "
              + ("" if args.name == "table6_cpu" else
                 f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
+             + ("" if args.cells is None else
+                f"**Part of the grid:** only the {len(cells)} cells matching {', '.join(f'`{p}`' for p in args.cells)}; "
+                f"the other {len(all_cells()) - len(cells)} have not been run. ")
              + f"Every figure and the command of every cell: `{json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}`.",
              ""]
     for task in TASKS:
