@@ -356,7 +356,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
     p.add_argument("--seq-len", type=POSITIVE, default=128)
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(), help="torch.set_num_threads")
-    p.add_argument("--kernel", default="int8", help="QuantConfig.kernel of the 8-bit nodes (default %(default)s)")
+    p.add_argument("--kernel", default="auto", help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
     p.add_argument("--algorithm", default="choco")
     p.add_argument("--compression", type=float, default=90.0, help="top-k: percent dropped (default %(default)s)")
     p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
