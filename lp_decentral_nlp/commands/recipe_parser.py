@@ -224,8 +224,22 @@ FLAG_TABLE_DOC = ("Every flag of the recipes' parsers, for the flag check made b
 
 
 def render_flag_table() -> str:
-    """The text of :mod:`.flag_table` for the installed transformers and this package."""
-    return f'"""{FLAG_TABLE_DOC}"""\n\nFLAG_TABLES = {pprint.pformat(flag_tables(), width=120, sort_dicts=False)}\n'
+    """The text of :mod:`.flag_table` for the installed transformers and this package: every
+    distinct flag once (``FLAGS``; the families share most of them), each family's flags as
+    indices into it, and ``FLAG_TABLES`` with the flags filled in."""
+    tables = flag_tables()
+    flags: list[dict] = []
+    for table in tables.values():
+        indices = []
+        for flag in table["flags"]:
+            if flag not in flags:
+                flags.append(flag)
+            indices.append(flags.index(flag))
+        table["flags"] = indices
+    return (f'"""{FLAG_TABLE_DOC}"""\n\nFLAGS = {pprint.pformat(flags, width=120, sort_dicts=False)}\n\n'
+            f'_TABLES = {pprint.pformat(tables, width=120, sort_dicts=False, compact=True)}\n\n'
+            'FLAG_TABLES = {family: {**table, "flags": [FLAGS[i] for i in table["flags"]]} '
+            'for family, table in _TABLES.items()}\n')
 
 
 if __name__ == "__main__":
