@@ -9,13 +9,16 @@ all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds ou
 4-node directed ring, max length 64 tokens, batch 16 per node, 3 epochs, Adam lr 1e-4, betas
 (0.9, 0.9), and the trainer's default consensus step (``default_consensus_lr``: 1 without
 compression, 0.025 for Choco and 0.015 for Deep-Squeeze at 99%; none is set here). Grid: task {ag_news, sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
-{DS, LP-DS, Choco, LP-Choco} (LP: 8-bit training and gossip; DS: Deep-Squeeze).
+{DS, LP-DS, Choco, LP-Choco} (LP: 8-bit training and gossip; DS: Deep-Squeeze), each cell run once per
+seed of ``--seeds`` (default: seed 0 only; ``--seed`` of the recipe, which also deals the skewed
+shards anew). A cell run with several seeds is reported as the mean over them with its range.
 
 Writes ``benchmarks/results/table6_cpu.json`` (``record.save_results``: every cell's accuracy of the
 averaged model, per-node accuracy, consensus distance, bytes sent per node, wall time and the
 recipe command that reproduces it), ``docs/table6_cpu.md`` (the table, laid out like the paper's)
-and ``docs/table6_cpu.png`` (accuracy vs skew). Each run keeps its folder under ``--output-dir``;
-a cell whose ``results.json`` is finished with the same settings is reused, not run again.
+and ``docs/table6_cpu.png`` (accuracy vs skew), both with the issue's goals for the table checked
+against the cells run (``check_goals``). Each run keeps its folder under ``--output-dir``; a run whose
+``results.json`` is finished with the same settings is reused, not run again.
 
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
 ``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead.
@@ -60,17 +63,37 @@ PAPER_AG_NEWS = {(0.0, 0.0): (94.18, 93.99, 94.21, 94.12), (0.9, 0.0): (92.19, 9
 DEFAULT_DATA = pathlib.Path(os.environ.get("LPDN_SHARED", REPO.parent / "shared")) / "data" / "ag_news" / "ag_news_6000.csv"
 
 
-def cell_id(task: str, column: str, skew: float, comp: float) -> str:
-    """The name ``--cells`` matches, e.g. ``ag_news/LP-Choco/skew0.5/comp99``."""
-    return f"{task}/{column}/skew{skew:g}/comp{comp:g}"
+# Goals of the table (issue #22), in accuracy points of the averaged model.
+LOW_PRECISION_TOLERANCE = 1.0  # every 8-bit cell within this of its fp32 cell
+SKEW_GAP_GOAL = 3.0  # Choco at skew 0.9 / 99% within this of Choco at skew 0 / 0%
+DEEP_SQUEEZE_FLOOR = 80.0  # Deep-Squeeze at skew 0.9 / 99% at least this (no collapse)
+SKEW_NOISE = 1.0  # accuracy non-increasing in skew, up to this much noise
 
 
-def all_cells() -> list[dict]:
-    """The 48 cells of the grid, in table order."""
+def cell_id(task: str, column: str, skew: float, comp: float, seed: int = 0) -> str:
+    """The name ``--cells`` matches, e.g. ``ag_news/LP-Choco/skew0.5/comp99/seed0``."""
+    return f"{task}/{column}/skew{skew:g}/comp{comp:g}/seed{seed}"
+
+
+def all_cells(seeds=(0,)) -> list[dict]:
+    """The 48 cells of the grid times ``seeds``, in table order (the seeds of a cell together)."""
     return [{"task": task, "column": column, "algorithm": algorithm, "low_precision": low_precision,
-             "skew": skew, "comp": comp, "id": cell_id(task, column, skew, comp)}
-            for task, skew, comp, (algorithm, low_precision, column)
-            in itertools.product(TASKS, SKEWS, COMPRESSIONS, COLUMNS)]
+             "skew": skew, "comp": comp, "seed": seed, "id": cell_id(task, column, skew, comp, seed)}
+            for task, skew, comp, (algorithm, low_precision, column), seed
+            in itertools.product(TASKS, SKEWS, COMPRESSIONS, COLUMNS, seeds)]
+
+
+def matches(cell: dict, pattern: str) -> bool:
+    """Whether ``--cells`` ``pattern`` selects ``cell``: a shell pattern over the id; one that names
+    no seed (``ag_news/Choco/skew0.9/comp99``) selects every seed of ``--seeds``."""
+    return fnmatch.fnmatchcase(cell["id"], pattern) or fnmatch.fnmatchcase(cell["id"], pattern + "/seed*")
+
+
+def cell_folder(cell: dict) -> str:
+    """The run's folder name under ``--output-dir``: the id without its seed for seed 0
+    (``ag_news_Choco_skew0.9_comp99``), with ``_seed<N>`` appended for the others."""
+    name = cell_id(cell["task"], cell["column"], cell["skew"], cell["comp"]).rsplit("/", 1)[0].replace("/", "_")
+    return name if cell["seed"] == 0 else f"{name}_seed{cell['seed']}"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -86,7 +109,14 @@ def parse(argv=None) -> argparse.Namespace:
                         help="cells run at once, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
                         help="run only the cells whose id matches one of these shell patterns; ids are "
-                             "TASK/COLUMN/skewS/compC, e.g. 'ag_news/LP-Choco/skew0.5/comp99' or 'sentlen/*/skew0/*'")
+                             "TASK/COLUMN/skewS/compC/seedN, e.g. 'ag_news/LP-Choco/skew0.5/comp99/seed1' or "
+                             "'sentlen/*/skew0/*'; a pattern that names no seed selects every seed of --seeds")
+    parser.add_argument("--seeds", nargs="+", type=ranged(int, Range(0)), default=[0], metavar="SEED",
+                        help="run every selected cell once per seed (the recipe's --seed, which also deals the "
+                             "shards); the table reports the mean and range over them (default: 0)")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="run nothing: render the table from the selected runs that have finished with "
+                             "these settings and leave the others out (e.g. while the grid runs elsewhere)")
     parser.add_argument("--max-steps", type=ranged(int, Range(1)), default=None,
                         help="shrink: stop every run after this many steps (instead of 3 epochs)")
     parser.add_argument("--limit-rows", type=ranged(int, Range(1)), default=None,
@@ -94,14 +124,18 @@ def parse(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {str(args.data_dir)!r} is not a file (the AG News CSV sample)")
-    args.selected = all_cells()
+    args.data_dir = args.data_dir.resolve()  # one spelling per file, so a finished cell is found reusable
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"argument --seeds: {args.seeds} repeats a seed")
+    args.selected = all_cells(args.seeds)
     if args.cells is not None:
-        unmatched = [p for p in args.cells if not any(fnmatch.fnmatchcase(c["id"], p) for c in args.selected)]
+        unmatched = [p for p in args.cells if not any(matches(c, p) for c in args.selected)]
         if unmatched:
             parser.error(f"argument --cells: {unmatched} match no cell; ids look like "
                          f"{args.selected[0]['id']!r} (tasks {list(TASKS)}, columns {[c[2] for c in COLUMNS]}, "
-                         f"skews {[f'{s:g}' for s in SKEWS]}, compressions {[f'{c:g}' for c in COMPRESSIONS]})")
-        args.selected = [c for c in args.selected if any(fnmatch.fnmatchcase(c["id"], p) for p in args.cells)]
+                         f"skews {[f'{s:g}' for s in SKEWS]}, compressions {[f'{c:g}' for c in COMPRESSIONS]}, "
+                         f"seeds {args.seeds} from --seeds)")
+        args.selected = [c for c in args.selected if any(matches(c, p) for p in args.cells)]
     if args.limit_rows is not None:
         try:
             check_enough_rows(args.limit_rows, SETTINGS["nodes"], SETTINGS["batch_size"], "--limit-rows",
@@ -120,8 +154,8 @@ def recipe_argv(args: argparse.Namespace, cell: dict) -> list[str]:
     the ``--jobs`` runs at once gets an equal share of the cores (``--threads``)."""
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     argv = ["--model", str(args.model), "--data-dir", str(args.data_dir),
-            "--output-dir", str(args.output_dir / cell["id"].replace("/", "_")), "--overwrite_output_dir",
-            "--threads", str(threads),
+            "--output-dir", str(args.output_dir / cell_folder(cell)), "--overwrite_output_dir",
+            "--threads", str(threads), "--seed", str(cell["seed"]),
             "--skew", f"{cell['skew']:g}", "--comp", f"{cell['comp']:g}"]
     argv += [token for key, value in SETTINGS.items() for token in (f"--{key.replace('_', '-')}", str(value))]
     if not cell["low_precision"]:
@@ -164,13 +198,23 @@ def reusable(run: ParsedFlags) -> dict | None:
 
 
 def run_cells(args: argparse.Namespace) -> list[dict]:
-    """Run (or reuse) every selected cell; one record per cell, in table order."""
+    """Run (or reuse) every selected run (with ``--finished-only``: keep only the finished ones); one
+    record per run, in table order."""
     runs = [recipe_run(args, cell) for cell in args.selected]
     results = {i: r for i, r in ((i, reusable(run)) for i, (run, _) in enumerate(runs)) if r is not None}
     todo = [i for i in range(len(runs)) if i not in results]
-    print(f"{len(args.selected)} cells: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
-    results.update(run_pending([run for run, _ in runs], todo, args.jobs, [cell["id"] for cell in args.selected],
-                               [recipe_script(cell) for cell in args.selected]))
+    if args.finished_only:
+        print(f"{len(runs)} runs: {len(results)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
+        if not results:
+            sys.exit(f"table6_cpu.py: error: argument --finished-only: none of the {len(runs)} selected runs has "
+                     f"finished under {args.output_dir}")
+        finished = sorted(results)
+        args.selected, runs = [args.selected[i] for i in finished], [runs[i] for i in finished]
+        results = dict(enumerate(results[i] for i in finished))
+    else:
+        print(f"{len(runs)} runs: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
+        results.update(run_pending([run for run, _ in runs], todo, args.jobs, [cell["id"] for cell in args.selected],
+                                   [recipe_script(cell) for cell in args.selected]))
     return [{**cell, "accuracy": results[i]["accuracy"], "node_accuracy": results[i]["node_accuracy"],
              "consensus_distance": results[i]["consensus_distance"],
              "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
@@ -179,9 +223,67 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
             for i, cell in enumerate(args.selected)]
 
 
+def summarise(cells: list[dict]) -> list[dict]:
+    """One row per cell of the table (task, column, skew, compression) from its runs (``cells``, in
+    table order): ``accuracy`` is the mean over its seeds, ``accuracy_min``/``accuracy_max`` their
+    range and ``seeds`` the seeds run; accuracies are fractions in [0, 1]."""
+    rows = []
+    for _, group in itertools.groupby(cells, key=lambda c: (c["task"], c["column"], c["skew"], c["comp"])):
+        group = list(group)
+        accuracies = [c["accuracy"] for c in group]
+        rows.append({**{k: group[0][k] for k in ("task", "column", "algorithm", "low_precision", "skew", "comp")},
+                     "accuracy": sum(accuracies) / len(accuracies), "accuracy_min": min(accuracies),
+                     "accuracy_max": max(accuracies), "seeds": [c["seed"] for c in group]})
+    return rows
+
+
+def check_goals(rows: list[dict]) -> list[dict]:
+    """The issue's goals for the table, checked on ``summarise``'s rows (means over seeds), for each
+    task whose cells for a goal have been run: ``{"task", "goal", "met", "detail"}``, figures in
+    accuracy points. A goal whose cells are missing is left out."""
+    acc = {(r["task"], r["column"], r["skew"], r["comp"]): 100 * r["accuracy"] for r in rows}
+    goals = []
+    for task in TASKS:
+        pairs = [(column, skew, comp, acc[task, f"LP-{column}", skew, comp] - acc[task, column, skew, comp])
+                 for column in ("DS", "Choco") for skew in SKEWS for comp in COMPRESSIONS
+                 if (task, column, skew, comp) in acc and (task, f"LP-{column}", skew, comp) in acc]
+        if pairs:
+            outside = [f"LP-{column} {diff:+.2f} at skew {skew:g} / {comp:g}%"
+                       for column, skew, comp, diff in pairs if abs(diff) > LOW_PRECISION_TOLERANCE]
+            goals.append({"task": task, "goal": f"every 8-bit cell within {LOW_PRECISION_TOLERANCE:g} point of its fp32 cell",
+                          "met": not outside,
+                          "detail": f"{len(pairs) - len(outside)} of {len(pairs)} pairs within"
+                                    + (f"; outside: {', '.join(outside)}" if outside else "")})
+        if (task, "Choco", 0.0, 0.0) in acc and (task, "Choco", 0.9, 99.0) in acc:
+            gap = acc[task, "Choco", 0.0, 0.0] - acc[task, "Choco", 0.9, 99.0]
+            goals.append({"task": task, "goal": f"Choco at skew 0.9 / 99% within {SKEW_GAP_GOAL:g} points of skew 0 / 0%",
+                          "met": gap <= SKEW_GAP_GOAL,
+                          "detail": f"{acc[task, 'Choco', 0.9, 99.0]:.2f} vs {acc[task, 'Choco', 0.0, 0.0]:.2f}: "
+                                    f"{gap:.2f} points"})
+        if (task, "DS", 0.9, 99.0) in acc:
+            goals.append({"task": task, "goal": f"Deep-Squeeze at skew 0.9 / 99% at least {DEEP_SQUEEZE_FLOOR:g}%",
+                          "met": acc[task, "DS", 0.9, 99.0] >= DEEP_SQUEEZE_FLOOR,
+                          "detail": f"{acc[task, 'DS', 0.9, 99.0]:.2f}%"})
+        series = [(column, comp, [(skew, acc[task, column, skew, comp]) for skew in SKEWS
+                                  if (task, column, skew, comp) in acc])
+                  for _, _, column in COLUMNS for comp in COMPRESSIONS]
+        series = [s for s in series if len(s[2]) > 1]
+        if series:
+            rises = [f"{column} {comp:g}% skew {a[0]:g} -> {b[0]:g}: {b[1] - a[1]:+.2f}"
+                     for column, comp, points in series for a, b in zip(points, points[1:])
+                     if b[1] > a[1] + SKEW_NOISE]
+            goals.append({"task": task, "goal": f"accuracy non-increasing in skew (within {SKEW_NOISE:g} point)",
+                          "met": not rises,
+                          "detail": f"{len(series)} series of two or more skews"
+                                    + (f"; rising: {', '.join(rises)}" if rises else "")})
+    return goals
+
+
 def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: pathlib.Path) -> str:
     """The Markdown page: settings, one table per task (rows skew/compression, columns as the
-    paper's), the paper's AG News row for reference, and every cell's details."""
+    paper's; mean over seeds with their range where a cell has several), the goals checked, the
+    paper's AG News row for reference, and every run's details."""
+    rows = summarise(cells)
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in SETTINGS.items())
     lines = [f"# Table 6 at CPU scale ({args.name})", "",
              f"Packaged all-MiniLM-L6-v2 on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
@@ -190,14 +292,23 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
              + ("" if args.name == "table6_cpu" else
                 f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
              + ("" if args.cells is None else
-                f"**Part of the grid:** only the {len(cells)} cells matching {', '.join(f'`{p}`' for p in args.cells)}; "
-                f"the other {len(all_cells()) - len(cells)} have not been run. ")
+                f"**Part of the grid:** only the {len(rows)} {'finished ' if args.finished_only else ''}cells "
+                f"matching {', '.join(f'`{p}`' for p in args.cells)}; "
+                f"the other {len(all_cells()) - len(rows)} have not been run. ")
+             + ("" if args.seeds == [0] else f"Seeds {', '.join(map(str, args.seeds))} (`--seeds`), "
+                "where the cells' patterns select them: a cell with several is the mean over them, "
+                "its range in brackets. ")
              + f"Every figure and the command of every cell: `{json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}`.",
              ""]
     for task in TASKS:
-        rows = [c for c in cells if c["task"] == task]
-        if rows:
-            lines += [f"## {task}", "", markdown_table(rows)]
+        task_rows = [r for r in rows if r["task"] == task]
+        if task_rows:
+            lines += [f"## {task}", "", markdown_table(task_rows)]
+    lines += ["## Goals", "", "The issue's goals for this table, on the cells run (means over seeds):", ""]
+    goals = check_goals(rows)
+    lines += [f"- {g['task']}: {g['goal']}: **{'met' if g['met'] else 'not met'}** ({g['detail']})"
+              for g in goals] or ["- none of the goals' cells have been run"]
+    lines.append("")
     if any(c["task"] == "ag_news" for c in cells):
         lines += ["Reference: the paper's AG News row (DistilBERT, full 120k/7.6k set, 5 epochs):", "",
                   "| skew | compression | " + " | ".join(c[2] for c in COLUMNS) + " |",
@@ -205,7 +316,7 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
         lines += [f"| {skew:g} | {comp:g}% | " + " | ".join(f"{a:.2f}" for a in accs) + " |"
                   for (skew, comp), accs in sorted(PAPER_AG_NEWS.items())]
         lines.append("")
-    lines += ["## Every cell", "",
+    lines += ["## Every run", "",
               "| cell | accuracy % | node accuracy % (min-max) | consensus distance | MB sent per node | gamma | steps "
               "| wall time s |", "| --- |" + " --- |" * 7]
     for c in cells:
@@ -216,23 +327,27 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
     return "\n".join(lines) + "\n"
 
 
-def plot(cells: list[dict], path: pathlib.Path) -> None:
-    """Accuracy vs skew, one panel per task; fp32 solid, 8-bit dashed; circles 0%, squares 99% compression."""
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Accuracy vs skew from ``summarise``'s rows, one panel per task; fp32 solid, 8-bit dashed;
+    circles 0%, squares 99% compression; bars span the seeds' range where a cell has several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [t for t in TASKS if any(c["task"] == t for c in cells)]
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for (column, comp), group in itertools.groupby(
-                sorted((c for c in cells if c["task"] == task), key=lambda c: (c["column"], c["comp"], c["skew"])),
-                key=lambda c: (c["column"], c["comp"])):
+                sorted((r for r in rows if r["task"] == task), key=lambda r: (r["column"], r["comp"], r["skew"])),
+                key=lambda r: (r["column"], r["comp"])):
             group = list(group)
-            ax.plot([c["skew"] for c in group], [100 * c["accuracy"] for c in group],
-                    linestyle="--" if group[0]["low_precision"] else "-", marker="s" if comp else "o",
-                    label=f"{column}, comp {comp:g}%")
+            means = [100 * r["accuracy"] for r in group]
+            spans = [[m - 100 * r["accuracy_min"] for m, r in zip(means, group)],
+                     [100 * r["accuracy_max"] - m for m, r in zip(means, group)]]
+            ax.errorbar([r["skew"] for r in group], means, yerr=spans, capsize=3,
+                        linestyle="--" if group[0]["low_precision"] else "-", marker="s" if comp else "o",
+                        label=f"{column}, comp {comp:g}%")
         ax.set_title(task)
         ax.set_xticks(SKEWS)
         ax.set_xlabel("skew")
@@ -249,15 +364,19 @@ def main(argv=None) -> pathlib.Path:
     args = parse(argv)
     start = time.time()
     cells = run_cells(args)
+    rows = summarise(cells)
     json_path = save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
-                     "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells},
+                     "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells,
+                     "seeds": args.seeds},
         "wall_time_s": time.time() - start,
+        "table": rows,
+        "goals": check_goals(rows),
         "cells": cells,
     }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)])
     args.docs_dir.mkdir(parents=True, exist_ok=True)
     (args.docs_dir / f"{args.name}.md").write_text(render_markdown(args, cells, json_path))
-    plot(cells, args.docs_dir / f"{args.name}.png")
+    plot(rows, args.docs_dir / f"{args.name}.png")
     print(f"wrote {json_path}, {args.docs_dir / (args.name + '.md')} and {args.docs_dir / (args.name + '.png')}",
           file=sys.stderr)
     return json_path

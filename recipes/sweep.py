@@ -136,13 +136,24 @@ def run_grid(sweep) -> list[dict]:
             for i, run in enumerate(runs)]
 
 
+def accuracy_text(row: dict) -> str:
+    """A table cell: the accuracy in %, with the range over seeds (``accuracy_min``/``accuracy_max``)
+    where the row has several ``seeds``."""
+    text = f"{100 * row['accuracy']:.2f}"
+    if len(row.get("seeds", ())) > 1:
+        text += f" ({100 * row['accuracy_min']:.2f}-{100 * row['accuracy_max']:.2f}, {len(row['seeds'])} seeds)"
+    return text
+
+
 def markdown_table(rows) -> str:
-    acc = {(r["algorithm"], r["low_precision"], r["skew"], r["comp"]): r["accuracy"] for r in rows}
-    cols = [c for c in COLUMNS if any(k[:2] == c[:2] for k in acc)]
+    """Rows skew / compression, columns DS, LP-DS, Choco, LP-Choco (those present); ``-`` where a cell is missing."""
+    by_cell = {(r["algorithm"], r["low_precision"], r["skew"], r["comp"]): r for r in rows}
+    cols = [c for c in COLUMNS if any(k[:2] == c[:2] for k in by_cell)]
     lines = ["| skew | compression | " + " | ".join(c[2] for c in cols) + " |",
              "| --- | --- |" + " --- |" * len(cols)]
     for skew, comp in sorted({(r["skew"], r["comp"]) for r in rows}):
-        cells = [f"{100 * acc[(a, lp, skew, comp)]:.2f}" if (a, lp, skew, comp) in acc else "-" for a, lp, _ in cols]
+        cells = [accuracy_text(by_cell[(a, lp, skew, comp)]) if (a, lp, skew, comp) in by_cell else "-"
+                 for a, lp, _ in cols]
         lines.append(f"| {skew:g} | {comp:g}% | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

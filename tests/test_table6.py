@@ -15,6 +15,9 @@ def table6():
 def test_grid_is_the_papers(table6):
     cells = table6.all_cells()
     assert len(cells) == 2 * 3 * 2 * 4 and len({c["id"] for c in cells}) == 48
+    assert {c["seed"] for c in cells} == {0} and cells[0]["id"] == "ag_news/DS/skew0/comp0/seed0"
+    seeded = table6.all_cells((0, 1, 2))
+    assert len({c["id"] for c in seeded}) == 144 and [c["seed"] for c in seeded[:4]] == [0, 1, 2, 0]
     assert {(c["column"], c["algorithm"], c["low_precision"]) for c in cells} == {
         ("DS", "deepsqueeze", False), ("LP-DS", "deepsqueeze", True), ("Choco", "choco", False),
         ("LP-Choco", "choco", True)}
@@ -24,20 +27,58 @@ def test_grid_is_the_papers(table6):
 def test_a_cell_runs_the_recipe_with_the_table_settings(table6, ag_news_csv, tmp_path):
     args = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path),
                          "--cells", "sentlen/LP-DS/skew0.9/comp99"])
-    assert args.name == "table6_cpu" and [c["id"] for c in args.selected] == ["sentlen/LP-DS/skew0.9/comp99"]
+    assert args.name == "table6_cpu" and [c["id"] for c in args.selected] == ["sentlen/LP-DS/skew0.9/comp99/seed0"]
     run, command = table6.recipe_run(args, args.selected[0])
     training, recipe = run.training, run.recipe
-    assert (recipe.task, recipe.model, recipe.data_dir) == ("sentlen", "m", str(ag_news_csv))
+    assert (recipe.task, recipe.model, recipe.data_dir) == ("sentlen", "m", str(ag_news_csv.resolve()))
     assert (training.algorithm, training.low_precision, training.skew, training.compression) == (
         "deepsqueeze", True, 0.9, 99.0)
     assert (training.num_nodes, training.topology, recipe.max_length, training.per_device_train_batch_size,
             training.num_train_epochs, training.learning_rate) == (4, "directed_ring", 64, 16, 3.0, 1e-4)
     assert training.optim.value.startswith("adam") and (training.adam_beta1, training.adam_beta2) == (0.9, 0.9)
     assert training.consensus_lr is None and training.max_steps == -1 and recipe.max_train_samples is None
-    assert training.output_dir == str(tmp_path / "sentlen_LP-DS_skew0.9_comp99")
+    assert training.output_dir == str(tmp_path / "sentlen_LP-DS_skew0.9_comp99") and training.seed == 0
     assert command.startswith("python recipes/sentlen_deepsqueeze.py --model m ")
     fp32 = table6.recipe_run(args, {**args.selected[0], "low_precision": False})[0]
     assert fp32.training.low_precision is False
+
+
+def test_seeds_run_each_selected_cell_once_per_seed_in_its_own_folder(table6, ag_news_csv, tmp_path):
+    args = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path),
+                         "--seeds", "0", "3", "--cells", "ag_news/Choco/skew0.9/comp99", "ag_news/DS/*/seed3"])
+    assert [c["id"] for c in args.selected] == [
+        "ag_news/DS/skew0/comp0/seed3", "ag_news/DS/skew0/comp99/seed3", "ag_news/DS/skew0.5/comp0/seed3",
+        "ag_news/DS/skew0.5/comp99/seed3", "ag_news/DS/skew0.9/comp0/seed3", "ag_news/DS/skew0.9/comp99/seed3",
+        "ag_news/Choco/skew0.9/comp99/seed0", "ag_news/Choco/skew0.9/comp99/seed3"]
+    runs = [table6.recipe_run(args, cell) for cell in args.selected[-2:]]
+    assert [run.training.seed for run, _ in runs] == [0, 3]
+    assert [run.training.output_dir for run, _ in runs] == [str(tmp_path / "ag_news_Choco_skew0.9_comp99"),
+                                                          str(tmp_path / "ag_news_Choco_skew0.9_comp99_seed3")]
+    assert "--seed 3" in runs[1][1]
+
+
+def row(column, skew, comp, accuracy):
+    algorithm = "choco" if "Choco" in column else "deepsqueeze"
+    return {"task": "ag_news", "column": column, "algorithm": algorithm, "low_precision": column.startswith("LP-"),
+            "skew": skew, "comp": comp, "accuracy": accuracy / 100}
+
+
+def test_goals_are_checked_on_the_means_over_seeds(table6):
+    runs = [{**row("Choco", 0.0, 0.0, a), "seed": s} for s, a in enumerate((89.0, 90.0))]
+    runs += [{**row("Choco", 0.9, 99.0, a), "seed": s} for s, a in enumerate((84.0, 88.0, 88.0))]
+    rows = table6.summarise(runs)
+    assert [r["seeds"] for r in rows] == [[0, 1], [0, 1, 2]]
+    assert [round(100 * r["accuracy"], 4) for r in rows] == [89.5, 86.6667]
+    assert (rows[1]["accuracy_min"], rows[1]["accuracy_max"]) == (0.84, 0.88)
+    # seed 0 alone would miss the skew goal (5 points); the mean over three seeds meets it
+    assert table6.check_goals(rows) == [{"task": "ag_news", "met": True, "detail": "86.67 vs 89.50: 2.83 points",
+                                         "goal": "Choco at skew 0.9 / 99% within 3 points of skew 0 / 0%"}]
+    goals = table6.check_goals(rows + [row("LP-Choco", 0.0, 0.0, 88.0), row("DS", 0.0, 99.0, 70.0),
+                                       row("DS", 0.9, 99.0, 79.9)])
+    assert [(g["goal"].split()[0], g["met"]) for g in goals] == [
+        ("every", False), ("Choco", True), ("Deep-Squeeze", False), ("accuracy", False)]
+    assert goals[0]["detail"] == "0 of 1 pairs within; outside: LP-Choco -1.50 at skew 0 / 0%"
+    assert goals[3]["detail"] == "1 series of two or more skews; rising: DS 99% skew 0 -> 0.9: +9.90"
 
 
 def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
@@ -47,37 +88,54 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "results")
     argv = ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--output-dir", str(tmp_path / "runs"),
             "--docs-dir", str(tmp_path / "docs"), "--max-steps", "1", "--limit-rows", "64",
-            "--cells", "ag_news/LP-Choco/skew0/comp99", "sentlen/DS/skew0/comp0"]
+            "--seeds", "0", "1", "--cells", "ag_news/LP-Choco/skew0/comp99", "sentlen/DS/skew0/comp0/seed0"]
     path = table6.main(argv)
     assert path == tmp_path / "results" / "table6_cpu_shrunk.json"
     record_ = json.loads(path.read_text())
     assert record_["benchmark"] == "table6_cpu_shrunk" and record_["command"].startswith("python benchmarks/table6_cpu.py")
     cells = record_["results"]["cells"]
-    assert [c["id"] for c in cells] == ["ag_news/LP-Choco/skew0/comp99", "sentlen/DS/skew0/comp0"]
+    assert [c["id"] for c in cells] == ["ag_news/LP-Choco/skew0/comp99/seed0", "ag_news/LP-Choco/skew0/comp99/seed1",
+                                        "sentlen/DS/skew0/comp0/seed0"]
     for cell in cells:
         run = json.loads((pathlib.Path(cell["output_dir"]) / "results.json").read_text())
         assert run["status"] == "done" and cell["accuracy"] == run["accuracy"] and cell["steps"] == 1
         assert len(cell["node_accuracy"]) == 4 and len(cell["bytes_sent_per_node"]) == 4
         assert all(b > 0 for b in cell["bytes_sent_per_node"]) and cell["consensus_distance"] >= 0
         assert cell["wall_time_s"] > 0 and "--max-train-samples 64" in cell["command"]
-    assert [c["gamma"] for c in cells] == [0.025, 1.0]  # the default consensus step: Choco at 99% (2.5 x 0.01), no compression
+    assert [c["gamma"] for c in cells] == [0.025, 0.025, 1.0]  # the default step: Choco at 99% (2.5 x 0.01), no compression
     # 8-bit Choco at 1% top-k sends far less than fp32 Deep-Squeeze without compression
-    assert cells[0]["bytes_sent_per_node"][0] < cells[1]["bytes_sent_per_node"][0] / 10
+    assert cells[0]["bytes_sent_per_node"][0] < cells[2]["bytes_sent_per_node"][0] / 10
+    # the two seeds are two runs: each has its own folder
+    assert cells[1]["output_dir"] == cells[0]["output_dir"] + "_seed1"
+    table_rows = record_["results"]["table"]
+    assert [(r["column"], r["seeds"]) for r in table_rows] == [("LP-Choco", [0, 1]), ("DS", [0])]
+    mean = (cells[0]["accuracy"] + cells[1]["accuracy"]) / 2
+    assert table_rows[0]["accuracy"] == pytest.approx(mean)
 
     table = (tmp_path / "docs" / "table6_cpu_shrunk.md").read_text()
     assert "**Shrunk run, not Table 6:** max steps 1, limit rows 64" in table
-    assert f"| 0 | 99% | {100 * cells[0]['accuracy']:.2f} |" in table.split("## sentlen")[0]
-    assert f"| 0 | 0% | {100 * cells[1]['accuracy']:.2f} |" in table.split("## sentlen")[1]
+    low, high = sorted(100 * c["accuracy"] for c in cells[:2])
+    assert f"| 0 | 99% | {100 * mean:.2f} ({low:.2f}-{high:.2f}, 2 seeds) |" in table.split("## sentlen")[0]
+    assert f"| 0 | 0% | {100 * cells[2]['accuracy']:.2f} |" in table.split("## sentlen")[1]
+    assert "## Goals" in table and "ag_news: every 8-bit cell" not in table
     assert (tmp_path / "docs" / "table6_cpu_shrunk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     capsys.readouterr()
-    table6.main(argv)  # finished cells with the same settings are reused
-    assert "2 cells: 2 reused, 0 to run" in capsys.readouterr().err
+    link = tmp_path / "link.csv"  # the same file by another path is the same setting
+    link.symlink_to(ag_news_csv)
+    table6.main([str(link) if a == str(ag_news_csv) else a for a in argv])  # finished runs are reused
+    assert "3 runs: 3 reused, 0 to run" in capsys.readouterr().err
+    table6.main([*argv, "ag_news/DS/skew0/comp0/seed0", "--finished-only"])  # one more cell, not run
+    assert "4 runs: 3 finished, 1 left out (--finished-only)" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "ag_news_DS_skew0_comp0").exists()
     assert json.loads(path.read_text())["results"]["cells"] == cells
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--cells", "agnews/*"], "argument --cells: ['agnews/*'] match no cell; ids look like 'ag_news/DS/skew0/comp0'"),
+    (["--cells", "agnews/*"], "argument --cells: ['agnews/*'] match no cell; ids look like 'ag_news/DS/skew0/comp0/seed0'"),
+    (["--cells", "ag_news/DS/skew0/comp0/seed1"], "seeds [0] from --seeds)"),
+    (["--seeds", "1", "1"], "argument --seeds: [1, 1] repeats a seed"),
+    (["--seeds", "-1"], "argument --seeds: must be in [0, inf), got -1"),
     (["--limit-rows", "66"], "argument --limit-rows: 66 training rows cannot give each of 4 nodes one batch of 16: "
                              "at least 67 rows"),
     (["--cells", "ag_news/*/skew0/*", "--limit-rows", "63"], "argument --limit-rows: 63 training rows"),
@@ -87,6 +145,14 @@ def test_bad_flags(table6, ag_news_csv, flags, message, capsys):
     with pytest.raises(SystemExit):
         table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_finished_only_renders_the_finished_runs_and_runs_nothing(table6, ag_news_csv, tmp_path, capsys):
+    argv = ["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path), "--finished-only",
+            "--cells", "ag_news/*/skew0/comp0"]
+    with pytest.raises(SystemExit, match="argument --finished-only: none of the 4 selected runs has finished"):
+        table6.main(argv)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_data_file(table6, tmp_path, capsys):
