@@ -16,7 +16,8 @@ weight-gradient GEMM):
   matmuls and the classification head -- stays float);
 * the checkpoint size, fp32 state dict vs ``export_int8_state_dict`` (without and with 8-bit embedding tables).
 
-The figures also go to ``benchmarks/results/bench_quant.json`` (not for ``--layer-sweep``).
+The figures also go to ``benchmarks/results/bench_quant.json`` (``bench_quant_layer_sweep.json`` for
+``--layer-sweep``).
 
     python benchmarks/bench_quant.py --threads 2                # ~3-4 minutes on 2 CPU cores
     python benchmarks/bench_quant.py --threads 2 --repeats 20   # tighter medians
@@ -119,10 +120,13 @@ def quantized_flop_share(config, input_ids) -> float:
 
 def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
     """Forward + backward of one square Linear (``batch * seq`` rows) per width, fp32 vs simulated
-    vs int8 kernel, interleaved medians: the data behind ``kernels.AUTO_MIN_FEATURES``."""
+    vs int8 kernels, interleaved medians: the data behind ``kernels.AUTO_MIN_FEATURES``. Written to
+    ``benchmarks/results/bench_quant_layer_sweep.json``: per width the fp32 time (s) and each
+    kernel's time relative to it."""
+    int8_path = int8_gemm_path(device)
     print(f"one Linear(w, w), {args.batch_size * args.seq_len} rows, forward + backward, device {device}, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
-          f"int8 GEMM: {int8_gemm_path(device)}")
+          f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, int8 GEMM: {int8_path}")
+    rows = []
     for width in widths:
         base = torch.nn.Linear(width, width).to(device)
         layers = {"fp32": base}
@@ -131,8 +135,14 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
         x = torch.randn(args.batch_size * args.seq_len, width, device=device, requires_grad=True)
         med = medians(interleaved_times({name: (lambda layer=layer: layer(x).sum().backward())
                                          for name, layer in layers.items()}, args.repeats, args.warmup, device)["wall_s"])
+        rows.append({"width": width, "fp32_s": med["fp32"],
+                     **{f"{kernel}_ratio": med[kernel] / med["fp32"] for kernel in ("simulated", "int8", "int8_bf16")}})
         print(f"width {width:5d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated {med['simulated'] / med['fp32']:.2f}x"
               f"   int8 {med['int8'] / med['fp32']:.2f}x   int8_bf16 {med['int8_bf16'] / med['fp32']:.2f}x fp32")
+    results = {"settings": {"rows": args.batch_size * args.seq_len, "repeats": args.repeats, "device": str(device),
+                            "threads": torch.get_num_threads(), "int8_gemm": int8_path},
+               "widths": rows}
+    print(f"wrote {save_results('bench_quant_layer_sweep', results)}")
 
 
 def main(argv=None):

@@ -29,17 +29,13 @@ import copy
 import os
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from record import save_results
+from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 
-from record import save_results  # noqa: E402
-from table6_cpu import DEFAULT_DATA  # noqa: E402  (the AG News sample Table 6 runs on)
-
-from lp_decentral_nlp.commands import Range, build_nlp_parser, packaged_model_path, prepare_nlp_run, ranged  # noqa: E402
+from lp_decentral_nlp.commands import Range, build_nlp_parser, packaged_model_path, prepare_nlp_run, ranged
 
 HEADLINE = ["--skew", "0.9", "--comp", "99"]
 CPU_SCALE = ["--batch-size", "16", "--max-length", "64"]

@@ -42,6 +42,12 @@ BENCHMARKS = {
         "Time and peak tensor memory of one training step (forward, backward, AdamW) of a "
         "DistilBERT-base-shaped model, fp32 against the 8-bit kernels (`simulated`, `int8`, `int8_bf16`), "
         "the variants' steps interleaved; and the size of the int8 export against fp32."),
+    "bench_quant_layer_sweep": (
+        "Kernel layer sweep: where int8 pays",
+        "Forward + backward of one square Linear per width (1,024 rows), fp32 against the simulated, int8 and "
+        "int8_bf16 kernels, interleaved medians: each kernel's time relative to fp32. The data behind the width "
+        "from which `kernel=\"auto\"` takes int8 (`kernels.AUTO_MIN_FEATURES`) on hardware with an int8 GEMM; "
+        "`int8_gemm` names the GEMM the int8 kernels ran."),
     "bench_gossip": (
         "Gossip engine",
         "One gossip step of 8 simulated nodes on a directed ring, each holding DistilBERT's parameter "

@@ -1,6 +1,7 @@
 """Small builders shared by several test modules."""
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -51,8 +52,12 @@ def check_running_range(q, batches, rel):
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` imported as a module (the benchmarks are scripts, not a package)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    """The script ``benchmarks/<name>.py`` imported as a module (the benchmarks are scripts, not a
+    package), with ``benchmarks/`` importable as when the script runs (``record``, ``timing``)."""
+    folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
