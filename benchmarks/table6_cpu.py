@@ -92,7 +92,7 @@ def matches(cell: dict, pattern: str) -> bool:
 def cell_folder(cell: dict) -> str:
     """The run's folder name under ``--output-dir``: the id without its seed for seed 0
     (``ag_news_Choco_skew0.9_comp99``), with ``_seed<N>`` appended for the others."""
-    name = cell_id(cell["task"], cell["column"], cell["skew"], cell["comp"]).rsplit("/", 1)[0].replace("/", "_")
+    name = f"{cell['task']}_{cell['column']}_skew{cell['skew']:g}_comp{cell['comp']:g}"
     return name if cell["seed"] == 0 else f"{name}_seed{cell['seed']}"
 
 
@@ -206,8 +206,9 @@ def run_cells(args: argparse.Namespace) -> list[dict]:
     if args.finished_only:
         print(f"{len(runs)} runs: {len(results)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
         if not results:
-            sys.exit(f"table6_cpu.py: error: argument --finished-only: none of the {len(runs)} selected runs has "
-                     f"finished under {args.output_dir}")
+            print(f"table6_cpu.py: error: argument --finished-only: none of the {len(runs)} selected runs has "
+                  f"finished under {args.output_dir}", file=sys.stderr)
+            raise SystemExit(2)
         finished = sorted(results)
         args.selected, runs = [args.selected[i] for i in finished], [runs[i] for i in finished]
         results = dict(enumerate(results[i] for i in finished))
