@@ -53,7 +53,7 @@ COMPRESSIONS = (0.0, 99.0)
 SETTINGS = {"nodes": 4, "topology": "directed_ring", "max_length": 64, "batch_size": 16, "epochs": 3,
             "lr": 1e-4}
 # recorded in a cell's results.json but not what it computes: a finished cell is reused whatever these were
-IGNORED_WHEN_REUSING = ("threads", "consensus_lr_used")
+IGNORED_WHEN_REUSING = ("threads",)
 RECIPES = {("ag_news", "choco"): "agnews_choco.py", ("ag_news", "deepsqueeze"): "agnews_deepsqueeze.py",
            ("sentlen", "choco"): "sentlen_choco.py", ("sentlen", "deepsqueeze"): "sentlen_deepsqueeze.py"}
 # The paper's AG News row (DistilBERT on the full set, 5 epochs; SPEC section 8), accuracy in %.
@@ -182,11 +182,13 @@ def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
 
 def reusable(run: ParsedFlags) -> dict | None:
     """The finished ``results.json`` of ``run`` if the settings it recorded are ``run``'s (its
-    thread count aside), else None."""
+    thread count aside), else None. The consensus step it ran with counts as a setting: a cell run
+    under an older default step is run again."""
     done = finished_results(run.training.output_dir)
     if done is None:
         return None
-    settings = {k: v for k, v in json.loads(json.dumps(run_config(run.values, run.training), default=str)).items()
+    config = {**run_config(run.values, run.training), "consensus_lr_used": run.training.gamma}
+    settings = {k: v for k, v in json.loads(json.dumps(config, default=str)).items()
                 if k not in IGNORED_WHEN_REUSING}
     recorded = {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING}
     if recorded != settings:

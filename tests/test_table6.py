@@ -134,6 +134,15 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert not (tmp_path / "runs" / "ag_news_DS_skew0_comp0").exists()
     assert json.loads(path.read_text())["results"]["cells"] == cells
 
+    # a cell run under another default consensus step is stale: it runs again
+    stale = pathlib.Path(cells[1]["output_dir"]) / "results.json"
+    stale.write_text(json.dumps({**json.loads(stale.read_text()), "config": {
+        **json.loads(stale.read_text())["config"], "consensus_lr_used": 0.01}}))
+    table6.main(argv)
+    err = capsys.readouterr().err
+    assert "3 runs: 2 reused, 1 to run" in err and "other settings (consensus_lr_used)" in err
+    assert json.loads(stale.read_text())["config"]["consensus_lr_used"] == 0.025
+
 
 @pytest.mark.parametrize("flags, message", [
     (["--cells", "agnews/*"], "argument --cells: ['agnews/*'] match no cell; ids look like 'ag_news/DS/skew0/comp0/seed0'"),
