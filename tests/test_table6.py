@@ -106,7 +106,7 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
         assert len(cell["node_accuracy"]) == 4 and len(cell["bytes_sent_per_node"]) == 4
         assert all(b > 0 for b in cell["bytes_sent_per_node"]) and cell["consensus_distance"] >= 0
         assert cell["wall_time_s"] > 0 and "--max-train-samples 64" in cell["command"]
-    assert [c["gamma"] for c in cells] == [0.025, 0.025, 1.0]  # the default step: Choco at 99% (2.5 x 0.01), no compression
+    assert [c["gamma"] for c in cells] == [0.05, 0.05, 1.0]  # the default step: Choco at 99% (5 x 0.01), no compression
     # 8-bit Choco at 1% top-k sends far less than fp32 Deep-Squeeze without compression
     assert cells[0]["bytes_sent_per_node"][0] < cells[2]["bytes_sent_per_node"][0] / 10
     # the two seeds are two runs: each has its own folder
@@ -141,7 +141,7 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     table6.main(argv)
     err = capsys.readouterr().err
     assert "3 runs: 2 reused, 1 to run" in err and "other settings (consensus_lr_used)" in err
-    assert json.loads(stale.read_text())["config"]["consensus_lr_used"] == 0.025
+    assert json.loads(stale.read_text())["config"]["consensus_lr_used"] == 0.05
 
 
 @pytest.mark.parametrize("flags, message", [

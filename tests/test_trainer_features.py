@@ -229,7 +229,7 @@ def test_drift_guard_warns_once_naming_the_distance_and_consensus_lr(tmp_path, a
     with caplog.at_level(logging.WARNING):
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "consensus distance grew" in r.getMessage()]
-    assert len(warnings) == 1 and "consensus_lr (--consensus-lr, now 0.25)" in warnings[0]
+    assert len(warnings) == 1 and "consensus_lr (--consensus-lr, now 0.5)" in warnings[0]
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -23,7 +23,7 @@ class ChocoSGD(PushSumGossip):
 
     Args:
         topology: a static graph (``period == 1``).
-        compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma = 0.025`` for 99%
+        compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma = 0.05`` for 99%
             (:func:`~.factory.default_consensus_lr`).
         gamma: consensus step size in (0, 1].
         transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
