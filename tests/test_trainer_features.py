@@ -214,22 +214,40 @@ def test_final_merge_leaves_every_node_equal_to_the_averaged_model(tmp_path, agn
         assert metrics[f"eval_loss_node_{i}"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
 
 
-def test_drift_guard_warns_once_naming_the_distance_and_consensus_lr(tmp_path, agnews_small, tokenizer, caplog):
-    record = []
+class GrowingDistance(TrainerCallback):
+    """Pushes node 0 of ``trainer`` away from the others after every step, 1.5x further each time."""
 
-    class GrowingDistance(TrainerCallback):  # pushes node 0 away from the others after every step
-        def on_step_end(self, args, state, control, **kwargs):
-            with torch.no_grad():
-                for p in trainer.nodes[0].parameters():
-                    p.add_(0.05 * state.global_step)
-            record.append(state.global_step)
+    def __init__(self):
+        self.trainer = None
 
-    trainer = trainer_for(tmp_path, agnews_small, tokenizer, algorithm="choco", compression=90.0, max_steps=12,
-                          callbacks=[GrowingDistance()])
+    def on_step_end(self, args, state, control, **kwargs):
+        with torch.no_grad():
+            for p in self.trainer.nodes[0].parameters():
+                p.add_(0.01 * 1.5 ** state.global_step)
+
+
+def drift_warnings(tmp_path, data, tokenizer, caplog, **kw) -> tuple[DecentralizedTrainer, list[str]]:
+    push = GrowingDistance()
+    trainer = trainer_for(tmp_path, data, tokenizer, algorithm="choco", callbacks=[push], **kw)
+    push.trainer = trainer
     with caplog.at_level(logging.WARNING):
         trainer.train()
-    warnings = [r.getMessage() for r in caplog.records if "consensus distance grew" in r.getMessage()]
+    return trainer, [r.getMessage() for r in caplog.records if "consensus distance grew" in r.getMessage()]
+
+
+def test_drift_guard_warns_once_naming_the_distance_and_consensus_lr(tmp_path, agnews_small, tokenizer, caplog):
+    trainer, warnings = drift_warnings(tmp_path, agnews_small, tokenizer, caplog, compression=90.0, max_steps=16)
+    assert trainer.drift_warmup_steps() == 10  # 1 / the kept 10%
     assert len(warnings) == 1 and "consensus_lr (--consensus-lr, now 0.5)" in warnings[0]
+    step = int(warnings[0].split("(step ")[1].split(")")[0])
+    assert 10 <= step <= 16
+
+
+def test_drift_guard_waits_while_sparse_messages_load_the_copies(tmp_path, agnews_small, tokenizer, caplog):
+    # the same push at 1% top-k: all 16 steps lie within the 100 steps the copies need to hold the model
+    trainer, warnings = drift_warnings(tmp_path, agnews_small, tokenizer, caplog, compression=99.0, max_steps=16)
+    assert trainer.drift_warmup_steps() == 100 and warnings == []
+    assert trainer.state.log_history[-2]["consensus_distance"] > 10 * trainer.state.log_history[3]["consensus_distance"]
 
 
 @pytest.mark.parametrize("kwargs, field", [

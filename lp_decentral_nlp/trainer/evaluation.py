@@ -11,6 +11,9 @@ from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 from transformers.utils import logging
 
+from ..gossip import RandomK, TopK
+from ..gossip.factory import build_compressor
+
 logger = logging.get_logger(__name__)
 
 #: the drift guard warns when the consensus distance grew over this many consecutive logging steps ...
@@ -85,12 +88,23 @@ class EvaluationMixin:
         self.log(logs)
         return loss * steps if math.isfinite(loss) else 0.0
 
+    def drift_warmup_steps(self) -> int:
+        """Optimizer steps the drift guard waits beyond the first epoch: ``ceil(1 / keep)`` with a
+        top-k or random-k compressor keeping ``keep`` of each tensor's entries, else 0. The nodes
+        start from the same weights and spread out by design until gossip catches up, and a sparse
+        message carries ``keep`` of the model, so the public copies Choco mixes (SPEC 2, they
+        start at 0) need ``1 / keep`` steps to hold it: on digits at 1% top-k the distance rose
+        for the first 70 steps of healthy runs (docs/consensus_step.md)."""
+        compressor = build_compressor(self.args.gossip_config)
+        return math.ceil(1 / compressor.keep) if isinstance(compressor, (TopK, RandomK)) else 0
+
     def _watch_drift(self, distance: float) -> None:
         """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
         consecutive logging steps, by ``DRIFT_GROWTH`` times or more in all, after the first epoch
-        (in the first the nodes spread out from the same initial weights, so the distance grows
-        from 0 by design)."""
-        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned:
+        and :meth:`drift_warmup_steps` (before, the nodes spread out from the same initial weights,
+        so the distance grows from 0 by design)."""
+        if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned \
+                or self.state.global_step < self.drift_warmup_steps():
             self._drift_trail = []
             return
         self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
