@@ -100,9 +100,15 @@ class EvaluationMixin:
 
     def _watch_drift(self, distance: float) -> None:
         """Drift guard: ONE warning when the consensus distance grew over ``DRIFT_WINDOW``
-        consecutive logging steps, by ``DRIFT_GROWTH`` times or more in all, after the first epoch
-        and :meth:`drift_warmup_steps` (before, the nodes spread out from the same initial weights,
-        so the distance grows from 0 by design)."""
+        consecutive logging steps, by ``DRIFT_GROWTH`` times or more in all, to beyond any distance
+        logged before in this run, after the first epoch and :meth:`drift_warmup_steps`.
+
+        Before that point the nodes spread out from the same initial weights, so the distance grows
+        from 0 by design. Passing the run's peak is what a too-large consensus step does (it
+        diverges); a distance that regrows below the peak after falling is compression noise
+        around a consensus already reached (digits at top-10%: from 0.2 back to 3 in the last
+        epochs, after a peak of 60, every node within 0.3 points; docs/consensus_step.md)."""
+        peak, self._drift_peak = self._drift_peak, max(self._drift_peak, distance)
         if self.state.epoch is None or self.state.epoch < 1 or self._drift_warned \
                 or self.state.global_step < self.drift_warmup_steps():
             self._drift_trail = []
@@ -110,11 +116,11 @@ class EvaluationMixin:
         self._drift_trail = (self._drift_trail + [distance])[-(DRIFT_WINDOW + 1):]
         trail = self._drift_trail
         if len(trail) > DRIFT_WINDOW and all(a < b for a, b in zip(trail, trail[1:])) \
-                and trail[-1] >= DRIFT_GROWTH * trail[0]:
+                and trail[-1] >= DRIFT_GROWTH * trail[0] and distance > peak:
             self._drift_warned = True
             logger.warning(f"consensus distance grew over {DRIFT_WINDOW} consecutive logging steps to {distance:.4g} "
-                           f"(step {self.state.global_step}): the nodes are drifting apart; lower consensus_lr "
-                           f"(--consensus-lr, now {self.args.gamma:g})")
+                           f"(step {self.state.global_step}), beyond its earlier peak {peak:.4g}: the nodes are "
+                           f"drifting apart; lower consensus_lr (--consensus-lr, now {self.args.gamma:g})")
 
     @torch.no_grad()
     def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:

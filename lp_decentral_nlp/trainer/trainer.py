@@ -170,7 +170,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._last_logged, self._total_loss = 0, 0.0
-        self._drift_trail, self._drift_warned = [], False
+        self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
         if resume_from_checkpoint:
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
