@@ -74,7 +74,7 @@ def test_render_known_unknown_and_order(results_dir):
     assert "| gossip share | 1.64% |" in gossip
     assert "| round (s) | 45.7 |" in gossip
     vision = found[titles[1]]
-    assert "The file name carries the skew." in vision                   # described by its prefix
+    assert "The file name carries the skew;" in vision                   # described by its prefix
     assert "| BatchNorm | fp32 | 98.10% | 4 values: median 80.00%, 50.00% to 95.00% |" in vision
     # the unknown benchmark: no description, generic rendering, '|' escaped, nested dicts as sub-sections
     new = found[titles[2]]
