@@ -132,7 +132,7 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str) -> float
     compresses the models themselves, mixes fastest at about 1.5 delta (it diverges beyond ~7
     delta). Choco mixes fastest at about 2.5 delta and diverges beyond ~10-20 delta; in training,
     twice that step (5 delta) did better at 1% top-k (digits +3 to +17 points, AG News at skew
-    0.9 +1.5 points over three seeds) and the same at 10%, so Choco's default is 5 delta.
+    0.9 +1.6 points over three seeds) and the same at 10%, so Choco's default is 5 delta.
 
     Args:
         compressor: the message codec (None: exact messages).
