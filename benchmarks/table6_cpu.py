@@ -18,10 +18,14 @@ averaged model, per-node accuracy, consensus distance, bytes sent per node, wall
 recipe command that reproduces it), ``docs/table6_cpu.md`` (the table, laid out like the paper's)
 and ``docs/table6_cpu.png`` (accuracy vs skew), both with the issue's goals for the table checked
 against the cells run (``check_goals``). Each run keeps its folder under ``--output-dir``; a run whose
-``results.json`` is finished with the same settings is reused, not run again.
+``results.json`` is finished with the same settings is reused, not run again. ``--cells`` and
+``--seeds`` choose what runs; the table written is always every run finished under ``--output-dir``
+with these settings (the ones just run and any finished before, whatever their seed), so running a
+few cells adds them to the table instead of replacing it.
 
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
-``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead.
+``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead
+(its runs under ``runs/table6_cpu_shrunk`` by default, apart from the real grid's).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import shlex
 import sys
 import time
@@ -101,8 +106,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=REPO / "runs" / "table6_cpu",
-                        help="one folder per run under it (default runs/table6_cpu)")
+    parser.add_argument("--output-dir", type=pathlib.Path, default=None,
+                        help="one folder per run under it (default runs/table6_cpu, or runs/table6_cpu_shrunk "
+                             "with --max-steps or --limit-rows)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=REPO / "docs",
                         help="where the Markdown table and the plot go (default docs/)")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
@@ -115,8 +121,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="run every selected cell once per seed (the recipe's --seed, which also deals the "
                              "shards); the table reports the mean and range over them (default: 0)")
     parser.add_argument("--finished-only", action="store_true",
-                        help="run nothing: render the table from the selected runs that have finished with "
-                             "these settings and leave the others out (e.g. while the grid runs elsewhere)")
+                        help="run nothing: render the table from the runs finished under --output-dir with "
+                             "these settings (e.g. while the grid runs elsewhere)")
     parser.add_argument("--max-steps", type=ranged(int, Range(1)), default=None,
                         help="shrink: stop every run after this many steps (instead of 3 epochs)")
     parser.add_argument("--limit-rows", type=ranged(int, Range(1)), default=None,
@@ -145,6 +151,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.model is None:
         args.model = packaged_model_path()
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
+    if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
+        args.output_dir = REPO / "runs" / args.name
     return args
 
 
@@ -180,50 +188,85 @@ def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
     return run, shlex.join(["python", script, *argv])
 
 
-def reusable(run: ParsedFlags) -> dict | None:
-    """The finished ``results.json`` of ``run`` if the settings it recorded are ``run``'s (its
-    thread count aside), else None. The consensus step it ran with counts as a setting: a cell run
-    under an older default step is run again."""
+def finished_with_settings(run: ParsedFlags) -> tuple[dict | None, list[str]]:
+    """``(results, [])`` if ``run``'s ``results.json`` is finished with ``run``'s settings (its thread
+    count aside); ``(None, changed)`` if it finished with other settings, ``changed`` naming them;
+    ``(None, [])`` if it has not finished. The consensus step it ran with counts as a setting: a
+    cell run under an older default step is stale."""
     done = finished_results(run.training.output_dir)
     if done is None:
-        return None
+        return None, []
     config = {**run_config(run.values, run.training), "consensus_lr_used": run.training.gamma}
     settings = {k: v for k, v in json.loads(json.dumps(config, default=str)).items()
                 if k not in IGNORED_WHEN_REUSING}
     recorded = {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING}
     if recorded != settings:
-        changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
-        print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): running it again",
-              file=sys.stderr)
-        return None
-    return done
+        return None, sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+    return done, []
+
+
+def cell_record(cell: dict, results: dict, run: ParsedFlags, command: str) -> dict:
+    """One run's entry in the JSON and the table: ``cell`` with its results' figures, its command and folder."""
+    return {**cell, **{k: results[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
+                                               "bytes_sent_per_node", "wall_time_s", "steps")},
+            "gamma": results["config"]["consensus_lr_used"], "command": command,
+            "output_dir": run.training.output_dir}
 
 
 def run_cells(args: argparse.Namespace) -> list[dict]:
-    """Run (or reuse) every selected run (with ``--finished-only``: keep only the finished ones); one
-    record per run, in table order."""
+    """Run (or reuse) every selected run (with ``--finished-only``: run none); one record per
+    finished selected run, in table order."""
     runs = [recipe_run(args, cell) for cell in args.selected]
-    results = {i: r for i, r in ((i, reusable(run)) for i, (run, _) in enumerate(runs)) if r is not None}
+    results = {}
+    for i, (run, _) in enumerate(runs):
+        done, changed = finished_with_settings(run)
+        if done is not None:
+            results[i] = done
+        elif changed and not args.finished_only:
+            print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): "
+                  "running it again", file=sys.stderr)
     todo = [i for i in range(len(runs)) if i not in results]
     if args.finished_only:
         print(f"{len(runs)} runs: {len(results)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
-        if not results:
-            print(f"table6_cpu.py: error: argument --finished-only: none of the {len(runs)} selected runs has "
-                  f"finished under {args.output_dir}", file=sys.stderr)
-            raise SystemExit(2)
-        finished = sorted(results)
-        args.selected, runs = [args.selected[i] for i in finished], [runs[i] for i in finished]
-        results = dict(enumerate(results[i] for i in finished))
     else:
         print(f"{len(runs)} runs: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
         results.update(run_pending([run for run, _ in runs], todo, args.jobs, [cell["id"] for cell in args.selected],
                                    [recipe_script(cell) for cell in args.selected]))
-    return [{**cell, "accuracy": results[i]["accuracy"], "node_accuracy": results[i]["node_accuracy"],
-             "consensus_distance": results[i]["consensus_distance"],
-             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
-             "steps": results[i]["steps"], "gamma": results[i]["config"]["consensus_lr_used"],
-             "command": runs[i][1], "output_dir": runs[i][0].training.output_dir}
-            for i, cell in enumerate(args.selected)]
+    return [cell_record(cell, results[i], *runs[i]) for i, cell in enumerate(args.selected) if i in results]
+
+
+def seeds_with_folders(output_dir: pathlib.Path) -> set[int]:
+    """The seeds of the runs that have a folder under ``output_dir`` (``cell_folder``'s names)."""
+    found = {0}
+    if output_dir.is_dir():
+        found |= {int(m.group(1)) for f in output_dir.iterdir() if (m := re.search(r"_seed(\d+)$", f.name))}
+    return found
+
+
+def table_cells(args: argparse.Namespace, selected_records: list[dict]) -> list[dict]:
+    """What the table shows: ``selected_records`` (``run_cells``) and every other run of the grid
+    finished under ``--output-dir`` with these settings, whatever its seed, in table order. Finished
+    runs with other settings are left out, with a note naming them."""
+    records = {c["id"]: c for c in selected_records}
+    selected = {c["id"] for c in args.selected}
+    grid = all_cells(sorted(set(args.seeds) | seeds_with_folders(args.output_dir)))
+    stale = []
+    for cell in grid:
+        if cell["id"] in selected or not (args.output_dir / cell_folder(cell)).is_dir():
+            continue
+        run, command = recipe_run(args, cell)
+        done, changed = finished_with_settings(run)
+        if done is not None:
+            records[cell["id"]] = cell_record(cell, done, run, command)
+        elif changed:
+            stale.append(f"{cell['id']} ({', '.join(changed)})")
+    if stale:
+        print(f"note: left out of the table, finished with other settings: {'; '.join(stale)}", file=sys.stderr)
+    if not records:
+        print(f"table6_cpu.py: error: argument --finished-only: no run has finished under {args.output_dir} "
+              "with these settings", file=sys.stderr)
+        raise SystemExit(2)
+    return [records[c["id"]] for c in grid if c["id"] in records]
 
 
 def summarise(cells: list[dict]) -> list[dict]:
@@ -306,13 +349,13 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
              "Accuracy (%) of the averaged model on the test split. "
              + ("" if args.name == "table6_cpu" else
                 f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
-             + ("" if args.cells is None else
-                f"**Part of the grid:** only the {len(rows)} {'finished ' if args.finished_only else ''}cells "
-                f"matching {', '.join(f'`{p}`' for p in args.cells)}; "
-                f"the other {len(all_cells()) - len(rows)} have not been run. ")
-             + ("" if args.seeds == [0] else f"Seeds {', '.join(map(str, args.seeds))} (`--seeds`), "
-                "where the cells' patterns select them: a cell with several is the mean over them, "
-                "its range in brackets. ")
+             + ("" if len(rows) == len(all_cells()) else
+                f"**Part of the grid:** the {len(rows)} cells finished so far; the other "
+                f"{len(all_cells()) - len(rows)} have not been run (`python benchmarks/table6_cpu.py --jobs 2` "
+                "runs them and reuses these). ")
+             + ("" if all(r["seeds"] == [0] for r in rows) else
+                f"Seeds {', '.join(map(str, sorted({s for r in rows for s in r['seeds']})))} (`--seeds`) where run: "
+                "a cell with several is the mean over them, its range in brackets. ")
              + f"Every figure and the command of every cell: `{json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}`.",
              ""]
     for task in TASKS:
@@ -378,7 +421,7 @@ def main(argv=None) -> pathlib.Path:
     """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
     args = parse(argv)
     start = time.time()
-    cells = run_cells(args)
+    cells = table_cells(args, run_cells(args))
     rows = summarise(cells)
     json_path = save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),

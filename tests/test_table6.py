@@ -133,11 +133,21 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert "4 runs: 3 finished, 1 left out (--finished-only)" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "ag_news_DS_skew0_comp0").exists()
     assert json.loads(path.read_text())["results"]["cells"] == cells
+    # selecting one run still writes every finished one, whatever its seed: the table grows, never shrinks
+    table6.main([*argv[:argv.index("--seeds")], "--cells", "sentlen/DS/skew0/comp0"])
+    assert "1 runs: 1 reused, 0 to run" in capsys.readouterr().err
+    assert json.loads(path.read_text())["results"]["cells"] == cells
+    assert "**Part of the grid:** the 2 cells finished so far; the other 46" in (
+        tmp_path / "docs" / "table6_cpu_shrunk.md").read_text()
 
-    # a cell run under another default consensus step is stale: it runs again
+    # a cell run under another default consensus step is stale: left out of the table, and run again when selected
     stale = pathlib.Path(cells[1]["output_dir"]) / "results.json"
     stale.write_text(json.dumps({**json.loads(stale.read_text()), "config": {
         **json.loads(stale.read_text())["config"], "consensus_lr_used": 0.01}}))
+    table6.main([*argv[:argv.index("--seeds")], "--cells", "sentlen/DS/skew0/comp0"])
+    assert ("left out of the table, finished with other settings: ag_news/LP-Choco/skew0/comp99/seed1 "
+            "(consensus_lr_used)") in capsys.readouterr().err
+    assert [c["id"] for c in json.loads(path.read_text())["results"]["cells"]] == [cells[0]["id"], cells[2]["id"]]
     table6.main(argv)
     err = capsys.readouterr().err
     assert "3 runs: 2 reused, 1 to run" in err and "other settings (consensus_lr_used)" in err
@@ -166,10 +176,17 @@ def test_finished_only_with_nothing_finished_runs_nothing(table6, ag_news_csv, t
     with pytest.raises(SystemExit) as exit_:
         table6.main(argv)
     assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
-    assert "argument --finished-only: none of the 4 selected runs has finished" in capsys.readouterr().err
+    assert "argument --finished-only: no run has finished under" in capsys.readouterr().err
 
 
 def test_missing_data_file(table6, tmp_path, capsys):
     with pytest.raises(SystemExit):
         table6.parse(["--data-dir", str(tmp_path / "none.csv"), "--model", "m"])
     assert "argument --data-dir:" in capsys.readouterr().err
+
+
+def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_csv):
+    real = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m"])
+    shrunk = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--max-steps", "5"])
+    assert (real.output_dir.name, shrunk.output_dir.name) == ("table6_cpu", "table6_cpu_shrunk")
+    assert real.output_dir.parent == shrunk.output_dir.parent
