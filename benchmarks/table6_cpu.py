@@ -8,7 +8,8 @@ all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds ou
 20% as test), or on the Sentlen task built from that sample's sentences (``build_sentlen``); a
 4-node directed ring, max length 64 tokens, batch 16 per node, 3 epochs, Adam lr 1e-4, betas
 (0.9, 0.9), and the trainer's default consensus step (``default_consensus_lr``: 1 without
-compression, 0.025 for Choco and 0.015 for Deep-Squeeze at 99%; none is set here). Grid: task {ag_news, sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
+compression, 0.05 for Choco and 0.015 for Deep-Squeeze at 99%; none is set here). Grid: task {ag_news,
+sentlen} x skew {0, 0.5, 0.9} x compression {0, 99} % x
 {DS, LP-DS, Choco, LP-Choco} (LP: 8-bit training and gossip; DS: Deep-Squeeze), each cell run once per
 seed of ``--seeds`` (default: seed 0 only; ``--seed`` of the recipe, which also deals the skewed
 shards anew). A cell run with several seeds is reported as the mean over them with its range.
