@@ -206,34 +206,25 @@ def finished_with_settings(run: ParsedFlags) -> tuple[dict | None, list[str]]:
     return done, []
 
 
-def cell_record(cell: dict, results: dict, run: ParsedFlags, command: str) -> dict:
-    """One run's entry in the JSON and the table: ``cell`` with its results' figures, its command and folder."""
-    return {**cell, **{k: results[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
-                                               "bytes_sent_per_node", "wall_time_s", "steps")},
-            "gamma": results["config"]["consensus_lr_used"], "command": command,
-            "output_dir": run.training.output_dir}
-
-
-def run_cells(args: argparse.Namespace) -> list[dict]:
-    """Run (or reuse) every selected run (with ``--finished-only``: run none); one record per
-    finished selected run, in table order."""
-    runs = [recipe_run(args, cell) for cell in args.selected]
-    results = {}
-    for i, (run, _) in enumerate(runs):
+def run_selected(args: argparse.Namespace) -> None:
+    """Run every selected run that has not finished with these settings (``--finished-only``: none);
+    a finished run is reused, one finished with other settings runs again."""
+    runs = [recipe_run(args, cell)[0] for cell in args.selected]
+    todo = []
+    for i, run in enumerate(runs):
         done, changed = finished_with_settings(run)
-        if done is not None:
-            results[i] = done
-        elif changed and not args.finished_only:
-            print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): "
-                  "running it again", file=sys.stderr)
-    todo = [i for i in range(len(runs)) if i not in results]
+        if done is None:
+            todo.append(i)
+            if changed and not args.finished_only:
+                print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): "
+                      "running it again", file=sys.stderr)
     if args.finished_only:
-        print(f"{len(runs)} runs: {len(results)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
-    else:
-        print(f"{len(runs)} runs: {len(results)} reused, {len(todo)} to run", file=sys.stderr)
-        results.update(run_pending([run for run, _ in runs], todo, args.jobs, [cell["id"] for cell in args.selected],
-                                   [recipe_script(cell) for cell in args.selected]))
-    return [cell_record(cell, results[i], *runs[i]) for i, cell in enumerate(args.selected) if i in results]
+        print(f"{len(runs)} runs: {len(runs) - len(todo)} finished, {len(todo)} left out (--finished-only)",
+              file=sys.stderr)
+        return
+    print(f"{len(runs)} runs: {len(runs) - len(todo)} reused, {len(todo)} to run", file=sys.stderr)
+    run_pending(runs, todo, args.jobs, [cell["id"] for cell in args.selected],
+                [recipe_script(cell) for cell in args.selected])
 
 
 def seeds_with_folders(output_dir: pathlib.Path) -> set[int]:
@@ -244,21 +235,22 @@ def seeds_with_folders(output_dir: pathlib.Path) -> set[int]:
     return found
 
 
-def table_cells(args: argparse.Namespace, selected_records: list[dict]) -> list[dict]:
-    """What the table shows: ``selected_records`` (``run_cells``) and every other run of the grid
-    finished under ``--output-dir`` with these settings, whatever its seed, in table order. Finished
-    runs with other settings are left out, with a note naming them."""
-    records = {c["id"]: c for c in selected_records}
-    selected = {c["id"] for c in args.selected}
-    grid = all_cells(sorted(set(args.seeds) | seeds_with_folders(args.output_dir)))
-    stale = []
-    for cell in grid:
-        if cell["id"] in selected or not (args.output_dir / cell_folder(cell)).is_dir():
+def table_cells(args: argparse.Namespace) -> list[dict]:
+    """What the table shows: every run of the grid finished under ``--output-dir`` with these
+    settings (the ones just run and any finished before), whatever its seed, in table order; one
+    record per run, the cell with its results' figures, its command and folder. Finished runs with
+    other settings are left out, with a note naming them."""
+    records, stale = [], []
+    for cell in all_cells(sorted(set(args.seeds) | seeds_with_folders(args.output_dir))):
+        if not (args.output_dir / cell_folder(cell)).is_dir():
             continue
         run, command = recipe_run(args, cell)
         done, changed = finished_with_settings(run)
         if done is not None:
-            records[cell["id"]] = cell_record(cell, done, run, command)
+            records.append({**cell, **{k: done[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
+                                                            "bytes_sent_per_node", "wall_time_s", "steps")},
+                            "gamma": done["config"]["consensus_lr_used"], "command": command,
+                            "output_dir": run.training.output_dir})
         elif changed:
             stale.append(f"{cell['id']} ({', '.join(changed)})")
     if stale:
@@ -267,7 +259,7 @@ def table_cells(args: argparse.Namespace, selected_records: list[dict]) -> list[
         print(f"table6_cpu.py: error: argument --finished-only: no run has finished under {args.output_dir} "
               "with these settings", file=sys.stderr)
         raise SystemExit(2)
-    return [records[c["id"]] for c in grid if c["id"] in records]
+    return records
 
 
 def summarise(cells: list[dict]) -> list[dict]:
@@ -422,7 +414,8 @@ def main(argv=None) -> pathlib.Path:
     """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
     args = parse(argv)
     start = time.time()
-    cells = table_cells(args, run_cells(args))
+    run_selected(args)
+    cells = table_cells(args)
     rows = summarise(cells)
     json_path = save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
