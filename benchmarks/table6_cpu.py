@@ -18,11 +18,14 @@ Writes ``benchmarks/results/table6_cpu.json`` (``record.save_results``: every ce
 averaged model, per-node accuracy, consensus distance, bytes sent per node, wall time and the
 recipe command that reproduces it), ``docs/table6_cpu.md`` (the table, laid out like the paper's)
 and ``docs/table6_cpu.png`` (accuracy vs skew), both with the issue's goals for the table checked
-against the cells run (``check_goals``). Each run keeps its folder under ``--output-dir``; a run whose
-``results.json`` is finished with the same settings is reused, not run again. ``--cells`` and
-``--seeds`` choose what runs; the table written is always every run finished under ``--output-dir``
-with these settings (the ones just run and any finished before, whatever their seed), so running a
-few cells adds them to the table instead of replacing it.
+against the cells run (``check_goals``). Each run keeps its folder under ``--output-dir``. A run is
+finished, and reused instead of run again, when its folder's ``results.json`` finished with the same
+settings, or when the JSON written before records it with the same settings (its recipe command,
+thread count and output folder aside, and the consensus step it ran with): the committed JSON is the
+table's record, so a fresh checkout renders and extends it without the run folders. ``--cells`` and
+``--seeds`` choose what runs; the table written is always every finished run of the grid with these
+settings (the ones just run and any finished before, whatever their seed), so running a few cells
+adds them to the table instead of replacing it.
 
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
 ``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead
@@ -45,7 +48,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "recipes")]
 
-from record import save_results  # noqa: E402
+import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
@@ -59,7 +62,7 @@ COMPRESSIONS = (0.0, 99.0)
 SETTINGS = {"nodes": 4, "topology": "directed_ring", "max_length": 64, "batch_size": 16, "epochs": 3,
             "lr": 1e-4}
 # recorded in a cell's results.json but not what it computes: a finished cell is reused whatever these were
-IGNORED_WHEN_REUSING = ("threads",)
+IGNORED_WHEN_REUSING = ("threads", "output_dir")
 RECIPES = {("ag_news", "choco"): "agnews_choco.py", ("ag_news", "deepsqueeze"): "agnews_deepsqueeze.py",
            ("sentlen", "choco"): "sentlen_choco.py", ("sentlen", "deepsqueeze"): "sentlen_deepsqueeze.py"}
 # The paper's AG News row (DistilBERT on the full set, 5 epochs; SPEC section 8), accuracy in %.
@@ -189,75 +192,107 @@ def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
     return run, shlex.join(["python", script, *argv])
 
 
-def finished_with_settings(run: ParsedFlags) -> tuple[dict | None, list[str]]:
-    """``(results, [])`` if ``run``'s ``results.json`` is finished with ``run``'s settings (its thread
-    count aside); ``(None, changed)`` if it finished with other settings, ``changed`` naming them;
-    ``(None, [])`` if it has not finished. The consensus step it ran with counts as a setting: a
-    cell run under an older default step is stale."""
+def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
+    """What a run computes, as compared when reusing it: ``run_config`` as ``results.json`` stores it
+    (JSON types) with the consensus step it ran with, less ``IGNORED_WHEN_REUSING``. The step counts:
+    a cell run under an older default step is stale."""
+    config = {**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used}
+    return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k not in IGNORED_WHEN_REUSING}
+
+
+def changed_settings(settings: dict, recorded: dict) -> list[str]:
+    """The names whose values differ between two ``run_settings``."""
+    return sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+
+
+def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
+    """The runs of this grid that the JSON written before (``benchmarks/results/<name>.json``) holds,
+    by cell id; empty when there is none."""
+    path = record.RESULTS_DIR / f"{args.name}.json"
+    if not path.is_file():
+        return {}
+    return {cell["id"]: cell for cell in json.loads(path.read_text())["results"]["cells"]}
+
+
+def recorded_settings(cell: dict, recorded: dict) -> dict:
+    """``run_settings`` of the run that ``recorded`` (a cell of the JSON written before) describes:
+    its recipe command parsed again, with the consensus step it ran with."""
+    script, *argv = shlex.split(recorded["command"])[1:]
+    run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
+    return run_settings(run, recorded["gamma"])
+
+
+def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]) -> tuple[dict | None, list[str]]:
+    """``(record, [])`` if ``cell`` has finished with these settings: its folder's ``results.json``
+    (which, when it has finished, is the only say: it holds the run its folder name refers to), else
+    its entry in the JSON written before (``recorded``); the record is the cell with its figures,
+    command and folder. ``(None, changed)`` if it finished only with other settings, ``changed``
+    naming them; ``(None, [])`` if it has not finished."""
+    run, command = recipe_run(args, cell)
+    settings = run_settings(run, run.training.gamma)
     done = finished_results(run.training.output_dir)
-    if done is None:
+    if done is not None:
+        changed = changed_settings(settings, {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING})
+        if not changed:
+            return {**cell, **{k: done[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
+                                                    "bytes_sent_per_node", "wall_time_s", "steps")},
+                    "gamma": done["config"]["consensus_lr_used"], "command": command,
+                    "output_dir": run.training.output_dir}, []
+        return None, changed  # the folder holds another run than the one the JSON may record
+    if cell["id"] not in recorded:
         return None, []
-    config = {**run_config(run.values, run.training), "consensus_lr_used": run.training.gamma}
-    settings = {k: v for k, v in json.loads(json.dumps(config, default=str)).items()
-                if k not in IGNORED_WHEN_REUSING}
-    recorded = {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING}
-    if recorded != settings:
-        return None, sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
-    return done, []
+    changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]))
+    return (None, changed) if changed else ({**recorded[cell["id"]], **cell}, [])
+
+
+def recorded_seeds(args: argparse.Namespace, recorded: dict[str, dict]) -> set[int]:
+    """The seeds of the runs with a folder under ``--output-dir`` (``cell_folder``'s names) or an
+    entry in the JSON written before, and seed 0."""
+    found = {0} | {cell["seed"] for cell in recorded.values()}
+    if args.output_dir.is_dir():
+        found |= {int(m.group(1)) for f in args.output_dir.iterdir() if (m := re.search(r"_seed(\d+)$", f.name))}
+    return found
 
 
 def run_selected(args: argparse.Namespace) -> None:
     """Run every selected run that has not finished with these settings (``--finished-only``: none);
     a finished run is reused, one finished with other settings runs again."""
-    runs = [recipe_run(args, cell)[0] for cell in args.selected]
+    recorded = recorded_runs(args)
     todo = []
-    for i, run in enumerate(runs):
-        done, changed = finished_with_settings(run)
+    for i, cell in enumerate(args.selected):
+        done, changed = finished_run(args, cell, recorded)
         if done is None:
             todo.append(i)
             if changed and not args.finished_only:
-                print(f"note: {run.training.output_dir} was run with other settings ({', '.join(changed)}): "
-                      "running it again", file=sys.stderr)
+                print(f"note: {cell['id']} was run with other settings ({', '.join(changed)}): running it again",
+                      file=sys.stderr)
+    n = len(args.selected)
     if args.finished_only:
-        print(f"{len(runs)} runs: {len(runs) - len(todo)} finished, {len(todo)} left out (--finished-only)",
-              file=sys.stderr)
+        print(f"{n} runs: {n - len(todo)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
         return
-    print(f"{len(runs)} runs: {len(runs) - len(todo)} reused, {len(todo)} to run", file=sys.stderr)
-    run_pending(runs, todo, args.jobs, [cell["id"] for cell in args.selected],
-                [recipe_script(cell) for cell in args.selected])
-
-
-def seeds_with_folders(output_dir: pathlib.Path) -> set[int]:
-    """The seeds of the runs that have a folder under ``output_dir`` (``cell_folder``'s names)."""
-    found = {0}
-    if output_dir.is_dir():
-        found |= {int(m.group(1)) for f in output_dir.iterdir() if (m := re.search(r"_seed(\d+)$", f.name))}
-    return found
+    print(f"{n} runs: {n - len(todo)} reused, {len(todo)} to run", file=sys.stderr)
+    run_pending([recipe_run(args, cell)[0] for cell in args.selected], todo, args.jobs,
+                [cell["id"] for cell in args.selected], [recipe_script(cell) for cell in args.selected])
 
 
 def table_cells(args: argparse.Namespace) -> list[dict]:
-    """What the table shows: every run of the grid finished under ``--output-dir`` with these
-    settings (the ones just run and any finished before), whatever its seed, in table order; one
-    record per run, the cell with its results' figures, its command and folder. Finished runs with
+    """What the table shows: every run of the grid finished with these settings (``finished_run``:
+    the ones just run, any finished before under ``--output-dir``, and those the JSON written
+    before records), whatever its seed, in table order; one record per run. Finished runs with
     other settings are left out, with a note naming them."""
+    recorded = recorded_runs(args)
     records, stale = [], []
-    for cell in all_cells(sorted(set(args.seeds) | seeds_with_folders(args.output_dir))):
-        if not (args.output_dir / cell_folder(cell)).is_dir():
-            continue
-        run, command = recipe_run(args, cell)
-        done, changed = finished_with_settings(run)
+    for cell in all_cells(sorted(set(args.seeds) | recorded_seeds(args, recorded))):
+        done, changed = finished_run(args, cell, recorded)
         if done is not None:
-            records.append({**cell, **{k: done[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
-                                                            "bytes_sent_per_node", "wall_time_s", "steps")},
-                            "gamma": done["config"]["consensus_lr_used"], "command": command,
-                            "output_dir": run.training.output_dir})
+            records.append(done)
         elif changed:
             stale.append(f"{cell['id']} ({', '.join(changed)})")
     if stale:
         print(f"note: left out of the table, finished with other settings: {'; '.join(stale)}", file=sys.stderr)
     if not records:
-        print(f"table6_cpu.py: error: argument --finished-only: no run has finished under {args.output_dir} "
-              "with these settings", file=sys.stderr)
+        print(f"table6_cpu.py: error: argument --finished-only: no run has finished with these settings, "
+              f"under {args.output_dir} or in {record.RESULTS_DIR / (args.name + '.json')}", file=sys.stderr)
         raise SystemExit(2)
     return records
 
@@ -417,7 +452,7 @@ def main(argv=None) -> pathlib.Path:
     run_selected(args)
     cells = table_cells(args)
     rows = summarise(cells)
-    json_path = save_results(args.name, {
+    json_path = record.save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
                      "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells,
                      "seeds": args.seeds},

@@ -2,6 +2,7 @@
 Markdown table and the plot, reuse of finished cells, and its flag errors."""
 import json
 import pathlib
+import shutil
 
 import pytest
 from helpers import load_benchmark
@@ -153,6 +154,24 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert "3 runs: 2 reused, 1 to run" in err and "other settings (consensus_lr_used)" in err
     assert json.loads(stale.read_text())["config"]["consensus_lr_used"] == 0.05
 
+    # the JSON is the table's record: without the run folders (a fresh checkout) nothing runs again...
+    recorded = json.loads(path.read_text())["results"]["cells"]
+    shutil.rmtree(tmp_path / "runs")
+    table6.main([*argv, "--finished-only"])
+    assert "3 runs: 3 finished, 0 left out" in capsys.readouterr().err
+    assert json.loads(path.read_text())["results"]["cells"] == recorded
+    table6.main(argv)
+    assert "3 runs: 3 reused, 0 to run" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+    # ...but a recorded run made with other settings is: its step differs from the default's
+    edited = json.loads(path.read_text())
+    edited["results"]["cells"][0]["gamma"] = 0.01
+    path.write_text(json.dumps(edited))
+    table6.main(argv)
+    err = capsys.readouterr().err
+    assert "3 runs: 2 reused, 1 to run" in err
+    assert f"note: {cells[0]['id']} was run with other settings (consensus_lr_used): running it again" in err
+    assert [c["gamma"] for c in json.loads(path.read_text())["results"]["cells"]] == [0.05, 0.05, 1.0]
+
 
 @pytest.mark.parametrize("flags, message", [
     (["--cells", "agnews/*"], "argument --cells: ['agnews/*'] match no cell; ids look like 'ag_news/DS/skew0/comp0/seed0'"),
@@ -170,13 +189,16 @@ def test_bad_flags(table6, ag_news_csv, flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_finished_only_with_nothing_finished_runs_nothing(table6, ag_news_csv, tmp_path, capsys):
-    argv = ["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path), "--finished-only",
+def test_finished_only_with_nothing_finished_runs_nothing(table6, ag_news_csv, tmp_path, monkeypatch, capsys):
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "results")  # no JSON written before either
+    argv = ["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path / "runs"), "--finished-only",
             "--cells", "ag_news/*/skew0/comp0"]
     with pytest.raises(SystemExit) as exit_:
         table6.main(argv)
     assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
-    assert "argument --finished-only: no run has finished under" in capsys.readouterr().err
+    assert "argument --finished-only: no run has finished with these settings, under" in capsys.readouterr().err
 
 
 def test_missing_data_file(table6, tmp_path, capsys):
