@@ -414,14 +414,16 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
-    """Accuracy vs skew from ``summarise``'s rows, one panel per task; fp32 solid, 8-bit dashed;
-    circles 0%, squares 99% compression; bars span the seeds' range where a cell has several."""
+    """Accuracy vs skew from ``summarise``'s rows, one panel per task; one colour per algorithm and
+    compression, fp32 solid and 8-bit dashed in it; circles 0%, squares 99% compression; bars span
+    the seeds' range where a cell has several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    colours = {key: f"C{i}" for i, key in enumerate(itertools.product(("deepsqueeze", "choco"), COMPRESSIONS))}
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for (column, comp), group in itertools.groupby(
@@ -433,7 +435,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                      [100 * r["accuracy_max"] - m for m, r in zip(means, group)]]
             ax.errorbar([r["skew"] for r in group], means, yerr=spans, capsize=3,
                         linestyle="--" if group[0]["low_precision"] else "-", marker="s" if comp else "o",
-                        label=f"{column}, comp {comp:g}%")
+                        color=colours[group[0]["algorithm"], comp], label=f"{column}, comp {comp:g}%")
         ax.set_title(task)
         ax.set_xticks(SKEWS)
         ax.set_xlabel("skew")
