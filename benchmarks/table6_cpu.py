@@ -34,7 +34,9 @@ adds them to the table instead of replacing it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
+import io
 import itertools
 import json
 import os
@@ -214,11 +216,17 @@ def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
     return {cell["id"]: cell for cell in json.loads(path.read_text())["results"]["cells"]}
 
 
-def recorded_settings(cell: dict, recorded: dict) -> dict:
+def recorded_settings(cell: dict, recorded: dict) -> dict | str:
     """``run_settings`` of the run that ``recorded`` (a cell of the JSON written before) describes:
-    its recipe command parsed again, with the consensus step it ran with."""
+    its recipe command parsed again, with the consensus step it ran with; or, where that command
+    does not parse here (e.g. its data file is elsewhere on this machine), the parser's error."""
     script, *argv = shlex.split(recorded["command"])[1:]
-    run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
+    except SystemExit:
+        return errors.getvalue().strip().splitlines()[-1]
     return run_settings(run, recorded["gamma"])
 
 
@@ -241,7 +249,10 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
         return None, changed  # the folder holds another run than the one the JSON may record
     if cell["id"] not in recorded:
         return None, []
-    changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]))
+    recorded_run = recorded_settings(cell, recorded[cell["id"]])
+    if isinstance(recorded_run, str):
+        return None, [f"its recorded command does not parse here: {recorded_run}"]
+    changed = changed_settings(settings, recorded_run)
     return (None, changed) if changed else ({**recorded[cell["id"]], **cell}, [])
 
 

@@ -171,6 +171,17 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert "3 runs: 2 reused, 1 to run" in err
     assert f"note: {cells[0]['id']} was run with other settings (consensus_lr_used): running it again" in err
     assert [c["gamma"] for c in json.loads(path.read_text())["results"]["cells"]] == [0.05, 0.05, 1.0]
+    # ...and so is one whose command does not parse here (its data file elsewhere), with the reason
+    shutil.rmtree(tmp_path / "runs")
+    edited = json.loads(path.read_text())
+    edited["results"]["cells"][2]["command"] = edited["results"]["cells"][2]["command"].replace(
+        str(ag_news_csv), str(tmp_path / "moved.csv"))
+    path.write_text(json.dumps(edited))
+    table6.main(argv)
+    err = capsys.readouterr().err
+    assert "3 runs: 2 reused, 1 to run" in err
+    assert (f"note: {cells[2]['id']} was run with other settings (its recorded command does not parse here: "
+            "recipes/sentlen_deepsqueeze.py: error: argument --data-dir:") in err
 
 
 @pytest.mark.parametrize("flags, message", [
