@@ -193,12 +193,15 @@ def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
     return run, shlex.join(["python", script, *argv])
 
 
-def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
-    """What a run computes, as compared when reusing it: ``run_config`` as ``results.json`` stores it
-    (JSON types) with the consensus step it ran with, less ``IGNORED_WHEN_REUSING``. The step counts:
-    a cell run under an older default step is stale."""
-    config = {**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used}
+def comparable(config: dict) -> dict:
+    """A run's ``config`` as ``results.json`` stores it (JSON types), less ``IGNORED_WHEN_REUSING``."""
     return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k not in IGNORED_WHEN_REUSING}
+
+
+def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
+    """What a run computes, as compared when reusing it: ``comparable`` of its ``run_config`` with
+    the consensus step it ran with. The step counts: a cell run under an older default step is stale."""
+    return comparable({**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used})
 
 
 def changed_settings(settings: dict, recorded: dict) -> list[str]:
@@ -215,17 +218,21 @@ def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
     return {cell["id"]: cell for cell in json.loads(path.read_text())["results"]["cells"]}
 
 
-def recorded_settings(cell: dict, recorded: dict) -> dict | str:
+def recorded_settings(cell: dict, recorded: dict) -> dict:
     """``run_settings`` of the run that ``recorded`` (a cell of the JSON written before) describes:
-    its recipe command parsed again, with the consensus step it ran with; or, where that command
-    does not parse here (e.g. its data file is elsewhere on this machine), the parser's error."""
+    its recipe command parsed again, with the consensus step it ran with.
+
+    Raises:
+        ValueError: the command does not parse here (e.g. its data file is elsewhere on this
+            machine), with the recipe parser's one-line error.
+    """
     script, *argv = shlex.split(recorded["command"])[1:]
     errors = io.StringIO()
     try:
-        with contextlib.redirect_stderr(errors):
+        with contextlib.redirect_stderr(errors):  # the parser prints its error, then exits
             run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
     except SystemExit:
-        return errors.getvalue().strip().splitlines()[-1]
+        raise ValueError(errors.getvalue().strip()) from None
     return run_settings(run, recorded["gamma"])
 
 
@@ -239,7 +246,7 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
     settings = run_settings(run, run.training.gamma)
     done = finished_results(run.training.output_dir)
     if done is not None:
-        changed = changed_settings(settings, {k: v for k, v in done["config"].items() if k not in IGNORED_WHEN_REUSING})
+        changed = changed_settings(settings, comparable(done["config"]))
         if not changed:
             return {**cell, **{k: done[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
                                                     "bytes_sent_per_node", "wall_time_s", "steps")},
@@ -248,10 +255,10 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
         return None, changed  # the folder holds another run than the one the JSON may record
     if cell["id"] not in recorded:
         return None, []
-    recorded_run = recorded_settings(cell, recorded[cell["id"]])
-    if isinstance(recorded_run, str):
-        return None, [f"its recorded command does not parse here: {recorded_run}"]
-    changed = changed_settings(settings, recorded_run)
+    try:
+        changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]))
+    except ValueError as err:
+        return None, [f"its recorded command does not parse here: {err}"]
     return (None, changed) if changed else ({**recorded[cell["id"]], **cell}, [])
 
 
@@ -264,10 +271,10 @@ def recorded_seeds(args: argparse.Namespace, recorded: dict[str, dict]) -> set[i
     return found
 
 
-def run_selected(args: argparse.Namespace) -> None:
+def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> None:
     """Run every selected run that has not finished with these settings (``--finished-only``: none);
-    a finished run is reused, one finished with other settings runs again."""
-    recorded = recorded_runs(args)
+    a finished run is reused, one finished with other settings runs again. ``recorded``:
+    ``recorded_runs``."""
     todo = []
     for i, cell in enumerate(args.selected):
         done, changed = finished_run(args, cell, recorded)
@@ -285,12 +292,11 @@ def run_selected(args: argparse.Namespace) -> None:
                 [cell["id"] for cell in args.selected], [recipe_script(cell) for cell in args.selected])
 
 
-def table_cells(args: argparse.Namespace) -> list[dict]:
+def table_cells(args: argparse.Namespace, recorded: dict[str, dict]) -> list[dict]:
     """What the table shows: every run of the grid finished with these settings (``finished_run``:
     the ones just run, any finished before under ``--output-dir``, and those the JSON written
-    before records), whatever its seed, in table order; one record per run. Finished runs with
-    other settings are left out, with a note naming them."""
-    recorded = recorded_runs(args)
+    before records, ``recorded``), whatever its seed, in table order; one record per run. Finished
+    runs with other settings are left out, with a note naming them."""
     records, stale = [], []
     for cell in all_cells(sorted(set(args.seeds) | recorded_seeds(args, recorded))):
         done, changed = finished_run(args, cell, recorded)
@@ -460,8 +466,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 def main(argv=None) -> pathlib.Path:
     """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
     args = parse(argv)
-    run_selected(args)
-    cells = table_cells(args)
+    recorded = recorded_runs(args)  # read before this invocation writes the JSON anew
+    run_selected(args, recorded)
+    cells = table_cells(args, recorded)
     rows = summarise(cells)
     json_path = record.save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
