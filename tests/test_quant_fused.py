@@ -222,3 +222,40 @@ def test_fake_quantize_one_pass_equals_torch_passes(stochastic, per_row):
     one_pass = fake_quantize(x, lo, hi, 8, stochastic)
     torch.manual_seed(4)
     assert torch.equal(one_pass, fake_quantize(strided, lo, hi, 8, stochastic))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (37, 29), (64, PARALLEL_MIN_ELEMENTS // 32)])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("acc_dtype", [torch.int32, torch.float32])
+def test_one_pass_epilogue_equals_torch_passes(shape, per_row, with_bias, acc_dtype):
+    """``fused.affine_epilogue`` (serial and split by rows) gives the bits of torch's passes
+    ``(row_offset * col_sums + bias) + acc * row_scale + row_term`` (unfused multiply-adds: the
+    int8 kernel's ``addcmul`` elsewhere may fuse one, a last-bit difference), for the int32
+    product of ``torch._int_mm`` and the integer-valued fp32 one of other CPUs."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    m, n = shape
+    acc = torch.randint(-2**22, 2**22, shape, dtype=torch.int32).to(acc_dtype)
+    row_shape = (m, 1) if per_row else ()
+    row_scale, row_offset = torch.rand(row_shape) * 1e-3, torch.randn(row_shape)
+    col_sums, row_term = torch.randn(1, n) * 100, torch.randn(m, 1)
+    bias = torch.randn(n) if with_bias else None
+    assert fused.epilogue_fusable(acc, row_scale, row_offset, col_sums, row_term)
+    col_term = row_offset * col_sums + (0 if bias is None else bias)
+    expected = (col_term + acc.float() * row_scale) + row_term
+    out = fused.affine_epilogue(acc, row_scale, row_offset, col_sums, bias, row_term)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    if m > 1 and n > 1:  # a strided product: torch's passes
+        assert not fused.epilogue_fusable(acc.T, row_scale, row_offset, col_sums, row_term)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (3072, 7), (300, PARALLEL_MIN_ELEMENTS // 100)])
+@pytest.mark.parametrize("code_dtype", [torch.uint8, torch.int8])
+def test_tiled_transpose_equals_torch(shape, code_dtype):
+    """``fused.transpose_codes`` (serial and split by tiles of rows) is ``codes.T.contiguous()``,
+    shapes that are not multiples of the tile included."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    low, high = (0, 256) if code_dtype == torch.uint8 else (-128, 128)
+    codes = torch.randint(low, high, shape, dtype=code_dtype)
+    out = fused.transpose_codes(codes)
+    assert out.is_contiguous() and out.dtype == code_dtype and torch.equal(out, codes.T)

@@ -1,4 +1,6 @@
-"""One-pass CPU quantizer (numba) for ``functional.quantize_uint8`` and the int8 kernel.
+"""One-pass CPU quantizer (numba) for ``functional.quantize_uint8`` and the int8 kernel, and the
+int8 kernel's one-pass GEMM epilogue (:func:`affine_epilogue`) and code transpose
+(:func:`transpose_codes`).
 
 SPEC 4's affine quantizer in torch is a chain of whole-tensor passes: scale, shift, round (or add
 the dither and floor), clamp, convert to 8 bits, and for the simulated kernel dequantize again
@@ -121,7 +123,37 @@ def _dequantize_rows(codes, scale, lo, values):
             value_row[c] = q + base
 
 
+def _affine_epilogue(acc, row_scale, row_offset, col_scaled_sums, col_bias, row_term, out):
+    rows, cols = acc.shape
+    scale_step = 1 if row_scale.shape[0] > 1 else 0  # one per row, or one for all
+    offset_step = 1 if row_offset.shape[0] > 1 else 0
+    for r in numba.prange(rows):
+        s, o, e = row_scale[r * scale_step], row_offset[r * offset_step], row_term[r]
+        acc_row, out_row = acc[r], out[r]
+        for c in range(cols):
+            v = o * col_scaled_sums[c]
+            v = v + col_bias[c]
+            v = v + np.float32(acc_row[c]) * s
+            out_row[c] = v + e
+
+
+TRANSPOSE_TILE = 64  # a 64 x 64 int8 tile (4 KiB) and its transpose stay in L1
+
+
+def _transpose_codes(codes, out):
+    rows, cols = codes.shape
+    for tile in numba.prange((rows + TRANSPOSE_TILE - 1) // TRANSPOSE_TILE):
+        r0 = tile * TRANSPOSE_TILE
+        r1 = min(r0 + TRANSPOSE_TILE, rows)
+        for c0 in range(0, cols, TRANSPOSE_TILE):
+            for c in range(c0, min(c0 + TRANSPOSE_TILE, cols)):
+                for r in range(r0, r1):
+                    out[c, r] = codes[r, c]
+
+
 _QUANTIZE_ROWS = compile_serial_and_parallel(_quantize_rows)
+_TRANSPOSE_CODES = compile_serial_and_parallel(_transpose_codes)
+_AFFINE_EPILOGUE = compile_serial_and_parallel(_affine_epilogue)
 _DEQUANTIZE_ROWS = compile_serial_and_parallel(_dequantize_rows)
 _DITHER_ROWS = compile_serial_and_parallel(_dither_rows)
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
@@ -180,6 +212,48 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
     )
     return codes, out_values, sums, scale
+
+
+def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
+    """``codes.T.contiguous()`` of contiguous 2-D 8-bit CPU `codes` ``(R, C)``: ``(C, R)``, in tiles
+    that stay in cache (torch copies 8-bit elements one at a time: about 2x slower)."""
+    out = torch.empty((codes.shape[1], codes.shape[0]), dtype=codes.dtype)
+    run_kernel(_TRANSPOSE_CODES, codes.numel(), codes.numpy(), out.numpy())
+    return out
+
+
+def epilogue_fusable(acc: torch.Tensor, *vectors: torch.Tensor) -> bool:
+    """Whether :func:`affine_epilogue` takes `acc` and its float `vectors`: a contiguous 2-D int32
+    or float32 CPU `acc` with real storage and float32 CPU vectors."""
+    if acc.device.type != "cpu" or acc.dtype not in (torch.int32, torch.float32) or acc.dim() != 2:
+        return False
+    if not acc.is_contiguous() or type(acc) is not torch.Tensor:
+        return False
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t) is torch.Tensor for t in vectors)
+
+
+def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torch.Tensor,
+                    col_scaled_sums: torch.Tensor, col_bias: torch.Tensor | None, row_term: torch.Tensor) -> torch.Tensor:
+    """``row_offset * col_scaled_sums + col_bias + acc * row_scale + row_term`` (fp32 ``(M, N)``)
+    in one pass over an :func:`epilogue_fusable` integer (or integer-valued float) product `acc`
+    ``(M, N)``: the int8 kernel's affine terms (``kernels.int8.affine_int8_matmul``), which torch
+    adds in four passes (int32 to fp32, multiply-add, add).
+
+    `row_scale` and `row_offset`: one value or one per row (``(M, 1)``); `col_scaled_sums` and
+    `col_bias`: one per column (``(1, N)`` or ``(N,)``; `col_bias` None for none); `row_term`: one
+    per row. The formula's fp32 operations in this order, without fused multiply-adds (torch's
+    ``addcmul``, which ``affine_int8_matmul`` runs elsewhere, may fuse one: a last-bit difference).
+    The result is a new tensor: written over `acc` the compiler could not prove the two arrays
+    apart and would not vectorise the loop (several times slower).
+    """
+    rows, cols = acc.shape
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    vector = lambda t, n: t.detach().reshape(-1).expand(n).contiguous().numpy()  # noqa: E731
+    bias = np.zeros(cols, np.float32) if col_bias is None else vector(col_bias, cols)
+    run_kernel(_AFFINE_EPILOGUE, acc.numel(), acc.numpy(), row_scale.detach().reshape(-1).numpy(),
+               row_offset.detach().reshape(-1).numpy(), vector(col_scaled_sums, cols), bias,
+               vector(row_term, rows), out.numpy())
+    return out
 
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:

@@ -95,7 +95,13 @@ def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
     checked exact in tests), on CUDA contiguous. Other strides are copied (strided operands have
     given wrong results)."""
     if b.device.type == "cpu":
-        return b if b.T.is_contiguous() else b.T.contiguous().T
+        if b.T.is_contiguous():
+            return b
+        if b.is_contiguous() and type(b) is torch.Tensor:  # a Linear's W codes as B = W: tiled transpose
+            from .. import fused  # numba, imported on the first call
+
+            return fused.transpose_codes(b).T
+        return b.T.contiguous().T
     return b if b.is_contiguous() else b.contiguous()
 
 
@@ -129,17 +135,23 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
     from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms. `b_colsum`: `b`'s
+    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms, added on the CPU in one
+    pass over the product's own memory (``fused.affine_epilogue``), elsewhere by torch ops. `b_colsum`: `b`'s
     codes summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
     k = a.codes.shape[1]
     acc = int8_gemm(a.codes, b.codes)
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
     colsum = b_colsum if b_colsum is not None else b.codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
     row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
-    col_term = a.offset * (b.scale * colsum)  # (1, N), or (M, N) with per-row offsets
+    col_scaled_sums, row_scale = b.scale * colsum, a.scale * b.scale  # (1, N); 0-d or (M, 1)
+    from .. import fused  # numba, imported on the first call
+
+    if fused.epilogue_fusable(acc, row_scale, a.offset, col_scaled_sums, row_term, *(() if bias is None else (bias,))):
+        return fused.affine_epilogue(acc, row_scale, a.offset, col_scaled_sums, bias, row_term)
+    col_term = a.offset * col_scaled_sums  # (1, N), or (M, N) with per-row offsets
     if bias is not None:
         col_term = col_term + bias
-    return torch.addcmul(col_term, acc, a.scale * b.scale).add_(row_term)
+    return torch.addcmul(col_term, acc, row_scale).add_(row_term)
 
 
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
