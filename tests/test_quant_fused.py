@@ -239,10 +239,10 @@ def test_one_pass_epilogue_equals_torch_passes(shape, per_row, with_bias, acc_dt
     row_shape = (m, 1) if per_row else ()
     row_scale, row_offset = torch.rand(row_shape) * 1e-3, torch.randn(row_shape)
     col_sums, row_term = torch.randn(1, n) * 100, torch.randn(m, 1)
-    bias = torch.randn(n) if with_bias else None
-    assert fused.epilogue_fusable(acc, row_scale, row_offset, col_sums, row_term)
+    bias = torch.nn.Parameter(torch.randn(n)) if with_bias else None  # a layer's bias
+    assert fused.epilogue_fusable(acc, row_scale, row_offset, col_sums, row_term, *([bias] if with_bias else []))
     col_term = row_offset * col_sums + (0 if bias is None else bias)
-    expected = (col_term + acc.float() * row_scale) + row_term
+    expected = (col_term + acc.float() * row_scale).detach() + row_term
     out = fused.affine_epilogue(acc, row_scale, row_offset, col_sums, bias, row_term)
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     if m > 1 and n > 1:  # a strided product: torch's passes

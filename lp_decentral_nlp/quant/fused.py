@@ -229,7 +229,8 @@ def epilogue_fusable(acc: torch.Tensor, *vectors: torch.Tensor) -> bool:
         return False
     if not acc.is_contiguous() or type(acc) is not torch.Tensor:
         return False
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t) is torch.Tensor for t in vectors)
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t.detach()) is torch.Tensor
+               for t in vectors)  # a Parameter (the bias) detaches to a plain tensor
 
 
 def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torch.Tensor,
