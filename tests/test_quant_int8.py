@@ -192,13 +192,16 @@ def test_fallback_per_layer_with_reason():
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
 
 
-def test_auto_picks_int8_only_for_wide_layers_on_int8_hardware():
+def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
     wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
     kernel, reason = resolve_kernel("auto", LinearGemm, narrow)
     assert kernel.name == "simulated" and "narrower" in reason
     wide_conv = wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1)
     kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, groups=2)
     assert kernel.name == "simulated" and "grouped Conv2d" in reason
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv)  # int8 convolutions measured slower
+    assert kernel.name == "simulated" and "slower than the simulated kernel" in reason
+    assert resolve_kernel("int8", Conv2dGemm, wide_conv) == (KERNELS["int8"], None)
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
     assert (kernel.name, reason) == (("int8", None) if cpu_has_int8_dot() else ("simulated", NO_INT8_GEMM_REASON))
     assert resolve_kernel("int8", LinearGemm, narrow) == (KERNELS["int8"], None), "int8 asked for is honoured"

@@ -33,7 +33,7 @@ class QuantConfig:
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
         kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where ``torch._int_mm`` is
-            a real int8 GEMM (CUDA, or a CPU with AVX512-VNNI) and the layer is wide enough, simulated elsewhere, see
+            a real int8 GEMM (CUDA, or a CPU with AVX512-VNNI) and a Linear/Conv1D layer is wide enough, simulated elsewhere, see
             ``kernels.resolve_kernel``; the two compute the same products up to fp32 rounding),
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gemm import Conv2dGemm
 from .base import AUTO, KERNELS, Kernel, get_kernel
 from .int8 import cpu_has_int8_dot
 
@@ -21,23 +22,35 @@ from .int8 import cpu_has_int8_dot
 # int8_bf16 1.30x; a second run int8 1.62x, simulated 2.01x (process CPU time 1.73x and 1.48x).
 # Not faster than fp32, and no steady gap to simulated: auto keeps the simulated kernel (the
 # paper's method, bit for bit) on such CPUs.
+# Re-measured on a 2-core Xeon with AMX (int8 and bf16 tile units; `bench_quant.py --threads 2
+# --layer-sweep --repeats 3`, quiet): width 128 int8 2.15x vs simulated 2.23x; 256: 1.53x vs
+# 1.84x; 512: 1.02x vs 1.59x; 768: 0.89x vs 1.37x; 1024: 0.78x vs 1.28x. The threshold holds.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
+# Convolutions: the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM. On the
+# AMX Xeon (`bench_8bit.py --threads 2 --conv-sweep`: forward + backward of Conv2d(w, w, 3) on
+# 32 x w x 16 x 16, relative to fp32) it was slower than the simulated kernel at every width:
+# 16: 8.48x vs 2.32x; 64: 4.74x vs 1.42x; 256: 1.80x vs 1.11x; 512: 1.10x vs 1.05x. Not
+# measured on CUDA. So auto leaves convolutions to the simulated kernel; kernel="int8" runs them.
+CONV_REASON = "int8 Conv2d (im2col in torch ops) slower than the simulated kernel at every width measured"
 
 
 def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
     """The kernel a layer runs for ``QuantConfig.kernel == name``, and why it is not the one asked
     for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
     another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
-    int8 where it is supported and faster: a device where ``torch._int_mm`` is a real int8 GEMM
-    (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``) and a layer of at least
-    ``AUTO_MIN_FEATURES`` in and out features (channels); the simulated kernel otherwise."""
+    int8 where it is supported and faster: a Linear or Conv1D layer of at least
+    ``AUTO_MIN_FEATURES`` in and out features on a device where ``torch._int_mm`` is a real int8
+    GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``); the simulated kernel
+    otherwise, Conv2d layers included (``CONV_REASON``)."""
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight, groups)
         return (kernel, None) if reason is None else (KERNELS["simulated"], reason)
     int8 = KERNELS["int8"]
     reason = int8.unsupported_reason(gemm_type, weight, groups)
+    if reason is None and gemm_type is Conv2dGemm:
+        reason = CONV_REASON
     if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
