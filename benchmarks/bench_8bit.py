@@ -1,6 +1,7 @@
 """8-bit training (SPEC 4) against fp32 on the two paths users run, side by side in one process.
 
-* DistilBERT-base shape (random weights), batch 8 x 128, AdamW full step: fp32, the default
+* DistilBERT-base shape (random weights), batch 8 x 128, full step with the fused AdamW the NLP
+  recipes' nodes run (``bench_quant.trainer_adamw``): fp32, the default
   8-bit model (``QuantConfig()``, kernel ``"auto"``) and the simulated kernel (the paper's float
   fake quantization). Goals: default / fp32 <= 0.5, simulated / fp32 <= 1.05.
 * ResNet-20, batch 32 x 3 x 32 x 32, SGD with momentum: fp32 with EvoNorm-S0 against the default
@@ -12,7 +13,8 @@ forward (``quant.saved_tensor_bytes``, parameters included as the issue counts t
 <= 0.35x fp32), the same without the parameters' storages (what the forward pass allocates for
 backward: a float layer's saved weight is the parameter itself) and the peak tensor memory of a
 whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran
-(``kernel_report``). Results go to ``benchmarks/results/bench_8bit.json``.
+(``kernel_report``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
+(``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``.
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
     python benchmarks/bench_8bit.py --threads 2 --conv-sweep   # and one Conv2d per width: where int8 pays
@@ -28,8 +30,8 @@ import os
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from bench_quant import peak_step_memory
-from lp_decentral_nlp.commands import Range, ranged
+from bench_quant import malloc_as_trainer, peak_step_memory, trainer_adamw
+from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import resnet20
 from record import save_results
@@ -65,7 +67,7 @@ def distilbert_variants(args, device):
     variants = {}
     for name, model in models.items():
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5)
+        optimizer = trainer_adamw(model)
 
         def forward(model=model):
             return model(**batch).loss
@@ -156,10 +158,12 @@ def main(argv=None):
                    help="also time single Conv2d layers of several widths (fp32, simulated, int8)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models and images to check the script runs; prints, saves no results")
+    add_default_malloc_flag(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    results = {"settings": {k: v for k, v in vars(args).items()}, "goals": GOALS}
+    malloc = malloc_as_trainer(args, device)
+    results = {"settings": {**vars(args), "malloc": malloc}, "goals": GOALS}
     for model_name, build in (("distilbert", distilbert_variants), ("resnet20", resnet_variants)):
         results[model_name] = measure(build(args, device), args, device)
     if args.conv_sweep:
@@ -172,7 +176,7 @@ def main(argv=None):
     results["goals_met"] = met
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"device {device}, torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
-          f"load average {load}{', SMOKE (tiny shapes)' if args.smoke else ''}")
+          f"malloc {malloc}, load average {load}{', SMOKE (tiny shapes)' if args.smoke else ''}")
     for model_name in ("distilbert", "resnet20"):
         r = results[model_name]
         for label in ("time_ratio", "cpu_time_ratio", "saved_bytes_ratio", "saved_activation_bytes_ratio",
