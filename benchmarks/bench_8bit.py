@@ -13,7 +13,8 @@ forward (``quant.saved_tensor_bytes``, parameters included as the issue counts t
 <= 0.35x fp32), the same without the parameters' storages (what the forward pass allocates for
 backward: a float layer's saved weight is the parameter itself) and the peak tensor memory of a
 whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran
-(``kernel_report``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
+(``kernel_report``), and on the CPU the floor fp32 weight-gradient GEMMs put under any 8-bit
+DistilBERT step (``weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
 (``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``.
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
@@ -98,13 +99,35 @@ def resnet_variants(args, device):
     return variants
 
 
+def step(model, optimizer, forward):
+    """One training step: forward, backward, optimizer step, gradients cleared."""
+    forward().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def weight_gradient_floor(model, optimizer, forward) -> dict:
+    """How fast an 8-bit step can get while its weight gradients stay fp32 GEMMs (SPEC 4's
+    bifurcation, and ``kernel="auto"`` matching the simulated kernel up to fp32 rounding).
+
+    One fp32 step under ``torch.profiler`` (CPU): ``linear_gemm_s`` is the time in the Linear
+    layers' GEMMs (``aten::addmm`` forward, ``aten::mm`` backward), ``step_s`` the step's op time.
+    A Linear runs three GEMMs of equal FLOPs (forward, layer gradient, weight gradient); were the
+    other two and every quantization pass free, the step would still take ``step_s - 2/3
+    linear_gemm_s``: ``floor_ratio`` of fp32."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(model, optimizer, forward)  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, optimizer, forward)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm")) / 1e6
+    return {"step_s": total, "linear_gemm_s": gemm, "floor_ratio": (total - 2 * gemm / 3) / total}
+
+
 def measure(variants, args, device) -> dict:
     """Interleaved step times, saved-for-backward bytes and whole-step peak memory per variant."""
-    def step(model, optimizer, forward):
-        forward().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     times = interleaved_times({name: (lambda v=v: step(*v)) for name, v in variants.items()},
                               args.repeats, args.warmup, device)
     out = {"median_s": medians(times["wall_s"]), "median_cpu_s": medians(times["cpu_s"]), "saved_bytes": {},
@@ -165,7 +188,10 @@ def main(argv=None):
     malloc = malloc_as_trainer(args, device)
     results = {"settings": {**vars(args), "malloc": malloc}, "goals": GOALS}
     for model_name, build in (("distilbert", distilbert_variants), ("resnet20", resnet_variants)):
-        results[model_name] = measure(build(args, device), args, device)
+        variants = build(args, device)
+        results[model_name] = measure(variants, args, device)
+        if model_name == "distilbert" and device.type == "cpu":
+            results[model_name]["fp32_weight_gradient_floor"] = weight_gradient_floor(*variants["fp32"])
     if args.conv_sweep:
         results["conv_sweep"] = conv_sweep(args, device)
     met = {}
@@ -183,6 +209,11 @@ def main(argv=None):
                       "peak_step_ratio"):
             print(f"{model_name:<10} {label:<29}" + "".join(f"  {n} {x:.2f}x fp32" for n, x in r[label].items()))
         print(f"{model_name:<10} fp32 step {r['median_s']['fp32'] * 1e3:.1f} ms; kernels {r['kernels']}")
+        if "fp32_weight_gradient_floor" in r:
+            floor = r["fp32_weight_gradient_floor"]
+            print(f"{model_name:<10} fp32 step in the profiler {floor['step_s'] * 1e3:.0f} ms, Linear GEMMs "
+                  f"{floor['linear_gemm_s'] * 1e3:.0f} ms: with fp32 weight gradients no 8-bit step beats "
+                  f"{floor['floor_ratio']:.2f}x fp32")
     for key, m in met.items():
         print(f"goal {key} <= {m['goal']}: {m['ratio']:.2f} {'met' if m['met'] else 'NOT met'}")
     if args.smoke:
