@@ -11,6 +11,8 @@ the parallel one on torch's thread count, which is set back after the call if nu
 """
 from __future__ import annotations
 
+import types
+
 import numba
 import torch
 
@@ -21,9 +23,25 @@ PARALLEL_MIN_ELEMENTS = 2**16
 def compile_serial_and_parallel(kernel, **options) -> tuple:
     """``(serial, parallel)`` builds of the Python function `kernel` (its ``numba.prange`` loops
     run over numba's threads in the parallel one); `options`: more ``numba.njit`` options, e.g.
-    ``fastmath``. Both are cached on disk."""
-    return (numba.njit(cache=True, nogil=True, boundscheck=False, **options)(kernel),
-            numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True, **options)(kernel))
+    ``fastmath``. Both are cached on disk, each under its own name (:func:`_build_named`)."""
+    return (numba.njit(cache=True, nogil=True, boundscheck=False, **options)(_build_named(kernel, "serial")),
+            numba.njit(cache=True, nogil=True, boundscheck=False, parallel=True,
+                       **options)(_build_named(kernel, "parallel")))
+
+
+def _build_named(kernel, build: str):
+    """A copy of the function `kernel` whose qualified name ends in ``__<build>``.
+
+    Numba's disk cache files a compiled function under its module, qualified name and first line,
+    keyed by signature and bytecode, not by its options: the serial and parallel builds of one
+    function shared an entry, so whichever compiled first was loaded for both. Once the parallel
+    code was cached (a run on two threads), every later one-thread run loaded it as its "serial"
+    build, started numba's pool and went on with torch on every core."""
+    named = types.FunctionType(kernel.__code__, kernel.__globals__, f"{kernel.__name__}__{build}",
+                               kernel.__defaults__, kernel.__closure__)
+    named.__qualname__ = f"{kernel.__qualname__}__{build}"
+    named.__module__ = kernel.__module__
+    return named
 
 
 def run_kernel(kernels: tuple, numel: int, *args):
