@@ -22,16 +22,18 @@ from .int8 import cpu_has_int8_dot
 # int8_bf16 1.30x; a second run int8 1.62x, simulated 2.01x (process CPU time 1.73x and 1.48x).
 # Not faster than fp32, and no steady gap to simulated: auto keeps the simulated kernel (the
 # paper's method, bit for bit) on such CPUs.
-# Re-measured on a 2-core Xeon with AMX (int8 and bf16 tile units; `bench_quant.py --threads 2
-# --layer-sweep --repeats 3`, quiet): width 128 int8 2.15x vs simulated 2.23x; 256: 1.53x vs
-# 1.84x; 512: 1.02x vs 1.59x; 768: 0.89x vs 1.37x; 1024: 0.78x vs 1.28x. The threshold holds.
+# Re-measured on a 2-core Xeon with AMX (int8 and bf16 tile units; the same command, quiet; the
+# record in benchmarks/results/bench_quant_layer_sweep.json): width 64 int8 4.30x vs simulated
+# 3.87x; 128: 2.27x vs 2.42x; 256: 1.49x vs 1.78x; 512: 1.01x vs 1.38x; 768: 0.83x vs 1.38x.
+# At 128 the two are within the two machines' spread (the other had int8 slower), so 256 stays.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 # Convolutions: the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM. On the
-# AMX Xeon (`bench_8bit.py --threads 2 --conv-sweep`: forward + backward of Conv2d(w, w, 3) on
-# 32 x w x 16 x 16, relative to fp32) it was slower than the simulated kernel at every width:
-# 16: 8.48x vs 2.32x; 64: 4.74x vs 1.42x; 256: 1.80x vs 1.11x; 512: 1.10x vs 1.05x. Not
-# measured on CUDA. So auto leaves convolutions to the simulated kernel; kernel="int8" runs them.
+# AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded in bench_8bit.json: forward +
+# backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32) it was slower than the
+# simulated kernel at every width: 16: 7.15x vs 2.04x; 64: 3.49x vs 1.28x; 256: 1.56x vs 1.08x;
+# 512: 1.09x vs 1.04x (two threads: the same order). Not measured on CUDA. So auto leaves
+# convolutions to the simulated kernel; kernel="int8" runs them.
 CONV_REASON = "int8 Conv2d (im2col in torch ops) slower than the simulated kernel at every width measured"
 
 
