@@ -247,15 +247,3 @@ def test_one_pass_epilogue_equals_torch_passes(shape, per_row, with_bias, acc_dt
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     if m > 1 and n > 1:  # a strided product: torch's passes
         assert not fused.epilogue_fusable(acc.T, row_scale, row_offset, col_sums, row_term)
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (3072, 7), (300, PARALLEL_MIN_ELEMENTS // 100)])
-@pytest.mark.parametrize("code_dtype", [torch.uint8, torch.int8])
-def test_tiled_transpose_equals_torch(shape, code_dtype):
-    """``fused.transpose_codes`` (serial and split by tiles of rows) is ``codes.T.contiguous()``,
-    shapes that are not multiples of the tile included."""
-    torch.set_num_threads(2)  # the autouse fixture restores the thread count
-    low, high = (0, 256) if code_dtype == torch.uint8 else (-128, 128)
-    codes = torch.randint(low, high, shape, dtype=code_dtype)
-    out = fused.transpose_codes(codes)
-    assert out.is_contiguous() and out.dtype == code_dtype and torch.equal(out, codes.T)

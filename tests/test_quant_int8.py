@@ -73,7 +73,8 @@ def test_int8_gemm_is_the_exact_integer_product(onednn):
         a[0], a[1] = -128, 127
         b = torch.randint(-128, 128, (40, k), dtype=torch.int8)
         b[0], b[1] = -128, 127
-        for b_kn in (b.T, b.T.contiguous()):  # a Linear's W.T and a contiguous operand
+        # a Linear's W.T, a contiguous operand, and a strided one (copied)
+        for b_kn in (b.T, b.T.contiguous(), torch.cat([b, b]).T[:, ::2]):
             exact = a.long() @ b_kn.long()
             out = int8_module.int8_gemm(a, b_kn)
             assert out.shape == (33, 40) and torch.equal(out.double(), exact.double())

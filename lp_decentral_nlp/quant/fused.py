@@ -1,6 +1,5 @@
 """One-pass CPU quantizer (numba) for ``functional.quantize_uint8`` and the int8 kernel, and the
-int8 kernel's one-pass GEMM epilogue (:func:`affine_epilogue`) and code transpose
-(:func:`transpose_codes`).
+int8 kernel's one-pass GEMM epilogue (:func:`affine_epilogue`).
 
 SPEC 4's affine quantizer in torch is a chain of whole-tensor passes: scale, shift, round (or add
 the dither and floor), clamp, convert to 8 bits, and for the simulated kernel dequantize again
@@ -137,22 +136,7 @@ def _affine_epilogue(acc, row_scale, row_offset, col_scaled_sums, col_bias, row_
             out_row[c] = v + e
 
 
-TRANSPOSE_TILE = 64  # a 64 x 64 int8 tile (4 KiB) and its transpose stay in L1
-
-
-def _transpose_codes(codes, out):
-    rows, cols = codes.shape
-    for tile in numba.prange((rows + TRANSPOSE_TILE - 1) // TRANSPOSE_TILE):
-        r0 = tile * TRANSPOSE_TILE
-        r1 = min(r0 + TRANSPOSE_TILE, rows)
-        for c0 in range(0, cols, TRANSPOSE_TILE):
-            for c in range(c0, min(c0 + TRANSPOSE_TILE, cols)):
-                for r in range(r0, r1):
-                    out[c, r] = codes[r, c]
-
-
 _QUANTIZE_ROWS = compile_serial_and_parallel(_quantize_rows)
-_TRANSPOSE_CODES = compile_serial_and_parallel(_transpose_codes)
 _AFFINE_EPILOGUE = compile_serial_and_parallel(_affine_epilogue)
 _DEQUANTIZE_ROWS = compile_serial_and_parallel(_dequantize_rows)
 _DITHER_ROWS = compile_serial_and_parallel(_dither_rows)
@@ -212,14 +196,6 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
     )
     return codes, out_values, sums, scale
-
-
-def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
-    """``codes.T.contiguous()`` of contiguous 2-D 8-bit CPU `codes` ``(R, C)``: ``(C, R)``, in tiles
-    that stay in cache (torch copies 8-bit elements one at a time: about 2x slower)."""
-    out = torch.empty((codes.shape[1], codes.shape[0]), dtype=codes.dtype)
-    run_kernel(_TRANSPOSE_CODES, codes.numel(), codes.numpy(), out.numpy())
-    return out
 
 
 def epilogue_fusable(acc: torch.Tensor, *vectors: torch.Tensor) -> bool:

@@ -53,6 +53,10 @@ class QuantGemmFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # a strided g (attention's K projection gets a transposed one) would take the torch passes,
+        # not the one-pass quantizer: one copy is cheaper (the same codes: the dither follows the
+        # elements' row-major order either way)
+        g = g.contiguous()
         gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
         (x_type, w_type), (x_shape, w_shape) = ctx.operand_types, ctx.shapes
         saved = ctx.saved_tensors
