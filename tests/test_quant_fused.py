@@ -247,3 +247,15 @@ def test_one_pass_epilogue_equals_torch_passes(shape, per_row, with_bias, acc_dt
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     if m > 1 and n > 1:  # a strided product: torch's passes
         assert not fused.epilogue_fusable(acc.T, row_scale, row_offset, col_sums, row_term)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (3072, 768), (5, PARALLEL_MIN_ELEMENTS // 4)])
+@pytest.mark.parametrize("code_dtype", [torch.uint8, torch.int8])
+def test_one_pass_column_sums_equal_torch(shape, code_dtype):
+    """``fused.code_column_sums`` gives torch's exact integer column sums, extreme codes included."""
+    low, high = (0, 256) if code_dtype == torch.uint8 else (-128, 128)
+    codes = torch.randint(low, high, shape, dtype=code_dtype)
+    codes[:, 0] = high - 1
+    out = fused.code_column_sums(codes)
+    assert out.dtype == torch.float32 and out.shape == (1, shape[1])
+    assert torch.equal(out, codes.sum(0, keepdim=True, dtype=torch.int64).float())

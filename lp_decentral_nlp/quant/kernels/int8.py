@@ -126,6 +126,17 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a, _int_mm_operand(b))[:m]
 
 
+def code_column_sums(codes: torch.Tensor) -> torch.Tensor:
+    """``(1, N)`` column sums of 8-bit `codes` ``(K, N)``, exact: one compiled pass over a contiguous
+    CPU matrix (``fused.code_column_sums``: the layer gradient's weight codes), torch's int32 sum
+    elsewhere."""
+    if codes.device.type == "cpu" and codes.dim() == 2 and codes.is_contiguous() and type(codes) is torch.Tensor:
+        from .. import fused  # numba, imported on the first call
+
+        return fused.code_column_sums(codes)
+    return codes.sum(0, keepdim=True, dtype=torch.int32)
+
+
 def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
@@ -136,7 +147,7 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
     k = a.codes.shape[1]
     acc = int8_gemm(a.codes, b.codes)
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
-    colsum = b_colsum if b_colsum is not None else b.codes.sum(0, keepdim=True, dtype=torch.int32)  # (1, N)
+    colsum = b_colsum if b_colsum is not None else code_column_sums(b.codes)  # (1, N)
     row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
     col_scaled_sums, row_scale = b.scale * colsum, a.scale * b.scale  # (1, N); 0-d or (M, 1)
     from .. import fused  # numba, imported on the first call
