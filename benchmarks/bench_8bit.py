@@ -31,7 +31,7 @@ import os
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from bench_quant import malloc_as_trainer, peak_step_memory, trainer_adamw
+from bench_quant import malloc_as_trainer, peak_step_memory, train_step, trainer_adamw
 from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import resnet20
@@ -99,13 +99,6 @@ def resnet_variants(args, device):
     return variants
 
 
-def step(model, optimizer, forward):
-    """One training step: forward, backward, optimizer step, gradients cleared."""
-    forward().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def weight_gradient_floor(model, optimizer, forward) -> dict:
     """How fast an 8-bit step can get while its weight gradients stay fp32 GEMMs (SPEC 4's
     bifurcation, and ``kernel="auto"`` matching the simulated kernel up to fp32 rounding).
@@ -117,9 +110,9 @@ def weight_gradient_floor(model, optimizer, forward) -> dict:
     linear_gemm_s``: ``floor_ratio`` of fp32."""
     from torch.profiler import ProfilerActivity, profile
 
-    step(model, optimizer, forward)  # warm
+    train_step(model, optimizer, forward)  # warm
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(model, optimizer, forward)
+        train_step(model, optimizer, forward)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / 1e6
     gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm")) / 1e6
@@ -128,7 +121,7 @@ def weight_gradient_floor(model, optimizer, forward) -> dict:
 
 def measure(variants, args, device) -> dict:
     """Interleaved step times, saved-for-backward bytes and whole-step peak memory per variant."""
-    times = interleaved_times({name: (lambda v=v: step(*v)) for name, v in variants.items()},
+    times = interleaved_times({name: (lambda v=v: train_step(*v)) for name, v in variants.items()},
                               args.repeats, args.warmup, device)
     out = {"median_s": medians(times["wall_s"]), "median_cpu_s": medians(times["cpu_s"]), "saved_bytes": {},
            "saved_activation_bytes": {}, "peak_step_bytes": {}, "kernels": {}}
@@ -136,7 +129,7 @@ def measure(variants, args, device) -> dict:
         for key, exclude in (("saved_bytes", ()), ("saved_activation_bytes", model.parameters())):
             loss, out[key][name] = saved_tensor_bytes(forward, exclude=exclude)
             del loss
-        out["peak_step_bytes"][name] = peak_step_memory(lambda v=variants[name]: step(*v), model, optimizer, device)
+        out["peak_step_bytes"][name] = peak_step_memory(lambda v=variants[name]: train_step(*v), model, optimizer, device)
         if name != "fp32":
             out["kernels"][name] = dict(collections.Counter(kernel_report(model).values()))  # kernel: layers
     for key, label in (("median_s", "time_ratio"), ("median_cpu_s", "cpu_time_ratio"),

@@ -95,6 +95,13 @@ def trainer_adamw(model) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=3e-5, fused=True)
 
 
+def train_step(model, optimizer, loss_fn) -> None:
+    """One training step of `model`: ``loss_fn()`` forward, backward, optimizer step, gradients cleared."""
+    loss_fn().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def malloc_as_trainer(args, device) -> str:
     """Keep freed memory as ``DecentralizedTrainer`` does on the CPU (``tune_cpu_malloc``) unless
     ``--default-malloc``; says which policy the run measures."""
@@ -198,9 +205,7 @@ def main(argv=None):
         optimizer = trainer_adamw(model)
 
         def step(model=model, optimizer=optimizer):
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, optimizer, lambda: model(**batch).loss)
 
         variants[name] = {"step": step, "model": model, "optimizer": optimizer}
 

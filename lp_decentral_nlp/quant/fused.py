@@ -137,7 +137,6 @@ def _affine_epilogue(acc, row_scale, row_offset, col_scaled_sums, col_bias, row_
             out_row[c] = v + e
 
 
-_QUANTIZE_ROWS = compile_serial_and_parallel(_quantize_rows)
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _column_sums(codes, out):
     # one row at a time into int32 sums the width of a row (exact, vectorised; a 3,072-column row
@@ -152,6 +151,7 @@ def _column_sums(codes, out):
         out[c] = np.float32(sums[c])
 
 
+_QUANTIZE_ROWS = compile_serial_and_parallel(_quantize_rows)
 _AFFINE_EPILOGUE = compile_serial_and_parallel(_affine_epilogue)
 _DEQUANTIZE_ROWS = compile_serial_and_parallel(_dequantize_rows)
 _DITHER_ROWS = compile_serial_and_parallel(_dither_rows)

@@ -141,9 +141,9 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
     from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms, added on the CPU in one
-    pass over the product's own memory (``fused.affine_epilogue``), elsewhere by torch ops. `b_colsum`: `b`'s
-    codes summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
+    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms, added in one compiled
+    pass on the CPU (``fused.affine_epilogue``), by torch ops elsewhere. `b_colsum`: `b`'s codes
+    summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
     k = a.codes.shape[1]
     acc = int8_gemm(a.codes, b.codes)
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
