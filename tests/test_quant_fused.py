@@ -259,3 +259,42 @@ def test_one_pass_column_sums_equal_torch(shape, code_dtype):
     out = fused.code_column_sums(codes)
     assert out.dtype == torch.float32 and out.shape == (1, shape[1])
     assert torch.equal(out, codes.sum(0, keepdim=True, dtype=torch.int64).float())
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 16, 9, 7), (32, 16, 32, 32)])
+def test_channel_sums_equal_torch(shape):
+    """``fused.channel_sums`` gives torch's exact sums over the channels of uint8 codes."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8)
+    codes[:, :, 0, 0] = 255
+    assert torch.equal(fused.channel_sums(codes), codes.sum(1, keepdim=True, dtype=torch.int64).float())
+
+
+@pytest.mark.parametrize("geometry", [((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
+                                      ((5, 3), (1, 2), (2, 0), (2, 1)), ((1, 1), (2, 2), (0, 0), (1, 1))])
+def test_window_sums_equal_a_convolution_with_ones(geometry):
+    """``fused.window_sums`` is ``conv2d(values, ones)`` of any stride, padding and dilation, exactly."""
+    kernel_size, stride, padding, dilation = geometry
+    values = torch.randint(0, 256 * 64, (3, 1, 11, 10)).float()
+    expected = torch.nn.functional.conv2d(values.double(), torch.ones((1, 1) + kernel_size, dtype=torch.float64),
+                                          None, stride, padding, dilation).float()
+    assert torch.equal(fused.window_sums(values, kernel_size, stride, padding, dilation), expected)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv_epilogue_equals_torch_passes(per_sample, with_bias):
+    """``fused.conv_epilogue`` reads a channels-last product and writes ``acc * s + w * sums + l *
+    border + bias`` channels first, with torch's unfused fp32 operations in that order (serial and
+    split over samples)."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    n, co, ho, wo = 8, 24, 19, 18  # past PARALLEL_MIN_ELEMENTS: split over samples
+    acc = torch.randint(-2**22, 2**22, (n, co, ho, wo)).float().contiguous(memory_format=torch.channels_last)
+    per = (n, 1, 1, 1) if per_sample else ()
+    row_scale, window_coef, row_offset = torch.rand(per) * 1e-3, torch.randn(per), torch.randn(per)
+    window_sums, border = torch.randint(0, 2**16, (n, 1, ho, wo)).float(), torch.randn(co, ho, wo)
+    bias = torch.nn.Parameter(torch.randn(co)) if with_bias else None
+    expected = ((acc * row_scale + window_coef * window_sums) + row_offset * border).detach()
+    if bias is not None:
+        expected = expected + bias.detach().view(1, -1, 1, 1)
+    out = fused.conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias)
+    assert out.is_contiguous() and torch.equal(out, expected)

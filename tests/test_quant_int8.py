@@ -19,17 +19,19 @@ from transformers.pytorch_utils import Conv1D
 
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model
 from lp_decentral_nlp.quant.kernels import (
+    AUTO_MIN_CONV_CHANNELS,
     AUTO_MIN_FEATURES,
     KERNELS,
     Int8Kernel,
     Int8Operand,
     affine_int8_matmul,
     cpu_has_int8_dot,
+    onednn_conv_available,
     resolve_kernel,
 )
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 from lp_decentral_nlp.quant.kernels import int8 as int8_module
-from lp_decentral_nlp.quant.kernels.auto import NO_INT8_GEMM_REASON
+from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -200,8 +202,14 @@ def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
     wide_conv = wide.reshape(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES, 1, 1)
     kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, groups=2)
     assert kernel.name == "simulated" and "grouped Conv2d" in reason
-    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv)  # int8 convolutions measured no faster
-    assert kernel.name == "simulated" and "not faster than the simulated kernel" in reason
+    kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv)  # int8 where oneDNN's int8 convolution runs
+    if onednn_conv_available("cpu"):
+        assert (kernel.name, reason) == ("int8", None)
+        narrow_conv = torch.zeros(AUTO_MIN_CONV_CHANNELS, AUTO_MIN_CONV_CHANNELS // 2, 3, 3)
+        kernel, reason = resolve_kernel("auto", Conv2dGemm, narrow_conv)
+        assert kernel.name == "simulated" and f"narrower than {AUTO_MIN_CONV_CHANNELS} channels" in reason
+    else:
+        assert (kernel.name, reason) == ("simulated", CONV_REASON)
     assert resolve_kernel("int8", Conv2dGemm, wide_conv) == (KERNELS["int8"], None)
     kernel, reason = resolve_kernel("auto", LinearGemm, wide)
     assert (kernel.name, reason) == (("int8", None) if cpu_has_int8_dot() else ("simulated", NO_INT8_GEMM_REASON))
@@ -297,13 +305,34 @@ CONV_CASES = {  # (in, out, kernel, stride, padding, dilation, padding_mode), in
 }
 
 
+class SpyIntConv:
+    """Wraps the int8 kernel's integer convolution (``int8_conv2d``, oneDNN) and records its operands."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.real = [], int8_module.int8_conv2d
+        monkeypatch.setattr(int8_module, "int8_conv2d", self)
+
+    def __call__(self, unsigned, weight_codes, *geometry):
+        self.calls.append((unsigned, weight_codes))
+        return self.real(unsigned, weight_codes, *geometry)
+
+
+CONV_PATHS = ["im2col", pytest.param("onednn", marks=pytest.mark.skipif(
+    not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution"))]
+
+
 @pytest.mark.parametrize("case", list(CONV_CASES))
 @pytest.mark.parametrize("granularity", ["tensor", "sample"])
-def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
-    """Conv2d on int8 im2col GEMMs: output, layer gradient (8-bit, stochastic rounding) and weight
-    gradient (fp32, from the quantized input) equal the simulated kernel's up to fp32 rounding
-    (module docstring's bound, ``K = C kh kw`` for the forward and ``Cout kh kw`` terms per input
-    element for the layer gradient); the bias gradient is the same computation."""
+@pytest.mark.parametrize("path", CONV_PATHS)
+def test_conv2d_int8_matches_simulated(case, granularity, path, monkeypatch):
+    """Conv2d on int8 codes, as oneDNN's int8 convolution or as im2col GEMMs: output, layer
+    gradient (8-bit, stochastic rounding) and weight gradient (fp32, from the quantized input)
+    equal the simulated kernel's up to fp32 rounding (module docstring's bound, ``K = C kh kw``
+    for the forward and ``Cout kh kw`` terms per input element for the layer gradient); the bias
+    gradient is the same computation. The strided, dilated and asymmetric cases take the layer
+    gradient's zero insertion and extra rows/columns."""
+    if path == "im2col":
+        monkeypatch.setattr(int8_module, "onednn_conv_available", lambda device: False)
     (cin, cout, k, stride, padding, dilation, mode), shape = CONV_CASES[case]
     base = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dilation=dilation, padding_mode=mode)
     nn.init.normal_(base.bias)
@@ -315,7 +344,7 @@ def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
         model = quantize_model(nn.Sequential(copy.deepcopy(base)), config)
         assert kernel_report(model) == {"0": kernel}
         results[kernel] = run_step(model, x, grad_out)
-    spy = SpyIntMM(monkeypatch)
+    spy = SpyIntMM(monkeypatch) if path == "im2col" else SpyIntConv(monkeypatch)
     run_step(quantize_model(nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel="int8")), x, grad_out)
     (y_s, gx_s, gp_s), (y_i, gx_i, gp_i) = results["simulated"], results["int8"]
     w_max = base.weight.detach().abs().max()
@@ -326,6 +355,10 @@ def test_conv2d_int8_matches_simulated(case, granularity, monkeypatch):
     assert (gp_i[0] - gp_s[0]).abs().max() <= 32 * EPS * grad_out[:, 0].numel() * grad_out.abs().max() * x.abs().max()
     assert torch.equal(gp_i[1], gp_s[1])
     assert not torch.allclose(y_s, base(x), atol=1e-3), "outputs are really quantized"
-    assert len(spy.calls) == 2, "forward and layer gradient are int8 GEMMs"
+    assert len(spy.calls) == 2, "forward and layer gradient are integer products of the codes"
     for a, b in spy.calls:
-        assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and (b.is_contiguous() or b.T.is_contiguous())
+        if path == "im2col":
+            assert a.dtype == b.dtype == torch.int8 and a.is_contiguous() and (b.is_contiguous() or b.T.is_contiguous())
+        else:  # oneDNN: u8 activations, s8 weights
+            assert a.dtype == torch.uint8 and a.is_contiguous(memory_format=torch.channels_last)
+            assert b.dtype == torch.int8 and b.dim() == 4

@@ -5,7 +5,7 @@ import torch
 
 from ..gemm import Conv2dGemm
 from .base import AUTO, KERNELS, Kernel, get_kernel
-from .int8 import cpu_has_int8_dot
+from .int8 import cpu_has_int8_dot, onednn_conv_available
 
 # kernel="auto" takes int8 for layers at least this wide (in and out features). From
 # `benchmarks/bench_quant.py --threads 2 --layer-sweep --repeats 3` on a 2-core CPU whose
@@ -28,13 +28,16 @@ from .int8 import cpu_has_int8_dot
 # the gain there is small and the other CPU has int8 slower at 128, so the threshold is 256.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
-# Convolutions: the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM. On the
-# AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded in bench_8bit.json: forward +
-# backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32) it is slower than the
-# simulated kernel up to 256 channels and no faster at 512: 16: 6.55x vs 1.82x; 64: 3.32x vs
-# 1.24x; 256: 1.52x vs 1.08x; 512: 1.02x vs 1.04x. Not measured on CUDA. So auto leaves
-# convolutions to the simulated kernel; kernel="int8" runs them.
-CONV_REASON = "int8 Conv2d (im2col in torch ops) not faster than the simulated kernel at any width measured"
+# Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
+# Conv2d runs it on the codes. On the AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded
+# in bench_8bit.json: forward + backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32)
+# it is faster than the simulated kernel from 32 channels on and slower at 16 (see that record
+# for the figures). Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one int8
+# GEMM, slower than the simulated kernel up to 256 channels and no faster at 512 on that CPU; it
+# is not measured on CUDA. So auto runs int8 convolutions of at least AUTO_MIN_CONV_CHANNELS in
+# and out channels where oneDNN's int8 convolution runs, and the simulated kernel elsewhere.
+AUTO_MIN_CONV_CHANNELS = 32
+CONV_REASON = "no oneDNN int8 convolution here: the im2col int8 Conv2d is not faster than the simulated kernel"
 
 
 def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
@@ -43,8 +46,9 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
     int8 where it is supported and faster: a Linear or Conv1D layer of at least
     ``AUTO_MIN_FEATURES`` in and out features on a device where ``torch._int_mm`` is a real int8
-    GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``); the simulated kernel
-    otherwise, Conv2d layers included (``CONV_REASON``)."""
+    GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``), and a Conv2d layer of at
+    least ``AUTO_MIN_CONV_CHANNELS`` in and out channels where oneDNN's int8 convolution runs
+    (``int8.onednn_conv_available``); the simulated kernel otherwise."""
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight, groups)
@@ -52,8 +56,11 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     int8 = KERNELS["int8"]
     reason = int8.unsupported_reason(gemm_type, weight, groups)
     if reason is None and gemm_type is Conv2dGemm:
-        reason = CONV_REASON
-    if reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
+        if not onednn_conv_available(weight.device):
+            reason = CONV_REASON
+        elif min(weight.shape[:2]) < AUTO_MIN_CONV_CHANNELS:
+            reason = f"Conv2d {tuple(weight.shape)} narrower than {AUTO_MIN_CONV_CHANNELS} channels: int8 not faster"
+    elif reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
         reason = NO_INT8_GEMM_REASON

@@ -16,6 +16,10 @@ The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``), 
 GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap
 vectors, so the result equals the simulated kernel's float GEMM of the same dequantized operands
 up to fp32 rounding (no symmetric-scale approximation).
+
+Conv2d on a CPU with oneDNN's int8 convolution (:func:`onednn_conv_available`) runs it directly on
+the codes (:func:`affine_int8_conv2d`; the layer gradient as a convolution of the output gradient
+with the flipped weight); elsewhere as a GEMM over im2col patches of the codes.
 """
 from __future__ import annotations
 
@@ -160,6 +164,92 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
     return torch.addcmul(col_term, acc, row_scale).add_(row_term)
 
 
+def onednn_conv_available(device: torch.device) -> bool:
+    """Whether :func:`int8_conv2d` runs on `device`: a CPU where :func:`cpu_has_int8_dot` (oneDNN's
+    u8 x s8 convolution accumulates exactly in int32 there; without VNNI its AVX2 path sums pairs
+    of products in saturating int16) and torch has oneDNN's quantized convolution."""
+    return (torch.device(device).type == "cpu" and cpu_has_int8_dot()
+            and hasattr(torch.ops.onednn, "qconv2d_pointwise") and hasattr(torch.ops.onednn, "qconv_prepack"))
+
+
+def int8_conv2d(unsigned: torch.Tensor, weight_codes: torch.Tensor, stride, padding, dilation) -> torch.Tensor:
+    """The integer convolution of uint8 `unsigned` ``(N, C, H, W)`` (channels-last strides) with
+    int8 `weight_codes` ``(Co, C, kh, kw)``, zero padding, as fp32 ``(N, Co, Ho, Wo)`` with
+    channels-last strides: oneDNN's int8 convolution (``torch.ops.onednn.qconv2d_pointwise``, unit
+    scales, zero points 0) where :func:`onednn_conv_available`. The int32 sums are exact; their
+    fp32 values are exact below 2**24 and rounded like any fp32 sum beyond."""
+    cout = weight_codes.shape[0]
+    ones, zero_points = torch.ones(cout), torch.zeros(cout, dtype=torch.int64)
+    geometry = (list(stride), list(padding), list(dilation), 1)
+    packed = torch.ops.onednn.qconv_prepack(weight_codes.contiguous(), ones, 1.0, 0, *geometry, list(unsigned.shape))
+    acc = torch.ops.onednn.qconv2d_pointwise(unsigned, 1.0, 0, packed, ones, zero_points, None, *geometry,
+                                             1.0, 0, torch.float32, "none", [], "")
+    return acc.contiguous(memory_format=torch.channels_last)  # a no-op: oneDNN returns channels last
+
+
+CODE_SHIFT = 128  # int8 codes + 128 (the sign bit flipped) are uint8, oneDNN's activation type
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_taps(input_hw, kernel_size, stride, padding, dilation, insert, extra, device: str) -> torch.Tensor:
+    (h, w), (ih, iw) = input_hw, insert
+    mask = torch.zeros(1, 1, (h - 1) * ih + 1 + extra[0], (w - 1) * iw + 1 + extra[1], device=device)
+    mask[..., ::ih, ::iw][..., :h, :w] = 1
+    return F.unfold(mask, kernel_size, dilation, padding, stride)[0].T.contiguous()
+
+
+def valid_taps(input_hw: tuple[int, int], kernel_size: tuple[int, int], stride, padding, dilation,
+               device: torch.device, insert: tuple[int, int] = (1, 1), extra: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``(Ho * Wo, kh * kw)`` fp32, 1 where a kernel tap of an output position falls on an input
+    pixel, 0 where it falls on zero padding, or on a zero inserted between the pixels (``insert``:
+    pixels ``sh``/``sw`` apart) or added at the bottom/right (``extra`` rows/columns). Cached: it
+    depends on the geometry only (do not write to it)."""
+    return _valid_taps(tuple(input_hw), tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation),
+                       tuple(insert), tuple(extra), str(device))
+
+
+def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None, stride, padding, dilation,
+                       insert: tuple[int, int] = (1, 1), extra: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``conv2d(X^, W^) + bias`` (fp32 ``(N, Co, Ho, Wo)``, contiguous) of the 8-bit input `x`
+    (``(N, C, H, W)`` contiguous int8 codes, scale/offset 0-d or per sample) and weight `w`
+    (``(Co, C, kh, kw)`` int8 codes, 0-d scale/offset) on a CPU: one integer convolution of the
+    codes (:func:`int8_conv2d`) and the zero-point terms in one compiled pass. ``insert`` spreads
+    the input's pixels apart with zeros between, ``extra`` adds zero rows/columns at the
+    bottom/right: a strided convolution's layer gradient as a convolution.
+
+    With unsigned codes ``q = c + 128`` (``X^ = s_x q + l_x``, ``l_x = o_x - 128 s_x``), a padded or
+    inserted tap holds ``q = 0``, so summing over the taps ``t`` that fall on input pixels::
+
+        conv(X^, W^) = s_x s_w conv(q, c_w) + s_x o_w sum_t q + l_x (s_w sum_t c_w + o_w C n_t)
+
+    ``sum_t q`` are window sums of the channel sums of ``q``; ``sum_t c_w`` and the number of such
+    taps ``n_t`` depend on the weight and the geometry only (:func:`valid_taps`). The result is the
+    float convolution of the same dequantized operands up to fp32 rounding.
+    """
+    from .. import fused  # numba, imported on the first call
+
+    n, c, h, wd = x.codes.shape
+    cout, kernel_size = w.codes.shape[0], tuple(w.codes.shape[2:])
+    shifted = x.codes.view(torch.uint8) ^ CODE_SHIFT  # c + 128: c's bits with the sign bit flipped
+    channel_sums = fused.channel_sums(shifted)  # (N, 1, H, W)
+    spread = ((h - 1) * insert[0] + 1 + extra[0], (wd - 1) * insert[1] + 1 + extra[1])
+    if spread == (h, wd):
+        unsigned = torch.empty_like(shifted, memory_format=torch.channels_last).copy_(shifted)
+    else:  # q = 0 between the pixels and in the extra rows and columns
+        unsigned = torch.zeros((n,) + spread + (c,), dtype=torch.uint8).permute(0, 3, 1, 2)  # channels last
+        unsigned[..., ::insert[0], ::insert[1]][..., :h, :wd] = shifted
+        spread_sums = channel_sums.new_zeros((n, 1) + spread)
+        spread_sums[..., ::insert[0], ::insert[1]][..., :h, :wd] = channel_sums
+        channel_sums = spread_sums
+    acc = int8_conv2d(unsigned, w.codes, stride, padding, dilation)
+    ho, wo = acc.shape[2:]
+    window_sums = fused.window_sums(channel_sums, kernel_size, tuple(stride), tuple(padding), tuple(dilation))
+    taps = valid_taps((h, wd), kernel_size, stride, padding, dilation, acc.device, insert, extra)  # (P, kh kw)
+    tap_sums = w.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Co, kh kw), over C
+    border = w.scale * (tap_sums @ taps.T) + (w.offset * c) * taps.sum(1)  # (Co, P)
+    return fused.conv_epilogue(acc, x.scale * w.scale, x.scale * w.offset, window_sums,
+                               x.offset - CODE_SHIFT * x.scale, border.reshape(cout, ho, wo), bias)
+
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
     """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
     (any dtype: ``F.unfold`` has no int8 version)."""
@@ -177,12 +267,12 @@ def conv_patches(codes: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, 
     return patches.permute(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kernel_size[0] * kernel_size[1])
 
 
-def conv_valid_taps(gemm: Conv2dGemm, input_hw: tuple[int, int], kernel_size: tuple[int, int],
-                    device: torch.device) -> torch.Tensor:
-    """``(Ho * Wo, kh * kw)`` fp32, 1 where a kernel tap of an output position falls inside the
-    input, 0 where it falls on zero padding."""
-    ones = torch.ones((1, 1) + tuple(input_hw), device=device)
-    return F.unfold(ones, kernel_size, gemm.dilation, gemm.padding, gemm.stride)[0].T
+def _onednn_takes(operand: Int8Operand) -> bool:
+    """Whether the oneDNN convolution path (:func:`affine_int8_conv2d`) takes `operand`'s codes."""
+    from .. import fused  # numba, imported on the first call
+
+    return onednn_conv_available(operand.codes.device) and fused.conv_fusable(operand.codes, operand.scale,
+                                                                              operand.offset)
 
 
 class Int8Kernel(Kernel):
@@ -190,11 +280,13 @@ class Int8Kernel(Kernel):
     GEMMs of Linear, Conv1D and Conv2d (``groups=1``) layers; the weight gradient is the float
     GEMM of the dequantized input.
 
-    Conv2d as a GEMM over im2col patches of the int8 input codes, ``(N Ho Wo, C kh kw) @ (C kh kw,
+    Conv2d: oneDNN's int8 convolution of the codes on CPUs that have it (:func:`affine_int8_conv2d`),
+    elsewhere a GEMM over im2col patches of the int8 input codes, ``(N Ho Wo, C kh kw) @ (C kh kw,
     Cout)``. Zero padding is an exact 0, which no affine code represents: padded taps hold code 0
-    and the zero-point terms count only taps inside the input (``conv_valid_taps``), so the output
+    and the zero-point terms count only taps inside the input (:func:`valid_taps`), so the output
     is ``conv2d(x^, W^)`` of the simulated kernel up to fp32 rounding. The layer gradient is the
-    int8 GEMM ``g^ (N Ho Wo, Cout) @ W^ (Cout, C kh kw)`` folded back (col2im) onto the input.
+    same convolution of ``g^`` with the flipped weight, or the int8 GEMM ``g^ (N Ho Wo, Cout) @ W^
+    (Cout, C kh kw)`` folded back (col2im) onto the input.
     """
 
     name = "int8"
@@ -242,7 +334,10 @@ class Int8Kernel(Kernel):
         return gemm.grad_weight(x_q.dequantize(), g, weight_shape)
 
     def _conv_forward(self, gemm: Conv2dGemm, x_q: Int8Operand, w_q: Int8Operand, bias):
-        """``(N, C, H, W)`` -> ``(N, Cout, Ho, Wo)`` (channels-last strides); 0-d input range."""
+        """``(N, C, H, W)`` -> ``(N, Cout, Ho, Wo)``: oneDNN's int8 convolution where it runs
+        (contiguous), else im2col and one int8 GEMM (channels-last strides); 0-d input range."""
+        if _onednn_takes(x_q):
+            return affine_int8_conv2d(x_q, w_q, bias, gemm.stride, gemm.padding, gemm.dilation)
         cout, kernel_size = w_q.codes.shape[0], tuple(w_q.codes.shape[2:])
         n, c, h, w = x_q.codes.shape
         # each patch's code sum (padding: code 0): the channel sums summed over each window, in fp32,
@@ -255,15 +350,29 @@ class Int8Kernel(Kernel):
         w_rows = w_q.codes.reshape(cout, -1)  # (Cout, C kh kw); B is its transpose
         y = affine_int8_matmul(patches, Int8Operand(w_rows.T, w_q.scale, w_q.offset), None, bias)  # (M, Cout)
         # that counts a padded tap as x^ = o_x (code 0); it is 0: take o_x * W^ over padded taps off
-        padded = 1 - conv_valid_taps(gemm, (h, w), kernel_size, y.device)  # (P, kh kw)
+        padded = 1 - valid_taps((h, w), kernel_size, gemm.stride, gemm.padding, gemm.dilation, y.device)  # (P, kh kw)
         tap_sums = w_q.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Cout, kh kw), over C
         border = x_q.offset * (w_q.scale * (padded @ tap_sums.T) + w_q.offset * c * padded.sum(1, keepdim=True))
         return y.reshape(n, ho * wo, cout).sub_(border).reshape(n, ho, wo, cout).permute(0, 3, 1, 2)
 
     def _conv_grad_input(self, gemm: Conv2dGemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
-        """``dL/dx`` ``(N, C, H, W)``: ``g^`` rows ``(N Ho Wo, Cout)`` (per-tensor or per-sample range)
-        times ``W^`` ``(Cout, C kh kw)``, then col2im."""
-        cout, kernel_size = w_q.codes.shape[0], tuple(w_q.codes.shape[2:])
+        """``dL/dx`` ``(N, C, H, W)`` of ``g^`` (per-tensor or per-sample range) and ``W^``.
+
+        Where oneDNN's int8 convolution runs: the transposed convolution as a convolution
+        (:func:`affine_int8_conv2d`) of ``g^`` spread by the stride with zeros between, and
+        ``W^`` with its channel dims swapped and its taps flipped, padding ``d (k - 1) - p``
+        (when that is not negative) and ``output_padding`` as zero rows and columns at the end.
+        Otherwise ``g^`` rows ``(N Ho Wo, Cout)`` times ``W^`` ``(Cout, C kh kw)``, then col2im.
+        """
+        kernel_size = tuple(w_q.codes.shape[2:])
+        flipped_padding = tuple(d * (k - 1) - p for d, k, p in zip(gemm.dilation, kernel_size, gemm.padding))
+        if _onednn_takes(g_q) and min(flipped_padding) >= 0:
+            extra = tuple(size - ((g - 1) * s - 2 * p + d * (k - 1) + 1) for size, g, s, p, d, k in zip(
+                input_shape[2:], g_q.codes.shape[2:], gemm.stride, gemm.padding, gemm.dilation, kernel_size))
+            w_t = Int8Operand(w_q.codes.transpose(0, 1).flip(2, 3).contiguous(), w_q.scale, w_q.offset)
+            return affine_int8_conv2d(g_q, w_t, None, (1, 1), flipped_padding, gemm.dilation, insert=gemm.stride,
+                                      extra=extra)
+        cout = w_q.codes.shape[0]
         n = g_q.codes.shape[0]
         g_rows = Int8Operand(g_q.codes.permute(0, 2, 3, 1), g_q.scale, g_q.offset).rows()  # (M, Cout)
         g_rows = g_rows._replace(last_dim_sums=g_q.codes.sum(1, dtype=torch.float32).reshape(-1, 1))
