@@ -49,18 +49,35 @@ from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
 _ONE_SIXTH = np.float32(1.0 / 6.0)
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _group_range(xs):
+    """``(max, min)`` of a group ``xs`` ``(C/G, H*W)`` (values or codes): first an elementwise max
+    and min over its channel rows (vectorised), then over the one row left. The same extremes as
+    ``max``/``min`` element by element, for any values but NaN."""
+    per_group, positions = xs.shape
+    highs = xs[0].copy()
+    lows = xs[0].copy()
+    for j in range(1, per_group):
+        row = xs[j]
+        for k in range(positions):
+            a = row[k]
+            highs[k] = a if a > highs[k] else highs[k]
+            lows[k] = a if a < lows[k] else lows[k]
+    hi = highs[0]
+    lo = lows[0]
+    for k in range(1, positions):
+        hi = max(hi, highs[k])
+        lo = min(lo, lows[k])
+    return hi, lo
+
+
 def _forward_kernel(x, weight, bias, v, apply_act, eps, scale, three, six, y):
     samples, groups, per_group, positions = x.shape
     zero = three - three
     for n in numba.prange(samples):
         for grp in range(groups):
             xs = x[n, grp]
-            hi = xs[0, 0]
-            lo = hi
-            for j in range(per_group):
-                for k in range(positions):
-                    hi = max(hi, xs[j, k])
-                    lo = min(lo, xs[j, k])
+            hi, lo = _group_range(xs)
             denom = scale * ((hi - lo) + eps)
             ys = y[n, grp]
             for j in range(per_group):
@@ -80,13 +97,9 @@ def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, wa
     for n in numba.prange(samples):
         for grp in range(groups):
             xs = x[n, grp]
-            hi = xs[0, 0] * x_scale + x_lo
-            lo = hi
-            for j in range(per_group):
-                for k in range(positions):
-                    val = xs[j, k] * x_scale + x_lo
-                    hi = max(hi, val)
-                    lo = min(lo, val)
+            hi, lo = _group_range(xs)  # decoding is monotone: the range of the codes, decoded
+            hi = hi * x_scale + x_lo
+            lo = lo * x_scale + x_lo
             denom = scale * ((hi - lo) + eps)
             n_hi = 0
             n_lo = 0
