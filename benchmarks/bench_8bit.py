@@ -6,6 +6,7 @@
   fake quantization). Goals: default / fp32 <= 0.5, simulated / fp32 <= 1.05.
 * ResNet-20, batch 32 x 3 x 32 x 32, SGD with momentum: fp32 with EvoNorm-S0 against the default
   8-bit model with Range EvoNorm (SPEC 5 pairs each precision with its norm). Goal: <= 0.8.
+  VGG-11 the same way (no goal: the vision path's widest convolutions, 64 to 512 channels).
 
 For each: step time (the variants' steps interleaved, median of ``--repeats``; on the CPU also the
 process CPU time, which other jobs disturb far less), bytes autograd holds for backward after one
@@ -34,7 +35,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from bench_quant import malloc_as_trainer, peak_step_memory, train_step, trainer_adamw
 from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
-from lp_decentral_nlp.vision import resnet20
+from lp_decentral_nlp.vision import build_vision_model
 from record import save_results
 from timing import interleaved_times, medians
 
@@ -77,26 +78,31 @@ def distilbert_variants(args, device):
     return variants
 
 
-def resnet_variants(args, device):
-    """fp32 ResNet-20 with EvoNorm-S0 and the default 8-bit one with Range EvoNorm; one batch."""
-    torch.manual_seed(0)
-    models = {
-        "fp32": resnet20(num_classes=10, norm="evonorm"),
-        "default": quantize_model(resnet20(num_classes=10, norm="range_evonorm"), QuantConfig()),
-    }
-    size = 8 if args.smoke else 32
-    images = torch.randn(args.image_batch_size, 3, size, size, device=device)
-    labels = torch.randint(0, 10, (args.image_batch_size,), device=device)
-    variants = {}
-    for name, model in models.items():
-        model.to(device).train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def vision_variants(arch):
+    """The builder of fp32 `arch` (``vision.build_vision_model``) with EvoNorm-S0 and the default
+    8-bit one with Range EvoNorm, SGD with momentum, one batch of 32 x 32 images."""
 
-        def forward(model=model):
-            return torch.nn.functional.cross_entropy(model(images), labels)
+    def build(args, device):
+        torch.manual_seed(0)
+        models = {
+            "fp32": build_vision_model(arch, num_classes=10, norm="evonorm"),
+            "default": quantize_model(build_vision_model(arch, num_classes=10, norm="range_evonorm"), QuantConfig()),
+        }
+        size = 8 if args.smoke and arch != "vgg11" else 32  # VGG's five poolings need 32 x 32
+        images = torch.randn(args.image_batch_size, 3, size, size, device=device)
+        labels = torch.randint(0, 10, (args.image_batch_size,), device=device)
+        variants = {}
+        for name, model in models.items():
+            model.to(device).train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-        variants[name] = (model, optimizer, forward)
-    return variants
+            def forward(model=model):
+                return torch.nn.functional.cross_entropy(model(images), labels)
+
+            variants[name] = (model, optimizer, forward)
+        return variants
+
+    return build
 
 
 def weight_gradient_floor(model, optimizer, forward) -> dict:
@@ -141,8 +147,8 @@ def measure(variants, args, device) -> dict:
 
 def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
     """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width on ``32 x w x 16 x 16``
-    inputs (8,192 GEMM rows), fp32 vs simulated vs int8, interleaved medians: the data for
-    ``kernels.AUTO_MIN_FEATURES`` on convolutions (the threshold was measured on Linear layers)."""
+    inputs (8,192 output pixels), fp32 vs simulated vs int8, interleaved medians: the data for
+    ``kernels.AUTO_MIN_CONV_CHANNELS``."""
     size = 4 if args.smoke else 16
     out = {}
     for width in widths:
@@ -180,7 +186,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     malloc = malloc_as_trainer(args, device)
     results = {"settings": {**vars(args), "malloc": malloc}, "goals": GOALS}
-    for model_name, build in (("distilbert", distilbert_variants), ("resnet20", resnet_variants)):
+    builds = (("distilbert", distilbert_variants), ("resnet20", vision_variants("resnet20")),
+              ("vgg11", vision_variants("vgg11")))
+    for model_name, build in builds:
         variants = build(args, device)
         results[model_name] = measure(variants, args, device)
         if model_name == "distilbert" and device.type == "cpu":
@@ -196,7 +204,7 @@ def main(argv=None):
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     print(f"device {device}, torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
           f"malloc {malloc}, load average {load}{', SMOKE (tiny shapes)' if args.smoke else ''}")
-    for model_name in ("distilbert", "resnet20"):
+    for model_name, _ in builds:
         r = results[model_name]
         for label in ("time_ratio", "cpu_time_ratio", "saved_bytes_ratio", "saved_activation_bytes_ratio",
                       "peak_step_ratio"):

@@ -52,7 +52,9 @@ POSITIVE = ranged(int, Range(1))
 class LiveTensorBytes(TorchDispatchMode):
     """Peak bytes of tensor storages created while active, on top of a given set of existing ones.
 
-    Each new storage is counted once (views share it) and uncounted when it is freed.
+    Each new storage is counted once (views share it) and uncounted when it is freed; a oneDNN
+    opaque tensor (the int8 convolution's packed weight) has no storage and counts as its own
+    ``numel * element_size`` bytes.
     """
 
     def __init__(self, existing):
@@ -66,7 +68,10 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.is_mkldnn:  # a new tensor each time: no views of it here
+                self.live += t.numel() * t.element_size()
+                weakref.finalize(t, self._free, t.numel() * t.element_size())
+            elif isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 if storage not in self.tracked:
                     self.tracked.add(storage)

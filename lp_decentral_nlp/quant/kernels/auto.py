@@ -31,10 +31,11 @@ NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp3
 # Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
 # Conv2d runs it on the codes. On the AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded
 # in bench_8bit.json: forward + backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32)
-# it is faster than the simulated kernel from 32 channels on and slower at 16 (see that record
-# for the figures). Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one int8
-# GEMM, slower than the simulated kernel up to 256 channels and no faster at 512 on that CPU; it
-# is not measured on CUDA. So auto runs int8 convolutions of at least AUTO_MIN_CONV_CHANNELS in
+# it is faster than the simulated kernel from 32 channels on and slower at 16: 16 channels int8
+# 2.16x vs simulated 1.84x; 32: 1.33x vs 1.47x; 64: 0.90x vs 1.24x; 512: 0.48x vs 1.05x.
+# Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM, slower than
+# the simulated kernel up to 256 channels and no faster at 512 on that CPU; it is not measured on
+# CUDA. So auto runs int8 convolutions of at least AUTO_MIN_CONV_CHANNELS in
 # and out channels where oneDNN's int8 convolution runs, and the simulated kernel elsewhere.
 AUTO_MIN_CONV_CHANNELS = 32
 CONV_REASON = "no oneDNN int8 convolution here: the im2col int8 Conv2d is not faster than the simulated kernel"
