@@ -263,7 +263,9 @@ def test_one_pass_column_sums_equal_torch(shape, code_dtype):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 16, 9, 7), (32, 16, 32, 32)])
 def test_channel_sums_equal_torch(shape):
-    """``fused.channel_sums`` gives torch's exact sums over the channels of uint8 codes."""
+    """``fused.channel_sums`` gives torch's exact sums over the channels of uint8 codes (the largest
+    shape split over samples)."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
     codes = torch.randint(0, 256, shape, dtype=torch.uint8)
     codes[:, :, 0, 0] = 255
     assert torch.equal(fused.channel_sums(codes), codes.sum(1, keepdim=True, dtype=torch.int64).float())
@@ -272,9 +274,16 @@ def test_channel_sums_equal_torch(shape):
 @pytest.mark.parametrize("geometry", [((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
                                       ((5, 3), (1, 2), (2, 0), (2, 1)), ((1, 1), (2, 2), (0, 0), (1, 1))])
 def test_window_sums_equal_a_convolution_with_ones(geometry):
-    """``fused.window_sums`` is ``conv2d(values, ones)`` of any stride, padding and dilation, exactly."""
+    """``fused.window_sums`` is ``conv2d(values, ones)`` of any stride, padding and dilation, exactly
+    (serial, and split over samples)."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
     kernel_size, stride, padding, dilation = geometry
     values = torch.randint(0, 256 * 64, (3, 1, 11, 10)).float()
+    check_window_sums(values, kernel_size, stride, padding, dilation)
+    check_window_sums(torch.randint(0, 256 * 64, (32, 1, 34, 33)).float(), kernel_size, stride, padding, dilation)
+
+
+def check_window_sums(values, kernel_size, stride, padding, dilation):
     expected = torch.nn.functional.conv2d(values.double(), torch.ones((1, 1) + kernel_size, dtype=torch.float64),
                                           None, stride, padding, dilation).float()
     assert torch.equal(fused.window_sums(values, kernel_size, stride, padding, dilation), expected)
