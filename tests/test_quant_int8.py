@@ -250,10 +250,11 @@ def test_int8_bf16_differs_from_int8_only_in_a_bfloat16_rounded_weight_gradient(
     assert len(spy.calls) == 2  # forward and layer gradient still on int8 operands
 
 
-def train_steps(model, steps=3, lr=0.05):
-    """A few SGD steps on a fixed regression batch; the losses and the final parameters."""
+def train_steps(model, input_shape, steps=3, lr=0.05):
+    """A few SGD steps on a fixed regression batch (inputs of `input_shape`, 8 targets per sample);
+    the losses and the final parameters."""
     torch.manual_seed(11)
-    x, target = torch.randn(64, AUTO_MIN_FEATURES), torch.randn(64, 8)
+    x, target = torch.randn(input_shape), torch.randn(input_shape[0], 8)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -265,30 +266,46 @@ def train_steps(model, steps=3, lr=0.05):
     return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
 
 
-def test_default_auto_trains_like_simulated_up_to_gemm_rounding():
-    """``kernel="auto"`` (the default) runs int8 only on a wide layer and int8 hardware
-    (``kernel_report`` says which). Where it does, the int8 GEMMs compute the same products of the
-    same 8-bit operands as the simulated kernel, so each differs by fp32 rounding only (module
-    docstring); over a few steps such a difference can move a value across a rounding boundary of
-    a later quantizer (one 8-bit step of one element, a tiny share of a 64-sample gradient), so the
-    losses and the parameter updates must agree to 1e-4 and 1e-3 relative. Where auto picks the
-    simulated kernel everywhere (a CPU without AVX512-VNNI) the run is the simulated run, bit for bit."""
+def auto_test_model(kind):
+    """``(model, input shape, layers auto runs int8 here)``: an MLP of AUTO_MIN_FEATURES-wide Linear
+    layers, or a CNN whose second convolution has AUTO_MIN_CONV_CHANNELS channels; the 3-channel
+    first convolution and the 8-output heads are too narrow for int8."""
     torch.manual_seed(0)
-    width = AUTO_MIN_FEATURES
-    base = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
+    if kind == "mlp":
+        width = AUTO_MIN_FEATURES
+        model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                              nn.Linear(width, 8))
+        return model, (64, width), {"0", "2"} if cpu_has_int8_dot() else set()
+    channels = AUTO_MIN_CONV_CHANNELS
+    model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(channels, channels, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(channels * 4 * 4, 8))
+    return model, (16, 3, 8, 8), {"2"} if onednn_conv_available("cpu") else set()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_default_auto_trains_like_simulated_up_to_gemm_rounding(kind):
+    """``kernel="auto"`` (the default) runs int8 only on wide layers and int8 hardware
+    (``kernel_report`` says which). Where it does, the int8 GEMMs and convolutions compute the same
+    products of the same 8-bit operands as the simulated kernel, so each differs by fp32 rounding
+    only (module docstring); over a few steps such a difference can move a value across a rounding
+    boundary of a later quantizer (one 8-bit step of one element, a tiny share of a batch
+    gradient), so the losses and the parameter updates must agree to 1e-4 and 1e-3 relative.
+    Where auto picks the simulated kernel everywhere (a CPU without AVX512-VNNI) the run is the
+    simulated run, bit for bit."""
+    base, input_shape, int8_layers = auto_test_model(kind)
     start = [p.detach().clone() for p in base.parameters()]
     assert QuantConfig().kernel == "auto"
     runs, reports = {}, {}
     for kernel in ("auto", "simulated"):
         model = quantize_model(copy.deepcopy(base), QuantConfig() if kernel == "auto" else QuantConfig(kernel=kernel))
         reports[kernel] = kernel_report(model)
-        runs[kernel] = train_steps(model)
-    wide = "int8" if cpu_has_int8_dot() else "simulated"
-    assert reports["auto"] == {"0": wide, "2": wide, "4": "simulated"}, "the 8-output layer is too narrow for int8"
-    assert reports["simulated"] == {"0": "simulated", "2": "simulated", "4": "simulated"}
+        runs[kernel] = train_steps(model, input_shape)
+    assert reports["auto"] == {name: "int8" if name in int8_layers else "simulated" for name in reports["auto"]}
+    assert len(reports["auto"]) == 3 and set(reports["simulated"].values()) == {"simulated"}
     (loss_a, params_a), (loss_s, params_s) = runs["auto"], runs["simulated"]
     assert not torch.equal(params_s[0], start[0]), "the run trains"
-    if wide == "simulated":
+    if not int8_layers:
         assert torch.equal(loss_a, loss_s) and all(torch.equal(a, s) for a, s in zip(params_a, params_s))
     else:
         assert torch.allclose(loss_a, loss_s, rtol=1e-4)
