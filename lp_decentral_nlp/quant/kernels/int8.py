@@ -167,9 +167,29 @@ def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | 
 def onednn_conv_available(device: torch.device) -> bool:
     """Whether :func:`int8_conv2d` runs on `device`: a CPU where :func:`cpu_has_int8_dot` (oneDNN's
     u8 x s8 convolution accumulates exactly in int32 there; without VNNI its AVX2 path sums pairs
-    of products in saturating int16) and torch has oneDNN's quantized convolution."""
-    return (torch.device(device).type == "cpu" and cpu_has_int8_dot()
-            and hasattr(torch.ops.onednn, "qconv2d_pointwise") and hasattr(torch.ops.onednn, "qconv_prepack"))
+    of products in saturating int16) and this torch's oneDNN quantized convolution computes a
+    probe convolution of extreme codes exactly (:func:`_onednn_conv_exact`, once per process)."""
+    return torch.device(device).type == "cpu" and cpu_has_int8_dot() and _onednn_conv_exact()
+
+
+@functools.cache
+def _onednn_conv_exact() -> bool:
+    """One small :func:`int8_conv2d` of random and extreme codes (255 x -128 sums) against the
+    exact float convolution of the same integers; False where the ops are missing or fail (an
+    older torch) or the result differs."""
+    if not (hasattr(torch.ops.onednn, "qconv2d_pointwise") and hasattr(torch.ops.onednn, "qconv_prepack")):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    unsigned = torch.randint(0, 256, (2, 32, 6, 5), dtype=torch.uint8, generator=generator)
+    weight = torch.randint(-128, 128, (16, 32, 3, 3), dtype=torch.int8, generator=generator)
+    unsigned[0], weight[0] = 255, -128  # the largest products, summed over 288 taps
+    with torch.autocast("cpu", enabled=False):  # the first forward may run under the trainer's autocast
+        try:
+            acc = int8_conv2d(unsigned.contiguous(memory_format=torch.channels_last), weight, (1, 1), (1, 1), (1, 1))
+        except RuntimeError:  # the ops' signatures differ in this torch
+            return False
+        exact = F.conv2d(unsigned.double(), weight.double(), None, 1, 1)
+    return acc.shape == exact.shape and torch.equal(acc.double(), exact)
 
 
 def int8_conv2d(unsigned: torch.Tensor, weight_codes: torch.Tensor, stride, padding, dilation) -> torch.Tensor:
