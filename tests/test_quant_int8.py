@@ -20,6 +20,7 @@ from transformers.pytorch_utils import Conv1D
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model
 from lp_decentral_nlp.quant.kernels import (
     AUTO_MIN_CONV_CHANNELS,
+    AUTO_MIN_CONV_MACS,
     AUTO_MIN_FEATURES,
     KERNELS,
     Int8Kernel,
@@ -208,6 +209,10 @@ def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
         narrow_conv = torch.zeros(AUTO_MIN_CONV_CHANNELS, AUTO_MIN_CONV_CHANNELS // 2, 3, 3)
         kernel, reason = resolve_kernel("auto", Conv2dGemm, narrow_conv)
         assert kernel.name == "simulated" and f"narrower than {AUTO_MIN_CONV_CHANNELS} channels" in reason
+        pixels = AUTO_MIN_CONV_MACS // wide_conv.numel()  # a call of just enough multiply-adds, and one fewer pixel
+        assert resolve_kernel("auto", Conv2dGemm, wide_conv, output_pixels=pixels) == (KERNELS["int8"], None)
+        kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, output_pixels=pixels - 1)
+        assert kernel.name == "simulated" and "multiply-adds" in reason
     else:
         assert (kernel.name, reason) == ("simulated", CONV_REASON)
     assert resolve_kernel("int8", Conv2dGemm, wide_conv) == (KERNELS["int8"], None)
@@ -268,19 +273,19 @@ def train_steps(model, input_shape, steps=3, lr=0.05):
 
 def auto_test_model(kind):
     """``(model, input shape, layers auto runs int8 here)``: an MLP of AUTO_MIN_FEATURES-wide Linear
-    layers, or a CNN whose second convolution has AUTO_MIN_CONV_CHANNELS channels; the 3-channel
-    first convolution and the 8-output heads are too narrow for int8."""
+    layers, or a CNN whose second convolution has AUTO_MIN_CONV_CHANNELS channels and enough
+    multiply-adds per call; the 3-channel first convolution and the 8-output heads are too narrow
+    for int8."""
     torch.manual_seed(0)
     if kind == "mlp":
         width = AUTO_MIN_FEATURES
         model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                               nn.Linear(width, 8))
         return model, (64, width), {"0", "2"} if cpu_has_int8_dot() else set()
-    channels = AUTO_MIN_CONV_CHANNELS
-    model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
-                          nn.Conv2d(channels, channels, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(channels * 4 * 4, 8))
-    return model, (16, 3, 8, 8), {"2"} if onednn_conv_available("cpu") else set()
+    channels = AUTO_MIN_CONV_CHANNELS  # 32 x 16 x 16 outputs of 32 x 32 x 9 multiply-adds: above AUTO_MIN_CONV_MACS
+    model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
+                          nn.ReLU(), nn.AvgPool2d(4), nn.Flatten(), nn.Linear(channels * 4 * 4, 8))
+    return model, (32, 3, 16, 16), {"2"} if onednn_conv_available("cpu") else set()
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
@@ -303,6 +308,8 @@ def test_default_auto_trains_like_simulated_up_to_gemm_rounding(kind):
         runs[kernel] = train_steps(model, input_shape)
     assert reports["auto"] == {name: "int8" if name in int8_layers else "simulated" for name in reports["auto"]}
     assert len(reports["auto"]) == 3 and set(reports["simulated"].values()) == {"simulated"}
+    unrun = quantize_model(copy.deepcopy(base), QuantConfig())
+    assert kernel_report(unrun) == reports["auto"], "before any forward kernel_report predicts the kernels run"
     (loss_a, params_a), (loss_s, params_s) = runs["auto"], runs["simulated"]
     assert not torch.equal(params_s[0], start[0]), "the run trains"
     if not int8_layers:

@@ -171,7 +171,8 @@ class QuantGemmLayer(ActivationQuantizer):
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
-        kernel = self.kernel()
+        kernel = self.kernel(x, gemm)
+        self.last_kernel = kernel.name  # what kernel_report reports
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
@@ -179,13 +180,15 @@ class QuantGemmLayer(ActivationQuantizer):
                 x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
             )
 
-    def kernel(self) -> Kernel:
+    def kernel(self, x: torch.Tensor | None = None, gemm: Gemm | None = None) -> Kernel:
         """The kernel this layer's forward runs now (``resolve_kernel`` for its config, weight
-        device and shape; the simulated one where the configured kernel cannot run it)."""
-        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight, **self._kernel_constraints())[0]
+        device and shape, and the call's input `x` and `gemm` where given; the simulated one where
+        the configured kernel cannot run it)."""
+        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight,
+                              **self._kernel_constraints(x, gemm))[0]
 
-    def _kernel_constraints(self) -> dict:
-        """Layer settings beyond the weight's shape and device that decide kernel support
+    def _kernel_constraints(self, x: torch.Tensor | None, gemm: Gemm | None) -> dict:
+        """Layer settings and call sizes beyond the weight's shape and device that decide the kernel
         (keyword arguments of ``resolve_kernel``)."""
         return {}
 
@@ -195,10 +198,12 @@ class QuantGemmLayer(ActivationQuantizer):
 
 
 def kernel_report(model: nn.Module) -> dict[str, str]:
-    """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its next
-    forward runs (``resolve_kernel`` on the layer's ``QuantConfig.kernel``, device and shape, the
-    call the forward makes), e.g. to record in a run's results. Empty when nothing is quantized."""
-    return {name: module.kernel().name for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
+    """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its last
+    forward ran, or for a layer not called yet the one ``resolve_kernel`` picks from the layer's
+    ``QuantConfig.kernel``, device and shape alone (``"auto"`` also weighs a convolution call's
+    size), e.g. to record in a run's results. Empty when nothing is quantized."""
+    return {name: getattr(module, "last_kernel", None) or module.kernel().name
+            for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
 
 
 class QuantLinear(QuantGemmLayer, nn.Linear):
@@ -252,8 +257,13 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             bias=module.bias is not None, padding_mode=module.padding_mode,
         )
 
-    def _kernel_constraints(self) -> dict:
-        return {"groups": self.groups}
+    def _kernel_constraints(self, x, gemm):
+        if x is None:
+            return {"groups": self.groups}
+        (h, w), (kh, kw) = x.shape[-2:], self.kernel_size
+        (sh, sw), (ph, pw), (dh, dw) = gemm.stride, gemm.padding, gemm.dilation
+        out_h, out_w = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        return {"groups": self.groups, "output_pixels": x.shape[0] * out_h * out_w}
 
     def _numeric_padding(self) -> tuple[int, int] | None:
         """Zero padding ``(h, w)`` the GEMM can take, or None when ``F.pad`` must apply it."""

@@ -29,27 +29,33 @@ from .int8 import cpu_has_int8_dot, onednn_conv_available
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 # Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
-# Conv2d runs it on the codes. On the AMX Xeon (`bench_8bit.py --threads 1 --conv-sweep`, recorded
-# in bench_8bit.json: forward + backward of Conv2d(w, w, 3) on 32 x w x 16 x 16, relative to fp32)
-# it is faster than the simulated kernel from 32 channels on and slower at 16: 16 channels int8
-# 2.16x vs simulated 1.84x; 32: 1.33x vs 1.47x; 64: 0.90x vs 1.24x; 512: 0.48x vs 1.05x.
-# Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one int8 GEMM, slower than
-# the simulated kernel up to 256 channels and no faster at 512 on that CPU; it is not measured on
-# CUDA. So auto runs int8 convolutions of at least AUTO_MIN_CONV_CHANNELS in
-# and out channels where oneDNN's int8 convolution runs, and the simulated kernel elsewhere.
+# Conv2d runs it on the codes; the passes around it cost a fixed ~0.5 ms more per call than the
+# simulated kernel's. `bench_8bit.py --threads 1 --conv-sweep` (recorded in bench_8bit.json:
+# forward + backward of Conv2d(w, w, 3), batch 32, w x s x s inputs) has int8 faster than the
+# simulated kernel where a call has at least 32 channels and about 2**26 forward multiply-adds
+# (w 32 at 16 x 16, 64 at 8 x 8, 128 at 4 x 4: 75M each), slower below: 16 channels at 16 x 16,
+# and every width at 2 x 2 (ResNet-20's last stage on 8 x 8 digits). So auto runs a convolution
+# int8 when it has at least AUTO_MIN_CONV_CHANNELS in and out channels and the call at least
+# AUTO_MIN_CONV_MACS multiply-adds, where oneDNN's int8 convolution runs. Elsewhere the int8
+# Conv2d is an im2col of the codes in torch ops plus one int8 GEMM, slower than the simulated
+# kernel up to 256 channels and no faster at 512 on that CPU; it is not measured on CUDA.
 AUTO_MIN_CONV_CHANNELS = 32
+AUTO_MIN_CONV_MACS = 2**26
 CONV_REASON = "no oneDNN int8 convolution here: the im2col int8 Conv2d is not faster than the simulated kernel"
 
 
-def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> tuple[Kernel, str | None]:
+def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1,
+                   output_pixels: int | None = None) -> tuple[Kernel, str | None]:
     """The kernel a layer runs for ``QuantConfig.kernel == name``, and why it is not the one asked
     for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
-    another device re-decides. `groups`: a Conv2d's groups (1 for other layers). ``"auto"`` picks
-    int8 where it is supported and faster: a Linear or Conv1D layer of at least
-    ``AUTO_MIN_FEATURES`` in and out features on a device where ``torch._int_mm`` is a real int8
-    GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``), and a Conv2d layer of at
-    least ``AUTO_MIN_CONV_CHANNELS`` in and out channels where oneDNN's int8 convolution runs
-    (``int8.onednn_conv_available``); the simulated kernel otherwise."""
+    another device, or called on other shapes, re-decides. `groups`: a Conv2d's groups (1 for
+    other layers); `output_pixels`: a Conv2d call's ``N * Ho * Wo`` (None: not known, as in a dry
+    run). ``"auto"`` picks int8 where it is supported and faster: a Linear or Conv1D layer of at
+    least ``AUTO_MIN_FEATURES`` in and out features on a device where ``torch._int_mm`` is a real
+    int8 GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``), and a Conv2d call of at
+    least ``AUTO_MIN_CONV_CHANNELS`` in and out channels and ``AUTO_MIN_CONV_MACS`` multiply-adds
+    (``output_pixels * weight.numel()``; not checked when unknown) where oneDNN's int8
+    convolution runs (``int8.onednn_conv_available``); the simulated kernel otherwise."""
     if name != AUTO:
         kernel = get_kernel(name)
         reason = kernel.unsupported_reason(gemm_type, weight, groups)
@@ -61,6 +67,9 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
             reason = CONV_REASON
         elif min(weight.shape[:2]) < AUTO_MIN_CONV_CHANNELS:
             reason = f"Conv2d {tuple(weight.shape)} narrower than {AUTO_MIN_CONV_CHANNELS} channels: int8 not faster"
+        elif output_pixels is not None and output_pixels * weight.numel() < AUTO_MIN_CONV_MACS:
+            reason = (f"Conv2d call of {output_pixels * weight.numel():,} multiply-adds, fewer than "
+                      f"{AUTO_MIN_CONV_MACS:,}: int8 not faster")
     elif reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
