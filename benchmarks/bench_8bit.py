@@ -6,7 +6,8 @@
   fake quantization). Goals: default / fp32 <= 0.5, simulated / fp32 <= 1.05.
 * ResNet-20, batch 32 x 3 x 32 x 32, SGD with momentum: fp32 with EvoNorm-S0 against the default
   8-bit model with Range EvoNorm (SPEC 5 pairs each precision with its norm). Goal: <= 0.8.
-  VGG-11 the same way (no goal: the vision path's widest convolutions, 64 to 512 channels).
+  VGG-11 the same way (no goal: the vision path's widest convolutions, 64 to 512 channels), and
+  ResNet-20 on 8 x 8 images (no goal: the vision recipes' default data, scikit-learn's digits).
 
 For each: step time (the variants' steps interleaved, median of ``--repeats``; on the CPU also the
 process CPU time, which other jobs disturb far less), bytes autograd holds for backward after one
@@ -78,9 +79,9 @@ def distilbert_variants(args, device):
     return variants
 
 
-def vision_variants(arch):
+def vision_variants(arch, image_size=32):
     """The builder of fp32 `arch` (``vision.build_vision_model``) with EvoNorm-S0 and the default
-    8-bit one with Range EvoNorm, SGD with momentum, one batch of 32 x 32 images."""
+    8-bit one with Range EvoNorm, SGD with momentum, one batch of `image_size` square images."""
 
     def build(args, device):
         torch.manual_seed(0)
@@ -88,7 +89,7 @@ def vision_variants(arch):
             "fp32": build_vision_model(arch, num_classes=10, norm="evonorm"),
             "default": quantize_model(build_vision_model(arch, num_classes=10, norm="range_evonorm"), QuantConfig()),
         }
-        size = 8 if args.smoke and arch != "vgg11" else 32  # VGG's five poolings need 32 x 32
+        size = 8 if args.smoke and arch != "vgg11" else image_size  # VGG's five poolings need 32 x 32
         images = torch.randn(args.image_batch_size, 3, size, size, device=device)
         labels = torch.randint(0, 10, (args.image_batch_size,), device=device)
         variants = {}
@@ -145,24 +146,30 @@ def measure(variants, args, device) -> dict:
     return out
 
 
-def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512)) -> dict:
-    """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width on ``32 x w x 16 x 16``
-    inputs (8,192 output pixels), fp32 vs simulated vs int8, interleaved medians: the data for
-    ``kernels.AUTO_MIN_CONV_CHANNELS``."""
-    size = 4 if args.smoke else 16
+def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8, 16)) -> dict:
+    """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width and input size on
+    ``32 x w x s x s`` inputs, fp32 vs simulated vs int8 (``QuantConfig(kernel=...)``), interleaved
+    medians, keyed ``"w@s"`` with the call's forward multiply-adds: the data for
+    ``kernels.AUTO_MIN_CONV_CHANNELS`` and ``AUTO_MIN_CONV_MACS``. Widths of 256 and more only at
+    16 x 16 (the smaller sizes are far above the thresholds and slow)."""
     out = {}
     for width in widths:
-        base = torch.nn.Conv2d(width, width, 3, padding=1).to(device)
-        layers = {"fp32": base}
-        for kernel in ("simulated", "int8"):
-            layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
-        x = torch.randn(args.image_batch_size, width, size, size, device=device, requires_grad=True)
-        med = medians(interleaved_times({name: (lambda layer=layer: layer(x).sum().backward())
-                                         for name, layer in layers.items()}, args.repeats, args.warmup, device)["wall_s"])
-        out[width] = {"fp32_s": med["fp32"], "simulated_ratio": med["simulated"] / med["fp32"],
-                      "int8_ratio": med["int8"] / med["fp32"]}
-        print(f"Conv2d width {width:4d}: fp32 {med['fp32'] * 1e3:7.2f} ms   simulated "
-              f"{out[width]['simulated_ratio']:.2f}x   int8 {out[width]['int8_ratio']:.2f}x fp32")
+        for size in (sizes if width < 256 else sizes[-1:]):
+            size = min(size, 4) if args.smoke else size
+            base = torch.nn.Conv2d(width, width, 3, padding=1).to(device)
+            layers = {"fp32": base}
+            for kernel in ("simulated", "int8"):
+                layers[kernel] = quantize_model(torch.nn.Sequential(copy.deepcopy(base)), QuantConfig(kernel=kernel))
+            x = torch.randn(args.image_batch_size, width, size, size, device=device, requires_grad=True)
+            med = medians(interleaved_times({name: (lambda layer=layer: layer(x).sum().backward())
+                                             for name, layer in layers.items()}, args.repeats, args.warmup,
+                                            device)["wall_s"])
+            key = f"{width}@{size}"
+            out[key] = {"macs": args.image_batch_size * size * size * base.weight.numel(), "fp32_s": med["fp32"],
+                        "simulated_ratio": med["simulated"] / med["fp32"], "int8_ratio": med["int8"] / med["fp32"]}
+            print(f"Conv2d {width:4d} channels at {size:2d} x {size:<2d} ({out[key]['macs'] / 1e6:8.1f}M multiply-adds): "
+                  f"fp32 {med['fp32'] * 1e3:7.2f} ms   simulated {out[key]['simulated_ratio']:.2f}x   "
+                  f"int8 {out[key]['int8_ratio']:.2f}x fp32")
     return out
 
 
@@ -187,7 +194,7 @@ def main(argv=None):
     malloc = malloc_as_trainer(args, device)
     results = {"settings": {**vars(args), "malloc": malloc}, "goals": GOALS}
     builds = (("distilbert", distilbert_variants), ("resnet20", vision_variants("resnet20")),
-              ("vgg11", vision_variants("vgg11")))
+              ("vgg11", vision_variants("vgg11")), ("resnet20_8x8", vision_variants("resnet20", image_size=8)))
     for model_name, build in builds:
         variants = build(args, device)
         results[model_name] = measure(variants, args, device)

@@ -35,14 +35,14 @@ BENCHMARKS = {
         "8-bit training against fp32",
         "One training step, fp32 against the default 8-bit model (`QuantConfig()`, kernel `auto`) and the "
         "simulated kernel, steps interleaved: DistilBERT-base shape (batch 8 x 128, fused AdamW as the NLP "
-        "recipes' nodes run it), ResNet-20 and VGG-11 (batch 32, SGD; EvoNorm-S0 fp32 against Range EvoNorm "
-        "8-bit). Also "
+        "recipes' nodes run it), ResNet-20 and VGG-11 (batch 32 at 32 x 32, SGD; EvoNorm-S0 fp32 against Range "
+        "EvoNorm 8-bit) and ResNet-20 at 8 x 8 (the vision recipes' default digits). Also "
         "the bytes autograd holds for backward after one forward, the whole step's peak tensor memory, the "
         "kernel each 8-bit layer ran, and `fp32_weight_gradient_floor`: from one profiled fp32 step, the time "
         "in the Linear GEMMs and the ratio to fp32 below which no 8-bit step can go while its weight "
-        "gradients stay fp32 GEMMs (the step less two thirds of those GEMMs). `conv_sweep`: one Conv2d per "
-        "width (simulated and int8 against fp32), the data behind `kernel=\"auto\"`'s 32-channel threshold "
-        "for convolutions."),
+        "gradients stay fp32 GEMMs (the step less two thirds of those GEMMs). `conv_sweep`: one 3x3 Conv2d per "
+        "width and input size (`w@s`, batch 32, with its forward multiply-adds; simulated and int8 against fp32), "
+        "the data behind `kernel=\"auto\"`'s thresholds for convolutions (32 channels, 2**26 multiply-adds)."),
     "bench_quant": (
         "8-bit training step",
         "Time and peak tensor memory of one training step (forward, backward, fused AdamW) of a "
