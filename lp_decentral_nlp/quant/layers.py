@@ -172,7 +172,8 @@ class QuantGemmLayer(ActivationQuantizer):
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
         kernel = self.kernel(x, gemm)
-        self.last_kernel = kernel.name  # what kernel_report reports
+        if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
+            self.last_kernel = kernel.name
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
