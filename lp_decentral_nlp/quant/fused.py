@@ -28,6 +28,8 @@ without changing torch's thread count (:mod:`lp_decentral_nlp.utils.numba_thread
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
@@ -214,6 +216,7 @@ _CHANNEL_SUMS = compile_serial_and_parallel(_channel_sums)
 _CONV_EPILOGUE = compile_serial_and_parallel(_conv_epilogue)
 _WINDOW_SUMS = compile_serial_and_parallel(_window_sums)
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
+_EMPTY_F32_1D = np.zeros(0, dtype=np.float32)
 
 
 def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
@@ -254,21 +257,27 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         ``(codes, values or None, sums or None, scale)``, ``scale = (hi - lo) / (2**bits - 1)``
         (fp32, `lo`'s shape).
     """
-    rows = x.numel() // x.shape[-1]
-    matrix = x.detach().reshape(rows, -1).numpy()
-    codes = torch.empty(x.shape, dtype=torch.int8 if signed else torch.uint8)
-    out_values = torch.empty(x.shape, dtype=torch.float32) if values else None
-    sums = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
+    shape, numel = x.shape, x.numel()
+    matrix = x.detach().numpy().reshape(-1, shape[-1])  # numpy's reshape: the same view, less overhead
+    codes = torch.empty(shape, dtype=torch.int8 if signed else torch.uint8)  # torch allocations: dispatched,
+    out_values = torch.empty(shape, dtype=torch.float32) if values else None  # so memory counters see them
+    sums = torch.empty(shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     scale = torch.empty(lo.shape, dtype=torch.float32)
     key_low, key_high = _key_halves(0 if dither_key is None else dither_key)
-    run_kernel(_QUANTIZE_ROWS, x.numel(),
-        matrix, lo.detach().reshape(-1).numpy(), hi.detach().reshape(-1).numpy(), np.float32(2**bits - 1),
-        np.float32(2 ** (bits - 1) if signed else 0), dither_key is not None, key_low, key_high,
-        np.float32(dither_scale), np.float32(dither_offset), codes.reshape(rows, -1).numpy(),
-        scale.reshape(-1).numpy(), out_values.reshape(rows, -1).numpy() if values else _EMPTY_F32,
-        sums.reshape(-1).numpy() if last_dim_sums else np.zeros(0, dtype=np.float32),
+    run_kernel(_QUANTIZE_ROWS, numel,
+        matrix, lo.detach().numpy().reshape(-1), hi.detach().numpy().reshape(-1), *_grid_constants(bits, signed),
+        dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset),
+        codes.numpy().reshape(matrix.shape), scale.numpy().reshape(-1),
+        out_values.numpy().reshape(matrix.shape) if values else _EMPTY_F32,
+        sums.numpy().reshape(-1) if last_dim_sums else _EMPTY_F32_1D,
     )
     return codes, out_values, sums, scale
+
+
+@functools.cache
+def _grid_constants(bits: int, signed: bool) -> tuple[np.float32, np.float32]:
+    """``(levels, shift)`` of :func:`quantize_rows`' grid as float32 scalars."""
+    return np.float32(2**bits - 1), np.float32(2 ** (bits - 1) if signed else 0)
 
 
 def code_column_sums(codes: torch.Tensor) -> torch.Tensor:
