@@ -213,6 +213,10 @@ def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
         assert resolve_kernel("auto", Conv2dGemm, wide_conv, output_pixels=pixels) == (KERNELS["int8"], None)
         kernel, reason = resolve_kernel("auto", Conv2dGemm, wide_conv, output_pixels=pixels - 1)
         assert kernel.name == "simulated" and "multiply-adds" in reason
+        plan = quantize_model(nn.Sequential(nn.Conv2d(AUTO_MIN_CONV_CHANNELS, AUTO_MIN_CONV_CHANNELS, 3)),
+                              QuantConfig(), dry_run=True)
+        assert plan.layers[0].reason.endswith(f"kernel int8 for calls of at least {AUTO_MIN_CONV_MACS:,} "
+                                              "multiply-adds, simulated below"), "the dry run states the size rule"
     else:
         assert (kernel.name, reason) == ("simulated", CONV_REASON)
     assert resolve_kernel("int8", Conv2dGemm, wide_conv) == (KERNELS["int8"], None)

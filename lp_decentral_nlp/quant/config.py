@@ -32,9 +32,11 @@ class QuantConfig:
             is a dot-separated suffix of it, or fully matches it as a regular expression.
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
-        kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where ``torch._int_mm`` is
-            a real int8 GEMM (CUDA, or a CPU with AVX512-VNNI) and a Linear/Conv1D layer is wide enough, simulated elsewhere, see
-            ``kernels.resolve_kernel``; the two compute the same products up to fp32 rounding),
+        kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where it is faster, i.e. a
+            wide enough Linear/Conv1D layer where ``torch._int_mm`` is a real int8 GEMM (CUDA, or a
+            CPU with AVX512-VNNI) and a large enough Conv2d call where oneDNN's int8 convolution
+            runs; simulated elsewhere, see ``kernels.resolve_kernel``; the two compute the same
+            products up to fp32 rounding),
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another
             registered kernel. A layer the kernel cannot run falls back to ``"simulated"``;

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
+from .gemm import conv_output_hw
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
@@ -194,6 +195,7 @@ def _conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border,
                 v = v + b0 * border_o[p]
                 out_o[p] = v + b
 
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _column_sums(codes, out):
     # one row at a time into int32 sums the width of a row (exact, vectorised; a 3,072-column row
@@ -296,8 +298,19 @@ def epilogue_fusable(acc: torch.Tensor, *vectors: torch.Tensor) -> bool:
         return False
     if not acc.is_contiguous() or type(acc) is not torch.Tensor:
         return False
+    return _float32_cpu(vectors)
+
+
+def _float32_cpu(vectors) -> bool:
+    """Whether every tensor of `vectors` is a float32 CPU tensor with real storage (a Parameter,
+    such as a bias, detaches to a plain tensor)."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t.detach()) is torch.Tensor
-               for t in vectors)  # a Parameter (the bias) detaches to a plain tensor
+               for t in vectors)
+
+
+def _per_row(t: torch.Tensor, n: int) -> np.ndarray:
+    """`t` (one value, or `n` values in any shape) as a contiguous float32 array of `n`."""
+    return t.detach().reshape(-1).expand(n).contiguous().numpy()
 
 
 def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torch.Tensor,
@@ -316,11 +329,10 @@ def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torc
     """
     rows, cols = acc.shape
     out = torch.empty((rows, cols), dtype=torch.float32)
-    vector = lambda t, n: t.detach().reshape(-1).expand(n).contiguous().numpy()  # noqa: E731
-    bias = np.zeros(cols, np.float32) if col_bias is None else vector(col_bias, cols)
+    bias = np.zeros(cols, np.float32) if col_bias is None else _per_row(col_bias, cols)
     run_kernel(_AFFINE_EPILOGUE, acc.numel(), acc.numpy(), row_scale.detach().reshape(-1).numpy(),
-               row_offset.detach().reshape(-1).numpy(), vector(col_scaled_sums, cols), bias,
-               vector(row_term, rows), out.numpy())
+               row_offset.detach().reshape(-1).numpy(), _per_row(col_scaled_sums, cols), bias,
+               _per_row(row_term, rows), out.numpy())
     return out
 
 
@@ -332,8 +344,7 @@ def conv_fusable(codes: torch.Tensor, *vectors: torch.Tensor) -> bool:
         return False
     if not codes.is_contiguous() or type(codes) is not torch.Tensor or codes.numel() == 0:
         return False
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t.detach()) is torch.Tensor
-               for t in vectors)
+    return _float32_cpu(vectors)
 
 
 def channel_sums(codes: torch.Tensor) -> torch.Tensor:
@@ -350,9 +361,8 @@ def window_sums(values: torch.Tensor, kernel_size: tuple[int, int], stride: tupl
     """The sums of fp32 `values` ``(N, 1, H, W)`` over each zero-padded window of a convolution's
     geometry: ``(N, 1, Ho, Wo)`` fp32, ``conv2d(values, ones(1, 1, kh, kw), ...)`` in one pass over
     the padded planes (exact for integer values below 2**24, whatever the order)."""
-    n, _, h, w = values.shape
-    ho = (h + 2 * padding[0] - dilation[0] * (kernel_size[0] - 1) - 1) // stride[0] + 1
-    wo = (w + 2 * padding[1] - dilation[1] * (kernel_size[1] - 1) - 1) // stride[1] + 1
+    n = values.shape[0]
+    ho, wo = conv_output_hw(values.shape[2:], kernel_size, stride, padding, dilation)
     padded = torch.nn.functional.pad(values, (padding[1], padding[1], padding[0], padding[0])).contiguous()
     out = torch.empty((n, 1, ho, wo), dtype=torch.float32)
     run_kernel(_WINDOW_SUMS, out.numel() * kernel_size[0] * kernel_size[1], padded.numpy()[:, 0],
@@ -374,13 +384,13 @@ def conv_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, window_coef: torch
     """
     n, co, ho, wo = acc.shape
     out = torch.empty((n, co, ho, wo), dtype=torch.float32)
-    per_sample = lambda t: t.detach().reshape(-1).expand(n).contiguous().numpy()  # noqa: E731
-    bias_array = np.zeros(co, np.float32) if bias is None else bias.detach().contiguous().numpy()
+    bias_array = np.zeros(co, np.float32) if bias is None else _per_row(bias, co)
     run_kernel(_CONV_EPILOGUE, acc.numel(), acc.permute(0, 2, 3, 1).numpy().reshape(n, ho * wo, co),
-               per_sample(row_scale), per_sample(window_coef), window_sums.numpy().reshape(n, ho * wo),
-               per_sample(row_offset), border.contiguous().numpy().reshape(co, ho * wo), bias_array,
+               _per_row(row_scale, n), _per_row(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
+               _per_row(row_offset, n), border.contiguous().numpy().reshape(co, ho * wo), bias_array,
                out.numpy().reshape(n, co, ho * wo))
     return out
+
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
     """Whether :func:`dequantize_rows` can take `codes`: contiguous 8-bit CPU codes with at least

@@ -47,6 +47,12 @@ class TransposedLinearGemm:
         return g.reshape(-1, g.shape[-1]).sum(0)
 
 
+def conv_output_hw(input_hw, kernel_size, stride, padding, dilation) -> tuple[int, int]:
+    """``(Ho, Wo)`` of a zero-padded convolution of an ``(H, W)`` input (``nn.Conv2d``'s formula)."""
+    return tuple((size + 2 * p - d * (k - 1) - 1) // s + 1
+                 for size, k, s, p, d in zip(input_hw, kernel_size, stride, padding, dilation))
+
+
 @dataclass(frozen=True)
 class Conv2dGemm:
     """``nn.Conv2d`` with numeric zero padding: ``x (N, Cin, H, W)`` -> ``y (N, Cout, Ho, Wo)``."""

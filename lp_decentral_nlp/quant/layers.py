@@ -15,7 +15,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .config import QuantConfig
 from .functional import fake_quantize, grad_range, mean_sample_range, tensor_range, update_running_range
-from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm
+from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm, conv_output_hw
 from .kernels import Kernel, resolve_kernel
 
 
@@ -261,9 +261,7 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
     def _kernel_constraints(self, x, gemm):
         if x is None:
             return {"groups": self.groups}
-        (h, w), (kh, kw) = x.shape[-2:], self.kernel_size
-        (sh, sw), (ph, pw), (dh, dw) = gemm.stride, gemm.padding, gemm.dilation
-        out_h, out_w = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        out_h, out_w = conv_output_hw(x.shape[-2:], self.kernel_size, gemm.stride, gemm.padding, gemm.dilation)
         return {"groups": self.groups, "output_pixels": x.shape[0] * out_h * out_w}
 
     def _numeric_padding(self) -> tuple[int, int] | None:

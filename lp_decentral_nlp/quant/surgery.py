@@ -16,9 +16,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
-from .gemm import Conv2dGemm
 from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
-from .kernels import AUTO, AUTO_MIN_CONV_MACS, resolve_kernel
+from .kernels import describe_kernel
 from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantLinear, QuantModule
 
 CONFIG_KEY = "quantization_config"
@@ -175,10 +174,7 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
-            kernel, fallback = resolve_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
-            reason += f"; kernel {kernel.name}" + (f" ({config.kernel} falls back: {fallback})" if fallback else "")
-            if config.kernel == AUTO and gemm_type is Conv2dGemm and kernel.name != "simulated":
-                reason += f" for calls of at least {AUTO_MIN_CONV_MACS:,} multiply-adds, simulated below"
+            reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
         report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
 
     for p in config.skip:

@@ -75,3 +75,13 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
         reason = NO_INT8_GEMM_REASON
     return (KERNELS["simulated"], reason) if reason else (int8, None)
+
+
+def describe_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> str:
+    """What a dry run says about a layer's kernel before any call: ``"kernel <name>"``, why the
+    kernel asked for falls back, and for an ``"auto"`` int8 convolution the call size it needs."""
+    kernel, fallback = resolve_kernel(name, gemm_type, weight, groups)
+    text = f"kernel {kernel.name}" + (f" ({name} falls back: {fallback})" if fallback else "")
+    if name == AUTO and gemm_type is Conv2dGemm and kernel.name != "simulated":
+        text += f" for calls of at least {AUTO_MIN_CONV_MACS:,} multiply-adds, simulated below"
+    return text
