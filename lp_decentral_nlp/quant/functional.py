@@ -99,19 +99,19 @@ def _hashed_words(n: int, key: torch.Tensor) -> torch.Tensor:
     return ((h >> 16) - 32768).to(torch.int16)
 
 
-@torch.no_grad()
 def fake_quantize(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
-    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`).
-    One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the operands: the same bits."""
+    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`;
+    no autograd history). One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the
+    operands: the same bits."""
     if bits <= 8 and _fusable(x, lo, hi):
         return quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True, last_dim_sums=False)[1]
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
-    return codes.mul_(scale).add_(lo)
+    with torch.no_grad():
+        return codes.mul_(scale).add_(lo)
 
 
-@torch.no_grad()
 def quantize_uint8(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,7 +127,6 @@ def quantize_uint8(
     return codes, scale, values
 
 
-@torch.no_grad()
 def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool, signed: bool,
                    values: bool, last_dim_sums: bool):
     """``quantize_codes`` with 8-bit integer output, in one pass where it can (``fused.py``).
@@ -138,26 +137,22 @@ def quantize_fused(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: in
         the unsigned codes; ``sums`` (if asked) the codes summed over the last dim (fp32,
         keepdim); the step ``scale``. Bit for bit the torch passes' results: a contiguous float32
         CPU tensor goes through ``fused.quantize_rows``, anything else through ``quantize_codes``.
+        No autograd history.
     """
     if values and signed:
         raise ValueError("values are the unsigned codes' dequantized tensor; ask for signed=False")
-    if _fusable(x, lo, hi):
+    if _fusable(x, lo, hi):  # numpy arrays underneath: no autograd history to turn off
         from . import fused
 
         dither_key = int(_dither_key().numpy()) if stochastic else None
-        # Only the last-dim sums need the last dim as rows; otherwise one row per sample (dim 0, as
-        # the per-sample ranges), so a short last dim (a conv input's W) costs no loop per row.
-        rows = x if last_dim_sums or x.dim() < 3 else x.reshape(x.shape[0], -1)
-        codes, out_values, sums, scale = fused.quantize_rows(
-            rows, lo, hi, bits, signed, dither_key, 2.0**-DITHER_BITS, _DITHER_OFFSET, values,
-            last_dim_sums,
-        )
-        return codes.view(x.shape), None if out_values is None else out_values.view(x.shape), sums, scale
+        return fused.quantize_rows(x, lo, hi, bits, signed, dither_key, 2.0**-DITHER_BITS, _DITHER_OFFSET, values,
+                                   last_dim_sums)
     code_dtype = torch.int8 if signed else torch.uint8
     float_codes, scale = quantize_codes(x, lo, hi, bits, stochastic, signed)
-    sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
-    codes = float_codes.to(code_dtype)
-    return codes, float_codes.mul_(scale).add_(lo) if values else None, sums, scale
+    with torch.no_grad():
+        sums = float_codes.sum(-1, keepdim=True) if last_dim_sums else None
+        codes = float_codes.to(code_dtype)
+        return codes, float_codes.mul_(scale).add_(lo) if values else None, sums, scale
 
 
 def _fusable(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
@@ -226,6 +221,6 @@ def update_running_range(
     initialises the range. All arguments are 0-d tensors except `momentum`; no host sync.
     """
     first = num_batches == 0
-    running_min.copy_(torch.where(first, batch_min, torch.lerp(running_min, batch_min, momentum)))
-    running_max.copy_(torch.where(first, batch_max, torch.lerp(running_max, batch_max, momentum)))
+    torch.where(first, batch_min, torch.lerp(running_min, batch_min, momentum), out=running_min)
+    torch.where(first, batch_max, torch.lerp(running_max, batch_max, momentum), out=running_max)
     num_batches.add_(1)

@@ -231,11 +231,14 @@ def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
     """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a contiguous float32
     CPU tensor with at least one dim and real storage (not a tensor subclass such as a fake
     tensor of a tracer), each range 0-d or (`x` at least 2-D) shaped ``(x.shape[0], 1, ..., 1)``."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
+    if not x.is_cpu or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
         return False
     if type(x.detach()) is not torch.Tensor:  # a Parameter detaches to a plain tensor
         return False
-    return all(t.device.type == "cpu" and (t.dim() == 0 or _one_per_sample(t, x)) for t in ranges)
+    for t in ranges:  # called on every quantization: a plain loop costs less than all() of a generator
+        if not t.is_cpu or (t.dim() > 0 and not _one_per_sample(t, x)):
+            return False
+    return True
 
 
 def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, signed: bool,
@@ -245,7 +248,10 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     parameters (``_affine_parameters``' fp32 operations) included.
 
     Args:
-        x: contiguous float32 CPU tensor, at least 1-D.
+        x: contiguous float32 CPU tensor, at least 1-D. Its rows for the loop run along the last
+            dim where the sums are asked for or ``x`` has at most 2 dims, else one row per sample
+            (dim 0, as the per-sample ranges), so a short last dim (a conv input's W) costs no
+            loop per row; the codes are the same either way.
         lo, hi: float32 range, one shape: 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``.
         bits: the grid has ``2**bits`` levels; `signed`: codes shifted by ``-2**(bits-1)``, int8
             (uint8 otherwise).
@@ -259,14 +265,16 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         ``(codes, values or None, sums or None, scale)``, ``scale = (hi - lo) / (2**bits - 1)``
         (fp32, `lo`'s shape).
     """
-    shape, numel = x.shape, x.numel()
-    matrix = x.detach().numpy().reshape(-1, shape[-1])  # numpy's reshape: the same view, less overhead
+    shape = x.shape
+    # numpy's reshapes: the same views as torch's, less overhead per call
+    rows = (-1, shape[-1]) if last_dim_sums or len(shape) < 3 else (shape[0], -1)
+    matrix = x.detach().numpy().reshape(rows)
     codes = torch.empty(shape, dtype=torch.int8 if signed else torch.uint8)  # torch allocations: dispatched,
     out_values = torch.empty(shape, dtype=torch.float32) if values else None  # so memory counters see them
     sums = torch.empty(shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     scale = torch.empty(lo.shape, dtype=torch.float32)
-    key_low, key_high = _key_halves(0 if dither_key is None else dither_key)
-    run_kernel(_QUANTIZE_ROWS, numel,
+    key_low, key_high = _NO_KEY if dither_key is None else _key_halves(dither_key)
+    run_kernel(_QUANTIZE_ROWS, matrix.size,
         matrix, lo.detach().numpy().reshape(-1), hi.detach().numpy().reshape(-1), *_grid_constants(bits, signed),
         dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset),
         codes.numpy().reshape(matrix.shape), scale.numpy().reshape(-1),
@@ -396,11 +404,13 @@ def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
     """Whether :func:`dequantize_rows` can take `codes`: contiguous 8-bit CPU codes with at least
     one dim and one element, `scale` and `lo` float32 CPU tensors of one shape, 0-d or (`codes`
     at least 2-D) ``(codes.shape[0], 1, ..., 1)``."""
-    if codes.device.type != "cpu" or codes.dtype not in (torch.uint8, torch.int8) or codes.dim() == 0:
+    if not codes.is_cpu or codes.dtype not in (torch.uint8, torch.int8) or codes.dim() == 0:
         return False
     if not codes.is_contiguous() or codes.numel() == 0 or type(codes) is not torch.Tensor:
         return False
-    if scale.shape != lo.shape or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (scale, lo)):
+    if scale.shape != lo.shape or not (scale.is_cpu and lo.is_cpu):
+        return False
+    if scale.dtype != torch.float32 or lo.dtype != torch.float32:
         return False
     return scale.dim() == 0 or _one_per_sample(scale, codes)
 
@@ -413,9 +423,9 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     # dim (a conv's W) costs no loop per row and the ranges need no repeating
     rows = codes.shape[0] if codes.dim() > 1 else 1
     values = torch.empty(codes.shape, dtype=torch.float32)
-    scale_rows, lo_rows = (t.detach().reshape(-1).numpy() for t in (scale, lo))  # one range, or one per row
-    run_kernel(_DEQUANTIZE_ROWS, codes.numel(),
-        codes.reshape(rows, -1).numpy(), scale_rows, lo_rows, values.reshape(rows, -1).numpy())
+    # numpy's reshapes (the same views as torch's, less overhead per call); one range, or one per row
+    run_kernel(_DEQUANTIZE_ROWS, codes.numel(), codes.numpy().reshape(rows, -1),
+               scale.detach().numpy().reshape(-1), lo.detach().numpy().reshape(-1), values.numpy().reshape(rows, -1))
     return values
 
 
@@ -423,6 +433,9 @@ def _key_halves(key: int) -> tuple[np.uint32, np.uint32]:
     """A 64-bit key (any Python int, taken mod 2**64) as ``(low, high)`` uint32 halves."""
     key %= 2**64
     return _U32(key & 0xFFFFFFFF), _U32(key >> 32)
+
+
+_NO_KEY = _key_halves(0)  # what the kernel gets when it rounds to nearest (the dither unused)
 
 
 def dither_words(n: int, key: int) -> torch.Tensor:

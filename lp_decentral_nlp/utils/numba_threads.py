@@ -49,9 +49,11 @@ def run_kernel(kernels: tuple, numel: int, *args):
     on ``args`` for work over `numel` elements: parallel only with at least
     ``PARALLEL_MIN_ELEMENTS`` elements and more than one torch thread, then on as many threads as
     torch's intra-op pool (at most ``NUMBA_NUM_THREADS``), leaving torch's thread count as it was."""
+    if numel < PARALLEL_MIN_ELEMENTS:
+        return kernels[0](*args)
     torch_threads = torch.get_num_threads()
     threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
-    if threads == 1 or numel < PARALLEL_MIN_ELEMENTS:
+    if threads == 1:
         return kernels[0](*args)
     try:
         numba.set_num_threads(threads)

@@ -147,7 +147,9 @@ def range_evonorm2d(
     _check_channels_groups(c, groups)
     scale = range_scale_constant(c // groups)
     if RangeEvoNormFunction.supports(x):
-        return RangeEvoNormFunction.apply(x, weight, bias, v, groups, eps)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, v)):
+            return RangeEvoNormFunction.apply(x, weight, bias, v, groups, eps)
+        return RangeEvoNormFunction.output(x, weight, bias, v, groups, eps)  # no graph to build
     grouped = x.to(_stat_dtype(x)).reshape(n, groups, -1)
     group_range = grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)
     numerator = x if v is None else x * F.hardsigmoid(_per_channel(v, x) * x)
@@ -174,12 +176,18 @@ class RangeEvoNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, v, groups: int, eps: float):
-        from .norm_kernels import range_evonorm_forward
-
         x = x.contiguous()
         ctx.save_for_backward(x, weight, v)
         ctx.groups, ctx.eps = groups, eps
-        return range_evonorm_forward(x, weight, bias, v, groups, eps, range_scale_constant(x.shape[1] // groups))
+        return RangeEvoNormFunction.output(x, weight, bias, v, groups, eps)
+
+    @staticmethod
+    def output(x, weight, bias, v, groups: int, eps: float) -> torch.Tensor:
+        """``y`` of the compiled forward (no autograd graph): what :meth:`forward` returns."""
+        from .norm_kernels import range_evonorm_forward
+
+        return range_evonorm_forward(x.contiguous(), weight, bias, v, groups, eps,
+                                     range_scale_constant(x.shape[1] // groups))
 
     @staticmethod
     @once_differentiable

@@ -58,7 +58,7 @@ def _quantize_parameters(params: list[torch.Tensor], bits: int) -> list[torch.Te
     stacked into one (P, C) tensor with one range per row, so one chain of small ops serves them
     all (each row's operations are those of quantizing it alone: the same values)."""
     stacked = torch.stack([p.detach() for p in params])
-    return list(fake_quantize(stacked, stacked.amin(1, keepdim=True), stacked.amax(1, keepdim=True), bits).unbind())
+    return list(fake_quantize(stacked, *torch.aminmax(stacked, dim=1, keepdim=True), bits).unbind())
 
 
 class QuantNormFunction(torch.autograd.Function):

@@ -198,13 +198,20 @@ def int8_conv2d(unsigned: torch.Tensor, weight_codes: torch.Tensor, stride, padd
     channels-last strides: oneDNN's int8 convolution (``torch.ops.onednn.qconv2d_pointwise``, unit
     scales, zero points 0) where :func:`onednn_conv_available`. The int32 sums are exact; their
     fp32 values are exact below 2**24 and rounded like any fp32 sum beyond."""
-    cout = weight_codes.shape[0]
-    ones, zero_points = torch.ones(cout), torch.zeros(cout, dtype=torch.int64)
+    ones, zero_points = _unit_weight_quantization()
     geometry = (list(stride), list(padding), list(dilation), 1)
     packed = torch.ops.onednn.qconv_prepack(weight_codes.contiguous(), ones, 1.0, 0, *geometry, list(unsigned.shape))
     acc = torch.ops.onednn.qconv2d_pointwise(unsigned, 1.0, 0, packed, ones, zero_points, None, *geometry,
                                              1.0, 0, torch.float32, "none", [], "")
     return acc.contiguous(memory_format=torch.channels_last)  # a no-op: oneDNN returns channels last
+
+
+@functools.cache
+def _unit_weight_quantization() -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight scale (1) and zero point (0) :func:`int8_conv2d` gives oneDNN: one for the whole
+    tensor (one value per output channel costs oneDNN a host read per channel on every call; the
+    same result). Cached: read, never written."""
+    return torch.ones(1), torch.zeros(1, dtype=torch.int64)
 
 
 CODE_SHIFT = 128  # int8 codes + 128 (the sign bit flipped) are uint8, oneDNN's activation type
@@ -329,7 +336,8 @@ class Int8Kernel(Kernel):
         # Linear/Conv1D rows run along the last dim; a 4-D (Conv2d) tensor's GEMM rows are patches
         codes, _, sums, scale = quantize_fused(x, lo, hi, bits, stochastic, signed=True, values=False,
                                                last_dim_sums=x.dim() < 4)
-        return Int8Operand(codes, scale, lo + 2 ** (bits - 1) * scale, sums)
+        # the offset lo + 2**(bits-1) * scale in one op: the product by a power of two is exact
+        return Int8Operand(codes, scale, torch.add(lo, scale, alpha=2 ** (bits - 1)), sums)
 
     def forward(self, gemm: Gemm, x_q: Int8Operand, w_q: Int8Operand, bias):
         if isinstance(gemm, Conv2dGemm):
