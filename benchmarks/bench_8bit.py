@@ -146,15 +146,16 @@ def measure(variants, args, device) -> dict:
     return out
 
 
-def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8, 16)) -> dict:
+def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8, 16, 32)) -> dict:
     """Forward + backward of one ``Conv2d(w, w, 3, padding=1)`` per width and input size on
     ``32 x w x s x s`` inputs, fp32 vs simulated vs int8 (``QuantConfig(kernel=...)``), interleaved
     medians, keyed ``"w@s"`` with the call's forward multiply-adds: the data for
-    ``kernels.AUTO_MIN_CONV_CHANNELS`` and ``AUTO_MIN_CONV_MACS``. Widths of 256 and more only at
-    16 x 16 (the smaller sizes are far above the thresholds and slow)."""
+    ``kernels.AUTO_MIN_CONV_CHANNELS`` and ``AUTO_MIN_CONV_MACS``. 32 x 32 (ResNet's first stage)
+    up to 64 channels, and widths of 256 and more only at 16 x 16: larger calls are far above the
+    thresholds and slow."""
     out = {}
     for width in widths:
-        for size in (sizes if width < 256 else sizes[-1:]):
+        for size in (sizes if width <= 64 else sizes[:-1] if width < 256 else (16,)):
             size = min(size, 4) if args.smoke else size
             base = torch.nn.Conv2d(width, width, 3, padding=1).to(device)
             layers = {"fp32": base}

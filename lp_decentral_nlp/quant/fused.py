@@ -85,11 +85,14 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
         if stochastic:
-            first = np.int64(r) * cols  # flat index of the row's first element: the dither's counter
+            # the dither's counter: the element's flat index mod 2**32, counted in uint32 (16 lanes
+            # of a vector where an int64 index gives 8)
+            index = _U32(np.int64(r) * cols)
             for c in range(cols):
                 v = x_row[c] * a
                 v = v + b
-                d = np.float32(_dither_word(first + c, key_low, key_high))
+                d = np.float32(_dither_word(index, key_low, key_high))
+                index = _U32(index + _U32(1))
                 code_row[c] = np.floor(_clamp(v + d * dither_scale, low, high))
         else:
             for c in range(cols):
@@ -111,9 +114,10 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
 def _dither_rows(key_low, key_high, words):
     rows, cols = words.shape
     for r in numba.prange(rows):
-        first, word_row = np.int64(r) * cols, words[r]
+        index, word_row = _U32(np.int64(r) * cols), words[r]  # as in _quantize_rows
         for c in range(cols):
-            word_row[c] = _dither_word(first + c, key_low, key_high)
+            word_row[c] = _dither_word(index, key_low, key_high)
+            index = _U32(index + _U32(1))
 
 
 def _dequantize_rows(codes, scale, lo, values):
