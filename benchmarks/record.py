@@ -15,6 +15,9 @@ import shlex
 import sys
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+# /proc/cpuinfo flags recorded with each result: fp32 GEMMs (AVX2, AVX-512), int8 dot products
+# (AVX512-VNNI: oneDNN's int8 GEMM and convolution), bfloat16 (AVX512-BF16) and AMX tiles
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 def machine() -> dict:
@@ -22,10 +25,16 @@ def machine() -> dict:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
+            info = {}
+            for line in fh:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+        cpu = info.get("model name", cpu)
+        flags = set(info.get("flags", "").split())
+    except OSError:
         pass
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -33,6 +42,8 @@ def machine() -> dict:
         mem_gib = None
     return {
         "cpu": cpu,
+        # the vector extensions the kernels' speed depends on (one CPU model name covers several)
+        "simd": " ".join(f for f in SIMD_FLAGS if f in flags) or None,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_gib, 1) if mem_gib else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

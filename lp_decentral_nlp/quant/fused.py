@@ -160,19 +160,28 @@ def _channel_sums(codes, out):
 
 
 def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w, out):
-    # out[n, i, j] = sum over the kernel taps (a, b) of padded[n, i sh + a dh, j sw + b dw]
+    # out[n, i, j] = sum over the kernel taps (a, b) of padded[n, i sh + a dh, j sw + b dw]; each
+    # output row is summed in a local row (int-valued floats: exact in any order), which numba
+    # knows aliases neither argument, so the loops over j vectorise
     samples, out_h, out_w = out.shape
     for n in numba.prange(samples):
-        plane, out_plane = padded[n], out[n]
+        sums = np.empty(out_w, np.float32)
         for i in range(out_h):
-            out_row = out_plane[i]
-            out_row[:] = 0
+            sums[:] = 0
             for a in range(kernel_h):
-                in_row = plane[i * stride_h + a * dilation_h]
+                in_row = padded[n, i * stride_h + a * dilation_h]
                 for b in range(kernel_w):
                     first = b * dilation_w
-                    for j in range(out_w):
-                        out_row[j] += in_row[first + j * stride_w]
+                    if stride_w == 1:  # contiguous taps (the common case): a unit-stride loop
+                        taps = in_row[first:first + out_w]
+                        for j in range(out_w):
+                            sums[j] += taps[j]
+                    else:
+                        for j in range(out_w):
+                            sums[j] += in_row[first + j * stride_w]
+            out_row = out[n, i]
+            for j in range(out_w):
+                out_row[j] = sums[j]
 
 
 def _conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias, out):
