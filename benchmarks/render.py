@@ -42,7 +42,7 @@ BENCHMARKS = {
         "in the Linear GEMMs and the ratio to fp32 below which no 8-bit step can go while its weight "
         "gradients stay fp32 GEMMs (the step less two thirds of those GEMMs). `conv_sweep`: one 3x3 Conv2d per "
         "width and input size (`w@s`, batch 32, with its forward multiply-adds; simulated and int8 against fp32), "
-        "the data behind `kernel=\"auto\"`'s thresholds for convolutions (32 channels, 2**26 multiply-adds)."),
+        "the data behind `kernel=\"auto\"`'s thresholds for convolutions (16 channels, 2**26 multiply-adds)."),
     "bench_quant": (
         "8-bit training step",
         "Time and peak tensor memory of one training step (forward, backward, fused AdamW) of a "

@@ -277,16 +277,17 @@ def train_steps(model, input_shape, steps=3, lr=0.05):
 
 def auto_test_model(kind):
     """``(model, input shape, layers auto runs int8 here)``: an MLP of AUTO_MIN_FEATURES-wide Linear
-    layers, or a CNN whose second convolution has AUTO_MIN_CONV_CHANNELS channels and enough
-    multiply-adds per call; the 3-channel first convolution and the 8-output heads are too narrow
-    for int8."""
+    layers, or a CNN whose second convolution has at least AUTO_MIN_CONV_CHANNELS channels and
+    enough multiply-adds per call; the 3-channel first convolution and the 8-output heads are too
+    narrow for int8."""
     torch.manual_seed(0)
     if kind == "mlp":
         width = AUTO_MIN_FEATURES
         model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                               nn.Linear(width, 8))
         return model, (64, width), {"0", "2"} if cpu_has_int8_dot() else set()
-    channels = AUTO_MIN_CONV_CHANNELS  # 32 x 16 x 16 outputs of 32 x 32 x 9 multiply-adds: above AUTO_MIN_CONV_MACS
+    channels = 32  # 32 x 16 x 16 outputs of 32 x 32 x 9 multiply-adds: above AUTO_MIN_CONV_MACS
+    assert channels >= AUTO_MIN_CONV_CHANNELS
     model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
                           nn.ReLU(), nn.AvgPool2d(4), nn.Flatten(), nn.Linear(channels * 4 * 4, 8))
     return model, (32, 3, 16, 16), {"2"} if onednn_conv_available("cpu") else set()

@@ -29,17 +29,22 @@ from .int8 import cpu_has_int8_dot, onednn_conv_available
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 # Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
-# Conv2d runs it on the codes; the passes around it cost a fixed ~0.5 ms more per call than the
-# simulated kernel's. `bench_8bit.py --threads 1 --conv-sweep` (recorded in bench_8bit.json:
-# forward + backward of Conv2d(w, w, 3), batch 32, w x s x s inputs) has int8 faster than the
-# simulated kernel where a call has at least 32 channels and about 2**26 forward multiply-adds
-# (w 32 at 16 x 16, 64 at 8 x 8, 128 at 4 x 4: 75M each), slower below: 16 channels at 16 x 16,
-# and every width at 2 x 2 (ResNet-20's last stage on 8 x 8 digits). So auto runs a convolution
-# int8 when it has at least AUTO_MIN_CONV_CHANNELS in and out channels and the call at least
-# AUTO_MIN_CONV_MACS multiply-adds, where oneDNN's int8 convolution runs. Elsewhere the int8
-# Conv2d is an im2col of the codes in torch ops plus one int8 GEMM, slower than the simulated
-# kernel up to 256 channels and no faster at 512 on that CPU; it is not measured on CUDA.
-AUTO_MIN_CONV_CHANNELS = 32
+# Conv2d runs it on the codes; the passes around it (sign flip and channels-last copy of the
+# codes, zero-point sums, the epilogue back to NCHW) cost more per call than the simulated
+# kernel's quantize passes, so int8 pays on large calls only. `bench_8bit.py --threads 1
+# --conv-sweep` (recorded in bench_8bit.json: forward + backward of Conv2d(w, w, 3), batch 32,
+# w x s x s inputs) on a 2-core AMD EPYC with AVX512-VNNI has int8 faster than the simulated
+# kernel in every call of 75M (about 2**26) forward multiply-adds or more, from 16 channels up
+# (16 at 32 x 32: 1.19x fp32 against 1.28x; 32 at 16 x 16: 1.24x against 1.34x; 64 at 8 x 8:
+# 1.09x against 1.22x; 128 at 4 x 4: 1.35x against 1.38x), and slower in every call of 19M or
+# fewer at any width; a 2-core Intel Xeon with AMX crossed at the same size (32 at 16 x 16:
+# 1.30x against 1.46x). So auto runs a convolution int8 when the call has at least
+# AUTO_MIN_CONV_MACS multiply-adds and at least AUTO_MIN_CONV_CHANNELS in and out channels (the
+# narrowest width measured; a 3-channel image layer stays simulated), where oneDNN's int8
+# convolution runs. Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one
+# int8 GEMM, slower than the simulated kernel up to 256 channels and no faster at 512 on the
+# Xeon; it is not measured on CUDA.
+AUTO_MIN_CONV_CHANNELS = 16
 AUTO_MIN_CONV_MACS = 2**26
 CONV_REASON = "no oneDNN int8 convolution here: the im2col int8 Conv2d is not faster than the simulated kernel"
 
