@@ -351,6 +351,18 @@ def test_range_evonorm_layer_runs_the_function_on_cpu_and_keeps_fewer_bytes():
     assert RangeEvoNormFunction.supports(x) and not RangeEvoNormFunction.supports(x.bfloat16())
 
 
+def test_range_evonorm_without_a_graph_gives_the_same_bits():
+    """Under ``no_grad`` (the 8-bit norm's forward) the compiled forward runs without an autograd
+    Function: no graph, and the very values of the Function's forward."""
+    layer = _randomise(RangeEvoNorm2d(16, groups=4))
+    x = torch.randn(4, 16, 8, 8, requires_grad=True)
+    with_graph = layer(x)
+    with torch.no_grad():
+        without = layer(x)
+    assert type(with_graph.grad_fn).__name__ == "RangeEvoNormFunctionBackward" and without.grad_fn is None
+    assert torch.equal(with_graph.detach(), without)
+
+
 def test_range_evonorm_gradcheck_through_the_function():
     x, params = _range_evonorm_case(torch.float64, True, False, seed=2)
     leaves = [t.clone().requires_grad_(True) for t in (x, *params)]
