@@ -160,9 +160,9 @@ def _channel_sums(codes, out):
 
 
 def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w, out):
-    # out[n, i, j] = sum over the kernel taps (a, b) of padded[n, i sh + a dh, j sw + b dw]; each
-    # output row is summed in a local row (int-valued floats: exact in any order), which numba
-    # knows aliases neither argument, so the loops over j vectorise
+    # out[n, i, j] = sum over the kernel taps (a, b) of padded[n, i sh + a dh, j sw + b dw], each
+    # output row summed in a local row (int-valued floats: exact in any order). With stride 1 the
+    # taps are a contiguous slice, which numba vectorises; indexed with a runtime stride it does not
     samples, out_h, out_w = out.shape
     for n in numba.prange(samples):
         sums = np.empty(out_w, np.float32)
