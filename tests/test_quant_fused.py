@@ -5,6 +5,7 @@ import torch
 
 from lp_decentral_nlp.quant.functional import grad_range, quantize_codes, quantize_fused, tensor_range
 from lp_decentral_nlp.quant import fused
+from lp_decentral_nlp.utils.layout import is_channels_last
 from lp_decentral_nlp.utils.numba_threads import PARALLEL_MIN_ELEMENTS
 from lp_decentral_nlp.quant.kernels.simulated import dequantize_codes
 
@@ -69,6 +70,31 @@ def test_parallel_rows_give_the_same_codes(stochastic):
     expected, scale = quantize_codes(x, lo, hi, 8, stochastic)
     assert torch.equal(codes, expected.to(torch.uint8)) and torch.equal(values, expected * scale + lo)
     assert torch.equal(sums, expected.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (4, 64, 16, 17)])  # serial, and split over samples
+@pytest.mark.parametrize("per_sample", [False, True])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_channels_last_input_gets_the_codes_of_a_contiguous_one(shape, per_sample, stochastic):
+    """A channels-last conv input is quantized in memory order, without a copy: codes, values and
+    their dequantized values come channels last and equal a contiguous input's element for
+    element, the stochastic dither words included (each element keeps its row-major word)."""
+    torch.set_num_threads(2)  # the autouse fixture restores the thread count
+    x = torch.randn(shape) * 3 + 1
+    channels_last = x.contiguous(memory_format=torch.channels_last)
+    assert is_channels_last(channels_last) and fused.fusable(channels_last)
+    lo, hi = grad_range(x, "sample") if per_sample else tensor_range(x)
+    assert all(torch.equal(a, b) for a, b in zip((lo, hi), grad_range(channels_last, "sample") if per_sample
+                                                  else tensor_range(channels_last)))
+    results = []
+    for t in (x, channels_last):
+        torch.manual_seed(3)
+        results.append(quantize_fused(t, lo, hi, 8, stochastic, signed=False, values=True, last_dim_sums=False))
+    (codes, values, _, scale), (cl_codes, cl_values, _, cl_scale) = results
+    assert is_channels_last(cl_codes) and is_channels_last(cl_values)
+    assert torch.equal(cl_codes, codes) and torch.equal(cl_values, values) and torch.equal(cl_scale, scale)
+    dequantized = dequantize_codes(cl_codes, scale, lo)
+    assert is_channels_last(dequantized) and torch.equal(dequantized, values)
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(3, 40, PARALLEL_MIN_ELEMENTS // 64)])
@@ -268,7 +294,9 @@ def test_channel_sums_equal_torch(shape):
     torch.set_num_threads(2)  # the autouse fixture restores the thread count
     codes = torch.randint(0, 256, shape, dtype=torch.uint8)
     codes[:, :, 0, 0] = 255
-    assert torch.equal(fused.channel_sums(codes), codes.sum(1, keepdim=True, dtype=torch.int64).float())
+    expected = codes.sum(1, keepdim=True, dtype=torch.int64).float()
+    assert torch.equal(fused.channel_sums(codes), expected)
+    assert torch.equal(fused.channel_sums(codes.contiguous(memory_format=torch.channels_last)), expected)
 
 
 @pytest.mark.parametrize("geometry", [((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
@@ -293,7 +321,7 @@ def check_window_sums(values, kernel_size, stride, padding, dilation):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_conv_epilogue_equals_torch_passes(per_sample, with_bias):
     """``fused.conv_epilogue`` reads a channels-last product and writes ``acc * s + w * sums + l *
-    border + bias`` channels first, with torch's unfused fp32 operations in that order (serial and
+    border + bias`` channels last, with torch's unfused fp32 operations in that order (serial and
     split over samples)."""
     torch.set_num_threads(2)  # the autouse fixture restores the thread count
     n, co, ho, wo = 8, 24, 19, 18  # past PARALLEL_MIN_ELEMENTS: split over samples
@@ -305,5 +333,6 @@ def test_conv_epilogue_equals_torch_passes(per_sample, with_bias):
     expected = ((acc * row_scale + window_coef * window_sums) + row_offset * border).detach()
     if bias is not None:
         expected = expected + bias.detach().view(1, -1, 1, 1)
-    out = fused.conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias)
-    assert out.is_contiguous() and torch.equal(out, expected)
+    position_major = border.permute(1, 2, 0).reshape(ho * wo, co)  # the epilogue's (Ho * Wo, Co)
+    out = fused.conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, position_major, bias)
+    assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, expected)

@@ -33,6 +33,7 @@ from lp_decentral_nlp.quant.kernels import (
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 from lp_decentral_nlp.quant.kernels import int8 as int8_module
 from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON
+from lp_decentral_nlp.utils.layout import is_channels_last
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -391,3 +392,24 @@ def test_conv2d_int8_matches_simulated(case, granularity, path, monkeypatch):
         else:  # oneDNN: u8 activations, s8 weights
             assert a.dtype == torch.uint8 and a.is_contiguous(memory_format=torch.channels_last)
             assert b.dtype == torch.int8 and b.dim() == 4
+
+
+@pytest.mark.skipif(not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution")
+@pytest.mark.parametrize("granularity", ["tensor", "sample"])
+@pytest.mark.parametrize("case", ["3x3 pad 1", "stride 2 odd size"])
+def test_conv2d_int8_takes_and_gives_channels_last(case, granularity):
+    """oneDNN's int8 convolution reads and writes channels last: a channels-last input is
+    quantized in place of a copy, the output and the layer gradient come channels last, and they
+    are the bits of a row-major input's (the same codes, the same integer convolution, the same
+    stochastic-rounding words). The weight gradient (fp32, from the dequantized input) may sum in
+    another order: equal up to rounding."""
+    (cin, cout, k, stride, padding, dilation, mode), shape = CONV_CASES[case]
+    base = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dilation=dilation, padding_mode=mode)
+    model = quantize_model(nn.Sequential(base), QuantConfig(kernel="int8", grad_granularity=granularity))
+    x = torch.randn(shape) * 2 + 0.7
+    grad_out = torch.randn_like(base(x)).exp()
+    y, gx, gp = run_step(model, x, grad_out)
+    y_cl, gx_cl, gp_cl = run_step(model, x.contiguous(memory_format=torch.channels_last), grad_out)
+    assert is_channels_last(y) and is_channels_last(y_cl) and is_channels_last(gx_cl)
+    assert torch.equal(y_cl, y) and torch.equal(gx_cl, gx) and torch.equal(gp_cl[1], gp[1])
+    assert (gp_cl[0] - gp[0]).abs().max() <= 32 * EPS * grad_out[:, 0].numel() * grad_out.abs().max() * x.abs().max()

@@ -10,9 +10,10 @@ pass that keeps the intermediates in registers, with the same fp32 operations in
 (``v = x * inv + offset``, no fused multiply-add; ``rint`` rounds half to even like
 ``torch.round``; clamping to the integer bounds before rounding gives the same codes; the
 stochastic dither is :func:`dither_words`' word of each element, computed in place), so its codes
-and values are bit for bit those of the torch passes (tests). It needs a contiguous float32 CPU
-tensor whose ranges are 0-d or one per sample (dim 0); ``functional`` uses the torch passes for
-anything else (CUDA, other dtypes or strides).
+and values are bit for bit those of the torch passes (tests). It needs a float32 CPU tensor,
+contiguous or channels last (a 4-D conv activation, walked in memory order:
+:mod:`lp_decentral_nlp.utils.layout`), whose ranges are 0-d or one per sample (dim 0);
+``functional`` uses the torch passes for anything else (CUDA, other dtypes or strides).
 
 The CPU dither (SPEC 4 stochastic rounding) is counter based: element ``i`` of a call gets the
 16-bit word ``hash(i, key)``, ``key`` one 64-bit draw of torch's generator per call. So the words
@@ -34,6 +35,7 @@ import numba
 import numpy as np
 import torch
 
+from ..utils.layout import is_channels_last, is_dense, memory_order
 from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
 from .gemm import conv_output_hw
 
@@ -64,8 +66,8 @@ def _dither_word(index, key_low, key_high):
     return np.int32(h >> _U32(16)) - np.int32(32768)
 
 
-def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, codes,
-                   scale, values, row_sums):
+def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, channels,
+                   codes, scale, values, row_sums):
     rows, cols = x.shape
     ranges = lo.shape[0]
     # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
@@ -84,7 +86,7 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
         k = np.int64(r) // rows_per_range
         a, b = inv[k], offset[k]
         x_row, code_row = x[r], codes[r]
-        if stochastic:
+        if stochastic and channels == 0:
             # the dither's counter: the element's flat index mod 2**32, counted in uint32 (16 lanes
             # of a vector where an int64 index gives 8)
             index = _U32(np.int64(r) * cols)
@@ -94,6 +96,20 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
                 d = np.float32(_dither_word(index, key_low, key_high))
                 index = _U32(index + _U32(1))
                 code_row[c] = np.floor(_clamp(v + d * dither_scale, low, high))
+        elif stochastic:
+            # a channels-last sample, memory (positions, channels): element (p, ch) gets the word
+            # of its row-major (channels-first) index ch * positions + p, as a contiguous tensor
+            positions = cols // channels
+            first = _U32(np.int64(r) * cols)
+            for p in range(positions):
+                index = _U32(first + _U32(p))
+                base = p * channels
+                for ch in range(channels):
+                    v = x_row[base + ch] * a
+                    v = v + b
+                    d = np.float32(_dither_word(index, key_low, key_high))
+                    index = _U32(index + _U32(positions))
+                    code_row[base + ch] = np.floor(_clamp(v + d * dither_scale, low, high))
         else:
             for c in range(cols):
                 v = x_row[c] * a
@@ -159,6 +175,19 @@ def _channel_sums(codes, out):
             out_row[p] = np.float32(sums[p])
 
 
+def _channel_sums_last(codes, out):
+    # out[n, p] = sum over c of codes[n, p, c] (uint8 codes, channels last), exact int32 sums
+    samples, positions, channels = codes.shape
+    for n in numba.prange(samples):
+        codes_n, out_n = codes[n], out[n]
+        for p in range(positions):
+            code_row = codes_n[p]
+            total = np.int32(0)
+            for c in range(channels):
+                total += np.int32(code_row[c])
+            out_n[p] = np.float32(total)
+
+
 def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w, out):
     # out[n, i, j] = sum over the kernel taps (a, b) of padded[n, i sh + a dh, j sw + b dw], each
     # output row summed in a local row (int-valued floats: exact in any order). With stride 1 the
@@ -185,28 +214,21 @@ def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dil
 
 
 def _conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias, out):
-    # out[n, o, p] = acc[n, p, o] * row_scale[n] + window_coef[n] * window_sums[n, p]
-    #                + row_offset[n] * border[o, p] + bias[o]; acc channels last, out channels
-    # first. Per sample: a tiled transpose into out (tiles stay in L1), then the affine terms in
-    # place, a contiguous row at a time (vectorised).
+    # out[n, p, o] = acc[n, p, o] * row_scale[n] + window_coef[n] * window_sums[n, p]
+    #                + row_offset[n] * border[p, o] + bias[o]; acc and out channels last, so the
+    # loop runs along a position's channels (contiguous, vectorised)
     samples, positions, channels = acc.shape
-    tile = 16
     for n in numba.prange(samples):
         acc_n, out_n, sums_n = acc[n], out[n], window_sums[n]
-        for p0 in range(0, positions, tile):
-            p1 = min(p0 + tile, positions)
-            for o in range(channels):
-                out_o = out_n[o]
-                for p in range(p0, p1):
-                    out_o[p] = acc_n[p, o]
         s, w, b0 = row_scale[n], window_coef[n], row_offset[n]
-        for o in range(channels):
-            out_o, border_o, b = out_n[o], border[o], bias[o]
-            for p in range(positions):
-                v = out_o[p] * s
-                v = v + w * sums_n[p]
-                v = v + b0 * border_o[p]
-                out_o[p] = v + b
+        for p in range(positions):
+            acc_p, out_p, border_p = acc_n[p], out_n[p], border[p]
+            window_term = w * sums_n[p]
+            for o in range(channels):
+                v = acc_p[o] * s
+                v = v + window_term
+                v = v + b0 * border_p[o]
+                out_p[o] = v + bias[o]
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -228,6 +250,7 @@ _AFFINE_EPILOGUE = compile_serial_and_parallel(_affine_epilogue)
 _DEQUANTIZE_ROWS = compile_serial_and_parallel(_dequantize_rows)
 _DITHER_ROWS = compile_serial_and_parallel(_dither_rows)
 _CHANNEL_SUMS = compile_serial_and_parallel(_channel_sums)
+_CHANNEL_SUMS_LAST = compile_serial_and_parallel(_channel_sums_last)
 _CONV_EPILOGUE = compile_serial_and_parallel(_conv_epilogue)
 _WINDOW_SUMS = compile_serial_and_parallel(_window_sums)
 _EMPTY_F32 = np.zeros((0, 0), dtype=np.float32)
@@ -241,10 +264,11 @@ def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
-    """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a contiguous float32
-    CPU tensor with at least one dim and real storage (not a tensor subclass such as a fake
-    tensor of a tracer), each range 0-d or (`x` at least 2-D) shaped ``(x.shape[0], 1, ..., 1)``."""
-    if not x.is_cpu or x.dtype != torch.float32 or x.dim() == 0 or not x.is_contiguous() or x.numel() == 0:
+    """Whether :func:`quantize_rows` can take `x` and its range tensors: `x` a float32 CPU tensor,
+    contiguous or channels last (``utils.layout.is_dense``), with at least one dim and real
+    storage (not a tensor subclass such as a fake tensor of a tracer), each range 0-d or (`x` at
+    least 2-D) shaped ``(x.shape[0], 1, ..., 1)``."""
+    if not x.is_cpu or x.dtype != torch.float32 or x.dim() == 0 or not is_dense(x) or x.numel() == 0:
         return False
     if type(x.detach()) is not torch.Tensor:  # a Parameter detaches to a plain tensor
         return False
@@ -261,10 +285,12 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     parameters (``_affine_parameters``' fp32 operations) included.
 
     Args:
-        x: contiguous float32 CPU tensor, at least 1-D. Its rows for the loop run along the last
-            dim where the sums are asked for or ``x`` has at most 2 dims, else one row per sample
-            (dim 0, as the per-sample ranges), so a short last dim (a conv input's W) costs no
-            loop per row; the codes are the same either way.
+        x: float32 CPU tensor, at least 1-D, contiguous or channels last. Its rows for the loop
+            run along the last dim where the sums are asked for or ``x`` has at most 2 dims, else
+            one row per sample (dim 0, as the per-sample ranges), so a short last dim (a conv
+            input's W) costs no loop per row; the codes are the same either way. A channels-last
+            `x` is walked in memory order and its codes and values come channels last; its
+            dither words are those of the same elements of a contiguous `x`.
         lo, hi: float32 range, one shape: 0-d or one per sample (dim 0 of `x`), as ``(B, 1, ..., 1)``.
         bits: the grid has ``2**bits`` levels; `signed`: codes shifted by ``-2**(bits-1)``, int8
             (uint8 otherwise).
@@ -279,19 +305,31 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         (fp32, `lo`'s shape).
     """
     shape = x.shape
+    code_dtype = torch.int8 if signed else torch.uint8
+    if is_channels_last(x):
+        if last_dim_sums:  # sums along W: the rows of a row-major copy
+            x = x.contiguous()
+        channels = 0 if last_dim_sums else shape[1]
+    else:
+        channels = 0
     # numpy's reshapes: the same views as torch's, less overhead per call
     rows = (-1, shape[-1]) if last_dim_sums or len(shape) < 3 else (shape[0], -1)
-    matrix = x.detach().numpy().reshape(rows)
-    codes = torch.empty(shape, dtype=torch.int8 if signed else torch.uint8)  # torch allocations: dispatched,
-    out_values = torch.empty(shape, dtype=torch.float32) if values else None  # so memory counters see them
+    if channels:  # torch allocations (dispatched, so memory counters see them), channels last like x
+        matrix = memory_order(x).detach().numpy().reshape(rows)
+        codes = torch.empty_like(x, dtype=code_dtype)
+        out_values = torch.empty_like(x) if values else None
+    else:
+        matrix = x.detach().numpy().reshape(rows)
+        codes = torch.empty(shape, dtype=code_dtype)
+        out_values = torch.empty(shape, dtype=torch.float32) if values else None
     sums = torch.empty(shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     scale = torch.empty(lo.shape, dtype=torch.float32)
     key_low, key_high = _NO_KEY if dither_key is None else _key_halves(dither_key)
     run_kernel(_QUANTIZE_ROWS, matrix.size,
         matrix, lo.detach().numpy().reshape(-1), hi.detach().numpy().reshape(-1), *_grid_constants(bits, signed),
-        dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset),
-        codes.numpy().reshape(matrix.shape), scale.numpy().reshape(-1),
-        out_values.numpy().reshape(matrix.shape) if values else _EMPTY_F32,
+        dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset), channels,
+        memory_order(codes).numpy().reshape(matrix.shape), scale.numpy().reshape(-1),
+        memory_order(out_values).numpy().reshape(matrix.shape) if values else _EMPTY_F32,
         sums.numpy().reshape(-1) if last_dim_sums else _EMPTY_F32_1D,
     )
     return codes, out_values, sums, scale
@@ -359,21 +397,26 @@ def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torc
 
 def conv_fusable(codes: torch.Tensor, *vectors: torch.Tensor) -> bool:
     """Whether :func:`channel_sums`, :func:`window_sums` and :func:`conv_epilogue` take a
-    convolution's 8-bit `codes` (contiguous 4-D CPU tensor with real storage) and its float32
-    CPU `vectors`."""
+    convolution's 8-bit `codes` (4-D CPU tensor with real storage, contiguous or channels last)
+    and its float32 CPU `vectors`."""
     if codes.device.type != "cpu" or codes.dtype not in (torch.int8, torch.uint8) or codes.dim() != 4:
         return False
-    if not codes.is_contiguous() or type(codes) is not torch.Tensor or codes.numel() == 0:
+    if not is_dense(codes) or type(codes) is not torch.Tensor or codes.numel() == 0:
         return False
     return _float32_cpu(vectors)
 
 
 def channel_sums(codes: torch.Tensor) -> torch.Tensor:
-    """The sums over the channels of contiguous uint8 `codes` ``(N, C, H, W)``: fp32 ``(N, 1, H,
-    W)``, exact (integers below 2**24), in one pass (torch's ``sum(1, dtype=...)``: about 5x slower)."""
+    """The sums over the channels of uint8 `codes` ``(N, C, H, W)`` (contiguous or channels last):
+    fp32 ``(N, 1, H, W)``, exact (integers below 2**24), in one pass (torch's ``sum(1,
+    dtype=...)``: about 5x slower)."""
     n, c, h, w = codes.shape
     out = torch.empty((n, 1, h, w), dtype=torch.float32)
-    run_kernel(_CHANNEL_SUMS, codes.numel(), codes.numpy().reshape(n, c, h * w), out.numpy().reshape(n, h * w))
+    if is_channels_last(codes):
+        run_kernel(_CHANNEL_SUMS_LAST, codes.numel(), memory_order(codes).numpy().reshape(n, h * w, c),
+                   out.numpy().reshape(n, h * w))
+    else:
+        run_kernel(_CHANNEL_SUMS, codes.numel(), codes.numpy().reshape(n, c, h * w), out.numpy().reshape(n, h * w))
     return out
 
 
@@ -394,32 +437,32 @@ def window_sums(values: torch.Tensor, kernel_size: tuple[int, int], stride: tupl
 def conv_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, window_coef: torch.Tensor,
                   window_sums: torch.Tensor, row_offset: torch.Tensor, border: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """``acc * row_scale + window_coef * window_sums + row_offset * border + bias`` as a contiguous
-    fp32 ``(N, Co, Ho, Wo)`` tensor, from the integer-valued convolution `acc` ``(N, Co, Ho, Wo)``
-    with channels-last strides (the int8 kernel's affine convolution terms,
-    ``kernels.int8.affine_int8_conv2d``): a tiled transpose and one pass per sample.
+    """``acc * row_scale + window_coef * window_sums + row_offset * border + bias`` as an fp32
+    ``(N, Co, Ho, Wo)`` tensor with channels-last strides, from the integer-valued convolution
+    `acc` ``(N, Co, Ho, Wo)`` with channels-last strides (the int8 kernel's affine convolution
+    terms, ``kernels.int8.affine_int8_conv2d``), in one pass.
 
     `row_scale`, `window_coef`, `row_offset`: one value per sample ``(N,)`` (or one for all);
-    `window_sums` ``(N, 1, Ho, Wo)``; `border` ``(Co, Ho, Wo)``; `bias` ``(Co,)`` or None. The fp32
-    operations in that order, without fused multiply-adds.
+    `window_sums` ``(N, 1, Ho, Wo)``; `border` ``(Ho * Wo, Co)`` (position-major); `bias` ``(Co,)``
+    or None. The fp32 operations in that order, without fused multiply-adds.
     """
     n, co, ho, wo = acc.shape
-    out = torch.empty((n, co, ho, wo), dtype=torch.float32)
+    out = torch.empty((n, ho, wo, co), dtype=torch.float32)  # channels last, permuted back below
     bias_array = np.zeros(co, np.float32) if bias is None else _per_row(bias, co)
-    run_kernel(_CONV_EPILOGUE, acc.numel(), acc.permute(0, 2, 3, 1).numpy().reshape(n, ho * wo, co),
+    run_kernel(_CONV_EPILOGUE, acc.numel(), memory_order(acc).numpy().reshape(n, ho * wo, co),
                _per_row(row_scale, n), _per_row(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
-               _per_row(row_offset, n), border.contiguous().numpy().reshape(co, ho * wo), bias_array,
-               out.numpy().reshape(n, co, ho * wo))
-    return out
+               _per_row(row_offset, n), border.contiguous().numpy().reshape(ho * wo, co), bias_array,
+               out.numpy().reshape(n, ho * wo, co))
+    return out.permute(0, 3, 1, 2)
 
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
-    """Whether :func:`dequantize_rows` can take `codes`: contiguous 8-bit CPU codes with at least
-    one dim and one element, `scale` and `lo` float32 CPU tensors of one shape, 0-d or (`codes`
+    """Whether :func:`dequantize_rows` can take `codes`: 8-bit CPU codes, contiguous or channels
+    last, with at least one dim and one element, `scale` and `lo` float32 CPU tensors of one shape, 0-d or (`codes`
     at least 2-D) ``(codes.shape[0], 1, ..., 1)``."""
     if not codes.is_cpu or codes.dtype not in (torch.uint8, torch.int8) or codes.dim() == 0:
         return False
-    if not codes.is_contiguous() or codes.numel() == 0 or type(codes) is not torch.Tensor:
+    if not is_dense(codes) or codes.numel() == 0 or type(codes) is not torch.Tensor:
         return False
     if scale.shape != lo.shape or not (scale.is_cpu and lo.is_cpu):
         return False
@@ -429,16 +472,21 @@ def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """``codes * scale + lo`` (fp32, shape of `codes`) of :func:`dequantizable` operands in one
-    pass: the same two fp32 roundings as ``torch.mul(codes, scale).add_(lo)``, so the same bits.
-    `scale`, `lo`: 0-d or one per sample (dim 0)."""
+    """``codes * scale + lo`` (fp32, shape and layout of `codes`) of :func:`dequantizable`
+    operands in one pass: the same two fp32 roundings as ``torch.mul(codes, scale).add_(lo)``, so
+    the same bits. `scale`, `lo`: 0-d or one per sample (dim 0)."""
     # one row per sample (dim 0, as the per-sample ranges; a 1-D tensor is one row): a short last
     # dim (a conv's W) costs no loop per row and the ranges need no repeating
     rows = codes.shape[0] if codes.dim() > 1 else 1
-    values = torch.empty(codes.shape, dtype=torch.float32)
+    if is_channels_last(codes):
+        values = torch.empty_like(codes, dtype=torch.float32)
+        codes_memory, values_memory = memory_order(codes).numpy(), memory_order(values).numpy()
+    else:
+        values = torch.empty(codes.shape, dtype=torch.float32)
+        codes_memory, values_memory = codes.numpy(), values.numpy()
     # numpy's reshapes (the same views as torch's, less overhead per call); one range, or one per row
-    run_kernel(_DEQUANTIZE_ROWS, codes.numel(), codes.numpy().reshape(rows, -1),
-               scale.detach().numpy().reshape(-1), lo.detach().numpy().reshape(-1), values.numpy().reshape(rows, -1))
+    run_kernel(_DEQUANTIZE_ROWS, codes.numel(), codes_memory.reshape(rows, -1),
+               scale.detach().numpy().reshape(-1), lo.detach().numpy().reshape(-1), values_memory.reshape(rows, -1))
     return values
 
 

@@ -17,6 +17,7 @@ from .config import QuantConfig
 from .functional import fake_quantize, grad_range, mean_sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm, conv_output_hw
 from .kernels import Kernel, resolve_kernel
+from ..utils.layout import dense_like
 
 
 class QuantGemmFunction(torch.autograd.Function):
@@ -55,8 +56,8 @@ class QuantGemmFunction(torch.autograd.Function):
     def backward(ctx, g):
         # a strided g (attention's K projection gets a transposed one) would take the torch passes,
         # not the one-pass quantizer: one copy is cheaper (the same codes: the dither follows the
-        # elements' row-major order either way)
-        g = g.contiguous()
+        # elements' row-major order either way); a channels-last g (a Conv2d's) stays as it is
+        g = dense_like(g)
         gemm, kernel, config = ctx.gemm, ctx.kernel, ctx.config
         (x_type, w_type), (x_shape, w_shape) = ctx.operand_types, ctx.shapes
         saved = ctx.saved_tensors
@@ -245,6 +246,11 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
 
     Non-zero padding modes (and asymmetric ``padding="same"``) are applied with ``F.pad`` before
     quantization; zero padding stays inside the convolution.
+
+    Where the int8 kernel runs oneDNN's convolution (CPU) the output comes channels last
+    (``torch.channels_last``, oneDNN's layout), and the next 8-bit layers take it as it is: a
+    network of these layers and the 8-bit norms passes channels-last tensors from layer to layer
+    without converting them (``docs/design.md``). The simulated kernel keeps its input's layout.
     """
 
     float_type = nn.Conv2d

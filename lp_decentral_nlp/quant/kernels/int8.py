@@ -237,8 +237,9 @@ def valid_taps(input_hw: tuple[int, int], kernel_size: tuple[int, int], stride, 
 
 def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None, stride, padding, dilation,
                        insert: tuple[int, int] = (1, 1), extra: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """``conv2d(X^, W^) + bias`` (fp32 ``(N, Co, Ho, Wo)``, contiguous) of the 8-bit input `x`
-    (``(N, C, H, W)`` contiguous int8 codes, scale/offset 0-d or per sample) and weight `w`
+    """``conv2d(X^, W^) + bias`` (fp32 ``(N, Co, Ho, Wo)``, channels last: oneDNN's layout) of the
+    8-bit input `x` (``(N, C, H, W)`` int8 codes, contiguous or channels last (no copy), scale/offset
+    0-d or per sample) and weight `w`
     (``(Co, C, kh, kw)`` int8 codes, 0-d scale/offset) on a CPU: one integer convolution of the
     codes (:func:`int8_conv2d`) and the zero-point terms in one compiled pass. ``insert`` spreads
     the input's pixels apart with zeros between, ``extra`` adds zero rows/columns at the
@@ -261,7 +262,7 @@ def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None
     channel_sums = fused.channel_sums(shifted)  # (N, 1, H, W)
     spread = ((h - 1) * insert[0] + 1 + extra[0], (wd - 1) * insert[1] + 1 + extra[1])
     if spread == (h, wd):
-        unsigned = torch.empty_like(shifted, memory_format=torch.channels_last).copy_(shifted)
+        unsigned = shifted.contiguous(memory_format=torch.channels_last)
     else:  # q = 0 between the pixels and in the extra rows and columns
         unsigned = torch.zeros((n,) + spread + (c,), dtype=torch.uint8).permute(0, 3, 1, 2)  # channels last
         unsigned[..., ::insert[0], ::insert[1]][..., :h, :wd] = shifted
@@ -273,9 +274,9 @@ def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None
     window_sums = fused.window_sums(channel_sums, kernel_size, tuple(stride), tuple(padding), tuple(dilation))
     taps = valid_taps((h, wd), kernel_size, stride, padding, dilation, acc.device, insert, extra)  # (P, kh kw)
     tap_sums = w.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Co, kh kw), over C
-    border = w.scale * (tap_sums @ taps.T) + (w.offset * c) * taps.sum(1)  # (Co, P)
+    border = w.scale * (taps @ tap_sums.T) + (w.offset * c) * taps.sum(1, keepdim=True)  # (P, Co)
     return fused.conv_epilogue(acc, x.scale * w.scale, x.scale * w.offset, window_sums,
-                               x.offset - CODE_SHIFT * x.scale, border.reshape(cout, ho, wo), bias)
+                               x.offset - CODE_SHIFT * x.scale, border, bias)
 
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
     """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
