@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lp_decentral_nlp.quant import QuantConfig, QuantConv2d, QuantLinear, QuantModule, dequantize_model, quantize_model
+from lp_decentral_nlp.quant import (QuantConfig, QuantConv2d, QuantLinear, QuantModule, dequantize_model, kernel_report,
+                                    quantize_model)
+from lp_decentral_nlp.quant.kernels import onednn_conv_available
 from lp_decentral_nlp.quant.functional import fake_quantize, mean_sample_range, sample_range, tensor_range
 from lp_decentral_nlp.vision import (
     ARCHS,
@@ -267,6 +269,28 @@ def test_whole_resnet_trains_in_8_bits_and_dequantizes_back():
     reference.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert torch.equal(model.eval()(x), reference.eval()(x))
+
+
+@pytest.mark.skipif(not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution")
+def test_int8_resnet_passes_channels_last_from_layer_to_layer():
+    """With int8 convolutions (oneDNN, channels last) every 8-bit layer after the first one gets
+    its input channels last, in the forward pass and in the backward pass: no layout copies
+    between layers. Only the stem's convolution sees the row-major image."""
+    from lp_decentral_nlp.utils.layout import is_channels_last
+
+    torch.manual_seed(0)
+    model = quantize_model(build_vision_model("resnet20", 10, "range_evonorm"), QuantConfig(kernel="int8"))
+    inputs, grads = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantConv2d, QuantRangeEvoNorm2d)):
+            module.register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0]))
+            if name != "stem.conv":  # its input (the image) needs no gradient
+                module.register_full_backward_hook(lambda m, g_in, g_out, name=name: grads.__setitem__(name, g_out[0]))
+    x = torch.randn(4, 3, 16, 16)
+    nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])).backward()
+    assert set(kernel_report(model).values()) == {"int8"}
+    assert {name for name, t in inputs.items() if not is_channels_last(t)} == {"stem.conv"}
+    assert len(grads) == len(inputs) - 1 and {name for name, g in grads.items() if not is_channels_last(g)} == set()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -29,8 +29,10 @@ float32 (also for float64 tensors) strictly inside ``(-3, 3)``, 0 outside and on
 Arithmetic is in the tensor's dtype (float32 or float64), the forward's in the order of the torch
 formula (the same bits); the backward's per-channel sums in whatever order vectorises
 (``fastmath={"reassoc"}`` only: no fused multiply-add, IEEE NaN and inf), as torch's own sums.
-Arrays are ``(N, G, C/G, H*W)`` views of contiguous ``(N, C, H, W)`` tensors; samples are split
-over numba's threads (as many as torch's intra-op pool; one thread runs the serial build without
+Arrays are ``(N, G, C/G, H*W)`` views of contiguous ``(N, C, H, W)`` tensors, or for
+channels-last tensors (what oneDNN's int8 convolution returns) ``(N, H*W*C)`` views walked in
+runs of whole positions by the ``_last`` kernels (the same per-element formulas; the backward's
+sums in another order); samples are split over numba's threads (as many as torch's intra-op pool; one thread runs the serial build without
 starting numba's pool: :mod:`lp_decentral_nlp.utils.numba_threads`).
 
 numba compiles each kernel on its first use, once per dtype, and caches the machine code on disk
@@ -43,6 +45,7 @@ import numba
 import numpy as np
 import torch
 
+from ..utils.layout import is_channels_last, memory_order
 from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
 
 # autograd's hardsigmoid_backward multiplies by 1/6 as a float32 constant, also for float64
@@ -152,8 +155,205 @@ def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, wa
                     dx[n, grp, j, k] = d + through_range
 
 
+# Channels last: a sample is a (H*W, C) matrix, and a loop along one position's C channels (16
+# in ResNet's first stage) is too short to vectorise well. The kernels walk a sample's memory in
+# runs of SPAN_ELEMENTS (whole positions) with each per-channel quantity repeated along the run
+# (:func:`_along_run`), so the inner loops are long; per-channel sums are folded at the end.
+SPAN_ELEMENTS = 256
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _run_length(channels, size):
+    """Elements per run of a channels-last sample of `size` elements: whole positions, about
+    ``SPAN_ELEMENTS`` (at least one position, at most the sample)."""
+    return min(channels * max(1, SPAN_ELEMENTS // channels), size)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _along_run(per_channel, span):
+    """A (C,) array repeated along a run of `span` elements (whole positions)."""
+    channels = per_channel.shape[0]
+    out = np.empty(span, per_channel.dtype)
+    for first in range(0, span, channels):
+        for c in range(channels):
+            out[first + c] = per_channel[c]
+    return out
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
+    """The decoded ``(max, min)`` of each group of a channels-last sample ``xs`` (flat ``H*W*C``),
+    as two (C,) arrays holding each channel's group's values: elementwise max and min down the runs
+    (vectorised), folded to channels, then to groups. The same extremes as element by element, for
+    any values but NaN."""
+    size = xs.shape[0]
+    highs = xs[:span].copy()
+    lows = xs[:span].copy()
+    for start in range(span, size, span):
+        run = xs[start:min(start + span, size)]
+        for j in range(run.shape[0]):
+            a = run[j]
+            highs[j] = a if a > highs[j] else highs[j]
+            lows[j] = a if a < lows[j] else lows[j]
+    for first in range(channels, span, channels):  # fold the run's positions onto the first
+        for c in range(channels):
+            a, b = highs[first + c], lows[first + c]
+            highs[c] = a if a > highs[c] else highs[c]
+            lows[c] = b if b < lows[c] else lows[c]
+    per_group = channels // groups
+    out_hi = np.empty(channels, np.float64)
+    out_lo = np.empty(channels, np.float64)
+    for grp in range(groups):
+        hi = highs[grp * per_group]
+        lo = lows[grp * per_group]
+        for c in range(grp * per_group + 1, (grp + 1) * per_group):
+            hi = max(hi, highs[c])
+            lo = min(lo, lows[c])
+        for c in range(grp * per_group, (grp + 1) * per_group):
+            out_hi[c] = hi * x_scale + x_lo
+            out_lo[c] = lo * x_scale + x_lo
+    return out_hi, out_lo
+
+
+def _forward_kernel_last(x, weight, bias, v, groups, apply_act, eps, scale, three, six, y):
+    # x, y: (N, H*W*C) channels last; weight, bias, v: (C,). The per-element formula of
+    # _forward_kernel, with the group's divisor and the parameters repeated along each run
+    samples, size = x.shape
+    channels = weight.shape[0]
+    span = _run_length(channels, size)
+    zero = three - three
+    one = three / three
+    for n in numba.prange(samples):
+        xs, ys = x[n], y[n]
+        his, los = _group_bounds_last(xs, channels, groups, span, one, zero)
+        denom = np.empty(channels, x.dtype)
+        for c in range(channels):
+            denom[c] = scale * ((x.dtype.type(his[c]) - x.dtype.type(los[c])) + eps)
+        denom_run, w_run, b_run, v_run = (_along_run(denom, span), _along_run(weight, span),
+                                          _along_run(bias, span), _along_run(v, span))
+        for start in range(0, size, span):
+            x_run, y_run = xs[start:min(start + span, size)], ys[start:min(start + span, size)]
+            for j in range(x_run.shape[0]):
+                val = x_run[j]
+                if apply_act:
+                    h = min(max(v_run[j] * val + three, zero), six) / six
+                    val = val * h
+                y_run[j] = val / denom_run[j] * w_run[j] + b_run[j]
+
+
+def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act, want_dx, want_params, eps, scale,
+                          three, six, one_sixth, dx, part_b, part_w, part_v):
+    # _backward_kernel on channels-last (N, H*W*C) arrays, per-channel quantities repeated along
+    # runs of whole positions: sums over the runs (vectorised), folded to channels, then groups;
+    # parts (N, C)
+    samples, size = x.shape
+    channels = weight.shape[0]
+    per_group = channels // groups
+    span = _run_length(channels, size)
+    zero = three - three
+    real = dx.dtype.type
+    for n in numba.prange(samples):
+        xs = x[n]
+        # decoding is monotone: the range of the codes, decoded
+        his, los = _group_bounds_last(xs, channels, groups, span, x_scale, x_lo)
+        hi_c = np.empty(channels, dx.dtype)
+        lo_c = np.empty(channels, dx.dtype)
+        denom = np.empty(channels, dx.dtype)
+        for c in range(channels):
+            hi_c[c] = real(his[c])
+            lo_c[c] = real(los[c])
+            denom[c] = scale * ((hi_c[c] - lo_c[c]) + eps)
+        hi_run, lo_run, v_run = _along_run(hi_c, span), _along_run(lo_c, span), _along_run(v, span)
+        n_hi = np.zeros(span, np.int32)
+        n_lo = np.zeros(span, np.int32)
+        sum_b = np.zeros(span, dx.dtype)
+        sum_w = np.zeros(span, dx.dtype)
+        sum_v = np.zeros(span, dx.dtype)
+        sum_x = np.zeros(span, dx.dtype)
+        for start in range(0, size, span):
+            stop = min(start + span, size)
+            x_run = xs[start:stop]
+            gp_run = gp[n, start:stop] if want_params else sum_b[:0]  # not read when not wanted
+            gx_run = gx[n, start:stop] if want_dx else sum_x[:0]
+            for j in range(x_run.shape[0]):
+                val = x_run[j] * x_scale + x_lo
+                n_hi[j] += val == hi_run[j]
+                n_lo[j] += val == lo_run[j]
+                num = val
+                inside = False
+                if apply_act:
+                    t = v_run[j] * val
+                    num = val * (min(max(t + three, zero), six) / six)
+                    inside = (t > -three) & (t < three)
+                if want_params:
+                    g = gp_run[j]
+                    sum_b[j] += g
+                    sum_w[j] += g * num
+                    sum_v[j] += (g * val * val) if inside else zero
+                if want_dx:
+                    sum_x[j] += gx_run[j] * num
+        # fold the runs to channels
+        ch_b = np.zeros(channels, dx.dtype)
+        ch_w = np.zeros(channels, dx.dtype)
+        ch_v = np.zeros(channels, dx.dtype)
+        ch_x = np.zeros(channels, dx.dtype)
+        ch_hi = np.zeros(channels, np.int64)
+        ch_lo = np.zeros(channels, np.int64)
+        for first in range(0, span, channels):
+            for c in range(channels):
+                ch_b[c] += sum_b[first + c]
+                ch_w[c] += sum_w[first + c]
+                ch_v[c] += sum_v[first + c]
+                ch_x[c] += sum_x[first + c]
+                ch_hi[c] += n_hi[first + c]
+                ch_lo[c] += n_lo[first + c]
+        if want_params:
+            for c in range(channels):
+                part_b[n, c] = ch_b[c]
+                part_w[n, c] = ch_w[c] / denom[c]
+                part_v[n, c] = ch_v[c] * weight[c] / denom[c] * one_sixth
+        if not want_dx:
+            continue
+        to_max = np.empty(channels, dx.dtype)
+        to_min = np.empty(channels, dx.dtype)
+        for grp in range(groups):
+            first = grp * per_group
+            range_sum = 0.0  # sum_c w_c sum gx * num, float64 over the group's channels
+            ties_hi = 0
+            ties_lo = 0
+            for c in range(first, first + per_group):
+                range_sum += weight[c] * ch_x[c]
+                ties_hi += ch_hi[c]
+                ties_lo += ch_lo[c]
+            grad_range = -scale * range_sum / (denom[first] * denom[first])
+            for c in range(first, first + per_group):
+                to_max[c] = grad_range / ties_hi
+                to_min[c] = grad_range / ties_lo
+        w_run, d_run = _along_run(weight, span), _along_run(denom, span)
+        max_run, min_run = _along_run(to_max, span), _along_run(to_min, span)
+        for start in range(0, size, span):
+            stop = min(start + span, size)
+            x_run, gx_run, dx_run = xs[start:stop], gx[n, start:stop], dx[n, start:stop]
+            for j in range(x_run.shape[0]):
+                val = x_run[j] * x_scale + x_lo
+                a = gx_run[j] * w_run[j] / d_run[j]
+                d = a
+                if apply_act:
+                    t = v_run[j] * val
+                    inside = (t > -three) & (t < three)
+                    d = a * (min(max(t + three, zero), six) / six) + ((a * val * one_sixth * v_run[j]) if inside
+                                                                      else zero)
+                # summed first: a constant group's +-dL/dR/n cancel exactly
+                through_range = (max_run[j] if val == hi_run[j] else zero) - (min_run[j] if val == lo_run[j] else zero)
+                dx_run[j] = d + through_range
+
+
 _FORWARD = compile_serial_and_parallel(_forward_kernel)
 _BACKWARD = compile_serial_and_parallel(_backward_kernel, fastmath={"reassoc"})
+# IEEE division (numpy's error model, as torch divides): python's checks every divisor for zero,
+# which stops a loop over per-element divisors from vectorising
+_FORWARD_LAST = compile_serial_and_parallel(_forward_kernel_last, error_model="numpy")
+_BACKWARD_LAST = compile_serial_and_parallel(_backward_kernel_last, fastmath={"reassoc"}, error_model="numpy")
 
 
 def _grouped(t: torch.Tensor, groups: int) -> np.ndarray:
@@ -179,16 +379,28 @@ def _constants(dtype: torch.dtype, eps: float, scale: float):
     return real(eps), real(scale), real(3.0), real(6.0)
 
 
+def _channels_last(t: torch.Tensor) -> np.ndarray:
+    """A channels-last (N, C, H, W) CPU tensor as its (N, H*W*C) numpy view (memory order)."""
+    return memory_order(t.detach()).numpy().reshape(t.shape[0], -1)
+
+
 def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, v: torch.Tensor | None,
                           groups: int, eps: float, scale: float) -> torch.Tensor:
-    """``y`` of Range EvoNorm (module docstring) for a contiguous float32/float64 CPU ``x`` (N, C, H, W);
-    ``weight``, ``bias``, ``v`` (C,) (cast to ``x``'s dtype; ``v=None``: no ``hsig`` factor);
-    ``scale = C(c/g)``. Returns ``y`` of ``x``'s shape and dtype."""
+    """``y`` of Range EvoNorm (module docstring) for a float32/float64 CPU ``x`` (N, C, H, W),
+    contiguous or channels last (``utils.layout.is_dense``); ``weight``, ``bias``, ``v`` (C,) (cast
+    to ``x``'s dtype; ``v=None``: no ``hsig`` factor); ``scale = C(c/g)``. Returns ``y`` of ``x``'s
+    shape, dtype and layout (the same values in either layout)."""
     y = torch.empty_like(x)
     w = _per_group(weight, groups, x.dtype)
-    run_kernel(_FORWARD, x.numel(), _grouped(x, groups), w, _per_group(bias, groups, x.dtype),
-             w if v is None else _per_group(v, groups, x.dtype), v is not None,
-             *_constants(x.dtype, eps, scale), _grouped(y, groups))
+    b = _per_group(bias, groups, x.dtype)
+    v_array = w if v is None else _per_group(v, groups, x.dtype)
+    constants = _constants(x.dtype, eps, scale)
+    if is_channels_last(x):
+        run_kernel(_FORWARD_LAST, x.numel(), _channels_last(x), w.reshape(-1), b.reshape(-1), v_array.reshape(-1),
+                   groups, v is not None, *constants, _channels_last(y))
+    else:
+        run_kernel(_FORWARD, x.numel(), _grouped(x, groups), w, b, v_array, v is not None, *constants,
+                   _grouped(y, groups))
     return y
 
 
@@ -196,15 +408,18 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
                            grad_for_params: torch.Tensor | None, weight: torch.Tensor, v: torch.Tensor | None,
                            groups: int, eps: float, scale: float, x_scale: torch.Tensor | None = None,
                            x_lo: torch.Tensor | None = None):
-    """Gradients of Range EvoNorm (module docstring) at a contiguous CPU ``x`` (N, C, H, W).
+    """Gradients of Range EvoNorm (module docstring) at a CPU ``x`` (N, C, H, W), contiguous or
+    channels last.
 
     ``x``: float32/float64 values, or uint8 codes with ``x_scale``/``x_lo`` (0-d float32) standing
     for ``codes * x_scale + x_lo`` (SPEC 4's dequantization, the same float32 operations as
     ``quant.functional.dequantize_uint8``, decoded on the fly: the float tensor is never written).
     ``grad_for_input`` (``gx``) / ``grad_for_params`` (``gp``): output gradients of ``x``'s shape in
-    the values' dtype, or None when that gradient is not wanted. Returns ``(dx, dweight, dbias,
-    dv)``: ``dx`` (N, C, H, W) (None without ``gx``), the parameter gradients (C,) (None without
-    ``gp``; ``dv`` None when ``v`` is None), all in the values' dtype.
+    the values' dtype, any layout (copied to ``x``'s where it differs), or None when that gradient
+    is not wanted. Returns ``(dx, dweight, dbias, dv)``: ``dx`` (N, C, H, W) in ``x``'s layout
+    (None without ``gx``), the parameter gradients (C,) (None without ``gp``; ``dv`` None when
+    ``v`` is None), all in the values' dtype. The two layouts sum the parameter gradients and the
+    range's gradient in different orders: the same values up to rounding.
     """
     n, c = x.shape[:2]
     if x.dtype == torch.uint8:
@@ -213,16 +428,24 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     else:
         dtype, decode = x.dtype, (_real(x.dtype)(1.0), _real(x.dtype)(0.0))
     want_dx, want_params = grad_for_input is not None, grad_for_params is not None
-    dx = torch.empty(x.shape, dtype=dtype) if want_dx else torch.empty((0,) * 4, dtype=dtype)
-    parts = torch.empty((3, n, groups, c // groups) if want_params else (3, 0, 0, 0), dtype=torch.float64)
+    channels_last = is_channels_last(x)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    view = _channels_last if channels_last else (lambda t: _grouped(t, groups))
+    dx = torch.empty_like(x, dtype=dtype) if want_dx else torch.empty((0,) * 4, dtype=dtype)
+    part_shape = (3, n, c) if channels_last else (3, n, groups, c // groups)
+    parts = torch.empty(part_shape if want_params else (3,) + (0,) * (len(part_shape) - 1), dtype=torch.float64)
     w = _per_group(weight, groups, dtype)
-    empty = dx.numpy()[:0]
-    run_kernel(_BACKWARD, x.numel(), _grouped(x, groups), *decode,
-              _grouped(grad_for_input.contiguous(), groups) if want_dx else empty,
-              _grouped(grad_for_params.contiguous(), groups) if want_params else empty,
-              w, w if v is None else _per_group(v, groups, dtype), v is not None, want_dx, want_params,
-              *_constants(dtype, eps, scale), _real(dtype)(_ONE_SIXTH),
-              _grouped(dx, groups) if want_dx else dx.numpy(), *parts.numpy())
+    v_array = w if v is None else _per_group(v, groups, dtype)
+    empty = np.zeros((0,) * (2 if channels_last else 4), dtype=_real(dtype))
+    grads = [view(g.contiguous(memory_format=layout)) if g is not None else empty
+             for g in (grad_for_input, grad_for_params)]
+    flags = (v is not None, want_dx, want_params, *_constants(dtype, eps, scale), _real(dtype)(_ONE_SIXTH),
+             view(dx) if want_dx else empty)
+    if channels_last:
+        run_kernel(_BACKWARD_LAST, x.numel(), view(x), *decode, *grads, w.reshape(-1), v_array.reshape(-1), groups,
+                   *flags, *parts.numpy())
+    else:
+        run_kernel(_BACKWARD, x.numel(), view(x), *decode, *grads, w, v_array, *flags, *parts.numpy())
     if not want_params:
         return (dx if want_dx else None), None, None, None
     d_bias, d_weight, d_v = parts.reshape(3, n, c).sum(1).to(dtype).unbind()

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..utils.layout import dense_like
+
 __all__ = [
     "range_scale_constant",
     "evonorm_s0",
@@ -176,7 +178,7 @@ class RangeEvoNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, v, groups: int, eps: float):
-        x = x.contiguous()
+        x = dense_like(x)
         ctx.save_for_backward(x, weight, v)
         ctx.groups, ctx.eps = groups, eps
         return RangeEvoNormFunction.output(x, weight, bias, v, groups, eps)
@@ -186,7 +188,7 @@ class RangeEvoNormFunction(torch.autograd.Function):
         """``y`` of the compiled forward (no autograd graph): what :meth:`forward` returns."""
         from .norm_kernels import range_evonorm_forward
 
-        return range_evonorm_forward(x.contiguous(), weight, bias, v, groups, eps,
+        return range_evonorm_forward(dense_like(x), weight, bias, v, groups, eps,
                                      range_scale_constant(x.shape[1] // groups))
 
     @staticmethod
@@ -218,7 +220,7 @@ class RangeEvoNormFunction(torch.autograd.Function):
         if x.dtype == torch.uint8 and (x_scale is None or x_lo is None or x_scale.dim() or x_lo.dim()):
             raise ValueError("uint8 codes x need their 0-d x_scale and x_lo")
         dx, dw, db, dv = range_evonorm_backward(
-            x.contiguous(), grad_for_input, grad_for_params, weight, v, groups, eps,
+            dense_like(x), grad_for_input, grad_for_params, weight, v, groups, eps,
             range_scale_constant(x.shape[1] // groups), x_scale, x_lo)
         return (dx, *(None if d is None else d.to(weight.dtype) for d in (dw, db, dv)))
 

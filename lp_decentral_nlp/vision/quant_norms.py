@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 from ..quant import register_quant_layer
 from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8
 from ..quant.layers import ActivationQuantizer
+from ..utils.layout import dense_like
 from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
@@ -88,7 +89,7 @@ class QuantNormFunction(torch.autograd.Function):
         g_q = None
         if need_x:
             g_range = grad_range(g, config.grad_granularity)
-            g_q = quantize_uint8(g.contiguous(), *g_range, config.grad_bits, ctx.stochastic)[2]
+            g_q = quantize_uint8(dense_like(g), *g_range, config.grad_bits, ctx.stochastic)[2]
         grad_x, grad_params = layer.normalize_backward(codes, scale, x_lo, params_q, ctx.training, g_q, g, need_params)
         return (grad_x, None, None, None, None, *grad_params)
 
