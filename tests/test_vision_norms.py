@@ -393,10 +393,12 @@ def test_range_evonorm_gradients_from_8bit_codes_equal_those_from_their_values()
                                            ((4, 64, 3, 2), 16)])
 def test_range_evonorm_channels_last_kernels_match_the_row_major_ones(shape, groups):
     """Channels-last input (what oneDNN's int8 convolution hands the 8-bit norm) runs the
-    channels-last kernels: ``y`` the same bits, channels last; the gradients, from float values
-    or from 8-bit codes (ties at the clamped top code), equal the row-major kernels' up to the
-    order of their sums, ``dL/dx`` channels last. Shapes: runs of whole positions with a tail
-    (24 channels), a sample split over threads (32 x 16 x 16 x 16), more channels than a run."""
+    channels-last kernels: ``y`` the same bits, channels last. Channels-last output gradients run
+    the channels-last backward, at channels-last values or codes or at row-major ones (copied):
+    the gradients, from float values or from 8-bit codes (ties at the clamped top code), equal the
+    row-major kernels' up to the order of their sums, ``dL/dx`` channels last. Shapes: runs of
+    whole positions with a tail (24 channels), a sample split over threads (32 x 16 x 16 x 16),
+    more channels than a run."""
     from lp_decentral_nlp.quant.functional import quantize_uint8
     from lp_decentral_nlp.utils.layout import is_channels_last
 
@@ -407,22 +409,24 @@ def test_range_evonorm_channels_last_kernels_match_the_row_major_ones(shape, gro
     weight, bias, v = (torch.randn(c, generator=gen) for _ in range(3))
     g_x, g_p = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     codes, scale, _ = quantize_uint8(x, x.amin(), x.amax() * 0.8, 8)
-    last = dict(x=x.contiguous(memory_format=torch.channels_last), codes=codes.contiguous(memory_format=torch.channels_last))
+    last = dict(x=x.contiguous(memory_format=torch.channels_last),
+                codes=codes.contiguous(memory_format=torch.channels_last))
     for act in (v, None):
         y = RangeEvoNormFunction.output(x, weight, bias, act, groups, 1e-5)
         y_last = RangeEvoNormFunction.output(last["x"], weight, bias, act, groups, 1e-5)
         assert is_channels_last(y_last) and torch.equal(y_last, y)
         for values, decode in ((x, ()), (codes, (scale, x.amin()))):
-            values_last = last["x" if values is x else "codes"]
             for grads in ((g_x, g_p), (g_x, None), (None, g_p)):
                 want = RangeEvoNormFunction.gradients(values, *grads, weight, act, groups, 1e-5, *decode)
-                got = RangeEvoNormFunction.gradients(values_last, *grads, weight, act, groups, 1e-5, *decode)
-                for a, b in zip(got, want):
-                    assert (a is None) == (b is None)
-                    if a is not None:
-                        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
-                if grads[0] is not None:
-                    assert is_channels_last(got[0])
+                grads_last = [None if g is None else g.contiguous(memory_format=torch.channels_last) for g in grads]
+                for at in (last["x" if values is x else "codes"], values):
+                    got = RangeEvoNormFunction.gradients(at, *grads_last, weight, act, groups, 1e-5, *decode)
+                    for a, b in zip(got, want):
+                        assert (a is None) == (b is None)
+                        if a is not None:
+                            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+                    if grads[0] is not None:
+                        assert is_channels_last(got[0])
 
 
 def test_the_compiled_range_evonorm_leaves_torchs_thread_count_as_set():

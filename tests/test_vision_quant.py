@@ -272,25 +272,38 @@ def test_whole_resnet_trains_in_8_bits_and_dequantizes_back():
 
 
 @pytest.mark.skipif(not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution")
-def test_int8_resnet_passes_channels_last_from_layer_to_layer():
-    """With int8 convolutions (oneDNN, channels last) every 8-bit layer after the first one gets
-    its input channels last, in the forward pass and in the backward pass: no layout copies
-    between layers. Only the stem's convolution sees the row-major image."""
+@pytest.mark.parametrize("kernel, batch, size, row_major", [
+    ("int8", 4, 16, {"stem.conv"}),
+    # auto at the benchmark's shape: the stem and the strided convolutions stay simulated
+    ("auto", 32, 32, {"stem.conv", "stem.norm", "stages.0.0.conv1.conv"}),
+])
+def test_8bit_resnet_passes_channels_last_from_layer_to_layer(kernel, batch, size, row_major):
+    """With int8 convolutions (oneDNN, channels last) every 8-bit layer after the first int8 one
+    gets its input channels last, and in the backward pass every layer's output gradient and the
+    layer gradient it returns are channels last, simulated convolutions and the stem's norm (at
+    row-major codes) included: no layout copies of float tensors between layers. Only the layers
+    before the first int8 convolution see row-major inputs."""
     from lp_decentral_nlp.utils.layout import is_channels_last
 
     torch.manual_seed(0)
-    model = quantize_model(build_vision_model("resnet20", 10, "range_evonorm"), QuantConfig(kernel="int8"))
-    inputs, grads = {}, {}
+    model = quantize_model(build_vision_model("resnet20", 10, "range_evonorm"), QuantConfig(kernel=kernel))
+    inputs, output_grads, layer_grads = {}, {}, {}
+
+    def keep_grads(module, grad_input, grad_output, name):
+        output_grads[name], layer_grads[name] = grad_output[0], grad_input[0]
+
     for name, module in model.named_modules():
         if isinstance(module, (QuantConv2d, QuantRangeEvoNorm2d)):
             module.register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0]))
             if name != "stem.conv":  # its input (the image) needs no gradient
-                module.register_full_backward_hook(lambda m, g_in, g_out, name=name: grads.__setitem__(name, g_out[0]))
-    x = torch.randn(4, 3, 16, 16)
-    nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])).backward()
-    assert set(kernel_report(model).values()) == {"int8"}
-    assert {name for name, t in inputs.items() if not is_channels_last(t)} == {"stem.conv"}
-    assert len(grads) == len(inputs) - 1 and {name for name, g in grads.items() if not is_channels_last(g)} == set()
+                module.register_full_backward_hook(lambda m, g_in, g_out, name=name: keep_grads(m, g_in, g_out, name))
+    x = torch.randn(batch, 3, size, size)
+    nn.functional.cross_entropy(model(x), torch.arange(batch) % 10).backward()
+    assert "int8" in kernel_report(model).values()
+    assert {name for name, t in inputs.items() if not is_channels_last(t)} == row_major
+    assert len(output_grads) == len(inputs) - 1
+    for grads in (output_grads, layer_grads):
+        assert {name for name, g in grads.items() if not is_channels_last(g)} == set()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

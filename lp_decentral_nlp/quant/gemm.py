@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_weight
 
+from ..utils.layout import is_channels_last
+
 
 class LinearGemm:
     """``nn.Linear``: ``y = x @ W.T + b``; ``x (..., in)``, ``W (out, in)``, ``y (..., out)``."""
@@ -68,9 +70,12 @@ class Conv2dGemm:
     def grad_input(self, g, w, input_shape):
         """``dL/dx`` of shape `input_shape` from ``g (N, Cout, Ho, Wo)`` and ``w``: the convolution
         backward with only the input gradient asked for. It reads the input's shape and layout, not
-        its values, so it gets an uninitialised contiguous tensor: ``torch.nn.grad.conv2d_input``'s
+        its values, so it gets an uninitialised tensor in `g`'s layout (row-major, or channels last
+        for a channels-last `g`: ``dL/dx`` then comes channels last too, as the int8 kernel's does,
+        and adds to the shortcut's gradient without a layout change); ``torch.nn.grad.conv2d_input``'s
         stride-0 placeholder sends the CPU backward down a ~20% slower path (same values)."""
-        layout = g.new_empty(input_shape)
+        layout = torch.empty(input_shape, dtype=g.dtype, device=g.device,
+                             memory_format=torch.channels_last if is_channels_last(g) else torch.contiguous_format)
         return torch.ops.aten.convolution_backward(
             g, layout, w, None, self.stride, self.padding, self.dilation, False, [0, 0], self.groups,
             (True, False, False),

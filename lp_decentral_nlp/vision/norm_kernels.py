@@ -415,11 +415,14 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     for ``codes * x_scale + x_lo`` (SPEC 4's dequantization, the same float32 operations as
     ``quant.functional.dequantize_uint8``, decoded on the fly: the float tensor is never written).
     ``grad_for_input`` (``gx``) / ``grad_for_params`` (``gp``): output gradients of ``x``'s shape in
-    the values' dtype, any layout (copied to ``x``'s where it differs), or None when that gradient
-    is not wanted. Returns ``(dx, dweight, dbias, dv)``: ``dx`` (N, C, H, W) in ``x``'s layout
-    (None without ``gx``), the parameter gradients (C,) (None without ``gp``; ``dv`` None when
-    ``v`` is None), all in the values' dtype. The two layouts sum the parameter gradients and the
-    range's gradient in different orders: the same values up to rounding.
+    the values' dtype, any layout, or None when that gradient is not wanted. The kernel runs in the
+    layout of the first gradient given, channels last or row-major: the other operands are copied
+    to it where they differ (codes are a quarter of a float gradient's bytes, so a channels-last
+    gradient at row-major codes costs one small copy, not two large ones). Returns ``(dx, dweight,
+    dbias, dv)``: ``dx`` (N, C, H, W) in that layout (None without ``gx``), the parameter gradients
+    (C,) (None without ``gp``; ``dv`` None when ``v`` is None), all in the values' dtype. The two
+    layouts sum the parameter gradients and the range's gradient in different orders: the same
+    values up to rounding.
     """
     n, c = x.shape[:2]
     if x.dtype == torch.uint8:
@@ -428,8 +431,10 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     else:
         dtype, decode = x.dtype, (_real(x.dtype)(1.0), _real(x.dtype)(0.0))
     want_dx, want_params = grad_for_input is not None, grad_for_params is not None
-    channels_last = is_channels_last(x)
+    first_grad = grad_for_input if want_dx else grad_for_params
+    channels_last = first_grad is not None and is_channels_last(first_grad)
     layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = x.contiguous(memory_format=layout)
     view = _channels_last if channels_last else (lambda t: _grouped(t, groups))
     dx = torch.empty_like(x, dtype=dtype) if want_dx else torch.empty((0,) * 4, dtype=dtype)
     part_shape = (3, n, c) if channels_last else (3, n, groups, c // groups)

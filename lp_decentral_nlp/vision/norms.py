@@ -220,7 +220,7 @@ class RangeEvoNormFunction(torch.autograd.Function):
         if x.dtype == torch.uint8 and (x_scale is None or x_lo is None or x_scale.dim() or x_lo.dim()):
             raise ValueError("uint8 codes x need their 0-d x_scale and x_lo")
         dx, dw, db, dv = range_evonorm_backward(
-            dense_like(x), grad_for_input, grad_for_params, weight, v, groups, eps,
+            x, grad_for_input, grad_for_params, weight, v, groups, eps,
             range_scale_constant(x.shape[1] // groups), x_scale, x_lo)
         return (dx, *(None if d is None else d.to(weight.dtype) for d in (dw, db, dv)))
 
