@@ -29,19 +29,23 @@ from .int8 import cpu_has_int8_dot, onednn_conv_available
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
 # Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
-# Conv2d runs it on the codes; the passes around it (sign flip and channels-last copy of the
-# codes, zero-point sums, the epilogue back to NCHW) cost more per call than the simulated
-# kernel's quantize passes, so int8 pays on large calls only. `bench_8bit.py --threads 1
-# --conv-sweep` (recorded in bench_8bit.json: forward + backward of Conv2d(w, w, 3), batch 32,
-# w x s x s inputs) on a 2-core AMD EPYC with AVX512-VNNI has int8 faster than the simulated
-# kernel in every call of 75M (about 2**26) forward multiply-adds or more, from 16 channels up
-# (16 at 32 x 32: 1.19x fp32 against 1.28x; 32 at 16 x 16: 1.24x against 1.34x; 64 at 8 x 8:
-# 1.09x against 1.22x; 128 at 4 x 4: 1.35x against 1.38x), and slower in every call of 19M or
-# fewer at any width; a 2-core Intel Xeon with AMX crossed at the same size (32 at 16 x 16:
-# 1.30x against 1.46x). So auto runs a convolution int8 when the call has at least
-# AUTO_MIN_CONV_MACS multiply-adds and at least AUTO_MIN_CONV_CHANNELS in and out channels (the
-# narrowest width measured; a 3-channel image layer stays simulated), where oneDNN's int8
-# convolution runs. Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one
+# Conv2d runs it on the codes; the passes around it (sign flip, channels-last copy of row-major
+# codes, zero-point sums, the epilogue) cost more per call than the simulated kernel's quantize
+# passes, so int8 pays on large calls only. `bench_8bit.py --threads 1 --conv-sweep` (forward +
+# backward of Conv2d(w, w, 3) on a row-major input, batch 32, w x s x s inputs) on a 2-core AMD
+# EPYC with AVX512-VNNI had int8 faster than the simulated kernel in every call of 75M (about
+# 2**26) forward multiply-adds or more, from 16 channels up (16 at 32 x 32: 1.19x fp32 against
+# 1.28x; 32 at 16 x 16: 1.24x against 1.34x; 64 at 8 x 8: 1.09x against 1.22x; 128 at 4 x 4:
+# 1.35x against 1.38x), and slower in every call of 19M or fewer at any width. On a 2-core Intel
+# Xeon with AMX (the record in bench_8bit.json) the two are level at 75M (16 at 32 x 32: 1.42x
+# against 1.47x; 32 at 16 x 16: 1.49x against 1.45x; 64 at 8 x 8: 1.38x against 1.38x), int8
+# ahead from 302M, behind at 19M or fewer. Inside a network the int8 layers pass channels-last
+# tensors on and skip the input copy the sweep pays: in a scratch A/B on the Xeon (interleaved
+# steps, batch 32 at 32 x 32) ResNet-20 took 0.78x fp32 with its 75M convolutions int8 and 0.86x
+# with every convolution simulated, VGG-11 0.84x and 0.90x. So auto runs a convolution int8 when
+# the call has at least AUTO_MIN_CONV_MACS multiply-adds and at least AUTO_MIN_CONV_CHANNELS in
+# and out channels (the narrowest width measured; a 3-channel image layer stays simulated), where
+# oneDNN's int8 convolution runs. Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one
 # int8 GEMM, slower than the simulated kernel up to 256 channels and no faster at 512 on the
 # Xeon; it is not measured on CUDA.
 AUTO_MIN_CONV_CHANNELS = 16
