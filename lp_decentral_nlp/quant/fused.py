@@ -216,7 +216,7 @@ def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dil
 def _conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias, out):
     # out[n, p, o] = acc[n, p, o] * row_scale[n] + window_coef[n] * window_sums[n, p]
     #                + row_offset[n] * border[p, o] + bias[o]; acc and out channels last, so the
-    # loop runs along a position's channels (contiguous, vectorised)
+    # loop runs along a position's channels (contiguous in memory)
     samples, positions, channels = acc.shape
     for n in numba.prange(samples):
         acc_n, out_n, sums_n = acc[n], out[n], window_sums[n]
