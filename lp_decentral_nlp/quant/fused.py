@@ -305,23 +305,18 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
         (fp32, `lo`'s shape).
     """
     shape = x.shape
-    code_dtype = torch.int8 if signed else torch.uint8
+    channels = 0  # a channels-last x's channel count: the kernel's dither then follows the row-major index
     if is_channels_last(x):
         if last_dim_sums:  # sums along W: the rows of a row-major copy
             x = x.contiguous()
-        channels = 0 if last_dim_sums else shape[1]
-    else:
-        channels = 0
+        else:
+            channels = shape[1]
     # numpy's reshapes: the same views as torch's, less overhead per call
     rows = (-1, shape[-1]) if last_dim_sums or len(shape) < 3 else (shape[0], -1)
-    if channels:  # torch allocations (dispatched, so memory counters see them), channels last like x
-        matrix = memory_order(x).detach().numpy().reshape(rows)
-        codes = torch.empty_like(x, dtype=code_dtype)
-        out_values = torch.empty_like(x) if values else None
-    else:
-        matrix = x.detach().numpy().reshape(rows)
-        codes = torch.empty(shape, dtype=code_dtype)
-        out_values = torch.empty(shape, dtype=torch.float32) if values else None
+    matrix = memory_order(x).detach().numpy().reshape(rows)
+    # torch allocations (dispatched, so memory counters see them) in x's layout
+    codes = torch.empty_like(x, dtype=torch.int8 if signed else torch.uint8)
+    out_values = torch.empty_like(x, dtype=torch.float32) if values else None
     sums = torch.empty(shape[:-1] + (1,), dtype=torch.float32) if last_dim_sums else None
     scale = torch.empty(lo.shape, dtype=torch.float32)
     key_low, key_high = _NO_KEY if dither_key is None else _key_halves(dither_key)
@@ -478,15 +473,11 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) 
     # one row per sample (dim 0, as the per-sample ranges; a 1-D tensor is one row): a short last
     # dim (a conv's W) costs no loop per row and the ranges need no repeating
     rows = codes.shape[0] if codes.dim() > 1 else 1
-    if is_channels_last(codes):
-        values = torch.empty_like(codes, dtype=torch.float32)
-        codes_memory, values_memory = memory_order(codes).numpy(), memory_order(values).numpy()
-    else:
-        values = torch.empty(codes.shape, dtype=torch.float32)
-        codes_memory, values_memory = codes.numpy(), values.numpy()
+    values = torch.empty_like(codes, dtype=torch.float32)  # codes' layout, walked in memory order
     # numpy's reshapes (the same views as torch's, less overhead per call); one range, or one per row
-    run_kernel(_DEQUANTIZE_ROWS, codes.numel(), codes_memory.reshape(rows, -1),
-               scale.detach().numpy().reshape(-1), lo.detach().numpy().reshape(-1), values_memory.reshape(rows, -1))
+    run_kernel(_DEQUANTIZE_ROWS, codes.numel(), memory_order(codes).numpy().reshape(rows, -1),
+               scale.detach().numpy().reshape(-1), lo.detach().numpy().reshape(-1),
+               memory_order(values).numpy().reshape(rows, -1))
     return values
 
 
