@@ -389,6 +389,35 @@ def test_range_evonorm_gradients_from_8bit_codes_equal_those_from_their_values()
         RangeEvoNormFunction.gradients(codes, g_x, g_p, weight, v, 2, 1e-5)
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_range_evonorm_layer_gradient_from_8bit_gradient_codes_equals_that_from_their_values(layout, per_sample):
+    """The 8-bit layer hands over its quantized output gradient as uint8 codes with a step and an
+    offset (one per sample under ``grad_granularity="sample"``): decoded on the fly, the same
+    bits as the gradients from the dequantized gradient, in either layout, with the input given
+    as codes too; codes without their step and offset are refused."""
+    from lp_decentral_nlp.quant.functional import dequantize_uint8, quantize_fused, quantize_uint8
+
+    x, (weight, bias, v) = _range_evonorm_case(torch.float32, True, False, seed=5)
+    x = torch.cat([x] * 3).contiguous(memory_format=layout)
+    x_codes, x_scale, _ = quantize_uint8(x, x.amin(), x.amax(), 8)
+    g = (torch.randn(x.shape) * torch.linspace(0.1, 10, x.shape[0]).view(-1, 1, 1, 1)).contiguous(memory_format=layout)
+    if per_sample:
+        g_lo, g_hi = (r.view(-1, 1, 1, 1) for r in (g.amin((1, 2, 3)), g.amax((1, 2, 3))))
+    else:
+        g_lo, g_hi = g.amin(), g.amax()
+    g_codes, _, _, g_scale = quantize_fused(g, g_lo, g_hi, 8, True, signed=False, values=False, last_dim_sums=False)
+    g_values = dequantize_uint8(g_codes, g_scale, g_lo)
+    assert not torch.equal(g_values, g)
+    from_codes = RangeEvoNormFunction.gradients(x_codes, g_codes, g, weight, v, 2, 1e-5, x_scale, x.amin(),
+                                                g_scale, g_lo)
+    from_values = RangeEvoNormFunction.gradients(x_codes, g_values, g, weight, v, 2, 1e-5, x_scale, x.amin())
+    for a, b in zip(from_codes, from_values):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="grad_scale and grad_lo"):
+        RangeEvoNormFunction.gradients(x_codes, g_codes, g, weight, v, 2, 1e-5, x_scale, x.amin())
+
+
 @pytest.mark.parametrize("shape, groups", [((3, 16, 5, 7), 8), ((2, 24, 9, 9), 4), ((32, 16, 16, 16), 8),
                                            ((4, 64, 3, 2), 16)])
 def test_range_evonorm_channels_last_kernels_match_the_row_major_ones(shape, groups):

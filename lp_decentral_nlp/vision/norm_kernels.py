@@ -14,7 +14,7 @@ cache between their passes:
 Backward of ``y = x * hsig(v*x) / D * w + b`` with ``D = C(c/g) * (max - min + eps)`` over a
 (sample, group), ``t = v*x``, ``h = hsig(t)``, ``num = x*h``, ``in = (-3 < t < 3)``, ``g`` the
 output gradient (``gp`` for the parameters, ``gx`` for the input: the 8-bit layer's gradient
-bifurcation passes two, SPEC 4):
+bifurcation passes two, SPEC 4, ``gx`` as uint8 codes decoded on the fly like ``x``):
 
 * ``dL/db_c = sum gp``, ``dL/dw_c = sum gp * num / D``, ``dL/dv_c = w_c / D * sum gp * x^2 * in * 1/6``
   (sums over the samples and the channel's positions);
@@ -93,11 +93,12 @@ def _forward_kernel(x, weight, bias, v, apply_act, eps, scale, three, six, y):
                     ys[j, k] = val / denom * w + b
 
 
-def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, want_params, eps, scale, three, six,
-              one_sixth, dx, part_b, part_w, part_v):
+def _backward_kernel(x, x_scale, x_lo, gx, gx_scale, gx_lo, gp, weight, v, apply_act, want_dx, want_params, eps,
+                     scale, three, six, one_sixth, dx, part_b, part_w, part_v):
     samples, groups, per_group, positions = x.shape
     zero = three - three  # every per-element quantity in the values' dtype (selects, no bool products)
     for n in numba.prange(samples):
+        g_step, g_lo = gx_scale[n], gx_lo[n]  # gx decoded as gx * g_step + g_lo (values: 1 and 0)
         for grp in range(groups):
             xs = x[n, grp]
             hi, lo = _group_range(xs)  # decoding is monotone: the range of the codes, decoded
@@ -129,7 +130,7 @@ def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, wa
                         sum_w += g * num
                         sum_v += (g * val * val) if inside else zero
                     if want_dx:
-                        sum_x += gx[n, grp, j, k] * num
+                        sum_x += (gx[n, grp, j, k] * g_step + g_lo) * num
                 if want_params:
                     part_b[n, grp, j] = sum_b
                     part_w[n, grp, j] = sum_w / denom
@@ -144,7 +145,7 @@ def _backward_kernel(x, x_scale, x_lo, gx, gp, weight, v, apply_act, want_dx, wa
                 w, vj = weight[grp, j], v[grp, j]
                 for k in range(positions):
                     val = xs[j, k] * x_scale + x_lo
-                    a = gx[n, grp, j, k] * w / denom
+                    a = (gx[n, grp, j, k] * g_step + g_lo) * w / denom
                     d = a
                     if apply_act:
                         t = vj * val
@@ -241,8 +242,8 @@ def _forward_kernel_last(x, weight, bias, v, groups, apply_act, eps, scale, thre
                 y_run[j] = val / denom_run[j] * w_run[j] + b_run[j]
 
 
-def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act, want_dx, want_params, eps, scale,
-                          three, six, one_sixth, dx, part_b, part_w, part_v):
+def _backward_kernel_last(x, x_scale, x_lo, gx, gx_scale, gx_lo, gp, weight, v, groups, apply_act, want_dx,
+                          want_params, eps, scale, three, six, one_sixth, dx, part_b, part_w, part_v):
     # _backward_kernel on channels-last (N, H*W*C) arrays, per-channel quantities repeated along
     # runs of whole positions: sums over the runs (vectorised), folded to channels, then groups;
     # parts (N, C)
@@ -254,6 +255,7 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act
     real = dx.dtype.type
     for n in numba.prange(samples):
         xs = x[n]
+        g_step, g_lo = gx_scale[n], gx_lo[n]  # gx decoded as gx * g_step + g_lo (values: 1 and 0)
         # decoding is monotone: the range of the codes, decoded
         his, los = _group_bounds_last(xs, channels, groups, span, x_scale, x_lo)
         hi_c = np.empty(channels, dx.dtype)
@@ -276,7 +278,7 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act
             stop = min(start + span, size)
             x_run = xs[start:stop]
             gp_run = gp[n, start:stop] if want_params else sum_b[:0]  # not read when not wanted
-            gx_run = gx[n, start:stop] if want_dx else sum_x[:0]
+            gx_run = gx[n, start:stop] if want_dx else gx[n, :0]
             for j in range(x_run.shape[0]):
                 val = x_run[j] * x_scale + x_lo
                 n_hi[j] += val == hi_run[j]
@@ -293,7 +295,7 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act
                     sum_w[j] += g * num
                     sum_v[j] += (g * val * val) if inside else zero
                 if want_dx:
-                    sum_x[j] += gx_run[j] * num
+                    sum_x[j] += (gx_run[j] * g_step + g_lo) * num
         # fold the runs to channels
         ch_b = np.zeros(channels, dx.dtype)
         ch_w = np.zeros(channels, dx.dtype)
@@ -338,7 +340,7 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gp, weight, v, groups, apply_act
             x_run, gx_run, dx_run = xs[start:stop], gx[n, start:stop], dx[n, start:stop]
             for j in range(x_run.shape[0]):
                 val = x_run[j] * x_scale + x_lo
-                a = gx_run[j] * w_run[j] / d_run[j]
+                a = (gx_run[j] * g_step + g_lo) * w_run[j] / d_run[j]
                 d = a
                 if apply_act:
                     t = v_run[j] * val
@@ -409,7 +411,8 @@ def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
                            grad_for_params: torch.Tensor | None, weight: torch.Tensor, v: torch.Tensor | None,
                            groups: int, eps: float, scale: float, x_scale: torch.Tensor | None = None,
-                           x_lo: torch.Tensor | None = None):
+                           x_lo: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
+                           grad_lo: torch.Tensor | None = None):
     """Gradients of Range EvoNorm (module docstring) at a CPU ``x`` (N, C, H, W), contiguous or
     channels last.
 
@@ -417,7 +420,10 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     for ``codes * x_scale + x_lo`` (SPEC 4's dequantization, the same float32 operations as
     ``quant.functional.dequantize_uint8``, decoded on the fly: the float tensor is never written).
     ``grad_for_input`` (``gx``) / ``grad_for_params`` (``gp``): output gradients of ``x``'s shape in
-    the values' dtype, any layout, or None when that gradient is not wanted. The kernel runs in the
+    the values' dtype, any layout, or None when that gradient is not wanted; ``gx`` may also be
+    uint8 codes with ``grad_scale``/``grad_lo`` (float32, 0-d or one per sample, ``(N, 1, 1, 1)``)
+    standing for ``codes * grad_scale + grad_lo``, decoded on the fly like ``x`` (the 8-bit layer's
+    quantized output gradient: a byte per element where its values take four). The kernel runs in the
     layout of the first gradient given, channels last or row-major: the other operands are copied
     to it where they differ (codes are a quarter of a float gradient's bytes, so a channels-last
     gradient at row-major codes costs one small copy, not two large ones). Returns ``(dx, dweight,
@@ -433,6 +439,11 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     else:
         dtype, decode = x.dtype, (_real(x.dtype)(1.0), _real(x.dtype)(0.0))
     want_dx, want_params = grad_for_input is not None, grad_for_params is not None
+    if want_dx and grad_for_input.dtype == torch.uint8:
+        grad_decode = tuple(t.detach().to(torch.float32).reshape(-1).expand(n).contiguous().numpy()
+                            for t in (grad_scale, grad_lo))
+    else:  # values: decoded as themselves
+        grad_decode = (np.ones(n, _real(dtype)), np.zeros(n, _real(dtype)))
     first_grad = grad_for_input if want_dx else grad_for_params
     channels_last = first_grad is not None and is_channels_last(first_grad)
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -443,16 +454,17 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
     parts = torch.empty(part_shape if want_params else (3,) + (0,) * (len(part_shape) - 1), dtype=torch.float64)
     w = _per_group(weight, groups, dtype)
     v_array = w if v is None else _per_group(v, groups, dtype)
-    empty = np.zeros((0,) * (2 if channels_last else 4), dtype=_real(dtype))
+    empty = np.zeros((n, 0) if channels_last else (0,) * 4, dtype=_real(dtype))  # sliced per sample
     grads = [view(g.contiguous(memory_format=layout)) if g is not None else empty
              for g in (grad_for_input, grad_for_params)]
     flags = (v is not None, want_dx, want_params, *_constants(dtype, eps, scale), _real(dtype)(_ONE_SIXTH),
              view(dx) if want_dx else empty)
     if channels_last:
-        run_kernel(_BACKWARD_LAST, x.numel(), view(x), *decode, *grads, w.reshape(-1), v_array.reshape(-1), groups,
-                   *flags, *parts.numpy())
+        run_kernel(_BACKWARD_LAST, x.numel(), view(x), *decode, grads[0], *grad_decode, grads[1], w.reshape(-1),
+                   v_array.reshape(-1), groups, *flags, *parts.numpy())
     else:
-        run_kernel(_BACKWARD, x.numel(), view(x), *decode, *grads, w, v_array, *flags, *parts.numpy())
+        run_kernel(_BACKWARD, x.numel(), view(x), *decode, grads[0], *grad_decode, grads[1], w, v_array, *flags,
+                   *parts.numpy())
     if not want_params:
         return (dx if want_dx else None), None, None, None
     d_bias, d_weight, d_v = parts.reshape(3, n, c).sum(1).to(dtype).unbind()

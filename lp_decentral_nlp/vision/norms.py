@@ -204,7 +204,8 @@ class RangeEvoNormFunction(torch.autograd.Function):
     @staticmethod
     def gradients(x: torch.Tensor, grad_for_input: torch.Tensor | None, grad_for_params: torch.Tensor | None,
                   weight: torch.Tensor, v: torch.Tensor | None, groups: int, eps: float,
-                  x_scale: torch.Tensor | None = None, x_lo: torch.Tensor | None = None):
+                  x_scale: torch.Tensor | None = None, x_lo: torch.Tensor | None = None,
+                  grad_scale: torch.Tensor | None = None, grad_lo: torch.Tensor | None = None):
         """``(dL/dx, dL/dweight, dL/dbias, dL/dv)`` of :func:`range_evonorm2d` at ``x``, with the
         output gradient ``grad_for_input`` for ``dL/dx`` and ``grad_for_params`` for the parameters
         (the 8-bit layer passes its quantized and its full-precision gradient, SPEC 4; either None:
@@ -212,16 +213,22 @@ class RangeEvoNormFunction(torch.autograd.Function):
 
         ``x`` (N, C, H, W): a tensor :meth:`supports` takes, or the uint8 codes of an 8-bit input
         with its 0-d float32 step ``x_scale`` and offset ``x_lo`` (``x = codes * x_scale + x_lo``,
-        SPEC 4, decoded on the fly). The output gradients are like ``x``'s values; parameter
-        gradients (C,) in the dtype of ``weight``.
+        SPEC 4, decoded on the fly). The output gradients are like ``x``'s values; ``grad_for_input``
+        may also be the uint8 codes of the quantized gradient with its float32 step ``grad_scale`` and
+        offset ``grad_lo`` (0-d or one per sample, ``(N, 1, 1, 1)``), decoded on the fly the same
+        way. Parameter gradients (C,) in the dtype of ``weight``.
         """
         from .norm_kernels import range_evonorm_backward
 
         if x.dtype == torch.uint8 and (x_scale is None or x_lo is None or x_scale.dim() or x_lo.dim()):
             raise ValueError("uint8 codes x need their 0-d x_scale and x_lo")
+        if grad_for_input is not None and grad_for_input.dtype == torch.uint8:
+            n = grad_for_input.shape[0]
+            if any(t is None or t.numel() not in (1, n) or t.dim() not in (0, 4) for t in (grad_scale, grad_lo)):
+                raise ValueError("uint8 codes grad_for_input need their grad_scale and grad_lo, 0-d or (N, 1, 1, 1)")
         dx, dw, db, dv = range_evonorm_backward(
             x, grad_for_input, grad_for_params, weight, v, groups, eps,
-            range_scale_constant(x.shape[1] // groups), x_scale, x_lo)
+            range_scale_constant(x.shape[1] // groups), x_scale, x_lo, grad_scale, grad_lo)
         return (dx, *(None if d is None else d.to(weight.dtype) for d in (dw, db, dv)))
 
 

@@ -24,9 +24,11 @@ elementwise layer; quantize-dequantize in float, as the ``simulated`` kernel):
 As ``QuantGemmFunction`` does, the layer keeps for backward (``ctx.save_for_backward``) the
 input's 8-bit codes with their scale and offset (a quarter of the fp32 input; the float layer's
 autograd keeps several fp32 intermediates) and the (C,) 8-bit parameters; the backward works at the
-dequantized input, bit for bit the forward's (``QuantNormLayer.normalize_backward``). Range
+dequantized input, bit for bit the forward's (``QuantNormLayer.normalize_backward``), and its
+output gradient is quantized to uint8 codes, a step and an offset (no float copy written). Range
 EvoNorm on the CPU runs its hand-written backward there (``RangeEvoNormFunction.gradients``: both
-VJPs in one pass over each group); the other layers, and Range EvoNorm elsewhere, recompute the
+VJPs in one pass over each group, the input and the quantized gradient decoded from their codes on
+the fly); the other layers, and Range EvoNorm elsewhere, dequantize the gradient and recompute the
 formula under autograd, a Range BatchNorm in training with the same batch statistics and without
 touching the running buffers.
 """
@@ -37,7 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
-from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_uint8
+from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_fused, quantize_uint8
 from ..quant.layers import ActivationQuantizer
 from ..utils.layout import dense_like
 from .norms import (
@@ -87,9 +89,11 @@ class QuantNormFunction(torch.autograd.Function):
         layer, config = ctx.layer, ctx.layer.quant_config
         need_x, need_params = ctx.needs_input_grad[0], list(ctx.needs_input_grad[5:])
         g_q = None
-        if need_x:
-            g_range = grad_range(g, config.grad_granularity)
-            g_q = quantize_uint8(dense_like(g), *g_range, config.grad_bits, ctx.stochastic)[2]
+        if need_x:  # uint8 codes, step and offset; quantize_fused does not write the float values
+            g_lo, g_hi = grad_range(g, config.grad_granularity)
+            g_codes, _, _, g_scale = quantize_fused(dense_like(g), g_lo, g_hi, config.grad_bits, ctx.stochastic,
+                                                    signed=False, values=False, last_dim_sums=False)
+            g_q = (g_codes, g_scale, g_lo)
         grad_x, grad_params = layer.normalize_backward(codes, scale, x_lo, params_q, ctx.training, g_q, g, need_params)
         return (grad_x, None, None, None, None, *grad_params)
 
@@ -111,15 +115,20 @@ class QuantNormLayer(ActivationQuantizer):
         raise NotImplementedError
 
     def normalize_backward(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-                           params: list[torch.Tensor], training: bool, grad_for_input: torch.Tensor | None,
+                           params: list[torch.Tensor], training: bool,
+                           grad_for_input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                            grad_for_params: torch.Tensor,
                            need_params: list[bool]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """VJPs of :meth:`normalize` at the forward's 8-bit operands, the input ``codes * scale + lo``
         (uint8 codes (N, C, H, W), 0-d step and offset; ``dequantize_uint8``) and ``params``, no side
         effect on running statistics: ``(dL/dx from grad_for_input, [dL/dp from grad_for_params
-        where need_params])`` (``grad_for_input=None``: no ``dL/dx``, None). This one recomputes
+        where need_params])``. ``grad_for_input``: the quantized output gradient as ``(codes, step,
+        offset)`` (uint8 codes of ``x``'s shape; step and offset 0-d or one per sample), standing for
+        ``dequantize_uint8(codes, step, offset)``; None: no ``dL/dx``, None. This one recomputes
         :meth:`normalize` under autograd; a layer with a hand-written backward overrides it."""
         need_x = grad_for_input is not None
+        if need_x:
+            grad_for_input = dequantize_uint8(*grad_for_input)
         with torch.enable_grad():
             x = dequantize_uint8(codes, scale, lo).requires_grad_(need_x)
             params = [p.detach().requires_grad_(n) for p, n in zip(params, need_params)]
@@ -178,14 +187,16 @@ class QuantRangeEvoNorm2d(_QuantGroupNormAct, RangeEvoNorm2d):
     def normalize_backward(self, codes, scale, lo, params, training, grad_for_input, grad_for_params, need_params):
         """The hand-written backward (:meth:`RangeEvoNormFunction.gradients`) on the CPU: the layer
         gradient from ``grad_for_input``, the parameter gradients from ``grad_for_params``, the
-        input decoded from its codes on the fly; no recomputation under autograd."""
+        input and the quantized gradient decoded from their codes on the fly; no recomputation
+        under autograd."""
         if codes.device.type != "cpu":
             return super().normalize_backward(codes, scale, lo, params, training, grad_for_input, grad_for_params,
                                               need_params)
         weight, bias, *v = params
+        g_codes, g_scale, g_lo = grad_for_input if grad_for_input is not None else (None, None, None)
         dx, dw, db, dv = RangeEvoNormFunction.gradients(
-            codes, grad_for_input, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
-            self.groups, self.eps, scale, lo)
+            codes, g_codes, grad_for_params if any(need_params) else None, weight, v[0] if v else None,
+            self.groups, self.eps, scale, lo, g_scale, g_lo)
         return dx, [d if n else None for d, n in zip((dw, db, dv), need_params)]
 
 
