@@ -66,6 +66,16 @@ def _dither_word(index, key_low, key_high):
     return np.int32(h >> _U32(16)) - np.int32(32768)
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _stochastic_code(value, a, b, index, key_low, key_high, dither_scale, low, high):
+    """The stochastically rounded code of `value`: ``floor(clamp(value * a + b + w * dither_scale))``,
+    ``w`` the dither word of element `index` (fp32 operations in that order, no fused multiply-add)."""
+    v = value * a
+    v = v + b
+    d = np.float32(_dither_word(index, key_low, key_high))
+    return np.floor(_clamp(v + d * dither_scale, low, high))
+
+
 def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, channels,
                    codes, scale, values, row_sums):
     rows, cols = x.shape
@@ -91,11 +101,8 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
             # of a vector where an int64 index gives 8)
             index = _U32(np.int64(r) * cols)
             for c in range(cols):
-                v = x_row[c] * a
-                v = v + b
-                d = np.float32(_dither_word(index, key_low, key_high))
+                code_row[c] = _stochastic_code(x_row[c], a, b, index, key_low, key_high, dither_scale, low, high)
                 index = _U32(index + _U32(1))
-                code_row[c] = np.floor(_clamp(v + d * dither_scale, low, high))
         elif stochastic:
             # a channels-last sample, memory (positions, channels): element (p, ch) gets the word
             # of its row-major (channels-first) index ch * positions + p, as a contiguous tensor
@@ -105,11 +112,9 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
                 index = _U32(first + _U32(p))
                 base = p * channels
                 for ch in range(channels):
-                    v = x_row[base + ch] * a
-                    v = v + b
-                    d = np.float32(_dither_word(index, key_low, key_high))
+                    code_row[base + ch] = _stochastic_code(x_row[base + ch], a, b, index, key_low, key_high,
+                                                           dither_scale, low, high)
                     index = _U32(index + _U32(positions))
-                    code_row[base + ch] = np.floor(_clamp(v + d * dither_scale, low, high))
         else:
             for c in range(cols):
                 v = x_row[c] * a
@@ -453,8 +458,8 @@ def conv_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, window_coef: torch
 
 def dequantizable(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
     """Whether :func:`dequantize_rows` can take `codes`: 8-bit CPU codes, contiguous or channels
-    last, with at least one dim and one element, `scale` and `lo` float32 CPU tensors of one shape, 0-d or (`codes`
-    at least 2-D) ``(codes.shape[0], 1, ..., 1)``."""
+    last, with at least one dim and one element, `scale` and `lo` float32 CPU tensors of one
+    shape, 0-d or (`codes` at least 2-D) ``(codes.shape[0], 1, ..., 1)``."""
     if not codes.is_cpu or codes.dtype not in (torch.uint8, torch.int8) or codes.dim() == 0:
         return False
     if not is_dense(codes) or codes.numel() == 0 or type(codes) is not torch.Tensor:

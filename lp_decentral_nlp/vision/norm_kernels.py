@@ -182,6 +182,17 @@ def _along_run(per_channel, span):
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _fold_runs(along_run, channels):
+    """The (C,) per-channel sums of a quantity accumulated along a run (whole positions, as
+    :func:`_along_run` lays a run out): each channel's entries added position by position."""
+    out = np.zeros(channels, along_run.dtype)
+    for first in range(0, along_run.shape[0], channels):
+        for c in range(channels):
+            out[c] += along_run[first + c]
+    return out
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
     """The decoded ``(max, min)`` of each group of a channels-last sample ``xs`` (flat ``H*W*C``),
     as two (C,) arrays holding each channel's group's values: elementwise max and min down the runs
@@ -296,21 +307,8 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gx_scale, gx_lo, gp, weight, v, 
                     sum_v[j] += (g * val * val) if inside else zero
                 if want_dx:
                     sum_x[j] += (gx_run[j] * g_step + g_lo) * num
-        # fold the runs to channels
-        ch_b = np.zeros(channels, dx.dtype)
-        ch_w = np.zeros(channels, dx.dtype)
-        ch_v = np.zeros(channels, dx.dtype)
-        ch_x = np.zeros(channels, dx.dtype)
-        ch_hi = np.zeros(channels, np.int64)
-        ch_lo = np.zeros(channels, np.int64)
-        for first in range(0, span, channels):
-            for c in range(channels):
-                ch_b[c] += sum_b[first + c]
-                ch_w[c] += sum_w[first + c]
-                ch_v[c] += sum_v[first + c]
-                ch_x[c] += sum_x[first + c]
-                ch_hi[c] += n_hi[first + c]
-                ch_lo[c] += n_lo[first + c]
+        ch_b, ch_w, ch_v = _fold_runs(sum_b, channels), _fold_runs(sum_w, channels), _fold_runs(sum_v, channels)
+        ch_x, ch_hi, ch_lo = _fold_runs(sum_x, channels), _fold_runs(n_hi, channels), _fold_runs(n_lo, channels)
         if want_params:
             for c in range(channels):
                 part_b[n, c] = ch_b[c]

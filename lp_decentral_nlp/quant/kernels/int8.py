@@ -238,9 +238,9 @@ def valid_taps(input_hw: tuple[int, int], kernel_size: tuple[int, int], stride, 
 def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None, stride, padding, dilation,
                        insert: tuple[int, int] = (1, 1), extra: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``conv2d(X^, W^) + bias`` (fp32 ``(N, Co, Ho, Wo)``, channels last: oneDNN's layout) of the
-    8-bit input `x` (``(N, C, H, W)`` int8 codes, contiguous or channels last (no copy), scale/offset
-    0-d or per sample) and weight `w`
-    (``(Co, C, kh, kw)`` int8 codes, 0-d scale/offset) on a CPU: one integer convolution of the
+    8-bit input `x` (``(N, C, H, W)`` int8 codes, contiguous or channels last (no copy),
+    scale/offset 0-d or per sample) and weight `w` (``(Co, C, kh, kw)`` int8 codes, 0-d
+    scale/offset) on a CPU: one integer convolution of the
     codes (:func:`int8_conv2d`) and the zero-point terms in one compiled pass. ``insert`` spreads
     the input's pixels apart with zeros between, ``extra`` adds zero rows/columns at the
     bottom/right: a strided convolution's layer gradient as a convolution.
