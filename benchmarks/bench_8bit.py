@@ -16,7 +16,7 @@ forward (``quant.saved_tensor_bytes``, parameters included as the issue counts t
 backward: a float layer's saved weight is the parameter itself) and the peak tensor memory of a
 whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran
 (``kernel_report``), and on the CPU the floor fp32 weight-gradient GEMMs put under any 8-bit
-DistilBERT step (``weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
+DistilBERT step (``timing.weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
 (``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``.
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
@@ -38,7 +38,7 @@ from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
 from record import save_results
-from timing import interleaved_times, medians
+from timing import interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
 GOALS = {  # result key -> largest ratio to fp32 that meets issue 23's goal
@@ -106,24 +106,15 @@ def vision_variants(arch, image_size=32):
     return build
 
 
-def weight_gradient_floor(model, optimizer, forward) -> dict:
-    """How fast an 8-bit step can get while its weight gradients stay fp32 GEMMs (SPEC 4's
-    bifurcation, and ``kernel="auto"`` matching the simulated kernel up to fp32 rounding).
-
-    One fp32 step under ``torch.profiler`` (CPU): ``linear_gemm_s`` is the time in the Linear
-    layers' GEMMs (``aten::addmm`` forward, ``aten::mm`` backward), ``step_s`` the step's op time.
-    A Linear runs three GEMMs of equal FLOPs (forward, layer gradient, weight gradient); were the
-    other two and every quantization pass free, the step would still take ``step_s - 2/3
-    linear_gemm_s``: ``floor_ratio`` of fp32."""
+def profiled_weight_gradient_floor(model, optimizer, forward) -> dict:
+    """``timing.weight_gradient_floor`` of one fp32 step of `model` under ``torch.profiler`` (CPU),
+    after one unprofiled step."""
     from torch.profiler import ProfilerActivity, profile
 
     train_step(model, optimizer, forward)  # warm
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_step(model, optimizer, forward)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) / 1e6
-    gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm")) / 1e6
-    return {"step_s": total, "linear_gemm_s": gemm, "floor_ratio": (total - 2 * gemm / 3) / total}
+    return weight_gradient_floor(prof.key_averages())
 
 
 def measure(variants, args, device) -> dict:
@@ -200,7 +191,7 @@ def main(argv=None):
         variants = build(args, device)
         results[model_name] = measure(variants, args, device)
         if model_name == "distilbert" and device.type == "cpu":
-            results[model_name]["fp32_weight_gradient_floor"] = weight_gradient_floor(*variants["fp32"])
+            results[model_name]["fp32_weight_gradient_floor"] = profiled_weight_gradient_floor(*variants["fp32"])
     if args.conv_sweep:
         results["conv_sweep"] = conv_sweep(args, device)
     met = {}

@@ -65,7 +65,9 @@ BENCHMARKS = {
         "One round of `recipes/agnews_choco.py --skew 0.9 --comp 99` at CPU scale (packaged MiniLM, 4 nodes, "
         "batch 16 x 64 per node; every node's step and the gossip step), the recipe's defaults against the "
         "same run with `--full-precision`, trainings of both alternated: the median over repeats of the "
-        "ratio of their median round times, and the kernel the 8-bit layers ran."),
+        "ratio of their median round times, the kernel the 8-bit layers ran, and `fp32_weight_gradient_floor`: "
+        "from one profiled fp32 round, as for `bench_8bit`, the ratio below which no 8-bit round can go while its "
+        "weight gradients stay fp32 GEMMs."),
     "bench_simulator": (
         "Simulated decentralized round",
         "A `DecentralizedTrainer` round of n simulated nodes (local steps, NaN check, gossip) against n plain "

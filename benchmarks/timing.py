@@ -2,12 +2,14 @@
 
 Interleaving gives every candidate the same machine load (another job, frequency changes) in each
 round, so ratios of their medians are far steadier than timings taken one candidate after another.
+:func:`weight_gradient_floor` reads from a profiled fp32 step the best ratio an 8-bit step with fp32
+weight gradients could reach.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -44,3 +46,26 @@ def interleaved_times(steps: dict[str, Callable[[], object]], repeats: int, warm
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
     """Median of each candidate's times (seconds)."""
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+LINEAR_GEMM_OPS = ("aten::mm", "aten::addmm")  # a float Linear's forward (addmm) and backward (mm) GEMMs
+
+
+def weight_gradient_floor(events: Iterable) -> dict[str, float]:
+    """How fast an 8-bit run can get while its weight gradients stay fp32 GEMMs (SPEC 4's
+    bifurcation, and ``kernel="auto"`` matching the simulated kernel up to fp32 rounding).
+
+    Args:
+        events: the op averages of one profiled fp32 step or round (``torch.profiler``'s
+            ``key_averages()``, CPU).
+    Returns:
+        ``step_s``: the op time profiled (seconds, self times summed); ``linear_gemm_s``: its
+        Linear GEMMs (``LINEAR_GEMM_OPS``); ``floor_ratio``: a Linear runs three GEMMs of equal
+        FLOPs (forward, layer gradient, weight gradient), so were the other two and every
+        quantization pass free, the work would still take ``step_s - 2/3 linear_gemm_s``, this
+        fraction of fp32.
+    """
+    events = list(events)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_GEMM_OPS) / 1e6
+    return {"step_s": total, "linear_gemm_s": gemm, "floor_ratio": (total - 2 * gemm / 3) / total}

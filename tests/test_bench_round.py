@@ -37,6 +37,9 @@ def test_record(bench_round, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch)
     assert len(results["ratio_per_repeat"]) == 2 and results["kernels_8bit"] == {"simulated": 12}  # 2 layers x 6 Linear
     assert results["ratio_8bit_over_fp32"] == pytest.approx(
         sorted(results["ratio_per_repeat"])[0] / 2 + sorted(results["ratio_per_repeat"])[1] / 2)
+    floor = results["fp32_weight_gradient_floor"]  # from the profiled fp32 round: its Linear GEMMs are in it
+    assert 0 < floor["linear_gemm_s"] < floor["step_s"]
+    assert floor["floor_ratio"] == pytest.approx(1 - 2 / 3 * floor["linear_gemm_s"] / floor["step_s"])
 
 
 def test_missing_data_file(bench_round, tmp_path, capsys):
