@@ -15,8 +15,9 @@ forward (``quant.saved_tensor_bytes``, parameters included as the issue counts t
 <= 0.35x fp32), the same without the parameters' storages (what the forward pass allocates for
 backward: a float layer's saved weight is the parameter itself) and the peak tensor memory of a
 whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran
-(``kernel_report``), and on the CPU the floor fp32 weight-gradient GEMMs put under any 8-bit
-DistilBERT step (``timing.weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
+(``kernel_report``), and for DistilBERT two floors: the bytes fp32 saves outside its Linear
+layers, which 8-bit Linear layers leave as they are (``saved_bytes_floor``), and on the CPU the
+time fp32 weight-gradient GEMMs put under any 8-bit step (``timing.weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
 (``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``.
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
@@ -117,6 +118,26 @@ def profiled_weight_gradient_floor(model, optimizer, forward) -> dict:
     return weight_gradient_floor(prof.key_averages())
 
 
+def saved_bytes_floor(model, forward) -> dict:
+    """How few bytes an 8-bit forward can keep for backward when only the Linear layers are 8-bit
+    (SPEC 4): what fp32 `model` keeps outside its Linear layers, whose inputs and weights the
+    8-bit layers replace by codes. ``saved_bytes``: all the fp32 forward keeps (parameters
+    included, as the goal counts them); ``outside_linear_bytes``: less the Linear layers' inputs
+    and weights (attention, GELU, LayerNorm, dropout and embedding tensors); ``floor_ratio``: their
+    ratio, the saved-bytes ratio of an 8-bit model whose Linear layers kept nothing."""
+    linear_operands = []  # every Linear's input and weight, filled during the forward (read after it)
+    hooks = [module.register_forward_pre_hook(lambda module, args: linear_operands.extend((args[0], module.weight)))
+             for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    try:
+        loss, outside = saved_tensor_bytes(forward, exclude=linear_operands)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del loss
+    loss, total = saved_tensor_bytes(forward)
+    return {"saved_bytes": total, "outside_linear_bytes": outside, "floor_ratio": outside / total}
+
+
 def measure(variants, args, device) -> dict:
     """Interleaved step times, saved-for-backward bytes and whole-step peak memory per variant."""
     times = interleaved_times({name: (lambda v=v: train_step(*v)) for name, v in variants.items()},
@@ -192,6 +213,9 @@ def main(argv=None):
         results[model_name] = measure(variants, args, device)
         if model_name == "distilbert" and device.type == "cpu":
             results[model_name]["fp32_weight_gradient_floor"] = profiled_weight_gradient_floor(*variants["fp32"])
+        if model_name == "distilbert":
+            fp32_model, _, fp32_forward = variants["fp32"]
+            results[model_name]["saved_bytes_floor"] = saved_bytes_floor(fp32_model, fp32_forward)
     if args.conv_sweep:
         results["conv_sweep"] = conv_sweep(args, device)
     met = {}
@@ -214,6 +238,11 @@ def main(argv=None):
             print(f"{model_name:<10} fp32 step in the profiler {floor['step_s'] * 1e3:.0f} ms, Linear GEMMs "
                   f"{floor['linear_gemm_s'] * 1e3:.0f} ms: with fp32 weight gradients no 8-bit step beats "
                   f"{floor['floor_ratio']:.2f}x fp32")
+        if "saved_bytes_floor" in r:
+            floor = r["saved_bytes_floor"]
+            print(f"{model_name:<10} fp32 saves {floor['saved_bytes'] / 2**20:.0f} MiB for backward, "
+                  f"{floor['outside_linear_bytes'] / 2**20:.0f} MiB outside its Linear layers: with 8-bit Linear "
+                  f"layers only, no 8-bit model saves less than {floor['floor_ratio']:.2f}x fp32")
     for key, m in met.items():
         print(f"goal {key} <= {m['goal']}: {m['ratio']:.2f} {'met' if m['met'] else 'NOT met'}")
     if args.smoke:

@@ -64,6 +64,12 @@ def test_linear_keeps_one_byte_per_input_and_weight_element(kernel):
     assert fp32 == 4 * (x.numel() + layer.weight.numel()), "a float Linear keeps its fp32 input and weight"
     # the weight is a reference to the parameter: without the parameters only the input is counted
     assert saved_tensor_bytes(layer, x, exclude=layer.parameters())[1] == 4 * x.numel()
+    # what the forward creates can be excluded too: exclude is read after the forward
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), layer)
+    assert saved_tensor_bytes(model, x, exclude=model.parameters())[1] == 3 * 4 * x.numel(), "x, GELU's input, output"
+    excluded = list(model.parameters())  # and the GELU input, appended during the forward
+    model[1].register_forward_pre_hook(lambda module, args: excluded.append(args[0]))
+    assert saved_tensor_bytes(model, x, exclude=excluded)[1] == 2 * 4 * x.numel()
     q = quantize_model(nn.Sequential(layer), QuantConfig(kernel=kernel))
     y, nbytes = saved_tensor_bytes(q, x)
     scalars = 4 * 4  # scale and offset of the input and of the weight (0-d fp32)

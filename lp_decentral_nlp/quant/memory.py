@@ -20,7 +20,9 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args, exclude: Iterable[torch.Te
         fn, args, kwargs: the forward pass to measure, called as ``fn(*args, **kwargs)``.
         exclude: tensors whose storages are not counted, e.g. ``model.parameters()``: a
             float layer saves a reference to its weight, which costs no memory beyond the model,
-            so the count without them is what the forward pass allocates for backward.
+            so the count without them is what the forward pass allocates for backward. Read
+            after `fn` returns, so it may be a list the forward pass fills (e.g. from forward
+            hooks collecting some layers' inputs).
 
     Returns:
         ``(output, nbytes)``: what `fn` returned (its graph intact, ready for ``backward``) and the
@@ -30,7 +32,6 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args, exclude: Iterable[torch.Te
         storage = tensor.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
 
-    excluded = {key(tensor) for tensor in exclude}
     storages: set[tuple[int, int]] = set()  # (address, bytes) of each storage seen
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,4 +40,5 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args, exclude: Iterable[torch.Te
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = fn(*args, **kwargs)
+    excluded = {key(tensor) for tensor in exclude}
     return output, sum(nbytes for _, nbytes in storages - excluded)
