@@ -1,0 +1,41 @@
+"""The README tells the truth about the repository: its package layout names every module, and
+``.ci/run`` runs exactly its install and test commands."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    """The README's ``## title`` section, up to the next ``## `` heading."""
+    start = README.index(f"## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:] if end < 0 else README[start:end]
+
+
+def fenced_commands(title: str) -> list[str]:
+    """The commands in the ``bash`` blocks of section `title`, comments stripped."""
+    blocks = re.findall(r"```bash\n(.*?)```", section(title), re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_package_layout_names_every_module():
+    layout = section("Package layout")
+    package = ROOT / "lp_decentral_nlp"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if path.name == "__init__.py" and path.parent != package:
+            continue  # a subpackage's namespace; its modules are listed
+        folder = relative.split("/")[0] + "/"
+        if f"`{relative}`" not in layout and f"| `{folder}` |" not in layout:
+            missing.append(relative)
+    assert not missing, f"README's package layout does not name {missing}"
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    ci = {line.strip().replace(" -q", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()}  # quiet pip
+    install, test = fenced_commands("Install"), fenced_commands("Run the tests")
+    assert install and test, "the README's Install and Run the tests sections hold bash blocks"
+    assert set(install + test) <= ci, f"not in .ci/run: {set(install + test) - ci}"
