@@ -1,5 +1,5 @@
-"""The README tells the truth about the repository: its package layout names every module, and
-``.ci/run`` runs exactly its install and test commands."""
+"""The README tells the truth about the repository: its package layout names every module,
+``.ci/run`` runs exactly its install and test commands, and its links (and the docs') resolve."""
 import pathlib
 import re
 
@@ -39,3 +39,12 @@ def test_ci_runs_the_readme_install_and_test_commands():
     install, test = fenced_commands("Install"), fenced_commands("Run the tests")
     assert install and test, "the README's Install and Run the tests sections hold bash blocks"
     assert set(install + test) <= ci, f"not in .ci/run: {set(install + test) - ci}"
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+://", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, f"links to missing files: {broken}"
