@@ -1,4 +1,5 @@
 """Vision recipes (SPEC 8): flags, the multi-step LR schedule of the trainer, an end-to-end digits run."""
+import collections
 import json
 import os
 import pathlib
@@ -9,7 +10,7 @@ import datasets
 import pytest
 import torch
 
-from lp_decentral_nlp.quant import QuantModule
+from lp_decentral_nlp.quant import QuantModule, kernel_report
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 from lp_decentral_nlp.vision import ImageClassifier, QuantRangeEvoNorm2d, load_vision_dataset, vision_transform
 from lp_decentral_nlp.vision.recipe import parse_vision_args
@@ -138,6 +139,15 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert isinstance(model.net.stem.norm, QuantRangeEvoNorm2d)
     assert not any(isinstance(m, QuantModule) for m in model.net.classifier.modules())
     test = load_vision_dataset("digits")["test"].with_transform(vision_transform("digits", train=False))
+    # kernels.json: what the layers ran in training. Under "auto" a convolution picks its kernel
+    # per call from its size (int8 needs 2**26 multiply-adds where the CPU has an int8 GEMM); one
+    # forward at the training batch size picks what training did
+    model.eval()
+    with torch.no_grad():
+        model(torch.stack([test[i]["pixel_values"] for i in range(8)]))
+    trained_with = kernel_report(model)
+    assert json.loads((out / "kernels.json").read_text()) == trained_with and len(trained_with) == 21
+    assert results["kernels"] == dict(collections.Counter(trained_with.values()))
     loader = torch.utils.data.DataLoader(test, batch_size=32)  # the recipe's evaluation batch size
     model.eval()
     with torch.no_grad():

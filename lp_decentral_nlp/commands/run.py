@@ -6,11 +6,12 @@ A run writes, under ``--output_dir`` (rank 0 only):
 * ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
   consensus distance, the settings that differ from the defaults, the model used, versions, wall
   time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
-  8-bit layers running it}`` (empty for a full-precision run) (first with ``"status": "running"``,
-  then ``"done"``);
+  8-bit layers that trained with it}`` (empty for a full-precision run) (first with ``"status":
+  "running"``, without results and kernels, then ``"done"``);
 * ``cost_report.json`` -- the full SPEC 7 cost report, per layer;
-* ``kernels.json`` -- the GEMM kernel of every 8-bit layer, by module name
-  (:func:`lp_decentral_nlp.quant.kernel_report` of a node's model);
+* ``kernels.json`` -- the GEMM kernel every 8-bit layer of a node's model ran in the last training
+  step, by module name (:class:`lp_decentral_nlp.trainer.TrainingKernelsCallback`), written
+  after training;
 * ``metrics.csv`` -- one row per logging/evaluation step;
 * ``model/`` -- the averaged model (an 8-bit one reloads with :func:`lp_decentral_nlp.load_quantized`);
 * with ``--save_steps N``, ``checkpoint-<step>/`` every N steps.
@@ -366,27 +367,31 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
     `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); the 8-bit
-    layers' GEMM kernels (``kernels.json``, their counts in ``results.json``); training
+    layers' GEMM kernels in training (``kernels.json``, their counts in ``results.json``); training
     (resumed from ``training.resume_from_checkpoint`` if given); the final evaluation, ``model/``
     and ``results.json``. `values`: the flags by field name; `start`: ``time.time()`` at the start."""
     from ..quant import kernel_report
-    from ..trainer import DecentralizedTrainer, MetricsCSVCallback
+    from ..trainer import DecentralizedTrainer, MetricsCSVCallback, TrainingKernelsCallback
 
     out = training.output_dir
     csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
     trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"], eval_dataset=data["test"],
                                    callbacks=[csv_callback], **trainer_kwargs)
+    kernels_callback = TrainingKernelsCallback(trainer.nodes[0])
+    trainer.add_callback(kernels_callback)
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(values, training), "consensus_lr_used": training.gamma}
-    layer_kernels = kernel_report(trainer.nodes[0])
-    kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
         _write_json(out, "cost_report.json", report)
-        _write_json(out, "kernels.json", layer_kernels)
         _write_json(out, "results.json", {"status": "running", "config": config, "model_used": model_used,
-                                          "cost": cost, "kernels": kernels})
+                                          "cost": cost})
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
+    layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
+    kernels = dict(collections.Counter(layer_kernels.values()))
+    if trainer.state.is_world_process_zero:
+        _write_json(out, "kernels.json", layer_kernels)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "model"))
     n = training.num_nodes

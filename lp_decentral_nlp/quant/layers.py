@@ -202,8 +202,10 @@ class QuantGemmLayer(ActivationQuantizer):
 def kernel_report(model: nn.Module) -> dict[str, str]:
     """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its last
     forward ran, or for a layer not called yet the one ``resolve_kernel`` picks from the layer's
-    ``QuantConfig.kernel``, device and shape alone (``"auto"`` also weighs a convolution call's
-    size), e.g. to record in a run's results. Empty when nothing is quantized."""
+    ``QuantConfig.kernel``, device and shape alone. That is a prediction: ``"auto"`` also weighs
+    a convolution call's size, so a convolution's calls may run another kernel (and an evaluation
+    at another batch size another than training's: ``trainer.TrainingKernelsCallback`` keeps the
+    training steps'). Empty when nothing is quantized."""
     return {name: getattr(module, "last_kernel", None) or module.kernel().name
             for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
 

@@ -3,7 +3,7 @@
 field is treated."""
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES
 from .arguments import BACKENDS, DecentralizedTrainingArguments
-from .callbacks import MetricsCSVCallback
+from .callbacks import MetricsCSVCallback, TrainingKernelsCallback
 from .checkpointing import check_resumable, resume_config
 from .local_step import NonFiniteError
 from .node_group import NodeGroup
@@ -12,4 +12,4 @@ from .trainer import DecentralizedTrainer
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "DecentralizedTrainer", "DecentralizedTrainingArguments",
            "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError", "check_resumable", "node_seed",
-           "resume_config"]
+           "resume_config", "TrainingKernelsCallback"]

@@ -29,3 +29,24 @@ class MetricsCSVCallback(TrainerCallback):
             writer = csv.DictWriter(fh, fieldnames=columns)
             writer.writeheader()
             writer.writerows(self.rows)
+
+
+class TrainingKernelsCallback(TrainerCallback):
+    """Keep the GEMM kernel every 8-bit layer of `model` ran in the latest training step
+    (:func:`lp_decentral_nlp.quant.kernel_report` after each step, in ``kernels``; None before
+    the first step).
+
+    Read after training, this is what the layers trained with. ``kernel_report`` alone gives the
+    kernel of each layer's last forward, an evaluation's if one came after the last step, or for
+    a layer never called a prediction from its shape; under ``kernel="auto"`` a convolution picks
+    its kernel per call from the call's size, so neither need be the training kernel.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.kernels: dict[str, str] | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from ..quant import kernel_report
+
+        self.kernels = kernel_report(self.model)
