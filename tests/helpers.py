@@ -1,6 +1,7 @@
 """Small builders shared by several test modules."""
 import importlib.util
 import pathlib
+import socket
 import sys
 
 import numpy as np
@@ -11,6 +12,14 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import Topology
 from lp_decentral_nlp.quant.functional import mean_sample_range
+
+
+def free_port() -> str:
+    """A TCP port on localhost that nothing listens on now, for a launcher's rendezvous (a fixed
+    port fails when another run of the suite, or any program, holds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):

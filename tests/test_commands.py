@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 
 from lp_decentral_nlp.commands import ALIASES, build_nlp_parser
 
@@ -221,7 +222,7 @@ def test_accelerate_launch_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_mod
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher_flags, "--num_processes", "2",
-                           "--main_process_port", "29533", str(REPO / "recipes" / "agnews_choco.py"),
+                           "--main_process_port", free_port(), str(REPO / "recipes" / "agnews_choco.py"),
                            "--backend", "distributed", "--nodes", "2", "--model", str(tiny_model_dir),
                            "--data-dir", str(ag_news_csv), "--max-train-samples", "64", "--max-eval-samples", "16",
                            "--max-length", "16", "--batch-size", "8", "--max-steps", "2", "--output-dir", str(out)],

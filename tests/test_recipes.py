@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
+from helpers import free_port
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.commands import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
@@ -103,7 +104,7 @@ def test_torchrun_distributed_equals_simulated(tiny_model_dir, ag_news_csv, tmp_
     main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, sim_out, *flags))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                           "--master_port", "29531", str(REPO / "recipes" / "agnews_choco.py"), "--backend", "distributed",
+                           "--master_port", free_port(), str(REPO / "recipes" / "agnews_choco.py"), "--backend", "distributed",
                            *tiny_flags(tiny_model_dir, ag_news_csv, dist_out, *flags)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
