@@ -119,8 +119,7 @@ def main(argv=None):
     args = parse(argv)
     import torch
 
-    from lp_decentral_nlp.quant import kernel_report
-    from lp_decentral_nlp.trainer import DecentralizedTrainer
+    from lp_decentral_nlp.trainer import DecentralizedTrainer, TrainingKernelsCallback
 
     parser = build_nlp_parser("ag_news", "choco")
     with tempfile.TemporaryDirectory() as out:
@@ -140,9 +139,11 @@ def main(argv=None):
                 trainer = DecentralizedTrainer(model=copy.deepcopy(model), args=parsed[precision].training,
                                                train_dataset=data["train"], processing_class=tokenizer,
                                                callbacks=[timer])
-                if precision == "8-bit" and kernels is None:
-                    kernels = dict(collections.Counter(kernel_report(trainer.nodes[0]).values()))
+                kernels_callback = TrainingKernelsCallback(trainer.nodes[0])
+                trainer.add_callback(kernels_callback)
                 trainer.train()
+                if precision == "8-bit":  # what the layers trained with
+                    kernels = dict(collections.Counter(kernels_callback.kernels.values()))
                 timed = timer.seconds[args.warmup:]
                 rounds[precision].append(timed)
                 medians[precision] = statistics.median(timed)
