@@ -94,7 +94,7 @@ def build_trainer(args, precision: str, rounds: int, output_dir: str, trainer_cl
     config = model_config(args.small)
     torch.manual_seed(0)
     model = DistilBertForSequenceClassification(config)
-    quant = QuantConfig(kernel=args.kernel)
+    quant = QuantConfig(kernel=args.kernel) if precision == "8-bit" else None
     targs = DecentralizedTrainingArguments(
         output_dir=output_dir, num_nodes=args.nodes, per_device_train_batch_size=args.batch_size,
         max_steps=rounds, learning_rate=3e-5, optim="adamw_torch", lr_scheduler_type="constant",

@@ -3,7 +3,8 @@
     python recipes/sweep.py --data-dir ../shared/data/ag_news/ag_news_6000.csv \
         --skews 0 0.9 --comps 0 99 --output-dir runs/sweep
 
-Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run. Writes, under
+Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run, ``--kernel``
+to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
 repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
 Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
@@ -66,6 +67,8 @@ def grid(sweep) -> list:
                                                f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}"))
         if comp > 0 and grid_flags.consensus_lr_compressed is not None:
             changes["consensus_lr"] = grid_flags.consensus_lr_compressed
+        if precision == "fp32":  # --kernel is for the 8-bit runs
+            changes["quant_kernel"] = "auto"
         runs.append(sweep.replace(**changes))
     return runs
 

@@ -16,6 +16,7 @@ from torch import nn
 from helpers import agnews_sample
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainingArguments
 
+from lp_decentral_nlp.quant import QuantConfig, QuantModule
 from lp_decentral_nlp.commands import build_nlp_parser, main
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
@@ -96,9 +97,9 @@ DATA_LAYOUTS = ("expected a DatasetDict.save_to_disk folder or an image folder t
 ENOUGH_ROWS = ("training rows cannot give each of 4 nodes one batch of 16: at least 67 rows are needed (skew 0.5 can "
                "leave a shard one row short of an even split); give more data, or lower the batch size or the number "
                "of nodes")
-# Rows 1-17 and 35-42: the command line (every recipe, NLP and vision, shares these flags; a value the
-# dataclasses refuse is their message behind the flag the user typed); 18-23 too, with a launcher or a
-# run folder; 24-34: the library (DecentralizedTrainingArguments / DecentralizedTrainer).
+# Rows 1-17, 35-42 and 43: the command line (every recipe, NLP and vision, shares these flags; a value
+# the dataclasses refuse is their message behind the flag the user typed); 18-23 too, with a launcher
+# or a run folder; 24-34 and 44: the library (DecentralizedTrainingArguments / DecentralizedTrainer).
 ROWS = {
     1: cli(["--nodes", "0"], "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
     2: cli(["--skew", "1.5"], "argument --skew: skew must be a number in [0, 1], got 1.5"),
@@ -186,8 +187,13 @@ ROWS = {
             f"argument --max-train-samples: DIR/data.csv cut to 60 rows: 60 {ENOUGH_ROWS}"),
     42: Row("vision recipe, `--dataset cifar10 --data-dir` a file", "exit 2",
             f"argument --data-dir: data_dir 'DIR/data.csv' is a file: {DATA_LAYOUTS}"),
+    43: cli(["--full-precision", "--kernel", "int8"], "argument --kernel: quant_kernel='int8' chooses the GEMM kernel "
+            "of 8-bit training, and low_precision=False trains in full precision: drop one of them"),
+    44: Row("`quant_config` given with `low_precision=False`", "ValueError",
+            "quant_config is the 8-bit surgery, and args.low_precision=False trains in full precision: drop "
+            "quant_config or set low_precision=True"),
 }
-CLI_ROWS = list(range(1, 18))
+CLI_ROWS = [*range(1, 18), 43]
 
 
 def docs_table() -> str:
@@ -351,6 +357,15 @@ def test_row34_gossip_timeout_zero(tmp_path):
     with pytest.raises(ValueError) as err:
         targs(tmp_path, gossip_timeout=0)
     assert str(err.value) == ROWS[34].message
+
+
+def test_row44_quant_config_in_full_precision(tmp_path, data):
+    model = tiny_model()
+    with pytest.raises(ValueError) as err:
+        DecentralizedTrainer(model=model, args=targs(tmp_path, low_precision=False), quant_config=QuantConfig(),
+                             train_dataset=data["train"])
+    assert str(err.value) == ROWS[44].message
+    assert not any(isinstance(m, QuantModule) for m in model.modules())  # the user's model is left as it was
 
 
 # Rows 35-42: data the recipes cannot train on, told as a flag error before any model is built.

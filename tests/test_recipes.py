@@ -149,12 +149,23 @@ def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finishe
     assert json.loads(choco.read_text())["status"] == "done"
 
 
-def test_sweep_rejects_bad_jobs(capsys):
+def import_sweep():
     sys.path.insert(0, str(REPO / "recipes"))
     try:
         import sweep
     finally:
         sys.path.remove(str(REPO / "recipes"))
+    return sweep
+
+
+def test_sweep_rejects_bad_jobs(capsys):
+    sweep = import_sweep()
     with pytest.raises(SystemExit):
         sweep.parse(["--jobs", "0"])
     assert "argument --jobs: must be in [1, inf), got 0" in capsys.readouterr().err
+
+
+def test_sweep_kernel_flag_is_for_its_8bit_runs():
+    sweep = import_sweep()
+    runs = sweep.grid(sweep.parse(["--kernel", "int8", "--algorithms", "choco", "--skews", "0", "--comps", "0"]))
+    assert [(run.training.low_precision, run.training.quant_kernel) for run in runs] == [(False, "auto"), (True, "int8")]

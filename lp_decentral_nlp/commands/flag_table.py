@@ -1094,7 +1094,7 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
   'help': "GEMM kernel of the 8-bit surgery when no quant_config is given (QuantConfig.kernel): 'auto' or one of "
-          'lp_decentral_nlp.quant.KERNELS. (default: auto)',
+          "lp_decentral_nlp.quant.KERNELS; another than 'auto' needs low_precision=True. (default: auto)",
   'type': 'str'},
  {'options': ['--tune_cpu_malloc', '--tune-cpu-malloc'],
   'dest': 'tune_cpu_malloc',

@@ -11,7 +11,7 @@ from transformers.trainer_utils import SchedulerType
 from ..checks import check_choice, check_fields
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.faults import FaultPlan, parse_absence, parse_straggler
-from ..quant.kernels import kernel_names
+from ..quant.kernels import AUTO, kernel_names
 from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
@@ -90,7 +90,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "the exact average of all nodes' de-biased models."})
     quant_kernel: str = field(default="auto", metadata={
         "help": "GEMM kernel of the 8-bit surgery when no quant_config is given (QuantConfig.kernel): 'auto' or one "
-                "of lp_decentral_nlp.quant.KERNELS."})
+                "of lp_decentral_nlp.quant.KERNELS; another than 'auto' needs low_precision=True."})
     average_tokens_across_devices: bool = field(default=False, metadata={
         "help": "Must stay False: a node's loss is normalised over its own batch (gradients never cross nodes)."})
     tune_cpu_malloc: bool = field(default=True, metadata={
@@ -102,6 +102,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
         check_fields(self, NUMBER_SETTINGS)
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         check_choice("quant_kernel", self.quant_kernel, kernel_names())
+        if not self.low_precision and self.quant_kernel != AUTO:
+            raise ValueError(f"quant_kernel={self.quant_kernel!r} chooses the GEMM kernel of 8-bit training, and "
+                             f"low_precision=False trains in full precision: drop one of them")
         if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
             raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
         if (self.activation_checkpointing or self.gradient_checkpointing) and self.low_precision:

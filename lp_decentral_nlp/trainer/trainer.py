@@ -60,7 +60,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             shards with :func:`~lp_decentral_nlp.data.skewed_partition`, skewed on
             ``args.shard_column`` (default ``label``, else ``labels``; random shards when
             ``skew=0`` and there is no class column).
-        quant_config: 8-bit surgery applied to every node when ``args.low_precision`` (default
+        quant_config: 8-bit surgery applied to every node; needs ``args.low_precision`` (default
             ``QuantConfig(kernel=args.quant_kernel)``).
         Other arguments are those of `transformers.Trainer` (``compute_metrics``,
         ``preprocess_logits_for_metrics``, ``compute_loss_func``, ``optimizer_cls_and_kwargs``,
@@ -83,6 +83,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
                              "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
                              "optimizer_cls_and_kwargs")
+        if quant_config is not None and not args.low_precision:
+            raise ValueError("quant_config is the 8-bit surgery, and args.low_precision=False trains in full "
+                             "precision: drop quant_config or set low_precision=True")
         if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
             raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                              f"{quant_config.kernel!r}: set the kernel in one of them")
