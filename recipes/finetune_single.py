@@ -8,17 +8,21 @@ weights; the classification head stays full precision.
         --max-train-samples 3000 --max-eval-samples 1000 --max-length 64 --output-dir runs/8bit
     python recipes/finetune_single.py ... --full-precision --output-dir runs/fp32
 
-Writes ``results.json`` (accuracy, configuration, wall time) to ``--output-dir``.
+Writes ``results.json`` (accuracy, configuration, the kernel each 8-bit layer trained with, wall
+time) to ``--output-dir``.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import pathlib
 import sys
 import time
 
 from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged
+
+KERNEL_NAMES = ("auto", "simulated", "int8", "int8_bf16")  # QuantConfig.kernel's values (checked before torch loads)
 
 
 def parse_args(argv=None):
@@ -35,8 +39,16 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0)
     p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
+    p.add_argument("--kernel", default="auto",
+                   help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     p.add_argument("--output-dir", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.kernel not in KERNEL_NAMES:
+        p.error(f"argument --kernel: must be one of {KERNEL_NAMES}, got {args.kernel!r}")
+    if args.full_precision and args.kernel != "auto":
+        p.error(f"argument --kernel: {args.kernel!r} is a kernel of 8-bit training, and --full-precision trains "
+                f"in fp32: drop one of them")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -46,7 +58,7 @@ def main(argv=None) -> dict:
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
                               TrainingArguments, set_seed)
 
-    from lp_decentral_nlp import QuantConfig, quantize_model
+    from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
     from lp_decentral_nlp.commands import resolve_model
     from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
@@ -66,7 +78,7 @@ def main(argv=None) -> dict:
         label2id={n: i for i, n in enumerate(AG_NEWS_LABELS)},
         ignore_mismatched_sizes=True,  # a head trained for another label set is replaced
     )
-    quant_config = None if args.full_precision else QuantConfig()
+    quant_config = None if args.full_precision else QuantConfig(kernel=args.kernel)
     if quant_config is not None:
         quantize_model(model, quant_config)
 
@@ -86,6 +98,7 @@ def main(argv=None) -> dict:
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
     train = trainer.train()
+    layer_kernels = kernel_report(model)  # the last forward was a training step's (no evaluation during training)
     evaluation = trainer.evaluate()
 
     results = {
@@ -99,6 +112,8 @@ def main(argv=None) -> dict:
         "train_runtime_s": train.metrics["train_runtime"],
         "wall_time_s": time.perf_counter() - start,
         "quant_config": None if quant_config is None else quant_config.to_dict(),
+        "kernels": dict(collections.Counter(layer_kernels.values())),  # kernel: 8-bit layers that trained with it
+        "layer_kernels": layer_kernels,
         "model_used": model_path,
         "args": vars(args),
     }

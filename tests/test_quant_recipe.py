@@ -27,6 +27,10 @@ def test_finetune_single_writes_results(full_precision, tiny_model_dir, ag_news_
     assert results == json.loads(json.dumps(returned))
     assert results["precision"] == ("fp32" if full_precision else "8-bit")
     assert (results["quant_config"] is None) == full_precision
+    # the kernel each 8-bit layer trained with: the tiny model's narrow layers run simulated under auto
+    assert results["layer_kernels"] == ({} if full_precision else {name: "simulated" for name in results["layer_kernels"]})
+    assert results["kernels"] == ({} if full_precision else {"simulated": len(results["layer_kernels"])})
+    assert full_precision or len(results["layer_kernels"]) == 2 * 6  # 2 blocks x (q, k, v, out, 2 FFN)
     assert results["steps"] == 4 and results["train_samples"] == 64 and results["eval_samples"] == 32
     assert 0.0 <= results["accuracy"] <= 1.0 and results["wall_time_s"] > 0
 
@@ -35,3 +39,21 @@ def test_finetune_single_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit):
         load_recipe().parse_args(["--lr", "0", "--output-dir", "x"])
     assert capsys.readouterr().err.endswith("error: argument --lr: must be in (0, inf), got 0\n")
+
+
+def test_finetune_single_kernel_flag(tiny_model_dir, ag_news_csv, tmp_path, capsys):
+    from lp_decentral_nlp.quant.kernels import kernel_names
+
+    recipe = load_recipe()
+    assert set(recipe.KERNEL_NAMES) == set(kernel_names())  # the torch-free list is the registry's
+    argv = ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples", "32",
+            "--max-eval-samples", "16", "--max-length", "16", "--batch-size", "16", "--output-dir", str(tmp_path)]
+    results = recipe.main(argv + ["--kernel", "int8"])  # honoured in every layer, narrow or not
+    assert results["quant_config"]["kernel"] == "int8" and results["kernels"] == {"int8": 12}
+    for bad, message in ((["--kernel", "int9"], "argument --kernel: must be one of ('auto', 'simulated', 'int8', "
+                                                "'int8_bf16'), got 'int9'"),
+                         (["--kernel", "int8", "--full-precision"], "argument --kernel: 'int8' is a kernel of 8-bit "
+                          "training, and --full-precision trains in fp32: drop one of them")):
+        with pytest.raises(SystemExit) as exit_:
+            recipe.parse_args(["--output-dir", "x", *bad])
+        assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")
