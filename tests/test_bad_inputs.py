@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 from helpers import agnews_sample
-from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainingArguments
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig,
+                          DistilBertForSequenceClassification, TrainingArguments)
 
-from lp_decentral_nlp.quant import QuantConfig, QuantModule
+from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
 from lp_decentral_nlp.commands import build_nlp_parser, main
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
@@ -192,6 +193,12 @@ ROWS = {
     44: Row("`quant_config` given with `low_precision=False`", "ValueError",
             "quant_config is the 8-bit surgery, and args.low_precision=False trains in full precision: drop "
             "quant_config or set low_precision=True"),
+    45: Row("`--full-precision --model DIR`, DIR an 8-bit model", "exit 2",
+            "argument --model: DIR: model has 8-bit layers (quantize_model or an 8-bit checkpoint), and "
+            "low_precision=False trains in full precision: give the float model (dequantize_model) or train in 8-bit"),
+    46: Row("an 8-bit model and a `quant_config`", "ValueError",
+            "quant_config: model already has 8-bit layers (quantize_model or an 8-bit checkpoint), which keep the "
+            "QuantConfig they were made with: drop quant_config or pass the float model"),
 }
 CLI_ROWS = [*range(1, 18), 43]
 
@@ -357,6 +364,31 @@ def test_row34_gossip_timeout_zero(tmp_path):
     with pytest.raises(ValueError) as err:
         targs(tmp_path, gossip_timeout=0)
     assert str(err.value) == ROWS[34].message
+
+
+def test_row45_full_precision_run_of_an_8bit_model(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    model = quantize_model(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=4,
+                                                                              ignore_mismatched_sizes=True))
+    model.save_pretrained(tmp_path)  # an 8-bit checkpoint: from_pretrained gives the 8-bit layers back
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tmp_path), "--data-dir", str(ag_news_csv), "--full-precision",
+                                  "--max-train-samples", "160", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[45].expected(tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+def test_row46_quant_config_for_an_8bit_model(tmp_path, data):
+    model = quantize_model(tiny_model(), QuantConfig(kernel="simulated"))
+    with pytest.raises(ValueError) as err:
+        DecentralizedTrainer(model=model, args=targs(tmp_path), quant_config=QuantConfig(kernel="int8"),
+                             train_dataset=data["train"])
+    assert str(err.value) == ROWS[46].message
+    with pytest.raises(ValueError, match="quant_kernel='int8', but model already has 8-bit layers made with kernel "
+                                         "'simulated': leave quant_kernel at 'auto' or pass the float model"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, quant_kernel="int8"), train_dataset=data["train"])
+    # the same kernel, or auto, trains the 8-bit model as it is
+    DecentralizedTrainer(model=model, args=targs(tmp_path, quant_kernel="simulated"), train_dataset=data["train"])
 
 
 def test_row44_quant_config_in_full_precision(tmp_path, data):

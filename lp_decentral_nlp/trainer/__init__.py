@@ -8,8 +8,8 @@ from .checkpointing import check_resumable, resume_config
 from .local_step import NonFiniteError
 from .node_group import NodeGroup
 from .rng import EpochSampler, node_seed
-from .trainer import DecentralizedTrainer
+from .trainer import DecentralizedTrainer, check_model_precision
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "DecentralizedTrainer", "DecentralizedTrainingArguments",
            "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError", "check_resumable", "node_seed",
-           "resume_config", "TrainingKernelsCallback"]
+           "resume_config", "TrainingKernelsCallback", "check_model_precision"]

@@ -48,6 +48,32 @@ from .optimizers import OptimizerMixin, check_qgm_optimizer
 from .rng import NodeRNG
 
 
+def check_model_precision(model, args: DecentralizedTrainingArguments, quant_config=None) -> None:
+    """Refuse 8-bit settings a run would not honour (ValueError naming the setting): a `quant_config`
+    or a `quant_kernel` other than ``"auto"`` with ``low_precision=False`` (``__post_init__``
+    refuses the latter alone), a `model` that already has 8-bit layers (``quantize_model``, or an
+    8-bit checkpoint) with ``low_precision=False``, or with a `quant_config` (its layers keep the
+    ``QuantConfig`` they were made with) or a `quant_kernel` their kernels differ from, and a
+    `quant_config` whose kernel differs from a `quant_kernel` other than ``"auto"``."""
+    layer_kernels = {m.quant_config.kernel for m in model.modules() if isinstance(m, QuantModule)}
+    if quant_config is not None and not args.low_precision:
+        raise ValueError("quant_config is the 8-bit surgery, and args.low_precision=False trains in full "
+                         "precision: drop quant_config or set low_precision=True")
+    if layer_kernels and not args.low_precision:
+        raise ValueError("model has 8-bit layers (quantize_model or an 8-bit checkpoint), and low_precision=False "
+                         "trains in full precision: give the float model (dequantize_model) or train in 8-bit")
+    if layer_kernels and quant_config is not None:
+        raise ValueError("quant_config: model already has 8-bit layers (quantize_model or an 8-bit checkpoint), "
+                         "which keep the QuantConfig they were made with: drop quant_config or pass the float model")
+    if layer_kernels and args.quant_kernel != "auto" and layer_kernels != {args.quant_kernel}:
+        raise ValueError(f"quant_kernel={args.quant_kernel!r}, but model already has 8-bit layers made with kernel "
+                         f"{' and '.join(map(repr, sorted(layer_kernels)))}: leave quant_kernel at 'auto' or pass the "
+                         f"float model")
+    if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
+        raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
+                         f"{quant_config.kernel!r}: set the kernel in one of them")
+
+
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -83,12 +109,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
                              "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
                              "optimizer_cls_and_kwargs")
-        if quant_config is not None and not args.low_precision:
-            raise ValueError("quant_config is the 8-bit surgery, and args.low_precision=False trains in full "
-                             "precision: drop quant_config or set low_precision=True")
-        if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
-            raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
-                             f"{quant_config.kernel!r}: set the kernel in one of them")
+        check_model_precision(model, args, quant_config)
         if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
             raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
