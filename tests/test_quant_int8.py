@@ -10,6 +10,7 @@ largest magnitude), each rounded with relative error about ``K * eps`` at worst;
 ``32 * eps * K * max|A^| * max|B^|`` per element, far below one quantization step.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -193,8 +194,15 @@ def test_fallback_per_layer_with_reason():
     assert reasons["2"].endswith("kernel int8")
     quantize_model(model, QuantConfig(kernel="int8"))
     assert kernel_report(model) == {"0": "simulated", "2": "int8"}
-    model(torch.randn(2, 4, 8, 8)).sum().backward()  # the grouped Conv2d runs simulated, the Linear int8
+    # the grouped Conv2d runs simulated, the Linear int8; the kernel asked for says why it is not run
+    with pytest.warns(UserWarning, match=r"QuantConfig\(kernel='int8'\) cannot run every layer: grouped Conv2d "
+                                         r"\(groups=2\) has no int8 kernel; those layers run the simulated kernel"):
+        model(torch.randn(2, 4, 8, 8)).sum().backward()
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
+    auto = quantize_model(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), QuantConfig(kernel="auto"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # under auto a fallback is the rule, not a setting left unused
+        auto(torch.randn(2, 4, 8, 8))
 
 
 def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():

@@ -7,6 +7,7 @@ parameters keep their state-dict keys; the fp32 master weights are the float lay
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 from .config import QuantConfig
 from .functional import fake_quantize, grad_range, mean_sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm, conv_output_hw
-from .kernels import Kernel, resolve_kernel
+from .kernels import AUTO, Kernel, resolve_kernel
 from ..utils.layout import dense_like
 
 
@@ -171,10 +172,15 @@ class QuantGemmLayer(ActivationQuantizer):
 
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
-        the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back)."""
-        kernel = self.kernel(x, gemm)
+        the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back:
+        a kernel named in the config, not ``"auto"``, that cannot run the layer warns why)."""
+        kernel, fallback = self._resolve_kernel(x, gemm)
         if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
             self.last_kernel = kernel.name
+            if fallback is not None and self.quant_config.kernel != AUTO:
+                # warnings shows each message once: one line per reason, however many layers and steps
+                warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: {fallback}; "
+                              f"those layers run the simulated kernel (kernel_report(model) names them)", stacklevel=2)
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             lo, hi = self._activation_range(x)
@@ -186,8 +192,11 @@ class QuantGemmLayer(ActivationQuantizer):
         """The kernel this layer's forward runs now (``resolve_kernel`` for its config, weight
         device and shape, and the call's input `x` and `gemm` where given; the simulated one where
         the configured kernel cannot run it)."""
-        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight,
-                              **self._kernel_constraints(x, gemm))[0]
+        return self._resolve_kernel(x, gemm)[0]
+
+    def _resolve_kernel(self, x: torch.Tensor | None, gemm: Gemm | None) -> tuple[Kernel, str | None]:
+        """``resolve_kernel`` of this layer: the kernel, and why it is not the configured one (or None)."""
+        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight, **self._kernel_constraints(x, gemm))
 
     def _kernel_constraints(self, x: torch.Tensor | None, gemm: Gemm | None) -> dict:
         """Layer settings and call sizes beyond the weight's shape and device that decide the kernel
