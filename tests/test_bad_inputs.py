@@ -191,7 +191,7 @@ ROWS = {
     43: cli(["--full-precision", "--kernel", "int8"], "argument --kernel: quant_kernel='int8' chooses the GEMM kernel "
             "of 8-bit training, and low_precision=False trains in full precision: drop one of them"),
     44: Row("`quant_config` given with `low_precision=False`", "ValueError",
-            "quant_config is the 8-bit surgery, and args.low_precision=False trains in full precision: drop "
+            "quant_config is the 8-bit surgery, and low_precision=False trains in full precision: drop "
             "quant_config or set low_precision=True"),
     45: Row("`--full-precision --model DIR`, DIR an 8-bit model", "exit 2",
             "argument --model: DIR: model has 8-bit layers (quantize_model or an 8-bit checkpoint), and "

@@ -37,6 +37,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput
 from ..gossip.factory import build_gossip
 from ..gossip.transport import GossipPeerError
 from ..quant import QuantConfig, QuantModule, quantize_model
+from ..quant.kernels import AUTO
 from ..utils.cpu_malloc import tune_process_for_training
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
@@ -57,19 +58,19 @@ def check_model_precision(model, args: DecentralizedTrainingArguments, quant_con
     `quant_config` whose kernel differs from a `quant_kernel` other than ``"auto"``."""
     layer_kernels = {m.quant_config.kernel for m in model.modules() if isinstance(m, QuantModule)}
     if quant_config is not None and not args.low_precision:
-        raise ValueError("quant_config is the 8-bit surgery, and args.low_precision=False trains in full "
-                         "precision: drop quant_config or set low_precision=True")
+        raise ValueError("quant_config is the 8-bit surgery, and low_precision=False trains in full precision: "
+                         "drop quant_config or set low_precision=True")
     if layer_kernels and not args.low_precision:
         raise ValueError("model has 8-bit layers (quantize_model or an 8-bit checkpoint), and low_precision=False "
                          "trains in full precision: give the float model (dequantize_model) or train in 8-bit")
     if layer_kernels and quant_config is not None:
         raise ValueError("quant_config: model already has 8-bit layers (quantize_model or an 8-bit checkpoint), "
                          "which keep the QuantConfig they were made with: drop quant_config or pass the float model")
-    if layer_kernels and args.quant_kernel != "auto" and layer_kernels != {args.quant_kernel}:
+    if layer_kernels and args.quant_kernel != AUTO and layer_kernels != {args.quant_kernel}:
         raise ValueError(f"quant_kernel={args.quant_kernel!r}, but model already has 8-bit layers made with kernel "
                          f"{' and '.join(map(repr, sorted(layer_kernels)))}: leave quant_kernel at 'auto' or pass the "
                          f"float model")
-    if quant_config is not None and args.quant_kernel != "auto" and quant_config.kernel != args.quant_kernel:
+    if quant_config is not None and args.quant_kernel != AUTO and quant_config.kernel != args.quant_kernel:
         raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                          f"{quant_config.kernel!r}: set the kernel in one of them")
 
