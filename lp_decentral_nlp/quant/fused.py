@@ -367,8 +367,9 @@ def _float32_cpu(vectors) -> bool:
                for t in vectors)
 
 
-def _per_row(t: torch.Tensor, n: int) -> np.ndarray:
-    """`t` (one value, or `n` values in any shape) as a contiguous float32 array of `n`."""
+def per_row_array(t: torch.Tensor, n: int) -> np.ndarray:
+    """`t` (one value, or `n` values in any shape; float32) as a contiguous float32 array of `n`: a
+    compiled kernel's per-row (per-sample) scale or offset."""
     return t.detach().reshape(-1).expand(n).contiguous().numpy()
 
 
@@ -388,10 +389,10 @@ def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torc
     """
     rows, cols = acc.shape
     out = torch.empty((rows, cols), dtype=torch.float32)
-    bias = np.zeros(cols, np.float32) if col_bias is None else _per_row(col_bias, cols)
+    bias = np.zeros(cols, np.float32) if col_bias is None else per_row_array(col_bias, cols)
     run_kernel(_AFFINE_EPILOGUE, acc.numel(), acc.numpy(), row_scale.detach().reshape(-1).numpy(),
-               row_offset.detach().reshape(-1).numpy(), _per_row(col_scaled_sums, cols), bias,
-               _per_row(row_term, rows), out.numpy())
+               row_offset.detach().reshape(-1).numpy(), per_row_array(col_scaled_sums, cols), bias,
+               per_row_array(row_term, rows), out.numpy())
     return out
 
 
@@ -448,10 +449,10 @@ def conv_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, window_coef: torch
     """
     n, co, ho, wo = acc.shape
     out = torch.empty((n, ho, wo, co), dtype=torch.float32)  # channels last, permuted back below
-    bias_array = np.zeros(co, np.float32) if bias is None else _per_row(bias, co)
+    bias_array = np.zeros(co, np.float32) if bias is None else per_row_array(bias, co)
     run_kernel(_CONV_EPILOGUE, acc.numel(), memory_order(acc).numpy().reshape(n, ho * wo, co),
-               _per_row(row_scale, n), _per_row(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
-               _per_row(row_offset, n), border.contiguous().numpy().reshape(ho * wo, co), bias_array,
+               per_row_array(row_scale, n), per_row_array(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
+               per_row_array(row_offset, n), border.contiguous().numpy().reshape(ho * wo, co), bias_array,
                out.numpy().reshape(n, ho * wo, co))
     return out.permute(0, 3, 1, 2)
 

@@ -169,6 +169,7 @@ class QuantGemmLayer(ActivationQuantizer):
     buffers come from :class:`ActivationQuantizer`)."""
 
     gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
+    _warned_fallback: str | None = None  # the reason this layer last warned it cannot run its configured kernel
 
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
@@ -177,8 +178,9 @@ class QuantGemmLayer(ActivationQuantizer):
         kernel, fallback = self._resolve_kernel(x, gemm)
         if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
             self.last_kernel = kernel.name
-            if fallback is not None and self.quant_config.kernel != AUTO:
-                # warnings shows each message once: one line per reason, however many layers and steps
+            if fallback is not None and self.quant_config.kernel != AUTO and fallback != self._warned_fallback:
+                # said once per layer (not every step); warnings shows a message once: one line per reason
+                self._warned_fallback = fallback
                 warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: {fallback}; "
                               f"those layers run the simulated kernel (kernel_report(model) names them)", stacklevel=2)
         with _autocast_disabled(x.device.type):
@@ -196,7 +198,8 @@ class QuantGemmLayer(ActivationQuantizer):
 
     def _resolve_kernel(self, x: torch.Tensor | None, gemm: Gemm | None) -> tuple[Kernel, str | None]:
         """``resolve_kernel`` of this layer: the kernel, and why it is not the configured one (or None)."""
-        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight, **self._kernel_constraints(x, gemm))
+        return resolve_kernel(self.quant_config.kernel, self.gemm_type, self.weight,
+                              **self._kernel_constraints(x, gemm))
 
     def _kernel_constraints(self, x: torch.Tensor | None, gemm: Gemm | None) -> dict:
         """Layer settings and call sizes beyond the weight's shape and device that decide the kernel

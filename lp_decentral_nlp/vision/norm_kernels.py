@@ -45,6 +45,7 @@ import numba
 import numpy as np
 import torch
 
+from ..quant.fused import per_row_array
 from ..utils.layout import is_channels_last, memory_order
 from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
 
@@ -438,8 +439,7 @@ def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
         dtype, decode = x.dtype, (_real(x.dtype)(1.0), _real(x.dtype)(0.0))
     want_dx, want_params = grad_for_input is not None, grad_for_params is not None
     if want_dx and grad_for_input.dtype == torch.uint8:
-        grad_decode = tuple(t.detach().to(torch.float32).reshape(-1).expand(n).contiguous().numpy()
-                            for t in (grad_scale, grad_lo))
+        grad_decode = per_row_array(grad_scale, n), per_row_array(grad_lo, n)
     else:  # values: decoded as themselves
         grad_decode = (np.ones(n, _real(dtype)), np.zeros(n, _real(dtype)))
     first_grad = grad_for_input if want_dx else grad_for_params
