@@ -22,8 +22,6 @@ import time
 
 from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged
 
-KERNEL_NAMES = ("auto", "simulated", "int8", "int8_bf16")  # QuantConfig.kernel's values (checked before torch loads)
-
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -43,8 +41,12 @@ def parse_args(argv=None):
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
-    if args.kernel not in KERNEL_NAMES:
-        p.error(f"argument --kernel: must be one of {KERNEL_NAMES}, got {args.kernel!r}")
+    if args.kernel != "auto":  # the registry imports torch: only for a kernel named on the command line
+        from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
+
+        choices = (AUTO, *(name for name in kernel_names() if name != AUTO))
+        if args.kernel not in choices:
+            p.error(f"argument --kernel: must be one of {choices}, got {args.kernel!r}")
     if args.full_precision and args.kernel != "auto":
         p.error(f"argument --kernel: {args.kernel!r} is a kernel of 8-bit training, and --full-precision trains "
                 f"in fp32: drop one of them")
