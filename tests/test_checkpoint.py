@@ -175,6 +175,33 @@ def test_a_save_at_an_existing_step_replaces_it_and_rotation_keeps_the_newest(tm
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
 
 
+def _commit_steps(root, steps):
+    for step in steps:
+        staging = ckpt.prepare_staging(root, step)
+        ckpt.save_state_file(staging / "node-0.safetensors", {"x": torch.full((3,), float(step))})
+        ckpt.write_json(staging / ckpt.MANIFEST, {"format": ckpt.FORMAT, "version": ckpt.VERSION,
+                                                  "files": ["node-0.safetensors"]})
+        ckpt.commit(root, step)
+
+
+def test_rotation_keeps_the_best_and_the_newest_checkpoint_as_trainer_does(tmp_path):
+    # save_total_limit=1 with the best model at step 2: the newest checkpoint is what an interrupted
+    # run resumes from, so it stays too (Trainer's rotate_checkpoints); only 4 goes
+    _commit_steps(tmp_path, (2, 4, 6))
+    best = str(tmp_path / "checkpoint-2")
+    assert [p.name for p in ckpt.rotate(tmp_path, 1, best=best)] == ["checkpoint-4"]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 6]
+    # the best one is the newest: it alone stays
+    _commit_steps(tmp_path, (8,))
+    assert [p.name for p in ckpt.rotate(tmp_path, 1, best=str(tmp_path / "checkpoint-8"))] == [
+        "checkpoint-2", "checkpoint-6"]
+    # the end of a run with save_total_limit=1: only the best one stays
+    _commit_steps(tmp_path, (10,))
+    assert [p.name for p in ckpt.rotate(tmp_path, 1, best=str(tmp_path / "checkpoint-8"), keep_newest=False)] == [
+        "checkpoint-10"]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [8]
+
+
 def test_nested_state_round_trips_through_safetensors(tmp_path):
     state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
                            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},

@@ -3,6 +3,7 @@ gradient accumulation, best-model tracking and early stopping, dict eval sets, p
 without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
 guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +115,30 @@ def test_load_best_model_at_end_restores_the_best_averaged_model(tmp_path, agnew
     # save_total_limit=1 keeps the best checkpoint (and nothing else)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [f"checkpoint-{best_step}"]
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
+
+
+class RecordCheckpoints(TrainerCallback):
+    """The checkpoint steps on disk after every save."""
+
+    def __init__(self):
+        self.on_disk = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.on_disk.append(sorted(int(p.name.split("-")[1]) for p in Path(args.output_dir).glob("checkpoint-*")))
+
+
+def test_save_total_limit_1_keeps_the_newest_checkpoint_until_the_run_ends(tmp_path, agnews_small, tokenizer):
+    # the best score is the first evaluation's (step 2); Trainer keeps the newest checkpoint beside
+    # it during the run, to resume from, and deletes it at the end
+    saved = RecordCheckpoints()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=6, eval_strategy="steps", eval_steps=2,
+                          save_strategy="steps", save_steps=2, save_total_limit=1, metric_for_best_model="score",
+                          compute_metrics=lambda _: {"score": {2: 3.0, 4: 1.0, 6: 2.0}[trainer.state.global_step]},
+                          callbacks=[saved])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert saved.on_disk == [[2], [2, 4], [2, 6]]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
 def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):

@@ -288,14 +288,16 @@ def resolve_checkpoint(path) -> Path:
     return found[-1][1]
 
 
-def rotate(output_dir, keep: int, best=None) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints, never ``best`` (the best model's
-    checkpoint, which counts as one of the ``keep``, as in `Trainer`); returns the deleted paths."""
+def rotate(output_dir, keep: int, best=None, keep_newest: bool = True) -> list[Path]:
+    """Delete the oldest complete checkpoints until ``keep`` are left, as `Trainer`'s
+    ``rotate_checkpoints``: never ``best`` (the best model's checkpoint) nor, with
+    ``keep_newest``, the newest one (what an interrupted run resumes from), so ``keep=1`` with a
+    best checkpoint older than the newest leaves both. ``keep_newest=False`` is the end of a
+    training run with ``save_total_limit=1``: only ``best`` stays. Returns the deleted paths."""
     found = [p for _, p in list_checkpoints(output_dir)]
-    if best is not None and Path(best) in found:
-        found.remove(Path(best))
-        found.append(Path(best))  # newest place: kept
-    doomed = found[:-keep] if keep > 0 else []
+    protected = ({found[-1]} if keep_newest and found else set()) | ({Path(best)} & set(found) if best else set())
+    excess = len(found) - max(keep, len(protected)) if keep > 0 else 0
+    doomed = [p for p in found if p not in protected][:max(excess, 0)]
     for p in doomed:
         shutil.rmtree(p)
     return doomed
@@ -441,6 +443,16 @@ class CheckpointMixin:
         logger.info(f"loading the best model from {path} (score: {self.state.best_metric})")
         for k, i in enumerate(self.node_ids):
             self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
+
+    def _keep_only_best_checkpoint(self) -> None:
+        """End of training with ``save_total_limit=1`` and a best checkpoint: delete every other
+        checkpoint, as `Trainer` does (during training the newest one is kept too, to resume
+        from). Rank 0 deletes, after every rank has read the best one."""
+        best = self.state.best_model_checkpoint
+        if self.args.save_total_limit == 1 and best is not None:
+            self.node_group.barrier()
+            if self.state.is_world_process_zero:
+                rotate(self.args.output_dir, 1, best=best, keep_newest=False)
 
     def _resume_config(self) -> dict:
         return {**resume_config(self.args), "train_samples": len(self.train_dataset)}

@@ -244,6 +244,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self._total_loss += self._log_train()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_nodes(self.state.best_model_checkpoint)
+        self._keep_only_best_checkpoint()
         if args.final_merge:
             self.merge_nodes()
         self._refresh_average_model()
