@@ -98,7 +98,7 @@ DATA_LAYOUTS = ("expected a DatasetDict.save_to_disk folder or an image folder t
 ENOUGH_ROWS = ("training rows cannot give each of 4 nodes one batch of 16: at least 67 rows are needed (skew 0.5 can "
                "leave a shard one row short of an even split); give more data, or lower the batch size or the number "
                "of nodes")
-# Rows 1-17, 35-42 and 43: the command line (every recipe, NLP and vision, shares these flags; a value
+# Rows 1-17, 35-42, 43 and 47: the command line (every recipe, NLP and vision, shares these flags; a value
 # the dataclasses refuse is their message behind the flag the user typed); 18-23 too, with a launcher
 # or a run folder; 24-34 and 44: the library (DecentralizedTrainingArguments / DecentralizedTrainer).
 ROWS = {
@@ -199,8 +199,11 @@ ROWS = {
     46: Row("an 8-bit model and a `quant_config`", "ValueError",
             "quant_config: model already has 8-bit layers (quantize_model or an 8-bit checkpoint), which keep the "
             "QuantConfig they were made with: drop quant_config or pass the float model"),
+    47: cli(["--lr_scheduler_type", "constant", "--warmup_steps", "10"], "argument --warmup_steps: warmup_steps=10.0 "
+            "has no effect with lr_scheduler_type='constant': use lr_scheduler_type='constant_with_warmup' for a "
+            "warm-up, or warmup_steps=0"),
 }
-CLI_ROWS = [*range(1, 18), 43]
+CLI_ROWS = [*range(1, 18), 43, 47]
 
 
 def docs_table() -> str:

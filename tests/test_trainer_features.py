@@ -141,6 +141,27 @@ def test_save_total_limit_1_keeps_the_newest_checkpoint_until_the_run_ends(tmp_p
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
+def test_reduce_lr_on_plateau_steps_every_node_on_the_evaluated_metric(tmp_path, agnews_small, tokenizer):
+    # the score worsens at every evaluation (ReduceLROnPlateau minimises by default): with patience 0
+    # each evaluation after the first halves every node's LR, and the steps between do not touch it
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=6, eval_strategy="steps", eval_steps=2,
+                          lr_scheduler_type="reduce_lr_on_plateau", lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+                          metric_for_best_model="score",
+                          compute_metrics=lambda _: {"score": float(trainer.state.global_step)})
+    trainer.train()
+    lrs = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
+    assert lrs == {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 5e-4, 6: 5e-4}  # logged before the step's evaluation
+    assert [opt.param_groups[0]["lr"] for opt in trainer.node_optimizers] == [2.5e-4] * 4
+
+
+def test_greedy_lr_schedule_trains_on_the_evaluated_loss(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=2,
+                          lr_scheduler_type="greedy")
+    assert trainer.train().global_step == 4
+    lrs = {opt.param_groups[0]["lr"] for opt in trainer.node_optimizers}
+    assert len(lrs) == 1  # every node steps on the same averaged-model loss
+
+
 def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):
     # the loss must improve by more than 10 per evaluation: the first comparison fails, the run stops
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,
@@ -313,6 +334,18 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):
+        targs(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr_scheduler_type="constant", warmup_steps=4), "warmup_steps=4 has no effect with lr_scheduler_type="),
+    (dict(lr_scheduler_type="constant", lr_milestones=[1.0], warmup_steps=0.1),
+     r"warmup_steps=0.1 has no effect with lr_milestones \(a multi-step schedule\): leave warmup_steps at 0"),
+    (dict(lr_scheduler_type="constant", lr_milestones=[1.0], lr_scheduler_kwargs={"min_lr": 0.0}),
+     "lr_scheduler_kwargs=.* has no effect with lr_milestones"),
+])
+def test_a_constant_schedule_refuses_warmup_and_options_it_would_ignore(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}"):
         targs(tmp_path, **kwargs)
 
 

@@ -111,6 +111,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError("activation_checkpointing (gradient_checkpointing) with low_precision=True is not supported: "
                              "the recomputed forward would update the 8-bit activation ranges a second time per step")
         self._check_lr_milestones()
+        self._check_constant_schedule()
         plan = self.fault_plan
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
         if slow and self.backend == "distributed":
@@ -159,6 +160,22 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
             raise ValueError(f"lr_milestones needs lr_scheduler_type='constant' (the milestones are the schedule), "
                              f"got lr_scheduler_type={self.lr_scheduler_type!r}")
+
+    def _check_constant_schedule(self):
+        """A constant schedule (transformers' ``constant``, or ``lr_milestones``' multi-step one)
+        takes no warm-up and no scheduler options: refused rather than ignored."""
+        if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
+            return
+        if self.lr_milestones:
+            schedule, instead = "lr_milestones (a multi-step schedule)", "leave warmup_steps at 0"
+        else:
+            schedule = "lr_scheduler_type='constant'"
+            instead = "use lr_scheduler_type='constant_with_warmup' for a warm-up, or warmup_steps=0"
+        if self.warmup_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} has no effect with {schedule}: {instead}")
+        if self.lr_scheduler_kwargs:
+            raise ValueError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r} has no effect with {schedule}, "
+                             f"which takes no options: leave it empty")
 
     @property
     def gamma(self) -> float:

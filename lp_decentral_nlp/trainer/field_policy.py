@@ -48,9 +48,10 @@ POLICY: dict[str, str] = {
     "auto_find_batch_size": "refused: the batch size shapes the shards and the checkpoints of every node",
     # --- optimisation (each node has its own optimizer and schedule) ----------------------------
     "learning_rate": PER_NODE,
-    "lr_scheduler_type": PER_NODE,
-    "lr_scheduler_kwargs": PER_NODE,
-    "warmup_steps": PER_NODE,
+    "lr_scheduler_type": PER_NODE + " (reduce_lr_on_plateau and greedy step after each evaluation during training on "
+                                    "the averaged model's metric_for_best_model, as in Trainer)",
+    "lr_scheduler_kwargs": PER_NODE + " (refused with a constant schedule, which takes none)",
+    "warmup_steps": PER_NODE + " (refused with a constant schedule, which has no warm-up)",
     "optim": PER_NODE,
     "optim_args": PER_NODE,
     "optim_target_modules": "refused: only the GaLore/APOLLO optimizers use it; they are not checked with gossip",
@@ -58,7 +59,7 @@ POLICY: dict[str, str] = {
     "adam_beta1": PER_NODE,
     "adam_beta2": PER_NODE,
     "adam_epsilon": PER_NODE,
-    "max_grad_norm": PER_NODE,
+    "max_grad_norm": PER_NODE + " (default 0: no clipping, as the paper trains; Trainer's default is 1.0)",
     "label_smoothing_factor": PER_NODE,
     "average_tokens_across_devices": "refused: a node's loss is normalised over its own batch; gradients and token "
                                      "counts never cross nodes",

@@ -40,7 +40,8 @@ class LocalStepMixin:
         optimizer's schedule. An iteration at LR 0 (the first of a linear warm-up) moves no
         parameter and leaves the QGM state as it is (the momentum is recovered from
         ``(z(t) - z(t+1)) / lr``). A node absent under the fault plan takes no step and its QGM
-        state does not move; its LR schedule still advances.
+        state does not move; its LR schedule still advances (a metric-driven schedule steps after
+        evaluations instead: :meth:`_step_schedules_on_metric`).
         """
         t = self.state.global_step
         absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
@@ -48,16 +49,16 @@ class LocalStepMixin:
         qgm = self.qgm if self.qgm is not None and lr > 0 else None
         if qgm is not None:
             qgm.begin_iteration()
+        per_step_schedule = not self._schedule_steps_on_metric()  # else stepped after evaluations
         for k, (i, node, micro_batches, optimizer, scheduler) in enumerate(
                 zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
             if i not in absent:
                 self._local_step(k, node, micro_batches, optimizer, t + 1, qgm)
-            if isinstance(qgm, QuasiGlobalAdam):  # QuasiGlobalAdam steps, not the optimizer, by design
+            if per_step_schedule:
                 with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                    if isinstance(qgm, QuasiGlobalAdam):  # QuasiGlobalAdam steps, not the optimizer, by design
+                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
                     scheduler.step()
-            else:
-                scheduler.step()
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
         if isinstance(qgm, QuasiGlobalAdam):  # updates the nodes that stepped

@@ -35,8 +35,34 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
                          f"adam_beta1 ({args.adam_beta1}): set adam_beta1 instead and leave qgm_beta at {default_beta}")
 
 
+#: ``lr_scheduler_type`` values whose schedule steps on an evaluation metric, not on every
+#: optimizer step (Trainer: ``ReduceLROnPlateau`` and ``GreedyLR``)
+METRIC_SCHEDULES = frozenset({"reduce_lr_on_plateau", "greedy"})
+
+
 class OptimizerMixin:
     """The optimizer side of :class:`~lp_decentral_nlp.trainer.DecentralizedTrainer`."""
+
+    def _schedule_steps_on_metric(self) -> bool:
+        """Whether the nodes' LR schedules step after evaluations (:data:`METRIC_SCHEDULES`) rather
+        than after every optimizer step."""
+        return not self.args.lr_milestones and str(getattr(self.args.lr_scheduler_type, "value",
+                                                           self.args.lr_scheduler_type)) in METRIC_SCHEDULES
+
+    def _step_schedules_on_metric(self, metrics: dict) -> None:
+        """After an evaluation during training, as `Trainer` does: each node's metric-driven schedule
+        (``reduce_lr_on_plateau``, ``greedy``) steps with the averaged model's
+        ``metric_for_best_model`` (``eval_loss`` unless set), the same value on every node and rank.
+        KeyError naming the metrics there are when it is missing."""
+        if not self._schedule_steps_on_metric():
+            return
+        key = self.args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        if key not in metrics:
+            raise KeyError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} steps on metric_for_best_model "
+                           f"{key!r}, which the evaluation did not return; it returned {sorted(metrics)}")
+        for scheduler in self.node_schedulers:
+            scheduler.step(metrics[key])
 
     def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
         """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.

@@ -258,12 +258,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
-        """As `Trainer`'s: log, evaluate (tracking the best ``metric_for_best_model`` in
-        ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
+        """As `Trainer`'s: log, evaluate (stepping metric-driven LR schedules and tracking the best
+        ``metric_for_best_model`` in ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
         if self.control.should_log:
             self._total_loss += self._log_train()
         if self.control.should_evaluate:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+            self._step_schedules_on_metric(metrics)
             new_best = self._determine_best_metric(metrics=metrics, trial=trial)
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = new_best
