@@ -349,6 +349,15 @@ def test_a_constant_schedule_refuses_warmup_and_options_it_would_ignore(tmp_path
         targs(tmp_path, **kwargs)
 
 
+def test_train_refuses_arguments_it_would_ignore(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    with pytest.raises(TypeError, match="resume_from_checkpiont"):  # a typo, as Trainer.train refuses it
+        trainer.train(resume_from_checkpiont=True)
+    with pytest.raises(ValueError, match="^trial is for Trainer.hyperparameter_search"):
+        trainer.train(trial={"learning_rate": 1e-3})
+    assert trainer.state.global_step == 0
+
+
 def test_quant_kernel_reaches_the_surgery_and_a_disagreeing_quant_config_is_refused(tmp_path, agnews_small):
     from lp_decentral_nlp.quant import QuantConfig, QuantModule
 

@@ -150,7 +150,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     # --- training ----------------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """Train every node in lock-step: local step on each node, then one gossip step (SPEC 2).
 
         Args:
@@ -164,7 +164,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 column, seed, batch size, gradient accumulation, training set size). With
                 ``dataloader_num_workers > 0`` random data transforms do not repeat after a
                 mid-epoch resume.
+            trial: must be None: hyperparameter search needs ``model_init``, which is refused.
+            ignore_keys_for_eval: as in `Trainer`.
         """
+        if trial is not None:
+            raise ValueError("trial is for Trainer.hyperparameter_search, which needs model_init; DecentralizedTrainer "
+                             "builds its nodes from model and does not run it: leave trial=None")
         args = self.args
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
