@@ -162,6 +162,40 @@ def test_greedy_lr_schedule_trains_on_the_evaluated_loss(tmp_path, agnews_small,
     assert len(lrs) == 1  # every node steps on the same averaged-model loss
 
 
+class RecordUpdates(TrainerCallback):
+    """Trainer's per-update events: (event, node) pairs, and whether each pre-update call saw the
+    node's own model holding gradients."""
+
+    def __init__(self):
+        self.events, self.saw_gradients, self.predictions = [], [], 0
+
+    def on_substep_end(self, args, state, control, node=None, **kwargs):
+        self.events.append(("substep_end", node))
+
+    def on_pre_optimizer_step(self, args, state, control, node=None, model=None, optimizer=None, **kwargs):
+        self.events.append(("pre_optimizer_step", node))
+        self.saw_gradients.append(all(p.grad is not None for p in model.parameters() if p.requires_grad)
+                                  and optimizer.param_groups[0]["params"][0] is next(model.parameters()))
+
+    def on_optimizer_step(self, args, state, control, node=None, **kwargs):
+        self.events.append(("optimizer_step", node))
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.predictions += 1
+
+
+def test_callbacks_see_every_nodes_substeps_and_update(tmp_path, agnews_small, tokenizer):
+    record = RecordUpdates()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, per_device_train_batch_size=4,
+                          gradient_accumulation_steps=2, max_steps=2, callbacks=[record])
+    trainer.train()
+    per_node = [[("substep_end", i), ("pre_optimizer_step", i), ("optimizer_step", i)] for i in range(4)]
+    assert record.events == [event for node in per_node for event in node] * 2
+    assert record.saw_gradients == [True] * 8
+    trainer.evaluate()  # one batch of 32 through the averaged model and each of the 4 nodes
+    assert record.predictions == 5
+
+
 def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):
     # the loss must improve by more than 10 per evaluation: the first comparison fails, the run stops
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,

@@ -124,7 +124,8 @@ class EvaluationMixin:
 
     @torch.no_grad()
     def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:
-        """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch).
+        """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch, then the callbacks'
+        ``on_prediction_step``).
 
         Returns ``(metrics, outputs)``: ``metrics`` holds ``loss`` (mean over samples), ``accuracy``
         (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
@@ -141,6 +142,7 @@ class EvaluationMixin:
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)
             loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             if loss is not None:
                 loss_sum += float(loss.double()) * size
                 samples += size

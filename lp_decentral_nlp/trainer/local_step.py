@@ -72,6 +72,7 @@ class LocalStepMixin:
 
         The gradient is the mean over ``micro_batches`` (``gradient_accumulation_steps`` of them:
         each backward is scaled by ``1 / len(micro_batches)``), and the logged loss their mean.
+        Callbacks see the node's substeps and update (:meth:`_node_event`).
 
         The node's gradients are freed right after its update, so only one node's gradients exist
         at a time and the next node's backward reuses their memory (with all ``n`` alive until
@@ -85,8 +86,14 @@ class LocalStepMixin:
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
         buffers = [b.clone() for b in node.buffers()] if self.args.skip_nonfinite else None
         scale = 1.0 / len(micro_batches)
-        loss = sum(self._backward(k, node, batch, scale) for batch in micro_batches) * scale
+        loss = 0.0
+        for j, batch in enumerate(micro_batches):
+            loss = loss + self._backward(k, node, batch, scale)
+            if j < len(micro_batches) - 1:
+                self._node_event("on_substep_end", k)
+        loss = loss * scale
         if self._finite_then_clip(k, loss, step):
+            self._node_event("on_pre_optimizer_step", k)
             if qgm is None:
                 optimizer.step()
             else:
@@ -98,11 +105,27 @@ class LocalStepMixin:
                 else:
                     qgm.add_momentum(k, grads)
                     optimizer.step()
+            self._node_event("on_optimizer_step", k)
             self._loss_sum[k] += loss  # device-side adds: no host-to-device copy (a sync) per step
             self._loss_count[k] += 1
         elif buffers is not None:
             torch._foreach_copy_(list(node.buffers()), buffers)
         optimizer.zero_grad(set_to_none=True)
+
+    def _node_event(self, event: str, k: int) -> None:
+        """`Trainer`'s per-update callback ``event`` (``on_substep_end`` after each micro-batch but
+        the last, ``on_pre_optimizer_step`` after clipping, ``on_optimizer_step`` after the update)
+        for local node ``k``: the callbacks get that node's model, optimizer and LR schedule as
+        ``model``, ``optimizer`` and ``lr_scheduler`` (its gradients are there until the update
+        ends), and its graph index as ``node``. So they run once per node per step."""
+        handler = self.callback_handler
+        kept = handler.model, handler.optimizer, handler.lr_scheduler
+        handler.model, handler.optimizer, handler.lr_scheduler = \
+            self.nodes[k], self.node_optimizers[k], self.node_schedulers[k]
+        try:
+            self.control = handler.call_event(event, self.args, self.state, self.control, node=self.node_ids[k])
+        finally:
+            handler.model, handler.optimizer, handler.lr_scheduler = kept
 
     def _finite_then_clip(self, k: int, loss: torch.Tensor, step: int) -> bool:
         """Whether local node ``k``'s loss and gradients are all finite; if so, its gradients are
