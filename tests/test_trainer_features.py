@@ -196,6 +196,13 @@ def test_callbacks_see_every_nodes_substeps_and_update(tmp_path, agnews_small, t
     assert record.predictions == 5
 
 
+def test_logging_strategy_no_logs_no_training_loss(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, logging_strategy="no", max_steps=3)
+    output = trainer.train()
+    assert [h for h in trainer.state.log_history if "loss" in h] == []  # only the run's summary
+    assert trainer.state.log_history[-1]["train_loss"] == output.training_loss > 0
+
+
 def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):
     # the loss must improve by more than 10 per evaluation: the first comparison fails, the run stops
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,

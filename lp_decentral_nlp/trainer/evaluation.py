@@ -63,11 +63,12 @@ class EvaluationMixin:
         for node in self.nodes:
             torch._foreach_copy_(self._float_state(node), averaged)
 
-    def _log_train(self) -> float:
+    def _log_train(self, log: bool = True) -> float:
         """Log the mean loss of each node since the last log; returns the loss summed over those steps.
 
         A node that took no step in the window (absent, or every step skipped) logs NaN; the
-        overall ``loss`` is the mean over the nodes that did.
+        overall ``loss`` is the mean over the nodes that did. ``log=False`` only takes the window's
+        loss (the end of a run with ``logging_strategy="no"``).
         """
         steps = self.state.global_step - self._last_logged
         count = self._loss_count.to(self._loss_sum.device)
@@ -77,15 +78,16 @@ class EvaluationMixin:
         self._loss_count.zero_()
         self._last_logged = self.state.global_step
         loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
-        logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
-        logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
-        logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
-        if self.args.skip_nonfinite:
-            skips = self.node_group.gather(self.nonfinite_skips)
-            logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
-        logs["consensus_distance"] = self.consensus_distance()
-        self._watch_drift(logs["consensus_distance"])
-        self.log(logs)
+        if log:
+            logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
+            logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
+            logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+            if self.args.skip_nonfinite:
+                skips = self.node_group.gather(self.nonfinite_skips)
+                logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
+            logs["consensus_distance"] = self.consensus_distance()
+            self._watch_drift(logs["consensus_distance"])
+            self.log(logs)
         return loss * steps if math.isfinite(loss) else 0.0
 
     def drift_warmup_steps(self) -> int:

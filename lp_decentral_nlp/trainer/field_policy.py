@@ -118,7 +118,7 @@ POLICY: dict[str, str] = {
     "eval_strategy": HONOURED,
     "eval_steps": HONOURED,
     "eval_delay": HONOURED,
-    "eval_on_start": HONOURED,
+    "eval_on_start": HONOURED + " (not when resuming: the resumed run logs what an uninterrupted one does)",
     "prediction_loss_only": HONOURED,
     "eval_do_concat_batches": "refused: must stay True: predictions are concatenated over batches",
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",

@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerState
-from transformers.trainer_utils import SaveStrategy, TrainOutput
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from ..gossip.factory import build_gossip
 from ..gossip.transport import GossipPeerError
@@ -245,8 +245,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                             exc.peer) from exc
         finally:
             self.gossip.close()  # the engine's worker threads; a later train() starts them again
-        if self._last_logged < self.state.global_step:
-            self._total_loss += self._log_train()
+        if self._last_logged < self.state.global_step:  # the last window's loss, logged unless logging is off
+            self._total_loss += self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_nodes(self.state.best_model_checkpoint)
         self._keep_only_best_checkpoint()
