@@ -242,6 +242,32 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
     assert len(a) > 2 and a == b
 
 
+def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, minilm_path, ag_news_csv, capsys):
+    from test_recipes import tiny_flags
+
+    from lp_decentral_nlp.commands import main
+
+    model_dir = tmp_path / "model"
+    tiny_model(dropout=0.0).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(model_dir)
+    run = tmp_path / "run"
+    main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "2", "--save-steps", "1"))
+    before = {name: (run / name).read_bytes() for name in ("results.json", "cost_report.json", "metrics.csv")}
+    capsys.readouterr()
+    # the checkpoint was written for 256 training rows: this run has 128, which train() finds
+    flags = tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "3", "--resume-from-checkpoint",
+                       str(run / "checkpoint-2"))
+    flags[flags.index("--max-train-samples") + 1] = "128"
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].split(": error: ")[1] == (
+        f"argument --resume_from_checkpoint: resume_from_checkpoint: cannot resume from {run}/checkpoint-2: it was "
+        "written with train_samples=256 (this run: 128); resume with the arguments of the interrupted run")
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
 def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path):
     """The vision CLI shares the flags: random crops/flips are drawn in each node's RNG stream, so a
     resumed run repeats them (ResNet-20, 8-bit, Range EvoNorm, digits)."""

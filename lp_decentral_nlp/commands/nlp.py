@@ -155,7 +155,7 @@ def run_nlp(parsed, prog: str = "") -> dict:
     start = time.time()
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
     return train_and_report(parsed.values, parsed.training, model, data, model_path, (parsed.recipe.max_length,),
-                            start, processing_class=tokenizer)
+                            start, prog, processing_class=tokenizer)
 
 
 def main(task: str, algorithm: str, argv: list[str] | None = None) -> dict:

@@ -363,15 +363,19 @@ def run_config(values: dict, training) -> dict:
 
 
 def train_and_report(values: dict, training, model, data, model_used: str, input_shape: tuple, start: float,
-                     **trainer_kwargs) -> dict:
+                     prog: str, **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
-    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``); the 8-bit
-    layers' GEMM kernels in training (``kernels.json``, their counts in ``results.json``); training
-    (resumed from ``training.resume_from_checkpoint`` if given); the final evaluation, ``model/``
-    and ``results.json``. `values`: the flags by field name; `start`: ``time.time()`` at the start."""
+    `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``, written when
+    training begins); the 8-bit layers' GEMM kernels in training (``kernels.json``, their counts in
+    ``results.json``); training (resumed from ``training.resume_from_checkpoint`` if given: a
+    checkpoint that cannot continue the run is the one-line error of ``--resume_from_checkpoint``,
+    before any file is written); the final evaluation, ``model/`` and ``results.json``.
+    `values`: the flags by field name; `start`: ``time.time()`` at the start; `prog`: the program
+    name for errors."""
     from ..quant import kernel_report
-    from ..trainer import DecentralizedTrainer, MetricsCSVCallback, TrainingKernelsCallback
+    from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
+                           TrainingKernelsCallback)
 
     out = training.output_dir
     csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
@@ -382,11 +386,13 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(values, training), "consensus_lr_used": training.gamma}
-    if trainer.state.is_world_process_zero:
-        _write_json(out, "cost_report.json", report)
-        _write_json(out, "results.json", {"status": "running", "config": config, "model_used": model_used,
-                                          "cost": cost})
-    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
+    trainer.add_callback(OnTrainBeginCallback(lambda: (_write_json(out, "cost_report.json", report),
+                                                       _write_json(out, "results.json", running))))
+    try:
+        trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    except CheckpointError as err:
+        exit_with_error(prog, str(err), "--resume_from_checkpoint")
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))

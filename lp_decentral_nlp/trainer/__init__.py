@@ -3,13 +3,14 @@
 field is treated."""
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES
 from .arguments import BACKENDS, DecentralizedTrainingArguments
-from .callbacks import MetricsCSVCallback, TrainingKernelsCallback
-from .checkpointing import check_resumable, resume_config
+from .callbacks import MetricsCSVCallback, OnTrainBeginCallback, TrainingKernelsCallback
+from .checkpointing import CheckpointError, check_resumable, resume_config
 from .local_step import NonFiniteError
 from .node_group import NodeGroup
 from .rng import EpochSampler, node_seed
 from .trainer import DecentralizedTrainer, check_model_precision
 
-__all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "DecentralizedTrainer", "DecentralizedTrainingArguments",
-           "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError", "check_resumable", "node_seed",
+__all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "CheckpointError", "DecentralizedTrainer",
+           "DecentralizedTrainingArguments", "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError",
+           "OnTrainBeginCallback", "check_resumable", "node_seed",
            "resume_config", "TrainingKernelsCallback", "check_model_precision"]

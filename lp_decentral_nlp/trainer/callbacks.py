@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Callable
 
 from transformers import TrainerCallback
 
@@ -50,3 +51,18 @@ class TrainingKernelsCallback(TrainerCallback):
         from ..quant import kernel_report
 
         self.kernels = kernel_report(self.model)
+
+
+
+class OnTrainBeginCallback(TrainerCallback):
+    """Call ``action()`` when training begins, on the main process only: after a resumed run's
+    checkpoint was read and accepted (``train()`` restores it before ``on_train_begin``), so what
+    ``action`` writes is left as it was when the resume is refused. The recipes write their
+    "running" ``results.json`` and ``cost_report.json`` this way."""
+
+    def __init__(self, action: Callable[[], None]):
+        self.action = action
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.action()

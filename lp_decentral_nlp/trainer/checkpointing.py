@@ -305,6 +305,11 @@ def rotate(output_dir, keep: int, best=None, keep_newest: bool = True) -> list[P
 
 # -- the trainer's decentralized state --------------------------------------------------------
 
+class CheckpointError(ValueError):
+    """The checkpoint given to resume from cannot continue this run (damaged, incomplete, or
+    written by another model or other settings); raised by ``train()`` before any training step."""
+
+
 def resume_config(args: DecentralizedTrainingArguments) -> dict:
     """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
     config = args.gossip_config
@@ -460,9 +465,14 @@ class CheckpointMixin:
     def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
         batches_done)``. Every file is read and checked before anything is restored, and the
-        checkpoint is only read (the user's model and files are not modified). ValueError
-        (FileNotFoundError for a missing node file) naming the file or argument when the
-        checkpoint does not fit."""
+        checkpoint is only read (the user's model and files are not modified).
+        :class:`CheckpointError` naming the file or argument when the checkpoint does not fit."""
+        try:
+            return self._restore_checkpoint(path, steps_per_epoch)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+
+    def _restore_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
