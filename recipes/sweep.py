@@ -6,7 +6,7 @@
 Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run, ``--kernel``
 to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
-repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
+repeated; one done with other settings is refused, or with --overwrite_output_dir repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
 Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
 
 ``--jobs N`` runs N grid points at once, each in its own process (give each one thread:
@@ -53,7 +53,40 @@ def parse(argv=None):
     parser = commands.build_nlp_parser(None, "choco", description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
     add_grid_flags(parser)
+    parser.add_check(check_finished_runs)
     return parser.parse(argv)
+
+
+# what may differ between a finished grid point and this sweep without changing its results: the
+# grid's own flags (the whole grid is in every run's config) and how the run is executed
+NOT_RESULT_SETTINGS = {"overwrite_output_dir", "threads", "consensus_lr_used"}
+
+
+def settings_differing(results: dict, run) -> list[str]:
+    """The settings in which a finished grid point's ``results.json`` (``results["config"]``) differs
+    from what this sweep would run there, ``"name=saved (this sweep: value)"``; empty if none."""
+    def comparable(config: dict) -> dict:
+        return json.loads(json.dumps(config, default=str))
+
+    ignored = NOT_RESULT_SETTINGS | set(vars(run.extras))
+    saved, wanted = comparable(results["config"]), comparable(commands.run_config(run.values, run.training))
+    return [f"{key}={saved.get(key)!r} (this sweep: {wanted.get(key)!r})"
+            for key in sorted((saved.keys() | wanted.keys()) - ignored) if saved.get(key) != wanted.get(key)]
+
+
+def check_finished_runs(parser, sweep) -> None:
+    """Refuse a grid folder whose finished results were made with other settings (a sweep reuses a
+    finished grid point as it is): the one-line error of ``--output-dir``, unless
+    ``--overwrite_output_dir`` (those points run again)."""
+    if sweep.values["overwrite_output_dir"]:
+        return
+    for run in grid(sweep):
+        results = commands.finished_results(run.training.output_dir)
+        differing = settings_differing(results, run) if results is not None else []
+        if differing:
+            parser.error(f"argument {parser.flag_of('output_dir')}: {run.training.output_dir} holds finished results "
+                         f"of other settings ({', '.join(differing)}): pass --overwrite_output_dir to run it again, "
+                         f"or choose another {parser.flag_of('output_dir')}")
 
 
 def grid(sweep) -> list:
@@ -128,8 +161,8 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
 def run_grid(sweep) -> list[dict]:
     runs = grid(sweep)
-    results = {i: r for i, r in ((i, commands.finished_results(run.training.output_dir)) for i, run in enumerate(runs))
-               if r is not None}
+    finished = {i: commands.finished_results(run.training.output_dir) for i, run in enumerate(runs)}
+    results = {i: r for i, r in finished.items() if r is not None and not settings_differing(r, runs[i])}
     todo = [i for i in range(len(runs)) if i not in results]
     results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs]))
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,

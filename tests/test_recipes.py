@@ -166,6 +166,36 @@ def test_sweep_rejects_bad_jobs(capsys):
     assert "argument --jobs: must be in [1, inf), got 0" in capsys.readouterr().err
 
 
+def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
+    from lp_decentral_nlp import commands
+
+    sweep = import_sweep()
+    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--output-dir",
+             str(tmp_path)]
+    run = sweep.grid(sweep.parse(flags))[0]
+    finished = {"status": "done", "accuracy": 0.5,
+                "config": {**commands.run_config(run.values, run.training), "consensus_lr_used": 1.0}}
+    os.makedirs(run.training.output_dir)
+    results = os.path.join(run.training.output_dir, "results.json")
+    with open(results, "w") as fh:
+        json.dump(finished, fh)
+    # the same settings, other grid flags and thread count: the point is reused as it is
+    again = sweep.grid(sweep.parse([*flags, "--jobs", "2", "--threads", "2"]))[0]
+    assert sweep.settings_differing(commands.finished_results(again.training.output_dir), again) == []
+    # another learning rate: refused, naming the folder and the difference, and the results are kept
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse([*flags, "--lr", "0.5"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"argument --output-dir: {run.training.output_dir} holds finished results of other settings "
+        "(learning_rate=3e-05 (this sweep: 0.5)): pass --overwrite_output_dir to run it again, or choose another "
+        "--output-dir")
+    assert json.loads(open(results).read()) == finished
+    # with --overwrite_output_dir the point runs again
+    redo = sweep.grid(sweep.parse([*flags, "--lr", "0.5", "--overwrite_output_dir"]))[0]
+    assert sweep.settings_differing(finished, redo) == ["learning_rate=3e-05 (this sweep: 0.5)"]
+
+
 def test_sweep_kernel_flag_is_for_its_8bit_runs():
     sweep = import_sweep()
     runs = sweep.grid(sweep.parse(["--kernel", "int8", "--algorithms", "choco", "--skews", "0", "--comps", "0"]))
