@@ -68,7 +68,7 @@ def tiny_model_dir(tmp_path_factory, minilm_path):
 
     path = tmp_path_factory.mktemp("tiny_distilbert")
     torch.manual_seed(0)
-    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)
+    cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=128)
     DistilBertForSequenceClassification(cfg).save_pretrained(path)
     AutoTokenizer.from_pretrained(minilm_path).save_pretrained(path)
     return path

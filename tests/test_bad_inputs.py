@@ -202,6 +202,17 @@ ROWS = {
     47: cli(["--lr_scheduler_type", "constant", "--warmup_steps", "10"], "argument --warmup_steps: warmup_steps=10.0 "
             "has no effect with lr_scheduler_type='constant': use lr_scheduler_type='constant_with_warmup' for a "
             "warm-up, or warmup_steps=0"),
+    48: Row("`--max-length 200` for a model of 128 positions", "exit 2",
+            "argument --max-length: 200 exceeds the 128 positions of DIR (max_position_embeddings): use at most 128"),
+    49: Row("`--model DIR`, DIR's `config.json` not JSON", "exit 2",
+            "argument --model: DIR: cannot load its config or tokenizer (OSError: It looks like the config file at "
+            "'DIR/config.json' is not a valid JSON file.)"),
+    50: Row("`--model DIR`, DIR's `model.safetensors` truncated", "exit 2",
+            "argument --model: DIR: cannot load its weights (SafetensorError: ...)"),
+    51: Row("a run larger than the memory", "exit 2",
+            "the run needs about ... MB (4 nodes in this process x ... MB each: weights, gradients, optimizer and "
+            "gossip state, activations) but 1 MB are available on cpu: lower --nodes, --batch-size or --max-length, "
+            "or run one node per process (--backend distributed)"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47]
 
@@ -376,7 +387,8 @@ def test_row45_full_precision_run_of_an_8bit_model(tmp_path, tiny_model_dir, ag_
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exc:
         main("ag_news", "choco", ["--model", str(tmp_path), "--data-dir", str(ag_news_csv), "--full-precision",
-                                  "--max-train-samples", "160", "--output-dir", str(tmp_path / "run")])
+                                  "--max-train-samples", "160", "--max-length", "32", "--output-dir",
+                                  str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[45].expected(tmp_path)
     assert not (tmp_path / "run").exists()
 
@@ -441,3 +453,37 @@ def test_row42_vision_data_dir_that_is_a_file(tmp_path, capsys):
         vision_main("choco", ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data.csv"),
                               "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[42].expected(tmp_path)
+
+
+def copied_model(tiny_model_dir, folder):
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def test_row48_max_length_beyond_the_models_positions(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length",
+                                  "200", "--max-train-samples", "160", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[48].expected(tiny_model_dir)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("number, damage", [(49, "config.json"), (50, "model.safetensors")])
+def test_rows49_50_a_damaged_model_folder(number, damage, tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    model_dir = copied_model(tiny_model_dir, tmp_path / "model")
+    data = (model_dir / damage).read_bytes()
+    (model_dir / damage).write_bytes(data[: len(data) // 2] if damage == "config.json" else data[:7])
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
+    assert ROWS[number].matches(one_line_error(exc, capsys), model_dir)
+
+
+def test_row51_a_run_larger_than_the_memory(tmp_path, tiny_model_dir, ag_news_csv, capsys, monkeypatch):
+    from lp_decentral_nlp.commands import run
+
+    monkeypatch.setattr(run, "available_memory_mb", lambda device: 1.0)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
+    assert ROWS[51].matches(one_line_error(exc, capsys))

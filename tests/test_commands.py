@@ -173,7 +173,7 @@ def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(wide)
     proc = run_recipe("--model", wide, "--data-dir", ag_news_csv, "--max-eval-samples", 16, "--max-length", 16,
                       "--nodes", 4800, "--batch-size", 1, "--output-dir", tmp_path / "out")
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("agnews_choco.py: error: the run needs about ") and "(4800 nodes in this process x" in line
     assert "are available on cpu: lower --nodes, --batch-size or --max-length, or run one node per process " \

@@ -17,7 +17,7 @@ from ..checks import check_choice, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, PACKAGED_MODEL, RunArguments, check_launcher, check_memory, check_training_rows,
-                  derive_run_values, exit_with_error, hub_offline, load_data, model_folder_problem,
+                  derive_run_values, error_summary, exit_with_error, hub_offline, load_data, model_folder_problem,
                   model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
                   train_and_report)
 
@@ -117,7 +117,8 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     loads the tokenizer, the task's data (``{"train", "test"}`` tokenized to ``--max-length``) and
     the model with a head for the task's labels, and checks them (rows, labels, memory); a problem
     exits with one line naming the flag. Returns ``(model, data, tokenizer, model_path)``."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from ..data import load_task
     from ..trainer import check_model_precision
@@ -127,7 +128,16 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     model_path, notice = resolve_model(recipe.model, prog)
     if notice and process_rank() == 0:
         print(notice, file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    unreadable = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)  # what a damaged folder raises
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except unreadable as err:
+        exit_with_error(prog, f"{model_path}: cannot load its config or tokenizer ({error_summary(err)})", "--model")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and recipe.max_length > positions:
+        exit_with_error(prog, f"{recipe.max_length} exceeds the {positions} positions of {model_path} "
+                              f"(max_position_embeddings): use at most {positions}", "--max-length")
     data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
                                        max_eval_samples=recipe.max_eval_samples, seed=training.seed),
@@ -138,10 +148,13 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     if mismatch:
         exit_with_error(prog, mismatch, "--model")
     set_seed(training.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)},
-        ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={name: i for i, name in enumerate(labels)},
+            ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+    except unreadable as err:
+        exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
     try:  # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
         check_model_precision(model, training)
     except ValueError as err:

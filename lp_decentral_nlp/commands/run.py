@@ -186,6 +186,12 @@ def exit_with_error(prog: str, message: str, flag: str | None = None) -> NoRetur
     raise SystemExit(2)
 
 
+def error_summary(err: BaseException) -> str:
+    """``"<type>: <first line of its message>"``: a library error told in one line (some span dozens)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
 def load_data(load, what: str, data_dir, prog: str):
     """``load()`` (a task's or dataset's loader), its errors told as the command line's.
 
@@ -271,11 +277,10 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     need = report.train_memory_mb * here
     available = available_memory_mb(training.device)
     if need > available:
-        raise SystemExit(
-            f"{prog}: error: the run needs about {need:,.0f} MB ({here} nodes in this process x "
-            f"{report.train_memory_mb:,.0f} MB each: weights, gradients, optimizer and gossip state, activations) but "
-            f"{available:,.0f} MB are available on {training.device}: lower --nodes, --batch-size or --max-length, "
-            f"or run one node per process (--backend distributed)")
+        exit_with_error(prog, f"the run needs about {need:,.0f} MB ({here} nodes in this process x "
+                        f"{report.train_memory_mb:,.0f} MB each: weights, gradients, optimizer and gossip state, "
+                        f"activations) but {available:,.0f} MB are available on {training.device}: lower --nodes, "
+                        f"--batch-size or --max-length, or run one node per process (--backend distributed)")
 
 
 def model_label_mismatch(model_path: str, labels) -> str | None:
