@@ -65,6 +65,7 @@ def test_missing_path(tmp_path, task, name):
 @pytest.mark.parametrize("task, name, content, match", [
     ("ag_news", "empty.csv", b"", "empty.csv: the file is empty"),
     ("ag_news", "blank.csv", "\n  \n\n", "blank.csv: the file is empty"),
+    ("ag_news", "commas.csv", ",,\n , ,\n", r"commas.csv: every field is empty \(no header line, no data rows\)"),
     ("sentlen", "empty.csv", b"", "empty.csv: the file is empty"),
     ("sentlen", "sentence_length.txt", b"", "sentence_length.txt: the file is empty"),
     ("sentlen", "probe.txt", "\n\n", "probe.txt: the file is empty"),
@@ -197,6 +198,17 @@ def test_ag_news_labels(tmp_path, layout, value, match):
     header, bad = (HEADER, f"{value},Odd title,Odd text\n") if layout == "original" else ("text,label\n", f"Odd,{value}\n")
     source = _write(tmp_path / "labels.csv", header + _rows(5, layout) + bad)
     _expect(ValueError, f"labels.csv:7: {match}", lambda: load_task("ag_news", data_dir=source), source)
+
+
+def test_saved_dataset_with_empty_labels_or_an_empty_split(tmp_path):
+    folder = _saved(tmp_path, {"text": ["a", "b"], "label": [0, None]})
+    _expect(ValueError, r"saved \[train\]: column 'label' has empty \(None\) values; every row needs a label 0-3",
+            lambda: load_task("ag_news", data_dir=folder), folder)
+    part = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
+    empty_test = tmp_path / "empty_test"
+    DatasetDict({"train": part, "test": part.select([])}).save_to_disk(empty_test)
+    _expect(ValueError, "looks like a save_to_disk directory but cannot be loaded",
+            lambda: load_task("ag_news", data_dir=empty_test), empty_test)
 
 
 def test_saved_dataset_labels_out_of_range(tmp_path):

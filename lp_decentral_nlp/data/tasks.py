@@ -252,6 +252,8 @@ def _read_ag_news_csv(file: Path) -> Dataset:
             line = reader.line_num + 1
     except csv.Error as err:
         raise ValueError(f"{file}:{line}: not valid CSV ({err})") from None
+    if not rows:
+        raise ValueError(f"{file}: every field is empty (no header line, no data rows)")
     names = [name.strip() for name in rows[0][1]]
     header = [name.lower() for name in names]  # column names match whatever their case
     layout = next(((cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)), None)
@@ -291,7 +293,7 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
     """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV."""
     try:
         saved = load_from_disk(str(path))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:  # IndexError: a split without rows
         raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk directory but cannot be loaded "
                          f"({err.__class__.__name__}: {err})") from None
     parts = saved if isinstance(saved, DatasetDict) else DatasetDict({"data": saved})
@@ -320,7 +322,10 @@ def _checked_saved_split(part: Dataset, source: str) -> Dataset:
                              f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
     elif not (isinstance(label, Value) and re.fullmatch(r"u?int\d+", label.dtype)):
         raise ValueError(f"{source}: column 'label' must hold integers 0-3 (or be a ClassLabel), found {label}")
-    values = np.asarray(part["label"], dtype=np.int64)
+    labels = part["label"]
+    if any(value is None for value in labels):
+        raise ValueError(f"{source}: column 'label' has empty (None) values; every row needs a label 0-3")
+    values = np.asarray(labels, dtype=np.int64)
     bad = sorted(set(values[(values < 0) | (values >= len(AG_NEWS_LABELS))].tolist()))
     if bad:
         raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
