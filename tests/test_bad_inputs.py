@@ -213,6 +213,11 @@ ROWS = {
             "the run needs about ... MB (4 nodes in this process x ... MB each: weights, gradients, optimizer and "
             "gossip state, activations) but 1 MB are available on cpu: lower --nodes, --batch-size or --max-length, "
             "or run one node per process (--backend distributed)"),
+    52: Row("`--output-dir DIR/afile/run`, `afile` a file", "exit 2",
+            "argument --output-dir: DIR/afile/run cannot be created (DIR/afile is a file)"),
+    53: Row('`--output-dir ""`', "exit 2", "argument --output-dir: the folder name is empty"),
+    54: Row("`--output-dir /proc/run` (a folder no one can create)", "exit 2",
+            "argument --output-dir: /proc/run cannot be created (FileNotFoundError: No such file or directory)"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47]
 
@@ -487,3 +492,14 @@ def test_row51_a_run_larger_than_the_memory(tmp_path, tiny_model_dir, ag_news_cs
         main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
                                   "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
     assert ROWS[51].matches(one_line_error(exc, capsys))
+
+
+def test_rows52_54_an_output_dir_that_cannot_be_created(tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a folder")
+    assert cli_error(["--output-dir", str(tmp_path / "afile" / "run")], capsys) == ROWS[52].expected(tmp_path)
+    assert cli_error(["--output-dir", ""], capsys) == ROWS[53].message
+    if pathlib.Path("/proc/self").is_dir():  # Linux: /proc takes no new folders, even from root
+        assert cli_error(["--output-dir", "/proc/run"], capsys) == ROWS[54].message
+    # a folder that can be created is checked by creating it, and not left behind
+    build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(tmp_path / "new" / "run")])
+    assert not (tmp_path / "new").exists()

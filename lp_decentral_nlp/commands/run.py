@@ -135,16 +135,40 @@ def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
     sys.exit(subprocess.run(command).returncode)
 
 
+def folder_creation_problem(path: pathlib.Path) -> str | None:
+    """Why the absent folder `path` cannot be created (``os.access`` says yes for root, or under
+    ``/proc``), found by creating it and its absent parents and removing them again; None when it
+    can. Run on one process only: two creating and removing the same folders would race."""
+    created = []
+    try:
+        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            folder.mkdir()
+            created.append(folder)
+        return None
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    finally:
+        for folder in reversed(created):
+            folder.rmdir()
+
+
 def check_output_dir(parser, training, run) -> None:
     """Refuse an ``--output_dir`` that is a file, cannot be written, or holds another run's results
     (without ``--overwrite_output_dir``; resuming from a checkpoint inside it is this run)."""
     flag = parser.flag_of("output_dir")
+    if not str(training.output_dir).strip():
+        parser.error(f"argument {flag}: the folder name is empty")
     path = pathlib.Path(training.output_dir)
     if path.exists() and not path.is_dir():
         parser.error(f"argument {flag}: {path} is a file, not a folder")
     existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        parser.error(f"argument {flag}: {path} cannot be created ({existing} is a file)")
     if not os.access(existing, os.W_OK | os.X_OK):
         parser.error(f"argument {flag}: {path} cannot be written ({existing} is not writable)")
+    problem = None if path.exists() or process_rank() != 0 else folder_creation_problem(path)
+    if problem:
+        parser.error(f"argument {flag}: {path} cannot be created ({problem})")
     if not path.is_dir() or run.overwrite_output_dir:
         return
     resume = training.resume_from_checkpoint
