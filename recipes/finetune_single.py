@@ -22,16 +22,19 @@ import time
 
 from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged
 
+PROG = "finetune_single.py"
+
 
 def parse_args(argv=None):
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
     p.add_argument("--data-dir", type=existing_path, default=None, help="AG News CSV file or folder; omit to read the hub")
     p.add_argument("--max-train-samples", type=positive_int, default=None)
     p.add_argument("--max-eval-samples", type=positive_int, default=None)
-    p.add_argument("--max-length", type=positive_int, default=128, help="tokens per example")
+    p.add_argument("--max-length", type=ranged(int, Range(2)), default=128, help="tokens per example")
     p.add_argument("--epochs", type=positive_float, default=1.0)
     p.add_argument("--lr", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
     p.add_argument("--batch-size", type=positive_int, default=16)
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--kernel", default="auto",
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
+                   help="write over the results of another run in --output-dir")
     args = p.parse_args(argv)
     if args.kernel != "auto":  # the registry imports torch: only for a kernel named on the command line
         from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
@@ -50,6 +55,12 @@ def parse_args(argv=None):
     if args.full_precision and args.kernel != "auto":
         p.error(f"argument --kernel: {args.kernel!r} is a kernel of 8-bit training, and --full-precision trains "
                 f"in fp32: drop one of them")
+    from lp_decentral_nlp.commands import model_flag_problem, output_dir_problem
+
+    for flag, problem in (("--model", model_flag_problem(args.model)),
+                          ("--output-dir", output_dir_problem(args.output_dir, args.overwrite_output_dir))):
+        if problem:
+            p.error(f"argument {flag}: {problem}")
     return args
 
 
@@ -57,29 +68,25 @@ def main(argv=None) -> dict:
     args = parse_args(argv)  # before the heavy imports: a bad flag is answered at once
     import numpy as np
     import torch
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainingArguments, set_seed)
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
-    from lp_decentral_nlp.commands import resolve_model
+    from lp_decentral_nlp.commands import load_classifier, load_data, load_tokenizer, resolve_model
     from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
     out = pathlib.Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     set_seed(args.seed)
 
-    model_path, notice = resolve_model(args.model, "finetune_single.py")
+    model_path, notice = resolve_model(args.model, PROG)
     if notice:
         print(notice, file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = load_task("ag_news", data_dir=args.data_dir, tokenizer=tokenizer, max_length=args.max_length,
-                     max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples, seed=args.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_path, num_labels=len(AG_NEWS_LABELS), id2label=dict(enumerate(AG_NEWS_LABELS)),
-        label2id={n: i for i, n in enumerate(AG_NEWS_LABELS)},
-        ignore_mismatched_sizes=True,  # a head trained for another label set is replaced
-    )
+    tokenizer = load_tokenizer(model_path, args.max_length, PROG)
+    data = load_data(lambda: load_task("ag_news", data_dir=args.data_dir, tokenizer=tokenizer,
+                                       max_length=args.max_length, max_train_samples=args.max_train_samples,
+                                       max_eval_samples=args.max_eval_samples, seed=args.seed),
+                     "ag_news", args.data_dir, PROG)
+    model = load_classifier(model_path, list(AG_NEWS_LABELS), PROG)  # a head for other labels is refused
     quant_config = None if args.full_precision else QuantConfig(kernel=args.kernel)
     if quant_config is not None:
         quantize_model(model, quant_config)
@@ -119,6 +126,7 @@ def main(argv=None) -> dict:
         "model_used": model_path,
         "args": vars(args),
     }
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
     return results

@@ -110,7 +110,7 @@ def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, cap
     (run / "checkpoint-4").mkdir()
     assert flag_error(["--output-dir", str(run)], capsys) == (
         f"argument --output-dir: {run} already holds another run's results (checkpoint-4, results.json): pass "
-        "--overwrite_output_dir to write over them, or choose another --output-dir")
+        "--overwrite_output_dir to write over them, or choose another folder")
     parsed = build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(run), "--overwrite_output_dir"])
     assert parsed.recipe.overwrite_output_dir and (run / "results.json").read_text() == '{"status": "done"}'
 

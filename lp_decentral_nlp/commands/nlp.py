@@ -53,13 +53,61 @@ def _derive(values: dict) -> None:
     derive_run_values(values, run_name)
 
 
-def check_model_flag(parser, parsed) -> None:
-    model = parsed.recipe.model
+def model_flag_problem(model: str) -> str | None:
+    """Why ``--model`` cannot name a model, before anything is loaded: a local path (or one that
+    looks like a path) that does not exist or is not a model folder; None for a hub id."""
     looks_local = pathlib.Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
-    if looks_local:
-        problem = (f"{model} does not exist" if not pathlib.Path(model).exists() else model_folder_problem(model))
-        if problem:
-            parser.error(f"argument {parser.flag_of('model')}: {problem}")
+    if not looks_local:
+        return None
+    return f"{model} does not exist" if not pathlib.Path(model).exists() else model_folder_problem(model)
+
+
+def check_model_flag(parser, parsed) -> None:
+    problem = model_flag_problem(parsed.recipe.model)
+    if problem:
+        parser.error(f"argument {parser.flag_of('model')}: {problem}")
+
+
+# what loading a damaged or foreign model folder raises
+def _unreadable_model_errors() -> tuple:
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, KeyError, RuntimeError, SafetensorError
+
+
+def load_tokenizer(model_path: str, max_length: int, prog: str):
+    """The tokenizer of `model_path`, after checking that its config loads and its model has at
+    least ``max_length`` positions; a problem exits with one line naming ``--model`` or
+    ``--max-length``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except _unreadable_model_errors() as err:
+        exit_with_error(prog, f"{model_path}: cannot load its config or tokenizer ({error_summary(err)})", "--model")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and max_length > positions:
+        exit_with_error(prog, f"{max_length} exceeds the {positions} positions of {model_path} "
+                              f"(max_position_embeddings): use at most {positions}", "--max-length")
+    return tokenizer
+
+
+def load_classifier(model_path: str, labels, prog: str):
+    """`model_path` with a sequence-classification head for ``labels`` (class names), after
+    checking that a named head of its own fits them; a problem exits with one line naming ``--model``."""
+    from transformers import AutoModelForSequenceClassification
+
+    mismatch = model_label_mismatch(model_path, labels)
+    if mismatch:
+        exit_with_error(prog, mismatch, "--model")
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={name: i for i, name in enumerate(labels)},
+            ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+    except _unreadable_model_errors() as err:
+        exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
 
 
 def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser:
@@ -117,8 +165,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     loads the tokenizer, the task's data (``{"train", "test"}`` tokenized to ``--max-length``) and
     the model with a head for the task's labels, and checks them (rows, labels, memory); a problem
     exits with one line naming the flag. Returns ``(model, data, tokenizer, model_path)``."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+    from transformers import set_seed
 
     from ..data import load_task
     from ..trainer import check_model_precision
@@ -128,33 +175,14 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     model_path, notice = resolve_model(recipe.model, prog)
     if notice and process_rank() == 0:
         print(notice, file=sys.stderr)
-    unreadable = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)  # what a damaged folder raises
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except unreadable as err:
-        exit_with_error(prog, f"{model_path}: cannot load its config or tokenizer ({error_summary(err)})", "--model")
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and recipe.max_length > positions:
-        exit_with_error(prog, f"{recipe.max_length} exceeds the {positions} positions of {model_path} "
-                              f"(max_position_embeddings): use at most {positions}", "--max-length")
+    tokenizer = load_tokenizer(model_path, recipe.max_length, prog)
     data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
                                        max_eval_samples=recipe.max_eval_samples, seed=training.seed),
                      recipe.task, recipe.data_dir, prog)
     check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
-    labels = data["train"].features["label"].names
-    mismatch = model_label_mismatch(model_path, labels)
-    if mismatch:
-        exit_with_error(prog, mismatch, "--model")
     set_seed(training.seed)
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-            label2id={name: i for i, name in enumerate(labels)},
-            ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
-    except unreadable as err:
-        exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
+    model = load_classifier(model_path, data["train"].features["label"].names, prog)
     try:  # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
         check_model_precision(model, training)
     except ValueError as err:

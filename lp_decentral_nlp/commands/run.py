@@ -152,34 +152,41 @@ def folder_creation_problem(path: pathlib.Path) -> str | None:
             folder.rmdir()
 
 
-def check_output_dir(parser, training, run) -> None:
-    """Refuse an ``--output_dir`` that is a file, cannot be written, or holds another run's results
-    (without ``--overwrite_output_dir``; resuming from a checkpoint inside it is this run)."""
-    flag = parser.flag_of("output_dir")
-    if not str(training.output_dir).strip():
-        parser.error(f"argument {flag}: the folder name is empty")
-    path = pathlib.Path(training.output_dir)
+def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_checkpoint=None) -> str | None:
+    """Why ``output_dir`` cannot take a run's results, or None: empty, a file, under a file, not
+    writable or creatable, or holding another run's results (unless ``overwrite``; resuming from a
+    checkpoint inside it is this run)."""
+    if not str(output_dir).strip():
+        return "the folder name is empty"
+    path = pathlib.Path(output_dir)
     if path.exists() and not path.is_dir():
-        parser.error(f"argument {flag}: {path} is a file, not a folder")
+        return f"{path} is a file, not a folder"
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        parser.error(f"argument {flag}: {path} cannot be created ({existing} is a file)")
+        return f"{path} cannot be created ({existing} is a file)"
     if not os.access(existing, os.W_OK | os.X_OK):
-        parser.error(f"argument {flag}: {path} cannot be written ({existing} is not writable)")
+        return f"{path} cannot be written ({existing} is not writable)"
     problem = None if path.exists() or process_rank() != 0 else folder_creation_problem(path)
     if problem:
-        parser.error(f"argument {flag}: {path} cannot be created ({problem})")
-    if not path.is_dir() or run.overwrite_output_dir:
-        return
-    resume = training.resume_from_checkpoint
-    if resume is not None:
-        checkpoint = pathlib.Path(resume).resolve()
+        return f"{path} cannot be created ({problem})"
+    if not path.is_dir() or overwrite:
+        return None
+    if resume_from_checkpoint is not None:
+        checkpoint = pathlib.Path(resume_from_checkpoint).resolve()
         if path.resolve() in (checkpoint, *checkpoint.parents):  # continuing the run this folder holds
-            return
+            return None
     found = sorted(p.name for p in path.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
     if found:
-        parser.error(f"argument {flag}: {path} already holds another run's results ({', '.join(found)}): pass "
-                     f"--overwrite_output_dir to write over them, or choose another {flag}")
+        return (f"{path} already holds another run's results ({', '.join(found)}): pass --overwrite_output_dir to "
+                f"write over them, or choose another folder")
+    return None
+
+
+def check_output_dir(parser, training, run) -> None:
+    """Refuse an ``--output_dir`` with a :func:`output_dir_problem` (one line naming the flag)."""
+    problem = output_dir_problem(training.output_dir, run.overwrite_output_dir, training.resume_from_checkpoint)
+    if problem:
+        parser.error(f"argument {parser.flag_of('output_dir')}: {problem}")
 
 
 def check_save_total_limit(parser, training) -> None:
