@@ -218,8 +218,17 @@ ROWS = {
     53: Row('`--output-dir ""`', "exit 2", "argument --output-dir: the folder name is empty"),
     54: Row("`--output-dir /proc/run` (a folder no one can create)", "exit 2",
             "argument --output-dir: /proc/run cannot be created (FileNotFoundError: No such file or directory)"),
+    55: cli(["--report_to", "foo"], "argument --report_to: 'foo' is not a logging integration; choose from "
+            "['azure_ml', 'clearml', 'codecarbon', 'comet_ml', 'dagshub', 'dvclive', 'flyte', 'kubeflow', 'mlflow', "
+            "'neptune', 'swanlab', 'tensorboard', 'trackio', 'wandb'] or 'none'"),
+    56: cli(["--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a metric of the "
+            "evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
+            "bytes_sent_node_<i> for a node i in 0..3"),
+    57: Row("`--skew 0.5 --shard-column topic`, no such column", "exit 2",
+            "shard_column='topic' is not a column of train_dataset (columns: ['label', 'input_ids', 'token_type_ids', "
+            "'attention_mask'])"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56]
 
 
 def docs_table() -> str:
@@ -503,3 +512,12 @@ def test_rows52_54_an_output_dir_that_cannot_be_created(tmp_path, capsys):
     # a folder that can be created is checked by creating it, and not left behind
     build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(tmp_path / "new" / "run")])
     assert not (tmp_path / "new").exists()
+
+
+def test_row57_a_shard_column_the_data_lacks(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--skew", "0.5", "--shard-column", "topic",
+                                  "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[57].message
+    assert not (tmp_path / "run").exists()

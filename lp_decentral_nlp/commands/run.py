@@ -87,6 +87,39 @@ def run_checks(parser, parsed) -> None:
     check_save_total_limit(parser, parsed.training)
     check_output_dir(parser, parsed.training, parsed.recipe)
     check_resume(parser, parsed.training)
+    check_report_to(parser, parsed.training)
+    check_best_metric(parser, parsed.training)
+
+
+def check_report_to(parser, training) -> None:
+    """``--report_to``: integrations transformers knows and this environment has installed (the
+    trainer would otherwise fail building its callbacks, after the model was loaded)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    installed = get_available_reporting_integrations()
+    for name in training.report_to or ():
+        if name not in INTEGRATION_TO_CALLBACK:
+            parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not a logging integration; choose from "
+                         f"{sorted(INTEGRATION_TO_CALLBACK)} or 'none'")
+        if name not in installed:
+            parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not installed here: install its "
+                         f"package, or use 'none'")
+
+
+def check_best_metric(parser, training) -> None:
+    """``--metric_for_best_model``: one of the metrics a recipe's evaluation returns (checked now,
+    not at the first evaluation after training has begun): ``loss``, ``accuracy``,
+    ``consensus_distance``, or ``loss``/``accuracy``/``bytes_sent`` of one node, ``_node_<i>``."""
+    metric = training.metric_for_best_model
+    if metric is None:
+        return
+    nodes = range(training.num_nodes)
+    known = ["loss", "accuracy", "consensus_distance",
+             *(f"{name}_node_{i}" for name in ("loss", "accuracy", "bytes_sent") for i in nodes)]
+    if metric.removeprefix("eval_") not in known:
+        parser.error(f"argument {parser.flag_of('metric_for_best_model')}: {metric!r} is not a metric of the "
+                     f"evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
+                     f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
 
 
 def process_rank() -> int:
@@ -415,8 +448,11 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
 
     out = training.output_dir
     csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
-    trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"], eval_dataset=data["test"],
-                                   callbacks=[csv_callback], **trainer_kwargs)
+    try:  # the training set against the settings (a shard column it lacks, labels the model cannot predict, ...)
+        trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"],
+                                       eval_dataset=data["test"], callbacks=[csv_callback], **trainer_kwargs)
+    except ValueError as err:
+        exit_with_error(prog, str(err))
     kernels_callback = TrainingKernelsCallback(trainer.nodes[0])
     trainer.add_callback(kernels_callback)
     report = trainer.cost_report(input_shape).to_dict()
