@@ -227,6 +227,8 @@ ROWS = {
     57: Row("`--skew 0.5 --shard-column topic`, no such column", "exit 2",
             "shard_column='topic' is not a column of train_dataset (columns: ['label', 'input_ids', 'token_type_ids', "
             "'attention_mask'])"),
+    58: Row("`OMP_NUM_THREADS=abc` (or a launcher's `WORLD_SIZE`, `RANK` that is not a whole number)", "exit 2",
+            "environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56]
 
@@ -521,3 +523,10 @@ def test_row57_a_shard_column_the_data_lacks(tmp_path, tiny_model_dir, ag_news_c
                                   "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[57].message
     assert not (tmp_path / "run").exists()
+
+
+def test_row58_unusable_environment_variables(capsys, monkeypatch):
+    assert cli_error([], capsys, {"OMP_NUM_THREADS": "abc"}, monkeypatch) == ROWS[58].message
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cli_error([], capsys, {"WORLD_SIZE": "4.0"}, monkeypatch) == (
+        "environment variable WORLD_SIZE='4.0' must be a whole number >= 1")

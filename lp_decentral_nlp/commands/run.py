@@ -122,6 +122,17 @@ def check_best_metric(parser, training) -> None:
                      f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
 
 
+def environment_problem() -> str | None:
+    """Why a launcher variable (rank, world size) or ``OMP_NUM_THREADS`` in the environment cannot be
+    used (not a whole number, or below 0 for a rank and 1 otherwise), or None."""
+    for names, low in ((RANK_VARIABLES, 0), (WORLD_SIZE_VARIABLES, 1), (("OMP_NUM_THREADS",), 1)):
+        for name in names:
+            value = os.environ.get(name)
+            if value is not None and not (value.strip().isdigit() and int(value) >= low):
+                return f"environment variable {name}={value!r} must be a whole number >= {low}"
+    return None
+
+
 def process_rank() -> int:
     """This process's rank under a launcher (0 without one)."""
     return int(next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0"))
@@ -140,7 +151,11 @@ def check_launcher(parser, values: dict) -> None:
     ``accelerate launch --num_processes N`` on a machine without GPUs starts ONE process unless
     ``--multi_gpu`` is given (accelerate's simple launcher, which does not pass N on); that process
     sees no WORLD_SIZE, so it starts the ``--nodes`` processes itself (:func:`relaunch_one_process_per_node`).
+    An unusable launcher or thread variable (:func:`environment_problem`) is refused first.
     """
+    problem = environment_problem()
+    if problem:
+        parser.error(problem)
     world = launched_world_size()
     if values["backend"] == "distributed":
         nodes = values["num_nodes"]
