@@ -22,6 +22,7 @@ import sys
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
 
+PROG = "sweep.py"
 COLUMNS = [("deepsqueeze", False, "DS"), ("deepsqueeze", True, "LP-DS"), ("choco", False, "Choco"), ("choco", True, "LP-Choco")]
 
 
@@ -49,11 +50,12 @@ def parse(argv=None):
     description = __doc__.splitlines()[0]
     check = flag_check_parser("nlp", description=description, fixed=("algorithm",))
     add_grid_flags(check)
-    check.parse_args(sys.argv[1:] if argv is None else argv)
-    parser = commands.build_nlp_parser(None, "choco", description=description)
+    grid_flags = check.parse_args(sys.argv[1:] if argv is None else argv)
+    # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
+    parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
     add_grid_flags(parser)
-    parser.add_check(check_finished_runs)
+    parser.add_check(check_grid)
     return parser.parse(argv)
 
 
@@ -74,13 +76,18 @@ def settings_differing(results: dict, run) -> list[str]:
             for key in sorted((saved.keys() | wanted.keys()) - ignored) if saved.get(key) != wanted.get(key)]
 
 
-def check_finished_runs(parser, sweep) -> None:
-    """Refuse a grid folder whose finished results were made with other settings (a sweep reuses a
-    finished grid point as it is): the one-line error of ``--output-dir``, unless
-    ``--overwrite_output_dir`` (those points run again)."""
+def check_grid(parser, sweep) -> None:
+    """Refuse a grid whose points' settings do not go together (one line naming the setting), and
+    a grid folder whose finished results were made with other settings (a sweep reuses a finished
+    grid point as it is): the one-line error of ``--output-dir``, unless ``--overwrite_output_dir``
+    (those points run again)."""
+    try:
+        runs = grid(sweep)
+    except ValueError as err:  # a grid point's algorithm refuses the other flags (e.g. Choco on a time-varying graph)
+        parser.error(str(err))
     if sweep.values["overwrite_output_dir"]:
         return
-    for run in grid(sweep):
+    for run in runs:
         results = commands.finished_results(run.training.output_dir)
         differing = settings_differing(results, run) if results is not None else []
         if differing:
@@ -131,7 +138,8 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
     the other in this process when ``jobs == 1``, else ``jobs`` at a time in fresh (spawned)
     processes, each printing into its output folder's ``run.log``. Prints ``[k/n] name: accuracy``
     after each (``names[i]``; ``progs[i]``: the recipe named in its errors). Returns ``{i: results}``;
-    a failed run cancels the rest and raises RuntimeError naming it and its log."""
+    a failed run cancels the rest and raises RuntimeError naming it and its log, or for a bad
+    input found by the run (exit status 2) prints its one-line error and exits 2."""
     progs = progs or [""] * len(runs)
     results = {}
 
@@ -153,8 +161,13 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
                 except BaseException as err:
                     for other in futures:
                         other.cancel()
-                    raise RuntimeError(f"{names[i]} failed: {err!r}; its log: "
-                                       f"{os.path.join(runs[i].training.output_dir, 'run.log')}") from err
+                    log = os.path.join(runs[i].training.output_dir, "run.log")
+                    if isinstance(err, SystemExit) and err.code == 2:  # a bad input: its one line ends the log
+                        with open(log) as fh:
+                            print(f"{fh.read().strip().splitlines()[-1].split(chr(13))[-1]} [{names[i]}]",
+                                  file=sys.stderr)
+                        raise SystemExit(2) from None
+                    raise RuntimeError(f"{names[i]} failed: {err!r}; its log: {log}") from err
                 report(done, i)
     return results
 
@@ -164,7 +177,7 @@ def run_grid(sweep) -> list[dict]:
     finished = {i: commands.finished_results(run.training.output_dir) for i, run in enumerate(runs)}
     results = {i: r for i, r in finished.items() if r is not None and not settings_differing(r, runs[i])}
     todo = [i for i in range(len(runs)) if i not in results]
-    results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs]))
+    results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs], [PROG] * len(runs)))
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,
              "gamma": results[i]["config"]["consensus_lr_used"], "accuracy": results[i]["accuracy"],

@@ -3,6 +3,7 @@ and the distributed backend (torchrun, 4 processes, gloo) against the simulation
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -194,6 +195,29 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     # with --overwrite_output_dir the point runs again
     redo = sweep.grid(sweep.parse([*flags, "--lr", "0.5", "--overwrite_output_dir"]))[0]
     assert sweep.settings_differing(finished, redo) == ["learning_rate=3e-05 (this sweep: 0.5)"]
+
+
+def test_sweep_checks_each_grid_point_with_its_own_algorithm(capsys):
+    sweep = import_sweep()
+    grid_flags = ["--precisions", "fp32", "--skews", "0", "--comps", "0", "--topology", "exponential"]
+    runs = sweep.grid(sweep.parse([*grid_flags, "--algorithms", "deepsqueeze"]))  # a time-varying graph is its own
+    assert [run.training.algorithm for run in runs] == ["deepsqueeze"]
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse([*grid_flags, "--algorithms", "deepsqueeze", "choco"])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith(
+        "sweep.py: error: topology='exponential' changes every step, but algorithm='choco' needs a static graph")
+
+
+def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, tiny_model_dir):
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("label,title,description\n")
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "sweep.py"), "--model", str(tiny_model_dir),
+                           "--data-dir", str(header_only), "--algorithms", "choco", "--precisions", "fp32", "--skews",
+                           "0", "0.5", "--comps", "0", "--jobs", "2", "--output-dir", str(tmp_path / "sweep")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.fullmatch(rf"sweep.py: error: argument --data-dir: {header_only}: has a header line but no data rows "
+                        r"\[choco fp32 skew=0(\.5)? comp=0\]", proc.stderr.strip().splitlines()[-1])
 
 
 def test_sweep_kernel_flag_is_for_its_8bit_runs():
