@@ -229,6 +229,8 @@ ROWS = {
             "'attention_mask'])"),
     58: Row("`OMP_NUM_THREADS=abc` (or a launcher's `WORLD_SIZE`, `RANK` that is not a whole number)", "exit 2",
             "environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1"),
+    59: Row("no `--data-dir` while the hub is offline", "exit 2",
+            "could not load 'ag_news' from the hub (offline); pass --data-dir with a local copy"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56]
 
@@ -530,3 +532,13 @@ def test_row58_unusable_environment_variables(capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert cli_error([], capsys, {"WORLD_SIZE": "4.0"}, monkeypatch) == (
         "environment variable WORLD_SIZE='4.0' must be a whole number >= 1")
+
+
+def test_row59_no_data_dir_while_the_hub_is_offline(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from lp_decentral_nlp.commands import run
+
+    monkeypatch.setattr(run, "hub_offline", lambda: True)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--max-length", "32", "--output-dir",
+                                  str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[59].message

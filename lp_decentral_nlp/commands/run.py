@@ -271,12 +271,16 @@ def error_summary(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
-def load_data(load, what: str, data_dir, prog: str):
+def load_data(load, what: str, data_dir, prog: str, from_hub: bool = True):
     """``load()`` (a task's or dataset's loader), its errors told as the command line's.
 
     With ``data_dir``: an unusable local source (ValueError, TypeError or OSError: the loaders
     name the file, line and problem) is the one-line flag error of ``--data-dir``. Without it
-    (``what`` read from the hub): no connection is one line asking for ``--data-dir``."""
+    (``what`` read from the hub, unless ``from_hub`` is False: bundled data): no connection is one
+    line asking for ``--data-dir``, said at once when the hub is offline (:func:`hub_offline`)
+    rather than after the hub client's retries."""
+    if data_dir is None and from_hub and hub_offline():
+        exit_with_error(prog, f"could not load {what!r} from the hub (offline); pass --data-dir with a local copy")
     try:
         return load()
     except (ValueError, TypeError, OSError) as err:

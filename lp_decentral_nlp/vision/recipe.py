@@ -145,7 +145,7 @@ def run_vision(parsed, prog: str = "") -> dict:
     start = time.time()
     set_threads(recipe)
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
-                    recipe.dataset, recipe.data_dir, prog)
+                    recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
     data = with_vision_transforms(raw, recipe.dataset, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
