@@ -202,6 +202,24 @@ def test_rotation_keeps_the_best_and_the_newest_checkpoint_as_trainer_does(tmp_p
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [8]
 
 
+def test_resolving_a_checkpoint_says_why_none_is_complete(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'afile'} is a file, not a checkpoint folder$"):
+        ckpt.resolve_checkpoint(tmp_path / "afile")
+    run = tmp_path / "run"
+    _commit_steps(run, (2, 4))
+    (run / "checkpoint-4" / ckpt.MANIFEST).write_text('{"format": ')  # truncated
+    assert ckpt.resolve_checkpoint(run) == run / "checkpoint-2"  # the newest complete one
+    (run / "checkpoint-2" / "node-0.safetensors").unlink()
+    with pytest.raises(ValueError, match=rf"^no complete checkpoint-<step> directory in {run} \({run / 'checkpoint-4'}"
+                                         rf"/{ckpt.MANIFEST} is not valid JSON \(truncated or corrupted\)"):
+        ckpt.resolve_checkpoint(run)
+    (run / "checkpoint-4" / ckpt.MANIFEST).unlink()
+    with pytest.raises(ValueError, match=rf"^no complete checkpoint-<step> directory in {run} \(checkpoint-4 lacks "
+                                         rf"{ckpt.MANIFEST}\)$"):
+        ckpt.resolve_checkpoint(run)
+
+
 def test_nested_state_round_trips_through_safetensors(tmp_path):
     state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
                            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},

@@ -277,6 +277,8 @@ def resolve_checkpoint(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file, not a checkpoint folder")
     if (path / MANIFEST).exists() or _CHECKPOINT_DIR.match(path.name):
         missing = missing_files(path)
         if missing:
@@ -284,7 +286,16 @@ def resolve_checkpoint(path) -> Path:
         return path
     found = list_checkpoints(path)
     if not found:
-        raise ValueError(f"no complete checkpoint-<step> directory in {path}")
+        # say why the newest checkpoint folder there is not complete (a damaged manifest, missing files)
+        candidates = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _CHECKPOINT_DIR.match(p.name)))
+        why = ""
+        if candidates:
+            newest = candidates[-1][1]
+            try:
+                why = f" ({newest.name} lacks {', '.join(missing_files(newest))})"
+            except ValueError as err:
+                why = f" ({err})"
+        raise ValueError(f"no complete checkpoint-<step> directory in {path}{why}")
     return found[-1][1]
 
 
