@@ -231,8 +231,10 @@ ROWS = {
             "environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1"),
     59: Row("no `--data-dir` while the hub is offline", "exit 2",
             "could not load 'ag_news' from the hub (offline); pass --data-dir with a local copy"),
+    60: cli(["--num_nodes", "3", "--nodes", "2"], "argument --nodes: given more than once (--num_nodes and --nodes): "
+            "give it once"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60]
 
 
 def docs_table() -> str:

@@ -63,22 +63,25 @@ def test_finetune_single_answers_bad_inputs_in_one_line(tiny_model_dir, ag_news_
     (finished / "results.json").write_text('{"accuracy": 0.9}')
     header_only = tmp_path / "header.csv"
     header_only.write_text("label,title,description\n")
-    base = ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16"]
-    for argv, message in (
-            ([*base, "--output-dir", str(finished)],
+    def argv(**changes):
+        flags = {"--model": tiny_model_dir, "--data-dir": ag_news_csv, "--max-length": 16,
+                 "--output-dir": tmp_path / "run", **{f"--{k.replace('_', '-')}": v for k, v in changes.items()}}
+        return [str(part) for flag, value in flags.items() for part in (flag, value)]
+
+    for flags, message in (
+            (argv(output_dir=finished),
              f"argument --output-dir: {finished} already holds another run's results (results.json): pass "
              "--overwrite_output_dir to write over them, or choose another folder"),
-            ([*base, "--output-dir", str(tmp_path / "run"), "--data-dir", str(header_only)],
-             f"argument --data-dir: {header_only}: has a header line but no data rows"),
-            ([*base, "--output-dir", str(tmp_path / "run"), "--max-length", "1"],
-             "argument --max-length: must be in [2, inf), got 1"),
-            ([*base, "--output-dir", str(tmp_path / "run"), "--max-length", "200"],
+            (argv(data_dir=header_only), f"argument --data-dir: {header_only}: has a header line but no data rows"),
+            (argv(max_length=1), "argument --max-length: must be in [2, inf), got 1"),
+            (argv(max_length=200),
              f"argument --max-length: 200 exceeds the 128 positions of {tiny_model_dir} (max_position_embeddings): "
              "use at most 128"),
-            ([*base, "--output-dir", str(tmp_path / "run"), "--model", str(tmp_path)],
-             f"argument --model: {tmp_path} is not a model folder (no config.json)")):
+            (argv(model=tmp_path), f"argument --model: {tmp_path} is not a model folder (no config.json)"),
+            ([*argv(), "--lr", "1e-3", "--lr", "1e-4"],
+             "argument --lr: given more than once (--lr and --lr): give it once")):
         with pytest.raises(SystemExit) as exit_:
-            recipe.main(argv)
+            recipe.main(flags)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "Traceback" not in err and err.endswith(f"finetune_single.py: error: {message}\n")
     assert (finished / "results.json").read_text() == '{"accuracy": 0.9}'

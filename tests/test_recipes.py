@@ -23,9 +23,20 @@ RECIPES = ["agnews_choco", "agnews_deepsqueeze", "sentlen_choco", "sentlen_deeps
 
 
 def tiny_flags(model_dir, csv, out, *extra):
-    return ["--model", str(model_dir), "--data-dir", str(csv), "--max-train-samples", "256",
-            "--max-eval-samples", "48", "--max-length", "16", "--batch-size", "8", "--max-steps", "3",
-            "--logging-steps", "1", "--output-dir", str(out), *extra]
+    """A tiny run's flags; a flag in ``extra`` that is one of these replaces its value (a flag given
+    twice is refused)."""
+    flags = {"--model": model_dir, "--data-dir": csv, "--max-train-samples": 256, "--max-eval-samples": 48,
+             "--max-length": 16, "--batch-size": 8, "--max-steps": 3, "--logging-steps": 1, "--output-dir": out}
+    extra, rest = [str(e) for e in extra], []
+    i = 0
+    while i < len(extra):
+        if extra[i] in flags:
+            flags[extra[i]] = extra[i + 1]
+            i += 2
+        else:
+            rest.append(extra[i])
+            i += 1
+    return [str(part) for flag, value in flags.items() for part in (flag, value)] + rest
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -162,6 +162,7 @@ class OneLineErrors:
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
+        self._refuse_repeated_flags(args)
         try:
             return super().parse_known_args(args, namespace)
         except argparse.ArgumentError as err:  # its argument_name is "/".join(the action's option_strings)
@@ -171,6 +172,28 @@ class OneLineErrors:
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    # actions a flag may be given to more than once (each occurrence adds)
+    _REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
+                   argparse._ExtendAction)
+
+    def _refuse_repeated_flags(self, args) -> None:
+        """A flag given twice, itself or by an alias (``--nodes 2 --num_nodes 3``), is an error:
+        argparse would keep the last value and drop the other in silence. Repeatable flags
+        (``append``: ``--straggler``) may repeat."""
+        by_option = {option: action for action in self._actions if not isinstance(action, self._REPEATABLE)
+                     for option in action.option_strings}
+        seen: dict[str, str] = {}
+        for token in args:
+            if token == "--":
+                break
+            option = token.split("=", 1)[0]
+            action = by_option.get(option)
+            if action is None:
+                continue
+            if action.dest in seen:
+                self.error(f"argument {option}: given more than once ({seen[action.dest]} and {option}): give it once")
+            seen[action.dest] = option
 
 
 def option_used(action: argparse.Action, argv) -> str:
