@@ -203,6 +203,18 @@ def test_logging_strategy_no_logs_no_training_loss(tmp_path, agnews_small, token
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss > 0
 
 
+def test_logs_carry_each_nodes_gradient_norm_before_clipping(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=2, max_grad_norm=1e-3)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for log in logs:
+        norms = [log[f"grad_norm_node_{i}"] for i in range(4)]
+        assert all(n > 1e-3 for n in norms)  # the norm clipping scaled down, not the clipped one
+        assert log["grad_norm"] == pytest.approx(float(np.mean(norms)))
+    assert logs[0]["grad_norm_node_0"] != logs[1]["grad_norm_node_0"]  # the last step's, each time
+
+
 def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, tokenizer):
     # the loss must improve by more than 10 per evaluation: the first comparison fails, the run stops
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,

@@ -431,7 +431,8 @@ class CheckpointMixin:
             "gossip": self.gossip.node_state_dict(i),
             "qgm": self._qgm_node_state(k),
             "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
-                         "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k])},
+                         "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k]),
+                         "grad_norm": self._grad_norm[k]},
         }
 
     def _qgm_node_state(self, k: int):
@@ -537,6 +538,7 @@ class CheckpointMixin:
             self.nonfinite_skips[k] = counters["nonfinite_skips"]
             self._loss_sum[k] = counters["loss_sum"]
             self._loss_count[k] = counters["loss_count"]
+            self._grad_norm[k] = counters.get("grad_norm", torch.nan)  # older checkpoints have none
             parts.append(state["gossip"])
         try:
             self.gossip.load_node_state_dicts(parts)

@@ -67,7 +67,9 @@ class EvaluationMixin:
         """Log the mean loss of each node since the last log; returns the loss summed over those steps.
 
         A node that took no step in the window (absent, or every step skipped) logs NaN; the
-        overall ``loss`` is the mean over the nodes that did. ``log=False`` only takes the window's
+        overall ``loss`` is the mean over the nodes that did. ``grad_norm_node_{i}``: node ``i``'s
+        total gradient norm at its last step in the window, before clipping (NaN without one);
+        ``grad_norm`` their mean, as Trainer logs its one model's. ``log=False`` only takes the window's
         loss (the end of a run with ``logging_strategy="no"``).
         """
         steps = self.state.global_step - self._last_logged
@@ -81,6 +83,10 @@ class EvaluationMixin:
         if log:
             logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
             logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
+            grad_norms = self.node_group.gather(self._grad_norm)
+            logs["grad_norm"] = float(grad_norms.nanmean())  # mean over the nodes of their last step's norm
+            logs.update({f"grad_norm_node_{i}": float(v) for i, v in enumerate(grad_norms)})
+            self._grad_norm.fill_(torch.nan)  # a node that takes no step before the next log logs NaN
             logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
             if self.args.skip_nonfinite:
                 skips = self.node_group.gather(self.nonfinite_skips)

@@ -128,8 +128,9 @@ class LocalStepMixin:
             handler.model, handler.optimizer, handler.lr_scheduler = kept
 
     def _finite_then_clip(self, k: int, loss: torch.Tensor, step: int) -> bool:
-        """Whether local node ``k``'s loss and gradients are all finite; if so, its gradients are
-        clipped to total L2 norm ``max_grad_norm`` (when > 0), as ``clip_grad_norm_`` does.
+        """Whether local node ``k``'s loss and gradients are all finite; if so, their total L2 norm
+        is kept for the logs (``grad_norm``) and they are clipped to ``max_grad_norm`` (when > 0),
+        as ``clip_grad_norm_`` does.
 
         One ``_foreach_norm`` over the gradients serves both: a NaN/Inf entry makes its tensor's
         norm non-finite, and the total of those norms is what clipping scales by. Checking first
@@ -149,9 +150,11 @@ class LocalStepMixin:
             self.nonfinite_skips[k] += 1
             logger.warning(self._nonfinite_message(k, step, loss) + "; skipped (skip_nonfinite)")
             return False
-        if self.args.max_grad_norm > 0 and params:
+        if params:
             total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))  # = get_total_norm
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
+            self._grad_norm[k] = total  # before clipping, as Trainer logs it; on the device: no sync
+            if self.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
         return True
 
     def _all_finite(self, k: int, loss: torch.Tensor) -> bool:

@@ -199,6 +199,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.state = TrainerState()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
+        self._grad_norm = torch.full((len(self.nodes),), torch.nan, device=args.device)  # last step's, per local node
         self._last_logged, self._total_loss = 0, 0.0
         self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
