@@ -520,6 +520,20 @@ def test_rows52_54_an_output_dir_that_cannot_be_created(tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
+def test_processes_of_one_launch_check_the_same_new_output_dir_at_once(tmp_path):
+    """Every process of a distributed launch checks ``--output_dir`` before they meet: checking a
+    folder that does not exist yet never creates it, so one process's check cannot make another
+    see a folder that vanishes under it (or a folder it cannot create)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lp_decentral_nlp.commands import output_dir_problem
+
+    target = tmp_path / "new" / "run"
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: output_dir_problem(str(target)), range(2000)))
+    assert set(answers) == {None} and list(tmp_path.iterdir()) == []
+
+
 def test_row57_a_shard_column_the_data_lacks(tmp_path, tiny_model_dir, ag_news_csv, capsys):
     with pytest.raises(SystemExit) as exc:
         main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",

@@ -26,6 +26,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -185,19 +186,16 @@ def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
 
 def folder_creation_problem(path: pathlib.Path) -> str | None:
     """Why the absent folder `path` cannot be created (``os.access`` says yes for root, or under
-    ``/proc``), found by creating it and its absent parents and removing them again; None when it
-    can. Run on one process only: two creating and removing the same folders would race."""
-    created = []
+    ``/proc``), or None when it can. Found by creating the same absent folders inside a private
+    temporary folder in the deepest existing parent, then removing it: `path` itself is never
+    created, so several processes of one launch can probe it at once."""
+    existing = next(p for p in path.parents if p.exists())
     try:
-        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
-            folder.mkdir()
-            created.append(folder)
+        with tempfile.TemporaryDirectory(prefix=".probe-", dir=existing) as probe:
+            pathlib.Path(probe, path.relative_to(existing)).mkdir(parents=True)
         return None
     except OSError as err:
         return f"{type(err).__name__}: {err.strerror or err}"
-    finally:
-        for folder in reversed(created):
-            folder.rmdir()
 
 
 def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_checkpoint=None) -> str | None:
@@ -214,7 +212,7 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
         return f"{path} cannot be created ({existing} is a file)"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{path} cannot be written ({existing} is not writable)"
-    problem = None if path.exists() or process_rank() != 0 else folder_creation_problem(path)
+    problem = None if path.exists() else folder_creation_problem(path)
     if problem:
         return f"{path} cannot be created ({problem})"
     if not path.is_dir() or overwrite:
