@@ -3,6 +3,7 @@ gradient accumulation, best-model tracking and early stopping, dict eval sets, p
 without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
 guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +195,22 @@ def test_callbacks_see_every_nodes_substeps_and_update(tmp_path, agnews_small, t
     assert record.saw_gradients == [True] * 8
     trainer.evaluate()  # one batch of 32 through the averaged model and each of the 4 nodes
     assert record.predictions == 5
+
+
+class WarnEachUpdate(TrainerCallback):
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        warnings.warn("the same warning after every node's update")
+
+
+def test_a_warning_repeated_every_step_is_shown_once(tmp_path, agnews_small, tokenizer):
+    """Python shows a warning once per place it comes from; the training loop must not reset that
+    (leaving ``warnings.catch_warnings`` does), or a model's warning floods the log every step."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=3, callbacks=[WarnEachUpdate()])
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        trainer.train()
+    assert [str(w.message) for w in shown if "after every node" in str(w.message)] == [
+        "the same warning after every node's update"]
 
 
 def test_logging_strategy_no_logs_no_training_loss(tmp_path, agnews_small, tokenizer):

@@ -1,6 +1,8 @@
 """Quasi-global momentum in DecentralizedTrainer (SPEC 2): with Adam/AdamW the quasi-global buffer is
 Adam's first moment and the second moment stays local (QuasiGlobalAdam replaces optimizer.step());
 SGD adds beta * m to the gradient; any other optimizer is refused at construction."""
+import warnings
+
 import datasets
 import pytest
 import torch
@@ -100,6 +102,25 @@ def test_two_nodes_with_adamw_follow_the_hand_computed_quasi_global_adam(tmp_pat
     assert trainer.qgm.node_state_dict(0)["steps"] == 4
     # the optimizer only carries the LR: its own moments never run
     assert trainer.node_optimizers[0].state_dict()["state"] == {}
+
+
+class WarnEachUpdate(TrainerCallback):
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        warnings.warn("the same warning after every node's update")
+
+
+def test_qgm_adamw_hides_torchs_schedule_order_warning_and_shows_a_repeated_warning_once(tmp_path):
+    """QuasiGlobalAdam steps in place of ``optimizer.step()``, so torch's "lr_scheduler.step() before
+    optimizer.step()" warning is wrong here and hidden; hiding it must not re-arm warnings Python
+    shows once per place (a model's warning would then repeat every step)."""
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, lr_scheduler_type="linear"),
+                                   train_dataset=two_row_dataset(), callbacks=[WarnEachUpdate()])
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        trainer.train()
+    messages = [str(w.message) for w in shown]
+    assert not [m for m in messages if "lr_scheduler.step()" in m], messages
+    assert messages.count("the same warning after every node's update") == 1
 
 
 def test_with_equal_nodes_and_no_disagreement_qgm_adamw_is_plain_torch_adamw(tmp_path):

@@ -2,8 +2,6 @@
 optimizer update, then one gossip step."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.utils import logging
 
@@ -55,10 +53,7 @@ class LocalStepMixin:
             if i not in absent:
                 self._local_step(k, node, micro_batches, optimizer, t + 1, qgm)
             if per_step_schedule:
-                with warnings.catch_warnings():
-                    if isinstance(qgm, QuasiGlobalAdam):  # QuasiGlobalAdam steps, not the optimizer, by design
-                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                    scheduler.step()
+                scheduler.step()
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
         if isinstance(qgm, QuasiGlobalAdam):  # updates the nodes that stepped

@@ -8,6 +8,9 @@ through :class:`~lp_decentral_nlp.gossip.QuasiGlobalMomentum`, Adam/AdamW throug
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 from transformers import Trainer
 
@@ -86,6 +89,20 @@ class OptimizerMixin:
             scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
         self.optimizer, self.lr_scheduler = None, None
         return optimizer, scheduler
+
+    @contextlib.contextmanager
+    def _schedule_order_warning_hidden(self):
+        """Hide torch's "lr_scheduler.step() before optimizer.step()" warning while training with
+        :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`, which steps in place of
+        ``optimizer.step()`` by design; nothing is hidden otherwise. Enter it once per ``train()``:
+        leaving ``warnings.catch_warnings`` re-arms every warning Python shows once per place, so
+        around each step it would repeat a model's warning every step."""
+        if not isinstance(self.qgm, gossip_lib.QuasiGlobalAdam):
+            yield
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            yield
 
     def _build_qgm(self):
         """The quasi-global momentum of the local nodes (SPEC 2), for the optimizers just built.

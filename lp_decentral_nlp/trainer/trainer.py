@@ -216,36 +216,37 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
-        try:
-            while epoch < num_epochs and self.state.global_step < max_steps:
-                if done >= steps_per_epoch:
-                    epoch, done = epoch + 1, 0
-                    continue
-                self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-                iterators = self._start_epoch(loaders, epoch, done * accumulation)
-                while done < steps_per_epoch and self.state.global_step < max_steps:
-                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                    self._iteration(self._next_batches(iterators))
-                    self.state.global_step += 1
-                    done += 1
-                    self.state.epoch = epoch + done / steps_per_epoch
-                    self._data_position = (epoch, done)
-                    self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        with self._schedule_order_warning_hidden():  # once per train(), not per step
+            try:
+                while epoch < num_epochs and self.state.global_step < max_steps:
+                    if done >= steps_per_epoch:
+                        epoch, done = epoch + 1, 0
+                        continue
+                    self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+                    iterators = self._start_epoch(loaders, epoch, done * accumulation)
+                    while done < steps_per_epoch and self.state.global_step < max_steps:
+                        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                        self._iteration(self._next_batches(iterators))
+                        self.state.global_step += 1
+                        done += 1
+                        self.state.epoch = epoch + done / steps_per_epoch
+                        self._data_position = (epoch, done)
+                        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                        self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                        if self.control.should_training_stop or self.control.should_epoch_stop:
+                            break
+                    if done >= steps_per_epoch or self.control.should_epoch_stop:
+                        epoch, done = epoch + 1, 0
+                        self._data_position = (epoch, done)
+                    self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
                     self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
-                    if self.control.should_training_stop or self.control.should_epoch_stop:
+                    if self.control.should_training_stop:
                         break
-                if done >= steps_per_epoch or self.control.should_epoch_stop:
-                    epoch, done = epoch + 1, 0
-                    self._data_position = (epoch, done)
-                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-                self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
-                if self.control.should_training_stop:
-                    break
-        except GossipPeerError as exc:
-            raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
-                            exc.peer) from exc
-        finally:
-            self.gossip.close()  # the engine's worker threads; a later train() starts them again
+            except GossipPeerError as exc:
+                raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
+                                exc.peer) from exc
+            finally:
+                self.gossip.close()  # the engine's worker threads; a later train() starts them again
         if self._last_logged < self.state.global_step:  # the last window's loss, logged unless logging is off
             self._total_loss += self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
