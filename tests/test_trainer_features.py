@@ -62,6 +62,19 @@ def test_compute_metrics_runs_on_the_averaged_model_with_the_eval_prefix(tmp_pat
     assert not [k for k in custom if not k.startswith("dev_") and k != "epoch"]  # Trainer.log adds the epoch
 
 
+def test_evaluate_and_predict_report_trainers_speed_metrics(tmp_path, agnews_small, tokenizer):
+    """``{p}_runtime`` (seconds), ``{p}_samples_per_second`` and ``{p}_steps_per_second`` as Trainer
+    reports them: 32 evaluation samples in one batch of 32; logged with the evaluation."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
+    trainer.train()
+    for metrics, p in ((trainer.evaluate(), "eval"), (trainer.predict(agnews_small["test"]).metrics, "test")):
+        runtime = metrics[f"{p}_runtime"]
+        assert runtime > 0
+        assert metrics[f"{p}_samples_per_second"] == pytest.approx(32 / runtime, rel=1e-2)
+        assert metrics[f"{p}_steps_per_second"] == pytest.approx(1 / runtime, rel=1e-2)
+    assert trainer.state.log_history[-1]["eval_runtime"] > 0
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)

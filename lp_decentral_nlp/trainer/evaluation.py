@@ -3,12 +3,13 @@ training logs with the consensus distance and its drift guard, evaluation and pr
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_detach, nested_numpify
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 from transformers.utils import logging
 
 from ..gossip import RandomK, TopK
@@ -185,7 +186,10 @@ class EvaluationMixin:
         and ``report_to`` integrations see it) and returned as a dict with keys ``{p}_loss`` and
         ``{p}_<metric>`` of the averaged model (``accuracy`` for classification without
         ``compute_metrics``, else ``compute_metrics``'s keys), ``{p}_<metric>_node_{i}`` of node
-        ``i``, ``{p}_consensus_distance`` and ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix.
+        ``i``, ``{p}_consensus_distance`` and ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix;
+        and Trainer's speed metrics: ``{p}_runtime`` (seconds this process took for the whole
+        evaluation, the averaged model and its local nodes), ``{p}_samples_per_second`` and
+        ``{p}_steps_per_second`` (samples and batches of the evaluation set per second of it).
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
@@ -193,6 +197,7 @@ class EvaluationMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        start = time.time()
         dataloader = self.get_eval_dataloader(dataset)
         p = metric_key_prefix
         metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
@@ -204,6 +209,7 @@ class EvaluationMixin:
         for i, node_metrics in enumerate(per_node):
             metrics.update({f"{p}_{name}_node_{i}": value for name, value in node_metrics.items()})
         metrics.update({f"{p}_bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
+        metrics.update(speed_metrics(p, start, num_samples=len(dataloader.dataset), num_steps=len(dataloader)))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -214,12 +220,16 @@ class EvaluationMixin:
         Returns:
             `PredictionOutput`: ``predictions`` (numpy, e.g. ``(samples, classes)`` logits, padded
             with -100 across batches), ``label_ids`` (or None without labels) and ``metrics``
-            (``{metric_key_prefix}_loss``, ``..._accuracy`` or ``compute_metrics``'s keys).
+            (``{metric_key_prefix}_loss``, ``..._accuracy`` or ``compute_metrics``'s keys, and
+            Trainer's ``..._runtime`` in seconds, ``..._samples_per_second``, ``..._steps_per_second``).
         """
+        start = time.time()
         self._refresh_average_model()
         dataloader = self.get_test_dataloader(test_dataset)
         metrics, outputs = self._run_model(self.model, dataloader, "predict", ignore_keys, keep_outputs=True)
         metrics = {f"{metric_key_prefix}_{name}": value for name, value in metrics.items()}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataloader.dataset),
+                                     num_steps=len(dataloader)))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
         predictions, label_ids = outputs if outputs is not None else (None, None)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
