@@ -82,6 +82,8 @@ def test_low_precision_train_eval_save_reload(tmp_path, agnews_small, tokenizer)
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, trainer.model(**batch).logits)
+    saved_args = torch.load(tmp_path / "model" / "training_args.bin", weights_only=False)  # as Trainer saves them
+    assert saved_args.to_dict() == args.to_dict()
 
 
 def test_8bit_payload_is_a_quarter_of_fp32(tmp_path, agnews_small, tokenizer):

@@ -368,8 +368,8 @@ class CheckpointMixin:
         """Write ``output_dir/checkpoint-<step>/`` atomically (the functions above).
 
         Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
-        Hugging Face format (``config.json``, ``model.safetensors``, tokenizer), ``trainer_state.json``
-        (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
+        Hugging Face format (``config.json``, ``model.safetensors``, tokenizer,
+        ``training_args.bin``), ``trainer_state.json`` (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
         position in the data, run configuration, logging accumulators, list of files). In the
         distributed backend every rank writes its own node file into the shared staging
         directory (``output_dir`` must be visible to all ranks), the ranks report success to each

@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerState
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from ..gossip.factory import build_gossip
@@ -317,13 +318,15 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def _write_model(self, output_dir) -> None:
         """The averaged model via ``save_pretrained`` (a plain ``nn.Module``: its state dict as
-        ``model.safetensors``) and the processing class."""
+        ``model.safetensors``), the processing class, and the training arguments as Trainer saves
+        them (``training_args.bin``, read back with ``torch.load(..., weights_only=False)``)."""
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(output_dir)
         else:
             safetensors.torch.save_model(self.model, str(Path(output_dir) / "model.safetensors"))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)
 
     # --- checkpoints -------------------------------------------------------------------------
 
