@@ -255,6 +255,24 @@ def test_early_stopping_stops_the_decentralized_run(tmp_path, agnews_small, toke
     assert trainer.state.global_step == 2
 
 
+def test_a_resumed_run_restores_early_stoppings_patience_when_asked(tmp_path, agnews_small, tokenizer):
+    """Checkpoints hold the callbacks' states as Trainer's do; ``restore_callback_states_from_checkpoint``
+    brings them back, so early stopping counts the evaluations without improvement before the checkpoint."""
+    def run(out, restore=False, resume=None):
+        stop = EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=10.0)
+        trainer = trainer_for(out, agnews_small, tokenizer, max_steps=20, eval_strategy="steps", eval_steps=1,
+                              save_strategy="steps", save_steps=1, metric_for_best_model="loss",
+                              restore_callback_states_from_checkpoint=restore, callbacks=[stop])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.state.global_step
+
+    # evaluation 1 sets the best loss, 2-4 do not beat it by 10: the run stops at step 4
+    assert run(tmp_path / "straight") == 4
+    checkpoint = str(tmp_path / "straight" / "checkpoint-3")  # 2 evaluations without improvement so far
+    assert run(tmp_path / "restored", restore=True, resume=checkpoint) == 4
+    assert run(tmp_path / "fresh", resume=checkpoint) == 6  # Trainer's default: the callback starts over
+
+
 def test_a_causal_lm_trains_decentralized_and_lowers_its_eval_loss(tmp_path, tokenizer):
     """No class labels: skew 0 splits at random; DataCollatorForLanguageModeling makes the labels."""
     text = [f"the {w} sat on the mat and the {w} sat on the hat" for w in ("cat", "dog", "bird", "fox") * 16]

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from .. import __version__
@@ -364,6 +365,14 @@ class CheckpointMixin:
             return "No checkpoint was written yet (save_strategy='steps', --save-steps N writes them)"
         return f"Resume from the last checkpoint with --resume-from-checkpoint {found[-1][1]}"
 
+    def _new_trainer_state(self) -> TrainerState:
+        """A fresh `TrainerState` holding, as Trainer's does, the state of every callback that can
+        export one (``ExportableState``: ``EarlyStoppingCallback``'s patience counter, the
+        `TrainerControl`), which checkpoints save and ``restore_callback_states_from_checkpoint``
+        restores."""
+        callbacks = self.callback_handler.callbacks + [self.control]
+        return TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
+
     def _save_checkpoint(self, model, trial):
         """Write ``output_dir/checkpoint-<step>/`` atomically (the functions above).
 
@@ -398,6 +407,7 @@ class CheckpointMixin:
             self.state.best_model_checkpoint = str(checkpoint_dir(out, step))
         if main:
             self._write_model(staging)
+            self.state.stateful_callbacks = self._new_trainer_state().stateful_callbacks  # their state now
             self.state.save_to_json(str(staging / "trainer_state.json"))
             epoch, done = self._data_position
             write_json(staging / MANIFEST, {
@@ -509,6 +519,7 @@ class CheckpointMixin:
         if self.gossip.num_steps != step:
             raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
         self.state = trainer_state
+        self._load_callback_state()  # Trainer's: with restore_callback_states_from_checkpoint, the callbacks' states
         self._last_logged = manifest["logging"]["last_logged"]
         self._total_loss = manifest["logging"]["total_loss"]
         self._data_position = (data["epoch"], data["batches_done"])

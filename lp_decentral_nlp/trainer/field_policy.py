@@ -136,7 +136,7 @@ POLICY: dict[str, str] = {
                        "model alone",
     "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
     "enable_jit_checkpoint": "refused: checkpoints are written at save steps only",
-    "restore_callback_states_from_checkpoint": "refused: callback states are not part of the decentralized checkpoint",
+    "restore_callback_states_from_checkpoint": HONOURED,
     "push_to_hub": "refused: nothing is uploaded; save_model() writes the averaged model for upload",
     "hub_token": "refused: push_to_hub is refused",
     "hub_private_repo": "refused: push_to_hub is refused",

@@ -31,7 +31,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch.utils.data import IterableDataset
-from transformers import Trainer, TrainerState
+from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
@@ -197,7 +197,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             if args.torch_compile:
                 node.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
 
-        self.state = TrainerState()
+        self.state = self._new_trainer_state()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._grad_norm = torch.full((len(self.nodes),), torch.nan, device=args.device)  # last step's, per local node
