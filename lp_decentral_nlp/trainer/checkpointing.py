@@ -378,11 +378,12 @@ class CheckpointMixin:
 
         Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
         Hugging Face format (``config.json``, ``model.safetensors``, tokenizer,
-        ``training_args.bin``), ``trainer_state.json`` (`TrainerState`: log history...) and the manifest ``decentralized_state.json`` (step,
-        position in the data, run configuration, logging accumulators, list of files). In the
-        distributed backend every rank writes its own node file into the shared staging
-        directory (``output_dir`` must be visible to all ranks), the ranks report success to each
-        other (an all-gather), and rank 0 writes the rest and renames the directory.
+        ``training_args.bin``), ``trainer_state.json`` (`TrainerState`: log history, callback
+        states...) and the manifest ``decentralized_state.json`` (step, position in the data, run
+        configuration, logging accumulators, list of files). In the distributed backend every
+        rank writes its own node file into the shared staging directory (``output_dir`` must be
+        visible to all ranks), the ranks report success to each other (an all-gather), and rank 0
+        writes the rest and renames the directory.
         """
         step = self.state.global_step
         out = self.args.output_dir
@@ -519,7 +520,7 @@ class CheckpointMixin:
         if self.gossip.num_steps != step:
             raise ValueError(f"{path}: gossip state is at step {self.gossip.num_steps}, the manifest at step {step}")
         self.state = trainer_state
-        self._load_callback_state()  # Trainer's: with restore_callback_states_from_checkpoint, the callbacks' states
+        self._load_callback_state()  # Trainer's: the callbacks' states, if restore_callback_states_from_checkpoint
         self._last_logged = manifest["logging"]["last_logged"]
         self._total_loss = manifest["logging"]["total_loss"]
         self._data_position = (data["epoch"], data["batches_done"])
