@@ -75,6 +75,18 @@ def test_evaluate_and_predict_report_trainers_speed_metrics(tmp_path, agnews_sma
     assert trainer.state.log_history[-1]["eval_runtime"] > 0
 
 
+def test_train_reports_the_speed_of_the_steps_it_ran(tmp_path, agnews_small, tokenizer):
+    """``train_samples_per_second`` counts every node's batch (4 nodes x 8 samples per step); a
+    resumed run counts only the steps it ran itself."""
+    out = trainer_for(tmp_path / "a", agnews_small, tokenizer, max_steps=4, save_strategy="steps", save_steps=2).train()
+    runtime = out.metrics["train_runtime"]
+    assert out.metrics["train_steps_per_second"] == pytest.approx(4 / runtime, rel=1e-2)
+    assert out.metrics["train_samples_per_second"] == pytest.approx(4 * 4 * 8 / runtime, rel=1e-2)
+    resumed = trainer_for(tmp_path / "b", agnews_small, tokenizer, max_steps=4).train(
+        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).metrics
+    assert resumed["train_steps_per_second"] == pytest.approx(2 / resumed["train_runtime"], rel=1e-2)
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
 from ..gossip.factory import build_gossip
 from ..gossip.transport import GossipPeerError
@@ -213,7 +213,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.state.compute_steps(args, max_steps)
         self._steps_per_epoch = steps_per_epoch
         self.is_in_train = True
-        start = time.time()
+        start, first_step = time.time(), self.state.global_step
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
@@ -257,10 +257,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self.merge_nodes()
         self._refresh_average_model()
         self.is_in_train = False
-        runtime = time.time() - start
         train_loss = self._total_loss / max(self.state.global_step, 1)
-        metrics = {"train_runtime": runtime, "train_loss": train_loss,
-                   "train_steps_per_second": self.state.global_step / max(runtime, 1e-9)}
+        steps_run = self.state.global_step - first_step  # by this call (a resumed run's earlier steps excluded)
+        samples_per_step = args.per_device_train_batch_size * accumulation * args.num_nodes  # over all nodes
+        metrics = {**speed_metrics("train", start, num_samples=steps_run * samples_per_step, num_steps=steps_run),
+                   "train_loss": train_loss}
         self.log(dict(metrics))
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
