@@ -157,6 +157,17 @@ def test_saved_dataset_with_wrong_columns(tmp_path, columns, features, match):
     _expect(ValueError, r"saved \[train\]: " + match, lambda: load_task("ag_news", data_dir=folder), folder)
 
 
+def test_a_bad_saved_split_is_refused_before_any_split_is_converted(tmp_path, capfd):
+    """The error is the only output: no progress bar of converting the good split comes before it."""
+    folder = tmp_path / "saved"
+    good = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
+    DatasetDict(train=good, test=Dataset.from_dict({"text": ["a"], "label": [9]})).save_to_disk(folder)
+    capfd.readouterr()
+    _expect(ValueError, r"saved \[test\]: labels must be 0-3, found \[9\]", lambda: load_task("ag_news", data_dir=folder),
+            folder)
+    assert capfd.readouterr().err == ""
+
+
 def test_saved_dataset_without_train_split_or_unreadable(tmp_path):
     folder = _saved(tmp_path, {"text": ["a"], "label": [0]}, splits=("validation",))
     _expect(ValueError, r"has no 'train' split \(splits: \['validation'\]\)",
@@ -417,6 +428,25 @@ def _saved_images(folder, images, labels, label_feature=None):
     part = Dataset.from_dict({"image": images, "label": labels}, features=features)
     DatasetDict(train=part, test=part).save_to_disk(folder)
     return folder
+
+
+def test_loading_a_saved_dataset_writes_nothing_into_its_folder(tmp_path, tokenizer):
+    """datasets writes the results of converting or tokenizing a memory-mapped saved dataset as
+    cache files beside its data, in the user's folder; loading must leave that folder as it was."""
+    from PIL import Image
+
+    from lp_decentral_nlp.vision.data import load_vision_dataset
+
+    text = tmp_path / "text"
+    part = Dataset.from_dict({"text": [f"story {i}" for i in range(40)], "label": [i % 4 for i in range(40)]})
+    DatasetDict(train=part, test=part).save_to_disk(text)
+    images = _saved_images(tmp_path / "images", [Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))] * 20,
+                           [i % 10 for i in range(20)])
+    for folder, load in ((text, lambda: load_task("ag_news", data_dir=text, tokenizer=tokenizer, max_length=16)),
+                         (images, lambda: load_vision_dataset("cifar10", data_dir=images))):
+        before = _fingerprint(folder)
+        assert len(load()["train"]) > 0
+        assert _fingerprint(folder) == before, folder
 
 
 def test_vision_saved_dataset_problems(tmp_path):

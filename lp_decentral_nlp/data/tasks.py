@@ -290,16 +290,19 @@ def _read_ag_news_csv(file: Path) -> Dataset:
 
 
 def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetDict:
-    """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV."""
+    """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV.
+    Read into memory: a memory-mapped one would get the cache files of its conversion and
+    tokenization written beside its data, into the user's folder."""
     try:
-        saved = load_from_disk(str(path))
+        saved = load_from_disk(str(path), keep_in_memory=True)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:  # IndexError: a split without rows
         raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk directory but cannot be loaded "
                          f"({err.__class__.__name__}: {err})") from None
     parts = saved if isinstance(saved, DatasetDict) else DatasetDict({"data": saved})
     if isinstance(saved, DatasetDict) and "train" not in saved:
         raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")
-    parts = DatasetDict({split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()})
+    parts = {split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()}  # all, first
+    parts = DatasetDict({split: _as_class_label(part, AG_NEWS_LABELS) for split, part in parts.items()})
     if "test" in parts:
         return parts
     split = "data" if "data" in parts else "train"
@@ -308,7 +311,8 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
 
 
 def _checked_saved_split(part: Dataset, source: str) -> Dataset:
-    """``text`` (strings) and ``label`` (integers 0..3 or a 4-class ClassLabel) of a saved split."""
+    """``text`` (strings) and ``label`` (integers 0..3 or a 4-class ClassLabel) of a saved split,
+    checked (ValueError naming `source`), not yet cast to the ClassLabel."""
     missing = {"text", "label"} - set(part.column_names)
     if missing:
         raise ValueError(f"{source}: lacks column(s) {sorted(missing)}; expected 'text' and 'label', "
@@ -331,7 +335,7 @@ def _checked_saved_split(part: Dataset, source: str) -> Dataset:
         raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
     if not len(part):
         raise ValueError(f"{source}: has no rows")
-    return _as_class_label(part.select_columns(["text", "label"]), AG_NEWS_LABELS)
+    return part.select_columns(["text", "label"])
 
 
 def _unescape(text: str) -> str:
