@@ -442,8 +442,15 @@ def test_loading_a_saved_dataset_writes_nothing_into_its_folder(tmp_path, tokeni
     DatasetDict(train=part, test=part).save_to_disk(text)
     images = _saved_images(tmp_path / "images", [Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))] * 20,
                            [i % 10 for i in range(20)])
+    png = tmp_path / "black.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(png)
+    paths = tmp_path / "paths"  # an image column of file paths (strings): converted to images on loading
+    part = Dataset.from_dict({"image": [str(png)] * 20, "label": [i % 10 for i in range(20)]},
+                             features=Features({"image": Value("string"), "label": ClassLabel(num_classes=10)}))
+    DatasetDict(train=part, test=part).save_to_disk(paths)
     for folder, load in ((text, lambda: load_task("ag_news", data_dir=text, tokenizer=tokenizer, max_length=16)),
-                         (images, lambda: load_vision_dataset("cifar10", data_dir=images))):
+                         (images, lambda: load_vision_dataset("cifar10", data_dir=images)),
+                         (paths, lambda: load_vision_dataset("cifar10", data_dir=paths))):
         before = _fingerprint(folder)
         assert len(load()["train"]) > 0
         assert _fingerprint(folder) == before, folder

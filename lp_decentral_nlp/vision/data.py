@@ -140,8 +140,7 @@ def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike
                          "'test' splits instead")
     if (path / "dataset_dict.json").exists():
         try:
-            # in memory: conversions of a memory-mapped one would write cache files into the user's folder
-            raw = datasets.load_from_disk(str(path), keep_in_memory=True)
+            raw = datasets.load_from_disk(str(path))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk folder but cannot be loaded "
                              f"({err.__class__.__name__}: {err})") from None
