@@ -538,6 +538,29 @@ def test_the_simulated_node_group_holds_every_node_in_this_process():
         NodeGroup(3, "distributed")
 
 
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_distributed_node_group_gathers_and_sums_cpu_counters_on_any_backend(tmp_path, backend):
+    """The trainer's counters (bytes sent, skipped steps) are CPU tensors; NCCL reduces CUDA
+    tensors only, so the group moves them for the collective and hands back CPU tensors."""
+    import torch.distributed as dist
+
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = NodeGroup(1, "distributed")
+        counters = torch.tensor([123456789012], dtype=torch.int64)
+        gathered = group.gather(counters)
+        assert gathered.device.type == "cpu" and gathered.tolist() == [123456789012]
+        (total,) = group.sum([[torch.tensor([1.5, 2.0])]])
+        assert total.device.type == "cpu" and total.tolist() == [1.5, 2.0]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_predict_on_a_dataset_without_labels_returns_the_predictions(tmp_path, agnews_small, tokenizer):
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
     trainer.train()

@@ -63,9 +63,10 @@ class NodeGroup:
         ``(len(node_ids), ...)`` in every process."""
         if not self.distributed:
             return local
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts)
+        sent = _on_group_device(local).contiguous()
+        parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, sent)
+        return torch.cat(parts).to(local.device)
 
     @torch.no_grad()
     def sum(self, tensors_per_node) -> list[torch.Tensor]:
@@ -73,8 +74,10 @@ class NodeGroup:
         node ``k``; returns one tensor per ``j`` (an all-reduce when distributed)."""
         total = [torch.stack(ts).sum(0) for ts in zip(*tensors_per_node)]
         if self.distributed:
-            for t in total:
-                dist.all_reduce(t)
+            for j, t in enumerate(total):
+                reduced = _on_group_device(t)
+                dist.all_reduce(reduced)
+                total[j] = reduced.to(t.device)
         return total
 
     def barrier(self) -> None:
@@ -89,3 +92,13 @@ class NodeGroup:
         out = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
+
+
+def _on_group_device(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy on this process's GPU when the process group cannot reduce it where it
+    is: NCCL (accelerate's backend on GPUs) takes CUDA tensors only, and the trainer's counters
+    (bytes sent, skipped steps) live on the CPU."""
+    backend = str(dist.get_backend())
+    if tensor.device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    return tensor
