@@ -32,7 +32,7 @@ GOSSIP_TIMEOUT = 60.0  # seconds; a dead peer usually closes its connections at 
 CONFIG = dict(num_nodes=4, algorithm="choco", compression=90.0, drop_prob=0.1, per_device_train_batch_size=8,
               per_device_eval_batch_size=40, learning_rate=2e-3, max_steps=STEPS, logging_steps=2,
               save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True, seed=1,
-              gossip_timeout=GOSSIP_TIMEOUT)
+              gossip_timeout=GOSSIP_TIMEOUT, include_num_input_tokens_seen="non_padding")
 
 
 def make_trainer(out_dir, backend: str, data_csv, minilm, **overrides) -> DecentralizedTrainer:

@@ -87,6 +87,28 @@ def test_train_reports_the_speed_of_the_steps_it_ran(tmp_path, agnews_small, tok
     assert resumed["train_steps_per_second"] == pytest.approx(2 / resumed["train_runtime"], rel=1e-2)
 
 
+def test_include_num_input_tokens_seen_counts_every_nodes_tokens(tmp_path, tokenizer):
+    """Rows of 8 token positions, 5 of them real: each step the 4 nodes read 4 x 8 rows, so
+    ``"all"`` counts 256 tokens per step and ``"non_padding"`` 160, in every log and across a resume."""
+    rows = Dataset.from_dict({"input_ids": [[101, 7, 8, 9, 102, 0, 0, 0]] * 64,
+                              "attention_mask": [[1] * 5 + [0] * 3] * 64, "label": [i % 4 for i in range(64)]})
+    data = {"train": rows, "test": rows.select(range(8))}
+    for mode, per_step in (("all", 256), ("non_padding", 160)):
+        trainer = trainer_for(tmp_path / mode, data, tokenizer, max_steps=3, include_num_input_tokens_seen=mode,
+                              save_strategy="steps", save_steps=2)
+        trainer.train()
+        assert [h["num_input_tokens_seen"] for h in trainer.state.log_history if "loss" in h] == \
+            [per_step, 2 * per_step, 3 * per_step]
+        assert trainer.evaluate()["num_input_tokens_seen"] == trainer.state.num_input_tokens_seen == 3 * per_step
+        resumed = trainer_for(tmp_path / f"{mode}_resumed", data, tokenizer, max_steps=3,
+                              include_num_input_tokens_seen=mode)
+        resumed.train(resume_from_checkpoint=str(tmp_path / mode / "checkpoint-2"))
+        assert resumed.state.num_input_tokens_seen == 3 * per_step
+    with pytest.raises(ValueError, match=r"include_num_input_tokens_seen must be one of \('all', 'non_padding', "
+                                         r"'no'\), got 'tokens'"):
+        targs(tmp_path, include_num_input_tokens_seen="tokens")
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)

@@ -120,6 +120,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
         super().__post_init__()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         refuse_unsupported(self)
+        check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
 
     @property
     def gossip_config(self) -> GossipConfig:

@@ -388,6 +388,8 @@ class CheckpointMixin:
         step = self.state.global_step
         out = self.args.output_dir
         self._refresh_average_model()  # a collective in the distributed backend: every rank joins
+        if self.args.include_num_input_tokens_seen != "no":
+            self._collect_input_tokens()  # the count saved is the count up to this step
         main = self.state.is_world_process_zero
         if main:
             prepare_staging(out, step)

@@ -112,7 +112,7 @@ POLICY: dict[str, str] = {
     "trackio_space_id": HONOURED,
     "trackio_bucket_id": HONOURED,
     "trackio_static_space_id": HONOURED,
-    "include_num_input_tokens_seen": "refused: token counts are not gathered over the nodes",
+    "include_num_input_tokens_seen": HONOURED + " (num_input_tokens_seen: the tokens every node read, summed)",
     "skip_memory_metrics": "refused: must stay True: memory metrics are not collected per node",
     # --- evaluation --------------------------------------------------------------------------
     "eval_strategy": HONOURED,

@@ -52,6 +52,8 @@ class LocalStepMixin:
                 zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
             if i not in absent:
                 self._local_step(k, node, micro_batches, optimizer, t + 1, qgm)
+                if self.args.include_num_input_tokens_seen != "no":
+                    self._input_tokens += self._count_input_tokens(micro_batches)
             if per_step_schedule:
                 scheduler.step()
         stats = self.gossip.step(self.node_params)
@@ -106,6 +108,38 @@ class LocalStepMixin:
         elif buffers is not None:
             torch._foreach_copy_(list(node.buffers()), buffers)
         optimizer.zero_grad(set_to_none=True)
+
+    def _count_input_tokens(self, micro_batches: list) -> int:
+        """Tokens of a node's micro-batches as ``include_num_input_tokens_seen`` counts them, as
+        Trainer does: ``"all"`` every position of the model's main input (``main_input_name``,
+        ``(batch, seq_len)``), ``"non_padding"`` the ones of ``attention_mask`` (without one, the
+        ids that are not the tokenizer's pad id). Read from the loader's CPU tensors: no device
+        sync. ValueError when the batches lack the main input."""
+        name = getattr(self.nodes[0], "main_input_name", "input_ids")
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        total = 0
+        for batch in micro_batches:
+            if name not in batch:
+                raise ValueError(f"include_num_input_tokens_seen={self.args.include_num_input_tokens_seen!r} counts "
+                                 f"the model's main input {name!r}, which the training batches lack "
+                                 f"(they hold {sorted(batch)}): set it to 'no'")
+            if self.args.include_num_input_tokens_seen == "all":
+                total += batch[name].numel()
+            elif "attention_mask" in batch:
+                total += int(batch["attention_mask"].sum())
+            elif pad_id is not None:
+                total += int((batch[name] != pad_id).sum())
+            else:
+                raise ValueError("include_num_input_tokens_seen='non_padding' needs an attention_mask in the batches or "
+                                 "a processing_class with a pad_token_id to tell padding apart: use 'all'")
+        return total
+
+    def _collect_input_tokens(self) -> None:
+        """Add every process's tokens read since the last call to ``state.num_input_tokens_seen``
+        (a collective in the distributed backend: every rank calls it, at each log and checkpoint)."""
+        pending = torch.tensor([self._input_tokens], dtype=torch.int64)
+        self.state.num_input_tokens_seen += int(self.node_group.gather(pending).sum())
+        self._input_tokens = 0
 
     def _node_event(self, event: str, k: int) -> None:
         """`Trainer`'s per-update callback ``event`` (``on_substep_end`` after each micro-batch but

@@ -142,6 +142,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
         plan = args.fault_plan
         self.fault_plan = plan if plan.active else None
         self._rng = NodeRNG(args.seed, self.node_ids)
@@ -199,6 +200,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
         self.state = self._new_trainer_state()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
+        self._input_tokens = 0
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._grad_norm = torch.full((len(self.nodes),), torch.nan, device=args.device)  # last step's, per local node
         self._last_logged, self._total_loss = 0, 0.0
@@ -265,6 +267,14 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.log(dict(metrics))
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`Trainer.log`, after adding the tokens the nodes read since the last log to
+        ``state.num_input_tokens_seen`` (summed over the processes) when
+        ``include_num_input_tokens_seen`` asks for it; Trainer then logs the total."""
+        if self.args.include_num_input_tokens_seen != "no":
+            self._collect_input_tokens()
+        super().log(logs, start_time)
 
     def _maybe_log_save_evaluate(self, trial, ignore_keys_for_eval) -> None:
         """As `Trainer`'s: log, evaluate (stepping metric-driven LR schedules and tracking the best
