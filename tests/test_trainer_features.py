@@ -109,6 +109,18 @@ def test_include_num_input_tokens_seen_counts_every_nodes_tokens(tmp_path, token
         targs(tmp_path, include_num_input_tokens_seen="tokens")
 
 
+def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tmp_path, agnews_small, tokenizer,
+                                                                        monkeypatch):
+    """As Trainer: accelerate's ``clear_device_cache`` after every ``torch_empty_cache_steps`` steps
+    (on a GPU it returns the allocator's cached blocks; the CPU keeps none, so the calls are counted)."""
+    from lp_decentral_nlp.trainer import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "clear_device_cache", lambda: calls.append(1))
+    trainer_for(tmp_path, agnews_small, tokenizer, max_steps=5, torch_empty_cache_steps=2).train()
+    assert len(calls) == 2  # after steps 2 and 4
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)

@@ -75,7 +75,7 @@ POLICY: dict[str, str] = {
     "use_liger_kernel": "refused: Liger kernels patch the model class, which the 8-bit surgery also replaces",
     "liger_kernel_config": "refused: use_liger_kernel is refused",
     "use_cache": "refused: the nodes train without a key/value cache (the model config decides at evaluation)",
-    "torch_empty_cache_steps": "refused: the trainer does not empty the device cache between steps",
+    "torch_empty_cache_steps": HONOURED,
     # --- precision and devices ---------------------------------------------------------------
     "bf16": "refused: precision is low_precision (8-bit training) or float32; accelerate's mixed precision is not "
             "applied to the nodes",

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
@@ -231,6 +232,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                         self._iteration(self._next_batches(iterators))
                         self.state.global_step += 1
+                        if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
+                            clear_device_cache()  # as Trainer: the allocator's cached blocks go back to the device
                         done += 1
                         self.state.epoch = epoch + done / steps_per_epoch
                         self._data_position = (epoch, done)
