@@ -121,6 +121,26 @@ def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tmp_path
     assert len(calls) == 2  # after steps 2 and 4
 
 
+def test_eval_accumulation_steps_moves_predictions_to_the_host_without_changing_them(tmp_path, agnews_small,
+                                                                                     tokenizer, monkeypatch):
+    from lp_decentral_nlp.trainer import evaluation
+
+    moves = []  # each move of the predictions and of the labels to the host
+    monkeypatch.setattr(evaluation, "nested_numpify", lambda t: moves.append(1) or t.cpu().numpy())
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1, per_device_eval_batch_size=5,
+                          compute_metrics=predicted_class_share)
+    trainer.train()
+    whole = trainer.predict(agnews_small["test"])  # 32 samples in 7 batches, moved to the host at the end
+    assert len(moves) == 2
+    trainer.args.eval_accumulation_steps = 3  # moved after batches 3 and 6, and the last one at the end
+    chunked = trainer.predict(agnews_small["test"])
+    assert len(moves) == 2 + 6
+    np.testing.assert_array_equal(chunked.predictions, whole.predictions)
+    np.testing.assert_array_equal(chunked.label_ids, whole.label_ids)
+    assert chunked.predictions.shape == (32, 4) and chunked.metrics["test_share_class0"] == \
+        whole.metrics["test_share_class0"]
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)

@@ -140,14 +140,17 @@ class EvaluationMixin:
         (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
         ``compute_metrics`` and the task is classification, and whatever ``compute_metrics`` returns
         on all predictions; ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with
-        -100 across batches) when ``keep_outputs``, else None.
+        -100 across batches) when ``keep_outputs``, else None. Predictions gather on the model's
+        device and move to the host every ``eval_accumulation_steps`` batches (at the end without it),
+        as in Trainer.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
         keep = keep_outputs or (self.compute_metrics is not None and not loss_only)
+        every = self.args.eval_accumulation_steps
         loss_sum, samples, correct, classified = 0.0, 0, 0, 0
-        predictions = label_ids = None
-        for batch in tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm):
+        predictions = label_ids = host_predictions = host_label_ids = None
+        for step, batch in enumerate(tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm), 1):
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)
             loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
@@ -164,16 +167,20 @@ class EvaluationMixin:
             if keep:
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
-                predictions = nested_concat(predictions, nested_detach(logits), padding_index=-100) \
-                    if predictions is not None else nested_detach(logits)
+                predictions = _concat(predictions, nested_detach(logits))
                 if labels is not None:
-                    label_ids = nested_concat(label_ids, labels, padding_index=-100) if label_ids is not None else labels
+                    label_ids = _concat(label_ids, labels)
+                if every and step % every == 0:
+                    host_predictions, host_label_ids = _to_host(host_predictions, predictions), \
+                        _to_host(host_label_ids, label_ids)
+                    predictions = label_ids = None
+        host_predictions, host_label_ids = _to_host(host_predictions, predictions), _to_host(host_label_ids, label_ids)
         metrics = {"loss": loss_sum / samples} if samples else {}
         if classified:
             metrics["accuracy"] = correct / classified
         outputs = None
-        if predictions is not None:
-            outputs = (nested_numpify(predictions), nested_numpify(label_ids) if label_ids is not None else None)
+        if host_predictions is not None:
+            outputs = (host_predictions, host_label_ids)
             if self.compute_metrics is not None and outputs[1] is not None:
                 metrics.update(self.compute_metrics(EvalPrediction(predictions=outputs[0], label_ids=outputs[1])))
         return metrics, outputs if keep_outputs else None
@@ -248,3 +255,13 @@ class EvaluationMixin:
     def _plain_loader(self, dataset, description: str) -> DataLoader:
         dataset = self._model_columns(dataset, description)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())
+
+
+def _concat(gathered, new):
+    """``new`` appended to ``gathered`` (None: nothing yet) along the batch, padded with -100."""
+    return new if gathered is None else nested_concat(gathered, new, padding_index=-100)
+
+
+def _to_host(on_host, on_device):
+    """``on_device`` (tensors, or None) as numpy, appended to ``on_host`` (numpy, or None)."""
+    return on_host if on_device is None else _concat(on_host, nested_numpify(on_device))

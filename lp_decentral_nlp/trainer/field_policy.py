@@ -122,7 +122,7 @@ POLICY: dict[str, str] = {
     "prediction_loss_only": HONOURED,
     "eval_do_concat_batches": "refused: must stay True: predictions are concatenated over batches",
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
-    "eval_accumulation_steps": "refused: predictions are accumulated on the evaluating device until the end",
+    "eval_accumulation_steps": HONOURED,
     "include_for_metrics": "refused: compute_metrics receives predictions and label_ids only",
     "batch_eval_metrics": "refused: compute_metrics runs once on all predictions",
     "metric_for_best_model": HONOURED,
