@@ -141,6 +141,22 @@ def test_eval_accumulation_steps_moves_predictions_to_the_host_without_changing_
         whole.metrics["test_share_class0"]
 
 
+def inputs_and_losses(eval_pred):
+    """A metric of what include_for_metrics adds: the inputs' shape and the mean of the per-sample losses."""
+    return {"input_rows": float(eval_pred.inputs.shape[0]), "mean_loss": float(eval_pred.losses.mean())}
+
+
+def test_include_for_metrics_passes_inputs_and_losses_to_compute_metrics(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1, per_device_eval_batch_size=8,
+                          compute_metrics=inputs_and_losses, include_for_metrics=["inputs", "loss"])
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_input_rows"] == 32 and metrics["eval_input_rows_node_2"] == 32
+    assert metrics["eval_mean_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)  # 4 equal batches of 8
+    with pytest.raises(ValueError, match=r"include_for_metrics entries must be one of \('inputs', 'loss'\), got 'logits'"):
+        targs(tmp_path, include_for_metrics=["logits"])
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)
@@ -497,7 +513,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(bf16=True), "bf16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
-    (dict(include_for_metrics=["inputs"]), "include_for_metrics"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+    (dict(eval_do_concat_batches=False), "eval_do_concat_batches"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):

@@ -121,6 +121,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         refuse_unsupported(self)
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
+        for extra in self.include_for_metrics:
+            check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
 
     @property
     def gossip_config(self) -> GossipConfig:

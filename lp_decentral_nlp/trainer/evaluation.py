@@ -139,17 +139,19 @@ class EvaluationMixin:
         Returns ``(metrics, outputs)``: ``metrics`` holds ``loss`` (mean over samples), ``accuracy``
         (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
         ``compute_metrics`` and the task is classification, and whatever ``compute_metrics`` returns
-        on all predictions; ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with
-        -100 across batches) when ``keep_outputs``, else None. Predictions gather on the model's
-        device and move to the host every ``eval_accumulation_steps`` batches (at the end without it),
-        as in Trainer.
+        on all predictions (with the model's main inputs as ``inputs`` and each sample's batch loss
+        as ``losses`` where ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer);
+        ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with -100 across
+        batches) when ``keep_outputs``, else None. They gather on the model's device and move to
+        the host every ``eval_accumulation_steps`` batches (at the end without it), as in Trainer.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
         keep = keep_outputs or (self.compute_metrics is not None and not loss_only)
-        every = self.args.eval_accumulation_steps
+        every, include = self.args.eval_accumulation_steps, self.args.include_for_metrics
+        main_input = getattr(model, "main_input_name", "input_ids")
         loss_sum, samples, correct, classified = 0.0, 0, 0, 0
-        predictions = label_ids = host_predictions = host_label_ids = None
+        on_device, on_host = {}, {}  # "predictions", "label_ids", "inputs", "losses": gathered since the last move / before
         for step, batch in enumerate(tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm), 1):
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)
@@ -167,22 +169,30 @@ class EvaluationMixin:
             if keep:
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
-                predictions = _concat(predictions, nested_detach(logits))
-                if labels is not None:
-                    label_ids = _concat(label_ids, labels)
+                new = {"predictions": nested_detach(logits), "label_ids": labels}
+                if "inputs" in include:
+                    if main_input not in batch:
+                        raise ValueError(f"include_for_metrics=['inputs'] passes the model's main input {main_input!r} "
+                                         f"to compute_metrics, but the evaluation batches lack it ({sorted(batch)})")
+                    new["inputs"] = batch[main_input]
+                if "loss" in include and loss is not None:
+                    new["losses"] = loss.detach().reshape(1).repeat(size)
+                for name, value in new.items():
+                    if value is not None:
+                        on_device[name] = _concat(on_device.get(name), value)
                 if every and step % every == 0:
-                    host_predictions, host_label_ids = _to_host(host_predictions, predictions), \
-                        _to_host(host_label_ids, label_ids)
-                    predictions = label_ids = None
-        host_predictions, host_label_ids = _to_host(host_predictions, predictions), _to_host(host_label_ids, label_ids)
+                    on_host, on_device = _moved_to_host(on_host, on_device), {}
+        on_host = _moved_to_host(on_host, on_device)
         metrics = {"loss": loss_sum / samples} if samples else {}
         if classified:
             metrics["accuracy"] = correct / classified
         outputs = None
-        if host_predictions is not None:
-            outputs = (host_predictions, host_label_ids)
+        if "predictions" in on_host:
+            outputs = (on_host["predictions"], on_host.get("label_ids"))
             if self.compute_metrics is not None and outputs[1] is not None:
-                metrics.update(self.compute_metrics(EvalPrediction(predictions=outputs[0], label_ids=outputs[1])))
+                metrics.update(self.compute_metrics(EvalPrediction(
+                    predictions=outputs[0], label_ids=outputs[1], inputs=on_host.get("inputs"),
+                    losses=on_host.get("losses"))))
         return metrics, outputs if keep_outputs else None
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -262,6 +272,6 @@ def _concat(gathered, new):
     return new if gathered is None else nested_concat(gathered, new, padding_index=-100)
 
 
-def _to_host(on_host, on_device):
-    """``on_device`` (tensors, or None) as numpy, appended to ``on_host`` (numpy, or None)."""
-    return on_host if on_device is None else _concat(on_host, nested_numpify(on_device))
+def _moved_to_host(on_host: dict, on_device: dict) -> dict:
+    """``on_host`` (numpy per name) with ``on_device`` (tensors per name) moved and appended."""
+    return {**on_host, **{name: _concat(on_host.get(name), nested_numpify(value)) for name, value in on_device.items()}}

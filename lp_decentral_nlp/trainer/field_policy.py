@@ -123,7 +123,7 @@ POLICY: dict[str, str] = {
     "eval_do_concat_batches": "refused: must stay True: predictions are concatenated over batches",
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
     "eval_accumulation_steps": HONOURED,
-    "include_for_metrics": "refused: compute_metrics receives predictions and label_ids only",
+    "include_for_metrics": HONOURED,
     "batch_eval_metrics": "refused: compute_metrics runs once on all predictions",
     "metric_for_best_model": HONOURED,
     "greater_is_better": HONOURED,
