@@ -123,10 +123,12 @@ def test_torch_empty_cache_steps_empties_the_device_cache_every_n_steps(tmp_path
 
 def test_eval_accumulation_steps_moves_predictions_to_the_host_without_changing_them(tmp_path, agnews_small,
                                                                                      tokenizer, monkeypatch):
-    from lp_decentral_nlp.trainer import evaluation
+    from transformers.trainer_pt_utils import EvalLoopContainer
 
     moves = []  # each move of the predictions and of the labels to the host
-    monkeypatch.setattr(evaluation, "nested_numpify", lambda t: moves.append(1) or t.cpu().numpy())
+    to_host = EvalLoopContainer.to_cpu_and_numpy
+    monkeypatch.setattr(EvalLoopContainer, "to_cpu_and_numpy",
+                        lambda self: (moves.append(1) if self.tensors is not None else None, to_host(self))[1])
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1, per_device_eval_batch_size=5,
                           compute_metrics=predicted_class_share)
     trainer.train()
@@ -139,6 +141,11 @@ def test_eval_accumulation_steps_moves_predictions_to_the_host_without_changing_
     np.testing.assert_array_equal(chunked.label_ids, whole.label_ids)
     assert chunked.predictions.shape == (32, 4) and chunked.metrics["test_share_class0"] == \
         whole.metrics["test_share_class0"]
+    trainer.args.eval_do_concat_batches = False  # as Trainer: a list of each batch's arrays (compute_metrics too)
+    trainer.compute_metrics = None
+    batches = trainer.predict(agnews_small["test"])
+    assert [len(p) for p in batches.predictions] == [5] * 6 + [2]
+    np.testing.assert_array_equal(np.concatenate(batches.predictions), whole.predictions)
 
 
 def inputs_and_losses(eval_pred):
@@ -513,7 +520,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(bf16=True), "bf16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
-    (dict(eval_do_concat_batches=False), "eval_do_concat_batches"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+    (dict(batch_eval_metrics=True), "batch_eval_metrics"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):

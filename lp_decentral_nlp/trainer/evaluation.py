@@ -8,7 +8,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_detach, nested_numpify
+from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 from transformers.utils import logging
 
@@ -142,8 +142,10 @@ class EvaluationMixin:
         on all predictions (with the model's main inputs as ``inputs`` and each sample's batch loss
         as ``losses`` where ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer);
         ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with -100 across
-        batches) when ``keep_outputs``, else None. They gather on the model's device and move to
-        the host every ``eval_accumulation_steps`` batches (at the end without it), as in Trainer.
+        batches; lists of each batch's arrays with ``eval_do_concat_batches=False``) when
+        ``keep_outputs``, else None. They gather on the model's device in Trainer's
+        ``EvalLoopContainer`` and move to the host every ``eval_accumulation_steps`` batches (at
+        the end without it), as in Trainer.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
@@ -151,7 +153,8 @@ class EvaluationMixin:
         every, include = self.args.eval_accumulation_steps, self.args.include_for_metrics
         main_input = getattr(model, "main_input_name", "input_ids")
         loss_sum, samples, correct, classified = 0.0, 0, 0, 0
-        on_device, on_host = {}, {}  # "predictions", "label_ids", "inputs", "losses": gathered since the last move / before
+        gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
+                    for name in ("predictions", "label_ids", "inputs", "losses")}
         for step, batch in enumerate(tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm), 1):
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)
@@ -179,20 +182,20 @@ class EvaluationMixin:
                     new["losses"] = loss.detach().reshape(1).repeat(size)
                 for name, value in new.items():
                     if value is not None:
-                        on_device[name] = _concat(on_device.get(name), value)
+                        gathered[name].add(value)
                 if every and step % every == 0:
-                    on_host, on_device = _moved_to_host(on_host, on_device), {}
-        on_host = _moved_to_host(on_host, on_device)
+                    for container in gathered.values():
+                        container.to_cpu_and_numpy()
+        on_host = {name: container.get_arrays() for name, container in gathered.items()}
         metrics = {"loss": loss_sum / samples} if samples else {}
         if classified:
             metrics["accuracy"] = correct / classified
         outputs = None
-        if "predictions" in on_host:
-            outputs = (on_host["predictions"], on_host.get("label_ids"))
+        if on_host["predictions"] is not None:
+            outputs = (on_host["predictions"], on_host["label_ids"])
             if self.compute_metrics is not None and outputs[1] is not None:
                 metrics.update(self.compute_metrics(EvalPrediction(
-                    predictions=outputs[0], label_ids=outputs[1], inputs=on_host.get("inputs"),
-                    losses=on_host.get("losses"))))
+                    predictions=outputs[0], label_ids=outputs[1], inputs=on_host["inputs"], losses=on_host["losses"])))
         return metrics, outputs if keep_outputs else None
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -266,12 +269,3 @@ class EvaluationMixin:
         dataset = self._model_columns(dataset, description)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())
 
-
-def _concat(gathered, new):
-    """``new`` appended to ``gathered`` (None: nothing yet) along the batch, padded with -100."""
-    return new if gathered is None else nested_concat(gathered, new, padding_index=-100)
-
-
-def _moved_to_host(on_host: dict, on_device: dict) -> dict:
-    """``on_host`` (numpy per name) with ``on_device`` (tensors per name) moved and appended."""
-    return {**on_host, **{name: _concat(on_host.get(name), nested_numpify(value)) for name, value in on_device.items()}}

@@ -120,7 +120,7 @@ POLICY: dict[str, str] = {
     "eval_delay": HONOURED,
     "eval_on_start": HONOURED + " (not when resuming: the resumed run logs what an uninterrupted one does)",
     "prediction_loss_only": HONOURED,
-    "eval_do_concat_batches": "refused: must stay True: predictions are concatenated over batches",
+    "eval_do_concat_batches": HONOURED,
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
     "eval_accumulation_steps": HONOURED,
     "include_for_metrics": HONOURED,
