@@ -164,6 +164,38 @@ def test_include_for_metrics_passes_inputs_and_losses_to_compute_metrics(tmp_pat
         targs(tmp_path, include_for_metrics=["logits"])
 
 
+class RunningShare:
+    """A batch_eval_metrics metric as Trainer documents them: accumulates per batch, reports and
+    resets at ``compute_result=True``."""
+
+    def __init__(self):
+        self.hits, self.seen, self.calls = 0, 0, 0
+
+    def __call__(self, eval_pred, compute_result: bool):
+        self.calls += 1
+        self.hits += int((eval_pred.predictions.argmax(-1) == 0).sum())
+        self.seen += len(eval_pred.label_ids)
+        if not compute_result:
+            return {}
+        result = {"share_class0": self.hits / self.seen, "samples": float(self.seen)}
+        self.hits, self.seen = 0, 0
+        return result
+
+
+def test_batch_eval_metrics_calls_compute_metrics_per_batch(tmp_path, agnews_small, tokenizer):
+    whole = trainer_for(tmp_path / "whole", agnews_small, tokenizer, max_steps=1, per_device_eval_batch_size=5,
+                        compute_metrics=predicted_class_share)
+    whole.train()
+    running = RunningShare()
+    batched = trainer_for(tmp_path / "batched", agnews_small, tokenizer, max_steps=1, per_device_eval_batch_size=5,
+                          compute_metrics=running, batch_eval_metrics=True)
+    batched.train()
+    expected, metrics = whole.evaluate(), batched.evaluate()
+    assert running.calls == 5 * 7  # 7 batches of the averaged model and of each of the 4 nodes
+    for key in ("eval_share_class0", "eval_samples", "eval_share_class0_node_3"):
+        assert metrics[key] == pytest.approx(expected[key]), key
+
+
 def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, tokenizer):
     halves = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=halves, max_steps=1)
@@ -520,7 +552,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(bf16=True), "bf16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
-    (dict(batch_eval_metrics=True), "batch_eval_metrics"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+    (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):

@@ -143,7 +143,8 @@ class EvaluationMixin:
         as ``losses`` where ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer);
         ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with -100 across
         batches; lists of each batch's arrays with ``eval_do_concat_batches=False``) when
-        ``keep_outputs``, else None. They gather on the model's device in Trainer's
+        ``keep_outputs``, else None. With ``batch_eval_metrics``, ``compute_metrics`` gets each
+        batch's tensors and ``compute_result=True`` at the last batch, whose return is the metrics. They gather on the model's device in Trainer's
         ``EvalLoopContainer`` and move to the host every ``eval_accumulation_steps`` batches (at
         the end without it), as in Trainer.
         """
@@ -152,6 +153,8 @@ class EvaluationMixin:
         keep = keep_outputs or (self.compute_metrics is not None and not loss_only)
         every, include = self.args.eval_accumulation_steps, self.args.include_for_metrics
         main_input = getattr(model, "main_input_name", "input_ids")
+        per_batch = self.args.batch_eval_metrics and self.compute_metrics is not None and not loss_only
+        batch_metrics = None  # batch_eval_metrics: what compute_metrics returned for the last batch
         loss_sum, samples, correct, classified = 0.0, 0, 0, 0
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
@@ -180,8 +183,10 @@ class EvaluationMixin:
                     new["inputs"] = batch[main_input]
                 if "loss" in include and loss is not None:
                     new["losses"] = loss.detach().reshape(1).repeat(size)
+                if per_batch and labels is not None:  # as Trainer: the batch's tensors, compute_result at the last
+                    batch_metrics = self.compute_metrics(EvalPrediction(**new), compute_result=step == len(dataloader))
                 for name, value in new.items():
-                    if value is not None:
+                    if value is not None and (keep_outputs or not per_batch):
                         gathered[name].add(value)
                 if every and step % every == 0:
                     for container in gathered.values():
@@ -191,9 +196,11 @@ class EvaluationMixin:
         if classified:
             metrics["accuracy"] = correct / classified
         outputs = None
+        if batch_metrics is not None:
+            metrics.update(batch_metrics)
         if on_host["predictions"] is not None:
             outputs = (on_host["predictions"], on_host["label_ids"])
-            if self.compute_metrics is not None and outputs[1] is not None:
+            if self.compute_metrics is not None and outputs[1] is not None and not per_batch:
                 metrics.update(self.compute_metrics(EvalPrediction(
                     predictions=outputs[0], label_ids=outputs[1], inputs=on_host["inputs"], losses=on_host["losses"])))
         return metrics, outputs if keep_outputs else None

@@ -124,7 +124,7 @@ POLICY: dict[str, str] = {
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
     "eval_accumulation_steps": HONOURED,
     "include_for_metrics": HONOURED,
-    "batch_eval_metrics": "refused: compute_metrics runs once on all predictions",
+    "batch_eval_metrics": HONOURED,
     "metric_for_best_model": HONOURED,
     "greater_is_better": HONOURED,
     "load_best_model_at_end": HONOURED,
