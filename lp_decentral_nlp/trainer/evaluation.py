@@ -143,10 +143,11 @@ class EvaluationMixin:
         as ``losses`` where ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer);
         ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with -100 across
         batches; lists of each batch's arrays with ``eval_do_concat_batches=False``) when
-        ``keep_outputs``, else None. With ``batch_eval_metrics``, ``compute_metrics`` gets each
-        batch's tensors and ``compute_result=True`` at the last batch, whose return is the metrics. They gather on the model's device in Trainer's
+        ``keep_outputs``, else None. They gather on the model's device in Trainer's
         ``EvalLoopContainer`` and move to the host every ``eval_accumulation_steps`` batches (at
-        the end without it), as in Trainer.
+        the end without it). With ``batch_eval_metrics``, ``compute_metrics`` gets each batch's
+        tensors instead and ``compute_result=True`` at the last batch, whose return is the metrics.
+        All as in Trainer.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
