@@ -687,3 +687,125 @@ def test_save_strategy_best_saves_only_new_best_evaluations(tmp_path, agnews_sma
     new_best = [step for step in range(1, 5) if accuracy[step - 1] > max(accuracy[:step - 1], default=-1.0)]
     assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == new_best
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{new_best[-1]}")
+
+
+def test_evaluate_takes_the_name_of_one_of_the_trainers_eval_sets(tmp_path, agnews_small, tokenizer):
+    sets = {"full": agnews_small["test"], "half": agnews_small["test"].select(range(16))}
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=sets)
+    both = trainer.evaluate()
+    half = trainer.evaluate("half")  # as Trainer: one set by name, with the prefix as given
+    assert half["eval_loss"] == pytest.approx(both["eval_half_loss"], rel=1e-6)
+    assert half["eval_samples_per_second"] > 0 and "eval_half_loss" not in half
+    with pytest.raises(ValueError, match=r"eval_dataset='other' names one of the trainer's evaluation sets, which "
+                                         r"are \['full', 'half'\]"):
+        trainer.evaluate("other")
+
+
+def test_an_iterable_eval_set_evaluates_and_predicts_as_its_map_style_one(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
+    trainer.train()
+    stream = agnews_small["test"].to_iterable_dataset()
+    expected, metrics = trainer.evaluate(), trainer.evaluate(stream)
+    for key in ("eval_loss", "eval_accuracy", "eval_loss_node_2"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-6)
+    assert metrics["eval_samples_per_second"] > 0
+    out = trainer.predict(stream)
+    assert out.predictions.shape == (32, 4) and out.metrics["test_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+
+
+def numpy_metrics(eval_pred):
+    """Metrics as numpy scalars, one already carrying the evaluation prefix (both allowed by Trainer)."""
+    return {"eval_share": np.float32((eval_pred.predictions.argmax(-1) == 0).mean()), "count": np.int64(3)}
+
+
+def test_compute_metrics_numpy_values_and_prefixed_names_are_taken_as_trainer_takes_them(tmp_path, agnews_small,
+                                                                                       tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, compute_metrics=numpy_metrics, max_steps=2,
+                          eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                          metric_for_best_model="share", greater_is_better=True)
+    trainer.train()  # saving a checkpoint writes the metrics as JSON
+    metrics = trainer.evaluate()
+    assert {"eval_share", "eval_count", "eval_share_node_1"} <= set(metrics)
+    assert not [key for key in metrics if key.startswith("eval_eval_")]
+    assert type(metrics["eval_share"]) is float and type(metrics["eval_count_node_0"]) is int
+    assert trainer.state.best_metric is not None
+
+
+def test_a_regression_head_gets_no_accuracy(tmp_path):
+    ids = torch.randint(1, 50, (32, 6), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.float().mean(1).tolist()})
+    trainer = DecentralizedTrainer(model=tiny_model(num_labels=1), train_dataset=data, eval_dataset=data,
+                                   args=targs(tmp_path, max_steps=1, per_device_train_batch_size=4))
+    metrics = trainer.evaluate()
+    assert np.isfinite(metrics["eval_loss"]) and not [key for key in metrics if "accuracy" in key]
+
+
+def test_predict_honours_prediction_loss_only(tmp_path, agnews_small, tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, prediction_loss_only=True)
+    out = trainer.predict(agnews_small["test"])
+    assert out.predictions is None and out.label_ids is None
+    assert "test_loss" in out.metrics and "test_accuracy" not in out.metrics
+
+
+def test_remove_unused_columns_drops_the_keys_of_a_list_of_dicts(tmp_path, agnews_small, tokenizer):
+    rows = [dict(row, text="unused by the model") for row in agnews_small["train"]]
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=1), train_dataset=rows,
+                                   eval_dataset=rows[:16], processing_class=tokenizer)
+    trainer.train()
+    assert np.isfinite(trainer.evaluate()["eval_loss"])
+
+
+def test_a_language_models_label_column_is_not_bounded_by_its_unused_num_labels(tmp_path, tokenizer):
+    text = [f"the {w} sat on the mat" for w in ("cat", "dog", "bird", "fox") * 8]
+    data = Dataset.from_dict({**tokenizer(text, truncation=True, max_length=12), "label": [i % 4 for i in range(32)]})
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                       pad_token_id=tokenizer.pad_token_id))
+    assert model.config.num_labels == 2
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    for skew in (0.0, 0.5):  # skewing an LM's shards on a topic column is allowed
+        args = targs(tmp_path, skew=skew, shard_column="label", per_device_train_batch_size=4)
+        DecentralizedTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    with pytest.raises(ValueError, match=r"labels must be class ids 0\.\.1 \(the model has num_labels=2\)"):
+        DecentralizedTrainer(model=tiny_model(num_labels=2), args=targs(tmp_path), train_dataset=data)
+
+
+def test_create_optimizer_is_called_per_node_and_overrides_that_would_not_run_are_refused(tmp_path, agnews_small,
+                                                                                          tokenizer):
+    class PerNodeSGD(DecentralizedTrainer):
+        def create_optimizer(self, model=None):
+            return torch.optim.SGD(model.parameters(), lr=self.args.learning_rate)
+
+    trainer = PerNodeSGD(model=tiny_model(), args=targs(tmp_path, max_steps=1), train_dataset=agnews_small["train"])
+    trainer.train()
+    assert all(isinstance(o, torch.optim.SGD) for o in trainer.node_optimizers)
+    assert trainer.train().metrics["epoch"] == trainer.state.epoch  # Trainer's train metrics carry the epoch
+
+    class AveragedModelsOptimizer(DecentralizedTrainer):  # Trainer's own override style: self.model
+        def create_optimizer(self, model=None):
+            return torch.optim.SGD(self.model.parameters(), lr=self.args.learning_rate)
+
+    stale = AveragedModelsOptimizer(model=tiny_model(), args=targs(tmp_path), train_dataset=agnews_small["train"])
+    with pytest.raises(ValueError, match=r"^create_optimizer\(model\) returned an optimizer over parameters that are "
+                                         r"not the given model's"):
+        stale.train()
+
+    class NoModelArgument(DecentralizedTrainer):
+        def create_optimizer(self):
+            return super().create_optimizer()
+
+    with pytest.raises(TypeError, match=r"^NoModelArgument.create_optimizer\(\) must take the model"):
+        NoModelArgument(model=tiny_model(), args=targs(tmp_path))
+
+    class OwnTrainingStep(DecentralizedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=r"^OwnTrainingStep overrides training_step\(\), which DecentralizedTrainer "
+                                        r"never calls: .*override compute_loss"):
+        OwnTrainingStep(model=tiny_model(), args=targs(tmp_path))
+    for call, message in [(trainer.get_train_dataloader, "one training loader per node"),
+                          (lambda: trainer.create_optimizer_and_scheduler(10), "one optimizer and schedule per node"),
+                          (trainer.push_to_hub, "does not upload"),
+                          (trainer.hyperparameter_search, "needs model_init")]:
+        with pytest.raises(NotImplementedError, match=message):
+            call()

@@ -8,9 +8,9 @@ from .checkpointing import CheckpointError, check_resumable, resume_config
 from .local_step import NonFiniteError
 from .node_group import NodeGroup
 from .rng import EpochSampler, node_seed
-from .trainer import DecentralizedTrainer, check_model_precision
+from .trainer import UNCALLED_TRAINER_METHODS, DecentralizedTrainer, check_model_precision
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "CheckpointError", "DecentralizedTrainer",
            "DecentralizedTrainingArguments", "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError",
            "OnTrainBeginCallback", "check_resumable", "node_seed",
-           "resume_config", "TrainingKernelsCallback", "check_model_precision"]
+           "resume_config", "TrainingKernelsCallback", "UNCALLED_TRAINER_METHODS", "check_model_precision"]

@@ -9,7 +9,13 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    denumpify_detensorize,
+    speed_metrics,
+)
 from transformers.utils import logging
 
 from ..gossip import RandomK, TopK
@@ -132,22 +138,23 @@ class EvaluationMixin:
                            f"drifting apart; lower consensus_lr (--consensus-lr, now {self.args.gamma:g})")
 
     @torch.no_grad()
-    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> tuple[dict, object]:
+    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> EvalLoopOutput:
         """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch, then the callbacks'
         ``on_prediction_step``).
 
-        Returns ``(metrics, outputs)``: ``metrics`` holds ``loss`` (mean over samples), ``accuracy``
-        (argmax of ``(batch, classes)`` logits against ``(batch,)`` labels) when there is no
-        ``compute_metrics`` and the task is classification, and whatever ``compute_metrics`` returns
-        on all predictions (with the model's main inputs as ``inputs`` and each sample's batch loss
-        as ``losses`` where ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer);
-        ``outputs`` is ``(predictions, label_ids)`` as numpy arrays (padded with -100 across
-        batches; lists of each batch's arrays with ``eval_do_concat_batches=False``) when
-        ``keep_outputs``, else None. They gather on the model's device in Trainer's
-        ``EvalLoopContainer`` and move to the host every ``eval_accumulation_steps`` batches (at
-        the end without it). With ``batch_eval_metrics``, ``compute_metrics`` gets each batch's
-        tensors instead and ``compute_result=True`` at the last batch, whose return is the metrics.
-        All as in Trainer.
+        Returns an `EvalLoopOutput` whose ``metrics`` (unprefixed) hold ``loss`` (mean over
+        samples), ``accuracy`` (argmax of ``(batch, classes)`` logits, ``classes > 1``, against
+        ``(batch,)`` integer labels) when there is no ``compute_metrics``, and whatever
+        ``compute_metrics`` returns on all predictions, numpy values made Python numbers (with the
+        model's main inputs as ``inputs`` and each sample's batch loss as ``losses`` where
+        ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer); ``predictions`` and
+        ``label_ids`` are numpy arrays (padded with -100 across batches; lists of each batch's
+        arrays with ``eval_do_concat_batches=False``) when ``keep_outputs``, else None. They
+        gather on the model's device in Trainer's ``EvalLoopContainer`` and move to the host every
+        ``eval_accumulation_steps`` batches (at the end without it). With ``batch_eval_metrics``,
+        ``compute_metrics`` gets each batch's tensors instead and ``compute_result=True`` at the
+        last batch, whose return is the metrics. ``num_samples``: the samples seen (a loader
+        without a length, e.g. over an iterable dataset, counts them as it goes). All as in Trainer.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
@@ -156,21 +163,23 @@ class EvaluationMixin:
         main_input = getattr(model, "main_input_name", "input_ids")
         per_batch = self.args.batch_eval_metrics and self.compute_metrics is not None and not loss_only
         batch_metrics = None  # batch_eval_metrics: what compute_metrics returned for the last batch
-        loss_sum, samples, correct, classified = 0.0, 0, 0, 0
+        loss_sum, loss_samples, seen, correct, classified = 0.0, 0, 0, 0, 0
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
-        for step, batch in enumerate(tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm), 1):
+        batches = tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm)
+        for step, (batch, last) in enumerate(_flag_last(batches), 1):
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)
+            seen += size
             loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             if loss is not None:
                 loss_sum += float(loss.double()) * size
-                samples += size
+                loss_samples += size
             if logits is None:
                 continue
             if self.compute_metrics is None and labels is not None and torch.is_tensor(logits) and logits.dim() == 2 \
-                    and labels.dim() == 1:
+                    and logits.shape[-1] > 1 and labels.dim() == 1 and not labels.is_floating_point():
                 correct += int((logits.argmax(-1) == labels).sum())
                 classified += labels.shape[0]
             if keep:
@@ -185,7 +194,7 @@ class EvaluationMixin:
                 if "loss" in include and loss is not None:
                     new["losses"] = loss.detach().reshape(1).repeat(size)
                 if per_batch and labels is not None:  # as Trainer: the batch's tensors, compute_result at the last
-                    batch_metrics = self.compute_metrics(EvalPrediction(**new), compute_result=step == len(dataloader))
+                    batch_metrics = self.compute_metrics(EvalPrediction(**new), compute_result=last)
                 for name, value in new.items():
                     if value is not None and (keep_outputs or not per_batch):
                         gathered[name].add(value)
@@ -193,31 +202,39 @@ class EvaluationMixin:
                     for container in gathered.values():
                         container.to_cpu_and_numpy()
         on_host = {name: container.get_arrays() for name, container in gathered.items()}
-        metrics = {"loss": loss_sum / samples} if samples else {}
+        metrics = {"loss": loss_sum / loss_samples} if loss_samples else {}
         if classified:
             metrics["accuracy"] = correct / classified
-        outputs = None
         if batch_metrics is not None:
-            metrics.update(batch_metrics)
-        if on_host["predictions"] is not None:
-            outputs = (on_host["predictions"], on_host["label_ids"])
-            if self.compute_metrics is not None and outputs[1] is not None and not per_batch:
-                metrics.update(self.compute_metrics(EvalPrediction(
-                    predictions=outputs[0], label_ids=outputs[1], inputs=on_host["inputs"], losses=on_host["losses"])))
-        return metrics, outputs if keep_outputs else None
+            metrics.update(denumpify_detensorize(batch_metrics))
+        predictions, label_ids = on_host["predictions"], on_host["label_ids"]
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None and not per_batch:
+            metrics.update(denumpify_detensorize(self.compute_metrics(EvalPrediction(
+                predictions=predictions, label_ids=label_ids, inputs=on_host["inputs"], losses=on_host["losses"]))))
+        if not keep_outputs:
+            predictions, label_ids = None, None
+        return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=seen)
+
+    def _speed_metrics(self, prefix: str, start: float, num_samples: int) -> dict[str, float]:
+        """Trainer's ``{prefix}_runtime`` (seconds since ``start``), ``{prefix}_samples_per_second``
+        and ``{prefix}_steps_per_second`` for one pass over ``num_samples`` evaluation samples."""
+        steps = math.ceil(num_samples / self.args.per_device_eval_batch_size)
+        return speed_metrics(prefix, start, num_samples=num_samples, num_steps=steps)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Metrics of the averaged model and of every node, consensus distance, bytes sent.
 
         ``eval_dataset`` (or the trainer's) may be a dict ``{name: dataset}``: each is evaluated
-        with the prefix ``{metric_key_prefix}_{name}``. Logged through `Trainer.log` (so callbacks
-        and ``report_to`` integrations see it) and returned as a dict with keys ``{p}_loss`` and
-        ``{p}_<metric>`` of the averaged model (``accuracy`` for classification without
-        ``compute_metrics``, else ``compute_metrics``'s keys), ``{p}_<metric>_node_{i}`` of node
-        ``i``, ``{p}_consensus_distance`` and ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix;
-        and Trainer's speed metrics: ``{p}_runtime`` (seconds this process took for the whole
-        evaluation, the averaged model and its local nodes), ``{p}_samples_per_second`` and
-        ``{p}_steps_per_second`` (samples and batches of the evaluation set per second of it).
+        with the prefix ``{metric_key_prefix}_{name}``; a name alone evaluates that one of the
+        trainer's. Logged through `Trainer.log` (so callbacks and ``report_to`` integrations see
+        it) and returned as a dict with keys ``{p}_loss`` and ``{p}_<metric>`` of the averaged
+        model (``accuracy`` for classification without ``compute_metrics``, else
+        ``compute_metrics``'s keys; one already named ``{p}_...`` keeps its name, as in Trainer),
+        ``{p}_<metric>_node_{i}`` of node ``i``, ``{p}_consensus_distance`` and
+        ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix; and Trainer's speed metrics:
+        ``{p}_runtime`` (seconds this process took for the whole evaluation, the averaged model and
+        its local nodes), ``{p}_samples_per_second`` and ``{p}_steps_per_second`` (samples and
+        batches of the evaluation set per second of it).
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
@@ -229,15 +246,15 @@ class EvaluationMixin:
         dataloader = self.get_eval_dataloader(dataset)
         p = metric_key_prefix
         metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
-        averaged, _ = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
-        metrics.update({f"{p}_{name}": value for name, value in averaged.items()})
-        local = [self._run_model(node, dataloader, f"eval: node {i}", ignore_keys, keep_outputs=False)[0]
+        averaged = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
+        metrics.update(_prefixed(averaged.metrics, p))
+        local = [self._run_model(node, dataloader, f"eval: node {i}", ignore_keys, keep_outputs=False).metrics
                  for i, node in zip(self.node_ids, self.nodes)]
         per_node = [m for process in self.node_group.gather_objects(local) for m in process]
         for i, node_metrics in enumerate(per_node):
-            metrics.update({f"{p}_{name}_node_{i}": value for name, value in node_metrics.items()})
+            metrics.update(_prefixed(node_metrics, p, f"_node_{i}"))
         metrics.update({f"{p}_bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
-        metrics.update(speed_metrics(p, start, num_samples=len(dataloader.dataset), num_steps=len(dataloader)))
+        metrics.update(self._speed_metrics(p, start, averaged.num_samples))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -247,26 +264,33 @@ class EvaluationMixin:
 
         Returns:
             `PredictionOutput`: ``predictions`` (numpy, e.g. ``(samples, classes)`` logits, padded
-            with -100 across batches), ``label_ids`` (or None without labels) and ``metrics``
-            (``{metric_key_prefix}_loss``, ``..._accuracy`` or ``compute_metrics``'s keys, and
-            Trainer's ``..._runtime`` in seconds, ``..._samples_per_second``, ``..._steps_per_second``).
+            with -100 across batches), ``label_ids`` (or None without labels), both None with
+            ``prediction_loss_only``, and ``metrics`` (``{metric_key_prefix}_loss``,
+            ``..._accuracy`` or ``compute_metrics``'s keys, and Trainer's ``..._runtime`` in
+            seconds, ``..._samples_per_second``, ``..._steps_per_second``).
         """
         start = time.time()
         self._refresh_average_model()
         dataloader = self.get_test_dataloader(test_dataset)
-        metrics, outputs = self._run_model(self.model, dataloader, "predict", ignore_keys, keep_outputs=True)
-        metrics = {f"{metric_key_prefix}_{name}": value for name, value in metrics.items()}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataloader.dataset),
-                                     num_steps=len(dataloader)))
+        output = self._run_model(self.model, dataloader, "predict", ignore_keys,
+                                 keep_outputs=not self.args.prediction_loss_only)
+        metrics = {**_prefixed(output.metrics, metric_key_prefix),
+                   **self._speed_metrics(metric_key_prefix, start, output.num_samples)}
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
-        predictions, label_ids = outputs if outputs is not None else (None, None)
-        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=metrics)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """A plain (unsharded) loader: every process evaluates on the whole evaluation set."""
+        """A plain (unsharded) loader: every process evaluates on the whole evaluation set.
+        ``eval_dataset`` may name one of a dict ``eval_dataset`` given to the trainer, as in Trainer."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
+        if isinstance(dataset, str):
+            named = self.eval_dataset if isinstance(self.eval_dataset, dict) else {}
+            if dataset not in named:
+                raise ValueError(f"eval_dataset={dataset!r} names one of the trainer's evaluation sets, which are "
+                                 f"{sorted(named) if named else 'not a dict of named sets'}")
+            dataset = named[dataset]
         return self._plain_loader(dataset, "evaluation")
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
@@ -274,6 +298,23 @@ class EvaluationMixin:
         return self._plain_loader(test_dataset, "test")
 
     def _plain_loader(self, dataset, description: str) -> DataLoader:
-        dataset = self._model_columns(dataset, description)
-        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, **self._loader_options())
+        return DataLoader(batch_size=self.args.per_device_eval_batch_size, **self._loader_options(dataset, description))
 
+
+def _prefixed(metrics: dict, prefix: str, suffix: str = "") -> dict:
+    """``{prefix}_{name}{suffix}`` for every metric; a name that already starts with ``{prefix}_``
+    is not prefixed again (as Trainer's evaluation loop)."""
+    return {f"{prefix}_{name.removeprefix(prefix + '_')}{suffix}": value for name, value in metrics.items()}
+
+
+def _flag_last(iterable):
+    """``(item, is_last)`` for each item of ``iterable``, looking one item ahead (works without a length)."""
+    iterator = iter(iterable)
+    try:
+        previous = next(iterator)
+    except StopIteration:
+        return
+    for item in iterator:
+        yield previous, False
+        previous = item
+    yield previous, True

@@ -30,15 +30,17 @@ class NodeDataMixin:
                              "the batch size or the number of nodes")
         return shards
 
-    def _model_columns(self, dataset, description: str):
-        """``dataset`` without the columns the model's forward does not take (``remove_unused_columns``;
-        a plain torch Dataset is passed as it is, as `Trainer` does for its collator)."""
-        return self._remove_unused_columns(dataset, description=description) if isinstance(dataset, Dataset) else dataset
-
-    def _loader_options(self) -> dict:
-        """DataLoader options from ``args`` (workers, pinned memory on an accelerator)."""
+    def _loader_options(self, dataset, description: str) -> dict:
+        """DataLoader options for ``dataset`` from ``args``: the dataset without the columns the
+        model's forward does not take (``remove_unused_columns``: a ``datasets.Dataset`` drops
+        them, any other dataset's samples lose those keys in the collator, as in `Trainer`),
+        workers, pinned memory on an accelerator."""
         args = self.args
-        options = {"collate_fn": self.data_collator, "num_workers": args.dataloader_num_workers,
+        if isinstance(dataset, Dataset):
+            dataset, collate_fn = self._remove_unused_columns(dataset, description=description), self.data_collator
+        else:
+            collate_fn = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        options = {"dataset": dataset, "collate_fn": collate_fn, "num_workers": args.dataloader_num_workers,
                    "pin_memory": args.dataloader_pin_memory and args.device.type != "cpu"}
         if args.dataloader_num_workers > 0:
             options.update(persistent_workers=args.dataloader_persistent_workers,
@@ -52,7 +54,8 @@ class NodeDataMixin:
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
         shards = self._checked_shards()
-        dataset = self._model_columns(self.train_dataset, "training")
+        options = self._loader_options(self.train_dataset, "training")
+        dataset = options.pop("dataset")
         bs = self.args.per_device_train_batch_size
         self.shard_sizes = [len(s) for s in shards]
         loaders = []
@@ -60,7 +63,7 @@ class NodeDataMixin:
             shard = Subset(dataset, shards[i].tolist())
             # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
             loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
-                                      drop_last=True, generator=torch.Generator(), **self._loader_options()))
+                                      drop_last=True, generator=torch.Generator(), **options))
         return loaders
 
     @staticmethod

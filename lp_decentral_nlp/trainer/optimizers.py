@@ -68,7 +68,9 @@ class OptimizerMixin:
             scheduler.step(metrics[key])
 
     def _make_optimizer_and_scheduler(self, node_model, max_steps, steps_per_epoch):
-        """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``.
+        """Each node's own optimizer and LR schedule, built by `Trainer`'s factories from ``args``
+        (``create_optimizer(node_model)``, which a subclass may override; ValueError when what it
+        returns holds parameters that are not ``node_model``'s, which would leave the node untrained).
 
         With QGM and SGD the optimizer's own momentum is switched off (``momentum = 0``): the
         quasi-global buffer takes its place (SPEC 2); with Adam/AdamW the optimizer only holds the
@@ -79,6 +81,12 @@ class OptimizerMixin:
         """
         self.optimizer, self.lr_scheduler = None, None
         optimizer = self.create_optimizer(node_model)
+        own = {id(p) for p in node_model.parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if not held or any(id(p) not in own for p in held):
+            raise ValueError("create_optimizer(model) returned an optimizer over parameters that are not the given "
+                             "model's: DecentralizedTrainer calls it once per node with that node's model, so build "
+                             "the optimizer over model, not self.model")
         if self.args.qgm and isinstance(optimizer, torch.optim.SGD):
             for group in optimizer.param_groups:
                 group["momentum"] = 0.0

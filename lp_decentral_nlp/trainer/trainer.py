@@ -24,6 +24,7 @@ robustness studies (``drop_prob``, ``stragglers``, ``absences``; rules in
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from pathlib import Path
@@ -77,6 +78,26 @@ def check_model_precision(model, args: DecentralizedTrainingArguments, quant_con
                          f"{quant_config.kernel!r}: set the kernel in one of them")
 
 
+#: `Trainer` methods the decentralized loop never calls, and what runs in their place: a subclass
+#: that overrides one is refused at construction, since its override would silently not run
+UNCALLED_TRAINER_METHODS = {
+    "training_step": "each node's step is DecentralizedTrainer's own (override compute_loss, which it calls)",
+    "get_train_dataloader": "each node reads its own shard through node_dataloaders()",
+    "create_optimizer_and_scheduler": "each node builds its own with create_optimizer(model) and create_scheduler()",
+    "evaluation_loop": "evaluate() and predict() run prediction_step over the averaged model and each node",
+}
+
+
+def _class_count(model) -> int | None:
+    """The number of classes ``model`` predicts (``config.num_labels``), or None for a model whose
+    labels are not class ids of its own head: one with output embeddings (a language model,
+    whose ``num_labels`` is an unused config default) or without a config."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    if get_output_embeddings is not None and get_output_embeddings() is not None:
+        return None
+    return getattr(getattr(model, "config", None), "num_labels", None)
+
+
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -94,6 +115,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         Other arguments are those of `transformers.Trainer` (``compute_metrics``,
         ``preprocess_logits_for_metrics``, ``compute_loss_func``, ``optimizer_cls_and_kwargs``,
         callbacks, collator, processing class); ``model_init`` and ``optimizers`` are refused.
+        A subclass may override ``compute_loss``, ``prediction_step``, ``create_optimizer`` (called
+        once per node with that node's model) and ``create_scheduler``; overriding a method of
+        :data:`UNCALLED_TRAINER_METHODS` is refused.
 
     Attributes (per local node, aligned with ``node_ids``): ``nodes`` (the models z_i),
     ``bytes_sent`` (int64, bytes put on the wire), ``nonfinite_skips`` (int64, steps skipped under
@@ -112,6 +136,15 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
                              "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
                              "optimizer_cls_and_kwargs")
+        for name, instead in UNCALLED_TRAINER_METHODS.items():
+            if getattr(type(self), name) is not getattr(DecentralizedTrainer, name):
+                raise TypeError(f"{type(self).__name__} overrides {name}(), which DecentralizedTrainer never calls: "
+                                f"{instead}")
+        try:
+            inspect.signature(self.create_optimizer).bind(model)
+        except TypeError:
+            raise TypeError(f"{type(self).__name__}.create_optimizer() must take the model to build the optimizer for: "
+                            f"DecentralizedTrainer calls create_optimizer(model) once per node") from None
         check_model_precision(model, args, quant_config)
         if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
             raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
@@ -127,8 +160,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.qgm:
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
         node_group = NodeGroup(args.num_nodes, args.backend)
-        shard_labels = None if train_dataset is None else read_shard_labels(
-            train_dataset, args, getattr(getattr(model, "config", None), "num_labels", None))
+        shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, _class_count(model))
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         super().__init__(model=model, args=args, **kwargs)
@@ -267,9 +299,31 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         samples_per_step = args.per_device_train_batch_size * accumulation * args.num_nodes  # over all nodes
         metrics = {**speed_metrics("train", start, num_samples=steps_run * samples_per_step, num_steps=steps_run),
                    "train_loss": train_loss}
-        self.log(dict(metrics))
+        self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def get_train_dataloader(self):
+        """Refused: there is no one training loader; each node has its own over its shard (`node_dataloaders`)."""
+        raise NotImplementedError("DecentralizedTrainer has one training loader per node, over its shard: "
+                                  "node_dataloaders()")
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int):
+        """Refused: each node has its own optimizer and schedule, built by `train` (`node_optimizers`,
+        `node_schedulers`) with `create_optimizer(model)` and `create_scheduler`."""
+        raise NotImplementedError("DecentralizedTrainer builds one optimizer and schedule per node in train() "
+                                  "(node_optimizers, node_schedulers), with create_optimizer(model) and create_scheduler()")
+
+    def push_to_hub(self, *args, **kwargs):
+        """Refused, as the ``push_to_hub`` field is: `save_model` writes the averaged model, and
+        ``trainer.model.push_to_hub(repo_id)`` uploads it."""
+        raise NotImplementedError("DecentralizedTrainer does not upload: save_model() writes the averaged model, and "
+                                  "trainer.model.push_to_hub(repo_id) uploads it")
+
+    def hyperparameter_search(self, *args, **kwargs):
+        """Refused: a search builds each trial's model with ``model_init``, which this trainer refuses."""
+        raise NotImplementedError("hyperparameter_search needs model_init, which DecentralizedTrainer refuses (it builds "
+                                  "its nodes from model): run one trainer per trial instead")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log`, after adding the tokens the nodes read since the last log to
