@@ -31,6 +31,19 @@ def test_gossip_config_uses_the_default_unless_consensus_lr_is_given():
     assert GossipConfig(compression=99.0, algorithm="deepsqueeze").gamma == pytest.approx(0.015)
     assert GossipConfig(compression=0.0).gamma == 1.0
     assert GossipConfig(compression=90.0, consensus_lr=0.2).gamma == 0.2
+    assert GossipConfig(algorithm="dpsgd", consensus_lr=1.0).gamma == 1.0  # what dpsgd runs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(algorithm="dpsgd", consensus_lr=0.5), r"consensus_lr=0.5 is the consensus step of 'choco' and "
+                                                r"'deepsqueeze'; 'dpsgd' mixes exactly"),
+    (dict(low_precision="False"), r"low_precision must be True or False, got 'False'"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 4294967295\], got -1"),
+    (dict(faults="none"), r"faults must be a FaultPlan or None, got str"),
+])
+def test_gossip_config_refuses_settings_it_would_ignore_or_misread(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        GossipConfig(**kwargs)
 
 
 def consensus_after(gossip, steps):

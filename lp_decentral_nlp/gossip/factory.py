@@ -43,7 +43,8 @@ class GossipConfig:
         compressor: ``"topk"``, ``"randomk"`` or ``"qsgd"`` (used when ``compression > 0``).
         qsgd_levels: QSGD levels ``s`` in ``[1, 127]``.
         low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads").
-        consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :func:`default_consensus_lr`.
+        consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :func:`default_consensus_lr`
+            (``"dpsgd"`` mixes exactly: None or 1 only).
         seed: base seed of stochastic compressors and message loss.
         faults: a :class:`~.faults.FaultPlan` (None: no faults).
     """
@@ -70,6 +71,14 @@ class GossipConfig:
             raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
         check_field("qsgd_levels", self.qsgd_levels)
         check_field("consensus_lr", self.consensus_lr)
+        if self.algorithm == "dpsgd" and self.consensus_lr not in (None, 1.0):
+            raise ValueError(f"consensus_lr={self.consensus_lr!r} is the consensus step of 'choco' and 'deepsqueeze'; "
+                             "'dpsgd' mixes exactly (gamma 1): drop consensus_lr or choose another algorithm")
+        if not isinstance(self.low_precision, bool):
+            raise ValueError(f"low_precision must be True or False, got {self.low_precision!r}")
+        check_field("seed", self.seed)
+        if self.faults is not None and not isinstance(self.faults, FaultPlan):
+            raise ValueError(f"faults must be a FaultPlan or None, got {type(self.faults).__name__}")
         check_field("torus_rows", self.torus_rows)
         if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):
             raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
