@@ -136,6 +136,18 @@ def test_folder_with_unexpected_csv_next_to_train(tmp_path):
             tmp_path)
 
 
+def test_folder_with_test_csv_and_no_train_csv(tmp_path):
+    _write(tmp_path / "test.csv", HEADER + _rows(40))
+    _expect(ValueError, "holds test.csv but no train.csv: test.csv is the test split beside a train.csv, and its rows "
+            "are never trained on", lambda: load_task("ag_news", data_dir=tmp_path), tmp_path)
+
+
+def test_a_bad_seed_is_named(tmp_path):
+    source = _write(tmp_path / "data.csv", HEADER + _rows(40))
+    _expect(ValueError, r"^seed must be an integer in \[0, 4294967295\], got -1",
+            lambda: load_task("ag_news", data_dir=source, seed=-1), source)
+
+
 def _saved(tmp_path, columns, features=None, splits=("train", "test")):
     folder = tmp_path / "saved"
     part = Dataset.from_dict(columns, features=features)
@@ -211,9 +223,12 @@ def test_ag_news_labels(tmp_path, layout, value, match):
     _expect(ValueError, f"labels.csv:7: {match}", lambda: load_task("ag_news", data_dir=source), source)
 
 
-def test_saved_dataset_with_empty_labels_or_an_empty_split(tmp_path):
+def test_saved_dataset_with_empty_labels_or_texts_or_an_empty_split(tmp_path):
     folder = _saved(tmp_path, {"text": ["a", "b"], "label": [0, None]})
     _expect(ValueError, r"saved \[train\]: column 'label' has empty \(None\) values; every row needs a label 0-3",
+            lambda: load_task("ag_news", data_dir=folder), folder)
+    folder = _saved(tmp_path / "texts", {"text": ["a", None], "label": [0, 1]})
+    _expect(ValueError, r"saved \[train\]: column 'text' has empty \(None\) values; every row needs a text",
             lambda: load_task("ag_news", data_dir=folder), folder)
     part = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
     empty_test = tmp_path / "empty_test"
@@ -353,6 +368,13 @@ def _load_vision(folder, name="cifar10"):
     from lp_decentral_nlp.vision.data import load_vision_dataset
 
     return lambda: load_vision_dataset(name, data_dir=folder)
+
+
+def test_vision_seed_is_named():
+    from lp_decentral_nlp.vision.data import load_vision_dataset
+
+    with pytest.raises(ValueError, match=r"^seed must be an integer in \[0, 4294967295\], got -1"):
+        load_vision_dataset("digits", seed=-1)
 
 
 @pytest.mark.parametrize("name", ["cifar10", "imagenette"])

@@ -233,6 +233,12 @@ ROWS = {
             "could not load 'ag_news' from the hub (offline); pass --data-dir with a local copy"),
     60: cli(["--num_nodes", "3", "--nodes", "2"], "argument --nodes: given more than once (--num_nodes and --nodes): "
             "give it once"),
+    61: Row("vision recipe, `--norm batchnorm --groups 4`", "exit 2",
+            "argument --groups/--norm: groups=4 is the group count of groupnorm, evonorm, range_evonorm; "
+            "norm='batchnorm' has no groups: leave groups at 2"),
+    62: Row("`--data-dir DIR`, DIR holding `test.csv` and no `train.csv`", "exit 2",
+            "argument --data-dir: data_dir 'DIR' holds test.csv but no train.csv: test.csv is the test split beside a "
+            "train.csv, and its rows are never trained on; add train.csv or rename test.csv"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60]
 
@@ -473,6 +479,22 @@ def test_row42_vision_data_dir_that_is_a_file(tmp_path, capsys):
         vision_main("choco", ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data.csv"),
                               "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[42].expected(tmp_path)
+
+
+def test_row61_vision_groups_for_a_norm_without_groups(tmp_path, capsys):
+    from lp_decentral_nlp.vision.recipe import main as vision_main
+
+    with pytest.raises(SystemExit) as exc:
+        vision_main("choco", ["--norm", "batchnorm", "--groups", "4", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[61].expected(tmp_path)
+
+
+def test_row62_a_data_dir_with_test_csv_and_no_train_csv(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "test.csv").write_bytes(agnews_rows(40))
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path),
+                                  "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[62].expected(tmp_path)
 
 
 def copied_model(tiny_model_dir, folder):

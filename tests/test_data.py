@@ -58,7 +58,10 @@ def test_partition_is_deterministic_under_seed_and_changes_with_it():
 
 @pytest.mark.parametrize("kwargs, word", [
     (dict(skew=1.5), "skew"), (dict(skew=-0.1), "skew"), (dict(num_nodes=0), "num_nodes"),
-    (dict(num_nodes=11), "num_nodes"), (dict(skew="0.5"), "skew"),
+    (dict(num_nodes=11), "num_nodes"), (dict(skew="0.5"), "skew"), (dict(skew=True), "skew"),
+    (dict(seed=-1), r"^seed must be an integer in \[0, 4294967295\], got -1"),
+    (dict(seed=1.5), r"^seed must be an integer"),
+    (dict(labels=[0, float("nan"), 1, 0, 1, 0, 1, 0, 1, 0]), r"^labels must be class ids, found nan at index 1"),
 ])
 def test_partition_rejects_bad_arguments(kwargs, word):
     args = dict(labels=list(range(10)), num_nodes=2, skew=0.5) | kwargs

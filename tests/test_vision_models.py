@@ -121,3 +121,9 @@ def test_invalid_arguments():
         build_vision_model("resnet20", 10, "range_evonorm", groups=16)
     with pytest.raises(ValueError, match="at least 32x32"):
         build_vision_model("vgg11", 10)(torch.randn(1, 3, 16, 16))
+    for norm in ("batchnorm", "groupnorm"):
+        with pytest.raises(ValueError, match=r"^groups must be an integer >= 1, got 0"):
+            build_vision_model("resnet20", 10, norm, groups=0)
+    with pytest.raises(ValueError, match=r"^groups=4 is the group count of groupnorm, evonorm, range_evonorm; "
+                                         r"norm='range_batchnorm' has no groups"):
+        build_vision_model("resnet20", 10, "range_batchnorm", groups=4)

@@ -5,6 +5,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checks import check_field
+
 
 def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: int = 0) -> list[np.ndarray]:
     """Split sample indices into ``num_nodes`` disjoint shards with a degree of label skew.
@@ -33,8 +35,12 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
         raise ValueError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
     if num_nodes > len(labels):
         raise ValueError(f"num_nodes={num_nodes} exceeds the number of samples ({len(labels)}): some shards would be empty")
-    if not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
+    if isinstance(skew, bool) or not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
         raise ValueError(f"skew must be a number in [0, 1], got {skew!r}")
+    check_field("seed", seed)
+    if labels.dtype.kind == "f" and not np.isfinite(labels).all():
+        raise ValueError(f"labels must be class ids, found {labels[~np.isfinite(labels)][0]} at index "
+                         f"{int(np.flatnonzero(~np.isfinite(labels))[0])}")
 
     order = np.argsort(labels, kind="stable")
     sorted_pool, random_pool = [], []

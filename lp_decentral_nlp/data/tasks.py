@@ -21,6 +21,8 @@ import numpy as np
 from datasets import (ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset,
                       load_from_disk)
 
+from ..checks import check_field
+
 AG_NEWS_HUB_ID = "ag_news"
 AG_NEWS_LABELS = ("World", "Sports", "Business", "Sci/Tech")
 # SentEval "Sentlen" bins of token counts, inclusive (Conneau et al. 2018).
@@ -53,7 +55,7 @@ def load_task(
             * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
               the original layout (``label,title,description``, labels 1-4) or ``text,label``
               columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``, no other
-              CSV) keeps those splits; or a directory written by ``DatasetDict.save_to_disk``
+              CSV) keeps those splits (``test.csv`` without ``train.csv`` is refused); or a directory written by ``DatasetDict.save_to_disk``
               (``text`` strings, ``label`` integers 0-3, a ``train`` split).
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
@@ -85,6 +87,7 @@ def load_task(
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+    check_field("seed", seed)
     if data_dir is not None and not Path(data_dir).exists():
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist")
 
@@ -219,6 +222,9 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
             raise ValueError(f"data_dir {str(path)!r} holds no CSV file and no saved dataset "
                              "(expected label,title,description CSVs or a save_to_disk directory)")
         by_name = {p.stem: p for p in csvs}
+        if "test" in by_name and "train" not in by_name:
+            raise ValueError(f"data_dir {str(path)!r} holds test.csv but no train.csv: test.csv is the test split "
+                             "beside a train.csv, and its rows are never trained on; add train.csv or rename test.csv")
         if "train" in by_name:
             others = sorted(p.name for p in csvs if p.stem not in ("train", "test"))
             if others:
@@ -326,6 +332,8 @@ def _checked_saved_split(part: Dataset, source: str) -> Dataset:
                              f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
     elif not (isinstance(label, Value) and re.fullmatch(r"u?int\d+", label.dtype)):
         raise ValueError(f"{source}: column 'label' must hold integers 0-3 (or be a ClassLabel), found {label}")
+    if any(value is None for value in part["text"]):
+        raise ValueError(f"{source}: column 'text' has empty (None) values; every row needs a text")
     labels = part["label"]
     if any(value is None for value in labels):
         raise ValueError(f"{source}: column 'label' has empty (None) values; every row needs a label 0-3")

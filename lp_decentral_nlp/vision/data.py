@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 import datasets
 
+from ..checks import check_field
+
 __all__ = [
     "VisionDatasetSpec",
     "VISION_DATASETS",
@@ -318,6 +320,7 @@ def load_vision_dataset(
     cannot open; TypeError for a label column that is not a ClassLabel.
     """
     spec = vision_dataset_spec(name)
+    check_field("seed", seed)
     if name == "digits":
         if data_dir is not None:
             raise ValueError("digits is bundled with scikit-learn: data_dir must be None")

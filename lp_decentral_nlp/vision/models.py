@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..checks import check_field
 from .norms import EvoNormS0, RangeBatchNorm2d, RangeEvoNorm2d
 
 __all__ = [
@@ -53,9 +54,19 @@ __all__ = [
 NORMS = ("batchnorm", "groupnorm", "evonorm", "range_batchnorm", "range_evonorm")
 
 
-def _check_norm(norm: str) -> None:
+#: the norms that normalise over groups of channels, and the group count they use by default
+GROUPED_NORMS, DEFAULT_GROUPS = ("groupnorm", "evonorm", "range_evonorm"), 2
+
+
+def _check_norm(norm: str, groups) -> None:
+    """ValueError for a ``norm`` not in :data:`NORMS`, a ``groups`` that is not an integer >= 1,
+    or a group count other than the default given to a norm without groups (it would be ignored)."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}; got {norm!r}")
+    check_field("groups", groups)
+    if norm not in GROUPED_NORMS and groups != DEFAULT_GROUPS:
+        raise ValueError(f"groups={groups} is the group count of {', '.join(GROUPED_NORMS)}; norm={norm!r} has no "
+                         f"groups: leave groups at {DEFAULT_GROUPS}")
 
 
 def norm_act(
@@ -64,16 +75,17 @@ def norm_act(
     *,
     apply_act: bool = True,
     act_layer: type[nn.Module] = nn.ReLU,
-    groups: int = 2,
+    groups: int = DEFAULT_GROUPS,
 ) -> nn.Module:
     """The layer that replaces ``BatchNorm2d(num_channels)`` (+ ``act_layer`` if ``apply_act``).
 
     norm: one of :data:`NORMS`. ``groups`` is the group count of ``groupnorm``, ``evonorm`` and
-    ``range_evonorm`` (the paper uses 2). ``act_layer`` is ignored by the fused norms.
+    ``range_evonorm`` (the paper uses 2; another value with a batch norm is a ValueError).
+    ``act_layer`` is ignored by the fused norms.
     Returns a module mapping (N, C, H, W) to (N, C, H, W); non-fused norms with an activation
     come as ``nn.Sequential(norm=..., act=...)``.
     """
-    _check_norm(norm)
+    _check_norm(norm, groups)
     if norm == "evonorm":
         return EvoNormS0(num_channels, groups=groups, apply_act=apply_act)
     if norm == "range_evonorm":
@@ -243,7 +255,7 @@ class MobileNetV2(nn.Module):
 
 
 def _norm_factory(norm: str, groups: int, act_layer: type[nn.Module] = nn.ReLU) -> NormFactory:
-    _check_norm(norm)
+    _check_norm(norm, groups)
 
     def make_norm(num_channels: int, apply_act: bool = True) -> nn.Module:
         return norm_act(norm, num_channels, apply_act=apply_act, act_layer=act_layer, groups=groups)
@@ -256,20 +268,20 @@ def _check_num_classes(num_classes: int) -> None:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
 
 
-def resnet20(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) -> ResNet:
+def resnet20(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """CIFAR ResNet-20: 3 stages x 3 basic blocks, 16/32/64 channels (0.27M parameters)."""
     _check_num_classes(num_classes)
     return ResNet((3, 3, 3), (16, 32, 64), "cifar", num_classes, _norm_factory(norm, groups))
 
 
-def resnet54(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) -> ResNet:
+def resnet54(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """CIFAR ResNet-54: 3 stages x 8 basic blocks (``(54 - 2) // 6``), 16/32/64 channels
     (0.76M parameters)."""
     _check_num_classes(num_classes)
     return ResNet((8, 8, 8), (16, 32, 64), "cifar", num_classes, _norm_factory(norm, groups))
 
 
-def resnet18(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) -> ResNet:
+def resnet18(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """ImageNet ResNet-18: [2, 2, 2, 2] basic blocks, 64/128/256/512 channels
     (11.18M parameters for 10 classes, 11.69M for 1000)."""
     _check_num_classes(num_classes)
@@ -277,14 +289,14 @@ def resnet18(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) ->
                   _norm_factory(norm, groups))
 
 
-def vgg11(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) -> VGG:
+def vgg11(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> VGG:
     """VGG-11 (configuration "A") with a 512-unit hidden linear layer (9.49M parameters for 10
     classes)."""
     _check_num_classes(num_classes)
     return VGG(_VGG11_CONFIG, num_classes, _norm_factory(norm, groups))
 
 
-def mobilenetv2(num_classes: int = 10, norm: str = "batchnorm", groups: int = 2) -> MobileNetV2:
+def mobilenetv2(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> MobileNetV2:
     """MobileNetV2 width 1.0 (2.24M parameters for 10 classes, 3.50M for 1000)."""
     _check_num_classes(num_classes)
     return MobileNetV2(num_classes, _norm_factory(norm, groups, act_layer=nn.ReLU6))
@@ -300,7 +312,7 @@ ARCHS: dict[str, Callable[..., nn.Module]] = {
 
 
 def build_vision_model(arch: str, num_classes: int = 10, norm: str = "batchnorm",
-                       groups: int = 2) -> nn.Module:
+                       groups: int = DEFAULT_GROUPS) -> nn.Module:
     """Registry entry point for the recipes: ``arch`` in :data:`ARCHS`, ``norm`` in :data:`NORMS`."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
