@@ -326,3 +326,33 @@ def test_quant_embedding_looks_up_the_8bit_table_and_passes_the_float_gradient()
 def test_quant_embedding_needs_a_float32_table():
     with pytest.raises(TypeError, match="master weights must be float32"):
         QuantEmbedding.from_float(nn.Embedding(5, 3).to(torch.bfloat16), QuantConfig())
+
+
+@pytest.mark.filterwarnings("ignore:QuantConfig\\(kernel='int8_bf16'\\) cannot run every layer")
+@pytest.mark.parametrize("kernel", ["simulated", "int8", "int8_bf16", "auto"])
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "wide linear"])
+def test_output_can_be_modified_in_place_like_the_float_layers(kind, kernel):
+    """Writing into the output (Wav2Vec2's ``hidden_states[mask] = ...``) works with every kernel
+    and gives the gradients of the out-of-place write."""
+    config = QuantConfig(kernel=kernel)
+    if kind == "wide linear":  # wide enough for auto to pick int8 where the CPU has an int8 GEMM
+        q, x = QuantLinear.from_float(nn.Linear(256, 256), config), torch.randn(2, 3, 256)
+    else:
+        _, q, x = make_layer(kind, config)
+    grads = []
+    for inplace in (True, False):
+        torch.manual_seed(1)
+        x_leaf = x.clone().requires_grad_(True)
+        out = q(x_leaf)
+        mask = torch.zeros(out.shape[:2], dtype=torch.bool)
+        mask[0, 1] = True
+        if inplace:
+            out[mask] = 0.5
+            out.add_(1.0)
+        else:
+            out = torch.where(mask.view(mask.shape + (1,) * (out.dim() - 2)), 0.5, out) + 1.0
+        q.weight.grad = None
+        (out * out).sum().backward()
+        grads.append((out.detach(), x_leaf.grad, q.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

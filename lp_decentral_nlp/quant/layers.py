@@ -37,6 +37,12 @@ class QuantGemmFunction(torch.autograd.Function):
     when ``dL/dW`` is needed, the weight's 8-bit codes when ``dL/dx`` is (a quarter of the fp32
     bytes; the kernel's ``for_backward`` drops float copies). The backward is the same computation
     as recomputing the operands from the float tensors, bit for bit.
+
+    The output may be modified in place, as ``nn.Linear``'s (Wav2Vec2's masking writes into a
+    projection's output): a kernel's output is often a view of the GEMM's result (a reshape of the
+    ``(rows, out)`` product, the int8 Conv2d's channels-last permute), and autograd refuses in-place
+    writes to a view made inside a Function, so ``forward`` returns ``y.detach()``: the same memory,
+    no copy, not a view for autograd.
     """
 
     @staticmethod
@@ -51,7 +57,7 @@ class QuantGemmFunction(torch.autograd.Function):
         ctx.operand_types, ctx.shapes = (type(x_q), type(w_q)), (x.shape, weight.shape)
         ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
         ctx.stochastic = config.stochastic_grad_rounding and training
-        return y
+        return y.detach()  # not a view: the caller may write into it (see the class docstring)
 
     @staticmethod
     def backward(ctx, g):
