@@ -356,3 +356,18 @@ def test_output_can_be_modified_in_place_like_the_float_layers(kind, kernel):
         grads.append((out.detach(), x_leaf.grad, q.weight.grad))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind, empty_shape", [("linear", (0, 12)), ("linear", (4, 0, 12)), ("conv1d", (0, 5, 12)),
+                                               ("conv2d", (0, 3, 9, 9))])
+def test_empty_batch_runs_like_the_float_layer_and_leaves_the_running_range(kind, empty_shape):
+    f, q, x = make_layer(kind)
+    q(x)  # calibrates the running range
+    before = [b.clone() for b in q.buffers()]
+    empty = torch.randn(empty_shape, requires_grad=True)
+    out = q(empty)
+    assert out.shape == f(empty).shape
+    out.sum().backward()
+    assert empty.grad.shape == empty.shape
+    assert torch.equal(q.weight.grad, torch.zeros_like(q.weight)) and torch.equal(q.bias.grad, torch.zeros_like(q.bias))
+    assert all(torch.equal(a, b) for a, b in zip(before, q.buffers())), "an empty batch must not move the range"

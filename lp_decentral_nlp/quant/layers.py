@@ -180,17 +180,24 @@ class QuantGemmLayer(ActivationQuantizer):
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back:
-        a kernel named in the config, not ``"auto"``, that cannot run the layer warns why)."""
-        kernel, fallback = self._resolve_kernel(x, gemm)
-        if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
-            self.last_kernel = kernel.name
-            if fallback is not None and self.quant_config.kernel != AUTO and fallback != self._warned_fallback:
-                # said once per layer (not every step); warnings shows a message once: one line per reason
-                self._warned_fallback = fallback
-                warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: {fallback}; "
-                              f"those layers run the simulated kernel (kernel_report(model) names them)", stacklevel=2)
+        a kernel named in the config, not ``"auto"``, that cannot run the layer warns why).
+
+        An empty input (no elements, e.g. a batch of 0 samples) has nothing to quantize: it runs
+        the float GEMM (``gemm.forward``: the float layer's empty output, zero weight and bias
+        gradients) and leaves the running activation range alone."""
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
+            if x.numel() == 0:
+                return gemm.forward(x, self.weight, self.bias)
+            kernel, fallback = self._resolve_kernel(x, gemm)
+            if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
+                self.last_kernel = kernel.name
+                if fallback is not None and self.quant_config.kernel != AUTO and fallback != self._warned_fallback:
+                    # said once per layer (not every step); warnings shows a message once: one line per reason
+                    self._warned_fallback = fallback
+                    warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: "
+                                  f"{fallback}; those layers run the simulated kernel (kernel_report(model) names "
+                                  f"them)", stacklevel=2)
             lo, hi = self._activation_range(x)
             return QuantGemmFunction.apply(
                 x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
