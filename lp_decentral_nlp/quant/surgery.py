@@ -103,9 +103,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     if already:
         raise ValueError(f"model is already quantized ({len(already)} 8-bit layers, e.g. {already[0]!r}); "
                          "call dequantize_model first to change the QuantConfig")
+    # ours as an LpQuantizationConfig or as the dict transformers keeps from from_pretrained(...,
+    # quantization_config={"quant_method": "lp_decentral_nlp", ...}): replaced by `config` below
     other = getattr(getattr(model, "config", None), CONFIG_KEY, None)
-    if other is not None and not isinstance(other, LpQuantizationConfig):
-        method = other.get("quant_method") if isinstance(other, dict) else getattr(other, "quant_method", other)
+    method = other.get("quant_method") if isinstance(other, dict) else getattr(other, "quant_method", other)
+    if other is not None and method != QUANT_METHOD:
         raise ValueError(f"model carries a quantization_config of quant_method {method!r}: 8-bit training needs "
                          "the float model (load it without quantization_config)")
     report = _plan(model, config)
