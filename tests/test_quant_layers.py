@@ -371,3 +371,19 @@ def test_empty_batch_runs_like_the_float_layer_and_leaves_the_running_range(kind
     assert empty.grad.shape == empty.shape
     assert torch.equal(q.weight.grad, torch.zeros_like(q.weight)) and torch.equal(q.bias.grad, torch.zeros_like(q.bias))
     assert all(torch.equal(a, b) for a, b in zip(before, q.buffers())), "an empty batch must not move the range"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "embedding"])
+def test_a_layer_converted_off_float32_after_the_surgery_refuses_to_run(kind, dtype):
+    """``model.to(dtype)`` after ``quantize_model`` would compute off the 8-bit grid: the next forward
+    says so (master weights stay float32, SPEC 4, as from_float requires); ``.float()`` restores it."""
+    if kind == "embedding":
+        q, x = QuantEmbedding.from_float(nn.Embedding(10, 6), QuantConfig()), torch.tensor([[1, 2]])
+    else:
+        _, q, x = make_layer(kind)
+    name = type(q).__name__
+    with pytest.raises(TypeError, match=rf"{name} with weight \(.*\): master weights must be float32 \(SPEC 4\), "
+                                        rf"got weight of dtype {dtype}; .*call model.float\(\)"):
+        q.to(dtype)(x if kind == "embedding" else x.to(dtype))
+    assert q.float()(x).dtype == torch.float32

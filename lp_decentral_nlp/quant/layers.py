@@ -110,14 +110,21 @@ class QuantModule:
         """A quantized module sharing `module`'s parameter and buffer objects (no copy), same training flag."""
         if type(module) is not cls.float_type:
             raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
-        for name, p in module.named_parameters(recurse=False):
-            if p.dtype != torch.float32:
-                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
-                                f"of dtype {p.dtype}; call model.float() first")
+        _require_float32(module, cls.__name__, "call model.float() first")
         with torch.device("meta"):
             layer = cls(**cls._constructor_args(module), quant_config=config)
         _share_state(module, layer)
         return layer.train(module.training)
+
+    def check_master_weights(self) -> None:
+        """Raise TypeError unless the master weights are still float32 (SPEC 4), as ``from_float``
+        asked: ``model.to(torch.bfloat16)`` / ``.half()`` (or float64) after the surgery would run
+        the 8-bit grids in another dtype. Every forward calls it first (one dtype comparison)."""
+        if self.weight.dtype != torch.float32:
+            _require_float32(self, f"{type(self).__name__} with weight {tuple(self.weight.shape)}",
+                             "the model was converted after quantize_model (only float32 is allowed): call "
+                             "model.float(); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs "
+                             "stay fp32")
 
     def to_float(self) -> nn.Module:
         """The plain float module holding this module's current parameters and buffers (same objects)."""
@@ -185,6 +192,7 @@ class QuantGemmLayer(ActivationQuantizer):
         An empty input (no elements, e.g. a batch of 0 samples) has nothing to quantize: it runs
         the float GEMM (``gemm.forward``: the float layer's empty output, zero weight and bias
         gradients) and leaves the running activation range alone."""
+        self.check_master_weights()
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             if x.numel() == 0:
@@ -359,6 +367,7 @@ class QuantEmbedding(QuantModule, nn.Embedding):
                     padding_idx=module.padding_idx, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
 
     def forward(self, ids):
+        self.check_master_weights()
         rows = F.embedding(ids, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse)
         with torch.no_grad():
             rows_q = fake_quantize(rows, *tensor_range(self.weight), self.quant_config.bits)
@@ -366,6 +375,14 @@ class QuantEmbedding(QuantModule, nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.quant_config.bits}"
+
+
+def _require_float32(module: nn.Module, layer: str, hint: str) -> None:
+    """Raise TypeError, naming `layer` and ending with `hint`, unless every parameter of `module`
+    (not of its children) is float32: the master weights of the 8-bit layers (SPEC 4)."""
+    for name, p in module.named_parameters(recurse=False):
+        if p.dtype != torch.float32:
+            raise TypeError(f"{layer}: master weights must be float32 (SPEC 4), got {name} of dtype {p.dtype}; {hint}")
 
 
 def _share_state(src: nn.Module, dst: nn.Module) -> None:
