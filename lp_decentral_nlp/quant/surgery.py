@@ -144,6 +144,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
     supported = tuple(QUANT_LAYERS)
     report = QuantReport()
+    head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
     skip_used, target_used = set(), set()
     for name, module in model.named_modules():
         if not name or not isinstance(module, supported):
@@ -169,6 +170,8 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             reason = unsupported
         elif skips:
             reason = f"matches skip pattern {skips[0]!r}"
+        elif module is head:
+            reason = "the model's output embeddings (get_output_embeddings()), a head the default skip keeps float"
         elif targets is not None and not targets:
             reason = "matches no target pattern"
         else:
@@ -189,6 +192,13 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         kinds = ", ".join(t.__name__ for t in QUANT_LAYERS)
         report.problems.append(f"no layer to quantize (supported types: {kinds})")
     return report
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The module a transformers model's ``get_output_embeddings()`` returns (its LM head), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _replace(model: nn.Module, selected: set[int], build) -> None:
