@@ -331,3 +331,23 @@ def test_pretrained_minilm_8bit_embeddings_match_fp32(minilm_path, ag_news_csv):
     # output weight spans [-0.6, 7.9] with std 0.045), so the match is close but not exact.
     cos = nn.functional.cosine_similarity(embed(model), float_emb)
     assert cos.min() > 0.95, cos
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_updates_the_running_ranges_once_per_step(use_reentrant):
+    """The recomputation in backward leaves the running activation ranges alone: a checkpointed run
+    gives the uncheckpointed run's ranges (SPEC 4's momentum update once per training batch)."""
+    batches = [torch.randint(3, VOCAB, (2, 8)) for _ in range(2)]
+    buffers = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = quantize_model(BertForSequenceClassification(BertConfig(
+            **TEXT, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+        model.train()
+        for ids in batches:
+            model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+        buffers.append({k: v for k, v in model.state_dict().items() if ".act_" in k})
+    assert buffers[1]["bert.encoder.layer.1.attention.self.query.act_num_batches"].item() == len(batches)
+    assert all(torch.equal(buffers[0][k], buffers[1][k]) for k in buffers[0])

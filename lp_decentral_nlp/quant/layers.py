@@ -164,14 +164,19 @@ class ActivationQuantizer(QuantModule):
 
     def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
-        the running range; the running range in eval (the batch's own before any training batch)."""
+        the running range; the running range in eval (the batch's own before any training batch).
+
+        A forward that runs inside a backward pass is gradient checkpointing's recomputation
+        (``torch.utils.checkpoint``, reentrant or not): it takes the same batch range but leaves the
+        running range alone, so a checkpointed step updates it once, as an uncheckpointed one."""
         with torch.no_grad():
             lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
             if self.training:
-                update_running_range(
-                    self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
-                    self.quant_config.act_momentum,
-                )
+                if not _in_backward():
+                    update_running_range(
+                        self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
+                        self.quant_config.act_momentum,
+                    )
                 return lo, hi
             calibrated = self.act_num_batches > 0
             return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
@@ -393,6 +398,12 @@ def _share_state(src: nn.Module, dst: nn.Module) -> None:
     for name in dict(dst.named_buffers(recurse=False)):
         if name in src_buffers:
             setattr(dst, name, src_buffers[name])
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass now (the test torch's own FSDP and
+    ``torch.utils.module_tracker.ModuleTracker.is_bw`` use; one C call, no device sync)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _autocast_disabled(device_type: str):
