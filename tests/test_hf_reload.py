@@ -181,3 +181,13 @@ def test_quantize_model_refuses_a_model_quantized_by_another_method():
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     with pytest.raises(ValueError, match="quantization_config of quant_method 'bitsandbytes'"):
         quantize_model(model)
+
+
+def test_a_backbone_selected_with_target_reloads_as_saved(tmp_path, tokenizer):
+    """The documented way to quantize part of a model that is saved (quantize_model(model.bert)
+    would record its config on the config object the task model shares)."""
+    model = quantize_model(tiny_bert(tokenizer.vocab_size), QuantConfig(target=("bert",), skip=("pooler",)))
+    assert type(model.classifier) is nn.Linear and type(model.bert.pooler.dense) is nn.Linear
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    calibrated(model, batch).save_pretrained(tmp_path)
+    check_reload(model, tmp_path, batch)

@@ -86,6 +86,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     Args:
         model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.quantization_config``,
             an ``LpQuantizationConfig``, which ``save_pretrained`` stores and ``from_pretrained`` re-applies).
+            A part of a task model, such as ``model.bert``, shares its config object with the task
+            model (``model.bert.config is model.config``) and nothing tells the part it has a
+            parent, so the config it records is the task model's: ``from_pretrained`` of the saved
+            task model applies it to the whole model, head included. To quantize part of a model
+            you will save, pass the whole model and select the part with ``target`` (e.g.
+            ``QuantConfig(target=("bert",))``), which reloads as it was saved.
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
