@@ -137,12 +137,14 @@ def test_a_reloaded_8bit_model_trains_saves_again_and_dequantizes(tmp_path, toke
     assert not hasattr(again.config, "quantization_config") and not again.is_quantized
 
 
-def test_a_float_checkpoint_quantizes_on_load_with_an_lp_quantization_config(tmp_path, tokenizer):
+@pytest.mark.parametrize("as_dict", [False, True], ids=["LpQuantizationConfig", "dict"])
+def test_a_float_checkpoint_quantizes_on_load_with_an_lp_quantization_config(tmp_path, tokenizer, as_dict):
     float_model = tiny_bert(tokenizer.vocab_size)
     float_model.save_pretrained(tmp_path)
+    fields = dict(bits=6, skip=["classifier", "pooler"])
+    qconfig = {"quant_method": "lp_decentral_nlp", **fields} if as_dict else LpQuantizationConfig(**fields)
     with transformers_warnings() as records:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            tmp_path, quantization_config=LpQuantizationConfig(bits=6, skip=["classifier", "pooler"]))
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path, quantization_config=qconfig)
     assert messages(records) == []  # the absent activation ranges are expected, not reported
     expected = quantize_model(tiny_bert(tokenizer.vocab_size), QuantConfig(bits=6, skip=("classifier", "pooler")))
     assert module_types(model) == module_types(expected)
@@ -151,6 +153,7 @@ def test_a_float_checkpoint_quantizes_on_load_with_an_lp_quantization_config(tmp
     assert dense.quant_config.bits == 6
     assert dense.act_num_batches.item() == 0 and dense.act_running_min.item() == dense.act_running_max.item() == 0
     assert torch.equal(dense.weight, float_model.bert.encoder.layer[1].output.dense.weight)
+    assert model.config.quantization_config.to_quant_config() == QuantConfig(bits=6, skip=("classifier", "pooler"))
 
 
 def test_reload_refuses_a_non_float32_dtype(tmp_path, tokenizer):
@@ -178,3 +181,13 @@ def test_quantize_model_refuses_a_model_quantized_by_another_method():
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     with pytest.raises(ValueError, match="quantization_config of quant_method 'bitsandbytes'"):
         quantize_model(model)
+
+
+def test_a_backbone_selected_with_target_reloads_as_saved(tmp_path, tokenizer):
+    """The documented way to quantize part of a model that is saved (quantize_model(model.bert)
+    would record its config on the config object the task model shares)."""
+    model = quantize_model(tiny_bert(tokenizer.vocab_size), QuantConfig(target=("bert",), skip=("pooler",)))
+    assert type(model.classifier) is nn.Linear and type(model.bert.pooler.dense) is nn.Linear
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    calibrated(model, batch).save_pretrained(tmp_path)
+    check_reload(model, tmp_path, batch)

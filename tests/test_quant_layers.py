@@ -326,3 +326,64 @@ def test_quant_embedding_looks_up_the_8bit_table_and_passes_the_float_gradient()
 def test_quant_embedding_needs_a_float32_table():
     with pytest.raises(TypeError, match="master weights must be float32"):
         QuantEmbedding.from_float(nn.Embedding(5, 3).to(torch.bfloat16), QuantConfig())
+
+
+@pytest.mark.filterwarnings("ignore:QuantConfig\\(kernel='int8_bf16'\\) cannot run every layer")
+@pytest.mark.parametrize("kernel", ["simulated", "int8", "int8_bf16", "auto"])
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "wide linear"])
+def test_output_can_be_modified_in_place_like_the_float_layers(kind, kernel):
+    """Writing into the output (Wav2Vec2's ``hidden_states[mask] = ...``) works with every kernel
+    and gives the gradients of the out-of-place write."""
+    config = QuantConfig(kernel=kernel)
+    if kind == "wide linear":  # wide enough for auto to pick int8 where the CPU has an int8 GEMM
+        q, x = QuantLinear.from_float(nn.Linear(256, 256), config), torch.randn(2, 3, 256)
+    else:
+        _, q, x = make_layer(kind, config)
+    grads = []
+    for inplace in (True, False):
+        torch.manual_seed(1)
+        x_leaf = x.clone().requires_grad_(True)
+        out = q(x_leaf)
+        mask = torch.zeros(out.shape[:2], dtype=torch.bool)
+        mask[0, 1] = True
+        if inplace:
+            out[mask] = 0.5
+            out.add_(1.0)
+        else:
+            out = torch.where(mask.view(mask.shape + (1,) * (out.dim() - 2)), 0.5, out) + 1.0
+        q.weight.grad = None
+        (out * out).sum().backward()
+        grads.append((out.detach(), x_leaf.grad, q.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind, empty_shape", [("linear", (0, 12)), ("linear", (4, 0, 12)), ("conv1d", (0, 5, 12)),
+                                               ("conv2d", (0, 3, 9, 9))])
+def test_empty_batch_runs_like_the_float_layer_and_leaves_the_running_range(kind, empty_shape):
+    f, q, x = make_layer(kind)
+    q(x)  # calibrates the running range
+    before = [b.clone() for b in q.buffers()]
+    empty = torch.randn(empty_shape, requires_grad=True)
+    out = q(empty)
+    assert out.shape == f(empty).shape
+    out.sum().backward()
+    assert empty.grad.shape == empty.shape
+    assert torch.equal(q.weight.grad, torch.zeros_like(q.weight)) and torch.equal(q.bias.grad, torch.zeros_like(q.bias))
+    assert all(torch.equal(a, b) for a, b in zip(before, q.buffers())), "an empty batch must not move the range"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "embedding"])
+def test_a_layer_converted_off_float32_after_the_surgery_refuses_to_run(kind, dtype):
+    """``model.to(dtype)`` after ``quantize_model`` would compute off the 8-bit grid: the next forward
+    says so (master weights stay float32, SPEC 4, as from_float requires); ``.float()`` restores it."""
+    if kind == "embedding":
+        q, x = QuantEmbedding.from_float(nn.Embedding(10, 6), QuantConfig()), torch.tensor([[1, 2]])
+    else:
+        _, q, x = make_layer(kind)
+    name = type(q).__name__
+    with pytest.raises(TypeError, match=rf"{name} with weight \(.*\): master weights must be float32 \(SPEC 4\), "
+                                        rf"got weight of dtype {dtype}; .*call model.float\(\)"):
+        q.to(dtype)(x if kind == "embedding" else x.to(dtype))
+    assert q.float()(x).dtype == torch.float32

@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
+    BertForMaskedLM,
     BertForSequenceClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
@@ -218,8 +219,8 @@ def test_int8_export_codes_tied_weights_once():
 
 def test_8bit_embeddings_train_export_exactly_and_reload(tmp_path):
     """GPT-2 with QuantConfig(embeddings=True): wte/wpe are 8-bit lookups, the float lm_head tied to
-    wte reads the fp32 master table, the int8 export reproduces the tables the forward used, and
-    save_pretrained / load_quantized gives the same model."""
+    wte reads the fp32 master table, the int8 export reproduces the tables the forward used (wte,
+    which lm_head reads, in fp32), and save_pretrained / load_quantized gives the same model."""
     torch.manual_seed(0)
     model = quantize_model(ARCHITECTURES["gpt2"](), QuantConfig(embeddings=True))
     assert type(model.transformer.wte) is QuantEmbedding and type(model.lm_head) is nn.Linear
@@ -232,14 +233,13 @@ def test_8bit_embeddings_train_export_exactly_and_reload(tmp_path):
         optimizer.zero_grad()
     model.eval()
     exported = export_int8_state_dict(model)  # the QuantEmbedding tables are quantized layers now
-    for key in ("transformer.wte.weight", "transformer.wpe.weight"):
-        table = model.get_parameter(key).detach()
-        restored = exported[key].float() * exported[key + "_scale"] + exported[key + "_offset"]
-        assert exported[key].dtype == torch.int8 and exported[key + "_scale"].dim() == 0
-        assert torch.allclose(restored, fake_quantize(table, *tensor_range(table), 8), atol=1e-6)
-    # the float head tied to wte read the fp32 master table, so its entry stays fp32
-    assert torch.equal(exported["lm_head.weight"], model.lm_head.weight) and "lm_head.weight_scale" not in exported
-    assert exported["transformer.wte.weight"].dtype == torch.int8
+    table, key = model.transformer.wpe.weight.detach(), "transformer.wpe.weight"
+    restored = exported[key].float() * exported[key + "_scale"] + exported[key + "_offset"]
+    assert exported[key].dtype == torch.int8 and exported[key + "_scale"].dim() == 0
+    assert torch.allclose(restored, fake_quantize(table, *tensor_range(table), 8), atol=1e-6)
+    # the float head tied to wte read the fp32 master table, so the table stays fp32 under both keys
+    for key in ("lm_head.weight", "transformer.wte.weight"):
+        assert torch.equal(exported[key], model.lm_head.weight) and key + "_scale" not in exported
 
     model.save_pretrained(tmp_path)
     loaded = load_quantized(tmp_path, auto_class=AutoModelForCausalLM).eval()
@@ -247,6 +247,28 @@ def test_8bit_embeddings_train_export_exactly_and_reload(tmp_path):
     assert loaded.config.quantization_config.embeddings is True
     with torch.no_grad():
         assert torch.equal(output_of(loaded, inputs), output_of(model, inputs))
+
+
+def test_int8_export_keeps_a_weight_tied_to_a_float_module_fp32_and_reproduces_the_model():
+    """BertForMaskedLM with its MLM decoder quantized: the decoder's weight is the float word
+    embeddings' table, so the export keeps it fp32 under both keys, and loading the dequantized
+    export gives back the embeddings exactly and the 8-bit model's logits."""
+    model = BertForMaskedLM(BertConfig(**TEXT))
+    quantize_model(model, QuantConfig(skip=()))
+    decoder, table = model.cls.predictions.decoder, model.bert.embeddings.word_embeddings
+    assert type(decoder) is QuantLinear and type(table) is nn.Embedding and decoder.weight is table.weight
+    ids = torch.randint(3, VOCAB, (4, 10))
+    model(input_ids=ids)  # calibrates the activation ranges
+    model.eval()
+    exported = export_int8_state_dict(model)
+    for key in ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"):
+        assert torch.equal(exported[key], table.weight) and key + "_scale" not in exported
+    assert exported["bert.encoder.layer.0.output.dense.weight"].dtype == torch.int8  # untied layers: int8
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(dequantize_int8_state_dict(exported))
+    assert torch.equal(clone.bert.embeddings.word_embeddings.weight, table.weight)
+    with torch.no_grad():
+        assert torch.allclose(clone(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
 
 
 def test_int8_export_rejects_a_non_bool_embeddings_flag():
@@ -309,3 +331,23 @@ def test_pretrained_minilm_8bit_embeddings_match_fp32(minilm_path, ag_news_csv):
     # output weight spans [-0.6, 7.9] with std 0.045), so the match is close but not exact.
     cos = nn.functional.cosine_similarity(embed(model), float_emb)
     assert cos.min() > 0.95, cos
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_updates_the_running_ranges_once_per_step(use_reentrant):
+    """The recomputation in backward leaves the running activation ranges alone: a checkpointed run
+    gives the uncheckpointed run's ranges (SPEC 4's momentum update once per training batch)."""
+    batches = [torch.randint(3, VOCAB, (2, 8)) for _ in range(2)]
+    buffers = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = quantize_model(BertForSequenceClassification(BertConfig(
+            **TEXT, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+        model.train()
+        for ids in batches:
+            model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+        buffers.append({k: v for k, v in model.state_dict().items() if ".act_" in k})
+    assert buffers[1]["bert.encoder.layer.1.attention.self.query.act_num_batches"].item() == len(batches)
+    assert all(torch.equal(buffers[0][k], buffers[1][k]) for k in buffers[0])

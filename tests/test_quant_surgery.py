@@ -7,7 +7,7 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, dequantize_model, quantize_model
-from lp_decentral_nlp.quant import QUANT_LAYERS, QuantEmbedding, QuantLinear, QuantModule, register_quant_layer
+from lp_decentral_nlp.quant import DEFAULT_SKIP, QUANT_LAYERS, QuantEmbedding, QuantLinear, QuantModule, register_quant_layer
 from lp_decentral_nlp.quant.surgery import CONFIG_KEY
 
 LINEAR_NAMES = ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2")
@@ -242,3 +242,42 @@ def test_config_dict_round_trip():
     assert QuantConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown QuantConfig keys"):
         QuantConfig.from_dict({**cfg.to_dict(), "bitz": 8})
+
+
+TINY_TEXT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+SEQ2SEQ = dict(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64)
+HEAD_MODELS = {
+    "bert-qa": lambda t: t.BertForQuestionAnswering(t.BertConfig(**TINY_TEXT)),
+    "bert-mlm": lambda t: t.BertForMaskedLM(t.BertConfig(**TINY_TEXT)),
+    "bert-pretraining": lambda t: t.BertForPreTraining(t.BertConfig(**TINY_TEXT)),
+    "albert-mlm": lambda t: t.AlbertForMaskedLM(t.AlbertConfig(**TINY_TEXT, embedding_size=16)),
+    "distilbert-mlm": lambda t: t.DistilBertForMaskedLM(t.DistilBertConfig(vocab_size=100, dim=32, hidden_dim=64,
+                                                                           n_layers=1, n_heads=2)),
+    "bart-classification": lambda t: t.BartForSequenceClassification(t.BartConfig(**SEQ2SEQ)),
+    "electra-mlm": lambda t: t.ElectraForMaskedLM(t.ElectraConfig(**TINY_TEXT, embedding_size=16)),
+    "electra-pretraining": lambda t: t.ElectraForPreTraining(t.ElectraConfig(**TINY_TEXT, embedding_size=16)),
+    "whisper": lambda t: t.WhisperForConditionalGeneration(t.WhisperConfig(
+        **SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=32, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HEAD_MODELS))
+def test_default_keeps_every_task_head_float(arch):
+    """Every supported layer of the base model is quantized, none of the task head around it (SPEC 4),
+    whatever the head's names; the LM head (get_output_embeddings()) stays float with DEFAULT_SKIP
+    extended, and is quantized once the defaults are left out."""
+    import transformers
+
+    model = HEAD_MODELS[arch](transformers)
+    body = model.base_model_prefix + "."
+    report = quantize_model(model, dry_run=True)
+    gemms = [d for d in report.layers if d.type_name in ("Linear", "Conv1D", "Conv2d")]
+    assert all(d.quantize == d.name.startswith(body) for d in gemms), str(report)
+    assert report.quantized and not all(d.quantize for d in gemms)
+    head = model.get_output_embeddings()
+    if head is not None:
+        name = next(n for n, m in model.named_modules() if m is head)
+        assert name in quantize_model(model, QuantConfig(skip=DEFAULT_SKIP + ("nothing",)), dry_run=True).skipped
+        assert name in quantize_model(model, QuantConfig(skip=()), dry_run=True).quantized

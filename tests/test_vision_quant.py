@@ -235,6 +235,8 @@ def test_from_float_errors():
     _, q, _ = make_norm("evonorm")
     with pytest.raises(ValueError, match=r"expects input of shape \(N, 8, H, W\)"):
         q(torch.randn(2, 4, 3, 3))
+    with pytest.raises(TypeError, match=r"QuantEvoNormS0 with weight \(8,\): master weights must be float32"):
+        q.half()(torch.randn(2, C, 3, 3).half())
 
 
 # -- whole networks -------------------------------------------------------------------------------

@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 from .kernels import kernel_names
 
-# Classification/LM heads of Hugging Face models. They stay full precision by default (SPEC 4).
-# These well-known names are applied wherever they exist; any other `skip` pattern must match.
-DEFAULT_SKIP = ("classifier", "pre_classifier", "score", "lm_head")
+# Task heads of Hugging Face models (classification, question answering, MLM transforms and LM
+# heads). They stay full precision by default (SPEC 4); with all of these in `skip`, so does the
+# model's output embeddings module (`surgery.quantize_model`). These well-known names are applied
+# wherever they exist; any other `skip` pattern must match.
+DEFAULT_SKIP = ("classifier", "pre_classifier", "score", "lm_head", "qa_outputs", "classification_head", "cls",
+                "predictions", "vocab_transform", "vocab_projector", "generator_predictions", "generator_lm_head",
+                "discriminator_predictions")
 GRAD_GRANULARITIES = ("tensor", "sample")
 MIN_BITS, MAX_BITS = 2, 8
 
@@ -29,7 +33,16 @@ class QuantConfig:
             ``running = (1 - m) * running + m * batch``.
         skip: module-name patterns kept full precision (a layer is skipped when the pattern matches
             its name or the name of one of its parents). A pattern matches a name when it equals it,
-            is a dot-separated suffix of it, or fully matches it as a regular expression.
+            is a dot-separated suffix of it, or fully matches it as a regular expression. The
+            default, ``DEFAULT_SKIP``, names the common Hugging Face task heads (``classifier``,
+            ``pre_classifier``, ``score``, ``lm_head``, ``qa_outputs``, ``classification_head``,
+            ``cls`` (BERT's pre-training heads), ``predictions`` (ALBERT's MLM head),
+            ``vocab_transform``, ``vocab_projector``, ELECTRA's
+            ``generator_predictions``, ``generator_lm_head``, ``discriminator_predictions``); while
+            ``skip`` holds all of them (the default, or ``DEFAULT_SKIP + (...)``) the module the
+            model's ``get_output_embeddings()`` returns (its LM head, whatever its name) stays full
+            precision too. The default names need not exist in the model; any other pattern must
+            match a layer.
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
         kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where it is faster, i.e. a

@@ -2,7 +2,8 @@
 
 For each quantized layer ``L`` the export holds ``L.weight`` as int8 codes ``c`` with
 ``L.weight_scale`` and ``L.weight_offset`` (fp32, 0-d) such that the weight the layer used in its
-forward pass is ``c * scale + offset``. Optionally every plain ``nn.Embedding`` table is stored the same
+forward pass is ``c * scale + offset``, unless a float module reads the same tensor (a tied
+weight: it then stays fp32 under every key). Optionally every plain ``nn.Embedding`` table is stored the same
 way with one scale and offset per row (post-training, weight-only). Everything else (biases,
 norms, heads kept full precision, activation-range buffers) is copied as is.
 """
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from .functional import quantize_codes, tensor_range
-from .layers import QuantEmbedding, QuantGemmLayer
+from .layers import QuantEmbedding, QuantGemmLayer, QuantModule
 
 SCALE_SUFFIX, OFFSET_SUFFIX = "_scale", "_offset"
 EMBEDDING_BITS = 8
@@ -24,14 +25,19 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
 
     Codes are the affine codes of SPEC 4 shifted to signed range, ``c = q - 2**(bits-1)``, so
     ``offset = min + 2**(bits-1) * scale``. A quantized layer's codes reproduce the weight its
-    forward used (per tensor); an entry tied to it that a float module reads (e.g. GPT-2's
-    ``lm_head`` when ``wte`` is a ``QuantEmbedding``) stays fp32, as that module used it.
+    forward used (per tensor). A weight tied to a float module (BERT's MLM ``decoder`` quantized
+    and the ``word_embeddings`` it shares its weight with, GPT-2's float ``lm_head`` when ``wte``
+    is a ``QuantEmbedding``) stays fp32 under every key: the float module read the fp32 tensor and
+    the quantized layer quantizes it per tensor at each forward, so ``load_state_dict`` of
+    :func:`dequantize_int8_state_dict`'s output (which writes every key into the one shared
+    parameter) gives back the exported model's outputs exactly, whatever the key order.
 
     Args:
         model: a model after :func:`quantize_model`.
         embeddings: also store every plain ``nn.Embedding`` table (``(num_embeddings, dim)``, and
             the entries tied to it) as 8-bit codes with a scale and offset of shape
-            ``(num_embeddings, 1)``, one per row, coded once. Unlike the quantized layers' export,
+            ``(num_embeddings, 1)``, one per row, coded once (a quantized layer's weight tied to
+            such a table too, as the table). Unlike the quantized layers' export,
             this is post-training weight-only quantization of weights the model used in fp32: each
             entry moves by at most half its row's step ``(row max - row min) / 255``. With it the
             whole export of a DistilBERT-base classifier is ~3.9x smaller than the fp32 state dict
@@ -46,13 +52,19 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
         raise ValueError("export_int8_state_dict: model has no quantized layers (call quantize_model first)")
     state = model.state_dict()
     tables = {_tensor_key(m.weight) for m in model.modules() if embeddings and type(m) is nn.Embedding}
+    float_read = {_tensor_key(p) for m in model.modules() if not isinstance(m, QuantModule)
+                  for p in m.parameters(recurse=False)}
     out, coded = {}, {}
     for key, value in state.items():
-        spec = exact.get(key) or ((EMBEDDING_BITS, _row_range) if _tensor_key(value) in tables else None)
+        tensor = _tensor_key(value)
+        if tensor in tables:
+            spec = (EMBEDDING_BITS, _row_range)
+        else:
+            spec = exact.get(key) if tensor not in float_read else None
         if spec is None:
             out[key] = value
             continue
-        cache_key = (_tensor_key(value), spec)
+        cache_key = (tensor, spec)
         if cache_key not in coded:
             bits, value_range = spec
             lo, hi = value_range(value)

@@ -13,7 +13,8 @@ it warns "Unknown quantization type" and loads a float model.
 
 The checkpoint holds fp32 master weights (SPEC 4), so the quantizer converts no tensor; it is
 trainable (``Trainer`` and ``DecentralizedTrainer`` accept the reloaded model) and serializable.
-Passing ``quantization_config=LpQuantizationConfig(...)`` to ``from_pretrained`` of a float
+Passing ``quantization_config=LpQuantizationConfig(...)`` (or its dict form,
+``{"quant_method": "lp_decentral_nlp", "bits": ...}``) to ``from_pretrained`` of a float
 checkpoint quantizes it on load (the activation ranges start uncalibrated, as after ``quantize_model``).
 """
 from __future__ import annotations

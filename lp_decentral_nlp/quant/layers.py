@@ -37,6 +37,12 @@ class QuantGemmFunction(torch.autograd.Function):
     when ``dL/dW`` is needed, the weight's 8-bit codes when ``dL/dx`` is (a quarter of the fp32
     bytes; the kernel's ``for_backward`` drops float copies). The backward is the same computation
     as recomputing the operands from the float tensors, bit for bit.
+
+    The output may be modified in place, as ``nn.Linear``'s (Wav2Vec2's masking writes into a
+    projection's output): a kernel's output is often a view of the GEMM's result (a reshape of the
+    ``(rows, out)`` product, the int8 Conv2d's channels-last permute), and autograd refuses in-place
+    writes to a view made inside a Function, so ``forward`` returns ``y.detach()``: the same memory,
+    no copy, not a view for autograd.
     """
 
     @staticmethod
@@ -51,7 +57,7 @@ class QuantGemmFunction(torch.autograd.Function):
         ctx.operand_types, ctx.shapes = (type(x_q), type(w_q)), (x.shape, weight.shape)
         ctx.gemm, ctx.kernel, ctx.config = gemm, kernel, config
         ctx.stochastic = config.stochastic_grad_rounding and training
-        return y
+        return y.detach()  # not a view: the caller may write into it (see the class docstring)
 
     @staticmethod
     def backward(ctx, g):
@@ -104,14 +110,21 @@ class QuantModule:
         """A quantized module sharing `module`'s parameter and buffer objects (no copy), same training flag."""
         if type(module) is not cls.float_type:
             raise TypeError(f"{cls.__name__}.from_float needs a {cls.float_type.__name__}, got {type(module).__name__}")
-        for name, p in module.named_parameters(recurse=False):
-            if p.dtype != torch.float32:
-                raise TypeError(f"{cls.__name__}: master weights must be float32 (SPEC 4), got {name} "
-                                f"of dtype {p.dtype}; call model.float() first")
+        _require_float32(module, cls.__name__, "call model.float() first")
         with torch.device("meta"):
             layer = cls(**cls._constructor_args(module), quant_config=config)
         _share_state(module, layer)
         return layer.train(module.training)
+
+    def check_master_weights(self) -> None:
+        """Raise TypeError unless the master weights are still float32 (SPEC 4), as ``from_float``
+        asked: ``model.to(torch.bfloat16)`` / ``.half()`` (or float64) after the surgery would run
+        the 8-bit grids in another dtype. Every forward calls it first (one dtype comparison)."""
+        if self.weight.dtype != torch.float32:
+            _require_float32(self, f"{type(self).__name__} with weight {tuple(self.weight.shape)}",
+                             "the model was converted after quantize_model (only float32 is allowed): call "
+                             "model.float(); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs "
+                             "stay fp32")
 
     def to_float(self) -> nn.Module:
         """The plain float module holding this module's current parameters and buffers (same objects)."""
@@ -151,14 +164,19 @@ class ActivationQuantizer(QuantModule):
 
     def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
-        the running range; the running range in eval (the batch's own before any training batch)."""
+        the running range; the running range in eval (the batch's own before any training batch).
+
+        A forward that runs inside a backward pass is gradient checkpointing's recomputation
+        (``torch.utils.checkpoint``, reentrant or not): it takes the same batch range but leaves the
+        running range alone, so a checkpointed step updates it once, as an uncheckpointed one."""
         with torch.no_grad():
             lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
             if self.training:
-                update_running_range(
-                    self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
-                    self.quant_config.act_momentum,
-                )
+                if not _in_backward():
+                    update_running_range(
+                        self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
+                        self.quant_config.act_momentum,
+                    )
                 return lo, hi
             calibrated = self.act_num_batches > 0
             return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
@@ -174,17 +192,25 @@ class QuantGemmLayer(ActivationQuantizer):
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back:
-        a kernel named in the config, not ``"auto"``, that cannot run the layer warns why)."""
-        kernel, fallback = self._resolve_kernel(x, gemm)
-        if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
-            self.last_kernel = kernel.name
-            if fallback is not None and self.quant_config.kernel != AUTO and fallback != self._warned_fallback:
-                # said once per layer (not every step); warnings shows a message once: one line per reason
-                self._warned_fallback = fallback
-                warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: {fallback}; "
-                              f"those layers run the simulated kernel (kernel_report(model) names them)", stacklevel=2)
+        a kernel named in the config, not ``"auto"``, that cannot run the layer warns why).
+
+        An empty input (no elements, e.g. a batch of 0 samples) has nothing to quantize: it runs
+        the float GEMM (``gemm.forward``: the float layer's empty output, zero weight and bias
+        gradients) and leaves the running activation range alone."""
+        self.check_master_weights()
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
+            if x.numel() == 0:
+                return gemm.forward(x, self.weight, self.bias)
+            kernel, fallback = self._resolve_kernel(x, gemm)
+            if not x.is_meta:  # what kernel_report reports; a meta pass (the cost model's walk) runs nothing
+                self.last_kernel = kernel.name
+                if fallback is not None and self.quant_config.kernel != AUTO and fallback != self._warned_fallback:
+                    # said once per layer (not every step); warnings shows a message once: one line per reason
+                    self._warned_fallback = fallback
+                    warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: "
+                                  f"{fallback}; those layers run the simulated kernel (kernel_report(model) names "
+                                  f"them)", stacklevel=2)
             lo, hi = self._activation_range(x)
             return QuantGemmFunction.apply(
                 x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
@@ -346,6 +372,7 @@ class QuantEmbedding(QuantModule, nn.Embedding):
                     padding_idx=module.padding_idx, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
 
     def forward(self, ids):
+        self.check_master_weights()
         rows = F.embedding(ids, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse)
         with torch.no_grad():
             rows_q = fake_quantize(rows, *tensor_range(self.weight), self.quant_config.bits)
@@ -353,6 +380,14 @@ class QuantEmbedding(QuantModule, nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.quant_config.bits}"
+
+
+def _require_float32(module: nn.Module, layer: str, hint: str) -> None:
+    """Raise TypeError, naming `layer` and ending with `hint`, unless every parameter of `module`
+    (not of its children) is float32: the master weights of the 8-bit layers (SPEC 4)."""
+    for name, p in module.named_parameters(recurse=False):
+        if p.dtype != torch.float32:
+            raise TypeError(f"{layer}: master weights must be float32 (SPEC 4), got {name} of dtype {p.dtype}; {hint}")
 
 
 def _share_state(src: nn.Module, dst: nn.Module) -> None:
@@ -363,6 +398,12 @@ def _share_state(src: nn.Module, dst: nn.Module) -> None:
     for name in dict(dst.named_buffers(recurse=False)):
         if name in src_buffers:
             setattr(dst, name, src_buffers[name])
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass now (the test torch's own FSDP and
+    ``torch.utils.module_tracker.ModuleTracker.is_bw`` use; one C call, no device sync)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _autocast_disabled(device_type: str):

@@ -86,6 +86,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     Args:
         model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.quantization_config``,
             an ``LpQuantizationConfig``, which ``save_pretrained`` stores and ``from_pretrained`` re-applies).
+            A part of a task model, such as ``model.bert``, shares its config object with the task
+            model (``model.bert.config is model.config``) and nothing tells the part it has a
+            parent, so the config it records is the task model's: ``from_pretrained`` of the saved
+            task model applies it to the whole model, head included. To quantize part of a model
+            you will save, pass the whole model and select the part with ``target`` (e.g.
+            ``QuantConfig(target=("bert",))``), which reloads as it was saved.
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
@@ -103,9 +109,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     if already:
         raise ValueError(f"model is already quantized ({len(already)} 8-bit layers, e.g. {already[0]!r}); "
                          "call dequantize_model first to change the QuantConfig")
+    # ours as an LpQuantizationConfig or as the dict transformers keeps from from_pretrained(...,
+    # quantization_config={"quant_method": "lp_decentral_nlp", ...}): replaced by `config` below
     other = getattr(getattr(model, "config", None), CONFIG_KEY, None)
-    if other is not None and not isinstance(other, LpQuantizationConfig):
-        method = other.get("quant_method") if isinstance(other, dict) else getattr(other, "quant_method", other)
+    method = other.get("quant_method") if isinstance(other, dict) else getattr(other, "quant_method", other)
+    if other is not None and method != QUANT_METHOD:
         raise ValueError(f"model carries a quantization_config of quant_method {method!r}: 8-bit training needs "
                          "the float model (load it without quantization_config)")
     report = _plan(model, config)
@@ -142,6 +150,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
     supported = tuple(QUANT_LAYERS)
     report = QuantReport()
+    head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
     skip_used, target_used = set(), set()
     for name, module in model.named_modules():
         if not name or not isinstance(module, supported):
@@ -167,6 +176,8 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             reason = unsupported
         elif skips:
             reason = f"matches skip pattern {skips[0]!r}"
+        elif module is head:
+            reason = "the model's output embeddings (get_output_embeddings()), a head the default skip keeps float"
         elif targets is not None and not targets:
             reason = "matches no target pattern"
         else:
@@ -187,6 +198,13 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         kinds = ", ".join(t.__name__ for t in QUANT_LAYERS)
         report.problems.append(f"no layer to quantize (supported types: {kinds})")
     return report
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The module a transformers model's ``get_output_embeddings()`` returns (its LM head), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _replace(model: nn.Module, selected: set[int], build) -> None:

@@ -147,6 +147,7 @@ class QuantNormLayer(ActivationQuantizer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) -> (N, C, H, W) float32 (the master-weight dtype, as the 8-bit GEMM layers)."""
         _check_input(x, self.weight.numel(), type(self).__name__)
+        self.check_master_weights()
         x = x.to(self.weight.dtype)
         lo, hi = self._activation_range(x)
         return QuantNormFunction.apply(x, lo, hi, self, self.training, *self.quant_parameters())
