@@ -107,9 +107,6 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"low_precision=False trains in full precision: drop one of them")
         if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
             raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
-        if (self.activation_checkpointing or self.gradient_checkpointing) and self.low_precision:
-            raise ValueError("activation_checkpointing (gradient_checkpointing) with low_precision=True is not supported: "
-                             "the recomputed forward would update the 8-bit activation ranges a second time per step")
         self._check_lr_milestones()
         self._check_constant_schedule()
         plan = self.fault_plan

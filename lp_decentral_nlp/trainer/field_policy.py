@@ -63,8 +63,8 @@ POLICY: dict[str, str] = {
     "label_smoothing_factor": PER_NODE,
     "average_tokens_across_devices": "refused: a node's loss is normalised over its own batch; gradients and token "
                                      "counts never cross nodes",
-    "activation_checkpointing": PER_NODE + " (not with low_precision: the recomputed forward would update the "
-                                           "8-bit activation ranges twice)",
+    "activation_checkpointing": PER_NODE + " (in 8-bit too: the recomputed forward leaves the activation ranges "
+                                           "alone)",
     "activation_checkpointing_kwargs": PER_NODE,
     "gradient_checkpointing": PER_NODE + " (transformers' deprecated name of activation_checkpointing)",
     "gradient_checkpointing_kwargs": PER_NODE + " (deprecated name of activation_checkpointing_kwargs)",
