@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lp_decentral_nlp.cost import ENERGY_PJ, estimate_cost, format_comparison
+from lp_decentral_nlp.quant import QuantConfig
 
 FP, I8 = ENERGY_PJ["fp32"], ENERGY_PJ["int8"]
 
@@ -263,7 +264,7 @@ def test_transformer_attention_matmuls_and_quantized_share():
 
 
 def test_quantized_model_priced_like_its_float_plan():
-    from lp_decentral_nlp.quant import QuantConfig, quantize_model
+    from lp_decentral_nlp.quant import quantize_model
 
     model = tiny_bert()
     planned = estimate_cost(model, (8,), 2, "int8")
@@ -329,6 +330,8 @@ def test_to_dict_is_json():
         ({"weight_grad_gemm": "bf16"}, "weight_grad_gemm must be one of"),
         ({"batch_size": 0}, "batch_size must be a positive int"),
         ({"input_shape": (4, 0)}, "input_shape must be"),
+        ({"input_shape": 4}, r"^input_shape must be a non-empty tuple of positive ints, got 4"),
+        ({"quant_config": QuantConfig()}, r"^quant_config selects the 8-bit layers of precision='int8'"),
         ({"samples_per_node": 100}, "needs gossip="),
         ({"convention": "table10"}, "convention must be one of"),
         ({"convention": "paper", "weight_grad_gemm": "fp32"}, "weight_grad_gemm='fp32' needs convention='ours'"),

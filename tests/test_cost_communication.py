@@ -40,9 +40,11 @@ def test_8bit_messages_are_about_4x_smaller():
 def test_per_epoch_follows_the_graph(topology, fanout):
     model = nn.Sequential(nn.Linear(3, 2))
     cost = communication_cost(model, DeepSqueeze(topology, Identity()), batch_size=32, samples_per_node=100)
-    assert cost.iterations_per_epoch == 4  # ceil(100 / 32)
+    assert cost.iterations_per_epoch == 3  # floor(100 / 32): the loaders drop the last partial batch
     assert cost.bytes_per_iteration == fanout * cost.message_bytes
-    assert cost.bytes_per_epoch == 4 * fanout * cost.message_bytes
+    assert cost.bytes_per_epoch == 3 * fanout * cost.message_bytes
+    with pytest.raises(ValueError, match=r"^samples_per_node=20 holds no full batch of batch_size=32"):
+        communication_cost(model, DeepSqueeze(topology, Identity()), batch_size=32, samples_per_node=20)
 
 
 def test_model_untouched_and_report_carries_the_traffic():
@@ -51,7 +53,7 @@ def test_model_untouched_and_report_carries_the_traffic():
     gossip = ChocoSGD(make_topology("directed_ring", 4), TopK(0.25, value_bits=8), gamma=0.1)
     r = estimate_cost(model, (8,), 4, "int8", gossip=gossip, samples_per_node=10)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert r.communication.iterations_per_epoch == 3 and r.communication.compressor.startswith("TopK")
+    assert r.communication.iterations_per_epoch == 2 and r.communication.compressor.startswith("TopK")
     assert r.to_dict()["communication"]["message_bytes"] == r.communication.message_bytes
     assert "gossip MB/epoch" in str(r)
 
@@ -90,7 +92,8 @@ def test_cli_hf_model(capsys, minilm_path):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--compression", "100"], "argument --compression: compression must be a percentage in [0, 100)"),
-     (["--train-samples", "2"], "--train-samples (2) must be at least --num-nodes (4)"),
+     (["--train-samples", "2"], "--train-samples (2) must give each of --num-nodes (4) at least one --batch-size (2) "
+                                "batch"),
      (["--convention", "table10"], "argument --convention: invalid choice: 'table10'")],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):

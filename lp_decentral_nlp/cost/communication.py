@@ -8,7 +8,6 @@ its out-neighbours at every step, so the traffic follows from the run's topology
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from torch import nn
@@ -21,7 +20,8 @@ class CommunicationCost:
     ``message_bytes``: one encoded message (all parameters + push-sum weight).
     ``bytes_per_iteration``: ``message_bytes`` times the out-degree, averaged over the nodes and
     over one period of the (possibly time-varying) topology.
-    ``iterations_per_epoch`` = ``ceil(samples_per_node / batch_size)`` and ``bytes_per_epoch``
+    ``iterations_per_epoch`` = ``floor(samples_per_node / batch_size)`` (the trainer's loaders drop
+    the last partial batch) and ``bytes_per_epoch``
     (the sum over those steps, averaged over nodes): ``None`` when not requested.
     """
 
@@ -46,7 +46,8 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
         model: the model every node trains (its parameters are gossiped; it is not modified).
         gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``, ``ChocoSGD``, ``DeepSqueeze``),
             which fixes the compressor and the topology.
-        batch_size, samples_per_node: give both for the per-epoch traffic.
+        batch_size, samples_per_node: give both for the per-epoch traffic (``samples_per_node >=
+            batch_size``: an epoch is its full batches).
     """
     from lp_decentral_nlp.gossip import SGP, PushSumGossip, make_topology
 
@@ -57,6 +58,9 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
     for name, value in (("batch_size", batch_size), ("samples_per_node", samples_per_node)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if batch_size is not None and samples_per_node < batch_size:
+        raise ValueError(f"samples_per_node={samples_per_node} holds no full batch of batch_size={batch_size}: an "
+                         "epoch is the full batches (the loaders drop the last partial one)")
 
     # One real step of the same algorithm on a one-node graph: its encoded message length.
     alone = make_topology("directed_ring", 1)
@@ -74,7 +78,7 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
     per_iteration = message_bytes * sum(mean_fanout(t) for t in range(topology.period)) / topology.period
     iterations = per_epoch = None
     if batch_size is not None:
-        iterations = math.ceil(samples_per_node / batch_size)
+        iterations = samples_per_node // batch_size
         per_epoch = message_bytes * sum(mean_fanout(t) for t in range(iterations))
     return CommunicationCost(
         algorithm=type(gossip).__name__, compressor=repr(gossip.compressor), topology=repr(topology),

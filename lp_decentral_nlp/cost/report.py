@@ -226,9 +226,13 @@ def estimate_cost(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    input_shape = tuple(input_shape)
-    if not input_shape or not all(isinstance(s, int) and s >= 1 for s in input_shape):
+    if precision == "fp32" and quant_config is not None:
+        raise ValueError("quant_config selects the 8-bit layers of precision='int8'; precision='fp32' prices every "
+                         "layer in fp32: drop quant_config or use precision='int8'")
+    shape = tuple(input_shape) if isinstance(input_shape, (tuple, list, torch.Size)) else ()
+    if not shape or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")
+    input_shape = shape
     if gossip is None and samples_per_node is not None:
         raise ValueError("samples_per_node is for the gossip traffic: it needs gossip=")
 

@@ -369,8 +369,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         optim = str(self.args.optim).lower()
         optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
         bs = self.args.per_device_train_batch_size
-        # the loaders drop the last partial batch: an epoch is floor(shard / batch) iterations
-        samples_per_node = min(len(s) for s in self._checked_shards()) // bs * bs
+        samples_per_node = min(len(s) for s in self._checked_shards())  # an epoch: the smallest shard's batches
         return estimate_cost(self.nodes[0], tuple(input_shape), bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
                              gossip=self.gossip, samples_per_node=samples_per_node)
