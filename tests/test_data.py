@@ -3,7 +3,7 @@ import csv
 
 import numpy as np
 import pytest
-from datasets import Dataset, DatasetDict
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from lp_decentral_nlp.data import (
     SENTLEN_BINS,
@@ -117,6 +117,22 @@ def test_ag_news_saved_dataset_directory(tmp_path):
     }).save_to_disk(tmp_path / "saved")
     ds = load_task("ag_news", data_dir=tmp_path / "saved")
     assert ds["test"]["text"] == ["c"]
+    assert ds["train"].features["label"].names == ["World", "Sports", "Business", "Sci/Tech"]  # plain ids
+
+
+def test_a_saved_class_label_keeps_its_names(tmp_path):
+    label = ClassLabel(names=["a", "b", "c", "d"])
+    part = Dataset.from_dict({"text": ["w", "x", "y", "z"], "label": [0, 1, 2, 3]},
+                             features=Features({"text": Value("string"), "label": label}))
+    DatasetDict({"train": part, "test": part}).save_to_disk(tmp_path / "saved")
+    ds = load_task("ag_news", data_dir=tmp_path / "saved")
+    assert ds["train"].features["label"].names == ds["test"].features["label"].names == ["a", "b", "c", "d"]
+    assert ds["train"]["label"] == [0, 1, 2, 3]
+
+
+def test_max_length_without_a_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^max_length=32 is where the tokenizer truncates, and no tokenizer was given"):
+        load_task("ag_news", data_dir=tmp_path, max_length=32)
 
 
 def test_ag_news_bad_sources_are_named(tmp_path, ag_news_csv):

@@ -24,6 +24,7 @@ from datasets import (ClassLabel, Dataset, DatasetDict, Features, Value, concate
 from ..checks import check_field
 
 AG_NEWS_HUB_ID = "ag_news"
+DEFAULT_MAX_LENGTH = 128  # tokens (load_task)
 AG_NEWS_LABELS = ("World", "Sports", "Business", "Sci/Tech")
 # SentEval "Sentlen" bins of token counts, inclusive (Conneau et al. 2018).
 SENTLEN_BINS = ((5, 8), (9, 12), (13, 16), (17, 20), (21, 25), (26, 28))
@@ -40,7 +41,7 @@ def load_task(
     name: str,
     data_dir: str | os.PathLike | None = None,
     tokenizer=None,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     eval_fraction: float = 0.2,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
@@ -63,7 +64,7 @@ def load_task(
         tokenizer: a Hugging Face tokenizer. When given, ``input_ids``/``attention_mask`` are added
             through a cached ``datasets.map`` (truncated to ``max_length`` tokens, padded later by
             the collator) and ``text`` is dropped.
-        max_length: longest tokenised sequence, in tokens.
+        max_length: longest tokenised sequence, in tokens (with a tokenizer only).
         eval_fraction: share of the data held out, stratified by label and seeded, when the source
             has no test split (0 < eval_fraction < 1).
         max_train_samples, max_eval_samples: keep a seeded random subset of that many rows.
@@ -88,6 +89,9 @@ def load_task(
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
     check_field("seed", seed)
+    if tokenizer is None and max_length != DEFAULT_MAX_LENGTH:
+        raise ValueError(f"max_length={max_length} is where the tokenizer truncates, and no tokenizer was given: pass "
+                         "tokenizer or leave max_length out")
     if data_dir is not None and not Path(data_dir).exists():
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist")
 
@@ -308,7 +312,10 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
     if isinstance(saved, DatasetDict) and "train" not in saved:
         raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")
     parts = {split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()}  # all, first
-    parts = DatasetDict({split: _as_class_label(part, AG_NEWS_LABELS) for split, part in parts.items()})
+    # a 4-class ClassLabel keeps its own names (the ids are the same); plain integers get AG News's
+    names = next((part.features["label"].names for part in parts.values()
+                  if isinstance(part.features["label"], ClassLabel)), AG_NEWS_LABELS)
+    parts = DatasetDict({split: _as_class_label(part, names) for split, part in parts.items()})
     if "test" in parts:
         return parts
     split = "data" if "data" in parts else "train"
