@@ -79,6 +79,7 @@ def test_from_matrix_accepts_a_valid_directed_graph_and_a_time_varying_list():
     (np.array([[1.0, 0.5], [0.0, 0.5]]), "strongly connected"),
     (np.eye(3), "strongly connected"),
     (np.array([[np.nan, 0.5], [0.5, 0.5]]), "finite"),
+    ([["a", "b"], ["c", "d"]], r"^matrices\[0\]: a mixing matrix must hold numbers"),
 ])
 def test_from_matrix_rejects_invalid_matrices_with_clear_errors(W, message):
     with pytest.raises(ValueError, match=message):
@@ -94,6 +95,8 @@ def test_make_topology_rejects_bad_arguments():
         make_topology("torus", 16)
     with pytest.raises(ValueError, match="rows \\* cols"):
         make_topology("torus", 16, rows=3, cols=5)
+    with pytest.raises(ValueError, match="^rows must be an int >= 1, got True"):
+        make_topology("torus", 1, rows=True, cols=1)
     with pytest.raises(ValueError, match="only apply to name='torus'"):
         make_topology("ring", 4, rows=2)
     with pytest.raises(ValueError, match="step"):

@@ -163,7 +163,7 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
         raise ValueError(f"name='torus' needs rows= and cols= with rows * cols == num_nodes ({n}), "
                          f"got rows={rows!r}, cols={cols!r}")
     for arg, v in (("rows", rows), ("cols", cols)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
     if rows * cols != n:
         raise ValueError(f"rows * cols must equal num_nodes: {rows} * {cols} != {n}")
@@ -196,7 +196,10 @@ def _is_single_matrix(obj) -> bool:
 def _as_float64(m, what: str) -> np.ndarray:
     if isinstance(m, torch.Tensor):
         m = m.detach().cpu().double().numpy()
-    arr = np.array(m, dtype=np.float64)
+    try:
+        arr = np.array(m, dtype=np.float64)
+    except (TypeError, ValueError) as err:  # strings, ragged rows
+        raise ValueError(f"{what}: a mixing matrix must hold numbers ({err})") from None
     if arr.ndim != 2 or arr.shape[0] != arr.shape[1] or arr.shape[0] < 1:
         raise ValueError(f"{what}: a mixing matrix must be square (n, n) with n >= 1, got shape {arr.shape}")
     if not np.all(np.isfinite(arr)):
