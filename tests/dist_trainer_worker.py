@@ -85,7 +85,8 @@ def resume(out_dir, data_csv, minilm, checkpoint):
     trainer.train(resume_from_checkpoint=checkpoint)
     metrics = trainer.evaluate()
     torch.save({"model": trainer.nodes[0].state_dict(), "bytes_sent": int(trainer.bytes_sent[0]),
-                "weight": trainer.gossip.weights, "metrics": metrics, "step": trainer.state.global_step},
+                "weight": trainer.gossip.weights, "metrics": metrics, "step": trainer.state.global_step,
+                "total_flos": trainer.state.total_flos},
                os.path.join(out_dir, f"final-{rank}.pt"))
 
 

@@ -66,6 +66,7 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     # every rank's tokens, summed over the ranks, across the checkpoint: the simulated run's count
     assert [f["metrics"]["num_input_tokens_seen"] for f in finals] == [metrics["num_input_tokens_seen"]] * 4
     assert metrics["num_input_tokens_seen"] > worker.STEPS * 4 * 8  # 4 nodes x 8 rows of several tokens per step
+    assert [f["total_flos"] for f in finals] == [simulated.state.total_flos] * 4  # Trainer's flos, all nodes
 
     # both backends write the same state into the same layout: node files hold the same tensors
     from lp_decentral_nlp.trainer import checkpointing as ckpt

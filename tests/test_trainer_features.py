@@ -811,3 +811,16 @@ def test_create_optimizer_is_called_per_node_and_overrides_that_would_not_run_ar
                           (trainer.hyperparameter_search, "needs model_init")]:
         with pytest.raises(NotImplementedError, match=message):
             call()
+
+
+def test_total_flos_counts_every_nodes_training_tokens(tmp_path):
+    ids = torch.randint(1, 50, (64, 6), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "label": (ids[:, 0] % 4).tolist()})
+    model = tiny_model()
+    trainer = DecentralizedTrainer(model=model, train_dataset=data,
+                                   args=targs(tmp_path, max_steps=3, per_device_train_batch_size=4, logging_steps=2))
+    trainer.train()
+    tokens = 4 * 3 * 4 * 6  # nodes x steps x batch x sequence length
+    expected = 6 * tokens * model.num_parameters(exclude_embeddings=True)  # Trainer's estimate of a step's flos
+    assert trainer.state.total_flos == expected
+    assert trainer.state.log_history[-1]["total_flos"] == expected  # the end-of-training log, as Trainer's

@@ -388,8 +388,9 @@ class CheckpointMixin:
         step = self.state.global_step
         out = self.args.output_dir
         self._refresh_average_model()  # a collective in the distributed backend: every rank joins
+        self.store_flos()  # the counts saved are those up to this step
         if self.args.include_num_input_tokens_seen != "no":
-            self._collect_input_tokens()  # the count saved is the count up to this step
+            self._collect_input_tokens()
         main = self.state.is_world_process_zero
         if main:
             prepare_staging(out, step)

@@ -87,6 +87,7 @@ class EvaluationMixin:
         self._loss_count.zero_()
         self._last_logged = self.state.global_step
         loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
+        self.store_flos()
         if log:
             logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
             logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})

@@ -52,6 +52,7 @@ class LocalStepMixin:
                 zip(self.node_ids, self.nodes, batches, self.node_optimizers, self.node_schedulers)):
             if i not in absent:
                 self._local_step(k, node, micro_batches, optimizer, t + 1, qgm)
+                self.current_flos += sum(float(self.floating_point_ops(batch)) for batch in micro_batches)
                 if self.args.include_num_input_tokens_seen != "no":
                     self._input_tokens += self._count_input_tokens(micro_batches)
             if per_step_schedule:
@@ -133,6 +134,15 @@ class LocalStepMixin:
                 raise ValueError("include_num_input_tokens_seen='non_padding' needs an attention_mask in the batches or "
                                  "a processing_class with a pad_token_id to tell padding apart: use 'all'")
         return total
+
+    def store_flos(self) -> None:
+        """Add every process's floating-point operations since the last call (Trainer's
+        ``floating_point_ops`` of each node's micro-batches: ``6 * tokens * parameters`` for a
+        transformers model) to ``state.total_flos``, as Trainer does at logs, checkpoints and the
+        end of training (a collective in the distributed backend: every rank calls it)."""
+        pending = torch.tensor([self.current_flos], dtype=torch.float64)
+        self.state.total_flos += float(self.node_group.gather(pending).sum())
+        self.current_flos = 0.0
 
     def _collect_input_tokens(self) -> None:
         """Add every process's tokens read since the last call to ``state.num_input_tokens_seen``

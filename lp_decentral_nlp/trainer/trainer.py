@@ -233,7 +233,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
         self.state = self._new_trainer_state()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
-        self._input_tokens = 0
+        self._input_tokens, self.current_flos = 0, 0.0  # this process's, not yet in self.state
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._grad_norm = torch.full((len(self.nodes),), torch.nan, device=args.device)  # last step's, per local node
         self._last_logged, self._total_loss = 0, 0.0
@@ -297,8 +297,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         train_loss = self._total_loss / max(self.state.global_step, 1)
         steps_run = self.state.global_step - first_step  # by this call (a resumed run's earlier steps excluded)
         samples_per_step = args.per_device_train_batch_size * accumulation * args.num_nodes  # over all nodes
+        self.store_flos()
         metrics = {**speed_metrics("train", start, num_samples=steps_run * samples_per_step, num_steps=steps_run),
-                   "train_loss": train_loss}
+                   "total_flos": self.state.total_flos, "train_loss": train_loss}
         self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
