@@ -427,15 +427,10 @@ class PushSumGossip:
             self._direction(k, contributions)
             self._apply(k, nodes[k])
 
-    #: Choco mixes the public copies, which stay consistent when a message is lost (it is just not
-    #: committed), so only an absent node's edges change its mixing matrix (faults.py)
-    _copies_absorb_losses = False
-
     def _returned_edges(self, absent) -> frozenset[tuple[int, int]]:
-        """Lost edges ``(sender, receiver)`` whose mixing weight returns to the sender this step."""
-        if not self._copies_absorb_losses or not self._lost:
-            return self._lost
-        return frozenset((j, i) for j, i in self._lost if j in absent or i in absent)
+        """Edges ``(sender, receiver)`` whose mixing weight returns to the sender this step: the
+        lost ones (faults.py; ``absent``: the nodes away this step, whose edges are among them)."""
+        return self._lost
 
     def _contributions_under_faults(self, i, t, self_weight, in_weights, own_msg, received, returned):
         """SPEC 2 step 5's ``[(W'_ii, i, q_i), (W'_ij, j, q_j)...]`` for the step's ``W'``: each
