@@ -19,6 +19,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Dis
 
 from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
 from lp_decentral_nlp.commands import build_nlp_parser, main
+from lp_decentral_nlp.commands.nlp import NLP_DEFAULTS
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -31,8 +32,10 @@ def tiny_model(num_labels=4, dim=32):
 
 
 def targs(out, **kw):
+    """The recipes' optimizer settings (a checkpoint written with them resumes from the command line)."""
+    optimizer = {key: NLP_DEFAULTS[key] for key in ("learning_rate", "adam_beta1", "adam_beta2", "weight_decay")}
     base = dict(output_dir=str(out), num_nodes=4, per_device_train_batch_size=8, max_steps=2, save_strategy="no",
-                use_cpu=True, disable_tqdm=True, report_to="none", seed=0)
+                use_cpu=True, disable_tqdm=True, report_to="none", seed=0, **optimizer)
     base.update(kw)
     return DecentralizedTrainingArguments(**base)
 
@@ -239,6 +242,9 @@ ROWS = {
     62: Row("`--data-dir DIR`, DIR holding `test.csv` and no `train.csv`", "exit 2",
             "argument --data-dir: data_dir 'DIR' holds test.csv but no train.csv: test.csv is the test split beside a "
             "train.csv, and its rows are never trained on; add train.csv or rename test.csv"),
+    63: Row("resume with another `--lr` (the checkpoint's optimizer state holds the learning rate)", "exit 2",
+            "argument --resume-from-checkpoint: cannot resume from DIR/checkpoint-2: it was written with "
+            "learning_rate=3e-05 (this run: 0.001); resume with the arguments of the interrupted run"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60]
 
@@ -314,6 +320,11 @@ def test_row22_incomplete_checkpoint(capsys, run_dir, tmp_path):
 def test_row23_resume_with_another_number_of_nodes(capsys, run_dir):
     assert cli_error(["--resume-from-checkpoint", str(run_dir), "--batch-size", "8", "--nodes", "2"],
                      capsys) == ROWS[23].expected(run_dir)
+
+
+def test_row63_resume_with_another_learning_rate(capsys, run_dir):
+    assert cli_error(["--resume-from-checkpoint", str(run_dir), "--batch-size", "8", "--lr", "1e-3"],
+                     capsys) == ROWS[63].expected(run_dir)
 
 
 def test_row24_dataset_without_label_column(tmp_path, data):

@@ -323,17 +323,27 @@ class CheckpointError(ValueError):
 
 
 def resume_config(args: DecentralizedTrainingArguments) -> dict:
-    """The arguments a resumed run must share with its checkpoint (they shape the saved state)."""
+    """The arguments a resumed run must share with its checkpoint: those that shape the saved
+    state, and the optimizer settings the restored optimizer and LR-schedule states carry (a
+    different ``learning_rate`` would otherwise be silently replaced by the saved one)."""
     config = args.gossip_config
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
             "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
             "per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps, "shard_column": args.shard_column}
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "shard_column": args.shard_column,
+            "optim": str(getattr(args.optim, "value", args.optim)), "learning_rate": args.learning_rate,
+            "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
+            "adam_epsilon": args.adam_epsilon,
+            "lr_milestones": list(args.lr_milestones) if args.lr_milestones else None, "lr_decay": args.lr_decay}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
 _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
+#: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
+#: before they were added restore those settings as saved, as they always did)
+_RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                    "lr_milestones", "lr_decay")
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
@@ -349,7 +359,8 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     if train_samples is not None:
         now["train_samples"] = train_samples
     saved = {**_RESUME_DEFAULTS, **saved}
-    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items() if saved.get(key) != value]
+    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
+             if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED)]
     if diffs:
         raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
                          "resume with the arguments of the interrupted run")
