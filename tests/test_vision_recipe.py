@@ -83,6 +83,8 @@ def test_defaults_resolve_per_precision_and_dataset():
                                     "--dataset", "cifar100"])
     assert c.training.lr_milestones is None and c.recipe.norm == "batchnorm" and c.recipe.augment is False
     assert c.recipe.num_classes == 100
+    d = parse_vision_args("choco", ["--lr_scheduler_type", "cosine"])  # another schedule: no default milestones
+    assert d.training.lr_milestones is None and d.training.lr_scheduler_type == "cosine"
 
 
 @pytest.mark.parametrize("argv, message", [

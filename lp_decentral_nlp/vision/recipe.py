@@ -95,7 +95,8 @@ def _derive(values: dict) -> None:
         values["image_size"] = values["image_size"] or spec.image_size
     if values["augment"] is None:
         values["augment"] = values["dataset"] not in NO_AUGMENT_DATASETS
-    if values["lr_milestones"] is None:
+    if values["lr_milestones"] is None and str(values["lr_scheduler_type"]) == "constant":
+        # the multi-step schedule by default; another --lr_scheduler_type is the schedule asked for
         values["lr_milestones"] = [f * values["num_train_epochs"] for f in DEFAULT_MILESTONE_FRACTIONS]
     elif values["lr_milestones"] == []:  # the flag alone: a constant learning rate
         values["lr_milestones"] = None
