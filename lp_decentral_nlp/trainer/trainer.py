@@ -176,6 +176,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
+        self._flos_per_token = None  # Trainer's flos of one token of the main input (floating_point_ops)
         plan = args.fault_plan
         self.fault_plan = plan if plan.active else None
         self._rng = NodeRNG(args.seed, self.node_ids)
