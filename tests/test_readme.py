@@ -1,4 +1,5 @@
-"""The README tells the truth about the repository: its package layout names every module,
+"""The README tells the truth about the repository: the package layout (docs/layout.md, linked from
+its Package layout section) names every module,
 ``.ci/run`` runs exactly its install and test commands, and its links (and the docs') resolve."""
 import pathlib
 import re
@@ -21,7 +22,8 @@ def fenced_commands(title: str) -> list[str]:
 
 
 def test_package_layout_names_every_module():
-    layout = section("Package layout")
+    assert "(docs/layout.md)" in section("Package layout")
+    layout = (ROOT / "docs" / "layout.md").read_text()
     package = ROOT / "lp_decentral_nlp"
     missing = []
     for path in sorted(package.rglob("*.py")):
