@@ -13,21 +13,20 @@ time) to ``--output-dir``.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import pathlib
 import sys
 import time
 
-from lp_decentral_nlp.commands import DEFAULT_MODEL, OneLineParser, Range, existing_path, ranged
+from lp_decentral_nlp.commands import DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, existing_path, ranged
 
 PROG = "finetune_single.py"
 
 
 def parse_args(argv=None):
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsHelpFormatter)
     positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")

@@ -245,6 +245,9 @@ ROWS = {
     63: Row("resume with another `--lr` (the checkpoint's optimizer state holds the learning rate)", "exit 2",
             "argument --resume-from-checkpoint: cannot resume from DIR/checkpoint-2: it was written with "
             "learning_rate=3e-05 (this run: 0.001); resume with the arguments of the interrupted run"),
+    64: Row("`--gradient_accumulation_steps 4`, a node's shard holding fewer batches", "exit 2",
+            "gradient_accumulation_steps=4 exceeds the batches per epoch of the smallest shard (1): lower it, the "
+            "batch size or the number of nodes"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60]
 
@@ -573,6 +576,15 @@ def test_row57_a_shard_column_the_data_lacks(tmp_path, tiny_model_dir, ag_news_c
                                   "160", "--max-length", "32", "--skew", "0.5", "--shard-column", "topic",
                                   "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[57].message
+    assert not (tmp_path / "run").exists()
+
+
+def test_row64_more_accumulated_batches_than_a_shard_holds(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--gradient_accumulation_steps", "4",
+                                  "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[64].message
     assert not (tmp_path / "run").exists()
 
 

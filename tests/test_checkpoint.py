@@ -285,12 +285,12 @@ def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, 
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].split(": error: ")[1] == (
-        f"argument --resume_from_checkpoint: resume_from_checkpoint: cannot resume from {run}/checkpoint-2: it was "
+        f"argument --resume-from-checkpoint: cannot resume from {run}/checkpoint-2: it was "
         "written with train_samples=256 (this run: 128); resume with the arguments of the interrupted run")
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
-def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path):
+def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys):
     """The vision CLI shares the flags: random crops/flips are drawn in each node's RNG stream, so a
     resumed run repeats them (ResNet-20, 8-bit, Range EvoNorm, digits)."""
     from safetensors.torch import load_file
@@ -306,3 +306,14 @@ def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path):
         assert straight[key] == resumed[key], key
     a, b = load_file(tmp_path / "a" / "model" / "model.safetensors"), load_file(tmp_path / "b" / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the default milestones are 50% and 75% of the --max-steps run: a longer run has others, which
+    # train() finds once the trainer knows its steps per epoch
+    with pytest.raises(SystemExit) as exc:
+        main("choco", [*flags[:flags.index("--max-steps")], "--max-steps", "8", *flags[flags.index("--max-steps") + 2:],
+                       "--output-dir", str(tmp_path / "c"), "--resume-from-checkpoint", str(tmp_path / "a" / "checkpoint-2")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].split(": error: ")[1].startswith(
+        f"argument --resume-from-checkpoint: cannot resume from {tmp_path / 'a' / 'checkpoint-2'}: it was written with "
+        "lr_milestones=")
+    assert not (tmp_path / "c").exists()

@@ -99,6 +99,18 @@ def test_help_shows_defaults_and_exits_zero():
         assert piece in text, piece
 
 
+def test_help_states_each_default_once():
+    """A flag whose help says what its default is shows only that, not also argparse's value, which is
+    often None until the run resolves it (``--torus_rows``, the vision recipes' ``--image_size``)."""
+    from lp_decentral_nlp.commands.recipe_parser import flag_tables
+
+    helps = {(family, flag["options"][0]): flag["help"] for family, table in flag_tables().items()
+             for flag in table["flags"] if flag.get("help")}
+    assert [key for key, text in helps.items() if text.count("(default:") > 1] == []
+    assert helps[("nlp", "--torus_rows")].endswith("(default: the most square factorisation of num_nodes).")
+    assert "(default: at 50%% and 75%% of the run" in helps[("vision", "--lr_milestones")]
+
+
 def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")

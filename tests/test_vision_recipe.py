@@ -1,5 +1,6 @@
 """Vision recipes (SPEC 8): flags, the multi-step LR schedule of the trainer, an end-to-end digits run."""
 import collections
+import csv
 import json
 import os
 import pathlib
@@ -54,6 +55,23 @@ def test_lr_milestones_multiply_the_lr_at_epoch_boundaries(tmp_path):
         assert [g["lr"] for g in sgd.param_groups] == pytest.approx([0.025, 0.025])  # after both milestones
 
 
+def test_steps_per_epoch_is_what_one_epoch_of_training_takes(tmp_path):
+    # 16 samples, 2 nodes of 8, batch 3: 2 full batches per node and epoch
+    def trainer(**kw):
+        return DecentralizedTrainer(model=ImageClassifier("resnet20", 4, "evonorm"),
+                                    args=lr_args(tmp_path, per_device_train_batch_size=3, **kw),
+                                    train_dataset=tiny_image_set())
+
+    assert trainer().steps_per_epoch() == 2
+    assert trainer(gradient_accumulation_steps=2).steps_per_epoch() == 1
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 exceeds the batches per epoch of the "
+                                         r"smallest shard \(2\)"):
+        trainer(gradient_accumulation_steps=3).steps_per_epoch()
+    one_epoch = trainer(num_train_epochs=1)
+    one_epoch.train()
+    assert one_epoch.state.global_step == one_epoch.steps_per_epoch() == 2
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"lr_milestones": [2, 1]}, "strictly increasing"),
     ({"lr_milestones": [0, 1]}, "epochs > 0"),
@@ -98,7 +116,9 @@ def test_defaults_resolve_per_precision_and_dataset():
                                "of epochs > 0"),
     (["--lr-milestones", "nan"], "expected a finite number, got 'nan'"),
     (["--data-dir", "."], "argument --data-dir: data_dir: digits is bundled with scikit-learn"),
-    (["--arch", "vgg11"], "argument --image_size: vgg11 needs images of at least 32x32, got 8"),
+    (["--arch", "vgg11"], "argument --image_size: vgg11 needs images of at least 32x32, got 8 (pass --image_size 32)"),
+    (["--arch", "vgg11", "--image-size", "16"], "argument --image-size: vgg11 needs images of at least 32x32, got 16 "
+                                                "(pass --image-size 32)"),
     (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
     (["--groups", "16"], "needs at least 2 channels per group"),
     (["--groups", "0"], "argument --groups: groups must be an integer >= 1, got 0"),
@@ -120,12 +140,12 @@ def test_digits_recipe_end_to_end(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "vision_choco.py"), "--nodes", "2", "--skew", "0.4", "--comp", "90",
-         "--max-steps", "3", "--batch-size", "8", "--logging-steps", "1", "--output-dir", str(out)],
+         "--max-steps", "4", "--batch-size", "8", "--logging-steps", "1", "--output-dir", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     results = json.loads((out / "results.json").read_text())
-    assert results["status"] == "done" and results["steps"] == 3
+    assert results["status"] == "done" and results["steps"] == 4
     assert summary["accuracy"] == results["accuracy"] and 0.0 <= results["accuracy"] <= 1.0
     assert len(results["node_accuracy"]) == 2 and all(b > 0 for b in results["bytes_sent_per_node"])
     assert results["config"]["norm"] == "range_evonorm" and results["config"]["algorithm"] == "choco"
@@ -134,7 +154,12 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert results["cost"]["precision"] == "int8" and results["cost"]["input_shape"] == [3, 8, 8]
     assert results["cost"]["communication"] is not None
     rows = (out / "metrics.csv").read_text().splitlines()
-    assert rows[0].startswith("step,") and len(rows) >= 4
+    assert rows[0].startswith("step,") and len(rows) >= 5
+    # the default milestones are 50% and 75% of the --max-steps run (steps 2 and 3), not of the default
+    # --epochs it overrides; each row's learning_rate is logged after the step's schedule update
+    lrs = [float(r["learning_rate"]) for r in csv.DictReader(rows) if r["learning_rate"]]
+    assert lrs == pytest.approx([0.1, 0.01, 0.001, 0.001])
+    assert results["config"]["lr_milestone_fractions"] == [0.5, 0.75]
 
     # the saved averaged model is the 8-bit model that was evaluated
     model = ImageClassifier.from_pretrained(out / "model")

@@ -151,6 +151,17 @@ class FlagType:
         return value
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, as :class:`argparse.ArgumentDefaultsHelpFormatter`
+    shows it, except where the help already says what the default is (``(default: ...)``):
+    there the value argparse holds (often ``None``, resolved later) would contradict it."""
+
+    def _get_help_string(self, action):
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineErrors:
     """Mixin for argparse parsers: a bad flag is one line ``<prog>: error: <message>`` on stderr,
     exit status 2 (no usage dump, no traceback). A bad value is told behind the spelling of the flag

@@ -19,7 +19,7 @@ import re
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
-from .flags import ALIASES, RECIPE_USAGE, FlagType, OneLineErrors, ParsedFlags, option_used
+from .flags import ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used
 
 #: the text fields whose allowed values the flag types check: where those values are defined, by field name
 #: (the dataclasses holding the fields check the same values on construction)
@@ -97,7 +97,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         self._allowed = field_choices()
         self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
         self._groups = None
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         kwargs.setdefault("usage", RECIPE_USAGE)
         kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
         super().__init__((training_class, recipe_class), **kwargs)
@@ -117,6 +117,14 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         kind = ("recipe" if field.name in self._recipe_fields else "transformers"
                 if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
         HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], self._allowed, self._fixed), field)
+
+    def set_help(self, name: str, text: str) -> None:
+        """Replace the help of field ``name``'s flag, for a recipe whose default or meaning differs
+        from the field's (KeyError when no flag sets ``name``)."""
+        action = next((a for a in self._actions if a.dest == name and a.option_strings), None)
+        if action is None:
+            raise KeyError(f"no flag sets {name!r}")
+        action.help = text
 
     def add_check(self, check) -> None:
         """Run ``check(parser, parsed)`` after every :meth:`parse`."""

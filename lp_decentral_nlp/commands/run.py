@@ -19,6 +19,7 @@ A run writes, under ``--output_dir`` (rank 0 only):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -87,7 +88,7 @@ def run_checks(parser, parsed) -> None:
     (:func:`check_launcher` runs earlier, on the values)."""
     check_save_total_limit(parser, parsed.training)
     check_output_dir(parser, parsed.training, parsed.recipe)
-    check_resume(parser, parsed.training)
+    check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
 
@@ -241,7 +242,10 @@ def check_save_total_limit(parser, training) -> None:
                      "without it)")
 
 
-def check_resume(parser, training) -> None:
+def check_resume(parser, training, values: dict) -> None:
+    """A ``--resume_from_checkpoint`` the run cannot continue from, refused before anything is built.
+    The vision recipes' default milestones of a ``--max_steps`` run (``lr_milestone_fractions``) are
+    resolved from the trainer's shards, so ``train()`` compares those."""
     if training.resume_from_checkpoint is None:
         return
     from ..trainer import check_resumable
@@ -249,8 +253,9 @@ def check_resume(parser, training) -> None:
     flag = parser.flag_of("resume_from_checkpoint")
     if not pathlib.Path(training.resume_from_checkpoint).exists():
         parser.error(f"argument {flag}: path {training.resume_from_checkpoint!r} does not exist")
+    unresolved = ("lr_milestones",) if values.get("lr_milestone_fractions") and training.max_steps > 0 else ()
     try:
-        check_resumable(training.resume_from_checkpoint, training)
+        check_resumable(training.resume_from_checkpoint, training, unresolved=unresolved)
     except ValueError as err:
         parser.error(f"argument {flag}: {str(err).removeprefix('resume_from_checkpoint: ')}")
 
@@ -449,7 +454,7 @@ def run_config(values: dict, training) -> dict:
 
 
 def train_and_report(values: dict, training, model, data, model_used: str, input_shape: tuple, start: float,
-                     prog: str, **trainer_kwargs) -> dict:
+                     prog: str, before_train=None, **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
     `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``, written when
@@ -458,18 +463,34 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     checkpoint that cannot continue the run is the one-line error of ``--resume_from_checkpoint``,
     before any file is written); the final evaluation, ``model/`` and ``results.json``.
     `values`: the flags by field name; `start`: ``time.time()`` at the start; `prog`: the program
-    name for errors."""
+    name for errors; `before_train`: ``before_train(trainer)``, run once the trainer is built and
+    before anything is written, for the settings that need its shards (e.g.
+    :meth:`~lp_decentral_nlp.trainer.DecentralizedTrainer.steps_per_epoch`); a ValueError it
+    raises is the run's one-line error."""
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
 
     out = training.output_dir
+    new_output_dir = not os.path.exists(out)
+
+    def refuse(message: str, flag: str | None = None) -> NoReturn:
+        """:func:`exit_with_error` before any file is written; Trainer creates ``output_dir``, and a
+        refused run leaves no folder behind."""
+        if new_output_dir:
+            with contextlib.suppress(OSError):  # not empty, or another rank of the launch removed it
+                os.rmdir(out)
+        exit_with_error(prog, message, flag)
+
     csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
     try:  # the training set against the settings (a shard column it lacks, labels the model cannot predict, ...)
         trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"],
                                        eval_dataset=data["test"], callbacks=[csv_callback], **trainer_kwargs)
+        trainer.steps_per_epoch()  # the smallest shard fills a batch and an accumulated step
+        if before_train is not None:
+            before_train(trainer)
     except ValueError as err:
-        exit_with_error(prog, str(err))
+        refuse(str(err))
     kernels_callback = TrainingKernelsCallback(trainer.nodes[0])
     trainer.add_callback(kernels_callback)
     report = trainer.cost_report(input_shape).to_dict()
@@ -481,7 +502,7 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
-        exit_with_error(prog, str(err), "--resume_from_checkpoint")
+        refuse(str(err).removeprefix("resume_from_checkpoint: "), "--resume-from-checkpoint")
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))

@@ -346,16 +346,19 @@ _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "ada
                     "lr_milestones", "lr_decay")
 
 
-def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None):
+def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,
+                    unresolved: tuple[str, ...] = ()):
     """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
-    given, the same number of training samples). ValueError listing every argument that differs."""
+    given, the same number of training samples). ValueError listing every argument that differs.
+    ``unresolved``: :func:`resume_config` keys not compared, because ``args`` holds a placeholder the
+    caller resolves later (``train()`` compares every key)."""
     try:
         path = resolve_checkpoint(path)
         saved = read_manifest(path, required=_MANIFEST_KEYS)["config"]
     except ValueError as err:
         raise ValueError(f"resume_from_checkpoint: {err}") from None
-    now = resume_config(args)
+    now = {key: value for key, value in resume_config(args).items() if key not in unresolved}
     if train_samples is not None:
         now["train_samples"] = train_samples
     saved = {**_RESUME_DEFAULTS, **saved}

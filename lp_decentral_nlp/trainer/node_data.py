@@ -57,7 +57,6 @@ class NodeDataMixin:
         options = self._loader_options(self.train_dataset, "training")
         dataset = options.pop("dataset")
         bs = self.args.per_device_train_batch_size
-        self.shard_sizes = [len(s) for s in shards]
         loaders = []
         for i in self.node_ids:
             shard = Subset(dataset, shards[i].tolist())
@@ -65,6 +64,21 @@ class NodeDataMixin:
             loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
                                       drop_last=True, generator=torch.Generator(), **options))
         return loaders
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch of training: every node steps in lock-step (SPEC 2), so the
+        smallest shard's full batches of ``per_device_train_batch_size`` (its last incomplete batch
+        is dropped), over ``gradient_accumulation_steps`` (leftover micro-batches are dropped too).
+        An epoch of ``lr_milestones`` or ``num_train_epochs`` is this many steps. ValueError when
+        the smallest shard cannot fill one batch, or holds fewer batches than one step needs."""
+        if self.train_dataset is None:
+            raise ValueError("DecentralizedTrainer needs a train_dataset to count its steps per epoch")
+        accumulation = self.args.gradient_accumulation_steps
+        batches = min(len(s) for s in self._checked_shards()) // self.args.per_device_train_batch_size
+        if batches < accumulation:
+            raise ValueError(f"gradient_accumulation_steps={accumulation} exceeds the batches per epoch of the smallest "
+                             f"shard ({batches}): lower it, the batch size or the number of nodes")
+        return batches // accumulation
 
     @staticmethod
     def _start_epoch(loaders, epoch: int, batches_done: int) -> list:

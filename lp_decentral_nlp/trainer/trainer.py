@@ -214,12 +214,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # the one process-wide setting the trainer changes (lp_decentral_nlp.utils.cpu_malloc)
         self.cpu_malloc_tuned = tune_process_for_training(args.device, args.tune_cpu_malloc)
         loaders = self.node_dataloaders()
-        accumulation = args.gradient_accumulation_steps
-        batches_per_epoch = min(self.shard_sizes) // args.per_device_train_batch_size
-        if batches_per_epoch < accumulation:
-            raise ValueError(f"gradient_accumulation_steps={accumulation} exceeds the batches per epoch of the smallest "
-                             f"shard ({batches_per_epoch}): lower it, the batch size or the number of nodes")
-        steps_per_epoch = batches_per_epoch // accumulation  # optimizer steps; leftover micro-batches are dropped
+        steps_per_epoch = self.steps_per_epoch()
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         num_epochs = math.ceil(max_steps / steps_per_epoch)
         made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
@@ -260,7 +255,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                         epoch, done = epoch + 1, 0
                         continue
                     self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-                    iterators = self._start_epoch(loaders, epoch, done * accumulation)
+                    iterators = self._start_epoch(loaders, epoch, done * args.gradient_accumulation_steps)
                     while done < steps_per_epoch and self.state.global_step < max_steps:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                         self._iteration(self._next_batches(iterators))
@@ -297,7 +292,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.is_in_train = False
         train_loss = self._total_loss / max(self.state.global_step, 1)
         steps_run = self.state.global_step - first_step  # by this call (a resumed run's earlier steps excluded)
-        samples_per_step = args.per_device_train_batch_size * accumulation * args.num_nodes  # over all nodes
+        # over all nodes
+        samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_nodes
         self.store_flos()
         metrics = {**speed_metrics("train", start, num_samples=steps_run * samples_per_step, num_steps=steps_run),
                    "total_flos": self.state.total_flos, "train_loss": train_loss}

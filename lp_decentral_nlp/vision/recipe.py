@@ -95,13 +95,27 @@ def _derive(values: dict) -> None:
         values["image_size"] = values["image_size"] or spec.image_size
     if values["augment"] is None:
         values["augment"] = values["dataset"] not in NO_AUGMENT_DATASETS
-    if values["lr_milestones"] is None and str(values["lr_scheduler_type"]) == "constant":
-        # the multi-step schedule by default; another --lr_scheduler_type is the schedule asked for
+    # the multi-step schedule by default (in epochs of --epochs here; of a --max_steps run once the trainer
+    # knows its steps per epoch, _milestones_of_the_run); another --lr_scheduler_type is the schedule asked for
+    default = values["lr_milestones"] is None and str(values["lr_scheduler_type"]) == "constant"
+    values["lr_milestone_fractions"] = list(DEFAULT_MILESTONE_FRACTIONS) if default else None
+    if default:
         values["lr_milestones"] = [f * values["num_train_epochs"] for f in DEFAULT_MILESTONE_FRACTIONS]
     elif values["lr_milestones"] == []:  # the flag alone: a constant learning rate
         values["lr_milestones"] = None
     derive_run_values(values, f"{values['dataset']}_{values['arch']}_{values['norm']}_{values['algorithm']}"
                               f"_skew{values['skew']}_comp{values['compression']}")
+
+
+def _milestones_of_the_run(values: dict, training):
+    """``before_train`` of :func:`~lp_decentral_nlp.commands.train_and_report`: the default milestones
+    of a ``--max_steps`` run at :data:`DEFAULT_MILESTONE_FRACTIONS` of its steps, not of ``--epochs``
+    (which ``--max_steps`` overrides), in the epochs of the trainer's shards."""
+    def resolve(trainer) -> None:
+        if values["lr_milestone_fractions"] and training.max_steps > 0:
+            epochs = training.max_steps / trainer.steps_per_epoch()
+            values["lr_milestones"] = training.lr_milestones = [f * epochs for f in values["lr_milestone_fractions"]]
+    return resolve
 
 
 def _check_network(parser, parsed) -> None:
@@ -113,8 +127,9 @@ def _check_network(parser, parsed) -> None:
         parser.error(f"argument --groups/--norm: {err}")
     min_size = getattr(net, "min_size", 1)
     if recipe.image_size < min_size:
-        parser.error(f"argument --image_size: {recipe.arch} needs images of at least {min_size}x{min_size}, "
-                     f"got {recipe.image_size} (pass --image_size {min_size})")
+        flag = parser.flag_of("image_size")
+        parser.error(f"argument {flag}: {recipe.arch} needs images of at least {min_size}x{min_size}, "
+                     f"got {recipe.image_size} (pass {flag} {min_size})")
 
 
 def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
@@ -124,9 +139,14 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
 
     kwargs.setdefault("description", f"Decentralized {algorithm} training of a CNN (SPEC 8 optimizer; defaults "
                                      "sized for a CPU run on digits).")
-    return RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
-                        fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
-                        checks=(run_checks, _check_network), **kwargs)
+    parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
+                          fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
+                          checks=(run_checks, _check_network), **kwargs)
+    fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
+    parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
+                    f"flag alone: a constant LR (default: at {fractions} of the run, of --epochs or of --max_steps "
+                    "when given, with --lr_scheduler_type constant)")
+    return parser
 
 
 def parse_vision_args(algorithm: str, argv: list[str] | None = None):
@@ -156,7 +176,8 @@ def run_vision(parsed, prog: str = "") -> dict:
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
     input_shape = (3, recipe.image_size, recipe.image_size)
     check_memory(model, training, input_shape, prog)
-    return train_and_report(parsed.values, training, model, data, model_used, input_shape, start, prog)
+    return train_and_report(parsed.values, training, model, data, model_used, input_shape, start, prog,
+                            before_train=_milestones_of_the_run(parsed.values, training))
 
 
 def main(algorithm: str, argv: list[str] | None = None) -> dict:
