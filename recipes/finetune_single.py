@@ -8,8 +8,9 @@ weights; the classification head stays full precision.
         --max-train-samples 3000 --max-eval-samples 1000 --max-length 64 --output-dir runs/8bit
     python recipes/finetune_single.py ... --full-precision --output-dir runs/fp32
 
-Writes ``results.json`` (accuracy, configuration, the kernel each 8-bit layer trained with, wall
-time) to ``--output-dir``.
+Writes to ``--output-dir`` ``results.json`` (accuracy, configuration, the kernel each 8-bit layer
+trained with, wall time) and ``model/``, the fine-tuned model and its tokenizer
+(``AutoModelForSequenceClassification.from_pretrained`` reloads it, 8-bit layers included).
 """
 from __future__ import annotations
 
@@ -97,14 +98,15 @@ def main(argv=None) -> dict:
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=labels)
 
     training_args = TrainingArguments(
-        output_dir=str(out / "trainer"), num_train_epochs=args.epochs, learning_rate=args.lr,
+        output_dir=str(out), num_train_epochs=args.epochs, learning_rate=args.lr,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
         adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,  # SPEC 8 NLP optimiser
         seed=args.seed, data_seed=args.seed, eval_strategy="no", save_strategy="no", logging_steps=20,
         report_to="none", disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
+                      processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
+                      compute_metrics=compute_metrics)
     train = trainer.train()
     layer_kernels = kernel_report(model)  # the last forward was a training step's (no evaluation during training)
     evaluation = trainer.evaluate()
@@ -125,7 +127,7 @@ def main(argv=None) -> dict:
         "model_used": model_path,
         "args": vars(args),
     }
-    out.mkdir(parents=True, exist_ok=True)
+    trainer.save_model(str(out / "model"))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
     return results

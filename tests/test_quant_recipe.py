@@ -4,6 +4,11 @@ import json
 import pathlib
 
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from lp_decentral_nlp.data import load_task
+from lp_decentral_nlp.quant import QuantModule
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,6 +38,17 @@ def test_finetune_single_writes_results(full_precision, tiny_model_dir, ag_news_
     assert full_precision or len(results["layer_kernels"]) == 2 * 6  # 2 blocks x (q, k, v, out, 2 FFN)
     assert results["steps"] == 4 and results["train_samples"] == 64 and results["eval_samples"] == 32
     assert 0.0 <= results["accuracy"] <= 1.0 and results["wall_time_s"] > 0
+    # model/: the fine-tuned model (8-bit layers re-made on load) and its tokenizer, which score what was evaluated
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    assert any(isinstance(m, QuantModule) for m in model.modules()) != full_precision
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    test = load_task("ag_news", data_dir=str(ag_news_csv), tokenizer=tokenizer, max_length=16, max_train_samples=64,
+                     max_eval_samples=32, seed=0)["test"]
+    with torch.no_grad():
+        predicted = [model(**{k: torch.tensor([row[k]]) for k in tokenizer.model_input_names if k in row})
+                     .logits.argmax(-1).item() for row in test]
+    assert sum(p == row["label"] for p, row in zip(predicted, test)) / len(test) == pytest.approx(results["accuracy"])
+    assert sorted(p.name for p in out.iterdir()) == ["model", "results.json"]
 
 
 def test_finetune_single_rejects_bad_flags(capsys):
