@@ -190,7 +190,9 @@ def test_the_layer_registry_is_extensible():
         register_quant_layer(Scale, nn.Linear)
 
 
-def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights():
+@pytest.mark.parametrize("undo", [dequantize_model, lambda model: model.dequantize()],
+                         ids=["dequantize_model", "model.dequantize"])
+def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights(undo):
     torch.manual_seed(0)
     model = tiny_distilbert()
     float_reference = copy.deepcopy(model)
@@ -204,8 +206,9 @@ def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights():
     trained = {n: p for n, p in model.named_parameters()}
     q_lin = "distilbert.transformer.layer.0.attention.q_lin.weight"
     assert not torch.equal(trained[q_lin], float_reference.state_dict()[q_lin]), "training moved the weights"
-    dequantize_model(model)
+    undo(model)  # transformers' model.dequantize() too: quantize_model sets the hf_quantizer it calls
     assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
+    assert getattr(model, "hf_quantizer", None) is None
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert all(p is trained[n] for n, p in model.named_parameters())
     assert set(model.state_dict()) == set(float_reference.state_dict())

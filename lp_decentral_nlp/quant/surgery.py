@@ -85,7 +85,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
 
     Args:
         model: any ``nn.Module`` (a Hugging Face ``PreTrainedModel`` also gets ``config.quantization_config``,
-            an ``LpQuantizationConfig``, which ``save_pretrained`` stores and ``from_pretrained`` re-applies).
+            an ``LpQuantizationConfig``, which ``save_pretrained`` stores and ``from_pretrained`` re-applies,
+            and the ``hf_quantizer`` a model loaded 8-bit has, so ``model.dequantize()`` undoes the surgery).
             A part of a task model, such as ``model.bert``, shares its config object with the task
             model (``model.bert.config is model.config``) and nothing tells the part it has a
             parent, so the config it records is the task model's: ``from_pretrained`` of the saved
@@ -124,7 +125,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
-        setattr(model.config, CONFIG_KEY, LpQuantizationConfig.from_quant_config(config))
+        hf_config = LpQuantizationConfig.from_quant_config(config)
+        setattr(model.config, CONFIG_KEY, hf_config)
+        if hasattr(model, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
+            model.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
     return model
 
 
