@@ -242,6 +242,25 @@ def test_from_float_errors():
 # -- whole networks -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("norm", ["evonorm", "range_evonorm", "range_batchnorm"])
+@pytest.mark.parametrize("eight_bit", [False, True], ids=["fp32", "8bit"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_empty_batch_passes_through_without_changing_any_state(norm, eight_bit, training):
+    """As torch's own layers do: (0, C, H, W) in, (0, classes) out, no statistic or range updated."""
+    torch.manual_seed(0)
+    model = build_vision_model("resnet20", 10, norm)
+    if eight_bit:
+        quantize_model(model, QuantConfig())
+        model(torch.randn(4, 3, 8, 8))  # a calibrated running range, which the empty batch must leave alone
+    model.train(training)
+    before = copy.deepcopy(model.state_dict())
+    logits = model(torch.randn(0, 3, 8, 8))
+    logits.sum().backward()
+    assert logits.shape == (0, 10)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
 def test_whole_resnet_trains_in_8_bits_and_dequantizes_back():
     torch.manual_seed(0)
     model = build_vision_model("resnet20", 10, "range_evonorm")

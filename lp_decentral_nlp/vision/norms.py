@@ -85,6 +85,13 @@ def _check_input(x: torch.Tensor, num_channels: int, layer: str) -> None:
         )
 
 
+def empty_batch_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A norm layer's output for a batch of 0 samples, as torch's norms give it: the (0, C, H, W)
+    input through the affine map (joined to the parameters' graph, zero gradients); there is no
+    statistic to compute and none is updated."""
+    return _affine(x, weight, bias)
+
+
 def _per_channel(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     # A (C,) parameter as (1, C, 1, 1) in the input's dtype (fp32 master weights, bf16 input).
     return p.to(like.dtype).view(1, -1, 1, 1)
@@ -308,6 +315,8 @@ class EvoNormS0(_GroupNormAct):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.num_channels, type(self).__name__)
+        if x.shape[0] == 0:
+            return empty_batch_output(x, self.weight, self.bias)
         return evonorm_s0(x, self.weight, self.bias, self.v, self.groups, self.eps)
 
 
@@ -329,6 +338,8 @@ class RangeEvoNorm2d(_GroupNormAct):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.num_channels, type(self).__name__)
+        if x.shape[0] == 0:
+            return empty_batch_output(x, self.weight, self.bias)
         return range_evonorm2d(x, self.weight, self.bias, self.v, self.groups, self.eps)
 
 
@@ -357,6 +368,8 @@ class RangeBatchNorm2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.num_features, type(self).__name__)
+        if x.shape[0] == 0:
+            return empty_batch_output(x, self.weight, self.bias)
         return range_batch_norm2d(
             x, self.running_mean, self.running_scale, self.num_batches_tracked,
             self.weight, self.bias, self.training, self.momentum, self.eps,

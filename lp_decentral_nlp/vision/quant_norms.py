@@ -48,6 +48,7 @@ from .norms import (
     RangeEvoNorm2d,
     RangeEvoNormFunction,
     _check_input,
+    empty_batch_output,
     evonorm_s0,
     range_batch_norm2d,
     range_evonorm2d,
@@ -149,6 +150,8 @@ class QuantNormLayer(ActivationQuantizer):
         _check_input(x, self.weight.numel(), type(self).__name__)
         self.check_master_weights()
         x = x.to(self.weight.dtype)
+        if x.shape[0] == 0:  # no range to take: the running range stays as it is
+            return empty_batch_output(x, self.weight, self.bias)
         lo, hi = self._activation_range(x)
         return QuantNormFunction.apply(x, lo, hi, self, self.training, *self.quant_parameters())
 
