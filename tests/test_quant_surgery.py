@@ -107,8 +107,29 @@ def test_linear_subclasses_without_a_replacement_are_left_alone_and_reported():
     # nn.MultiheadAttention never calls out_proj.forward: swapping it would silently do nothing.
     model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2), "proj": nn.Linear(8, 8)})
     report = quantize_model(model, dry_run=True)
-    assert report.quantized == ["proj"] and report.skipped == ["attn.out_proj"]
+    assert report.quantized == ["proj"] and report.skipped == ["attn", "attn.out_proj"]
     assert "no registered 8-bit replacement" in str(report)
+    # and its own in-projection weight, which it multiplies in fp32
+    assert ("float  attn           MultiheadAttention: holds in_proj_weight (24, 8), which stay fp32: no 8-bit "
+            "version of MultiheadAttention is registered (register_quant_layer)") in str(report)
+
+
+def test_weights_no_8bit_layer_computes_with_are_reported():
+    """A fused mixture-of-experts block keeps its experts as 3-D parameters, not Linear layers:
+    they (and the router's weight) stay fp32, and the report says so (transformers 5's Mixtral)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                             num_experts_per_tok=2))
+    report = quantize_model(model, dry_run=True)
+    reasons = {d.name: d.reason for d in report.layers if not d.quantize}
+    assert reasons["model.layers.0.mlp.experts"].startswith(
+        "holds gate_up_proj (4, 128, 32), down_proj (4, 32, 64), which stay fp32")
+    assert reasons["model.layers.0.mlp.gate"].startswith("holds weight (4, 32), which stay fp32")
+    unreported = {n for n, p in model.named_parameters() if p.dim() >= 2} - {
+        f"{d.name}.{suffix}" for d in report.layers for suffix in ("weight", "gate_up_proj", "down_proj")}
+    assert unreported == set()
 
 
 def test_shared_module_is_replaced_under_every_name():

@@ -56,8 +56,10 @@ class LayerDecision:
 class QuantReport:
     """What ``quantize_model`` does (or would do, with ``dry_run=True``) and why.
 
-    ``layers`` lists every module of a registered float type (or a subclass of one); ``problems``
-    lists what makes the real run raise (patterns matching nothing, nothing to quantize).
+    ``layers`` lists every module of a registered float type (or a subclass of one), and every other
+    module holding weights of its own (parameters of 2 or more dimensions, e.g. fused MoE experts),
+    which stay fp32; ``problems`` lists what makes the real run raise (patterns matching nothing,
+    nothing to quantize).
     """
 
     layers: list[LayerDecision] = field(default_factory=list)
@@ -157,7 +159,12 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
     skip_used, target_used = set(), set()
     for name, module in model.named_modules():
-        if not name or not isinstance(module, supported):
+        if not isinstance(module, supported):
+            unreplaced = _unreplaced_weights(module)
+            if unreplaced:
+                report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
+            continue
+        if not name:
             continue
         parts = name.split(".")
         chain = [".".join(parts[: i + 1]) for i in range(len(parts))]  # the layer and its parents
@@ -202,6 +209,17 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         kinds = ", ".join(t.__name__ for t in QUANT_LAYERS)
         report.problems.append(f"no layer to quantize (supported types: {kinds})")
     return report
+
+
+def _unreplaced_weights(module: nn.Module) -> str | None:
+    """Why the weights (parameters of 2 or more dimensions) a module of no registered type holds
+    itself stay fp32, e.g. the 3-D expert tensors of a fused mixture-of-experts block; None when it
+    holds none."""
+    weights = [f"{n} {tuple(p.shape)}" for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
+    if not weights:
+        return None
+    return (f"holds {', '.join(weights)}, which stay fp32: no 8-bit version of {type(module).__name__} is "
+            "registered (register_quant_layer)")
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
