@@ -180,3 +180,17 @@ def test_digits_recipe_end_to_end(tmp_path):
     with torch.no_grad():
         correct = sum((model(b["pixel_values"]).logits.argmax(-1) == b["label"]).sum().item() for b in loader)
     assert correct / len(test) == pytest.approx(results["accuracy"])
+
+
+def test_an_evaluation_at_the_last_step_is_the_final_one(tmp_path):
+    """--eval_steps dividing --max-steps: the evaluation training ends with is the one results.json
+    reports; the test set is not evaluated again (nor its row repeated in metrics.csv)."""
+    from lp_decentral_nlp.vision.recipe import main
+
+    out = tmp_path / "run"
+    results = main("choco", ["--nodes", "2", "--max-steps", "4", "--batch-size", "8", "--eval_steps", "2",
+                             "--disable_tqdm", "true", "--output-dir", str(out)])
+    rows = [r for r in csv.DictReader((out / "metrics.csv").read_text().splitlines()) if r["eval_accuracy"]]
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    assert float(rows[-1]["eval_accuracy"]) == pytest.approx(results["accuracy"])
+    assert float(rows[-1]["eval_consensus_distance"]) == pytest.approx(results["consensus_distance"])

@@ -453,6 +453,17 @@ def run_config(values: dict, training) -> dict:
     return config
 
 
+def final_evaluation(trainer) -> dict:
+    """The evaluation of the trained model: the one training ended with, when it evaluated at its
+    last step and nothing changed the model after it (``final_merge``, ``load_best_model_at_end``),
+    else ``trainer.evaluate()``. Every rank takes the same branch (they share the log history)."""
+    args, state = trainer.args, trainer.state
+    last = next((logs for logs in reversed(state.log_history) if "eval_loss" in logs), None)
+    if last is not None and last["step"] == state.global_step and not (args.final_merge or args.load_best_model_at_end):
+        return last
+    return trainer.evaluate()
+
+
 def train_and_report(values: dict, training, model, data, model_used: str, input_shape: tuple, start: float,
                      prog: str, before_train=None, **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
@@ -508,7 +519,7 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
         _write_json(out, "kernels.json", layer_kernels)
-    metrics = trainer.evaluate()
+    metrics = final_evaluation(trainer)
     trainer.save_model(os.path.join(out, "model"))
     n = training.num_nodes
     results = {
