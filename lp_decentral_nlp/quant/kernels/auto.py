@@ -37,8 +37,8 @@ NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp3
 # 2**26) forward multiply-adds or more, from 16 channels up (16 at 32 x 32: 1.19x fp32 against
 # 1.28x; 32 at 16 x 16: 1.24x against 1.34x; 64 at 8 x 8: 1.09x against 1.22x; 128 at 4 x 4:
 # 1.35x against 1.38x), and slower in every call of 19M or fewer at any width. On a 2-core Intel
-# Xeon with AMX (the record in bench_8bit.json) the two are level at 75M (16 at 32 x 32: 1.42x
-# against 1.47x; 32 at 16 x 16: 1.49x against 1.45x; 64 at 8 x 8: 1.38x against 1.38x), int8
+# Xeon with AMX (the record in bench_8bit.json) the two are level at 75M (16 at 32 x 32: 1.44x
+# against 1.38x; 32 at 16 x 16: 1.35x against 1.43x; 64 at 8 x 8: 1.25x against 1.36x), int8
 # ahead from 302M, behind at 19M or fewer. Inside a network the int8 layers pass channels-last
 # tensors on and skip the input copy the sweep pays: in a scratch A/B on the Xeon (interleaved
 # steps, batch 32 at 32 x 32) ResNet-20 took 0.78x fp32 with its 75M convolutions int8 and 0.86x
