@@ -3,6 +3,8 @@
 Every benchmark ends with ``save_results("<name>", results)``. The file holds the command that
 produced it, the machine, the date and the benchmark's own ``results`` dict; re-running the
 benchmark replaces it. ``benchmarks/render.py`` turns the files into ``docs/benchmarks.md``.
+A trial run that must leave the records alone writes elsewhere:
+``LP_BENCHMARK_RESULTS_DIR=/tmp/trial python benchmarks/bench_round.py``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import platform
 import shlex
 import sys
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+#: where the records go: benchmarks/results/, or the folder LP_BENCHMARK_RESULTS_DIR names
+RESULTS_DIR = pathlib.Path(os.environ.get("LP_BENCHMARK_RESULTS_DIR")
+                           or pathlib.Path(__file__).resolve().parent / "results")
 # /proc/cpuinfo flags recorded with each result: fp32 GEMMs (AVX2, AVX-512), int8 dot products
 # (AVX512-VNNI: oneDNN's int8 GEMM and convolution), bfloat16 (AVX512-BF16) and AMX tiles
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
