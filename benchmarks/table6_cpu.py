@@ -244,7 +244,10 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
     naming them; ``(None, [])`` if it has not finished."""
     run, command = recipe_run(args, cell)
     settings = run_settings(run, run.training.gamma)
-    done = finished_results(run.training.output_dir)
+    try:
+        done = finished_results(run.training.output_dir)
+    except ValueError as err:  # a damaged results.json: the run has not finished
+        return None, [str(err)]
     if done is not None:
         changed = changed_settings(settings, comparable(done["config"]))
         if not changed:

@@ -28,7 +28,9 @@ LABELS = {"batchnorm": "BatchNorm", "groupnorm": "GroupNorm", "evonorm": "EvoNor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, output_dir_problem
+
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="norm:precision pairs (precision fp32|int8)")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--arch", default="resnet20")
@@ -49,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if norm not in LABELS or precision not in ("fp32", "int8"):
             p.error(f"argument --runs: {run!r} is not norm:precision with norm in {tuple(LABELS)} "
                     "and precision fp32 or int8")
+    plot_folder = os.path.dirname(os.path.abspath(args.plot))
+    if os.path.isdir(args.plot) or output_dir_problem(plot_folder, overwrite=True):
+        p.error(f"argument --plot: cannot write {args.plot!r} "
+                f"({output_dir_problem(plot_folder, overwrite=True) or 'a folder'})")
     return args
 
 
@@ -104,8 +110,32 @@ def plot(entries: list[dict], args, path: str) -> None:
     plt.close(fig)
 
 
+def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
+    """With ``--skip-existing``, the finished results in ``out`` of the run these flags ask for;
+    None when it has not finished. A run finished with other settings, or a damaged results.json,
+    is the one-line error of ``--skip-existing`` (exit 2)."""
+    from lp_decentral_nlp.commands import config_differences, finished_results
+    from lp_decentral_nlp.vision.recipe import parse_vision_args
+
+    if not args.skip_existing:
+        return None
+    try:
+        results = finished_results(out)
+    except ValueError as err:
+        results, problem = None, str(err)
+    else:
+        wanted = parse_vision_args("choco", [*recipe_argv(args, norm, precision, out), "--overwrite_output_dir"])
+        differing = [] if results is None else config_differences(
+            results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
+        problem = (f"{out} holds a run of other settings ({', '.join(differing)}): choose another --output-dir or "
+                   "remove the run's folder") if differing else None
+    if problem:
+        print(f"{os.path.basename(__file__)}: error: argument --skip-existing: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return results
+
+
 def main(argv=None) -> str:
-    from lp_decentral_nlp.commands import finished_results
     from lp_decentral_nlp.vision.recipe import main as recipe_main
 
     args = parse_args(argv)
@@ -113,14 +143,13 @@ def main(argv=None) -> str:
     for run in args.runs:
         norm, _, precision = run.partition(":")
         out = os.path.join(args.output_dir, f"{norm}_{precision}")
-        results = finished_results(out) if args.skip_existing else None
+        results = reusable_results(args, norm, precision, out)
         if results is None:
             results = recipe_main("choco", recipe_argv(args, norm, precision, out))
         entries.append({"norm": norm, "precision": precision, "dir": out, "results": results})
     table = markdown_table(entries)
     with open(os.path.join(args.output_dir, "table.md"), "w") as fh:
         fh.write(table + "\n")
-    plot(entries, args, args.plot)
     print(table)
     setup = {k: v for k, v in vars(args).items() if k not in ("runs", "output_dir", "plot", "skip_existing")}
     rows = [{"norm": LABELS[e["norm"]], "precision": "8-bit" if e["precision"] == "int8" else "fp32",
@@ -131,6 +160,7 @@ def main(argv=None) -> str:
     command = [__file__, *(sys.argv[1:] if argv is None else argv)]
     path = save_results(f"vision_norm_comparison_skew{args.skew:g}", {"setup": setup, "runs": rows}, command)
     print(f"results: {path}")
+    plot(entries, args, args.plot)
     print(f"plot: {args.plot}")
     return table
 

@@ -23,6 +23,8 @@ from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
 
 PROG = "sweep.py"
+SWEEP_OUTPUT_DIR_HELP = ("Folder of the grid: one folder per point, sweep.json, sweep.md and sweep.png "
+                         "(default: runs/sweep)")
 COLUMNS = [("deepsqueeze", False, "DS"), ("deepsqueeze", True, "LP-DS"), ("choco", False, "Choco"), ("choco", True, "LP-Choco")]
 
 
@@ -49,11 +51,13 @@ def parse(argv=None):
     is answered from the flag table before torch is imported."""
     description = __doc__.splitlines()[0]
     check = flag_check_parser("nlp", description=description, fixed=("algorithm",))
+    check.set_help("output_dir", SWEEP_OUTPUT_DIR_HELP)
     add_grid_flags(check)
     grid_flags = check.parse_args(sys.argv[1:] if argv is None else argv)
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
+    parser.set_help("output_dir", SWEEP_OUTPUT_DIR_HELP)
     add_grid_flags(parser)
     parser.add_check(check_grid)
     return parser.parse(argv)
@@ -67,13 +71,45 @@ NOT_RESULT_SETTINGS = {"overwrite_output_dir", "threads", "consensus_lr_used"}
 def settings_differing(results: dict, run) -> list[str]:
     """The settings in which a finished grid point's ``results.json`` (``results["config"]``) differs
     from what this sweep would run there, ``"name=saved (this sweep: value)"``; empty if none."""
-    def comparable(config: dict) -> dict:
-        return json.loads(json.dumps(config, default=str))
+    return commands.config_differences(results["config"], run, NOT_RESULT_SETTINGS | set(vars(run.extras)),
+                                       "this sweep")
 
-    ignored = NOT_RESULT_SETTINGS | set(vars(run.extras))
-    saved, wanted = comparable(results["config"]), comparable(commands.run_config(run.values, run.training))
-    return [f"{key}={saved.get(key)!r} (this sweep: {wanted.get(key)!r})"
-            for key in sorted((saved.keys() | wanted.keys()) - ignored) if saved.get(key) != wanted.get(key)]
+
+def finished_point(run, overwrite: bool) -> dict | None:
+    """The finished results of a grid point (:func:`lp_decentral_nlp.commands.finished_results`); a
+    damaged ``results.json`` is a ValueError naming it, unless `overwrite` (the point runs again)."""
+    try:
+        return commands.finished_results(run.training.output_dir)
+    except ValueError:
+        if overwrite:
+            return None
+        raise
+
+
+# recipe flags the grid sets at every point, by field name: -> the grid flag that does
+GRID_SET = {"skew": "--skews", "compression": "--comps", "low_precision": "--precisions"}
+
+
+def check_grid_flags(parser, sweep) -> None:
+    """Refuse a recipe flag the grid would override at every point, a flag that applies to no point
+    of this grid, and a value a grid flag lists twice (that point would run twice into one folder)."""
+    grid_flags = sweep.extras
+    for name, grid_flag in GRID_SET.items():
+        flag = parser.flag_given(name)
+        if flag is not None:
+            parser.error(f"argument {flag}: the grid sets it at every point: give {grid_flag} instead")
+    for grid_flag, values in (("--skews", grid_flags.skews), ("--comps", grid_flags.comps),
+                              ("--algorithms", grid_flags.algorithms), ("--precisions", grid_flags.precisions)):
+        repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if repeated:
+            parser.error(f"argument {grid_flag}: {', '.join(map(str, repeated))} given more than once: give each "
+                         "value once")
+    if "int8" not in grid_flags.precisions and sweep.training.quant_kernel != "auto":
+        parser.error(f"argument {parser.flag_of('quant_kernel')}: the kernel of the 8-bit runs, and --precisions "
+                     "holds no int8: drop one of them")
+    if grid_flags.consensus_lr_compressed is not None and not any(c > 0 for c in grid_flags.comps):
+        parser.error("argument --consensus-lr-compressed: the gamma of the runs with --comps > 0, and --comps holds "
+                     "none: drop one of them")
 
 
 def check_grid(parser, sweep) -> None:
@@ -81,15 +117,19 @@ def check_grid(parser, sweep) -> None:
     a grid folder whose finished results were made with other settings (a sweep reuses a finished
     grid point as it is): the one-line error of ``--output-dir``, unless ``--overwrite_output_dir``
     (those points run again)."""
+    check_grid_flags(parser, sweep)
     try:
         runs = grid(sweep)
     except ValueError as err:  # a grid point's algorithm refuses the other flags (e.g. Choco on a time-varying graph)
         parser.error(str(err))
-    if sweep.values["overwrite_output_dir"]:
-        return
+    overwrite = sweep.values["overwrite_output_dir"]
     for run in runs:
-        results = commands.finished_results(run.training.output_dir)
-        differing = settings_differing(results, run) if results is not None else []
+        try:
+            results = finished_point(run, overwrite)
+        except ValueError as err:
+            parser.error(f"argument {parser.flag_of('output_dir')}: {err}, or pass --overwrite_output_dir to run the "
+                         "point again")
+        differing = settings_differing(results, run) if results is not None and not overwrite else []
         if differing:
             parser.error(f"argument {parser.flag_of('output_dir')}: {run.training.output_dir} holds finished results "
                          f"of other settings ({', '.join(differing)}): pass --overwrite_output_dir to run it again, "
@@ -174,7 +214,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
 def run_grid(sweep) -> list[dict]:
     runs = grid(sweep)
-    finished = {i: commands.finished_results(run.training.output_dir) for i, run in enumerate(runs)}
+    finished = {i: finished_point(run, sweep.values["overwrite_output_dir"]) for i, run in enumerate(runs)}
     results = {i: r for i, r in finished.items() if r is not None and not settings_differing(r, runs[i])}
     todo = [i for i in range(len(runs)) if i not in results]
     results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs], [PROG] * len(runs)))

@@ -208,6 +208,43 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     assert sweep.settings_differing(finished, redo) == ["learning_rate=3e-05 (this sweep: 0.5)"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--skew", "0.5"], "argument --skew: the grid sets it at every point: give --skews instead"),
+    (["--comp=5"], "argument --comp: the grid sets it at every point: give --comps instead"),
+    (["--full-precision"], "argument --full-precision: the grid sets it at every point: give --precisions instead"),
+    (["--skews", "0", "0.9", "0"], "argument --skews: 0.0 given more than once: give each value once"),
+    (["--precisions", "fp32", "--kernel", "int8"],
+     "argument --kernel: the kernel of the 8-bit runs, and --precisions holds no int8: drop one of them"),
+    (["--comps", "0", "--consensus-lr-compressed", "0.2"], "argument --consensus-lr-compressed: the gamma of the runs "
+                                                           "with --comps > 0, and --comps holds none: drop one of them"),
+])
+def test_sweep_refuses_flags_no_grid_point_would_honour(argv, message, capsys):
+    sweep = import_sweep()
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err == f"sweep.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("content", ['{"status": "do', "[1, 2]", b"\xff\xfe"], ids=["truncated", "list", "binary"])
+def test_sweep_names_a_damaged_results_file_in_one_line(content, tmp_path, capsys):
+    sweep = import_sweep()
+    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--output-dir",
+             str(tmp_path)]
+    point = tmp_path / "choco_fp32_skew0_comp0"
+    point.mkdir()
+    (point / "results.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse(flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"sweep.py: error: argument --output-dir: {point / 'results.json'} is not a run's results")
+    assert err.endswith("or pass --overwrite_output_dir to run the point again\n")
+    # --overwrite_output_dir: the point runs again
+    assert [sweep.finished_point(run, True) for run in sweep.grid(sweep.parse([*flags, "--overwrite_output_dir"]))] \
+        == [None]
+
+
 def test_sweep_checks_each_grid_point_with_its_own_algorithm(capsys):
     sweep = import_sweep()
     grid_flags = ["--precisions", "fp32", "--skews", "0", "--comps", "0", "--topology", "exponential"]

@@ -25,7 +25,7 @@ _EXPORTS = {
     "recipe_main": ".entry",
     **dict.fromkeys(("NLPArguments", "build_nlp_parser", "load_classifier", "load_tokenizer", "main",
                      "model_flag_problem", "prepare_nlp_run", "resolve_model", "run_nlp"), ".nlp"),
-    **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "finished_results", "load_data", "output_dir_problem",
+    **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "config_differences", "finished_results", "load_data", "output_dir_problem",
                      "packaged_model_path", "run_config", "train_and_report"), ".run"),
 }
 __all__ = list(_EXPORTS)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (DEFAULT_MODEL, PACKAGED_MODEL, RunArguments, check_launcher, check_memory, check_training_rows,
-                  derive_run_values, error_summary, exit_with_error, hub_offline, load_data, model_folder_problem,
+from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RunArguments, check_launcher, check_memory,
+                  check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline, load_data, model_folder_problem,
                   model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
                   train_and_report)
 
@@ -121,9 +121,11 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     fixed = {"algorithm": algorithm} if task is None else {"algorithm": algorithm, "task": task}
     kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task or 'a text task'} (SPEC 8 "
                                      "defaults).")
-    return RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
-                        fixed=fixed, derive=_derive, value_checks=(check_launcher,),
-                        checks=(run_checks, check_model_flag), **kwargs)
+    parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
+                          fixed=fixed, derive=_derive, value_checks=(check_launcher,),
+                          checks=(run_checks, check_model_flag), **kwargs)
+    parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name="<task>_<algorithm>_skew<skew>_comp<compression>"))
+    return parser
 
 
 def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:

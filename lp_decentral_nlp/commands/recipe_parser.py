@@ -118,14 +118,6 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
                 if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
         HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], self._allowed, self._fixed), field)
 
-    def set_help(self, name: str, text: str) -> None:
-        """Replace the help of field ``name``'s flag, for a recipe whose default or meaning differs
-        from the field's (KeyError when no flag sets ``name``)."""
-        action = next((a for a in self._actions if a.dest == name and a.option_strings), None)
-        if action is None:
-            raise KeyError(f"no flag sets {name!r}")
-        action.help = text
-
     def add_check(self, check) -> None:
         """Run ``check(parser, parsed)`` after every :meth:`parse`."""
         self._checks.append(check)
@@ -138,6 +130,15 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
             if action.dest == name and action.option_strings:
                 return option_used(action, argv)
         return name
+
+    def flag_given(self, name: str, argv=None) -> str | None:
+        """The option that sets field ``name`` as ``argv`` (default: the command line being parsed)
+        gives it (an alias such as ``--full-precision`` included), else None."""
+        argv = self.argv if argv is None else argv
+        for action in self._actions:
+            if action.dest == name and any(a == s or a.startswith(s + "=") for s in action.option_strings for a in argv):
+                return option_used(action, argv)
+        return None
 
     def parse(self, argv=None) -> ParsedFlags:
         """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""

@@ -64,6 +64,11 @@ class RunArguments:
         check_field("threads", self.threads)
 
 
+#: the recipes' ``--output_dir`` help (``run_name``: the folder :func:`derive_run_values` names)
+OUTPUT_DIR_HELP = ("Folder of the run's results.json, cost_report.json, kernels.json, metrics.csv, checkpoints "
+                   "and model/ (default: runs/{run_name})")
+
+
 def derive_run_values(values: dict, run_name: str) -> None:
     """Complete the recipe flags (by field name) the way the recipes read them: no ``--output_dir``:
     ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
@@ -550,13 +555,33 @@ def _write_json(folder: str, name: str, content: dict) -> None:
 
 def finished_results(output_dir: str) -> dict | None:
     """The ``results.json`` of a run that completed in `output_dir` (``status == "done"``), else None
-    (absent, or left ``"running"`` by a run that was stopped)."""
+    (absent, or left ``"running"`` by a run that was stopped). ValueError naming the file when it
+    is not a results file a run wrote (unreadable, not JSON, not a JSON object)."""
+    path = os.path.join(output_dir, "results.json")
     try:
-        with open(os.path.join(output_dir, "results.json")) as fh:
+        with open(path, encoding="utf-8") as fh:
             results = json.load(fh)
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a run's results ({error_summary(err)}): remove it, or the run's folder") \
+            from None
+    if not isinstance(results, dict) or not isinstance(results.get("config", {}), dict):
+        raise ValueError(f"{path} is not a run's results (a JSON object with its status and config): remove it, "
+                         "or the run's folder")
     return results if results.get("status") == "done" else None
+
+
+def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this run") -> list[str]:
+    """The settings in which a finished run's ``results.json`` config (`saved_config`) differs from
+    what the parsed flags `parsed` (:meth:`RecipeParser.parse`) would run, as
+    ``"name=saved (<this>: value)"``, except the names in `ignored`; empty if none."""
+    def comparable(config: dict) -> dict:
+        return json.loads(json.dumps(config, default=str))
+
+    saved, wanted = comparable(saved_config), comparable(run_config(parsed.values, parsed.training))
+    return [f"{key}={saved.get(key)!r} ({this}: {wanted.get(key)!r})"
+            for key in sorted((saved.keys() | wanted.keys()) - set(ignored)) if saved.get(key) != wanted.get(key)]
 
 
 def print_summary(results: dict) -> None:
