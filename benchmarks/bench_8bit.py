@@ -26,16 +26,17 @@ time fp32 weight-gradient GEMMs put under any 8-bit step (``timing.weight_gradie
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import os
+import sys
 
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from bench_quant import malloc_as_trainer, peak_step_memory, train_step, trainer_adamw
-from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+                                       add_device_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
 from record import save_results
@@ -187,13 +188,13 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8,
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
     p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
     p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
     p.add_argument("--image-batch-size", type=POSITIVE, default=32, help="ResNet-20 batch (default %(default)s)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_flag(p)
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (default: torch's, here %(default)s)")
     p.add_argument("--conv-sweep", action="store_true",
@@ -209,6 +210,7 @@ def main(argv=None):
     builds = (("distilbert", distilbert_variants), ("resnet20", vision_variants("resnet20")),
               ("vgg11", vision_variants("vgg11")), ("resnet20_8x8", vision_variants("resnet20", image_size=8)))
     for model_name, build in builds:
+        print(f"timing {model_name} ...", file=sys.stderr, flush=True)  # a few minutes in all: progress on stderr
         variants = build(args, device)
         results[model_name] = measure(variants, args, device)
         if model_name == "distilbert" and device.type == "cpu":
@@ -218,6 +220,7 @@ def main(argv=None):
             results[model_name]["saved_bytes_floor"] = saved_bytes_floor(
                 fp32_model, fp32_forward, results[model_name]["saved_bytes"]["fp32"])
     if args.conv_sweep:
+        print("timing the conv sweep ...", file=sys.stderr, flush=True)
         results["conv_sweep"] = conv_sweep(args, device)
     met = {}
     for key, bound in GOALS.items():

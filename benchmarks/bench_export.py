@@ -13,7 +13,6 @@ quality).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import pathlib
@@ -23,7 +22,9 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import Range, existing_path, packaged_model_path, ranged
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, existing_path, load_data,
+                                       model_flag_problem, packaged_model_path, ranged)
+from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
@@ -57,26 +58,34 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: packaged MiniLM)")
-    p.add_argument("--data", type=existing_path, default=str(SHARED_CSV), help="AG News CSV (default %(default)s)")
-    p.add_argument("--samples", type=POSITIVE, default=None,
-                   help="held-out texts compared (default: all held out, 1,200 of the 6,000-row sample)")
+    p.add_argument("--data-dir", "--data", dest="data", type=existing_path, default=str(SHARED_CSV),
+                   help="AG News CSV (default %(default)s)")
+    p.add_argument("--samples", type=ranged(int, Range(NEIGHBOURS + 1)), default=None,
+                   help=f"held-out texts compared, at least {NEIGHBOURS + 1} (each one's {NEIGHBOURS} nearest others "
+                        "vote) (default: all held out, 1,200 of the 6,000-row sample)")
     p.add_argument("--calibration-batches", type=POSITIVE, default=8,
                    help=f"training batches of {BATCH} that set the activation ranges (default %(default)s)")
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads())
-    p.add_argument("--seed", type=ranged(int, Range(0)), default=0, help="seeds the calibration's dropout")
+    p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0, help="seeds the calibration's dropout")
     args = p.parse_args(argv)
+    problem = args.model and model_flag_problem(args.model)
+    if problem:
+        p.error(f"argument --model: {problem}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     path = args.model or packaged_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    data = load_task("ag_news", args.data, max_eval_samples=args.samples)
+    try:
+        tokenizer, fp32 = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        p.error(f"argument --model: {path}: cannot load its tokenizer and weights ({error_summary(err)})")
+    data = load_data(lambda: load_task("ag_news", args.data, max_eval_samples=args.samples), "ag_news", args.data,
+                     p.prog)
     texts, labels = data["test"]["text"], torch.tensor(data["test"]["label"])
     calibration = data["train"]["text"][: args.calibration_batches * BATCH]
 
-    fp32 = AutoModel.from_pretrained(path)
     fp32_bytes = state_dict_nbytes(fp32.state_dict())
     model = quantize_model(copy.deepcopy(fp32), QuantConfig())
     model.train()  # training-mode forwards update the running activation ranges used in eval

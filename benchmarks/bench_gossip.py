@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
+from lp_decentral_nlp.commands import OneLineParser, Range, add_default_malloc_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
@@ -151,7 +151,7 @@ def training_round(config: str, rounds: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2")
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
     parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))

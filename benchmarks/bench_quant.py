@@ -25,9 +25,9 @@ The figures also go to ``benchmarks/results/bench_quant.json`` (``bench_quant_la
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
+import sys
 import statistics
 import weakref
 
@@ -38,7 +38,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+                                       add_device_flag, ranged)
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
@@ -177,12 +178,12 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
     p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
     p.add_argument("--batch-size", type=POSITIVE, default=8)
     p.add_argument("--seq-len", type=POSITIVE, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_flag(p)
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
                    help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
@@ -214,6 +215,7 @@ def main(argv=None):
 
         variants[name] = {"step": step, "model": model, "optimizer": optimizer}
 
+    print(f"timing {len(variants)} variants, {args.repeats} interleaved repeats ...", file=sys.stderr, flush=True)
     times = interleaved_times({name: v["step"] for name, v in variants.items()}, args.repeats, args.warmup, device)
     for name, v in variants.items():
         v["times"], v["cpu_times"] = times["wall_s"][name], times["cpu_s"][name]

@@ -41,7 +41,8 @@ from record import save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
-from lp_decentral_nlp.commands import Range, build_nlp_parser, packaged_model_path, prepare_nlp_run, ranged
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, build_nlp_parser,
+                                       packaged_model_path, prepare_nlp_run, ranged)
 
 HEADLINE = ["--skew", "0.9", "--comp", "99"]
 CPU_SCALE = ["--batch-size", "16", "--max-length", "64"]
@@ -93,7 +94,7 @@ def round_profiler(profiled_round: int):
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA, help="the AG News CSV (default %(default)s)")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
     parser.add_argument("--repeats", type=POSITIVE, default=4, help="trainings per precision (default %(default)s)")

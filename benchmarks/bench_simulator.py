@@ -63,7 +63,9 @@ from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp import QuantConfig
-from lp_decentral_nlp.commands import Range, add_default_malloc_flag, ranged
+from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+                                       add_device_flag, ranged)
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 from record import save_results
 
@@ -349,16 +351,18 @@ def memory_child(args, precision):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--nodes", type=POSITIVE, default=4)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed rounds per precision (default %(default)s)")
     p.add_argument("--warmup", type=NONNEGATIVE, default=1)
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
     p.add_argument("--seq-len", type=POSITIVE, default=128)
     p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(), help="torch.set_num_threads")
-    p.add_argument("--kernel", default="auto", help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
-    p.add_argument("--algorithm", default="choco")
-    p.add_argument("--compression", type=float, default=90.0, help="top-k: percent dropped (default %(default)s)")
+    p.add_argument("--kernel", default=AUTO, choices=(AUTO, *(name for name in kernel_names() if name != AUTO)),
+                   help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
+    p.add_argument("--algorithm", default="choco", choices=("choco", "deepsqueeze"))
+    p.add_argument("--compression", type=ranged(float, Range(0, 100, high_open=True)), default=90.0,
+                   help="top-k: percent dropped, in [0, 100) (default %(default)s)")
     p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
     p.add_argument("--memory-rounds", type=NONNEGATIVE, default=2, help="rounds of the peak-memory subprocess (0: skip)")
     p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
@@ -367,10 +371,14 @@ def main(argv=None):
                         "or all together next to the round (round, the runs before the node mode existed)")
     p.add_argument("--distinct-reference", action="store_true",
                    help="also time plain steps of --nodes distinct model copies (needs their memory)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_flag(p)
     add_default_malloc_flag(p)
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if len(set(args.precisions)) < len(args.precisions):
+        p.error(f"argument --precisions: {args.precisions} repeats a precision: give each once")
+    if args.kernel != AUTO and "8-bit" not in args.precisions:
+        p.error("argument --kernel: the kernel of the 8-bit nodes, and --precisions holds no 8-bit: drop one of them")
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args, args.memory_child)

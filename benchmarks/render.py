@@ -20,10 +20,11 @@ percentages.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
+
+from lp_decentral_nlp.commands import OneLineParser, output_dir_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -182,12 +183,17 @@ def load_records(results_dir: pathlib.Path) -> list[dict]:
     records = []
     for path in sorted(results_dir.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): a JSON object is expected")
         missing = [k for k in ("benchmark", "command", "date", "machine", "results") if k not in record]
         if missing:
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): it lacks {missing}")
+        if not isinstance(record["machine"], dict) or not isinstance(record["results"], dict):
+            raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): its machine and results are "
+                             "JSON objects")
         records.append(record)
     if not records:
         raise FileNotFoundError(f"results_dir: no *.json results in {results_dir}: run a benchmark first")
@@ -237,10 +243,13 @@ def render(results_dir: pathlib.Path = RESULTS_DIR) -> str:
 
 
 def main(argv=None) -> pathlib.Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR, help="default %(default)s")
     parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="default %(default)s")
     args = parser.parse_args(argv)
+    if args.output.is_dir() or output_dir_problem(str(args.output.parent), overwrite=True):
+        parser.error(f"argument --output: cannot write {args.output} "
+                     f"({output_dir_problem(str(args.output.parent), overwrite=True) or 'a folder'})")
     try:
         page = render(args.results_dir)
     except (FileNotFoundError, ValueError) as err:

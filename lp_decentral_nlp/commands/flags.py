@@ -292,6 +292,25 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def device(text: str) -> str:
+    """A ``--device`` value: ``cpu``, or ``cuda`` where torch sees a CUDA device."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda, got {text!r}")
+    import torch
+
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"cuda: torch {torch.__version__} sees no CUDA device here; use cpu")
+    return text
+
+
+def add_device_flag(parser) -> None:
+    """``--device {cpu,cuda}`` for the benchmarks, default cuda where available."""
+    import torch
+
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda where available)")
+
+
 def add_default_malloc_flag(parser) -> None:
     """``--default-malloc`` for the benchmarks: opt out of keeping freed memory on the CPU
     (``tune_cpu_malloc``, :mod:`lp_decentral_nlp.utils.cpu_malloc`); the recipes have it as the alias of

@@ -1,0 +1,70 @@
+"""The benchmarks' command lines: a bad flag is one line and exit 2 before anything is measured,
+and a trial run can send its record away from benchmarks/results."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from helpers import load_benchmark
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def one_line_error(capsys, call) -> str:
+    with pytest.raises(SystemExit) as exc:
+        call()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.split(": error: ", 1)[1].rstrip("\n")
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("bench_quant", ["--device", "meta"], "argument --device: must be cpu or cuda, got 'meta'"),
+    ("bench_8bit", ["--threads", "1", "--threads", "2"], "argument --threads: given more than once"),
+    ("bench_simulator", ["--kernel", "int9"], "argument --kernel: invalid choice: 'int9'"),
+    ("bench_simulator", ["--compression", "150"], "argument --compression: must be in [0, 100), got 150"),
+    ("bench_simulator", ["--precisions", "fp32", "--kernel", "int8"],
+     "argument --kernel: the kernel of the 8-bit nodes, and --precisions holds no 8-bit: drop one of them"),
+    ("bench_simulator", ["--precisions", "fp32", "fp32"], "argument --precisions: ['fp32', 'fp32'] repeats a precision"),
+    ("bench_export", ["--samples", "5"], "argument --samples: must be in [6, inf), got 5"),
+    ("bench_export", ["--model", "/no/such/model"], "argument --model: /no/such/model does not exist"),
+    ("bench_export", ["--seed", str(2**64)], "argument --seed: must be in [0, 4294967295]"),
+])
+def test_a_bad_flag_is_one_line_before_anything_is_measured(name, argv, message, capsys, tmp_path, monkeypatch):
+    benchmark = load_benchmark(name)
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path)  # were a flag accepted, the records stay as they are
+    assert one_line_error(capsys, lambda: benchmark.main(argv)).startswith(message)
+
+
+def test_cuda_is_refused_where_torch_sees_none(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert one_line_error(capsys, lambda: load_benchmark("bench_8bit").main(["--device", "cuda"])).startswith(
+        "argument --device: cuda: torch")
+
+
+def test_render_names_a_record_it_cannot_read_and_an_output_it_cannot_write(tmp_path, capsys):
+    render = load_benchmark("render")
+    (tmp_path / "x.json").write_text("5")
+    message = one_line_error(capsys, lambda: render.main(["--results-dir", str(tmp_path), "--output",
+                                                          str(tmp_path / "b.md")]))
+    assert message == (f"{tmp_path / 'x.json'}: not a benchmark record (benchmarks/record.py): a JSON object is "
+                       "expected")
+    assert one_line_error(capsys, lambda: render.main(["--output", str(tmp_path)])) == \
+        f"argument --output: cannot write {tmp_path} (a folder)"
+
+
+def test_a_trial_run_writes_its_record_where_LP_BENCHMARK_RESULTS_DIR_says(tmp_path):
+    code = "import record; print(record.save_results('trial', {'x': 1}, ['bench_trial.py']))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                          env={**os.environ, "LP_BENCHMARK_RESULTS_DIR": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert pathlib.Path(proc.stdout.strip()) == tmp_path / "trial.json"
+    assert json.loads((tmp_path / "trial.json").read_text())["results"] == {"x": 1}
+    assert not (REPO / "benchmarks" / "results" / "trial.json").exists()
