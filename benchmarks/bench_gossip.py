@@ -150,15 +150,22 @@ def training_round(config: str, rounds: int) -> dict:
             "round": statistics.median(rounds_s)}
 
 
+ROUND_CONFIG = "Choco TopK(1%, 8-bit values)"  # part 3's default: the headline recipe's gossip
+
+
 def main():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2")
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
-    parser.add_argument("--round-config", default="Choco TopK(1%, 8-bit values)", choices=list(CONFIGS))
+    parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
     parser.add_argument("--threads", type=ranged(int, Range(1)), default=None, help="torch intra-op threads (default: torch's)")
     add_default_malloc_flag(parser)
     args = parser.parse_args()
+    if args.skip_round:  # part 3's own flags would be ignored
+        for flag, given in (("--rounds", args.rounds != 1), ("--round-config", args.round_config != ROUND_CONFIG)):
+            if given:
+                parser.error(f"argument {flag}: a setting of part 3, which --skip-round skips: drop one of them")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     malloc = "glibc default"

@@ -53,7 +53,7 @@ import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      finished_results, packaged_model_path, ranged, run_config)
+                                      finished_results, output_dir_problem, packaged_model_path, ranged, run_config)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -136,6 +136,9 @@ def parse(argv=None) -> argparse.Namespace:
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {str(args.data_dir)!r} is not a file (the AG News CSV sample)")
     args.data_dir = args.data_dir.resolve()  # one spelling per file, so a finished cell is found reusable
+    problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
+    if problem:
+        parser.error(f"argument --docs-dir: {problem}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"argument --seeds: {args.seeds} repeats a seed")
     args.selected = all_cells(args.seeds)

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-dir", default=os.path.join("runs", "vision_norm_comparison"))
     p.add_argument("--plot", default=os.path.join("docs", "vision_norm_comparison.png"))
     p.add_argument("--skip-existing", action="store_true", help="reuse runs whose results.json says done")
+    p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
+                   help="run again, over the results in --output-dir, the runs --skip-existing does not reuse")
     args = p.parse_args(argv)
     for run in args.runs:
         norm, _, precision = run.partition(":")
@@ -63,7 +65,8 @@ def recipe_argv(args, norm: str, precision: str, out: str) -> list[str]:
             "--topology", args.topology, "--skew", str(args.skew), "--comp", str(args.comp),
             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
             "--eval-steps", str(args.eval_steps), "--logging-steps", str(args.eval_steps), "--output-dir", out]
-    return argv + (["--full-precision"] if precision == "fp32" else [])
+    return (argv + (["--full-precision"] if precision == "fp32" else [])
+            + (["--overwrite_output_dir"] if args.overwrite_output_dir else []))
 
 
 def accuracy_curve(run_dir: str) -> tuple[list[float], list[float]]:
@@ -113,7 +116,8 @@ def plot(entries: list[dict], args, path: str) -> None:
 def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     """With ``--skip-existing``, the finished results in ``out`` of the run these flags ask for;
     None when it has not finished. A run finished with other settings, or a damaged results.json,
-    is the one-line error of ``--skip-existing`` (exit 2)."""
+    runs again with ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing``
+    (exit 2) without it."""
     from lp_decentral_nlp.commands import config_differences, finished_results
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
@@ -124,11 +128,14 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     except ValueError as err:
         results, problem = None, str(err)
     else:
-        wanted = parse_vision_args("choco", [*recipe_argv(args, norm, precision, out), "--overwrite_output_dir"])
+        argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
+        wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
         differing = [] if results is None else config_differences(
             results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
-        problem = (f"{out} holds a run of other settings ({', '.join(differing)}): choose another --output-dir or "
-                   "remove the run's folder") if differing else None
+        problem = (f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run "
+                   "it again, or choose another --output-dir") if differing else None
+    if problem and args.overwrite_output_dir:
+        return None
     if problem:
         print(f"{os.path.basename(__file__)}: error: argument --skip-existing: {problem}", file=sys.stderr)
         raise SystemExit(2)

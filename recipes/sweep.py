@@ -217,6 +217,9 @@ def run_grid(sweep) -> list[dict]:
     finished = {i: finished_point(run, sweep.values["overwrite_output_dir"]) for i, run in enumerate(runs)}
     results = {i: r for i, r in finished.items() if r is not None and not settings_differing(r, runs[i])}
     todo = [i for i in range(len(runs)) if i not in results]
+    if results:
+        print(f"{len(results)} of {len(runs)} grid points finished before with these settings: reused "
+              f"({', '.join(describe(runs[i]) for i in sorted(results))})", file=sys.stderr)
     results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs], [PROG] * len(runs)))
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,

@@ -40,6 +40,17 @@ def test_a_bad_flag_is_one_line_before_anything_is_measured(name, argv, message,
     assert one_line_error(capsys, lambda: benchmark.main(argv)).startswith(message)
 
 
+@pytest.mark.parametrize("argv", [["--skip-round", "--rounds", "3"], ["--skip-round", "--round-config", "SGP (fp32, exact)"]])
+def test_bench_gossip_refuses_part_3_settings_with_skip_round(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_gossip.py", *argv])
+    benchmark = load_benchmark("bench_gossip")
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path)
+    assert one_line_error(capsys, benchmark.main).endswith("a setting of part 3, which --skip-round skips: drop one of "
+                                                           "them")
+
+
 def test_cuda_is_refused_where_torch_sees_none(capsys):
     import torch
 

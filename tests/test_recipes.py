@@ -158,7 +158,9 @@ def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finishe
     choco.write_text(json.dumps({**json.loads(choco.read_text()), "status": "running"}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[1/1] choco int8 skew=0.9 comp=99: accuracy" in proc.stderr and "deepsqueeze" not in proc.stderr.split("\n| skew")[0]
+    assert "[1/1] choco int8 skew=0.9 comp=99: accuracy" in proc.stderr and "] deepsqueeze" not in proc.stderr
+    assert "1 of 2 grid points finished before with these settings: reused (deepsqueeze int8 skew=0.9 comp=99)" \
+        in proc.stderr
     assert json.loads(choco.read_text())["status"] == "done"
 
 

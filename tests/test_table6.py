@@ -193,6 +193,7 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
                              "at least 67 rows"),
     (["--cells", "ag_news/*/skew0/*", "--limit-rows", "63"], "argument --limit-rows: 63 training rows"),
     (["--jobs", "0"], "table6_cpu.py: error: argument --jobs: must be in [1, inf), got 0"),
+    (["--docs-dir", "/proc/no/docs"], "table6_cpu.py: error: argument --docs-dir: /proc/no/docs cannot be created"),
 ])
 def test_bad_flags(table6, ag_news_csv, flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -31,7 +31,10 @@ def test_skip_existing_reuses_only_a_run_of_the_same_settings(tmp_path, capsys):
         comparison.reusable_results(other, "evonorm", "fp32", str(folder))
     assert exc.value.code == 2 and capsys.readouterr().err == (
         f"vision_norm_comparison.py: error: argument --skip-existing: {folder} holds a run of other settings "
-        "(seed=0 (this run: 7)): choose another --output-dir or remove the run's folder\n")
+        "(seed=0 (this run: 7)): pass --overwrite-output-dir to run it again, or choose another --output-dir\n")
+    rerun = comparison.parse_args(["--runs", "evonorm:fp32", "--output-dir", str(tmp_path), "--seed", "7",
+                                   "--skip-existing", "--overwrite-output-dir"])
+    assert comparison.reusable_results(rerun, "evonorm", "fp32", str(folder)) is None
     (folder / "results.json").write_text('{"status": "do')
     with pytest.raises(SystemExit):
         comparison.reusable_results(other, "evonorm", "fp32", str(folder))
