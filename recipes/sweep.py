@@ -17,6 +17,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 
 from lp_decentral_nlp import commands
@@ -173,6 +174,13 @@ def describe(run) -> str:
     return f"{t.algorithm} {'int8' if t.low_precision else 'fp32'} skew={t.skew:g} comp={t.compression:g}"
 
 
+def remove_log_only_folders(folders) -> None:
+    """Remove the grid points' folders a refused sweep created and left holding only ``run.log``."""
+    for folder in folders:
+        if os.path.isdir(folder) and set(os.listdir(folder)) <= {"run.log"}:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[str] | None = None) -> dict[int, dict]:
     """Run ``runs[i]`` (:meth:`RecipeParser.parse` results) for every ``i`` in ``todo``: one after
     the other in this process when ``jobs == 1``, else ``jobs`` at a time in fresh (spawned)
@@ -192,6 +200,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
             report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        new_folders = [runs[i].training.output_dir for i in todo if not os.path.exists(runs[i].training.output_dir)]
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
             futures = {pool.submit(run_logged, runs[i], progs[i]): i for i in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
@@ -206,6 +215,8 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
                         with open(log) as fh:
                             print(f"{fh.read().strip().splitlines()[-1].split(chr(13))[-1]} [{names[i]}]",
                                   file=sys.stderr)
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        remove_log_only_folders(new_folders)
                         raise SystemExit(2) from None
                     raise RuntimeError(f"{names[i]} failed: {err!r}; its log: {log}") from err
                 report(done, i)

@@ -268,6 +268,7 @@ def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, 
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.fullmatch(rf"sweep.py: error: argument --data-dir: {header_only}: has a header line but no data rows "
                         r"\[choco fp32 skew=0(\.5)? comp=0\]", proc.stderr.strip().splitlines()[-1])
+    assert not (tmp_path / "sweep").exists() or list((tmp_path / "sweep").iterdir()) == []  # no point's folder left
 
 
 def test_sweep_kernel_flag_is_for_its_8bit_runs():
