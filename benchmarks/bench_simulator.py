@@ -326,8 +326,11 @@ def measure_memory(args, precision) -> dict:
            "--kernel", args.kernel, "--algorithm", args.algorithm, "--compression", str(args.compression),
            "--device", args.device, "--repeats", str(args.memory_rounds), "--warmup", "0"]
     cmd += ["--small"] * args.small + ["--default-malloc"] * args.default_malloc
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    child = subprocess.run(cmd, capture_output=True, text=True)
+    if child.returncode != 0:  # the child's own last words, not only its exit status
+        tail = "\n".join(child.stderr.strip().splitlines()[-20:])
+        raise RuntimeError(f"the {precision} peak-memory process failed (exit {child.returncode}):\n{tail}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def peak_rss() -> int:
