@@ -79,3 +79,14 @@ def test_a_trial_run_writes_its_record_where_LP_BENCHMARK_RESULTS_DIR_says(tmp_p
     assert pathlib.Path(proc.stdout.strip()) == tmp_path / "trial.json"
     assert json.loads((tmp_path / "trial.json").read_text())["results"] == {"x": 1}
     assert not (REPO / "benchmarks" / "results" / "trial.json").exists()
+
+
+def test_bench_simulator_tells_why_its_memory_process_failed():
+    import argparse
+
+    bench_simulator = load_benchmark("bench_simulator")
+    args = argparse.Namespace(nodes=2, batch_size=2, seq_len=8, threads=1, kernel="int9", algorithm="choco",
+                              compression=90.0, device="cpu", memory_rounds=1, small=True, default_malloc=False)
+    with pytest.raises(RuntimeError, match=r"(?s)the 8-bit peak-memory process failed \(exit 2\):.*"
+                                           r"argument --kernel: invalid choice: 'int9'"):
+        bench_simulator.measure_memory(args, "8-bit")
