@@ -121,25 +121,25 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     from lp_decentral_nlp.commands import config_differences, finished_results
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
+    def refuse(problem: str):
+        print(f"{os.path.basename(__file__)}: error: argument --skip-existing: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
     if not args.skip_existing:
         return None
     try:
-        results = finished_results(out)
+        results = finished_results(out, args.overwrite_output_dir)
     except ValueError as err:
-        results, problem = None, str(err)
-    else:
-        argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
-        wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
-        differing = [] if results is None else config_differences(
-            results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
-        problem = (f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run "
-                   "it again, or choose another --output-dir") if differing else None
-    if problem and args.overwrite_output_dir:
+        refuse(str(err))
+    if results is None:
         return None
-    if problem:
-        print(f"{os.path.basename(__file__)}: error: argument --skip-existing: {problem}", file=sys.stderr)
-        raise SystemExit(2)
-    return results
+    argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
+    wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
+    differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
+    if differing and not args.overwrite_output_dir:
+        refuse(f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run it "
+               "again, or choose another --output-dir")
+    return None if differing else results
 
 
 def main(argv=None) -> str:

@@ -76,17 +76,6 @@ def settings_differing(results: dict, run) -> list[str]:
                                        "this sweep")
 
 
-def finished_point(run, overwrite: bool) -> dict | None:
-    """The finished results of a grid point (:func:`lp_decentral_nlp.commands.finished_results`); a
-    damaged ``results.json`` is a ValueError naming it, unless `overwrite` (the point runs again)."""
-    try:
-        return commands.finished_results(run.training.output_dir)
-    except ValueError:
-        if overwrite:
-            return None
-        raise
-
-
 # recipe flags the grid sets at every point, by field name: -> the grid flag that does
 GRID_SET = {"skew": "--skews", "compression": "--comps", "low_precision": "--precisions"}
 
@@ -126,7 +115,7 @@ def check_grid(parser, sweep) -> None:
     overwrite = sweep.values["overwrite_output_dir"]
     for run in runs:
         try:
-            results = finished_point(run, overwrite)
+            results = commands.finished_results(run.training.output_dir, overwrite)
         except ValueError as err:
             parser.error(f"argument {parser.flag_of('output_dir')}: {err}, or pass --overwrite_output_dir to run the "
                          "point again")
@@ -225,7 +214,8 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
 def run_grid(sweep) -> list[dict]:
     runs = grid(sweep)
-    finished = {i: finished_point(run, sweep.values["overwrite_output_dir"]) for i, run in enumerate(runs)}
+    finished = {i: commands.finished_results(run.training.output_dir, sweep.values["overwrite_output_dir"])
+                for i, run in enumerate(runs)}
     results = {i: r for i, r in finished.items() if r is not None and not settings_differing(r, runs[i])}
     todo = [i for i in range(len(runs)) if i not in results]
     if results:

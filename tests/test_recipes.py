@@ -230,6 +230,8 @@ def test_sweep_refuses_flags_no_grid_point_would_honour(argv, message, capsys):
 
 @pytest.mark.parametrize("content", ['{"status": "do', "[1, 2]", b"\xff\xfe"], ids=["truncated", "list", "binary"])
 def test_sweep_names_a_damaged_results_file_in_one_line(content, tmp_path, capsys):
+    from lp_decentral_nlp import commands
+
     sweep = import_sweep()
     flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--output-dir",
              str(tmp_path)]
@@ -243,8 +245,8 @@ def test_sweep_names_a_damaged_results_file_in_one_line(content, tmp_path, capsy
     assert err.startswith(f"sweep.py: error: argument --output-dir: {point / 'results.json'} is not a run's results")
     assert err.endswith("or pass --overwrite_output_dir to run the point again\n")
     # --overwrite_output_dir: the point runs again
-    assert [sweep.finished_point(run, True) for run in sweep.grid(sweep.parse([*flags, "--overwrite_output_dir"]))] \
-        == [None]
+    redo = sweep.grid(sweep.parse([*flags, "--overwrite_output_dir"]))
+    assert [commands.finished_results(run.training.output_dir, overwrite=True) for run in redo] == [None]
 
 
 def test_sweep_checks_each_grid_point_with_its_own_algorithm(capsys):

@@ -553,10 +553,11 @@ def _write_json(folder: str, name: str, content: dict) -> None:
         json.dump(content, fh, indent=2, default=str)
 
 
-def finished_results(output_dir: str) -> dict | None:
+def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:
     """The ``results.json`` of a run that completed in `output_dir` (``status == "done"``), else None
-    (absent, or left ``"running"`` by a run that was stopped). ValueError naming the file when it
-    is not a results file a run wrote (unreadable, not JSON, not a JSON object)."""
+    (absent, or left ``"running"`` by a run that was stopped). A file that is not a results file a
+    run wrote (unreadable, not JSON, not a JSON object) is a ValueError naming it, or with
+    `overwrite` (the run is to be redone over it) None."""
     path = os.path.join(output_dir, "results.json")
     try:
         with open(path, encoding="utf-8") as fh:
@@ -564,12 +565,14 @@ def finished_results(output_dir: str) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not a run's results ({error_summary(err)}): remove it, or the run's folder") \
-            from None
-    if not isinstance(results, dict) or not isinstance(results.get("config", {}), dict):
-        raise ValueError(f"{path} is not a run's results (a JSON object with its status and config): remove it, "
-                         "or the run's folder")
-    return results if results.get("status") == "done" else None
+        problem = error_summary(err)
+    else:
+        if isinstance(results, dict) and isinstance(results.get("config", {}), dict):
+            return results if results.get("status") == "done" else None
+        problem = "a JSON object with its status and config is expected"
+    if overwrite:
+        return None
+    raise ValueError(f"{path} is not a run's results ({problem}): remove it, or the run's folder")
 
 
 def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this run") -> list[str]:
