@@ -215,10 +215,14 @@ class OneLineErrors:
             seen[action.dest] = option
 
 
+def options_given(action: argparse.Action, argv) -> list[str]:
+    """The options of ``action`` that ``argv`` uses (``--lr`` or ``--lr=...``), in its order of options."""
+    return [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
+
+
 def option_used(action: argparse.Action, argv) -> str:
     """The option of ``action`` that ``argv`` uses (``--lr`` or ``--lr=...``), else its first one."""
-    used = [s for s in action.option_strings if any(a == s or a.startswith(s + "=") for a in argv or ())]
-    return (used or action.option_strings or [action.dest])[0]
+    return (options_given(action, argv) or action.option_strings or [action.dest])[0]
 
 
 class OneLineParser(OneLineErrors, argparse.ArgumentParser):
