@@ -53,7 +53,7 @@ import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      finished_results, output_dir_problem, packaged_model_path, ranged, run_config)
+                                      changed_settings, finished_results, output_dir_problem, packaged_model_path, ranged, run_config)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -196,20 +196,11 @@ def recipe_run(args: argparse.Namespace, cell: dict) -> tuple[ParsedFlags, str]:
     return run, shlex.join(["python", script, *argv])
 
 
-def comparable(config: dict) -> dict:
-    """A run's ``config`` as ``results.json`` stores it (JSON types), less ``IGNORED_WHEN_REUSING``."""
-    return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k not in IGNORED_WHEN_REUSING}
-
-
 def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
-    """What a run computes, as compared when reusing it: ``comparable`` of its ``run_config`` with
-    the consensus step it ran with. The step counts: a cell run under an older default step is stale."""
-    return comparable({**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used})
-
-
-def changed_settings(settings: dict, recorded: dict) -> list[str]:
-    """The names whose values differ between two ``run_settings``."""
-    return sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+    """What a run computes, as compared when reusing it (``changed_settings``, less
+    ``IGNORED_WHEN_REUSING``): its ``run_config`` with the consensus step it ran with. The step
+    counts: a cell run under an older default step is stale."""
+    return {**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used}
 
 
 def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
@@ -252,7 +243,7 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
     except ValueError as err:  # a damaged results.json: the run has not finished
         return None, [str(err)]
     if done is not None:
-        changed = changed_settings(settings, comparable(done["config"]))
+        changed = changed_settings(settings, done["config"], IGNORED_WHEN_REUSING)
         if not changed:
             return {**cell, **{k: done[k] for k in ("accuracy", "node_accuracy", "consensus_distance",
                                                     "bytes_sent_per_node", "wall_time_s", "steps")},
@@ -262,7 +253,7 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
     if cell["id"] not in recorded:
         return None, []
     try:
-        changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]))
+        changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]), IGNORED_WHEN_REUSING)
     except ValueError as err:
         return None, [f"its recorded command does not parse here: {err}"]
     return (None, changed) if changed else ({**recorded[cell["id"]], **cell}, [])

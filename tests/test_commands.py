@@ -62,6 +62,27 @@ def test_spec8_defaults_and_repeatable_fault_flags():
     assert (saving.save_strategy, saving.save_steps, saving.eval_strategy, saving.eval_steps) == ("steps", 5, "steps", 3)
 
 
+def test_results_config_records_what_differs_from_the_defaults_and_reads_older_configs():
+    from lp_decentral_nlp.commands import changed_settings, config_differences, run_config
+
+    parser = build_nlp_parser("ag_news", "choco")
+    parsed = parser.parse([])
+    config = run_config(parsed.values, parsed.training)
+    # the recipe's own defaults and the decentralized setting are recorded; flags whose parsed form
+    # (False, None, []) only normalises to TrainingArguments' default ("no", "", []) are not
+    assert config["learning_rate"] == 3e-5 and config["seed"] == 0 and config["algorithm"] == "choco"
+    assert not {"include_num_input_tokens_seen", "include_for_metrics", "debug"} & config.keys()
+    given = parser.parse(["--include_num_input_tokens_seen", "true", "--include_for_metrics", "loss"])
+    assert run_config(given.values, given.training)["include_num_input_tokens_seen"] is True
+    assert run_config(given.values, given.training)["include_for_metrics"] == ["loss"]
+    # a config written with those defaults in it is the same run; a setting it changed is not
+    older = {**config, "include_num_input_tokens_seen": False, "include_for_metrics": [], "debug": None}
+    assert config_differences(older, parsed) == [] and changed_settings(config, older) == []
+    assert config_differences({**older, "include_num_input_tokens_seen": True}, parsed) == [
+        "include_num_input_tokens_seen=True (this run: None)"]
+    assert changed_settings({**config, "learning_rate": 0.1}, config, ignored=("output_dir",)) == ["learning_rate"]
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--nodes", "2.0"], "argument --nodes: expected an integer, got '2.0'"),
     (["--num-nodes", "1e3"], "argument --num-nodes: expected an integer, got '1e3'"),

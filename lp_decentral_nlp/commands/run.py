@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -444,16 +445,45 @@ def versions() -> dict:
             "datasets": datasets.__version__, "python": platform.python_version()}
 
 
+@functools.cache
+def _training_fields() -> dict:
+    from ..trainer import DecentralizedTrainingArguments
+
+    return {f.name: f for f in dataclasses.fields(DecentralizedTrainingArguments) if f.init}
+
+
+def _as_json(config: dict) -> dict:
+    """`config` as ``results.json`` stores it (JSON types)."""
+    return json.loads(json.dumps(config, default=str))
+
+
+def training_default(name: str, value) -> bool:
+    """Whether `value`, as a flag or a ``results.json`` config gives it, is
+    :class:`DecentralizedTrainingArguments`' default for the field `name` (False for a name that is
+    no field). A value in another type than the default's counts by what the field normalises it to
+    (``include_num_input_tokens_seen=False`` is the default ``"no"``, ``debug=None`` the default ``""``)."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    spec = _training_fields().get(name)
+    if spec is None:
+        return False
+    default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    if value == default:
+        return True
+    if default is dataclasses.MISSING or type(value) is type(default):
+        return False
+    try:
+        return getattr(DecentralizedTrainingArguments(**{name: value}), name) == \
+            getattr(DecentralizedTrainingArguments(), name)
+    except (TypeError, ValueError):
+        return False
+
+
 def run_config(values: dict, training) -> dict:
     """The settings of a run for ``results.json``: the recipe's options, the decentralized setting
     (:data:`ALWAYS_IN_CONFIG`) and the other training arguments that differ from
-    :class:`DecentralizedTrainingArguments`' defaults."""
-    from ..trainer import DecentralizedTrainingArguments
-
-    defaults = {f.name: f.default for f in dataclasses.fields(DecentralizedTrainingArguments)
-                if f.default is not dataclasses.MISSING}
-    training_names = set(defaults) | {f.name for f in dataclasses.fields(DecentralizedTrainingArguments)}
-    config = {k: v for k, v in values.items() if k not in training_names or defaults.get(k, object()) != v}
+    :class:`DecentralizedTrainingArguments`' defaults (:func:`training_default`)."""
+    config = {k: v for k, v in values.items() if not training_default(k, v)}
     config.update({name: getattr(training, name) for name in ALWAYS_IN_CONFIG})
     return config
 
@@ -575,16 +605,24 @@ def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:
     raise ValueError(f"{path} is not a run's results ({problem}): remove it, or the run's folder")
 
 
+def changed_settings(saved_config: dict, config: dict, ignored=()) -> list[str]:
+    """The names, sorted, whose values differ between two runs' ``results.json`` configs (as JSON
+    stores them), except those in `ignored`. A training argument that only one of them records
+    differs only if its value is not the default there (:func:`training_default`): the configs of
+    earlier versions recorded some defaults."""
+    saved, wanted = _as_json(saved_config), _as_json(config)
+    return sorted(key for key in (saved.keys() | wanted.keys()) - set(ignored)
+                  if saved.get(key) != wanted.get(key)
+                  and not (key in saved.keys() ^ wanted.keys() and training_default(key, {**saved, **wanted}[key])))
+
+
 def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this run") -> list[str]:
     """The settings in which a finished run's ``results.json`` config (`saved_config`) differs from
     what the parsed flags `parsed` (:meth:`RecipeParser.parse`) would run, as
-    ``"name=saved (<this>: value)"``, except the names in `ignored`; empty if none."""
-    def comparable(config: dict) -> dict:
-        return json.loads(json.dumps(config, default=str))
-
-    saved, wanted = comparable(saved_config), comparable(run_config(parsed.values, parsed.training))
-    return [f"{key}={saved.get(key)!r} ({this}: {wanted.get(key)!r})"
-            for key in sorted((saved.keys() | wanted.keys()) - set(ignored)) if saved.get(key) != wanted.get(key)]
+    ``"name=saved (<this>: value)"``, except the names in `ignored` (:func:`changed_settings`);
+    empty if none."""
+    saved, wanted = _as_json(saved_config), _as_json(run_config(parsed.values, parsed.training))
+    return [f"{key}={saved.get(key)!r} ({this}: {wanted.get(key)!r})" for key in changed_settings(saved, wanted, ignored)]
 
 
 def print_summary(results: dict) -> None:
