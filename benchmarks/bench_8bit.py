@@ -36,7 +36,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from bench_quant import malloc_as_trainer, peak_step_memory, train_step, trainer_adamw
 from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
-                                       add_device_flag, ranged)
+                                       add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
 from record import save_results
@@ -195,8 +195,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
     p.add_argument("--image-batch-size", type=POSITIVE, default=32, help="ResNet-20 batch (default %(default)s)")
     add_device_flag(p)
-    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
-                   help="torch intra-op threads (default: torch's, here %(default)s)")
+    add_threads_flag(p, torch.get_num_threads(), "torch intra-op threads (default: torch's, here %(default)s)")
     p.add_argument("--conv-sweep", action="store_true",
                    help="also time single Conv2d layers of several widths (fp32, simulated, int8)")
     p.add_argument("--smoke", action="store_true",

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, existing_path, load_data,
-                                       model_flag_problem, packaged_model_path, ranged)
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag, existing_path,
+                                       load_data, model_flag_problem, packaged_model_path, ranged)
 from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
@@ -67,7 +67,7 @@ def main(argv=None):
                         "vote) (default: all held out, 1,200 of the 6,000-row sample)")
     p.add_argument("--calibration-batches", type=POSITIVE, default=8,
                    help=f"training batches of {BATCH} that set the activation ranges (default %(default)s)")
-    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads())
+    add_threads_flag(p, torch.get_num_threads(), "torch intra-op threads (default: torch's, here %(default)s)")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0, help="seeds the calibration's dropout")
     args = p.parse_args(argv)
     problem = args.model and model_flag_problem(args.model)

@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp.commands import OneLineParser, Range, add_default_malloc_flag, ranged
+from lp_decentral_nlp.commands import OneLineParser, Range, add_default_malloc_flag, add_threads_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
@@ -159,7 +159,7 @@ def main():
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
     parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS))
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
-    parser.add_argument("--threads", type=ranged(int, Range(1)), default=None, help="torch intra-op threads (default: torch's)")
+    add_threads_flag(parser, None, "torch intra-op threads (default: torch's)")
     add_default_malloc_flag(parser)
     args = parser.parse_args()
     if args.skip_round:  # part 3's own flags would be ignored

@@ -39,7 +39,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
 from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
-                                       add_device_flag, ranged)
+                                       add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
@@ -184,8 +184,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=POSITIVE, default=8)
     p.add_argument("--seq-len", type=POSITIVE, default=128)
     add_device_flag(p)
-    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(),
-                   help="torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
+    add_threads_flag(p, torch.get_num_threads(),
+                     "torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
     add_default_malloc_flag(p)
     args = p.parse_args(argv)

@@ -41,8 +41,8 @@ from record import save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, build_nlp_parser,
-                                       packaged_model_path, prepare_nlp_run, ranged)
+from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
+                                       build_nlp_parser, packaged_model_path, prepare_nlp_run, ranged)
 
 HEADLINE = ["--skew", "0.9", "--comp", "99"]
 CPU_SCALE = ["--batch-size", "16", "--max-length", "64"]
@@ -100,8 +100,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=POSITIVE, default=4, help="trainings per precision (default %(default)s)")
     parser.add_argument("--rounds", type=POSITIVE, default=8, help="timed rounds per training (default %(default)s)")
     parser.add_argument("--warmup", type=NONNEGATIVE, default=2, help="untimed first rounds (default %(default)s)")
-    parser.add_argument("--threads", type=POSITIVE, default=None,
-                        help="torch threads (default: the recipe's, OMP_NUM_THREADS or 1)")
+    add_threads_flag(parser, None, "torch threads (default: the recipe's, OMP_NUM_THREADS or 1)")
     args = parser.parse_args(argv)
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {args.data_dir} is not a file; give the AG News sample CSV")

@@ -65,7 +65,7 @@ from transformers import DistilBertConfig, DistilBertForSequenceClassification, 
 from lp_decentral_nlp import QuantConfig
 from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
 from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
-                                       add_device_flag, ranged)
+                                       add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 from record import save_results
 
@@ -360,7 +360,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=NONNEGATIVE, default=1)
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
     p.add_argument("--seq-len", type=POSITIVE, default=128)
-    p.add_argument("--threads", type=POSITIVE, default=torch.get_num_threads(), help="torch.set_num_threads")
+    add_threads_flag(p, torch.get_num_threads(), "torch.set_num_threads (default: torch's, here %(default)s)")
     p.add_argument("--kernel", default=AUTO, choices=(AUTO, *(name for name in kernel_names() if name != AUTO)),
                    help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
     p.add_argument("--algorithm", default="choco", choices=("choco", "deepsqueeze"))

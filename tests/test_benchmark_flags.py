@@ -40,6 +40,19 @@ def test_a_bad_flag_is_one_line_before_anything_is_measured(name, argv, message,
     assert one_line_error(capsys, lambda: benchmark.main(argv)).startswith(message)
 
 
+@pytest.mark.parametrize("name", ["bench_8bit", "bench_export", "bench_gossip", "bench_quant", "bench_round",
+                                  "bench_simulator"])
+def test_every_benchmark_takes_threads_up_to_the_cores_as_the_recipes_do(name, capsys, tmp_path, monkeypatch):
+    benchmark = load_benchmark(name)
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path)
+    too_many = str((os.cpu_count() or 1) + 1)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--threads", too_many])  # bench_gossip reads sys.argv
+    call = benchmark.main if name == "bench_gossip" else lambda: benchmark.main(["--threads", too_many])
+    assert one_line_error(capsys, call) == f"argument --threads: must be in [1, {os.cpu_count() or 1}], got {too_many}"
+
+
 @pytest.mark.parametrize("argv", [["--skip-round", "--rounds", "3"], ["--skip-round", "--round-config", "SGP (fp32, exact)"]])
 def test_bench_gossip_refuses_part_3_settings_with_skip_round(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_gossip.py", *argv])

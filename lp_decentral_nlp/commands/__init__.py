@@ -19,7 +19,7 @@ from ..utils.lazy import lazy_namespace
 # public name -> the submodule that defines it
 _EXPORTS = {
     **dict.fromkeys(("ALIASES", "DefaultsHelpFormatter", "FlagType", "OneLineErrors", "OneLineParser", "ParsedFlags", "Range",
-                     "add_default_malloc_flag", "add_device_flag", "boolean", "check_flags", "flag_check_parser", "existing_path", "finite_float", "integer",
+                     "add_default_malloc_flag", "add_device_flag", "add_threads_flag", "boolean", "check_flags", "flag_check_parser", "existing_path", "finite_float", "integer",
                      "ranged"), ".flags"),
     "RecipeParser": ".recipe_parser",
     "recipe_main": ".entry",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from typing import NamedTuple
 
@@ -313,6 +314,12 @@ def add_device_flag(parser) -> None:
 
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda where available)")
+
+
+def add_threads_flag(parser, default, help: str) -> None:
+    """``--threads N`` for the benchmarks: torch intra-op threads, from 1 to this machine's cores (as
+    the recipes' ``--threads``)."""
+    parser.add_argument("--threads", type=ranged(int, Range(1, os.cpu_count() or 1)), default=default, help=help)
 
 
 def add_default_malloc_flag(parser) -> None:
