@@ -190,7 +190,9 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8,
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
-    p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
+    p.add_argument("--warmup", type=POSITIVE, default=1,
+                   help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
+                        "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
     p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
     p.add_argument("--image-batch-size", type=POSITIVE, default=32, help="ResNet-20 batch (default %(default)s)")

@@ -180,7 +180,9 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
-    p.add_argument("--warmup", type=POSITIVE, default=1, help="untimed steps per variant first")
+    p.add_argument("--warmup", type=POSITIVE, default=1,
+                   help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
+                        "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8)
     p.add_argument("--seq-len", type=POSITIVE, default=128)
     add_device_flag(p)

@@ -357,7 +357,7 @@ def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--nodes", type=POSITIVE, default=4)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed rounds per precision (default %(default)s)")
-    p.add_argument("--warmup", type=NONNEGATIVE, default=1)
+    p.add_argument("--warmup", type=NONNEGATIVE, default=1, help="untimed rounds per precision first")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
     p.add_argument("--seq-len", type=POSITIVE, default=128)
     add_threads_flag(p, torch.get_num_threads(), "torch.set_num_threads (default: torch's, here %(default)s)")
