@@ -200,7 +200,7 @@ def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
     """What a run computes, as compared when reusing it (``changed_settings``, less
     ``IGNORED_WHEN_REUSING``): its ``run_config`` with the consensus step it ran with. The step
     counts: a cell run under an older default step is stale."""
-    return {**run_config(run.values, run.training), "consensus_lr_used": consensus_lr_used}
+    return {**run_config(run), "consensus_lr_used": consensus_lr_used}
 
 
 def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:

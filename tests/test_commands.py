@@ -67,14 +67,21 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
 
     parser = build_nlp_parser("ag_news", "choco")
     parsed = parser.parse([])
-    config = run_config(parsed.values, parsed.training)
+    config = run_config(parsed)
     # the recipe's own defaults and the decentralized setting are recorded; flags whose parsed form
     # (False, None, []) only normalises to TrainingArguments' default ("no", "", []) are not
     assert config["learning_rate"] == 3e-5 and config["seed"] == 0 and config["algorithm"] == "choco"
-    assert not {"include_num_input_tokens_seen", "include_for_metrics", "debug"} & config.keys()
+    assert not {"include_num_input_tokens_seen", "include_for_metrics", "debug", "warmup_steps"} & config.keys()
     given = parser.parse(["--include_num_input_tokens_seen", "true", "--include_for_metrics", "loss"])
-    assert run_config(given.values, given.training)["include_num_input_tokens_seen"] is True
-    assert run_config(given.values, given.training)["include_for_metrics"] == ["loss"]
+    assert run_config(given)["include_num_input_tokens_seen"] is True
+    assert run_config(given)["include_for_metrics"] == ["loss"]
+    # a setting away from the recipe's default is recorded even where it is TrainingArguments' default
+    back_to_transformers = parser.parse(["--batch-size", "8", "--lr", "5e-5", "--weight_decay", "0",
+                                         "--adam_beta2", "0.999", "--epochs", "3"])
+    assert {k: run_config(back_to_transformers)[k] for k in ("per_device_train_batch_size", "learning_rate",
+                                                             "weight_decay", "adam_beta2", "num_train_epochs")} == {
+        "per_device_train_batch_size": 8, "learning_rate": 5e-5, "weight_decay": 0.0, "adam_beta2": 0.999,
+        "num_train_epochs": 3.0}
     # a config written with those defaults in it is the same run; a setting it changed is not
     older = {**config, "include_num_input_tokens_seen": False, "include_for_metrics": [], "debug": None}
     assert config_differences(older, parsed) == [] and changed_settings(config, older) == []

@@ -188,7 +188,7 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
              str(tmp_path)]
     run = sweep.grid(sweep.parse(flags))[0]
     finished = {"status": "done", "accuracy": 0.5,
-                "config": {**commands.run_config(run.values, run.training), "consensus_lr_used": 1.0}}
+                "config": {**commands.run_config(run), "consensus_lr_used": 1.0}}
     os.makedirs(run.training.output_dir)
     results = os.path.join(run.training.output_dir, "results.json")
     with open(results, "w") as fh:

@@ -16,8 +16,7 @@ def finished_run(comparison, out, *argv):
     parsed = parse_vision_args("choco", [*comparison.recipe_argv(args, "evonorm", "fp32", str(folder)),
                                          "--overwrite_output_dir"])
     folder.mkdir(parents=True)
-    (folder / "results.json").write_text(json.dumps({"status": "done", "config": run_config(parsed.values,
-                                                                                            parsed.training)}))
+    (folder / "results.json").write_text(json.dumps({"status": "done", "config": run_config(parsed)}))
     return args, folder
 
 

@@ -232,19 +232,21 @@ class OneLineParser(OneLineErrors, argparse.ArgumentParser):
 
 class ParsedFlags(NamedTuple):
     """The result of :meth:`RecipeParser.parse`: the training arguments, the recipe's own
-    arguments, the flags that belong to neither (``extras``), and every flag value by field name."""
+    arguments, the flags that belong to neither (``extras``), every flag value by field name, and
+    the parser's default of each of them (the recipe's, where it sets one)."""
 
     training: object
     recipe: object
     extras: argparse.Namespace
     values: dict
+    defaults: dict
 
     def replace(self, **changes) -> ParsedFlags:
         """These flags with some values changed (by field name), both dataclasses rebuilt (and checked)."""
         values = {**self.values, **changes}
         built = [type(d)(**{f.name: values[f.name] for f in dataclasses.fields(d) if f.init and f.name in values})
                  for d in (self.training, self.recipe)]
-        return ParsedFlags(*built, self.extras, values)
+        return ParsedFlags(*built, self.extras, values, self.defaults)
 
 
 def check_flags(family: str, argv=None, *, fixed=(), description: str | None = None, prog: str | None = None):

@@ -197,7 +197,7 @@ def run_nlp(parsed, prog: str = "") -> dict:
     """Train, evaluate and save one NLP run from :meth:`RecipeParser.parse`'s result; returns the results."""
     start = time.time()
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
-    return train_and_report(parsed.values, parsed.training, model, data, model_path, (parsed.recipe.max_length,),
+    return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),
                             start, prog, processing_class=tokenizer)
 
 

@@ -479,12 +479,14 @@ def training_default(name: str, value) -> bool:
         return False
 
 
-def run_config(values: dict, training) -> dict:
-    """The settings of a run for ``results.json``: the recipe's options, the decentralized setting
-    (:data:`ALWAYS_IN_CONFIG`) and the other training arguments that differ from
-    :class:`DecentralizedTrainingArguments`' defaults (:func:`training_default`)."""
-    config = {k: v for k, v in values.items() if not training_default(k, v)}
-    config.update({name: getattr(training, name) for name in ALWAYS_IN_CONFIG})
+def run_config(parsed) -> dict:
+    """The settings of a run for ``results.json``, from its :meth:`RecipeParser.parse` flags: the
+    recipe's options, the decentralized setting (:data:`ALWAYS_IN_CONFIG`) and every training
+    argument but those left at :class:`DecentralizedTrainingArguments`' default
+    (:func:`training_default`) by a recipe whose default (``parsed.defaults``) it is too."""
+    config = {k: v for k, v in parsed.values.items()
+              if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
+    config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
     return config
 
 
@@ -499,7 +501,7 @@ def final_evaluation(trainer) -> dict:
     return trainer.evaluate()
 
 
-def train_and_report(values: dict, training, model, data, model_used: str, input_shape: tuple, start: float,
+def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, start: float,
                      prog: str, before_train=None, **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
@@ -508,15 +510,17 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     ``results.json``); training (resumed from ``training.resume_from_checkpoint`` if given: a
     checkpoint that cannot continue the run is the one-line error of ``--resume_from_checkpoint``,
     before any file is written); the final evaluation, ``model/`` and ``results.json``.
-    `values`: the flags by field name; `start`: ``time.time()`` at the start; `prog`: the program
-    name for errors; `before_train`: ``before_train(trainer)``, run once the trainer is built and
-    before anything is written, for the settings that need its shards (e.g.
+    `parsed`: the run's :meth:`RecipeParser.parse` flags (``parsed.training`` trains); `start`:
+    ``time.time()`` at the start; `prog`: the program name for errors; `before_train`:
+    ``before_train(trainer)``, run once the trainer is built and before anything is written, for
+    the settings that need its shards (e.g.
     :meth:`~lp_decentral_nlp.trainer.DecentralizedTrainer.steps_per_epoch`); a ValueError it
     raises is the run's one-line error."""
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
 
+    training = parsed.training
     out = training.output_dir
     new_output_dir = not os.path.exists(out)
 
@@ -541,7 +545,7 @@ def train_and_report(values: dict, training, model, data, model_used: str, input
     trainer.add_callback(kernels_callback)
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
-    config = {**run_config(values, training), "consensus_lr_used": training.gamma}
+    config = {**run_config(parsed), "consensus_lr_used": training.gamma}
     running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
     trainer.add_callback(OnTrainBeginCallback(lambda: (_write_json(out, "cost_report.json", report),
                                                        _write_json(out, "results.json", running))))
@@ -621,7 +625,7 @@ def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this
     what the parsed flags `parsed` (:meth:`RecipeParser.parse`) would run, as
     ``"name=saved (<this>: value)"``, except the names in `ignored` (:func:`changed_settings`);
     empty if none."""
-    saved, wanted = _as_json(saved_config), _as_json(run_config(parsed.values, parsed.training))
+    saved, wanted = _as_json(saved_config), _as_json(run_config(parsed))
     return [f"{key}={saved.get(key)!r} ({this}: {wanted.get(key)!r})" for key in changed_settings(saved, wanted, ignored)]
 
 

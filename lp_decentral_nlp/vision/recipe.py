@@ -178,7 +178,7 @@ def run_vision(parsed, prog: str = "") -> dict:
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
     input_shape = (3, recipe.image_size, recipe.image_size)
     check_memory(model, training, input_shape, prog)
-    return train_and_report(parsed.values, training, model, data, model_used, input_shape, start, prog,
+    return train_and_report(parsed, model, data, model_used, input_shape, start, prog,
                             before_train=_milestones_of_the_run(parsed.values, training))
 
 
