@@ -28,6 +28,7 @@ def linear_model():
 def test_single_linear_fp32_exact():
     r = estimate_cost(linear_model(), (3,), 4, "fp32", optimizer="momentum")
     assert r.walk_device == "meta" and r.uncounted_ops == {}
+    assert r.weight_grad_gemm is None  # no quantized layer, no 8-bit weight-gradient GEMM
     assert r.adds == (3 * 32, 32) and r.mults == (3 * 24, 24)  # (train, inference)
     assert r.inference_energy_mj == pytest.approx((32 * FP["add"] + 24 * FP["mult"]) * 1e-9)
     assert r.train_energy_mj == pytest.approx((96 * FP["add"] + 72 * FP["mult"]) * 1e-9)
@@ -44,7 +45,7 @@ def test_single_linear_fp32_exact():
 def test_single_linear_int8_exact():
     r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam")
     fc = layer(r, "0")
-    assert fc.precision == "int8" and r.quantized_mac_share == 1.0
+    assert fc.precision == "int8" and r.quantized_mac_share == 1.0 and r.weight_grad_gemm == "int8"
     # inference: int8 GEMM; fp32: bias 8 adds, quantize 12 inputs with the running range
     # (shift, round, 2 clamps = 4 adds + 1 mult each), rescale 8 outputs (1 add + 1 mult each)
     assert (fc.inference.int8_adds, fc.inference.int8_mults) == (24, 24)

@@ -120,7 +120,9 @@ class LayerCost:
 class CostReport:
     """Cost of one iteration of one node: ``batch_size`` samples of shape ``input_shape``.
 
-    ``convention``: ``"ours"`` or ``"paper"`` (module docstring). ``adds``/``mults``: operation
+    ``convention``: ``"ours"`` or ``"paper"`` (module docstring). ``weight_grad_gemm``: the
+    precision its quantized layers' weight-gradient GEMMs are priced at, None in an fp32 report
+    (no quantized layer). ``adds``/``mults``: operation
     counts (training, inference). Energies in millijoules, memory in ``memory_unit`` (``"MB"``,
     10^6 bytes, in the ours convention; ``"MiB"``, 2^20 bytes, in the paper's, despite the ``_mb``
     names); ``memory_breakdown_mb`` splits them into weights, gradients, optimizer state and
@@ -135,7 +137,7 @@ class CostReport:
     batch_size: int
     input_shape: tuple[int, ...]
     optimizer: str
-    weight_grad_gemm: str
+    weight_grad_gemm: str | None
     convention: str
     memory_unit: str
     adds: TrainInference
@@ -269,7 +271,7 @@ def estimate_cost(
     total_macs = sum(layer.forward_macs for layer in layers)
     report = CostReport(
         precision=precision, batch_size=batch_size, input_shape=input_shape, optimizer=optimizer,
-        weight_grad_gemm=weight_grad_gemm, convention=convention, memory_unit=unit_name,
+        weight_grad_gemm=weight_grad_gemm if precision == "int8" else None, convention=convention, memory_unit=unit_name,
         adds=TrainInference(train_total.adds, infer_total.adds),
         mults=TrainInference(train_total.mults, infer_total.mults),
         train_energy_mj=train_total.energy_pj * 1e-9,
