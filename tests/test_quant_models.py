@@ -124,8 +124,9 @@ def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
                                             **QuantConfig(grad_granularity="sample").to_dict()}
 
     with caplog.at_level(logging.WARNING):
-        loaded = load_quantized(tmp_path, auto_class=AutoModelForSequenceClassification)
+        loaded = load_quantized(tmp_path)  # the class config.json names: the classifier, head included
     assert caplog.records == [], "loading a quantized checkpoint should not warn"
+    assert type(loaded) is type(model)
     assert loaded.config.quantization_config.to_dict() == saved["quantization_config"]
     assert {n: type(m) for n, m in loaded.named_modules()} == {n: type(m) for n, m in model.named_modules()}
     reference, restored = model.state_dict(), loaded.state_dict()

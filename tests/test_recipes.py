@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification
+from transformers import DistilBertForSequenceClassification
 from helpers import free_port
 
 from lp_decentral_nlp import load_quantized
@@ -70,7 +70,8 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert results["config"].get("quant_kernel", "auto") == kernel
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
-    model = load_quantized(out / "model", auto_class=AutoModelForSequenceClassification)
+    model = load_quantized(out / "model")  # the class the run saved: the classifier with its head
+    assert isinstance(model, DistilBertForSequenceClassification)
     assert model.config.num_labels == (4 if recipe.startswith("agnews") else 6)
 
 

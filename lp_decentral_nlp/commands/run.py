@@ -13,7 +13,9 @@ A run writes, under ``--output_dir`` (rank 0 only):
   step, by module name (:class:`lp_decentral_nlp.trainer.TrainingKernelsCallback`), written
   after training;
 * ``metrics.csv`` -- one row per logging/evaluation step;
-* ``model/`` -- the averaged model (an 8-bit one reloads with :func:`lp_decentral_nlp.load_quantized`);
+* ``model/`` -- the averaged model: fp32 master weights, and for an 8-bit run the 8-bit layers'
+  settings and activation ranges (``from_pretrained`` rebuilds them once ``lp_decentral_nlp`` is
+  imported; :func:`lp_decentral_nlp.load_quantized` returns the classifier it holds);
 * with ``--save_steps N``, ``checkpoint-<step>/`` every N steps.
 """
 from __future__ import annotations

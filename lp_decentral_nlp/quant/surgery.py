@@ -251,13 +251,14 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
 
     Args:
         path: local folder or hub repo id.
-        auto_class: e.g. ``AutoModelForSequenceClassification`` (default ``AutoModel``).
+        auto_class: e.g. ``AutoModelForSequenceClassification``; default: the class
+            ``config.json`` names (``architectures``, as saved: a classifier with its head), else
+            ``AutoModel``.
         **from_pretrained_kwargs: passed to ``auto_class.from_pretrained`` (those locating the files,
             e.g. ``revision``, also to ``AutoConfig.from_pretrained``).
     """
     import transformers
 
-    auto_class = transformers.AutoModel if auto_class is None else auto_class
     location = {k: v for k, v in from_pretrained_kwargs.items() if k in _LOCATION_KWARGS}
     config = transformers.AutoConfig.from_pretrained(path, **location)
     saved = getattr(config, CONFIG_KEY, None)
@@ -266,4 +267,7 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
         raise ValueError(f"config.json of {path} has no quantization_config with quant_method {QUANT_METHOD!r} "
                          f"(found {method!r}): it was not saved from a quantize_model model; load it with "
                          "from_pretrained and call quantize_model")
+    if auto_class is None:
+        saved_as = (getattr(config, "architectures", None) or [None])[0]
+        auto_class = getattr(transformers, saved_as or "AutoModel", transformers.AutoModel)
     return auto_class.from_pretrained(path, **from_pretrained_kwargs)
