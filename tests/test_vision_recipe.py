@@ -194,3 +194,24 @@ def test_an_evaluation_at_the_last_step_is_the_final_one(tmp_path):
     assert [int(r["step"]) for r in rows] == [2, 4]
     assert float(rows[-1]["eval_accuracy"]) == pytest.approx(results["accuracy"])
     assert float(rows[-1]["eval_consensus_distance"]) == pytest.approx(results["consensus_distance"])
+
+
+def test_overwrite_output_dir_removes_the_previous_runs_checkpoints(tmp_path, capsys):
+    """--overwrite_output_dir runs anew: the previous run's checkpoints go (a later resume would find
+    its newest one), files that are not a run's stay; resuming from a checkpoint of the folder keeps
+    them."""
+    from lp_decentral_nlp.vision.recipe import main
+
+    out = tmp_path / "run"
+    flags = ["--nodes", "2", "--batch-size", "8", "--disable_tqdm", "true", "--output-dir", str(out)]
+    main("choco", [*flags, "--max-steps", "4", "--save_steps", "2"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    main("choco", [*flags, "--max-steps", "4", "--save_steps", "2", "--resume_from_checkpoint",
+                   str(out / "checkpoint-2"), "--overwrite_output_dir"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    results = main("choco", [*flags, "--max-steps", "1", "--full-precision", "--overwrite_output_dir"])
+    assert "removed the previous run's checkpoint-2, checkpoint-4, cost_report.json" in capsys.readouterr().err
+    assert results["steps"] == 1 and not list(out.glob("checkpoint-*")) and (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "results.json").read_text())["config"]["low_precision"] is False

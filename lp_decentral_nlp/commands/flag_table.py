@@ -1116,8 +1116,9 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'overwrite_output_dir',
   'action': 'store',
   'group': 'model, data and run',
-  'help': "Write into an --output_dir that already holds another run's results (they are overwritten). (default: "
-          'False)',
+  'help': "Write into an --output_dir that already holds another run's results: they are removed when training starts "
+          '(results.json, cost_report.json, kernels.json, metrics.csv, model/, checkpoint-*/), unless '
+          '--resume_from_checkpoint continues a run of that folder. (default: False)',
   'type': 'boolean',
   'nargs': '?',
   'const': True},

@@ -58,7 +58,9 @@ class RunArguments:
     ``overwrite_output_dir``)."""
 
     overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Write into an --output_dir that already holds another run's results (they are overwritten)."})
+        "help": "Write into an --output_dir that already holds another run's results: they are removed when "
+                "training starts (results.json, cost_report.json, kernels.json, metrics.csv, model/, checkpoint-*/), "
+                "unless --resume_from_checkpoint continues a run of that folder."})
     threads: int | None = field(default=None, metadata={
         "help": "torch intra-op threads of this process; None: OMP_NUM_THREADS if set, else 1 (with another job on "
                 "one of 2 cores, 2 threads ran 2.1x slower than 1: docs/design.md)"})
@@ -207,6 +209,22 @@ def folder_creation_problem(path: pathlib.Path) -> str | None:
         return f"{type(err).__name__}: {err.strerror or err}"
 
 
+def run_outputs_in(folder: pathlib.Path) -> list[str]:
+    """The names, sorted, of what a run leaves in `folder`: :data:`RUN_OUTPUTS` and ``checkpoint-*``."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
+
+
+def continues_run_in(output_dir, resume_from_checkpoint) -> bool:
+    """Whether ``resume_from_checkpoint`` (a path, or None) lies in ``output_dir``: the run continues
+    the one that folder holds."""
+    if resume_from_checkpoint is None:
+        return False
+    checkpoint = pathlib.Path(resume_from_checkpoint).resolve()
+    return pathlib.Path(output_dir).resolve() in (checkpoint, *checkpoint.parents)
+
+
 def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_checkpoint=None) -> str | None:
     """Why ``output_dir`` cannot take a run's results, or None: empty, a file, under a file, not
     writable or creatable, or holding another run's results (unless ``overwrite``; resuming from a
@@ -226,15 +244,29 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
         return f"{path} cannot be created ({problem})"
     if not path.is_dir() or overwrite:
         return None
-    if resume_from_checkpoint is not None:
-        checkpoint = pathlib.Path(resume_from_checkpoint).resolve()
-        if path.resolve() in (checkpoint, *checkpoint.parents):  # continuing the run this folder holds
-            return None
-    found = sorted(p.name for p in path.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
+    if continues_run_in(path, resume_from_checkpoint):
+        return None
+    found = run_outputs_in(path)
     if found:
         return (f"{path} already holds another run's results ({', '.join(found)}): pass --overwrite_output_dir to "
                 f"write over them, or choose another folder")
     return None
+
+
+def remove_run_outputs(output_dir: str) -> list[str]:
+    """Remove what a previous run left in `output_dir` (:data:`RUN_OUTPUTS` and ``checkpoint-*``
+    folders; nothing else in it) and return their names: ``--overwrite_output_dir`` runs anew, and
+    a stale checkpoint would be the newest one a later ``--resume_from_checkpoint`` finds."""
+    import shutil
+
+    removed = run_outputs_in(pathlib.Path(output_dir))
+    for name in removed:
+        target = pathlib.Path(output_dir, name)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    return removed
 
 
 def check_output_dir(parser, training, run) -> None:
@@ -551,6 +583,12 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
     trainer.add_callback(OnTrainBeginCallback(lambda: (_write_json(out, "cost_report.json", report),
                                                        _write_json(out, "results.json", running))))
+    if parsed.values.get("overwrite_output_dir") and not continues_run_in(out, training.resume_from_checkpoint) \
+            and trainer.state.is_world_process_zero:
+        removed = remove_run_outputs(out)
+        if removed:
+            print(f"{prog}: --overwrite_output_dir: removed the previous run's {', '.join(removed)} from {out}",
+                  file=sys.stderr)
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
