@@ -294,6 +294,10 @@ def test_accelerate_launch_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_mod
     assert results["status"] == "done" and results["config"]["backend"] == "distributed"
     assert results["accuracy"] == json.loads(summaries[0])["accuracy"] and "layers" not in results["cost"]
     assert len(json.loads((out / "cost_report.json").read_text())["layers"]) > 0
+    # the nodes gossip, no DDP: transformers' advice to launch DDP does not apply and is not printed;
+    # rank 0 draws the progress bars (rank 1's evaluation of its node has none)
+    assert "parallel_mode != ParallelMode.DISTRIBUTED" not in proc.stderr
+    assert "eval: node 0" in proc.stderr and "eval: node 1" not in proc.stderr
 
 
 def test_the_packaged_model_is_named_by_its_package(minilm_path):

@@ -18,8 +18,8 @@ from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RunArguments, check_launcher, check_memory,
                   check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline, load_data, model_folder_problem,
-                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_threads,
-                  train_and_report)
+                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_process_output,
+                  set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -174,6 +174,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
 
     training, recipe = parsed.training, parsed.recipe
     set_threads(recipe)
+    set_process_output(training)
     model_path, notice = resolve_model(recipe.model, prog)
     if notice and process_rank() == 0:
         print(notice, file=sys.stderr)

@@ -366,6 +366,18 @@ def set_threads(run: RunArguments) -> int:
     return threads
 
 
+def set_process_output(training) -> None:
+    """This process's console output, from the start of the run (model loading included): the
+    transformers log level Trainer sets (``--log_level``; ``--log_level_replica`` on the other
+    ranks of a launch), and no ``datasets`` progress bars on those ranks, which repeat rank 0's work."""
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity(training.get_process_log_level())
+    if process_rank() != 0:
+        datasets.disable_progress_bars()
+
+
 def available_memory_mb(device) -> float:
     """Memory this process can still use on ``device``, in MB (10^6 bytes): free GPU memory, or the
     kernel's MemAvailable on the CPU (Linux; elsewhere the physical memory)."""

@@ -3,9 +3,11 @@ with every check of its fields in one place (numeric ranges: :data:`lp_decentral
 the checks the recipes' flags make too)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from transformers import TrainingArguments
+from transformers import TrainingArguments, training_args
 from transformers.trainer_utils import SchedulerType
 
 from ..checks import check_choice, check_fields
@@ -15,6 +17,9 @@ from ..quant.kernels import AUTO, kernel_names
 from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
+# TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
+# one node per process and gossips instead (docs/design.md), so it does not apply
+_NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
 # the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
 # GossipConfig, drop_prob by FaultPlan, against the same table)
 NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -176,6 +181,19 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if self.lr_scheduler_kwargs:
             raise ValueError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r} has no effect with {schedule}, "
                              f"which takes no options: leave it empty")
+
+    @cached_property
+    def _setup_devices(self):
+        """``TrainingArguments``' device setup, without its advice to launch DDP (the nodes of the
+        distributed backend gossip; every copy of the arguments would repeat it on every rank)."""
+        def not_ddp_advice(record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith(_NOT_DDP_WARNING)
+
+        training_args.logger.addFilter(not_ddp_advice)
+        try:
+            return TrainingArguments._setup_devices.func(self)
+        finally:
+            training_args.logger.removeFilter(not_ddp_advice)
 
     @property
     def gamma(self) -> float:

@@ -167,7 +167,8 @@ class EvaluationMixin:
         loss_sum, loss_samples, seen, correct, classified = 0.0, 0, 0, 0, 0
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
-        batches = tqdm(dataloader, desc=desc, leave=False, disable=self.args.disable_tqdm)
+        batches = tqdm(dataloader, desc=desc, leave=False,  # one process draws them (rank 0)
+                       disable=self.args.disable_tqdm or not self.state.is_world_process_zero)
         for step, (batch, last) in enumerate(_flag_last(batches), 1):
             batch = self._prepare_inputs(batch)
             size = find_batch_size(batch)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (OUTPUT_DIR_HELP, RunArguments, check_launcher, check_memory, check_training_rows,
-                            derive_run_values, load_data, print_summary, run_checks, set_threads, train_and_report)
+                            derive_run_values, load_data, print_summary, run_checks, set_process_output, set_threads,
+                            train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -167,6 +168,7 @@ def run_vision(parsed, prog: str = "") -> dict:
     training, recipe = parsed.training, parsed.recipe
     start = time.time()
     set_threads(recipe)
+    set_process_output(training)
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
