@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py die OUT_DIR
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py resume OUT_DIR CHECKPOINT
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py merge OUT_DIR
+    torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py refused OUT_DIR CHECKPOINT
 
 ``die``: trains with a checkpoint every 2 steps; rank :data:`DYING_RANK` exits at the start of
 step 3 (with status 0, so that torchrun leaves the survivors running and the test sees what they
@@ -11,6 +12,8 @@ do). Every survivor writes the error it got to ``OUT_DIR/report-<rank>.json``.
 ``OUT_DIR/final-<rank>.pt`` (rank 0 also the evaluation metrics).
 ``merge``: trains :data:`STEPS` steps with ``final_merge`` (no checkpoints) and saves each rank's
 node state to ``OUT_DIR/final-<rank>.pt``.
+``refused``: resumes from CHECKPOINT, which is expected to be refused; every rank writes the error
+it got, the step it reached and what ``OUT_DIR`` holds to ``OUT_DIR/report-<rank>.json``.
 
 :func:`make_trainer` builds the same run in the simulated backend for the test to compare.
 """
@@ -90,6 +93,18 @@ def resume(out_dir, data_csv, minilm, checkpoint):
                os.path.join(out_dir, f"final-{rank}.pt"))
 
 
+def refused(out_dir, data_csv, minilm, checkpoint):
+    trainer = make_trainer(out_dir, "distributed", data_csv, minilm)
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        report = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the report is the point
+        report = {"error": type(exc).__name__, "message": str(exc)}
+    report.update(step=trainer.state.global_step, files=sorted(p for p in os.listdir(out_dir) if "report" not in p))
+    with open(os.path.join(out_dir, f"report-{dist.get_rank()}.json"), "w") as fh:
+        json.dump(report, fh)
+
+
 def merge(out_dir, data_csv, minilm):
     trainer = make_trainer(out_dir, "distributed", data_csv, minilm, final_merge=True, save_strategy="no")
     trainer.train()
@@ -104,6 +119,8 @@ if __name__ == "__main__":
         die(out, data_csv, minilm)
     elif mode == "merge":
         merge(out, data_csv, minilm)
+    elif mode == "refused":
+        refused(out, data_csv, minilm, sys.argv[5])
     else:
         resume(out, data_csv, minilm, sys.argv[5])
     dist.destroy_process_group()

@@ -108,3 +108,20 @@ def test_final_merge_gives_every_rank_the_average_of_all_nodes(tmp_path, ag_news
             assert torch.equal(value, finals[0][key]), f"rank {rank} differs from rank 0 in {key}"
             torch.testing.assert_close(value, simulated.nodes[rank].state_dict()[key], rtol=1e-4, atol=1e-5,
                                        msg=f"rank {rank}: {key}")
+
+
+@pytest.mark.distributed
+def test_a_damaged_node_file_refuses_the_resume_on_every_rank(tmp_path, ag_news_csv, minilm_path):
+    """Each rank reads only its own node files; a damaged one on rank 2 refuses the resume on every
+    rank, before any step (the others had trained on until rank 2 was missed)."""
+    worker.make_trainer(tmp_path / "sim", "simulated", ag_news_csv, minilm_path, max_steps=2).train()
+    node_2 = tmp_path / "sim" / "checkpoint-2" / "node-2.safetensors"
+    node_2.write_bytes(node_2.read_bytes()[:1000])
+    out = tmp_path / "resumed"
+    out.mkdir()
+    proc = torchrun("refused", out, ag_news_csv, minilm_path, tmp_path / "sim" / "checkpoint-2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for rank in range(4):
+        report = json.loads((out / f"report-{rank}.json").read_text())
+        assert report["error"] == "CheckpointError" and report["step"] == 0 and report["files"] == [], (rank, report)
+        assert report["message"].startswith(f"{node_2} is not a readable safetensors file (truncated or corrupted)")

@@ -317,6 +317,27 @@ def rotate(output_dir, keep: int, best=None, keep_newest: bool = True) -> list[P
 
 # -- the trainer's decentralized state --------------------------------------------------------
 
+def _state_dict_mismatch(expected: dict, saved, shown: int = 3) -> str | None:
+    """How a saved model state dict differs from the model's (`expected`) in keys and tensor shapes,
+    in one line with the first `shown` names of each kind; None when they fit."""
+    if not isinstance(saved, dict):
+        return f"a {type(saved).__name__}, not a state dict"
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [f"{k} {tuple(saved[k].shape)} saved, {tuple(v.shape)} here" for k, v in expected.items()
+                if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)]
+    kinds = (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped))
+    parts = [f"{len(names)} key{'s' * (len(names) > 1)} {what}: {', '.join(names[:shown])}"
+             f"{', ...' if len(names) > shown else ''}" for what, names in kinds if names]
+    return "; ".join(parts) or None
+
+
+def _one_line(err: BaseException, limit: int = 400) -> str:
+    """`err`'s message on one line (torch's load_state_dict errors span several), at most `limit` characters."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class CheckpointError(ValueError):
     """The checkpoint given to resume from cannot continue this run (damaged, incomplete, or
     written by another model or other settings); raised by ``train()`` before any training step."""
@@ -504,15 +525,28 @@ class CheckpointMixin:
 
     def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
-        batches_done)``. Every file is read and checked before anything is restored, and the
-        checkpoint is only read (the user's model and files are not modified).
-        :class:`CheckpointError` naming the file or argument when the checkpoint does not fit."""
-        try:
-            return self._restore_checkpoint(path, steps_per_epoch)
-        except ValueError as err:
-            raise CheckpointError(str(err)) from None
+        batches_done)``. Every process reads and checks its nodes' files before any process restores
+        anything, and the checkpoint is only read (the user's model and files are not modified).
+        :class:`CheckpointError` naming the file or argument when the checkpoint does not fit, on
+        every process of the run when one process's part does not."""
+        read = self._agreed(lambda: self._read_checkpoint(path, steps_per_epoch))
+        return self._agreed(lambda: self._restore_checkpoint(*read))
 
-    def _restore_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
+    def _agreed(self, step):
+        """``step()``'s result once every process has run its own; :class:`CheckpointError` with
+        the first process's ValueError on every process if one raised one."""
+        try:
+            result, error = step(), None
+        except ValueError as err:
+            result, error = None, str(err)
+        errors = [e for e in self.node_group.gather_objects(error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        return result
+
+    def _read_checkpoint(self, path, steps_per_epoch: int) -> tuple:
+        """``(path, manifest, trainer_state, {node id: state})`` of the checkpoint at `path`, read and
+        checked against this run (ValueError naming the file or argument)."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
@@ -532,6 +566,11 @@ class CheckpointMixin:
                 raise ValueError(f"{path / node_file(i)} lacks {', '.join(missing)}: not a node file of this trainer")
             if self.qgm is not None and state["qgm"] is None:
                 raise ValueError(f"{path / node_file(i)} has no QGM buffer: the checkpoint was written without qgm")
+        return path, manifest, trainer_state, states
+
+    def _restore_checkpoint(self, path, manifest: dict, trainer_state: TrainerState, states: dict) -> tuple[int, int]:
+        """Restore what :meth:`_read_checkpoint` read; returns the data position ``(epoch, batches_done)``."""
+        data = manifest["data"]
         self._restore_nodes(path, states)
         step = manifest["global_step"]
         if self.gossip.num_steps != step:
@@ -551,6 +590,9 @@ class CheckpointMixin:
         parts = []
         for k, i in enumerate(self.node_ids):
             file, state = path / node_file(i), states[i]
+            mismatch = _state_dict_mismatch(self.nodes[k].state_dict(), state["model"])
+            if mismatch:
+                raise ValueError(f"{file} does not fit this model ({mismatch}): it was written for another model")
             steps = [("model", lambda: self.nodes[k].load_state_dict(state["model"])),
                      ("optimizer", lambda: self.node_optimizers[k].load_state_dict(state["optimizer"])),
                      ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
@@ -561,7 +603,7 @@ class CheckpointMixin:
                 try:
                     load()
                 except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
-                    raise ValueError(f"{file} does not fit this model: {part}: {err}") from None
+                    raise ValueError(f"{file} does not fit this model: {part}: {_one_line(err)}") from None
             counters = state["counters"]
             self.bytes_sent[k] = counters["bytes_sent"]
             self.nonfinite_skips[k] = counters["nonfinite_skips"]
@@ -573,4 +615,4 @@ class CheckpointMixin:
             self.gossip.load_node_state_dicts(parts)
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
             raise ValueError(f"{path}: the gossip state of {', '.join(node_file(i) for i in self.node_ids)} does not "
-                             f"fit this run: {err}") from None
+                             f"fit this run: {_one_line(err)}") from None
