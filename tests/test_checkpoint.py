@@ -276,18 +276,23 @@ def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, 
     main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "2", "--save-steps", "1"))
     before = {name: (run / name).read_bytes() for name in ("results.json", "cost_report.json", "metrics.csv")}
     capsys.readouterr()
-    # the checkpoint was written for 256 training rows: this run has 128, which train() finds
-    flags = tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "3", "--resume-from-checkpoint",
-                       str(run / "checkpoint-2"))
-    flags[flags.index("--max-train-samples") + 1] = "128"
-    with pytest.raises(SystemExit) as exc:
-        main("ag_news", "choco", flags)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].split(": error: ")[1] == (
-        f"argument --resume-from-checkpoint: cannot resume from {run}/checkpoint-2: it was "
-        "written with train_samples=256 (this run: 128); resume with the arguments of the interrupted run")
-    assert {name: (run / name).read_bytes() for name in before} == before
+    # the checkpoint was written for 256 training rows of 16 tokens: this run has 128, or others of
+    # 32 tokens, which train() finds
+    for changed, difference in ((("--max-train-samples", "128"), "train_samples=256 (this run: 128), other "
+                                                                 "training rows (another data file, tokenizer or max "
+                                                                 "length)"),
+                                (("--max-length", "32"), "other training rows (another data file, tokenizer or max "
+                                                         "length)")):
+        flags = tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "3", "--resume-from-checkpoint",
+                           str(run / "checkpoint-2"), *changed)
+        with pytest.raises(SystemExit) as exc:
+            main("ag_news", "choco", flags)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err
+        assert err.strip().splitlines()[-1].split(": error: ")[1] == (
+            f"argument --resume-from-checkpoint: cannot resume from {run}/checkpoint-2: it was written with "
+            f"{difference}; resume with the arguments of the interrupted run")
+        assert {name: (run / name).read_bytes() for name in before} == before
 
 
 def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys):

@@ -34,6 +34,7 @@ from transformers.utils import logging
 from .. import __version__
 from ..gossip import QuasiGlobalAdam
 from ..gossip.factory import build_compressor, build_topology
+from .node_data import rows_digest
 
 if TYPE_CHECKING:
     from .arguments import DecentralizedTrainingArguments
@@ -364,14 +365,15 @@ _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                    "lr_milestones", "lr_decay")
+                    "lr_milestones", "lr_decay", "train_rows")
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,
-                    unresolved: tuple[str, ...] = ()):
+                    unresolved: tuple[str, ...] = (), train_rows: str | None = None):
     """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
-    given, the same number of training samples). ValueError listing every argument that differs.
+    given, the same number of training samples and the same training rows: ``train_rows``, their
+    :func:`~.node_data.rows_digest`). ValueError listing every argument that differs.
     ``unresolved``: :func:`resume_config` keys not compared, because ``args`` holds a placeholder the
     caller resolves later (``train()`` compares every key)."""
     try:
@@ -382,8 +384,11 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     now = {key: value for key, value in resume_config(args).items() if key not in unresolved}
     if train_samples is not None:
         now["train_samples"] = train_samples
+    if train_rows is not None:
+        now["train_rows"] = train_rows
     saved = {**_RESUME_DEFAULTS, **saved}
-    diffs = [f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
+    diffs = ["other training rows (another data file, tokenizer or max length)" if key == "train_rows"
+             else f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
              if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED)]
     if diffs:
         raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
@@ -521,7 +526,8 @@ class CheckpointMixin:
                 rotate(self.args.output_dir, 1, best=best, keep_newest=False)
 
     def _resume_config(self) -> dict:
-        return {**resume_config(self.args), "train_samples": len(self.train_dataset)}
+        return {**resume_config(self.args), "train_samples": len(self.train_dataset),
+                "train_rows": rows_digest(self.train_dataset)}
 
     def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
@@ -547,7 +553,8 @@ class CheckpointMixin:
     def _read_checkpoint(self, path, steps_per_epoch: int) -> tuple:
         """``(path, manifest, trainer_state, {node id: state})`` of the checkpoint at `path`, read and
         checked against this run (ValueError naming the file or argument)."""
-        path = check_resumable(path, self.args, train_samples=len(self.train_dataset))
+        path = check_resumable(path, self.args, train_samples=len(self.train_dataset),
+                               train_rows=rows_digest(self.train_dataset))
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
         if data["steps_per_epoch"] != steps_per_epoch:

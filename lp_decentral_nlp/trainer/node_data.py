@@ -2,6 +2,9 @@
 local node whose order is a pure function of ``(seed, epoch)`` (:class:`~.rng.EpochSampler`)."""
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import torch
 from datasets import Dataset
@@ -139,3 +142,16 @@ def _is_class_id(value) -> bool:
     if torch.is_tensor(value):
         return value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def rows_digest(dataset, rows: int = 17) -> str | None:
+    """A fingerprint of a ``datasets.Dataset``'s content: a SHA-256 (16 hex digits) of `rows` rows
+    spread evenly over it, the last included, as stored (the format's transform not applied), so
+    another data file, tokenizer or ``max_length`` gives another one. None for other datasets,
+    whose rows may be drawn anew on every read."""
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        return None
+    n = len(dataset)
+    indices = sorted({round(i * (n - 1) / (rows - 1)) for i in range(rows)})
+    stored = dataset.with_format("arrow")[indices].to_pylist()
+    return hashlib.sha256(json.dumps(stored, sort_keys=True, default=repr).encode()).hexdigest()[:16]
