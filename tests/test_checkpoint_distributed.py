@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -125,3 +126,32 @@ def test_a_damaged_node_file_refuses_the_resume_on_every_rank(tmp_path, ag_news_
         report = json.loads((out / f"report-{rank}.json").read_text())
         assert report["error"] == "CheckpointError" and report["step"] == 0 and report["files"] == [], (rank, report)
         assert report["message"].startswith(f"{node_2} is not a readable safetensors file (truncated or corrupted)")
+
+
+@pytest.mark.distributed
+def test_ddp_timeout_bounds_the_waits_outside_the_gossip_step_on_the_cpu(tmp_path):
+    """The process group the arguments create takes ddp_timeout on the CPU too (transformers passes
+    it on GPUs only): a peer that stalls outside the gossip step (evaluation, checkpoint) is given up
+    on after it, not after the default 30 minutes."""
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        import torch.distributed as dist
+        from lp_decentral_nlp.trainer import DecentralizedTrainingArguments
+        args = DecentralizedTrainingArguments(output_dir={str(tmp_path)!r}, backend="distributed", num_nodes=2,
+                                              ddp_timeout=3, use_cpu=True)
+        args.device  # sets up the process group
+        if dist.get_rank() == 1:
+            time.sleep(20)
+        start = time.monotonic()
+        try:
+            dist.barrier()
+            print("rank", dist.get_rank(), "passed the barrier", flush=True)
+        except RuntimeError:
+            print("rank", dist.get_rank(), "gave up after", round(time.monotonic() - start), "s", flush=True)
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=120)
+    gave_up = [line for line in proc.stdout.splitlines() if line.startswith("rank 0 gave up after")]
+    assert gave_up and int(gave_up[0].split()[-2]) < 10, proc.stdout + proc.stderr[-3000:]

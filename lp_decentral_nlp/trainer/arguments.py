@@ -4,8 +4,12 @@ the checks the recipes' flags make too)."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cached_property
+
+import torch
 
 from transformers import TrainingArguments, training_args
 from transformers.trainer_utils import SchedulerType
@@ -19,6 +23,7 @@ from .field_policy import refuse_unsupported
 BACKENDS = ("simulated", "distributed")
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
+_DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default
 _NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
 # the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
 # GossipConfig, drop_prob by FaultPlan, against the same table)
@@ -185,10 +190,17 @@ class DecentralizedTrainingArguments(TrainingArguments):
     @cached_property
     def _setup_devices(self):
         """``TrainingArguments``' device setup, without its advice to launch DDP (the nodes of the
-        distributed backend gossip; every copy of the arguments would repeat it on every rank)."""
+        distributed backend gossip; every copy of the arguments would repeat it on every rank), and
+        with ``ddp_timeout`` on the CPU as well: transformers passes it to the process group it
+        creates on GPUs only, so on the CPU accelerate's ``PartialState`` creates it first."""
         def not_ddp_advice(record: logging.LogRecord) -> bool:
             return not record.getMessage().startswith(_NOT_DDP_WARNING)
 
+        from accelerate import PartialState
+
+        on_cpu = self.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+        if on_cpu and self.ddp_timeout != _DEFAULT_DDP_TIMEOUT and not torch.distributed.is_initialized():
+            PartialState(cpu=True, backend=self.ddp_backend, timeout=timedelta(seconds=self.ddp_timeout))
         training_args.logger.addFilter(not_ddp_advice)
         try:
             return TrainingArguments._setup_devices.func(self)

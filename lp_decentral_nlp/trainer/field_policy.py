@@ -91,7 +91,9 @@ POLICY: dict[str, str] = {
     "ddp_broadcast_buffers": "refused: gradients never cross nodes: the model is never wrapped in DDP",
     "ddp_static_graph": "refused: gradients never cross nodes: the model is never wrapped in DDP",
     "ddp_backend": "refused: backend='distributed' uses the process group the launcher initialised",
-    "ddp_timeout": "refused: gossip_timeout bounds every wait for a peer",
+    "ddp_timeout": HONOURED + " (the timeout of the process group these arguments create: it bounds the waits outside "
+                   "the gossip step, evaluation, logging, checkpoints, final merge; gossip_timeout bounds the gossip "
+                   "step)",
     "fsdp": "refused: every node holds a whole model (no sharding)",
     "fsdp_config": "refused: every node holds a whole model (no sharding)",
     "deepspeed": "refused: every node holds a whole model and its own optimizer",
