@@ -215,10 +215,29 @@ def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp
                       "--nodes", 4800, "--batch-size", 1, "--output-dir", tmp_path / "out")
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("agnews_choco.py: error: the run needs about ") and "(4800 nodes in this process x" in line
+    assert line.startswith("agnews_choco.py: error: the run needs at least ") and "(4800 nodes in this process x" in line
     assert "are available on cpu: lower --nodes, --batch-size or --max-length, or run one node per process " \
            "(--backend distributed)" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_check_counts_float32_master_weights_in_an_8bit_run(capsys, monkeypatch):
+    """8-bit layers keep float32 master weights, gradients and Adam state: the check counts them at
+    4 bytes each (SPEC 7's accelerator convention, 1 byte, would let a run that cannot fit start)."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from lp_decentral_nlp.commands import run
+
+    # mostly Linear weights (quantized), few embeddings (kept float32 in both conventions)
+    model = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=100, dim=256, n_layers=2, n_heads=2,
+                                                                 hidden_dim=1024, max_position_embeddings=16))
+    training = build_nlp_parser("ag_news", "choco").parse(["--nodes", "2", "--batch-size", "4"]).training
+    monkeypatch.setattr(run, "available_memory_mb", lambda device: 0.001)
+    with pytest.raises(SystemExit):
+        run.check_memory(model, training, (16,), "agnews_choco.py")
+    per_node = float(capsys.readouterr().err.split(" x ")[1].split(" MB each")[0].replace(",", ""))
+    float32_state = 4 * sum(p.numel() for p in model.parameters()) * (1 + 1 + 2) / 1e6  # weights, gradients, Adam
+    assert float32_state < per_node < 1.5 * float32_state  # and the small 8-bit activations of 4 x 16 tokens
 
 
 @pytest.mark.parametrize("argv, expected", [

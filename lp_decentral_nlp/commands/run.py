@@ -42,7 +42,6 @@ WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_C
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # what a finished or interrupted run leaves in its output folder
 RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
-GOSSIP_ESTIMATE_MAX_NODES = 4096
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
                     "backend", "seed")
@@ -396,29 +395,31 @@ def available_memory_mb(device) -> float:
 def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has.
 
-    The need is SPEC 7's per-node training memory (weights, gradients, optimizer state, gossip
-    state, saved activations; :func:`lp_decentral_nlp.cost.estimate_cost`) times the nodes this
-    process holds (all of them with ``backend="simulated"``, one with ``"distributed"``). Beyond
-    ``GOSSIP_ESTIMATE_MAX_NODES`` nodes the gossip state is left out (building the gossip to price
-    it would itself need n x n mixing weights): the estimate is then a lower bound.
+    The need is, per node, its weights, gradients and optimizer state as this process stores them
+    (float32 master weights in 8-bit training too) and the activations its layers save for backward
+    (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit layers),
+    times the nodes this process holds (all of them with ``backend="simulated"``, one with
+    ``"distributed"``). The gossip's copies of the model come on top: a lower bound.
     """
-    from ..cost import estimate_cost
-    from ..gossip.factory import build_gossip
+    from ..cost import OPTIMIZER_STATES, estimate_cost
+    from ..cost.conventions import MB  # the report's memory unit in its default convention
 
     optim = str(training.optim).lower()
     optimizer = "momentum" if "sgd" in optim else "adam"
     report = estimate_cost(model, tuple(input_shape), training.per_device_train_batch_size,
-                           "int8" if training.low_precision else "fp32", optimizer=optimizer,
-                           gossip=build_gossip(training.gossip_config)
-                           if training.num_nodes <= GOSSIP_ESTIMATE_MAX_NODES else None)
+                           "int8" if training.low_precision else "fp32", optimizer=optimizer)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    per_node = (weights + trainable * (1 + OPTIMIZER_STATES[optimizer])) / MB \
+        + report.memory_breakdown_mb["train"]["activations"]
     here = training.num_nodes if training.backend == "simulated" else 1
-    need = report.train_memory_mb * here
+    need = per_node * here
     available = available_memory_mb(training.device)
     if need > available:
-        exit_with_error(prog, f"the run needs about {need:,.0f} MB ({here} nodes in this process x "
-                        f"{report.train_memory_mb:,.0f} MB each: weights, gradients, optimizer and gossip state, "
-                        f"activations) but {available:,.0f} MB are available on {training.device}: lower --nodes, "
-                        f"--batch-size or --max-length, or run one node per process (--backend distributed)")
+        exit_with_error(prog, f"the run needs at least {need:,.0f} MB ({here} nodes in this process x "
+                        f"{per_node:,.0f} MB each: weights, gradients and optimizer state, saved activations) but "
+                        f"{available:,.0f} MB are available on {training.device}: lower --nodes, --batch-size or "
+                        "--max-length, or run one node per process (--backend distributed)")
 
 
 def model_label_mismatch(model_path: str, labels) -> str | None:
