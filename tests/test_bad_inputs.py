@@ -172,8 +172,9 @@ ROWS = {
             "resume_from_checkpoint: cannot resume from DIR/checkpoint-2: it was written with algorithm='choco' (this "
             "run: 'deepsqueeze'); resume with the arguments of the interrupted run"),
     33: Row("resume into a different model", "ValueError at `train()`",
-            "DIR/checkpoint-2/node-0.safetensors does not fit this model: ...size mismatch for "
-            "distilbert.embeddings.word_embeddings.weight..."),
+            "DIR/checkpoint-2/node-0.safetensors does not fit this model (22 keys of another shape: "
+            "distilbert.embeddings.word_embeddings.weight (30522, 32) saved, (30522, 16) here, ...): it was written "
+            "for another model"),
     34: Row("`gossip_timeout=0`", "ValueError", "gossip_timeout must be a number of seconds > 0, got 0"),
     35: Row("`--data-dir` an empty file", "exit 2", "argument --data-dir: DIR/data.csv: the file is empty"),
     36: Row("`--data-dir` a CSV with a header line only", "exit 2",
