@@ -125,3 +125,37 @@ def check_choice(name: str, value, allowed) -> None:
     """ValueError ``"<name> must be one of <allowed>, got <value!r>"`` unless ``value in allowed``."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+# Fault-injection entries (lp_decentral_nlp.gossip.faults), parsed here so that the recipes check
+# their --straggler / --leave values before torch is imported.
+def parse_straggler(text: str) -> tuple[int, float]:
+    """``"NODE:SECONDS"`` -> ``(node, seconds)``; ValueError naming the expected form."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        node, seconds = int(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f"expected NODE:SECONDS (e.g. 2:0.5), got {text!r}") from None
+    if node < 0 or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"expected NODE:SECONDS with NODE >= 0 and finite SECONDS >= 0, got {text!r}")
+    return node, seconds
+
+
+def parse_absence(text: str) -> tuple[int, int, int]:
+    """``"NODE:START:END"`` -> ``(node, start, end)``; ValueError naming the expected form."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        node, start, end = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected NODE:START:END (e.g. 1:100:200), got {text!r}") from None
+    if node < 0 or start < 0 or end <= start:
+        raise ValueError(f"expected NODE:START:END with NODE >= 0 and 0 <= START < END, got {text!r}")
+    return node, start, end
+
+
+#: list fields whose entries have a textual form, by field name: the parser of one entry
+ENTRY_PARSERS = {"stragglers": parse_straggler, "absences": parse_absence}

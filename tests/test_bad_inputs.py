@@ -249,8 +249,9 @@ ROWS = {
     64: Row("`--gradient_accumulation_steps 4`, a node's shard holding fewer batches", "exit 2",
             "gradient_accumulation_steps=4 exceeds the batches per epoch of the smallest shard (1): lower it, the "
             "batch size or the number of nodes"),
+    65: cli(["--straggler"], "argument --straggler: expected at least one argument"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, 65]
 
 
 def docs_table() -> str:

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from ..checks import NUMBER_FIELDS, check_choice, check_field
+from ..checks import ENTRY_PARSERS, NUMBER_FIELDS, check_choice, check_field
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
 # ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True. An
@@ -145,6 +145,11 @@ class FlagType:
         try:
             if self.kind in ("integer", "finite_float") and self.dest in NUMBER_FIELDS:
                 check_field(self.dest, value)
+            if self.dest in ENTRY_PARSERS:  # the dataclass's message, which names the field
+                try:
+                    ENTRY_PARSERS[self.dest](value)
+                except ValueError as err:
+                    raise ValueError(f"{self.dest}: {err}") from None
             if self.allowed is not None:
                 check_choice(self.dest, value, self.allowed)
         except ValueError as err:

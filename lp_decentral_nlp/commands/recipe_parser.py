@@ -46,6 +46,10 @@ def field_choices() -> dict[str, tuple]:
     return {name: values() for name, values in FIELD_CHOICES.items()}
 
 
+#: list fields whose flag given alone (an empty list) has a meaning of its own
+EMPTY_LIST_MEANS_SOMETHING = ("lr_milestones",)
+
+
 class _FieldAdder:
     """What :class:`RecipeParser` hands to ``HfArgumentParser._parse_dataclass_field`` instead of
     the parser: adds the field's option with its aliases, a :class:`~.flags.FlagType` (strict
@@ -70,8 +74,9 @@ class _FieldAdder:
             kwargs["type"] = FlagType(_KINDS[kind], dest, self.allowed.get(dest))
         if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
             kwargs.update(default=argparse.SUPPRESS, help=f"Set {dest} to False (see --{dest}).")
-        if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values
-            kwargs.update(nargs="*", action="extend")
+        if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values; alone it
+            # is an error, but where an empty list means something (--lr_milestones alone: a constant LR)
+            kwargs.update(nargs="*" if dest in EMPTY_LIST_MEANS_SOMETHING else "+", action="extend")
         return self.target.add_argument(*aliases, *(s for s in option_strings if s not in aliases), **kwargs)
 
 

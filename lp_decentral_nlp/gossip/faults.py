@@ -38,45 +38,16 @@ runs gossip step ``t``.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import check_field
+from ..checks import check_field, parse_absence, parse_straggler  # noqa: F401 -- part of this module's API
 from .topology import Topology
 
 # Separates the drop draws from every other use of the run's seed.
 _DROP_STREAM = 0x6C6F7374  # "lost"
-
-
-def parse_straggler(text: str) -> tuple[int, float]:
-    """``"NODE:SECONDS"`` -> ``(node, seconds)``; ValueError naming the expected form."""
-    parts = str(text).split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        node, seconds = int(parts[0]), float(parts[1])
-    except ValueError:
-        raise ValueError(f"expected NODE:SECONDS (e.g. 2:0.5), got {text!r}") from None
-    if node < 0 or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"expected NODE:SECONDS with NODE >= 0 and finite SECONDS >= 0, got {text!r}")
-    return node, seconds
-
-
-def parse_absence(text: str) -> tuple[int, int, int]:
-    """``"NODE:START:END"`` -> ``(node, start, end)``; ValueError naming the expected form."""
-    parts = str(text).split(":")
-    try:
-        if len(parts) != 3:
-            raise ValueError
-        node, start, end = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"expected NODE:START:END (e.g. 1:100:200), got {text!r}") from None
-    if node < 0 or start < 0 or end <= start:
-        raise ValueError(f"expected NODE:START:END with NODE >= 0 and 0 <= START < END, got {text!r}")
-    return node, start, end
 
 
 @dataclass(frozen=True)
