@@ -155,6 +155,17 @@ def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, cap
     assert parsed.recipe.overwrite_output_dir and (run / "results.json").read_text() == '{"status": "done"}'
 
 
+def test_resume_from_checkpoint_true_is_the_output_dirs_newest_checkpoint(tmp_path, capsys):
+    """As Trainer's resume_from_checkpoint=True: ``true`` resumes from --output_dir (whose newest
+    complete checkpoint the trainer picks), ``false`` starts afresh."""
+    parser = build_nlp_parser("ag_news", "choco")
+    run = tmp_path / "run"
+    assert flag_error(["--output_dir", str(run), "--resume_from_checkpoint", "True"], capsys) == (
+        f"argument --resume_from_checkpoint: path {str(run)!r} does not exist")
+    assert parser.parse(["--output_dir", str(run), "--resume_from_checkpoint", "false"]).training.resume_from_checkpoint \
+        is None
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
 def test_output_dir_that_cannot_be_written_is_refused(tmp_path, capsys):
     locked = tmp_path / "locked"

@@ -921,8 +921,9 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'resume_from_checkpoint',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'Path to a folder with a valid checkpoint for your model. Not directly used by Trainer; intended for '
-          'training/evaluation scripts. (default: None)',
+  'help': 'Continue an interrupted run from a checkpoint-<step> folder, from a run folder (its newest complete '
+          "checkpoint), or with true from the newest checkpoint of --output_dir (Trainer's "
+          "resume_from_checkpoint=True); the run's other flags must be those it was started with (default: None)",
   'type': 'str'},
  {'options': ['--local_rank', '--local-rank'],
   'dest': 'local_rank',

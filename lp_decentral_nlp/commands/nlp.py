@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RunArguments, check_launcher, check_memory,
-                  check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline, load_data, model_folder_problem,
-                  model_label_mismatch, packaged_model_path, print_summary, process_rank, run_checks, set_process_output,
-                  set_threads, train_and_report)
+from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RESUME_HELP, RunArguments, check_launcher,
+                  check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline,
+                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
+                  process_rank, run_checks, set_process_output, set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -125,6 +125,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
                           fixed=fixed, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name="<task>_<algorithm>_skew<skew>_comp<compression>"))
+    parser.set_help("resume_from_checkpoint", RESUME_HELP)
     return parser
 
 

@@ -71,11 +71,16 @@ class RunArguments:
 #: the recipes' ``--output_dir`` help (``run_name``: the folder :func:`derive_run_values` names)
 OUTPUT_DIR_HELP = ("Folder of the run's results.json, cost_report.json, kernels.json, metrics.csv, checkpoints "
                    "and model/ (default: runs/{run_name})")
+#: the recipes' ``--resume_from_checkpoint`` help
+RESUME_HELP = ("Continue an interrupted run from a checkpoint-<step> folder, from a run folder (its newest complete "
+               "checkpoint), or with true from the newest checkpoint of --output_dir (Trainer's "
+               "resume_from_checkpoint=True); the run's other flags must be those it was started with")
 
 
 def derive_run_values(values: dict, run_name: str) -> None:
     """Complete the recipe flags (by field name) the way the recipes read them: no ``--output_dir``:
-    ``runs/<run_name>``; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
+    ``runs/<run_name>``; ``--resume_from_checkpoint true``: the output folder (its newest checkpoint),
+    ``false``: no resume; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
     on a machine without CUDA, ``use_cpu`` (so that a launcher's process group is gloo, which the
     gossip of CPU tensors needs)."""
     import torch
@@ -84,6 +89,9 @@ def derive_run_values(values: dict, run_name: str) -> None:
         values["use_cpu"] = True
     if values["output_dir"] is None:
         values["output_dir"] = os.path.join("runs", run_name)
+    resume = str(values.get("resume_from_checkpoint")).lower()
+    if resume in ("true", "false"):
+        values["resume_from_checkpoint"] = values["output_dir"] if resume == "true" else None
     if values["save_steps"] is None:
         values.pop("save_steps")  # TrainingArguments' default applies (unused: saving is off)
     elif values["save_strategy"] == "no":

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
-from ..commands.run import (OUTPUT_DIR_HELP, RunArguments, check_launcher, check_memory, check_training_rows,
-                            derive_run_values, load_data, print_summary, run_checks, set_process_output, set_threads,
-                            train_and_report)
+from ..commands.run import (OUTPUT_DIR_HELP, RESUME_HELP, RunArguments, check_launcher, check_memory,
+                            check_training_rows, derive_run_values, load_data, print_summary, run_checks,
+                            set_process_output, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -145,6 +145,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                           checks=(run_checks, _check_network), **kwargs)
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(
         run_name="<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>"))
+    parser.set_help("resume_from_checkpoint", RESUME_HELP)
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
     parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
                     f"flag alone: a constant LR (default: at {fractions} of the run, of --epochs or of --max_steps "
