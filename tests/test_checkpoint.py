@@ -261,7 +261,7 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
     assert straight["bytes_sent_per_node"][3] < straight["bytes_sent_per_node"][0]  # node 3 was away for 2 steps
     assert straight["config"]["absences"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
-    assert len(a) > 2 and a == b
+    assert len(a) > 2 and a == b and list(a[0]) == list(b[0])  # the same columns in the same order
 
 
 def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, minilm_path, ag_news_csv, capsys):

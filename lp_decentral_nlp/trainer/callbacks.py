@@ -9,7 +9,9 @@ from transformers import TrainerCallback
 
 
 class MetricsCSVCallback(TrainerCallback):
-    """Append every logged dict as a row of a CSV file (one column per metric, ``step`` first)."""
+    """Append every logged dict as a row of a CSV file: one column per metric, ``step`` first and the
+    others in alphabetical order, so that a run resumed from a checkpoint (whose log history
+    ``TrainerState`` stores with sorted keys) writes the columns of the uninterrupted run."""
 
     def __init__(self, path: str):
         self.path = path
@@ -24,7 +26,7 @@ class MetricsCSVCallback(TrainerCallback):
         if not state.is_world_process_zero or logs is None:
             return
         self.rows.append({"step": state.global_step, **logs})
-        columns = list(dict.fromkeys(k for row in self.rows for k in row))
+        columns = ["step", *sorted({k for row in self.rows for k in row} - {"step"})]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns)
