@@ -147,6 +147,7 @@ def test_digits_recipe_end_to_end(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "done" and results["steps"] == 4
     assert summary["accuracy"] == results["accuracy"] and 0.0 <= results["accuracy"] <= 1.0
+    assert summary["loss"] == results["loss"] and summary["results"] == str(out / "results.json")
     assert len(results["node_accuracy"]) == 2 and all(b > 0 for b in results["bytes_sent_per_node"])
     assert results["config"]["norm"] == "range_evonorm" and results["config"]["algorithm"] == "choco"
     assert results["config"]["consensus_lr_used"] == 0.5  # factory.default_consensus_lr at --comp 90

