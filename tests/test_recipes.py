@@ -49,6 +49,10 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
                                        "--kernel", kernel)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the fresh head for the task's labels is one line, not transformers' load report table
+    assert "LOAD REPORT" not in proc.stderr
+    assert f"notice: {tiny_model_dir}: 2 weights newly initialised (classifier.bias, classifier.weight); the task " \
+           "has" in proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert 0.0 <= results["accuracy"] <= 1.0
     assert len(results["node_accuracy"]) == 4 and len(results["bytes_sent_per_node"]) == 4

@@ -95,19 +95,34 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
 
 def load_classifier(model_path: str, labels, prog: str):
     """`model_path` with a sequence-classification head for ``labels`` (class names), after
-    checking that a named head of its own fits them; a problem exits with one line naming ``--model``."""
+    checking that a named head of its own fits them; a problem exits with one line naming ``--model``.
+    What the checkpoint did not provide (the new head) or held unused is one notice line on rank 0,
+    in place of transformers' load report table."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     mismatch = model_label_mismatch(model_path, labels)
     if mismatch:
         exit_with_error(prog, mismatch, "--model")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report: the notice below says it in one line
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
             model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
-            label2id={name: i for i, name in enumerate(labels)},
+            label2id={name: i for i, name in enumerate(labels)}, output_loading_info=True,
             ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
     except _unreadable_model_errors() as err:
         exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    new = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
+    unused = list(loading["unexpected_keys"])
+    if (new or unused) and process_rank() == 0:
+        parts = [f"{len(names)} {what} ({', '.join(sorted(names)[:4])}{', ...' if len(names) > 4 else ''})"
+                 for what, names in (("weights newly initialised", new), ("checkpoint weights unused", unused))
+                 if names]
+        print(f"notice: {model_path}: {'; '.join(parts)}; the task has {len(labels)} labels", file=sys.stderr)
+    return model
 
 
 def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser:
