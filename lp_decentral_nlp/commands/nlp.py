@@ -35,7 +35,9 @@ class NLPArguments(RunArguments):
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "Hub id or local model folder (offline, the default falls back to the packaged all-MiniLM-L6-v2)"})
     data_dir: str | None = field(default=None, metadata={
-        "help": "Local data (CSV file/folder, saved dataset, or SentEval file); None: the hub"})
+        "help": "Local data: a CSV file or folder, or a saved dataset; for sentlen also SentEval's "
+                "sentence_length.txt (or its folder), or AG News data whose sentences it is built from; None: the "
+                "hub"})
     max_length: int = field(default=128, metadata={"help": "Max tokens per text"})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training texts"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many test texts"})
