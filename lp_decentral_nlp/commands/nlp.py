@@ -191,7 +191,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     from ..trainer import check_model_precision
 
     training, recipe = parsed.training, parsed.recipe
-    set_threads(recipe)
+    parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
     model_path, notice = resolve_model(recipe.model, prog)
     if notice and process_rank() == 0:

@@ -168,7 +168,7 @@ def run_vision(parsed, prog: str = "") -> dict:
 
     training, recipe = parsed.training, parsed.recipe
     start = time.time()
-    set_threads(recipe)
+    parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
