@@ -201,7 +201,9 @@ def test_an_evaluation_at_the_last_step_is_the_final_one(tmp_path):
 def test_overwrite_output_dir_removes_the_previous_runs_checkpoints(tmp_path, capsys):
     """--overwrite_output_dir runs anew: the previous run's checkpoints go (a later resume would find
     its newest one), files that are not a run's stay; resuming from a checkpoint of the folder keeps
-    them."""
+    them, and so does a run refused for its checkpoint."""
+    import shutil
+
     from lp_decentral_nlp.vision.recipe import main
 
     out = tmp_path / "run"
@@ -209,6 +211,11 @@ def test_overwrite_output_dir_removes_the_previous_runs_checkpoints(tmp_path, ca
     main("choco", [*flags, "--max-steps", "4", "--save_steps", "2"])
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     (out / "notes.txt").write_text("mine")
+    damaged = shutil.copytree(out / "checkpoint-2", tmp_path / "elsewhere" / "checkpoint-2")
+    (damaged / "node-0.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit):
+        main("choco", [*flags, "--max-steps", "4", "--resume_from_checkpoint", str(damaged), "--overwrite_output_dir"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     capsys.readouterr()
     main("choco", [*flags, "--max-steps", "4", "--save_steps", "2", "--resume_from_checkpoint",
                    str(out / "checkpoint-2"), "--overwrite_output_dir"])

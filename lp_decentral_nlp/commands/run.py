@@ -602,14 +602,19 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(parsed), "consensus_lr_used": training.gamma}
     running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
-    trainer.add_callback(OnTrainBeginCallback(lambda: (_write_json(out, "cost_report.json", report),
-                                                       _write_json(out, "results.json", running))))
-    if parsed.values.get("overwrite_output_dir") and not continues_run_in(out, training.resume_from_checkpoint) \
-            and trainer.state.is_world_process_zero:
-        removed = remove_run_outputs(out)
-        if removed:
-            print(f"{prog}: --overwrite_output_dir: removed the previous run's {', '.join(removed)} from {out}",
-                  file=sys.stderr)
+
+    def begin() -> None:
+        """Once a checkpoint to resume from is accepted: ``--overwrite_output_dir`` clears the
+        previous run's outputs, then the cost report and the "running" results are written."""
+        if parsed.values.get("overwrite_output_dir") and not continues_run_in(out, training.resume_from_checkpoint):
+            removed = remove_run_outputs(out)
+            if removed:
+                print(f"{prog}: --overwrite_output_dir: removed the previous run's {', '.join(removed)} from {out}",
+                      file=sys.stderr)
+        _write_json(out, "cost_report.json", report)
+        _write_json(out, "results.json", running)
+
+    trainer.add_callback(OnTrainBeginCallback(begin))
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
