@@ -5,9 +5,10 @@ import pytest
 import torch
 from helpers import irregular_digraph
 
+from lp_decentral_nlp.checks import parse_absence, parse_straggler
 from lp_decentral_nlp.gossip import QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology
 from lp_decentral_nlp.gossip import faults as faults_mod
-from lp_decentral_nlp.gossip.faults import FaultPlan, parse_absence, parse_straggler
+from lp_decentral_nlp.gossip.faults import FaultPlan
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
 

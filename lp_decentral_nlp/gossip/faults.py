@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import check_field, parse_absence, parse_straggler  # noqa: F401 -- part of this module's API
+from ..checks import check_field, parse_absence, parse_straggler
 from .topology import Topology
 
 # Separates the drop draws from every other use of the run's seed.

@@ -10,20 +10,19 @@ from datetime import timedelta
 from functools import cached_property
 
 import torch
-
 from transformers import TrainingArguments, training_args
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import check_choice, check_fields
+from ..checks import check_choice, check_fields, parse_absence, parse_straggler
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
-from ..gossip.faults import FaultPlan, parse_absence, parse_straggler
+from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
 from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
+_DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
-_DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default
 _NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
 # the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
 # GossipConfig, drop_prob by FaultPlan, against the same table)
@@ -193,10 +192,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         distributed backend gossip; every copy of the arguments would repeat it on every rank), and
         with ``ddp_timeout`` on the CPU as well: transformers passes it to the process group it
         creates on GPUs only, so on the CPU accelerate's ``PartialState`` creates it first."""
+        from accelerate import PartialState
+
         def not_ddp_advice(record: logging.LogRecord) -> bool:
             return not record.getMessage().startswith(_NOT_DDP_WARNING)
-
-        from accelerate import PartialState
 
         on_cpu = self.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
         if on_cpu and self.ddp_timeout != _DEFAULT_DDP_TIMEOUT and not torch.distributed.is_initialized():
