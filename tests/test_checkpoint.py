@@ -277,20 +277,19 @@ def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, 
     before = {name: (run / name).read_bytes() for name in ("results.json", "cost_report.json", "metrics.csv")}
     capsys.readouterr()
     # the checkpoint was written for 256 training rows of 16 tokens: this run has 128, or others of
-    # 32 tokens, which train() finds
-    for changed, difference in ((("--max-train-samples", "128"), "train_samples=256 (this run: 128), other "
-                                                                 "training rows (another data file, tokenizer or max "
-                                                                 "length)"),
-                                (("--max-length", "32"), "other training rows (another data file, tokenizer or max "
-                                                         "length)")):
-        flags = tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "3", "--resume-from-checkpoint",
-                           str(run / "checkpoint-2"), *changed)
+    # 32 tokens, which train() finds; the error names the flag as it was typed
+    for changed, difference, flag in ((("--max-train-samples", "128"), "train_samples=256 (this run: 128), other "
+                                       "training rows (another data file, tokenizer or max length)",
+                                       "--resume-from-checkpoint"),
+                                      (("--max-length", "32"), "other training rows (another data file, tokenizer "
+                                       "or max length)", "--resume_from_checkpoint")):
+        flags = tiny_flags(model_dir, ag_news_csv, run, "--max-steps", "3", flag, str(run / "checkpoint-2"), *changed)
         with pytest.raises(SystemExit) as exc:
             main("ag_news", "choco", flags)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and "Traceback" not in err
         assert err.strip().splitlines()[-1].split(": error: ")[1] == (
-            f"argument --resume-from-checkpoint: cannot resume from {run}/checkpoint-2: it was written with "
+            f"argument {flag}: cannot resume from {run}/checkpoint-2: it was written with "
             f"{difference}; resume with the arguments of the interrupted run")
         assert {name: (run / name).read_bytes() for name in before} == before
 

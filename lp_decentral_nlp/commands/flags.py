@@ -237,21 +237,23 @@ class OneLineParser(OneLineErrors, argparse.ArgumentParser):
 
 class ParsedFlags(NamedTuple):
     """The result of :meth:`RecipeParser.parse`: the training arguments, the recipe's own
-    arguments, the flags that belong to neither (``extras``), every flag value by field name, and
-    the parser's default of each of them (the recipe's, where it sets one)."""
+    arguments, the flags that belong to neither (``extras``), every flag value by field name, the
+    parser's default of each of them (the recipe's, where it sets one), and the flag that names
+    each field in messages (as the command line spelt it, else its first spelling)."""
 
     training: object
     recipe: object
     extras: argparse.Namespace
     values: dict
     defaults: dict
+    flags: dict
 
     def replace(self, **changes) -> ParsedFlags:
         """These flags with some values changed (by field name), both dataclasses rebuilt (and checked)."""
         values = {**self.values, **changes}
         built = [type(d)(**{f.name: values[f.name] for f in dataclasses.fields(d) if f.init and f.name in values})
                  for d in (self.training, self.recipe)]
-        return ParsedFlags(*built, self.extras, values, self.defaults)
+        return ParsedFlags(*built, self.extras, values, self.defaults, self.flags)
 
 
 def check_flags(family: str, argv=None, *, fixed=(), description: str | None = None, prog: str | None = None):

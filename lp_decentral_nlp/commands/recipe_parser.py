@@ -165,7 +165,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
             except (ValueError, TypeError) as err:
                 self.error(self._flag_message(str(err), argv))
         extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
-        parsed = ParsedFlags(*instances, extras, values, {name: self.get_default(name) for name in values})
+        parsed = ParsedFlags(*instances, extras, values, {name: self.get_default(name) for name in values},
+                             {name: self.flag_of(name, argv) for name in values})
         for check in self._checks:
             check(self, parsed)
         return parsed

@@ -618,7 +618,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
-        refuse(str(err).removeprefix("resume_from_checkpoint: "), "--resume-from-checkpoint")
+        refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))
