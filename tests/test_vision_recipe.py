@@ -224,3 +224,33 @@ def test_overwrite_output_dir_removes_the_previous_runs_checkpoints(tmp_path, ca
     assert "removed the previous run's checkpoint-2, checkpoint-4, cost_report.json" in capsys.readouterr().err
     assert results["steps"] == 1 and not list(out.glob("checkpoint-*")) and (out / "notes.txt").read_text() == "mine"
     assert json.loads((out / "results.json").read_text())["config"]["low_precision"] is False
+
+
+def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during training: one line naming the step and the checkpoint to resume from, exit
+    status 130 (SIGINT's), results.json left "running"."""
+    from lp_decentral_nlp.trainer import MetricsCSVCallback
+    from lp_decentral_nlp.vision.recipe import main
+
+    log = MetricsCSVCallback.on_log
+
+    def interrupted_at_step_3(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise KeyboardInterrupt
+        return log(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(MetricsCSVCallback, "on_log", interrupted_at_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--nodes", "2", "--batch-size", "8", "--max-steps", "4", "--save_steps", "2", "--logging_steps",
+                       "1", "--disable_tqdm", "true", "--output-dir", str(out)])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == (  # after the program name
+        f"interrupted at step 3: resume from its last checkpoint with --resume_from_checkpoint {out / 'checkpoint-2'}")
+    assert json.loads((out / "results.json").read_text())["status"] == "running"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main("choco", ["--nodes", "2", "--batch-size", "8", "--max-steps", "4", "--logging_steps", "1",
+                       "--disable_tqdm", "true", "--output-dir", str(tmp_path / "unsaved")])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "interrupted at step 3: no checkpoint was written (--save_steps N writes them)")

@@ -166,7 +166,7 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
                 self.error(self._flag_message(str(err), argv))
         extras = argparse.Namespace(**{k: v for k, v in values.items() if k not in used})
         parsed = ParsedFlags(*instances, extras, values, {name: self.get_default(name) for name in values},
-                             {name: self.flag_of(name, argv) for name in values})
+                             {a.dest: self.flag_of(a.dest, argv) for a in self._actions if a.option_strings})
         for check in self._checks:
             check(self, parsed)
         return parsed

@@ -574,6 +574,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
+    from ..trainer.checkpointing import list_checkpoints
 
     training = parsed.training
     out = training.output_dir
@@ -619,6 +620,13 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
         refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
+    except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback (results.json stays "running")
+        found = list_checkpoints(out)
+        how = (f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
+               if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them)")
+        if trainer.state.is_world_process_zero:
+            print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
+        raise SystemExit(130) from None
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))
