@@ -7,6 +7,7 @@ from datasets, pandas or PIL), and that the user's file is left byte for byte as
 import hashlib
 import pathlib
 
+import datasets
 import numpy as np
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
@@ -435,6 +436,38 @@ def test_vision_unreadable_image(tmp_path, content):
     _expect(ValueError, r"class7/0.png: not a readable image", _load_vision(root), root)
 
 
+def _damaged_pixels_png(path: pathlib.Path) -> None:
+    """Rewrite the PNG at ``path`` with its compressed pixel data scrambled (past the zlib header)
+    and the chunk's checksum recomputed: PIL's ``verify`` passes it, decoding it fails."""
+    import struct
+    import zlib
+
+    data = bytearray(path.read_bytes())
+    start = data.index(b"IDAT")
+    length = struct.unpack(">I", data[start - 4:start])[0]
+    for i in range(start + 6, start + 4 + length):
+        data[i] ^= 0x5A
+    data[start + 4 + length:start + 8 + length] = struct.pack(">I", zlib.crc32(data[start:start + 4 + length]))
+    path.write_bytes(bytes(data))
+
+
+def test_vision_image_with_damaged_pixel_data_or_16_bits(tmp_path):
+    """Every image is decoded whole before training (a damaged one failed the final evaluation,
+    after training, with a traceback); 16-bit images are refused (their RGB conversion clips them)."""
+    from PIL import Image
+
+    root = _image_tree(tmp_path / "tree")
+    damaged = root / "test" / "class4" / "0.png"
+    _damaged_pixels_png(damaged)
+    with Image.open(damaged) as im:
+        im.verify()  # passes: the damage is in the pixel data
+    _expect(ValueError, r"class4/0.png: not a readable image \(OSError", _load_vision(root), root)
+    wide = _image_tree(tmp_path / "wide")
+    Image.fromarray(np.full((8, 8), 40000, dtype=np.uint16)).save(wide / "train" / "class2" / "0.png")
+    _expect(ValueError, r"class2/0.png: a 16-bit image \(PIL mode I;16\): the transforms take 8-bit images",
+            _load_vision(wide), wide)
+
+
 def test_vision_classes_that_do_not_match(tmp_path):
     root = _image_tree(tmp_path / "tree")
     _png(root / "test" / "zebra" / "0.png")
@@ -494,6 +527,12 @@ def test_vision_saved_dataset_problems(tmp_path):
     _expect(ValueError, r"ints \[train\]: column 'image' holds Value\('int64'\), not images", _load_vision(ints), ints)
     corrupt = _saved_images(tmp_path / "corrupt", [good[0], {"bytes": b"garbage", "path": None}], [0, 1])
     _expect(ValueError, r"corrupt \[train\] row 1: not a readable image", _load_vision(corrupt), corrupt)
+    reordered = tmp_path / "reordered"  # the same classes, listed in another order by the test split
+    split = {names[0]: Dataset.from_dict({"image": good, "label": [0, 1]}, features=Features(
+        {"image": datasets.Image(), "label": ClassLabel(names=names)})) for names in (TEN, TEN[::-1])}
+    DatasetDict(train=split["class0"], test=split["class9"]).save_to_disk(reordered)
+    _expect(ValueError, r"reordered\): the 'test' split's classes \['class9', .* are not the 'train' split's "
+                        r"\['class0', .*in the same order", _load_vision(reordered), reordered)
     twelve = _saved_images(tmp_path / "twelve", good, [0, 1], ClassLabel(num_classes=12))
     _expect(ValueError, "cifar10 has 10 classes but the 'train' split .* has 12", _load_vision(twelve), twelve)
     no_label = tmp_path / "no_label"

@@ -157,17 +157,33 @@ def _image_extensions() -> set[str]:
     return {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
 
 
+#: PIL modes whose values the 8-bit RGB conversion of the transforms would clip, not rescale
+_WIDE_MODES = {"I": "32-bit integer", "F": "32-bit float", "I;16": "16-bit", "I;16B": "16-bit", "I;16L": "16-bit",
+               "I;16N": "16-bit"}
+
+
 def _check_image(image: str | bytes, where: str) -> None:
-    """Open ``image`` (a path, or the encoded bytes of ``where``) and verify it; ValueError if PIL cannot."""
+    """Open ``image`` (a path, or the encoded bytes of ``where``) and decode it whole; ValueError if PIL
+    cannot (``verify`` alone passes damaged pixel data whose chunks are intact) or if its values are
+    not 8-bit (:data:`_WIDE_MODES`: the RGB conversion would clip them)."""
     import io
 
     from PIL import Image
 
+    def opened():
+        return Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+
     try:
-        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as im:
+        with opened() as im:
             im.verify()
+        with opened() as im:
+            im.load()
+            mode = im.mode
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, struct.error... on a bad file
         raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {err})") from None
+    if mode in _WIDE_MODES:
+        raise ValueError(f"{where}: a {_WIDE_MODES[mode]} image (PIL mode {mode}): the transforms take 8-bit "
+                         "images and would clip its values; convert it to 8 bits, scaling to 0-255")
 
 
 def _check_utf8_name(path: Path) -> None:
@@ -262,6 +278,7 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
         raise ValueError(f"{where}: the source has no test split, expected one of {_TEST_SPLITS} "
                          f"(splits: {splits})")
     out = {}
+    train_names = None
     for target, split in (("train", "train"), ("test", test_split)):
         ds = raw[split]
         image_col = _pick(_IMAGE_COLUMNS, ds.column_names, "image", f"{where} [{split}]")
@@ -275,6 +292,10 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
         if label.num_classes != spec.num_classes:
             raise ValueError(f"{name} has {spec.num_classes} classes but the {split!r} split of the "
                              f"source{'' if source is None else ' ' + source} has {label.num_classes}: {label.names}")
+        if train_names is not None and label.names != train_names:
+            raise ValueError(f"{where}: the {split!r} split's classes {label.names} are not the 'train' split's "
+                             f"{train_names} in the same order: its labels would be scored as other classes")
+        train_names = label.names
         values = np.asarray(ds["label"], dtype=np.int64)
         bad = sorted(set(values[(values < 0) | (values >= label.num_classes)].tolist()))
         if bad:
