@@ -165,6 +165,7 @@ def test_digits_recipe_end_to_end(tmp_path):
 
     # the saved averaged model is the 8-bit model that was evaluated
     model = ImageClassifier.from_pretrained(out / "model")
+    assert not model.training  # as transformers' from_pretrained: a forward leaves ranges and statistics alone
     assert isinstance(model.net.stem.norm, QuantRangeEvoNorm2d)
     assert not any(isinstance(m, QuantModule) for m in model.net.classifier.modules())
     test = load_vision_dataset("digits")["test"].with_transform(vision_transform("digits", train=False))

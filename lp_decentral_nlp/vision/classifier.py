@@ -64,7 +64,8 @@ class ImageClassifier(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ImageClassifier":
         """Rebuild a model written by :meth:`save_pretrained` (re-applying its 8-bit surgery) and
-        load its state dict strictly."""
+        load its state dict strictly; in eval mode, as transformers' ``from_pretrained`` returns a
+        model (a training-mode forward would update the norms' statistics and activation ranges)."""
         from safetensors.torch import load_file
 
         folder = Path(path)
@@ -77,4 +78,4 @@ class ImageClassifier(nn.Module):
         if quant is not None:
             quantize_model(model, QuantConfig.from_dict(quant))
         model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
-        return model
+        return model.eval()
