@@ -167,6 +167,13 @@ def test_saved_dataset_dir_with_hub_column_names(tmp_path):
     assert dsd["train"][0]["image"].size == (32, 32)
 
 
+def test_saved_dataset_test_split_takes_the_names_of_a_test_folder(tmp_path):
+    """A saved DatasetDict's test split may be named as an image folder tree's (val, valid, dev, ...)."""
+    source = _hub_like_cifar100()
+    datasets.DatasetDict(train=source["train"], val=source["test"]).save_to_disk(tmp_path / "saved")
+    assert load_vision_dataset("cifar100", data_dir=tmp_path / "saved")["test"].num_rows == 6
+
+
 def test_hub_request_and_column_mapping(monkeypatch):
     calls = []
 

@@ -9,7 +9,8 @@
   ``data_dir``: a folder written by ``DatasetDict.save_to_disk`` or an image folder tree
   (``train/<class>/*.png``, ``test/`` or ``val/<class>/...``; classes are the train folder
   names, sorted). Hub column names (``img``/``image``, ``label``/``fine_label``) are mapped to
-  ``image``/``label``; a ``validation`` split serves as ``test`` when there is no ``test``.
+  ``image``/``label``; a ``validation`` (``val``, ``dev``, ...) split serves as ``test`` when there
+  is no ``test``, and it must list the train split's classes in the same order.
 - ``digits``: scikit-learn's bundled 8x8 grey digits (1,797 images, 10 classes), offline, with a
   seeded stratified 80/20 train/test split. The default for quick runs.
 
@@ -22,6 +23,7 @@ normalisation. Randomness comes from torch's global RNG (seeded per DataLoader w
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,7 +83,6 @@ VISION_DATASETS: dict[str, VisionDatasetSpec] = {
 
 _IMAGE_COLUMNS = ("image", "img")
 _LABEL_COLUMNS = ("label", "fine_label", "labels")
-_TEST_SPLITS = ("test", "validation")
 
 
 def vision_dataset_spec(name: str) -> VisionDatasetSpec:
@@ -117,7 +118,8 @@ def _load_digits(seed: int, test_fraction: float = 0.2) -> datasets.DatasetDict:
     return datasets.DatasetDict(train=split(train_idx), test=split(test_idx))
 
 
-# Folder names of an image folder tree (those `datasets` recognises), in order of preference.
+# Folder names of an image folder tree (those `datasets` recognises), in order of preference; the
+# test names are those of a saved DatasetDict's test split too.
 _TRAIN_FOLDERS = ("train", "training")
 _TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid", "val", "dev")
 _FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
@@ -127,7 +129,8 @@ def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike
     """``name`` from the hub, a ``save_to_disk`` folder or an image folder tree, standardised.
 
     A local source is checked whole: every image of a folder tree and of a saved dataset must
-    open with PIL. Problems are ValueError/FileNotFoundError naming the folder or file.
+    decode with PIL, with 8-bit values. Problems are ValueError/FileNotFoundError naming the folder
+    or file.
     """
     if data_dir is None:
         return _standardise(datasets.load_dataset(spec.hub_id, **spec.hub_kwargs), name, spec)
@@ -180,7 +183,8 @@ def _check_image(image: str | bytes, where: str) -> None:
             im.load()
             mode = im.mode
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, struct.error... on a bad file
-        raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {err})") from None
+        message = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "from its bytes", str(err))  # no memory address
+        raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {message})") from None
     if mode in _WIDE_MODES:
         raise ValueError(f"{where}: a {_WIDE_MODES[mode]} image (PIL mode {mode}): the transforms take 8-bit "
                          "images and would clip its values; convert it to 8 bits, scaling to 0-255")
@@ -273,9 +277,9 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
     splits = list(raw.keys())
     if "train" not in splits:
         raise ValueError(f"{where}: the source has no 'train' split (splits: {splits})")
-    test_split = next((s for s in _TEST_SPLITS if s in splits), None)
+    test_split = next((s for s in _TEST_FOLDERS if s in splits), None)
     if test_split is None:
-        raise ValueError(f"{where}: the source has no test split, expected one of {_TEST_SPLITS} "
+        raise ValueError(f"{where}: the source has no test split, expected one of {_TEST_FOLDERS} "
                          f"(splits: {splits})")
     out = {}
     train_names = None
