@@ -420,9 +420,11 @@ def test_vision_stray_files(tmp_path, stray, match):
     _expect(ValueError, match, _load_vision(root), root)
 
 
-def test_vision_hidden_files_are_skipped(tmp_path):
+def test_vision_hidden_and_file_manager_files_are_skipped(tmp_path):
     root = _image_tree(tmp_path / "tree")
     _write(root / "train" / "class0" / ".DS_Store", b"\x00\x01")
+    _write(root / "train" / "class3" / "Thumbs.db", b"\x00\x01")
+    _write(root / "test" / "desktop.ini", b"[.ShellClassInfo]\n")
     _write(root / "train" / ".cache", b"")
     dsd = _load_vision(root)()
     assert (dsd["train"].num_rows, dsd["test"].num_rows) == (10, 10)

@@ -200,11 +200,18 @@ def _check_utf8_name(path: Path) -> None:
                          "as UTF-8 text)") from None
 
 
+def _system_file(name: str) -> bool:
+    """Whether a file of an image folder tree is the system's, not the user's: hidden (``.DS_Store``),
+    or left by a file manager (Windows' ``Thumbs.db``, ``desktop.ini``)."""
+    return name.startswith(".") or name.lower() in ("thumbs.db", "desktop.ini")
+
+
 def _read_image_folder(path: Path) -> datasets.DatasetDict:
     """An image folder tree as ``train``/``test`` with ``image`` (paths, decoded by ``datasets.Image``)
     and ``label`` (ClassLabel of the train class folders' names, sorted).
 
-    Hidden files (``.DS_Store``...) are skipped; any other file that is not an image, an image
+    Hidden files (``.DS_Store``...) and the files file managers leave (``Thumbs.db``,
+    ``desktop.ini``) are skipped; any other file that is not an image, an image
     outside a class folder, a folder inside a class folder, an empty class folder, a name that is
     not UTF-8, an image PIL cannot open and a test class absent from ``train`` are ValueErrors
     naming the path.
@@ -221,14 +228,14 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
     for split, folder in (("train", folders[train_name]), ("test", folders[test_name])):
         classes = {}
         for entry in sorted(folder.iterdir()):
-            if entry.name.startswith("."):
+            if _system_file(entry.name):
                 continue
             _check_utf8_name(entry)
             if not entry.is_dir():
                 raise ValueError(f"{entry}: a file outside a class folder; images go in {folder}/<class>/")
             images = []
             for item in sorted(entry.iterdir()):
-                if item.name.startswith("."):
+                if _system_file(item.name):
                     continue
                 _check_utf8_name(item)
                 if item.is_dir():
