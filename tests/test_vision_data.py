@@ -167,6 +167,15 @@ def test_saved_dataset_dir_with_hub_column_names(tmp_path):
     assert dsd["train"][0]["image"].size == (32, 32)
 
 
+def test_own_images_need_a_folder_and_keep_their_classes(tmp_path):
+    with pytest.raises(ValueError, match="^folder: the user's own images need data_dir"):
+        load_vision_dataset("folder")
+    source = _hub_like_cifar100()  # 100 classes: any count is the user's own
+    source.save_to_disk(tmp_path / "saved")
+    dsd = load_vision_dataset("folder", data_dir=tmp_path / "saved")
+    assert dsd["train"].features["label"].num_classes == 100
+
+
 def test_saved_dataset_test_split_takes_the_names_of_a_test_folder(tmp_path):
     """A saved DatasetDict's test split may be named as an image folder tree's (val, valid, dev, ...)."""
     source = _hub_like_cifar100()

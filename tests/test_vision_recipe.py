@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -255,3 +256,48 @@ def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, mo
                        "--disable_tqdm", "true", "--output-dir", str(tmp_path / "unsaved")])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         "interrupted at step 3: no checkpoint was written (--save_steps N writes them)")
+
+
+def test_own_images_train_with_their_classes_size_and_statistics(tmp_path, capsys):
+    """--dataset folder: any number of classes; the image size is the images' (median shorter side)
+    and the normalisation their per-channel mean and std, all recorded in results.json."""
+    from PIL import Image
+
+    from lp_decentral_nlp.vision.recipe import main
+
+    rng = np.random.default_rng(0)
+    tree, arrays = tmp_path / "tree", []
+    for split, count in (("train", 12), ("test", 4)):
+        for name in ("ant", "bee", "cat"):
+            (tree / split / name).mkdir(parents=True)
+            for k in range(count):
+                pixels = rng.integers(0, 256, (12, 14, 3), dtype=np.uint8)  # 12 high, 14 wide
+                Image.fromarray(pixels).save(tree / split / name / f"{k}.png")
+                if split == "train":
+                    arrays.append(pixels[:, 1:13])  # the centre 12 x 12 the transform keeps
+    out = tmp_path / "run"
+    results = main("choco", ["--dataset", "folder", "--data-dir", str(tree), "--nodes", "2", "--batch-size", "4",
+                             "--max-steps", "2", "--disable_tqdm", "true", "--output-dir", str(out)])
+    config = results["config"]
+    assert (config["num_classes"], config["classes"], config["image_size"]) == (3, ["ant", "bee", "cat"], 12)
+    pixels = np.stack(arrays).astype(np.float64) / 255
+    assert config["mean"] == pytest.approx(pixels.mean(axis=(0, 1, 2)), abs=1e-4)
+    assert config["std"] == pytest.approx(pixels.std(axis=(0, 1, 2), ddof=1), abs=1e-4)
+    model = ImageClassifier.from_pretrained(out / "model")
+    assert model(torch.zeros(1, 3, 12, 12)).logits.shape == (1, 3)
+    # a network the measured size is too small for: one line naming the flag that fixes it
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--dataset", "folder", "--data-dir", str(tree), "--arch", "vgg11", "--nodes", "2",
+                       "--batch-size", "4", "--output-dir", str(tmp_path / "vgg")])
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+        "argument --image-size: vgg11 needs images of at least 32x32, got 12 (pass --image-size 32)")
+    assert not (tmp_path / "vgg").exists()
+
+
+def test_own_images_need_their_folder(capsys):
+    from lp_decentral_nlp.vision.recipe import build_vision_parser
+
+    with pytest.raises(SystemExit):
+        build_vision_parser("choco").parse(["--dataset", "folder"])
+    assert capsys.readouterr().err.endswith(
+        "data_dir: --dataset folder trains your own images: give their folder with --data-dir\n")

@@ -29,7 +29,8 @@ FIELD_CHOICES = {
     "compressor": lambda: _values("lp_decentral_nlp.gossip.factory", "COMPRESSORS"),
     "backend": lambda: _values("lp_decentral_nlp.trainer.arguments", "BACKENDS"),
     "task": lambda: _values("lp_decentral_nlp.data.tasks", "TASKS"),
-    "dataset": lambda: _values("lp_decentral_nlp.vision.data", "VISION_DATASETS"),
+    "dataset": lambda: (*_values("lp_decentral_nlp.vision.data", "VISION_DATASETS"),
+                        importlib.import_module("lp_decentral_nlp.vision.data").FOLDER),
     "arch": lambda: _values("lp_decentral_nlp.vision.models", "ARCHS"),
     "norm": lambda: ("auto", *_values("lp_decentral_nlp.vision.models", "NORMS")),  # auto: SPEC 5's pairing
 }

@@ -4,9 +4,11 @@ norm-activation, the ``ImageClassifier`` wrapper the trainers use, and image dat
 transforms."""
 from .classifier import ImageClassifier
 from .data import (
+    FOLDER,
     VISION_DATASETS,
     VisionDatasetSpec,
     VisionTransform,
+    folder_spec,
     load_vision_dataset,
     vision_dataset_spec,
     vision_transform,
@@ -26,11 +28,11 @@ from .norms import (
 from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, QuantRangeEvoNorm2d
 
 __all__ = [
-    "ARCHS", "NORMS", "VISION_DATASETS",
+    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER",
     "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",
     "build_vision_model", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
-    "VisionDatasetSpec", "VisionTransform", "load_vision_dataset", "vision_dataset_spec",
+    "VisionDatasetSpec", "VisionTransform", "folder_spec", "load_vision_dataset", "vision_dataset_spec",
     "vision_transform", "with_vision_transforms",
 ]

@@ -13,6 +13,8 @@
   is no ``test``, and it must list the train split's classes in the same order.
 - ``digits``: scikit-learn's bundled 8x8 grey digits (1,797 images, 10 classes), offline, with a
   seeded stratified 80/20 train/test split. The default for quick runs.
+- :data:`FOLDER` (``"folder"``): the user's own images in ``data_dir`` (either layout above), any
+  number of classes; :func:`folder_spec` measures their image size and channel statistics.
 
 :class:`VisionTransform` (for ``Dataset.set_transform`` / ``with_transform``) turns a batch of
 those rows into ``{"pixel_values": (B, 3, S, S) float32, "label": (B,) int64}``: RGB, shorter
@@ -36,8 +38,10 @@ import datasets
 from ..checks import check_field
 
 __all__ = [
+    "FOLDER",
     "VisionDatasetSpec",
     "VISION_DATASETS",
+    "folder_spec",
     "vision_dataset_spec",
     "load_vision_dataset",
     "VisionTransform",
@@ -80,6 +84,10 @@ VISION_DATASETS: dict[str, VisionDatasetSpec] = {
     # Mean/std of all 1,797 sklearn digits as stored here (uint8 = round(value * 255 / 16)).
     "digits": VisionDatasetSpec(10, 8, (0.3053,) * 3, (0.3759,) * 3),
 }
+
+#: the dataset name of the user's own images (``data_dir``): its classes, image size and
+#: normalisation come from the data (:func:`folder_spec`)
+FOLDER = "folder"
 
 _IMAGE_COLUMNS = ("image", "img")
 _LABEL_COLUMNS = ("label", "fine_label", "labels")
@@ -125,7 +133,8 @@ _TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid",
 _FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
 
 
-def _load_source(spec: VisionDatasetSpec, name: str, data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
+def _load_source(spec: VisionDatasetSpec | None, name: str,
+                 data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
     """``name`` from the hub, a ``save_to_disk`` folder or an image folder tree, standardised.
 
     A local source is checked whole: every image of a folder tree and of a saved dataset must
@@ -273,10 +282,11 @@ def _pick(candidates: tuple[str, ...], available: list[str], what: str, where: s
     raise ValueError(f"{where}: no {what} column found: expected one of {candidates}, got {available}")
 
 
-def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
+def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec | None,
                  source: str | None = None, check_images: bool = False) -> datasets.DatasetDict:
     """``train``/``test`` with columns ``image``/``label`` from a hub, saved or folder DatasetDict.
 
+    ``spec``: the named dataset whose class count the source must have (None: :data:`FOLDER`, any).
     ``source``: the local folder it came from, named in errors. ``check_images``: open every
     image with PIL (a saved dataset's; a hub dataset's are trusted, a folder's were checked).
     """
@@ -300,7 +310,7 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec,
         if not isinstance(label, datasets.ClassLabel):
             raise TypeError(f"{where}: the label column must be a datasets.ClassLabel, got {label}; "
                             "cast it with ds.cast_column('label', datasets.ClassLabel(...))")
-        if label.num_classes != spec.num_classes:
+        if spec is not None and label.num_classes != spec.num_classes:
             raise ValueError(f"{name} has {spec.num_classes} classes but the {split!r} split of the "
                              f"source{'' if source is None else ' ' + source} has {label.num_classes}: {label.names}")
         if train_names is not None and label.names != train_names:
@@ -342,7 +352,8 @@ def load_vision_dataset(
     columns ``image`` (PIL) and ``label`` (ClassLabel).
 
     data_dir: a ``save_to_disk`` folder or an image folder tree to read instead of the hub
-    (not allowed for ``digits``, which ships with scikit-learn). seed: the stratified split of
+    (not allowed for ``digits``, which ships with scikit-learn; required for :data:`FOLDER`, the
+    user's own images with any number of classes, :func:`folder_spec`). seed: the stratified split of
     ``digits`` (the other datasets come with their own test split).
 
     A local source is only read, never modified, and checked whole: FileNotFoundError when
@@ -351,6 +362,12 @@ def load_vision_dataset(
     number of classes or labels outside them, stray files, empty class folders, or an image PIL
     cannot open; TypeError for a label column that is not a ClassLabel.
     """
+    if name == FOLDER:
+        check_field("seed", seed)
+        if data_dir is None:
+            raise ValueError(f"{FOLDER}: the user's own images need data_dir: a DatasetDict.save_to_disk folder or an "
+                             f"image folder tree ({_FOLDER_LAYOUT})")
+        return _load_source(None, name, data_dir)
     spec = vision_dataset_spec(name)
     check_field("seed", seed)
     if name == "digits":
@@ -417,18 +434,37 @@ class VisionTransform:
                 "label": torch.as_tensor(batch["label"], dtype=torch.long)}
 
 
-def vision_transform(name: str, train: bool, image_size: int | None = None) -> VisionTransform:
-    """The :class:`VisionTransform` of dataset ``name``; ``image_size`` overrides its default.
-    The training crop pads by ``image_size // 8`` pixels."""
-    spec = vision_dataset_spec(name)
+def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample: int = 512) -> VisionDatasetSpec:
+    """The :class:`VisionDatasetSpec` of the user's own images (:data:`FOLDER`), from the data:
+    the train split's classes; ``image_size`` (default: the median shorter side of `sample`
+    training images spread over the split, in pixels); the per-channel mean and std of those
+    images in [0, 1] at that size (a std under 1e-3, a channel constant over the sample, counts
+    1e-3)."""
+    train = dsd["train"]
+    count = min(sample, len(train))
+    indices = sorted({round(i * (len(train) - 1) / max(1, count - 1)) for i in range(count)})
+    images = train.select(indices)["image"]
+    size = image_size or int(np.median([min(im.size) for im in images]))
+    x = torch.stack([_to_square_tensor(im, size) for im in images]).float().div_(255.0)
+    mean, std = x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3)).clamp(min=1e-3)
+    return VisionDatasetSpec(train.features["label"].num_classes, size, tuple(round(float(v), 4) for v in mean),
+                             tuple(round(float(v), 4) for v in std))
+
+
+def vision_transform(dataset: str | VisionDatasetSpec, train: bool, image_size: int | None = None) -> VisionTransform:
+    """The :class:`VisionTransform` of ``dataset`` (a name of :data:`VISION_DATASETS`, or the
+    :func:`folder_spec` of the user's images); ``image_size`` overrides its default. The training
+    crop pads by ``image_size // 8`` pixels."""
+    spec = dataset if isinstance(dataset, VisionDatasetSpec) else vision_dataset_spec(dataset)
     size = spec.image_size if image_size is None else image_size
     return VisionTransform(size, spec.mean, spec.std, train=train, padding=size // 8)
 
 
-def with_vision_transforms(dsd: datasets.DatasetDict, name: str,
+def with_vision_transforms(dsd: datasets.DatasetDict, dataset: str | VisionDatasetSpec,
                            image_size: int | None = None) -> datasets.DatasetDict:
-    """``dsd`` with the training transform on ``"train"`` and the evaluation one on ``"test"``."""
+    """``dsd`` with ``dataset``'s (:func:`vision_transform`) training transform on ``"train"`` and
+    evaluation one on ``"test"``."""
     return datasets.DatasetDict({
-        split: dsd[split].with_transform(vision_transform(name, split == "train", image_size))
+        split: dsd[split].with_transform(vision_transform(dataset, split == "train", image_size))
         for split in ("train", "test")
     })

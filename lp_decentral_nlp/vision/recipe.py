@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (OUTPUT_DIR_HELP, RESUME_HELP, RunArguments, check_launcher, check_memory,
-                            check_training_rows, derive_run_values, load_data, print_summary, run_checks,
-                            set_process_output, set_threads, train_and_report)
+                            check_training_rows, derive_run_values, exit_with_error, load_data, print_summary,
+                            run_checks, set_process_output, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -53,12 +53,15 @@ class VisionArguments(RunArguments):
     (:func:`parse_vision_args`)."""
 
     dataset: str = field(default="digits", metadata={
-        "help": "Image dataset (digits: scikit-learn's bundled 8x8 digits, offline; others from the hub or "
-                "--data-dir)"})
+        "help": "Image dataset (digits: scikit-learn's bundled 8x8 digits, offline; cifar10, cifar100, imagenette "
+                "from the hub or --data-dir; folder: your own images in --data-dir, any number of classes, with the "
+                "image size and normalisation measured on them)"})
     data_dir: str | None = field(default=None, metadata={
-        "help": "Local copy (save_to_disk folder or image folder tree) instead of the hub; not for digits"})
+        "help": "Local images (save_to_disk folder, or image folder tree train/<class>/<image> and test/ or val/): "
+                "a copy of the named dataset, or with --dataset folder your own; not for digits"})
     image_size: int | None = field(default=None, metadata={
-        "help": "Side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR)"})
+        "help": "Side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR; with "
+                "--dataset folder the median shorter side of the training images)"})
     augment: bool | None = field(default=None, metadata={
         "help": "Random crop + horizontal flip of training images (default: on, off for digits, whose classes are "
                 "not mirror-symmetric); --augment false turns it off"})
@@ -70,13 +73,17 @@ class VisionArguments(RunArguments):
     num_classes: int | None = field(default=None, init=False)
 
     def __post_init__(self):
-        from .data import VISION_DATASETS, vision_dataset_spec
+        from .data import FOLDER, VISION_DATASETS, vision_dataset_spec
 
         super().__post_init__()
-        for name, allowed in (("dataset", tuple(VISION_DATASETS)), ("arch", tuple(ARCHS)), ("norm", ("auto",) + NORMS)):
+        for name, allowed in (("dataset", (*VISION_DATASETS, FOLDER)), ("arch", tuple(ARCHS)),
+                              ("norm", ("auto",) + NORMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        self.num_classes = vision_dataset_spec(self.dataset).num_classes
+        # the user's own images: the class count comes from them (run_vision)
+        self.num_classes = None if self.dataset == FOLDER else vision_dataset_spec(self.dataset).num_classes
+        if self.dataset == FOLDER and self.data_dir is None:
+            raise ValueError("data_dir: --dataset folder trains your own images: give their folder with --data-dir")
         if self.data_dir is not None:
             if self.dataset == "digits":
                 raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir")
@@ -119,18 +126,27 @@ def _milestones_of_the_run(values: dict, training):
     return resolve
 
 
+def _image_size_problem(net, recipe, flag: str) -> str | None:
+    """Why ``recipe.image_size`` is too small for ``net`` (with the flag that fixes it), else None."""
+    min_size = getattr(net, "min_size", 1)
+    if recipe.image_size < min_size:
+        return (f"{recipe.arch} needs images of at least {min_size}x{min_size}, got {recipe.image_size} "
+                f"(pass {flag} {min_size})")
+    return None
+
+
 def _check_network(parser, parsed) -> None:
     """Groups that do not divide the channels, or an input too small for the network, exit like a bad flag."""
     recipe = parsed.recipe
-    try:
-        net = build_vision_model(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
+    try:  # --dataset folder: the class count comes with the data; it does not change the checks
+        net = build_vision_model(recipe.arch, recipe.num_classes or 2, recipe.norm, recipe.groups)
     except ValueError as err:
         parser.error(f"argument --groups/--norm: {err}")
-    min_size = getattr(net, "min_size", 1)
-    if recipe.image_size < min_size:
+    if recipe.image_size is not None:  # --dataset folder without --image-size: checked once measured
         flag = parser.flag_of("image_size")
-        parser.error(f"argument {flag}: {recipe.arch} needs images of at least {min_size}x{min_size}, "
-                     f"got {recipe.image_size} (pass {flag} {min_size})")
+        problem = _image_size_problem(net, recipe, flag)
+        if problem:
+            parser.error(f"argument {flag}: {problem}")
 
 
 def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
@@ -164,7 +180,7 @@ def run_vision(parsed, prog: str = "") -> dict:
     from transformers import set_seed
 
     from .classifier import ImageClassifier
-    from .data import load_vision_dataset, vision_transform, with_vision_transforms
+    from .data import FOLDER, folder_spec, load_vision_dataset, vision_transform, with_vision_transforms
 
     training, recipe = parsed.training, parsed.recipe
     start = time.time()
@@ -173,11 +189,21 @@ def run_vision(parsed, prog: str = "") -> dict:
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
-    data = with_vision_transforms(raw, recipe.dataset, recipe.image_size)
+    dataset = recipe.dataset
+    if dataset == FOLDER:  # the user's images: classes, size and normalisation from them, recorded in results.json
+        dataset = folder_spec(raw, recipe.image_size)
+        recipe.num_classes, recipe.image_size = dataset.num_classes, dataset.image_size
+        parsed.values.update(image_size=dataset.image_size, num_classes=dataset.num_classes,
+                             classes=raw["train"].features["label"].names, mean=list(dataset.mean),
+                             std=list(dataset.std))
+    data = with_vision_transforms(raw, dataset, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
-        data["train"] = raw["train"].with_transform(vision_transform(recipe.dataset, False, recipe.image_size))
+        data["train"] = raw["train"].with_transform(vision_transform(dataset, False, recipe.image_size))
     set_seed(training.seed)
     model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
+    problem = _image_size_problem(model.net, recipe, "--image-size")
+    if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
+        exit_with_error(prog, problem, "--image-size")
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
     input_shape = (3, recipe.image_size, recipe.image_size)
     check_memory(model, training, input_shape, prog)
