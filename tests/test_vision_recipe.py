@@ -167,6 +167,8 @@ def test_digits_recipe_end_to_end(tmp_path):
     # the saved averaged model is the 8-bit model that was evaluated
     model = ImageClassifier.from_pretrained(out / "model")
     assert not model.training  # as transformers' from_pretrained: a forward leaves ranges and statistics alone
+    preprocessing = model.vision_config["preprocessing"]
+    assert (len(preprocessing["labels"]), preprocessing["image_size"], preprocessing["mean"]) == (10, 8, [0.3053] * 3)
     assert isinstance(model.net.stem.norm, QuantRangeEvoNorm2d)
     assert not any(isinstance(m, QuantModule) for m in model.net.classifier.modules())
     test = load_vision_dataset("digits")["test"].with_transform(vision_transform("digits", train=False))
@@ -285,6 +287,8 @@ def test_own_images_train_with_their_classes_size_and_statistics(tmp_path, capsy
     assert config["std"] == pytest.approx(pixels.std(axis=(0, 1, 2), ddof=1), abs=1e-4)
     model = ImageClassifier.from_pretrained(out / "model")
     assert model(torch.zeros(1, 3, 12, 12)).logits.shape == (1, 3)
+    assert model.vision_config["preprocessing"] == {  # the saved model says how to feed it
+        "labels": ["ant", "bee", "cat"], "image_size": 12, "mean": config["mean"], "std": config["std"]}
     # a network the measured size is too small for: one line naming the flag that fixes it
     with pytest.raises(SystemExit) as exc:
         main("choco", ["--dataset", "folder", "--data-dir", str(tree), "--arch", "vgg11", "--nodes", "2",

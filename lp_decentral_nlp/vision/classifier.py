@@ -4,7 +4,8 @@ save/load of its own (these nets are not Hugging Face models).
 
 Saved folder: ``model.safetensors`` (the state dict: fp32 master weights and every buffer, the
 8-bit layers' activation ranges included) and ``vision_config.json`` (``arch``, ``num_classes``,
-``norm``, ``groups`` and, for a model passed through ``quantize_model``, its ``QuantConfig``).
+``norm``, ``groups``, ``preprocessing`` and, for a model passed through ``quantize_model``, its
+``QuantConfig``).
 """
 from __future__ import annotations
 
@@ -30,15 +31,21 @@ class ImageClassifier(nn.Module):
 
     Args:
         arch, num_classes, norm, groups: as :func:`~lp_decentral_nlp.vision.build_vision_model`.
+        preprocessing: how its inputs are made, saved with it so that the model says how to feed
+            it: ``{"labels": [class names by index], "image_size": S, "mean": [3], "std": [3]}``
+            (the recipes' :class:`~lp_decentral_nlp.vision.VisionTransform`: RGB, S x S, values in
+            [0, 1] normalised per channel); None: not recorded.
     Attributes:
         net: the CNN (``pixel_values (N, 3, H, W)`` -> logits ``(N, num_classes)``).
         vision_config: the dict above, written by :meth:`save_pretrained`.
     """
 
-    def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2):
+    def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
+                 preprocessing: dict | None = None):
         super().__init__()
         self.net = build_vision_model(arch, num_classes, norm, groups)
-        self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups}
+        self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
+                              "preprocessing": preprocessing}
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
         """Logits ``(N, num_classes)``; with ``labels`` ``(N,)`` int64 also the mean cross-entropy."""

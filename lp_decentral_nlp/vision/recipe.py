@@ -200,7 +200,10 @@ def run_vision(parsed, prog: str = "") -> dict:
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
         data["train"] = raw["train"].with_transform(vision_transform(dataset, False, recipe.image_size))
     set_seed(training.seed)
-    model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups)
+    transform = vision_transform(dataset, False, recipe.image_size)  # saved with the model: how to feed it
+    preprocessing = {"labels": raw["train"].features["label"].names, "image_size": recipe.image_size,
+                     **{k: [round(v, 4) for v in getattr(transform, k).flatten().tolist()] for k in ("mean", "std")}}
+    model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups, preprocessing)
     problem = _image_size_problem(model.net, recipe, "--image-size")
     if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
         exit_with_error(prog, problem, "--image-size")
