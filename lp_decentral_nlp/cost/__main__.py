@@ -66,16 +66,16 @@ def _check_model_flags(parser, args):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             parser.error(f"argument {flag}: not a setting of {family} models: drop it")
     if args.arch is not None:
-        from lp_decentral_nlp.vision import ARCHS, NORMS, build_vision_model
+        from lp_decentral_nlp.vision import ARCHS, NORMS, build_vision_model, image_size_problem
 
         for flag, value, allowed in (("--arch", args.arch, tuple(ARCHS)), ("--norm", args.norm, NORMS)):
             if value is not None and value not in allowed:
                 parser.error(f"argument {flag}: must be one of {allowed}, got {value!r}")
         args.image_size = args.image_size or 32
-        min_size = getattr(build_vision_model(args.arch, args.num_classes, args.norm or "evonorm"), "min_size", 1)
-        if args.image_size < min_size:
-            parser.error(f"argument --image-size: {args.arch} needs images of at least {min_size}x{min_size}, got "
-                         f"{args.image_size}")
+        problem = image_size_problem(build_vision_model(args.arch, args.num_classes, args.norm or "evonorm"),
+                                     args.arch, args.image_size)
+        if problem:
+            parser.error(f"argument --image-size: {problem}")
         return None
     args.seq_len = args.seq_len or 128
     from transformers import AutoConfig

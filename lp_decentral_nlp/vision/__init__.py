@@ -14,7 +14,7 @@ from .data import (
     vision_transform,
     with_vision_transforms,
 )
-from .models import ARCHS, NORMS, build_vision_model, mobilenetv2, norm_act, resnet18, resnet20, resnet54, vgg11
+from .models import ARCHS, NORMS, build_vision_model, image_size_problem, mobilenetv2, norm_act, resnet18, resnet20, resnet54, vgg11
 from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
@@ -32,7 +32,7 @@ __all__ = [
     "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",
-    "build_vision_model", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
+    "build_vision_model", "image_size_problem", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
     "VisionDatasetSpec", "VisionTransform", "folder_spec", "load_vision_dataset", "vision_dataset_spec",
     "vision_transform", "with_vision_transforms",
 ]

@@ -311,6 +311,15 @@ ARCHS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def image_size_problem(net: nn.Module, arch: str, image_size: int) -> str | None:
+    """``"<arch> needs images of at least SxS, got <image_size>"`` when ``image_size`` (pixels) is
+    below ``net``'s smallest input (``net.min_size``: VGG's pooling halves it five times), else None."""
+    min_size = getattr(net, "min_size", 1)
+    if image_size < min_size:
+        return f"{arch} needs images of at least {min_size}x{min_size}, got {image_size}"
+    return None
+
+
 def build_vision_model(arch: str, num_classes: int = 10, norm: str = "batchnorm",
                        groups: int = DEFAULT_GROUPS) -> nn.Module:
     """Registry entry point for the recipes: ``arch`` in :data:`ARCHS`, ``norm`` in :data:`NORMS`."""

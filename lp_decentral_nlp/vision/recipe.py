@@ -26,7 +26,7 @@ from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (OUTPUT_DIR_HELP, RESUME_HELP, RunArguments, check_launcher, check_memory,
                             check_training_rows, derive_run_values, exit_with_error, load_data, print_summary,
                             run_checks, set_process_output, set_threads, train_and_report)
-from .models import ARCHS, NORMS, build_vision_model
+from .models import ARCHS, NORMS, build_vision_model, image_size_problem
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
            "SGD_OPTIM_ARGS"]
@@ -127,12 +127,9 @@ def _milestones_of_the_run(values: dict, training):
 
 
 def _image_size_problem(net, recipe, flag: str) -> str | None:
-    """Why ``recipe.image_size`` is too small for ``net`` (with the flag that fixes it), else None."""
-    min_size = getattr(net, "min_size", 1)
-    if recipe.image_size < min_size:
-        return (f"{recipe.arch} needs images of at least {min_size}x{min_size}, got {recipe.image_size} "
-                f"(pass {flag} {min_size})")
-    return None
+    """Why ``recipe.image_size`` is too small for ``net``, with the flag that fixes it, else None."""
+    problem = image_size_problem(net, recipe.arch, recipe.image_size)
+    return problem and f"{problem} (pass {flag} {net.min_size})"
 
 
 def _check_network(parser, parsed) -> None:
@@ -180,7 +177,8 @@ def run_vision(parsed, prog: str = "") -> dict:
     from transformers import set_seed
 
     from .classifier import ImageClassifier
-    from .data import FOLDER, folder_spec, load_vision_dataset, vision_transform, with_vision_transforms
+    from .data import (FOLDER, folder_spec, load_vision_dataset, vision_dataset_spec, vision_transform,
+                       with_vision_transforms)
 
     training, recipe = parsed.training, parsed.recipe
     start = time.time()
@@ -189,20 +187,19 @@ def run_vision(parsed, prog: str = "") -> dict:
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
-    dataset = recipe.dataset
-    if dataset == FOLDER:  # the user's images: classes, size and normalisation from them, recorded in results.json
-        dataset = folder_spec(raw, recipe.image_size)
-        recipe.num_classes, recipe.image_size = dataset.num_classes, dataset.image_size
-        parsed.values.update(image_size=dataset.image_size, num_classes=dataset.num_classes,
-                             classes=raw["train"].features["label"].names, mean=list(dataset.mean),
-                             std=list(dataset.std))
-    data = with_vision_transforms(raw, dataset, recipe.image_size)
+    # the user's images (--dataset folder) bring their classes, size and normalisation
+    spec = folder_spec(raw, recipe.image_size) if recipe.dataset == FOLDER else vision_dataset_spec(recipe.dataset)
+    recipe.num_classes, recipe.image_size = spec.num_classes, recipe.image_size or spec.image_size
+    data = with_vision_transforms(raw, spec, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
-        data["train"] = raw["train"].with_transform(vision_transform(dataset, False, recipe.image_size))
-    set_seed(training.seed)
-    transform = vision_transform(dataset, False, recipe.image_size)  # saved with the model: how to feed it
+        data["train"] = raw["train"].with_transform(vision_transform(spec, False, recipe.image_size))
+    # how to feed the model, saved with it (and, for the user's images, recorded in results.json)
     preprocessing = {"labels": raw["train"].features["label"].names, "image_size": recipe.image_size,
-                     **{k: [round(v, 4) for v in getattr(transform, k).flatten().tolist()] for k in ("mean", "std")}}
+                     "mean": list(spec.mean), "std": list(spec.std)}
+    if recipe.dataset == FOLDER:
+        parsed.values.update(num_classes=spec.num_classes, image_size=recipe.image_size,
+                             classes=preprocessing["labels"], mean=preprocessing["mean"], std=preprocessing["std"])
+    set_seed(training.seed)
     model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups, preprocessing)
     problem = _image_size_problem(model.net, recipe, "--image-size")
     if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
