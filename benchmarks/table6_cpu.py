@@ -53,7 +53,8 @@ import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      changed_settings, finished_results, output_dir_problem, packaged_model_path, ranged, run_config)
+                                      changed_settings, finished_results, output_dir_problem, packaged_model_path,
+                                      ranged, run_config)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")

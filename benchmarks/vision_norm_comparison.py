@@ -119,11 +119,11 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     runs again with ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing``
     (exit 2) without it."""
     from lp_decentral_nlp.commands import config_differences, finished_results
+    from lp_decentral_nlp.commands.run import exit_with_error
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
     def refuse(problem: str):
-        print(f"{os.path.basename(__file__)}: error: argument --skip-existing: {problem}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(os.path.basename(__file__), problem, "--skip-existing")
 
     if not args.skip_existing:
         return None

@@ -507,6 +507,14 @@ def _training_fields() -> dict:
     return {f.name: f for f in dataclasses.fields(DecentralizedTrainingArguments) if f.init}
 
 
+@functools.cache
+def _default_training():
+    """``DecentralizedTrainingArguments()``: the defaults as its ``__post_init__`` normalises them."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    return DecentralizedTrainingArguments()
+
+
 def _as_json(config: dict) -> dict:
     """`config` as ``results.json`` stores it (JSON types)."""
     return json.loads(json.dumps(config, default=str))
@@ -528,8 +536,7 @@ def training_default(name: str, value) -> bool:
     if default is dataclasses.MISSING or type(value) is type(default):
         return False
     try:
-        return getattr(DecentralizedTrainingArguments(**{name: value}), name) == \
-            getattr(DecentralizedTrainingArguments(), name)
+        return getattr(DecentralizedTrainingArguments(**{name: value}), name) == getattr(_default_training(), name)
     except (TypeError, ValueError):
         return False
 
