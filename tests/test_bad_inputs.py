@@ -215,8 +215,8 @@ ROWS = {
             "argument --model: DIR: cannot load its weights (SafetensorError: ...)"),
     51: Row("a run larger than the memory", "exit 2",
             "the run needs at least ... MB (4 nodes in this process x ... MB each: weights, gradients and optimizer "
-            "state, saved activations) but 1 MB are available on cpu: lower --nodes, --batch-size or --max-length, "
-            "or run one node per process (--backend distributed)"),
+            "state, saved activations; ... MB of gossip buffers and the initial model) but 1 MB are available on cpu: "
+            "lower --nodes, --batch-size or --max-length, or run one node per process (--backend distributed)"),
     52: Row("`--output-dir DIR/afile/run`, `afile` a file", "exit 2",
             "argument --output-dir: DIR/afile/run cannot be created (DIR/afile is a file)"),
     53: Row('`--output-dir ""`', "exit 2", "argument --output-dir: the folder name is empty"),

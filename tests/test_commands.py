@@ -251,6 +251,29 @@ def test_the_memory_check_counts_float32_master_weights_in_an_8bit_run(capsys, m
     assert float32_state < per_node < 1.5 * float32_state  # and the small 8-bit activations of 4 x 16 tokens
 
 
+def test_the_memory_check_counts_the_gossip_buffers_and_the_initial_model(capsys, monkeypatch):
+    """Choco keeps a public copy of every node's model (SPEC 2), all of them in one process when
+    simulated; the trainer also keeps the model the nodes were copied from."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from lp_decentral_nlp.commands import run
+
+    model = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=100, dim=256, n_layers=2, n_heads=2,
+                                                                 hidden_dim=1024, max_position_embeddings=16))
+    weights_mb = 4 * sum(p.numel() for p in model.parameters()) / 1e6
+    monkeypatch.setattr(run, "available_memory_mb", lambda device: 0.001)
+    shared = {}
+    for nodes in ("2", "4"):
+        training = build_nlp_parser("ag_news", "choco").parse(["--nodes", nodes, "--compression", "0"]).training
+        with pytest.raises(SystemExit):
+            run.check_memory(model, training, (16,), "agnews_choco.py")
+        line = capsys.readouterr().err
+        shared[nodes] = float(line.split("; ")[1].split(" MB of gossip")[0].replace(",", ""))
+    # the initial model, a public copy per node, two work vectors, 8-bit messages (a quarter of a model each)
+    assert 5 * weights_mb < shared["2"] < 6 * weights_mb
+    assert 2 * weights_mb < shared["4"] - shared["2"] < 3 * weights_mb
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--arch", "resnet20", "--batch-size", "0"], "argument --batch-size: must be in [1, inf), got 0"),
     (["--arch", "resnet20", "--num-nodes", "2.5"], "argument --num-nodes: expected an integer, got '2.5'"),

@@ -8,8 +8,8 @@ import torch
 from helpers import irregular_digraph
 
 from lp_decentral_nlp.gossip import (
-    QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, QuasiGlobalMomentum, RandomK, SimulatedTransport, TopK,
-    average_model, consensus_distance, make_topology,
+    QSGD, SGP, ChocoSGD, DeepSqueeze, FaultPlan, Identity, MessageLayout, Quantize, QuasiGlobalMomentum, RandomK,
+    SimulatedTransport, TopK, TorchDistributedTransport, average_model, consensus_distance, make_topology,
 )
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
@@ -269,6 +269,41 @@ def test_state_dict_rows_are_labelled_by_node():
     assert int(sd["step"]) == 1
     with pytest.raises(ValueError, match="state_dict is for"):
         DeepSqueeze(make_topology("directed_ring", 3)).load_state_dict(sd)
+
+
+def state_bytes(gossip, stats) -> int:
+    """What a gossip object demonstrably holds after a step: its state buffers (``state_dict``),
+    one outgoing message per local node and two ``(P + 1,)`` float32 work vectors."""
+    buffers = sum(v.numel() * v.element_size() for k, v in gossip.state_dict().items()
+                  if isinstance(v, torch.Tensor) and v.dim() == 2)
+    return buffers + len(gossip.node_ids) * stats.message_bytes + 2 * (P + 1) * 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ChocoSGD(make_topology("ring", 5), TopK(0.1), gamma=0.5),
+    lambda: DeepSqueeze(make_topology("exponential", 8), QSGD(4), gamma=0.5),
+    lambda: SGP(make_topology("complete", 3)),
+    lambda: DeepSqueeze(irregular_digraph(), Identity(), gamma=1.0),  # push-sum weights leave 1: "written" kept
+    lambda: DeepSqueeze(make_topology("directed_ring", 4), RandomK(0.2), gamma=0.5,
+                        faults=FaultPlan(drop_prob=0.3, seed=1)),
+], ids=["choco", "deepsqueeze", "sgp", "irregular", "lost-messages"])
+def test_memory_bytes_is_what_the_gossip_holds_after_stepping(make):
+    gossip = make()
+    n = gossip.topology.num_nodes
+    before = gossip.memory_bytes([torch.empty(s, device="meta") for s in SHAPES])
+    for t in range(6):
+        stats = gossip.step(make_nodes(n, seed=t))
+    assert before == state_bytes(gossip, stats)
+
+
+def test_a_rank_counts_its_own_state_and_its_receive_buffers():
+    topo = make_topology("ring", 5)  # two in-neighbours per node
+    params = [torch.empty(s, device="meta") for s in SHAPES]
+    rank = DeepSqueeze(topo, TopK(0.1), gamma=0.5, transport=RankTwoOfFour())
+    stats = DeepSqueeze(topo, TopK(0.1), gamma=0.5).step(make_nodes(5))
+    assert rank.memory_bytes(params) == (1 + 2) * (P + 1) * 4 + stats.message_bytes  # its error row, work vectors
+    layout = MessageLayout([[("values", torch.float32, 10)], [("weight", torch.float32, 1)]])
+    assert TorchDistributedTransport().memory_bytes(topo, layout, [2]) == 2 * 44  # one message per in-neighbour
 
 
 class RankTwoOfFour(SimulatedTransport):

@@ -403,14 +403,18 @@ def available_memory_mb(device) -> float:
 def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has.
 
-    The need is, per node, its weights, gradients and optimizer state as this process stores them
-    (float32 master weights in 8-bit training too) and the activations its layers save for backward
-    (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit layers),
-    times the nodes this process holds (all of them with ``backend="simulated"``, one with
-    ``"distributed"``). The gossip's copies of the model come on top: a lower bound.
+    The need is what this process will store: per node, its weights, gradients and optimizer state
+    (float32 master weights in 8-bit training too) and the activations its layers save for
+    backward (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit
+    layers), times the nodes this process holds (all of them with ``backend="simulated"``, one with
+    ``"distributed"``); plus the model the nodes are copied from and the gossip's buffers
+    (:meth:`lp_decentral_nlp.gossip.PushSumGossip.memory_bytes`). Transient work space is not
+    counted: the need is a lower bound.
     """
     from ..cost import OPTIMIZER_STATES, estimate_cost
     from ..cost.conventions import MB  # the report's memory unit in its default convention
+    from ..gossip import build_gossip
+    from ..trainer import NodeGroup
 
     optim = str(training.optim).lower()
     optimizer = "momentum" if "sgd" in optim else "adam"
@@ -420,14 +424,18 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     per_node = (weights + trainable * (1 + OPTIMIZER_STATES[optimizer])) / MB \
         + report.memory_breakdown_mb["train"]["activations"]
-    here = training.num_nodes if training.backend == "simulated" else 1
-    need = per_node * here
-    available = available_memory_mb(training.device)
+    available = available_memory_mb(training.device)  # sets up the process group of a launch
+    group = NodeGroup(training.num_nodes, training.backend)
+    gossip = build_gossip(training.gossip_config, group.transport(training.gossip_timeout))
+    shared = (weights + gossip.memory_bytes(list(model.parameters()))) / MB
+    here = len(group.node_ids)
+    need = per_node * here + shared
     if need > available:
         exit_with_error(prog, f"the run needs at least {need:,.0f} MB ({here} nodes in this process x "
-                        f"{per_node:,.0f} MB each: weights, gradients and optimizer state, saved activations) but "
-                        f"{available:,.0f} MB are available on {training.device}: lower --nodes, --batch-size or "
-                        "--max-length, or run one node per process (--backend distributed)")
+                        f"{per_node:,.0f} MB each: weights, gradients and optimizer state, saved activations; "
+                        f"{shared:,.0f} MB of gossip buffers and the initial model) but {available:,.0f} MB are "
+                        f"available on {training.device}: lower --nodes, --batch-size or --max-length, or run one "
+                        "node per process (--backend distributed)")
 
 
 def model_label_mismatch(model_path: str, labels) -> str | None:

@@ -201,6 +201,33 @@ class PushSumGossip:
         """Gossip steps done so far (the next step uses ``W(num_steps)``)."""
         return self._step
 
+    def memory_bytes(self, params: ParamList) -> int:
+        """Bytes this object holds for its local nodes once it has stepped models whose parameters
+        are shaped like ``params`` (one node's parameter list; ``meta`` tensors will do).
+
+        That is the algorithm's state (one ``(P + 1,)`` row per held node and state name, see
+        ``state_dict``), two ``(P + 1,)`` work vectors, one outgoing message per local node and the
+        transport's receive buffers, all in the state dtype (the parameters' promoted to at least
+        float32) or as encoded. ``"written"`` (``(len(node_ids), P)`` in the parameters' dtype, kept
+        once a push-sum weight leaves 1) is counted wherever a weight may leave 1: under a fault plan
+        (:mod:`.faults`), or on a graph whose mixing rows do not sum to 1 (the built-in graphs' do,
+        and without faults their weights stay 1). Encoding scratch space, freed within a step, is
+        not counted.
+        """
+        sizes = [p.numel() for p in params]
+        P = sum(sizes)
+        dtype = torch.promote_types(params[0].dtype, torch.float32)
+        layout = self._layout_of(self._segments_of(sizes), dtype)
+        vector = (P + 1) * dtype.itemsize
+        state_rows = sum(len(self._state_nodes[name]) for name in self._state_names)
+        total = (state_rows + 2) * vector + len(self._node_ids) * layout.nbytes
+        total += self.transport.memory_bytes(self.topology, layout, self._node_ids)
+        rows_sum_to_one = all(np.allclose(self.topology.mixing_matrix(t).sum(dim=1).numpy(), 1.0)
+                              for t in range(self.topology.period))
+        if self.faults is not None or not rows_sum_to_one:
+            total += len(self._node_ids) * P * params[0].element_size()
+        return total
+
     def step(self, nodes: list[ParamList]) -> GossipStats:
         """One gossip round for every local node; updates ``nodes`` in place (SPEC 2 steps 2-5).
 
@@ -569,6 +596,18 @@ class PushSumGossip:
         gen.manual_seed(seed)
         return gen
 
+    def _segments_of(self, sizes: list[int]) -> list[tuple[int, int, Compressor]]:
+        """``(offset, numel, codec)`` of every message segment for parameters of ``sizes`` elements:
+        one per nonempty tensor (layer-wise codecs) or one for the whole model, then the weight's."""
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        P = int(offsets[-1])
+        segs = [(int(o), n) for o, n in zip(offsets, sizes) if n > 0] if self.compressor.layerwise else [(0, P)]
+        return [(o, n, self.compressor) for o, n in segs] + [(P, 1, Identity())]
+
+    @staticmethod
+    def _layout_of(segments, dtype: torch.dtype) -> MessageLayout:
+        return MessageLayout([codec.fields(n, dtype) for _, n, codec in segments])
+
     def _check_nodes(self, nodes) -> None:
         m = len(self._node_ids)
         if not isinstance(nodes, (list, tuple)) or len(nodes) != m:
@@ -601,10 +640,9 @@ class PushSumGossip:
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self._P = P = int(offsets[-1])
         self._param_slices = [(int(o), n, s) for o, n, s in zip(offsets, sizes, self._shapes)]
-        segs = [(int(o), n) for o, n in zip(offsets, sizes) if n > 0] if self.compressor.layerwise else [(0, P)]
-        self._segments = [(o, n, self.compressor) for o, n in segs] + [(P, 1, Identity())]
+        self._segments = self._segments_of(sizes)
         self._largest_first = sorted(range(len(self._segments)), key=lambda s: -self._segments[s][1])
-        self._layout = MessageLayout([codec.fields(n, self._dtype) for _, n, codec in self._segments])
+        self._layout = self._layout_of(self._segments, self._dtype)
         dev, dt = self._device, self._dtype
         self._flat = torch.zeros(P + 1, dtype=dt, device=dev)
         self._work = torch.zeros(P + 1, dtype=dt, device=dev)

@@ -58,6 +58,10 @@ class SimulatedTransport:
     def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
         return {i: [(j, outgoing[j]) for j in self._topology.in_neighbors(i, step)] for i in outgoing}
 
+    def memory_bytes(self, topology: Topology, layout: MessageLayout, node_ids: list[int]) -> int:
+        """Bytes of receive buffers: none, receivers read the senders' buffers."""
+        return 0
+
     def __repr__(self):
         return "SimulatedTransport()"
 
@@ -119,9 +123,13 @@ class TorchDistributedTransport:
                              f"messages, but the process group uses {backend!r}")
         self._topology = topology
         self._device = device
-        max_in = max(len(topology.in_neighbors(self._rank, t)) for t in range(topology.period))
-        self._slots = [Message(layout, device) for _ in range(max_in)]
+        self._slots = [Message(layout, device) for _ in range(_most_in_neighbors(topology, self._rank))]
         self._preflight(topology, layout.nbytes, start_step, config_fingerprint)
+
+    def memory_bytes(self, topology: Topology, layout: MessageLayout, node_ids: list[int]) -> int:
+        """Bytes of receive buffers: one message per in-neighbour of this rank (``node_ids[0]``),
+        the most it has in any phase of the graph."""
+        return _most_in_neighbors(topology, node_ids[0]) * layout.nbytes
 
     def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
         me = self._rank
@@ -213,3 +221,7 @@ class TorchDistributedTransport:
 
     def __repr__(self):
         return f"TorchDistributedTransport(timeout={self.timeout:g})"
+
+
+def _most_in_neighbors(topology: Topology, node: int) -> int:
+    return max(len(topology.in_neighbors(node, t)) for t in range(topology.period))
