@@ -278,6 +278,35 @@ def test_int8_export_rejects_a_non_bool_embeddings_flag():
         export_int8_state_dict(model, embeddings="yes")
 
 
+COMPILE_IN_A_FRESH_PROCESS = """
+import copy, torch
+from transformers import BertConfig, BertForSequenceClassification
+from lp_decentral_nlp import QuantConfig, quantize_model
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                 intermediate_size=64, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0, num_labels=3))
+quantize_model(model, QuantConfig())
+eager = copy.deepcopy(model)
+compiled = torch.compile(model, backend="eager")
+batch = dict(input_ids=torch.randint(0, 100, (2, 8)), labels=torch.tensor([0, 2]))
+for net in (compiled, eager):
+    torch.manual_seed(1)  # the same stochastic rounding of the gradients
+    net(**batch).loss.backward()
+assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
+"""
+
+
+def test_an_8bit_model_compiles_in_a_fresh_process_and_matches_eager():
+    """The CPU kernels (numba) run outside torch.compile's graphs: Dynamo, tracing into numba's
+    first call of a process, failed on every backend."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", COMPILE_IN_A_FRESH_PROCESS], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_quantized_model_trains_inside_hf_trainer(tmp_path):
     """A learnable toy task (label = a marker token at position 1) through plain Trainer."""
     torch.manual_seed(0)

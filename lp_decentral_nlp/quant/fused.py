@@ -29,7 +29,6 @@ without changing torch's thread count (:mod:`lp_decentral_nlp.utils.numba_thread
 """
 from __future__ import annotations
 
-import functools
 
 import numba
 import numpy as np
@@ -335,7 +334,6 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     return codes, out_values, sums, scale
 
 
-@functools.cache
 def _grid_constants(bits: int, signed: bool) -> tuple[np.float32, np.float32]:
     """``(levels, shift)`` of :func:`quantize_rows`' grid as float32 scalars."""
     return np.float32(2**bits - 1), np.float32(2 ** (bits - 1) if signed else 0)
