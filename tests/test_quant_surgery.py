@@ -195,6 +195,37 @@ class QuantScale(QuantModule, Scale):
         return fake_quantize(x, *tensor_range(x), self.quant_config.bits) * self.weight
 
 
+def test_a_float_state_dict_loads_into_a_model_quantized_on_meta_as_an_uncalibrated_one():
+    """The usual meta-device load: build on ``meta``, quantize, ``to_empty()``, load float weights.
+    The float checkpoint has no activation ranges; the layers start uncalibrated, as when the
+    float model is quantized after loading, instead of evaluating with whatever memory they got."""
+    def mlp():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    torch.manual_seed(0)
+    float_model = mlp()
+    with torch.device("meta"):
+        model = mlp()
+    quantize_model(model)
+    model.to_empty(device="cpu")
+    for layer in (model[0], model[2]):  # what to_empty may leave there
+        layer.act_num_batches.fill_(123456789)
+        layer.act_running_max.fill_(3.0e38)
+    model.load_state_dict(float_model.state_dict())  # strict: the range buffers are not missing
+    expected = quantize_model(copy.deepcopy(float_model)).eval()
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), expected(x))
+    # a quantized checkpoint still restores its ranges, and a partial one is reported
+    calibrated = expected.state_dict()
+    calibrated["2.act_num_batches"].fill_(7)
+    model.load_state_dict(calibrated)
+    assert int(model[2].act_num_batches) == 7
+    del calibrated["2.act_running_min"]
+    with pytest.raises(RuntimeError, match='Missing key.*"2.act_running_min"'):
+        model.load_state_dict(calibrated)
+
+
 def test_the_layer_registry_is_extensible():
     register_quant_layer(Scale, QuantScale)
     try:

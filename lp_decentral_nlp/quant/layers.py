@@ -141,12 +141,28 @@ class ActivationQuantizer(QuantModule):
     the input) and ``act_num_batches`` (training batches seen; 0 means uncalibrated).
     """
 
+    _RANGE_BUFFERS = ("act_running_min", "act_running_max", "act_num_batches")
+
     def __init__(self, *args, quant_config: QuantConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.quant_config = QuantConfig() if quant_config is None else quant_config
-        for name in ("act_running_min", "act_running_max", "act_num_batches"):
+        for name in self._RANGE_BUFFERS:
             self.register_buffer(name, None)
         self.reset_activation_range()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """``load_state_dict`` of a float checkpoint (none of the range buffers): the layer starts
+        uncalibrated, as after ``quantize_model``, and the buffers are not reported missing. They
+        would otherwise keep what they held, e.g. uninitialised memory after ``to_empty()`` of a
+        model quantized on the ``meta`` device. (``from_pretrained`` loads otherwise; its quantizer
+        does the same, :mod:`.hf_quantizer`.)"""
+        absent = [prefix + name for name in self._RANGE_BUFFERS if prefix + name not in state_dict]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if len(absent) == len(self._RANGE_BUFFERS):
+            self.reset_activation_range()
+            missing_keys[:] = [key for key in missing_keys if key not in absent]
 
     @classmethod
     def from_float(cls, module: nn.Module, config: QuantConfig) -> nn.Module:
