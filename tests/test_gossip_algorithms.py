@@ -9,7 +9,8 @@ from helpers import irregular_digraph
 
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, FaultPlan, Identity, MessageLayout, Quantize, QuasiGlobalMomentum, RandomK,
-    SimulatedTransport, TopK, TorchDistributedTransport, average_model, consensus_distance, make_topology,
+    SimulatedTransport, TopK, TorchDistributedTransport, average_model, build_gossip, consensus_distance,
+    make_topology,
 )
 
 SHAPES = [(12, 10), (10,), (3, 4, 5), (300,)]
@@ -340,6 +341,17 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         ChocoSGD(ring, compressor="topk")
     with pytest.raises(TypeError, match="topology"):
         SGP("ring")
+    with pytest.raises(TypeError, match="topology must be a Topology"):
+        ChocoSGD("ring")  # was an AttributeError on str.period
+    with pytest.raises(TypeError, match="positional argument"):
+        SGP(ring, TopK(0.1))  # SGP has no compressor: it took it for the transport
+    with pytest.raises(ValueError, match=r"ChocoSGD needs a contraction, and QSGD\(levels=4, scaled=False\) is none"):
+        ChocoSGD(ring, QSGD(4), gamma=0.1)
+    with pytest.raises(TypeError, match="config must be a GossipConfig, got dict"):
+        build_gossip({"num_nodes": 3})
+    for summary in (average_model, consensus_distance):
+        with pytest.raises(ValueError, match="at least one node"):
+            summary([])
     gossip = SGP(ring)
     with pytest.raises(ValueError, match="list of 3 parameter lists"):
         gossip.step(make_nodes(2))

@@ -20,7 +20,8 @@ def test_the_default_step_is_proportional_to_the_compression_quality(compressor,
 def test_scaled_qsgd_quality_is_one_over_one_plus_omega_and_unscaled_qsgd_is_refused():
     omega = min((1 << 20) / 16**2, 1024 / 16)  # at the reference 1024 x 1024 tensor
     assert compression_quality(QSGD(16, scaled=True)) == pytest.approx(1 / (1 + omega))
-    with pytest.raises(ValueError, match="not a contraction"):
+    with pytest.raises(ValueError, match="not a contraction, so it has no default consensus step .*: use "
+                                         r"QSGD\(scaled=True\)$"):
         default_consensus_lr(QSGD(16), "choco")
     with pytest.raises(ValueError, match="algorithm must be one of"):
         default_consensus_lr(TopK(0.1), "sgd")

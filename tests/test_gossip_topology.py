@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lp_decentral_nlp.gossip import Topology, make_topology
+from lp_decentral_nlp.gossip import GossipConfig, Topology, build_topology, make_topology
 
 ALL = [("directed_ring", 8, {}), ("ring", 8, {}), ("torus", 16, {"rows": 4, "cols": 4}),
        ("exponential", 8, {}), ("complete", 5, {}), ("directed_ring", 1, {}), ("ring", 2, {}),
@@ -86,13 +86,22 @@ def test_from_matrix_rejects_invalid_matrices_with_clear_errors(W, message):
         Topology.from_matrix(W)
 
 
+def test_a_torus_without_a_shape_is_the_most_square_one_and_one_side_fixes_the_other():
+    """As GossipConfig's torus (``torus_rows=None``): make_topology needed both sides."""
+    assert make_topology("torus", 12).name == "torus(3x4)"
+    assert make_topology("torus", 7).name == "torus(1x7)"
+    assert make_topology("torus", 12, rows=2).name == "torus(2x6)"
+    assert make_topology("torus", 12, cols=2).name == "torus(6x2)"
+    assert build_topology(GossipConfig(num_nodes=12, topology="torus")).name == "torus(3x4)"
+
+
 def test_make_topology_rejects_bad_arguments():
     with pytest.raises(ValueError, match="name must be one of"):
         make_topology("star", 4)
     with pytest.raises(ValueError, match="num_nodes"):
         make_topology("ring", 0)
-    with pytest.raises(ValueError, match="rows= and cols="):
-        make_topology("torus", 16)
+    with pytest.raises(ValueError, match="^rows=3 does not divide num_nodes=16"):
+        make_topology("torus", 16, rows=3)
     with pytest.raises(ValueError, match="rows \\* cols"):
         make_topology("torus", 16, rows=3, cols=5)
     with pytest.raises(ValueError, match="^rows must be an int >= 1, got True"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .compressors import Compressor, Identity, Quantize
+from .compressors import QSGD, Compressor, Identity, Quantize
 from .faults import FaultPlan
 from .push_sum import PushSumGossip
 from .topology import Topology
@@ -36,11 +36,14 @@ class ChocoSGD(PushSumGossip):
 
     def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
                  transport=None, seed: int = 0, faults: FaultPlan | None = None):
+        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
+                         faults)  # checks the arguments' types first
+        if isinstance(compressor, QSGD) and not compressor.scaled:
+            raise ValueError(f"ChocoSGD needs a contraction, and {compressor!r} is none: its public copies diverge "
+                             "whatever gamma; use QSGD(levels, scaled=True) (QSGD's docstring)")
         if topology.period != 1:
             raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
                              f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")
-        super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
-                         faults)
         held = set(self._node_ids).union(*(topology.in_neighbors(i) for i in self._node_ids))
         self._state_nodes["public"] = sorted(held)
         self._public_row = {j: r for r, j in enumerate(self._state_nodes["public"])}

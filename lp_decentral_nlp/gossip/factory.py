@@ -121,8 +121,8 @@ def compression_quality(compressor: Compressor | None) -> float:
         return compressor.keep
     if isinstance(compressor, QSGD):
         if not compressor.scaled:
-            raise ValueError("compressor QSGD(scaled=False) is not a contraction (Choco-SGD diverges with it); "
-                             "use QSGD(scaled=True) or pass consensus_lr")
+            raise ValueError("compressor QSGD(scaled=False) is not a contraction, so it has no default consensus "
+                             "step (and Choco-SGD diverges with it whatever the step): use QSGD(scaled=True)")
         n, s = QSGD_REFERENCE_NUMEL, compressor.levels
         return 1.0 / (1.0 + min(n / s**2, math.sqrt(n) / s))
     raise TypeError(f"compressor must be None, Identity, Quantize, TopK, RandomK or QSGD, got "
@@ -159,9 +159,7 @@ def build_topology(config: GossipConfig) -> Topology:
     """The graph of ``config``; a torus uses ``torus_rows`` or the most square ``rows x cols``."""
     if config.topology != "torus":
         return make_topology(config.topology, num_nodes=config.num_nodes)
-    n = config.num_nodes
-    rows = config.torus_rows or max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
-    return make_topology("torus", num_nodes=n, rows=rows, cols=n // rows)
+    return make_topology("torus", num_nodes=config.num_nodes, rows=config.torus_rows)
 
 
 def build_compressor(config: GossipConfig) -> Compressor | None:
@@ -189,6 +187,8 @@ def build_gossip(config: GossipConfig, transport=None) -> PushSumGossip:
     differences (Choco-style with ``gamma=1``), the only way to put 8-bit values on the wire
     without a drifting error.
     """
+    if not isinstance(config, GossipConfig):
+        raise TypeError(f"config must be a GossipConfig, got {type(config).__name__}")
     topology = build_topology(config)
     compressor = build_compressor(config)
     faults = config.faults if config.faults is not None and config.faults.active else None

@@ -710,6 +710,8 @@ def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Te
 
 def average_model(nodes: list[ParamList]) -> ParamList:
     """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors."""
+    if not nodes:
+        raise ValueError("nodes must hold at least one node's parameter list, got none")
     avg = [p.detach().clone() for p in nodes[0]]
     for params in nodes[1:]:
         torch._foreach_add_(avg, [p.detach() for p in params])

@@ -13,12 +13,13 @@ class SGP(PushSumGossip):
     ``x_i <- sum_j W_ij x~_j``, ``w_i <- sum_j W_ij w_j``. Works on time-varying graphs.
 
     Args:
-        topology, transport, seed, faults: as in :class:`PushSumGossip`.
+        topology, transport, seed, faults: as in :class:`PushSumGossip` (no compressor: the
+            others are keyword-only, so ``SGP(topology, TopK(...))`` is refused).
     """
 
     _keep = 0.0
 
-    def __init__(self, topology: Topology, transport=None, seed: int = 0, faults: FaultPlan | None = None):
+    def __init__(self, topology: Topology, *, transport=None, seed: int = 0, faults: FaultPlan | None = None):
         super().__init__(topology, Identity(), 1.0, transport, seed, faults)
 
     def _message(self, k, params):

@@ -138,8 +138,9 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
             (time-varying: at step ``t`` node ``i`` sends to ``i + 2^(t mod K)`` with
             ``K = ceil(log2 n)``), ``"complete"`` (everyone to everyone).
         num_nodes: ``n >= 1``.
-        rows, cols: torus shape, both required for ``"torus"`` with ``rows * cols == num_nodes``;
-            not allowed for the other graphs.
+        rows, cols: torus shape, ``rows * cols == num_nodes``; either one alone fixes the other,
+            and without both the most square shape is taken (``rows <= cols``). Not allowed for
+            the other graphs.
     """
     if not isinstance(num_nodes, (int, np.integer)) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
@@ -159,12 +160,17 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
         mats = [_uniform_split(n, lambda i, h=h: [(i + h) % n]) for h in hops]
         return Topology(mats, name=name)
     # torus
-    if rows is None or cols is None:
-        raise ValueError(f"name='torus' needs rows= and cols= with rows * cols == num_nodes ({n}), "
-                         f"got rows={rows!r}, cols={cols!r}")
     for arg, v in (("rows", rows), ("cols", cols)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
             raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+    if rows is None and cols is None:
+        rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    if rows is None or cols is None:
+        given, other = ("rows", "cols") if cols is None else ("cols", "rows")
+        if n % (rows or cols):
+            raise ValueError(f"{given}={rows or cols} does not divide num_nodes={n}: a torus needs "
+                             f"rows * cols == num_nodes")
+        rows, cols = (rows, n // rows) if cols is None else (n // cols, cols)
     if rows * cols != n:
         raise ValueError(f"rows * cols must equal num_nodes: {rows} * {cols} != {n}")
 
