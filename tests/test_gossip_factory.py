@@ -41,6 +41,12 @@ def test_gossip_config_uses_the_default_unless_consensus_lr_is_given():
     (dict(low_precision="False"), r"low_precision must be True or False, got 'False'"),
     (dict(seed=-1), r"seed must be an integer in \[0, 4294967295\], got -1"),
     (dict(faults="none"), r"faults must be a FaultPlan or None, got str"),
+    # QSGD's size is its levels: a percentage given with it was ignored
+    (dict(compressor="qsgd", compression=50.0), r"compression=50.0 is the percent top-k and random-k drop; QSGD's "
+                                                r"message size is set by qsgd_levels: leave compression at 0"),
+    (dict(compressor="randomk"), r"compressor='randomk' needs compression > 0"),
+    (dict(qsgd_levels=4, compression=90.0), r"qsgd_levels=4 applies to compressor='qsgd' only, got compressor='topk'"),
+    (dict(algorithm="dpsgd", compressor="qsgd"), r"compressor=qsgd needs algorithm 'choco' or 'deepsqueeze'"),
 ])
 def test_gossip_config_refuses_settings_it_would_ignore_or_misread(kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}"):

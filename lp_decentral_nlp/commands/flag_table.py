@@ -950,22 +950,23 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'compression',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': 'Percent of entries dropped per tensor by the compressor, 0 <= c < 100. (default: 0.0)',
+  'help': 'Percent of entries dropped per tensor by topk/randomk, 0 <= c < 100 (0: every entry is sent). (default: '
+          '0.0)',
   'type': 'finite_float'},
  {'options': ['--compressor'],
   'dest': 'compressor',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Compressor used when compression > 0, one of ('topk', 'randomk', 'qsgd'). topk/randomk keep (100 - "
-          'compression)%% of each tensor; qsgd ignores the percentage and sends qsgd_levels levels per entry. '
-          '(default: topk)',
+  'help': "Message compressor, one of ('topk', 'randomk', 'qsgd'): topk/randomk keep (100 - compression)%% of each "
+          'tensor (when compression > 0); qsgd sends qsgd_levels levels per entry (compression stays 0). (default: '
+          'topk)',
   'type': 'str',
   'allowed': ['topk', 'randomk', 'qsgd']},
  {'options': ['--qsgd_levels', '--qsgd-levels'],
   'dest': 'qsgd_levels',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "QSGD levels s (1..127) when compressor='qsgd'. (default: 16)",
+  'help': "QSGD levels s (1..127), for compressor='qsgd'. (default: 16)",
   'type': 'integer'},
  {'options': ['--consensus_lr', '--consensus-lr'],
   'dest': 'consensus_lr',

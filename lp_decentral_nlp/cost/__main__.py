@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
     p.add_argument("--compressor", choices=("topk", "randomk", "qsgd"), default="topk",
-                   help="message compressor when --compression > 0 (qsgd: 16 levels, whatever the percent) (topk)")
+                   help="message compressor: topk/randomk drop --compression percent; qsgd sends 16 levels per "
+                        "entry, --compression stays 0 (topk)")
     p.add_argument("--train-samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
     p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")

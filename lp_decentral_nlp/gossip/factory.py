@@ -38,10 +38,12 @@ class GossipConfig:
         torus_rows: rows of a torus (must divide ``num_nodes``); None: the most square shape.
         algorithm: ``"choco"`` (Choco-SGD), ``"deepsqueeze"`` (Deep-Squeeze / Sparse-Push) or
             ``"dpsgd"`` (uncompressed push-sum SGP).
-        compression: percent of entries dropped per tensor, ``0 <= compression < 100``
-            (``99`` keeps 1%, SPEC 3).
-        compressor: ``"topk"``, ``"randomk"`` or ``"qsgd"`` (used when ``compression > 0``).
-        qsgd_levels: QSGD levels ``s`` in ``[1, 127]``.
+        compression: percent of entries the sparsifier drops per tensor, ``0 <= compression < 100``
+            (``99`` keeps 1%, SPEC 3); 0 sends every entry.
+        compressor: ``"topk"`` or ``"randomk"`` (the sparsifier when ``compression > 0``), or
+            ``"qsgd"`` (QSGD with ``qsgd_levels`` levels, whose size the levels set:
+            ``compression`` stays 0).
+        qsgd_levels: QSGD levels ``s`` in ``[1, 127]``, for ``compressor="qsgd"``.
         low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads").
         consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :func:`default_consensus_lr`
             (``"dpsgd"`` mixes exactly: None or 1 only).
@@ -67,9 +69,19 @@ class GossipConfig:
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("compressor", self.compressor, COMPRESSORS)
         check_field("compression", self.compression)
-        if self.algorithm == "dpsgd" and self.compression > 0:
-            raise ValueError("compression > 0 needs algorithm 'choco' or 'deepsqueeze'; 'dpsgd' sends exact models")
         check_field("qsgd_levels", self.qsgd_levels)
+        qsgd = self.compressor == "qsgd"
+        if qsgd and self.compression > 0:
+            raise ValueError(f"compression={self.compression!r} is the percent top-k and random-k drop; QSGD's message "
+                             "size is set by qsgd_levels: leave compression at 0 with compressor='qsgd'")
+        if self.compressor == "randomk" and self.compression == 0:
+            raise ValueError("compressor='randomk' needs compression > 0 (the percent of entries it drops)")
+        if not qsgd and self.qsgd_levels != GossipConfig.qsgd_levels:
+            raise ValueError(f"qsgd_levels={self.qsgd_levels!r} applies to compressor='qsgd' only, got "
+                             f"compressor={self.compressor!r}")
+        if self.algorithm == "dpsgd" and (self.compression > 0 or qsgd):
+            raise ValueError(f"{'compressor=qsgd' if qsgd else 'compression > 0'} needs algorithm 'choco' or "
+                             "'deepsqueeze'; 'dpsgd' sends exact models")
         check_field("consensus_lr", self.consensus_lr)
         if self.algorithm == "dpsgd" and self.consensus_lr not in (None, 1.0):
             raise ValueError(f"consensus_lr={self.consensus_lr!r} is the consensus step of 'choco' and 'deepsqueeze'; "
@@ -166,18 +178,18 @@ def build_compressor(config: GossipConfig) -> Compressor | None:
     """The message codec of ``config`` (SPEC 3), or None for exact full-precision messages.
 
     Low precision sends 8-bit values: ``Quantize(8)`` without sparsification, top-k/random-k with
-    8-bit values with it. QSGD is scaled by ``1 / (1 + omega)`` so Choco/Deep-Squeeze stay stable
-    with its variance.
+    8-bit values with it. QSGD (codes of at most 8 bits in either precision) is scaled by
+    ``1 / (1 + omega)`` so Choco/Deep-Squeeze stay stable with its variance.
     """
+    if config.compressor == "qsgd":
+        return QSGD(levels=config.qsgd_levels, scaled=True)
     value_bits = 8 if config.low_precision else None
     if config.compression == 0:
         return Quantize(bits=8) if value_bits else None
     keep = (100.0 - config.compression) / 100.0
     if config.compressor == "topk":
         return TopK(keep, value_bits=value_bits)
-    if config.compressor == "randomk":
-        return RandomK(keep, value_bits=value_bits)
-    return QSGD(levels=config.qsgd_levels, scaled=True)
+    return RandomK(keep, value_bits=value_bits)
 
 
 def build_gossip(config: GossipConfig, transport=None) -> PushSumGossip:

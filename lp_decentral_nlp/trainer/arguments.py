@@ -49,12 +49,13 @@ class DecentralizedTrainingArguments(TrainingArguments):
     topology: str = field(default="directed_ring", metadata={"help": f"Communication graph, one of {TOPOLOGIES}."})
     algorithm: str = field(default="choco", metadata={"help": f"Gossip algorithm, one of {ALGORITHMS}."})
     compression: float = field(
-        default=0.0, metadata={"help": "Percent of entries dropped per tensor by the compressor, 0 <= c < 100."}
+        default=0.0, metadata={"help": "Percent of entries dropped per tensor by topk/randomk, 0 <= c < 100 "
+                                       "(0: every entry is sent)."}
     )
     compressor: str = field(default="topk", metadata={
-        "help": f"Compressor used when compression > 0, one of {COMPRESSORS}. topk/randomk keep (100 - compression)%% "
-                "of each tensor; qsgd ignores the percentage and sends qsgd_levels levels per entry."})
-    qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127) when compressor='qsgd'."})
+        "help": f"Message compressor, one of {COMPRESSORS}: topk/randomk keep (100 - compression)%% of each tensor "
+                "(when compression > 0); qsgd sends qsgd_levels levels per entry (compression stays 0)."})
+    qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127), for compressor='qsgd'."})
     consensus_lr: float | None = field(
         default=None, metadata={"help": "Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm "
                                      "(lp_decentral_nlp.gossip.factory.default_consensus_lr, docs/consensus_step.md)."}
