@@ -344,6 +344,35 @@ def test_bad_arguments(kwargs, match):
         estimate_cost(**args)
 
 
+def test_only_8bit_layers_are_priced():
+    """SPEC 7 has int8 energies only: a 4-bit config was priced as 8-bit, silently."""
+    message = r"computes at bits=4, grad_bits=8; the cost model prices 8-bit layers only"
+    with pytest.raises(ValueError, match="^quant_config " + message):
+        estimate_cost(linear_model(), (3,), 4, "int8", quant_config=QuantConfig(bits=4, skip=()))
+    from lp_decentral_nlp import quantize_model
+
+    with pytest.raises(ValueError, match="^layer '0' " + message):
+        estimate_cost(quantize_model(linear_model(), QuantConfig(bits=4, skip=())), (3,), 4, "int8")
+
+
+@pytest.mark.parametrize("settings, optimizer_cls_and_kwargs, expected", [
+    (dict(optim="sgd"), None, "sgd"),  # transformers' SGD has no momentum unless optim_args give one
+    (dict(optim="sgd", optim_args="momentum=0.9,nesterov=True"), None, "momentum"),
+    (dict(optim="sgd", qgm=True), None, "sgd_qgm"),
+    (dict(optim="adamw_torch"), None, "adam"),
+    (dict(optim="adamw_torch", qgm=True), None, "adam_qgm"),
+    (dict(optim="adafactor"), None, "adam"),  # other optimizers: priced as Adam
+    (dict(optim="adamw_torch"), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "momentum"),
+])
+def test_a_runs_optimizer_is_priced_by_the_state_it_keeps(tmp_path, settings, optimizer_cls_and_kwargs, expected):
+    from lp_decentral_nlp.cost import OPTIMIZER_STATES
+    from lp_decentral_nlp.trainer import DecentralizedTrainingArguments, cost_optimizer
+
+    args = DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none", **settings)
+    assert cost_optimizer(args, linear_model(), optimizer_cls_and_kwargs) == expected
+    assert expected in OPTIMIZER_STATES
+
+
 def test_token_model_needs_a_sequence_length():
     with pytest.raises(ValueError, match=r"\(seq_len,\)"):
         estimate_cost(tiny_bert(), (3, 8), 2)

@@ -414,10 +414,9 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     from ..cost import OPTIMIZER_STATES, estimate_cost
     from ..cost.conventions import MB  # the report's memory unit in its default convention
     from ..gossip import build_gossip
-    from ..trainer import NodeGroup
+    from ..trainer import NodeGroup, cost_optimizer
 
-    optim = str(training.optim).lower()
-    optimizer = "momentum" if "sgd" in optim else "adam"
+    optimizer = cost_optimizer(training, model)
     report = estimate_cost(model, tuple(input_shape), training.per_device_train_batch_size,
                            "int8" if training.low_precision else "fp32", optimizer=optimizer)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

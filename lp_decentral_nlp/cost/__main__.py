@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch, 4 for --model)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
-                   help="optimizer state per parameter (default momentum for --arch, adam for --model)")
+                   help="optimizer state per parameter: sgd 0 tensors, momentum 1, adam 2, sgd_qgm 2, adam_qgm 3 "
+                        "(default momentum for --arch, adam for --model)")
     p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco")
     p.add_argument("--topology", default="directed_ring",
                    help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")

@@ -28,7 +28,7 @@ Everything else -- quantization arithmetic, bias, norms, activations, softmax, a
 residual additions, pooling, the layers kept full precision (heads) -- is priced at fp32.
 
 Memory (bytes, 1 MB = 10^6 bytes): training holds weights + gradients + optimizer state
-(``optimizer``: 0, 1 or 2 tensors per parameter) + the activations autograd saves for backward;
+(``optimizer``: 0 to 3 tensors per parameter) + the activations autograd saves for backward;
 inference holds the weights + the peak of the live activation tensors during the forward pass.
 With ``precision="int8"`` the weights (not biases) of the quantized layers, their gradients and
 optimizer state count 8 bits, as SPEC 7's 8-bit accelerator holds them (``lp_decentral_nlp.quant``
@@ -209,7 +209,9 @@ def estimate_cost(
         quant_config: ``lp_decentral_nlp.quant.QuantConfig`` selecting the quantized layers for
             ``"int8"`` (default ``QuantConfig()``: every Linear/Conv1D/Conv2d but the heads). A
             model already passed through ``quantize_model`` uses its own 8-bit layers instead.
-        optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2).
+        optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2),
+            ``"sgd_qgm"`` (2) or ``"adam_qgm"`` (3): quasi-global momentum's model snapshot on top
+            (``OPTIMIZER_STATES``; ``lp_decentral_nlp.trainer.cost_optimizer`` names a run's).
         weight_grad_gemm: precision at which the weight-gradient GEMM of a quantized layer is
             priced, ``"int8"`` (the paper's model) or ``"fp32"`` (SPEC 4's full-precision ``g``).
         gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``/``ChocoSGD``/``DeepSqueeze``,
@@ -376,18 +378,29 @@ def _quantized_layers(model: nn.Module, quant_config) -> set[str]:
     through ``quantize_model``, else those ``quantize_model(model, quant_config)`` would swap."""
     from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
 
-    own = {name for name, m in model.named_modules() if isinstance(m, QuantModule)}
+    own = {name: m for name, m in model.named_modules() if isinstance(m, QuantModule)}
     if own:
         if quant_config is not None:
             raise ValueError("quant_config must be None for a model that is already quantized "
                              f"({len(own)} 8-bit layers): its own layers are priced")
-        return own
+        for name, layer in own.items():
+            _check_priced_bits(getattr(layer, "quant_config", None), f"layer {name!r}")
+        return set(own)
     if quant_config is not None and not isinstance(quant_config, QuantConfig):
         raise TypeError(f"quant_config must be a QuantConfig or None, got {type(quant_config).__name__}")
+    _check_priced_bits(quant_config, "quant_config")
     plan = quantize_model(model, quant_config, dry_run=True)
     if plan.problems:
         raise ValueError("precision='int8': " + "; ".join(plan.problems))
     return set(plan.quantized)
+
+
+def _check_priced_bits(quant_config, what: str) -> None:
+    """ValueError unless `quant_config` (None: the default) computes at 8 bits, the only integer
+    width SPEC 7 has energies for."""
+    if quant_config is not None and (quant_config.bits, quant_config.grad_bits) != (8, 8):
+        raise ValueError(f"{what} computes at bits={quant_config.bits}, grad_bits={quant_config.grad_bits}; the cost "
+                         "model prices 8-bit layers only (SPEC 7 lists int8 energies): use bits=8 and grad_bits=8")
 
 
 # -- inputs and formatting ----------------------------------------------------------------------

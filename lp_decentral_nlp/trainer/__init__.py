@@ -7,10 +7,11 @@ from .callbacks import MetricsCSVCallback, OnTrainBeginCallback, TrainingKernels
 from .checkpointing import CheckpointError, check_resumable, resume_config
 from .local_step import NonFiniteError
 from .node_group import NodeGroup
+from .optimizers import cost_optimizer
 from .rng import EpochSampler, node_seed
 from .trainer import UNCALLED_TRAINER_METHODS, DecentralizedTrainer, check_model_precision
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "CheckpointError", "DecentralizedTrainer",
            "DecentralizedTrainingArguments", "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError",
-           "OnTrainBeginCallback", "check_resumable", "node_seed",
+           "OnTrainBeginCallback", "check_resumable", "cost_optimizer", "node_seed",
            "resume_config", "TrainingKernelsCallback", "UNCALLED_TRAINER_METHODS", "check_model_precision"]

@@ -38,6 +38,22 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
                          f"adam_beta1 ({args.adam_beta1}): set adam_beta1 instead and leave qgm_beta at {default_beta}")
 
 
+def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None) -> str:
+    """The name under which the cost model (SPEC 7, ``lp_decentral_nlp.cost.OPTIMIZER_STATES``)
+    prices the state this run's optimizer keeps per parameter: ``"sgd"`` (SGD without momentum,
+    transformers' ``optim="sgd"`` unless ``optim_args`` give one), ``"momentum"``, ``"adam"``
+    (Adam/AdamW), ``"sgd_qgm"`` / ``"adam_qgm"`` with quasi-global momentum. Any other optimizer is
+    priced as Adam, two tensors per parameter (Adafactor keeps less, Lion one)."""
+    if optimizer_cls_and_kwargs is None:
+        optimizer_cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer_cls, kwargs = optimizer_cls_and_kwargs
+    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.SGD):
+        if args.qgm:
+            return "sgd_qgm"
+        return "momentum" if float(kwargs.get("momentum", 0.0)) > 0 else "sgd"
+    return "adam_qgm" if args.qgm else "adam"
+
+
 #: ``lr_scheduler_type`` values whose schedule steps on an evaluation metric, not on every
 #: optimizer step (Trainer: ``ReduceLROnPlateau`` and ``GreedyLR``)
 METRIC_SCHEDULES = frozenset({"reduce_lr_on_plateau", "greedy"})

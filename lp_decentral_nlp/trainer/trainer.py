@@ -48,7 +48,7 @@ from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
 from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
-from .optimizers import OptimizerMixin, check_qgm_optimizer
+from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
 from .rng import NodeRNG
 
 
@@ -364,8 +364,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         """
         from ..cost import estimate_cost
 
-        optim = str(self.args.optim).lower()
-        optimizer = "adam" if "adam" in optim else ("momentum" if "sgd" in optim else "adam")
+        optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs)
         bs = self.args.per_device_train_batch_size
         samples_per_node = min(len(s) for s in self._checked_shards())  # an epoch: the smallest shard's batches
         return estimate_cost(self.nodes[0], tuple(input_shape), bs,
