@@ -102,9 +102,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
     Args:
-        model: the initial model; every node starts from a copy of its weights. After training
-            (and at every evaluation) ``trainer.model`` holds the *averaged* de-biased model
-            ``mean_i z_i``, the evaluation model of SPEC 1.
+        model: the initial model; every node starts from a copy of its weights. It becomes
+            ``trainer.model`` (the object itself, as `Trainer` trains the model it is given): with
+            ``args.low_precision`` it is quantized in place (``quantize_model``) unless it already
+            has 8-bit layers, and after training (and at every evaluation) it holds the *averaged*
+            de-biased model ``mean_i z_i``, the evaluation model of SPEC 1. Pass
+            ``copy.deepcopy(model)`` to keep the float model.
         args: :class:`DecentralizedTrainingArguments`.
         train_dataset: the full training set (a map-style dataset); it is split into ``num_nodes``
             shards with :func:`~lp_decentral_nlp.data.skewed_partition`, skewed on
