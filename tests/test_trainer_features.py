@@ -561,6 +561,13 @@ def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, 
         targs(tmp_path, **kwargs)
 
 
+def test_bf16_is_refused_with_the_reason_before_transformers_checks_the_device(tmp_path):
+    """Without use_cpu, TrainingArguments answered bf16=True on a CPU with "Your setup doesn't support bf16"."""
+    with pytest.raises(ValueError, match=r"^bf16=True is not supported by DecentralizedTrainer \(precision is "
+                                         r"low_precision \(8-bit training\) or float32"):
+        DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none", bf16=True)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lr_scheduler_type="constant", warmup_steps=4), "warmup_steps=4 has no effect with lr_scheduler_type="),
     (dict(lr_scheduler_type="constant", lr_milestones=[1.0], warmup_steps=0.1),

@@ -124,9 +124,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if slow and self.backend == "distributed":
             raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
+        # before TrainingArguments' own checks, which answer bf16=True on a CPU with "Your setup doesn't support bf16"
+        refuse_unsupported(self)
         super().__post_init__()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
-        refuse_unsupported(self)
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:
             check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
