@@ -151,8 +151,8 @@ ROWS = {
             "(this run: 2); resume with the arguments of the interrupted run"),
     24: Row("`skew=0.5` and a training set without a `label` column", "ValueError",
             "skew=0.5 needs a column of class ids to skew the shards on, and train_dataset has no 'label' or 'labels' "
-            "column with one class id per sample (columns: ['target', 'input_ids', 'token_type_ids', "
-            "'attention_mask']): name one with shard_column, or use skew=0"),
+            "column (columns: ['target', 'input_ids', 'token_type_ids', 'attention_mask']): name one with "
+            "shard_column, or use skew=0"),
     25: Row("labels the model cannot predict", "ValueError",
             "train_dataset: labels must be class ids 0..1 (the model has num_labels=2), found [2, 3]"),
     26: Row("8-bit training of a model with no quantizable layer", "ValueError",

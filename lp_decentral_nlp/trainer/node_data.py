@@ -119,9 +119,12 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
         raise ValueError(f"shard_column={name!r} is not a column of train_dataset (columns: {columns})")
     if name is None:
         if args.skew > 0:
-            raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and "
-                             f"train_dataset has no 'label' or 'labels' column with one class id per sample "
-                             f"(columns: {columns}): name one with shard_column, or use skew=0")
+            present = [c for c in ("label", "labels") if c in columns]
+            found = (f"its {present[0]!r} column holds {first[present[0]]!r} ({type(first[present[0]]).__name__}), "
+                     "not one integer class id per sample" if present else
+                     f"train_dataset has no 'label' or 'labels' column (columns: {columns})")
+            raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and {found}: name "
+                             "one with shard_column, or use skew=0")
         return None
     if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
         values = dataset.with_format(None)[name]
