@@ -74,7 +74,7 @@ def test_from_matrix_accepts_a_valid_directed_graph_and_a_time_varying_list():
 @pytest.mark.parametrize("W,message", [
     (np.ones((2, 3)) / 2, "square"),
     (np.array([[1.5, 0.5], [-0.5, 0.5]]), "nonnegative"),
-    (np.array([[0.5, 0.5], [0.5, 0.4]]), "column 1 sums to"),
+    (np.array([[0.5, 0.5], [0.5, 0.4]]), r"column 1 sums to 0.9$"),  # a plain number, not np.float64(0.9)
     (np.array([[0.0, 0.5], [1.0, 0.5]]), "self-loop"),
     (np.array([[1.0, 0.5], [0.0, 0.5]]), "strongly connected"),
     (np.eye(3), "strongly connected"),

@@ -224,7 +224,7 @@ def _check_mixing_matrix(W: np.ndarray, what: str) -> None:
         j = bad[0]
         raise ValueError(
             f"{what}: must be column stochastic (W[i, j] = weight node i gives to node j's message, "
-            f"every column sums to 1), column {j} sums to {sums[j]!r}"
+            f"every column sums to 1), column {j} sums to {float(sums[j])!r}"
         )
     diag = np.flatnonzero(np.diag(W) <= 0)
     if len(diag):
