@@ -378,6 +378,25 @@ def test_token_model_needs_a_sequence_length():
         estimate_cost(tiny_bert(), (3, 8), 2)
 
 
+def test_an_encoder_decoder_is_priced_with_a_decoder_of_the_same_length():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                             decoder_start_token_id=0))
+    layers = {layer.name for layer in estimate_cost(t5, (8,), 2, "int8").layers}
+    assert any(name.startswith("encoder.") for name in layers) and any(name.startswith("decoder.") for name in layers)
+
+
+def test_an_input_shape_the_model_cannot_take_is_named():
+    with pytest.raises(ValueError, match=r"^input_shape=\(4096,\) exceeds the model's 512 positions"):
+        estimate_cost(tiny_bert(), (4096,), 2)
+    with pytest.raises(ValueError, match=r"^the model's forward fails on a batch of shape \(2, 5\) \(RuntimeError: .*\): "
+                                         r"is input_shape=\(5,\) one sample's shape for this model\?"):
+        estimate_cost(linear_model(), (5,), 2)  # Linear(3, 2)
+    with pytest.raises(ValueError, match="^reports must hold at least one CostReport, got none"):
+        format_comparison({})
+
+
 def test_int8_with_nothing_to_quantize_is_an_error():
     with pytest.raises(ValueError, match="no layer to quantize"):
         estimate_cost(nn.Sequential(nn.ReLU()), (4,), 2, "int8")

@@ -199,7 +199,8 @@ def estimate_cost(
     Args:
         model: any ``nn.Module``: a vision model (input ``(B, *input_shape)`` floats) or a model
             with an ``nn.Embedding`` as ``get_input_embeddings()`` (HF token models: int64
-            ``input_ids`` of shape ``(B, seq_len)`` and no attention mask, i.e. no padding). It is
+            ``input_ids`` of shape ``(B, seq_len)`` and no attention mask, i.e. no padding; an
+            encoder-decoder's decoder reads ``seq_len`` tokens too). It is
             not modified. Its forward runs on the ``meta`` device (no compute), or for real with
             zero inputs when its Python code needs tensor values (``CostReport.walk_device``).
         input_shape: one sample's shape without the batch dimension: ``(C, H, W)`` for images,
@@ -241,7 +242,13 @@ def estimate_cost(
         raise ValueError("samples_per_node is for the gossip traffic: it needs gossip=")
 
     make_inputs = _input_factory(model, input_shape, batch_size)
-    train_walk = walk(model, make_inputs, training=True)
+    try:
+        train_walk = walk(model, make_inputs, training=True)
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"the model's forward fails on a batch of shape {(batch_size, *input_shape)} "
+                         f"({type(err).__name__}: {first}): is input_shape={input_shape!r} one sample's shape for "
+                         "this model?") from err
     eval_walk = walk(model, make_inputs, training=False)
     quantized = _quantized_layers(model, quant_config) if precision == "int8" else set()
     int8_weight_grad = weight_grad_gemm == "int8"
@@ -407,6 +414,10 @@ def _check_priced_bits(quant_config, what: str) -> None:
 
 
 def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
+    """``make_inputs(device)`` for the walk: zero ``input_ids`` of shape ``(batch_size, seq_len)`` for
+    a token model (an encoder-decoder's decoder reads as many tokens), zero floats of shape
+    ``(batch_size, *input_shape)`` otherwise. ValueError naming ``input_shape`` when a token model
+    cannot take it."""
     try:
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     except NotImplementedError:
@@ -414,8 +425,17 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
     if isinstance(embeddings, nn.Embedding):
         if len(input_shape) != 1:
             raise ValueError(f"input_shape of a token model must be (seq_len,), got {input_shape!r}")
-        return lambda device: ((), {"input_ids": torch.zeros(
-            (batch_size, *input_shape), dtype=torch.long, device=device)})
+        config = getattr(model, "config", None)
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and input_shape[0] > positions:
+            raise ValueError(f"input_shape={input_shape!r} exceeds the model's {positions} positions "
+                             "(config.max_position_embeddings)")
+        decoder = bool(getattr(config, "is_encoder_decoder", False))
+
+        def token_inputs(device):
+            ids = torch.zeros((batch_size, *input_shape), dtype=torch.long, device=device)
+            return (), ({"input_ids": ids, "decoder_input_ids": ids} if decoder else {"input_ids": ids})
+        return token_inputs
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return lambda device: ((torch.zeros((batch_size, *input_shape), dtype=dtype, device=device),), {})
 
@@ -439,6 +459,8 @@ def _ratio(a: float, b: float) -> str:
 def format_comparison(reports: dict[str, CostReport]) -> str:
     """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``) of one convention, which
     the text names; with two reports a last column gives the ratio first / second."""
+    if not reports:
+        raise ValueError("reports must hold at least one CostReport, got none")
     labels = list(reports)
     rs = list(reports.values())
     conventions = {r.convention for r in rs}
