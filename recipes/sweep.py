@@ -100,6 +100,24 @@ def check_grid_flags(parser, sweep) -> None:
     if grid_flags.consensus_lr_compressed is not None and not any(c > 0 for c in grid_flags.comps):
         parser.error("argument --consensus-lr-compressed: the gamma of the runs with --comps > 0, and --comps holds "
                      "none: drop one of them")
+    if sweep.training.compressor == "qsgd":
+        parser.error(f"argument {parser.flag_of('compressor')}: the grid's --comps are the percentages top-k and "
+                     "random-k drop; QSGD's size is set by --qsgd_levels: sweep topk or randomk")
+    rows = sweep.recipe.max_train_samples
+    if rows is not None:  # every point's shards fill a batch, checked before the first point trains
+        from lp_decentral_nlp.data import check_enough_rows
+
+        for skew in sorted(grid_flags.skews, reverse=True):  # the most skewed needs the most rows
+            try:
+                check_enough_rows(rows, sweep.training.num_nodes, sweep.training.per_device_train_batch_size,
+                                  f"{sweep.recipe.data_dir or sweep.recipe.task} cut to {rows} rows", skew=skew)
+            except ValueError as err:
+                parser.error(f"argument {parser.flag_of('max_train_samples')}: {err}")
+    out = sweep.values["output_dir"]
+    for name in ("sweep.json", "sweep.md", "sweep.png"):  # written after the last point: checked before the first
+        if os.path.isdir(os.path.join(out, name)):
+            parser.error(f"argument {parser.flag_of('output_dir')}: {os.path.join(out, name)} is a folder; the sweep "
+                         "writes a file there: remove it or choose another folder")
 
 
 def check_grid(parser, sweep) -> None:
@@ -143,6 +161,10 @@ def grid(sweep) -> list:
     return runs
 
 
+#: what to do after Ctrl-C stopped the sweep (a stopped point's checkpoints are not resumed)
+AFTER_INTERRUPT = "run the sweep again: its finished points are reused, the stopped ones start afresh"
+
+
 def run_logged(run, prog: str = "") -> dict:
     """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
     os.makedirs(run.training.output_dir, exist_ok=True)
@@ -151,7 +173,7 @@ def run_logged(run, prog: str = "") -> dict:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
-            return commands.run_nlp(run, prog)
+            return commands.run_nlp(run, prog, on_interrupt=AFTER_INTERRUPT)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
@@ -185,7 +207,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
     if jobs == 1:
         for done, i in enumerate(todo, 1):
-            results[i] = commands.run_nlp(runs[i], progs[i])
+            results[i] = commands.run_nlp(runs[i], progs[i], on_interrupt=AFTER_INTERRUPT)
             report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
@@ -276,7 +298,8 @@ def plot(rows, path):
 
 def main(argv=None):
     sweep = parse(argv)
-    rows = run_grid(sweep)
+    with commands.stop_on_interrupt(PROG, AFTER_INTERRUPT):
+        rows = run_grid(sweep)
     out = sweep.training.output_dir
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "sweep.json"), "w") as fh:

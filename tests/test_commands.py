@@ -213,6 +213,23 @@ def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_ctrl_c_outside_training_stops_a_recipe_with_one_line(tmp_path, capsys, monkeypatch):
+    """Before training begins (loading) or after it (final evaluation, saving): exit 130 and one
+    line, as in training, not a traceback."""
+    from lp_decentral_nlp.commands import nlp, recipe_main
+
+    def interrupted(parsed, prog):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nlp, "prepare_nlp_run", interrupted)
+    monkeypatch.setattr(sys, "argv", ["agnews_choco.py"])
+    with pytest.raises(SystemExit) as exc:
+        recipe_main("nlp", "choco", task="ag_news", argv=["--output-dir", str(tmp_path / "run")])
+    assert exc.value.code == 130 and capsys.readouterr().err == (
+        "agnews_choco.py: interrupted: the run did not finish: run it again (with --overwrite_output_dir once its "
+        "output folder holds files)\n")
+
+
 def test_a_run_too_large_for_the_memory_is_refused_before_building_the_nodes(tmp_path, tiny_model_dir, ag_news_csv):
     from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification
 

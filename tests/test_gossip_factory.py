@@ -44,7 +44,6 @@ def test_gossip_config_uses_the_default_unless_consensus_lr_is_given():
     # QSGD's size is its levels: a percentage given with it was ignored
     (dict(compressor="qsgd", compression=50.0), r"compression=50.0 is the percent top-k and random-k drop; QSGD's "
                                                 r"message size is set by qsgd_levels: leave compression at 0"),
-    (dict(compressor="randomk"), r"compressor='randomk' needs compression > 0"),
     (dict(qsgd_levels=4, compression=90.0), r"qsgd_levels=4 applies to compressor='qsgd' only, got compressor='topk'"),
     (dict(algorithm="dpsgd", compressor="qsgd"), r"compressor=qsgd needs algorithm 'choco' or 'deepsqueeze'"),
 ])

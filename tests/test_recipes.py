@@ -224,6 +224,13 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
      "argument --kernel: the kernel of the 8-bit runs, and --precisions holds no int8: drop one of them"),
     (["--comps", "0", "--consensus-lr-compressed", "0.2"], "argument --consensus-lr-compressed: the gamma of the runs "
                                                            "with --comps > 0, and --comps holds none: drop one of them"),
+    (["--compressor", "qsgd"], "argument --compressor: the grid's --comps are the percentages top-k and random-k drop; "
+                               "QSGD's size is set by --qsgd_levels: sweep topk or randomk"),
+    # the most skewed point needs the most rows: refused before the first point trains
+    (["--skews", "0", "0.9", "--max-train-samples", "64", "--batch-size", "16", "--nodes", "4"],
+     "argument --max-train-samples: ag_news cut to 64 rows: 64 training rows cannot give each of 4 nodes one batch "
+     "of 16: at least 67 rows are needed (skew 0.9 can leave a shard one row short of an even split); give more data, "
+     "or lower the batch size or the number of nodes"),
 ])
 def test_sweep_refuses_flags_no_grid_point_would_honour(argv, message, capsys):
     sweep = import_sweep()
@@ -276,6 +283,52 @@ def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, 
     assert re.fullmatch(rf"sweep.py: error: argument --data-dir: {header_only}: has a header line but no data rows "
                         r"\[choco fp32 skew=0(\.5)? comp=0\]", proc.stderr.strip().splitlines()[-1])
     assert not (tmp_path / "sweep").exists() or list((tmp_path / "sweep").iterdir()) == []  # no point's folder left
+
+
+def test_a_random_k_sweep_runs_its_uncompressed_points_too():
+    """--compressor randomk sparsifies the compressed points; the comp-0 points send every entry."""
+    sweep = import_sweep()
+    runs = sweep.grid(sweep.parse(["--compressor", "randomk", "--algorithms", "choco", "--precisions", "fp32",
+                                   "--skews", "0", "--comps", "0", "99"]))
+    assert [(run.training.compression, run.training.compressor) for run in runs] == [(0.0, "randomk"),
+                                                                                    (99.0, "randomk")]
+
+
+def test_sweep_refuses_an_output_name_taken_by_a_folder_before_running(tmp_path, capsys):
+    sweep = import_sweep()
+    (tmp_path / "sweep.json").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse(["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0",
+                     "--output-dir", str(tmp_path)])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        f"sweep.py: error: argument --output-dir: {tmp_path / 'sweep.json'} is a folder; the sweep writes a file "
+        "there: remove it or choose another folder\n")
+
+
+def test_ctrl_c_in_a_sweep_says_how_to_go_on(tmp_path, capsys, monkeypatch):
+    """Ctrl-C: one line and exit 130; the advice is the sweep's (a stopped point starts afresh),
+    not a resume flag the sweep cannot pass to one point."""
+    from lp_decentral_nlp.commands import nlp
+
+    sweep = import_sweep()
+
+    def interrupted(parsed, prog):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nlp, "prepare_nlp_run", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0",
+                    "--output-dir", str(tmp_path)])
+    assert exc.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
+        "sweep.py: interrupted: run the sweep again: its finished points are reused, the stopped ones start afresh")
+
+
+def test_a_results_file_without_its_config_is_not_a_finished_run(tmp_path):
+    from lp_decentral_nlp import commands
+
+    (tmp_path / "results.json").write_text('{"status": "done"}')
+    with pytest.raises(ValueError, match="is not a run's results \\(a JSON object with its status and config"):
+        commands.finished_results(str(tmp_path))
 
 
 def test_sweep_kernel_flag_is_for_its_8bit_runs():

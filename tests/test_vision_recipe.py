@@ -257,7 +257,8 @@ def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, mo
         main("choco", ["--nodes", "2", "--batch-size", "8", "--max-steps", "4", "--logging_steps", "1",
                        "--disable_tqdm", "true", "--output-dir", str(tmp_path / "unsaved")])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
-        "interrupted at step 3: no checkpoint was written (--save_steps N writes them)")
+        "interrupted at step 3: no checkpoint was written (--save_steps N writes them): run it again with "
+        "--overwrite_output_dir")
 
 
 def test_own_images_train_with_their_classes_size_and_statistics(tmp_path, capsys):

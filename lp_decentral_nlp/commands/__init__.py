@@ -26,7 +26,8 @@ _EXPORTS = {
     **dict.fromkeys(("NLPArguments", "build_nlp_parser", "load_classifier", "load_tokenizer", "main",
                      "model_flag_problem", "prepare_nlp_run", "resolve_model", "run_nlp"), ".nlp"),
     **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "changed_settings", "config_differences", "finished_results",
-                     "load_data", "output_dir_problem", "packaged_model_path", "run_config", "train_and_report"), ".run"),
+                     "load_data", "output_dir_problem", "packaged_model_path", "run_config", "stop_on_interrupt",
+                     "train_and_report"), ".run"),
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("entry", "flag_table", "flags", "nlp",

@@ -7,6 +7,9 @@ transformers are imported; flags that pass go to the recipe's ``main`` (:func:`.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from .flags import check_flags
 
 RECIPE_FAMILIES = ("nlp", "vision")
@@ -29,10 +32,14 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
                          + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
     check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
                 description=descriptions[task, algorithm])
-    if family == "vision":
-        from ..vision.recipe import main as vision_main
+    from .run import stop_on_interrupt
 
-        return vision_main(algorithm, argv)
-    from .nlp import main as nlp_main
+    with stop_on_interrupt(os.path.basename(sys.argv[0]), "the run did not finish: run it again (with "
+                                                          "--overwrite_output_dir once its output folder holds files)"):
+        if family == "vision":
+            from ..vision.recipe import main as vision_main
 
-    return nlp_main(task, algorithm, argv)
+            return vision_main(algorithm, argv)
+        from .nlp import main as nlp_main
+
+        return nlp_main(task, algorithm, argv)

@@ -212,12 +212,13 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     return model, data, tokenizer, model_path
 
 
-def run_nlp(parsed, prog: str = "") -> dict:
-    """Train, evaluate and save one NLP run from :meth:`RecipeParser.parse`'s result; returns the results."""
+def run_nlp(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
+    """Train, evaluate and save one NLP run from :meth:`RecipeParser.parse`'s result; returns the
+    results. `on_interrupt`: what to do after Ctrl-C in training (:func:`train_and_report`)."""
     start = time.time()
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
     return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),
-                            start, prog, processing_class=tokenizer)
+                            start, prog, on_interrupt=on_interrupt, processing_class=tokenizer)
 
 
 def main(task: str, algorithm: str, argv: list[str] | None = None) -> dict:

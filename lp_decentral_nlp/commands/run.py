@@ -315,6 +315,20 @@ def exit_with_error(prog: str, message: str, flag: str | None = None) -> NoRetur
     raise SystemExit(2)
 
 
+@contextlib.contextmanager
+def stop_on_interrupt(prog: str, then: str = "run the command again"):
+    """Ctrl-C anywhere in the block stops the command with one line, ``<prog>: interrupted: <then>``,
+    exit status 130, instead of a traceback (a run interrupted in training says more, see
+    :func:`train_and_report`). Other processes of a launch see the same signal and say nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if process_rank() == 0:
+            print(f"{prog}: interrupted: {then}", file=sys.stderr)
+            sys.stderr.flush()
+        raise SystemExit(130) from None
+
+
 def error_summary(err: BaseException) -> str:
     """``"<type>: <first line of its message>"``: a library error told in one line (some span dozens)."""
     lines = str(err).strip().splitlines()
@@ -571,7 +585,7 @@ def final_evaluation(trainer) -> dict:
 
 
 def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, start: float,
-                     prog: str, before_train=None, **trainer_kwargs) -> dict:
+                     prog: str, before_train=None, on_interrupt: str | None = None, **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
     `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``, written when
@@ -584,7 +598,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     ``before_train(trainer)``, run once the trainer is built and before anything is written, for
     the settings that need its shards (e.g.
     :meth:`~lp_decentral_nlp.trainer.DecentralizedTrainer.steps_per_epoch`); a ValueError it
-    raises is the run's one-line error."""
+    raises is the run's one-line error. Ctrl-C in training stops with one line naming the step and
+    how to go on: `on_interrupt`, or by default how to resume from the run's last checkpoint."""
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
@@ -636,8 +651,10 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
     except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback (results.json stays "running")
         found = list_checkpoints(out)
-        how = (f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
-               if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them)")
+        how = on_interrupt or (
+            f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
+            if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them): run it again "
+                          f"with {parsed.flags['overwrite_output_dir']}")
         if trainer.state.is_world_process_zero:
             print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
         raise SystemExit(130) from None
@@ -689,7 +706,7 @@ def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         problem = error_summary(err)
     else:
-        if isinstance(results, dict) and isinstance(results.get("config", {}), dict):
+        if isinstance(results, dict) and isinstance(results.get("config"), dict):
             return results if results.get("status") == "done" else None
         problem = "a JSON object with its status and config is expected"
     if overwrite:
