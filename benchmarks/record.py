@@ -56,13 +56,16 @@ def machine() -> dict:
     }
 
 
-def save_results(name: str, results: dict, argv: list[str] | None = None) -> pathlib.Path:
+def save_results(name: str, results: dict, argv: list[str] | None = None,
+                 provenance: dict | None = None) -> pathlib.Path:
     """Write ``results`` to ``benchmarks/results/<name>.json`` with the command, machine and date.
 
     Args:
         name: the benchmark's name (file stem), e.g. ``"bench_quant"``.
         results: JSON-serialisable figures (ratios, medians in seconds, bytes...).
         argv: the command's arguments (default ``sys.argv``).
+        provenance: an earlier record whose ``command``, ``date`` and ``machine`` to keep instead
+            (a command that only re-rendered figures measured then).
     Returns:
         The path written.
     """
@@ -74,6 +77,8 @@ def save_results(name: str, results: dict, argv: list[str] | None = None) -> pat
         "machine": machine(),
         "results": results,
     }
+    if provenance is not None:
+        record.update({key: provenance[key] for key in ("command", "date", "machine")})
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -22,20 +22,24 @@ against the cells run (``check_goals``). Each run keeps its folder under ``--out
 finished, and reused instead of run again, when its folder's ``results.json`` finished with the same
 settings, or when the JSON written before records it with the same settings (its recipe command,
 thread count and output folder aside, and the consensus step it ran with): the committed JSON is the
-table's record, so a fresh checkout renders and extends it without the run folders. ``--cells`` and
+table's record, so a fresh checkout renders and extends it without the run folders, wherever its data
+file and packaged model lie (they are matched by content, ``fingerprint``). An invocation that runs
+nothing keeps the record's command, date and machine, those of the last one that ran cells. ``--cells`` and
 ``--seeds`` choose what runs; the table written is always every finished run of the grid with these
 settings (the ones just run and any finished before, whatever their seed), so running a few cells
 adds them to the table instead of replacing it.
 
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
 ``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead
-(its runs under ``runs/table6_cpu_shrunk`` by default, apart from the real grid's).
+(its runs, table and plot under ``runs/table6_cpu_shrunk`` by default, apart from the real grid's
+and from ``docs/``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import fnmatch
+import hashlib
 import io
 import itertools
 import json
@@ -115,8 +119,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=pathlib.Path, default=None,
                         help="one folder per run under it (default runs/table6_cpu, or runs/table6_cpu_shrunk "
                              "with --max-steps or --limit-rows)")
-    parser.add_argument("--docs-dir", type=pathlib.Path, default=REPO / "docs",
-                        help="where the Markdown table and the plot go (default docs/)")
+    parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
+                        help="where the Markdown table and the plot go (default docs/, or --output-dir with "
+                             "--max-steps or --limit-rows: a shrunk table is no docs page)")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="cells run at once, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
@@ -137,9 +142,6 @@ def parse(argv=None) -> argparse.Namespace:
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {str(args.data_dir)!r} is not a file (the AG News CSV sample)")
     args.data_dir = args.data_dir.resolve()  # one spelling per file, so a finished cell is found reusable
-    problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
-    if problem:
-        parser.error(f"argument --docs-dir: {problem}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"argument --seeds: {args.seeds} repeats a seed")
     args.selected = all_cells(args.seeds)
@@ -159,9 +161,19 @@ def parse(argv=None) -> argparse.Namespace:
             parser.error(f"argument {err}")
     if args.model is None:
         args.model = packaged_model_path()
+    local_model = pathlib.Path(args.model).exists()  # else a hub id
+    if local_model:
+        args.model = pathlib.Path(args.model).resolve()
+    args.fingerprints = {"data_fingerprint": fingerprint(args.data_dir),
+                         "model_fingerprint": fingerprint(args.model) if local_model else None}
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
     if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
         args.output_dir = REPO / "runs" / args.name
+    if args.docs_dir is None:
+        args.docs_dir = REPO / "docs" if args.name == "table6_cpu" else args.output_dir
+    problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
+    if problem:
+        parser.error(f"argument --docs-dir: {problem}")
     return args
 
 
@@ -204,24 +216,64 @@ def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
     return {**run_config(run), "consensus_lr_used": consensus_lr_used}
 
 
+def fingerprint(path: pathlib.Path) -> str:
+    """What a data file or model folder holds, wherever it lies: a SHA-256 (16 hex digits) of a
+    file's bytes, or of a folder's file names and sizes and its JSON files' bytes (the weights by
+    size: reading them costs seconds)."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    else:
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{f.relative_to(path).as_posix()}:{f.stat().st_size}\n".encode())
+            if f.suffix == ".json":
+                digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+#: the recipe flags whose paths a recorded command may give otherwise than this checkout, with
+#: the ``settings`` key fingerprinting what they name (``--output-dir`` is not compared at all)
+MOVABLE_PATHS = {"--model": "model_fingerprint", "--data-dir": "data_fingerprint", "--output-dir": None}
+
+
 def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
     """The runs of this grid that the JSON written before (``benchmarks/results/<name>.json``) holds,
-    by cell id; empty when there is none."""
+    by cell id, each with the fingerprints of its data and model (``fingerprint``; None in a record
+    written before they were kept); empty when there is none."""
     path = record.RESULTS_DIR / f"{args.name}.json"
     if not path.is_file():
         return {}
-    return {cell["id"]: cell for cell in json.loads(path.read_text())["results"]["cells"]}
+    results = json.loads(path.read_text())["results"]
+    saved = {key: results["settings"].get(key) for key in MOVABLE_PATHS.values() if key}
+    return {cell["id"]: {**cell, **saved} for cell in results["cells"]}
 
 
-def recorded_settings(cell: dict, recorded: dict) -> dict:
+def here_paths(args: argparse.Namespace, cell: dict, recorded: dict) -> list[str]:
+    """The recorded command's arguments with its paths made this checkout's (``MOVABLE_PATHS``):
+    the output folder always (not compared), the data file and model where what this run reads
+    has the fingerprint recorded. The JSON is the table's record, so a checkout elsewhere, whose
+    data and packaged model lie at other paths, still finds its cells finished."""
+    here = {"--model": str(args.model), "--data-dir": str(args.data_dir),
+            "--output-dir": str(args.output_dir / cell_folder(cell))}
+    argv = shlex.split(recorded["command"])[2:]
+    for i, token in enumerate(argv[:-1]):
+        key = MOVABLE_PATHS.get(token, "")
+        if key is None or (key and recorded.get(key) is not None and recorded[key] == args.fingerprints[key]):
+            argv[i + 1] = here[token]
+    return argv
+
+
+def recorded_settings(args: argparse.Namespace, cell: dict, recorded: dict) -> dict:
     """``run_settings`` of the run that ``recorded`` (a cell of the JSON written before) describes:
-    its recipe command parsed again, with the consensus step it ran with.
+    its recipe command parsed again (with this checkout's paths, ``here_paths``), with the
+    consensus step it ran with.
 
     Raises:
         ValueError: the command does not parse here (e.g. its data file is elsewhere on this
-            machine), with the recipe parser's one-line error.
+            machine and holds other rows), with the recipe parser's one-line error.
     """
-    script, *argv = shlex.split(recorded["command"])[1:]
+    script = shlex.split(recorded["command"])[1]
+    argv = here_paths(args, cell, recorded)
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):  # the parser prints its error, then exits
@@ -254,10 +306,12 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
     if cell["id"] not in recorded:
         return None, []
     try:
-        changed = changed_settings(settings, recorded_settings(cell, recorded[cell["id"]]), IGNORED_WHEN_REUSING)
+        changed = changed_settings(settings, recorded_settings(args, cell, recorded[cell["id"]]),
+                                   IGNORED_WHEN_REUSING)
     except ValueError as err:
         return None, [f"its recorded command does not parse here: {err}"]
-    return (None, changed) if changed else ({**recorded[cell["id"]], **cell}, [])
+    figures = {k: v for k, v in recorded[cell["id"]].items() if k not in MOVABLE_PATHS.values()}
+    return (None, changed) if changed else ({**figures, **cell}, [])
 
 
 def recorded_seeds(args: argparse.Namespace, recorded: dict[str, dict]) -> set[int]:
@@ -269,10 +323,10 @@ def recorded_seeds(args: argparse.Namespace, recorded: dict[str, dict]) -> set[i
     return found
 
 
-def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> None:
+def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> int:
     """Run every selected run that has not finished with these settings (``--finished-only``: none);
     a finished run is reused, one finished with other settings runs again. ``recorded``:
-    ``recorded_runs``."""
+    ``recorded_runs``. Returns how many ran."""
     todo = []
     for i, cell in enumerate(args.selected):
         done, changed = finished_run(args, cell, recorded)
@@ -284,10 +338,11 @@ def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> None:
     n = len(args.selected)
     if args.finished_only:
         print(f"{n} runs: {n - len(todo)} finished, {len(todo)} left out (--finished-only)", file=sys.stderr)
-        return
+        return 0
     print(f"{n} runs: {n - len(todo)} reused, {len(todo)} to run", file=sys.stderr)
     run_pending([recipe_run(args, cell)[0] for cell in args.selected], todo, args.jobs,
                 [cell["id"] for cell in args.selected], [recipe_script(cell) for cell in args.selected])
+    return len(todo)
 
 
 def table_cells(args: argparse.Namespace, recorded: dict[str, dict]) -> list[dict]:
@@ -465,18 +520,22 @@ def main(argv=None) -> pathlib.Path:
     """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
     args = parse(argv)
     recorded = recorded_runs(args)  # read before this invocation writes the JSON anew
-    run_selected(args, recorded)
+    ran = run_selected(args, recorded)
+    previous = record.RESULTS_DIR / f"{args.name}.json"
+    # nothing run: the record keeps the command, date and machine that measured its cells
+    provenance = json.loads(previous.read_text()) if not ran and previous.is_file() else None
     cells = table_cells(args, recorded)
     rows = summarise(cells)
     json_path = record.save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
+                     **args.fingerprints,
                      "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells,
                      "seeds": args.seeds},
         "runs_wall_time_s": sum(c["wall_time_s"] for c in cells),  # the runs' own, whenever they ran
         "table": rows,
         "goals": check_goals(rows),
         "cells": cells,
-    }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)])
+    }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)], provenance=provenance)
     args.docs_dir.mkdir(parents=True, exist_ok=True)
     (args.docs_dir / f"{args.name}.md").write_text(render_markdown(args, cells, json_path))
     plot(rows, args.docs_dir / f"{args.name}.png")

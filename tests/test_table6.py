@@ -130,6 +130,9 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     link.symlink_to(ag_news_csv)
     table6.main([str(link) if a == str(ag_news_csv) else a for a in argv])  # finished runs are reused
     assert "3 runs: 3 reused, 0 to run" in capsys.readouterr().err
+    # nothing ran: the record keeps the command, date and machine that measured its cells
+    assert {k: json.loads(path.read_text())[k] for k in ("command", "date", "machine")} == {
+        k: record_[k] for k in ("command", "date", "machine")}
     table6.main([*argv, "ag_news/DS/skew0/comp0/seed0", "--finished-only"])  # one more cell, not run
     assert "4 runs: 3 finished, 1 left out (--finished-only)" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "ag_news_DS_skew0_comp0").exists()
@@ -171,11 +174,22 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert "3 runs: 2 reused, 1 to run" in err
     assert f"note: {cells[0]['id']} was run with other settings (consensus_lr_used): running it again" in err
     assert [c["gamma"] for c in json.loads(path.read_text())["results"]["cells"]] == [0.05, 0.05, 1.0]
-    # ...and so is one whose command does not parse here (its data file elsewhere), with the reason
+    # ...but not one recorded on another checkout, whose data file and model lay elsewhere: they are
+    # matched by content (the record's fingerprints)
     shutil.rmtree(tmp_path / "runs")
     edited = json.loads(path.read_text())
-    edited["results"]["cells"][2]["command"] = edited["results"]["cells"][2]["command"].replace(
-        str(ag_news_csv), str(tmp_path / "moved.csv"))
+    for cell in edited["results"]["cells"]:
+        cell["command"] = cell["command"].replace(str(ag_news_csv), "/elsewhere/ag_news_6000.csv").replace(
+            str(tiny_model_dir), "/elsewhere/model")
+    path.write_text(json.dumps(edited))
+    table6.main(argv)
+    assert "3 runs: 3 reused, 0 to run" in capsys.readouterr().err
+    # ...whereas a recorded data file of other content is not this run's: its command does not parse here
+    edited["results"]["settings"]["data_fingerprint"] = "0" * 16
+    edited["results"]["cells"][0]["command"] = edited["results"]["cells"][0]["command"].replace(
+        "/elsewhere/ag_news_6000.csv", str(ag_news_csv))
+    edited["results"]["cells"][1]["command"] = edited["results"]["cells"][1]["command"].replace(
+        "/elsewhere/ag_news_6000.csv", str(ag_news_csv))
     path.write_text(json.dumps(edited))
     table6.main(argv)
     err = capsys.readouterr().err
@@ -224,3 +238,5 @@ def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_cs
     shrunk = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--max-steps", "5"])
     assert (real.output_dir.name, shrunk.output_dir.name) == ("table6_cpu", "table6_cpu_shrunk")
     assert real.output_dir.parent == shrunk.output_dir.parent
+    # a shrunk table is no docs page: it goes with its runs
+    assert real.docs_dir.name == "docs" and shrunk.docs_dir == shrunk.output_dir
