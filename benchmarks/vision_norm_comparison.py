@@ -4,59 +4,182 @@ Trains the same decentralized setting once per norm with the vision recipe (in t
 one run after the other) and writes a Markdown table and a PNG plot of the averaged model's test
 accuracy over training:
 
-    OMP_NUM_THREADS=1 python benchmarks/vision_norm_comparison.py --skew 0.8 --epochs 20 \
-        --plot docs/vision_norm_comparison.png
+    OMP_NUM_THREADS=1 python benchmarks/vision_norm_comparison.py --skew 0.8 --epochs 20
 
 Runs (``--runs``, ``norm:precision``): the paper's pairing is fp32 for BatchNorm, GroupNorm and
 EvoNorm-S0 and 8-bit for Range EvoNorm; ``range_evonorm:fp32`` separates the norm from the
 precision. Each run's files land in ``--output-dir/<norm>_<precision>/`` (results.json,
-metrics.csv, model/); ``--skip-existing`` reuses finished runs (e.g. to redraw the plot). The table's
-figures go to ``benchmarks/results/vision_norm_comparison_skew<skew>.json`` (``benchmarks/record.py``).
+metrics.csv, model/), the table in ``--output-dir/table.md``; ``--skip-existing`` reuses finished
+runs (e.g. to redraw the plot) and redoes the runs that were stopped (a results.json left
+"running"). Ctrl-C stops with one line; ``--skip-existing`` then goes on where it stopped.
+
+The table's figures go to the record ``vision_norm_comparison_skew<skew>.json`` in
+``benchmarks/results/`` (``benchmarks/record.py``; ``LP_BENCHMARK_RESULTS_DIR=FOLDER`` sends it
+elsewhere), the plot to ``--plot``, by default ``docs/vision_norm_comparison.png`` of this
+repository (wherever the command runs from). These defaults hold the published comparison: every
+default run, every setting at its default (the record's name carries the skew; the plot is of
+the default skew). A run that differs (a subset of ``--runs``, other ``--epochs``, ``--seed``,
+...) is refused, before any run, unless it names its own outputs: ``--plot FILE`` for the plot,
+``LP_BENCHMARK_RESULTS_DIR=FOLDER`` for the record. Every output is checked before the first run.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
+import pathlib
 import sys
 
-from record import save_results
+import record
 
+PROG = os.path.basename(__file__)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: the published comparison's plot (README, docs/benchmarks.md)
+DEFAULT_PLOT = ROOT / "docs" / "vision_norm_comparison.png"
+#: where the published comparison's record goes (without LP_BENCHMARK_RESULTS_DIR)
+PUBLISHED_RESULTS_DIR = ROOT / "benchmarks" / "results"
 DEFAULT_RUNS = ("batchnorm:fp32", "groupnorm:fp32", "evonorm:fp32", "range_evonorm:int8", "range_evonorm:fp32")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm": "GroupNorm", "evonorm": "EvoNorm-S0",
           "range_evonorm": "Range EvoNorm", "range_batchnorm": "Range BatchNorm"}
+#: the settings of the published comparison (skew aside), by destination
+PUBLISHED = ("runs", "dataset", "arch", "nodes", "topology", "comp", "epochs", "batch_size", "eval_steps", "seed")
+#: the settings the record's "setup" holds (the runs' rows hold the runs)
+SETUP = ("dataset", "arch", "nodes", "topology", "skew", "comp", "epochs", "batch_size", "eval_steps", "seed")
+#: what to do after Ctrl-C stopped the comparison
+AFTER_INTERRUPT = "the comparison did not finish: run it again with --skip-existing (finished runs are reused, the " \
+                  "stopped one is redone)"
+
+
+def _recipe_choices(dest: str) -> list[str]:
+    """The values the vision recipes allow for ``dest`` (their flag table, no torch)."""
+    from lp_decentral_nlp.commands.flag_table import FLAG_TABLES
+
+    return next(f["allowed"] for f in FLAG_TABLES["vision"]["flags"] if f["dest"] == dest)
+
+
+def build_parser():
+    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, Range, ranged
+
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
+                   help=f"norm:precision pairs, each run once (norm in {', '.join(LABELS)}; precision fp32 or int8)")
+    p.add_argument("--dataset", default="digits", choices=[d for d in _recipe_choices("dataset") if d != "folder"],
+                   help="image dataset of every run (digits: scikit-learn's bundled 8x8 digits, offline; the others "
+                        "from the hub)")
+    p.add_argument("--arch", default="resnet20", choices=_recipe_choices("arch"), help="network of every run")
+    p.add_argument("--nodes", type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
+    p.add_argument("--topology", default="directed_ring", choices=_recipe_choices("topology"),
+                   help="communication graph of the nodes")
+    p.add_argument("--skew", type=ranged(float, Range(0, 1)), default=0.8,
+                   help="degree of label skew of the nodes' shards, in [0, 1] (SPEC 6); the record's name carries it")
+    p.add_argument("--comp", type=ranged(float, Range(0, 100, high_open=True)), default=0.0,
+                   help="percent of entries dropped per tensor by the gossip's compressor, in [0, 100) (0: every "
+                        "entry is sent)")
+    p.add_argument("--epochs", type=ranged(float, Range(0, 1e6, low_open=True)), default=20.0,
+                   help="training epochs of each run")
+    p.add_argument("--batch-size", type=ranged(int, Range(1, 2**24)), default=32, help="training batch size per node")
+    p.add_argument("--eval-steps", type=ranged(int, Range(1)), default=22,
+                   help="evaluate (and log) every N steps: the points of the accuracy curve")
+    p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
+                   help="random seed of every run (shards, initial weights, batches)")
+    p.add_argument("--output-dir", default=os.path.join("runs", "vision_norm_comparison"),
+                   help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md")
+    p.add_argument("--plot", default=None,
+                   help="PNG file of the accuracy curves (default: docs/vision_norm_comparison.png of this "
+                        "repository, which only the published comparison may write: every default run and setting)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="reuse the runs whose results.json says done with these settings, and redo the runs that "
+                        "were stopped (results.json left running)")
+    p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
+                   help="run again, over the results in --output-dir, the runs --skip-existing does not reuse")
+    return p
+
+
+def record_path(args) -> pathlib.Path:
+    """The record this comparison writes (``benchmarks/record.py``'s folder, read when it writes)."""
+    return pathlib.Path(record.RESULTS_DIR) / f"vision_norm_comparison_skew{args.skew:g}.json"
+
+
+def flag_text(dest: str, value) -> str:
+    return f"--{dest.replace('_', '-')} " + (" ".join(value) if isinstance(value, list) else f"{value:g}"
+                                               if isinstance(value, float) else str(value))
+
+
+def unpublished(parser, args) -> list[tuple[str, str]]:
+    """(flag, flag with its value) of each setting in which ``args`` differ from the published
+    comparison's (:data:`PUBLISHED`; the order of ``--runs`` aside)."""
+    differing = []
+    for dest in PUBLISHED:
+        value, default = getattr(args, dest), parser.get_default(dest)
+        if (sorted(value) != sorted(default)) if dest == "runs" else value != default:
+            differing.append((f"--{dest.replace('_', '-')}", flag_text(dest, value)))
+    return differing
+
+
+def file_problem(path: str) -> str | None:
+    """Why file ``path`` cannot be written, or None: an empty name, a folder, a folder that cannot
+    be made or written, or a file that cannot be opened for writing (tried without changing it: an
+    existing file is opened to append nothing, a new one is created and removed)."""
+    from lp_decentral_nlp.commands import output_dir_problem
+
+    if not path.strip():
+        return "the file name is empty"
+    target = pathlib.Path(path)
+    if target.is_dir():
+        return f"{path} is a folder"
+    problem = output_dir_problem(str(target.parent), overwrite=True)
+    if problem or not target.parent.is_dir():  # a folder that can be created takes a new file
+        return problem
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    if not existed:
+        target.unlink()
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, output_dir_problem
+    """The flags, checked (one line, exit 2) before any run: the runs, the outputs of a comparison
+    that is not the published one (module docstring), and that the plot, the record and the table
+    can be written."""
+    from lp_decentral_nlp.commands import output_dir_problem
 
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="norm:precision pairs (precision fp32|int8)")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--arch", default="resnet20")
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--topology", default="directed_ring")
-    p.add_argument("--skew", type=float, default=0.8)
-    p.add_argument("--comp", type=float, default=0.0)
-    p.add_argument("--epochs", type=float, default=20.0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-steps", type=int, default=22, help="evaluate every N steps (the accuracy curve)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", default=os.path.join("runs", "vision_norm_comparison"))
-    p.add_argument("--plot", default=os.path.join("docs", "vision_norm_comparison.png"))
-    p.add_argument("--skip-existing", action="store_true", help="reuse runs whose results.json says done")
-    p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
-                   help="run again, over the results in --output-dir, the runs --skip-existing does not reuse")
+    p = build_parser()
     args = p.parse_args(argv)
     for run in args.runs:
         norm, _, precision = run.partition(":")
         if norm not in LABELS or precision not in ("fp32", "int8"):
             p.error(f"argument --runs: {run!r} is not norm:precision with norm in {tuple(LABELS)} "
                     "and precision fp32 or int8")
-    plot_folder = os.path.dirname(os.path.abspath(args.plot))
-    if os.path.isdir(args.plot) or output_dir_problem(plot_folder, overwrite=True):
-        p.error(f"argument --plot: cannot write {args.plot!r} "
-                f"({output_dir_problem(plot_folder, overwrite=True) or 'a folder'})")
+    if len(set(args.runs)) < len(args.runs):
+        p.error(f"argument --runs: {' '.join(args.runs)} names a run twice: give each once")
+    differing = unpublished(p, args)
+    published_record = pathlib.Path(record.RESULTS_DIR).resolve() == PUBLISHED_RESULTS_DIR.resolve()
+    taken = [("--plot FILE", DEFAULT_PLOT)] if args.plot is None else []
+    taken += [("LP_BENCHMARK_RESULTS_DIR=FOLDER", record_path(args))] if published_record else []
+    if differing and taken:
+        p.error(f"argument {differing[0][0]}: {', '.join(text for _, text in differing)} is not the published "
+                f"comparison, whose outputs are the defaults: name this run's own with "
+                f"{' and '.join(how for how, _ in taken)}, or it would replace "
+                f"{' and '.join(str(file) for _, file in taken)}")
+    if args.plot is None and args.skew != p.get_default("skew"):
+        p.error(f"argument --skew: the default --plot {DEFAULT_PLOT} is the published comparison at skew "
+                f"{p.get_default('skew'):g}: name a --plot FILE for skew {args.skew:g}")
+    args.plot = str(DEFAULT_PLOT) if args.plot is None else args.plot
+    problem = file_problem(args.plot)
+    if problem:
+        p.error(f"argument --plot: cannot write {args.plot!r} ({problem})")
+    problem = file_problem(str(record_path(args)))
+    if problem:
+        p.error(f"cannot write the record {record_path(args)} ({problem}): set LP_BENCHMARK_RESULTS_DIR to a "
+                "folder that can be written")
+    problem = output_dir_problem(args.output_dir, overwrite=True)
+    if problem:
+        p.error(f"argument --output-dir: {problem}")
     return args
 
 
@@ -113,17 +236,33 @@ def plot(entries: list[dict], args, path: str) -> None:
     plt.close(fig)
 
 
+def _shown(value) -> str:
+    """A setting's value (as results.json stores it) for a message: floats with :g."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return repr(value)
+
+
+def _difference(key: str, saved, wanted) -> str:
+    old, new = _shown(saved), _shown(wanted)
+    if old == new:  # :g rounded the difference away
+        old, new = repr(saved), repr(wanted)
+    return f"{key}={old} (this run: {new})"
+
+
 def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     """With ``--skip-existing``, the finished results in ``out`` of the run these flags ask for;
-    None when it has not finished. A run finished with other settings, or a damaged results.json,
-    runs again with ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing``
-    (exit 2) without it."""
-    from lp_decentral_nlp.commands import config_differences, finished_results
+    None when it has not finished (no results.json, or one a stopped run left "running"). A run
+    finished with other settings, or a damaged results.json, runs again with
+    ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing`` (exit 2) without it."""
+    from lp_decentral_nlp.commands import changed_settings, finished_results, run_config
     from lp_decentral_nlp.commands.run import exit_with_error
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
     def refuse(problem: str):
-        exit_with_error(os.path.basename(__file__), problem, "--skip-existing")
+        exit_with_error(PROG, problem, "--skip-existing")
 
     if not args.skip_existing:
         return None
@@ -135,40 +274,79 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
         return None
     argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
     wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
-    differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
+    saved, config = (json.loads(json.dumps(c, default=str)) for c in (results["config"], run_config(wanted)))
+    differing = [_difference(key, saved.get(key), config.get(key))
+                 for key in changed_settings(saved, config, ("overwrite_output_dir", "threads", "consensus_lr_used"))]
     if differing and not args.overwrite_output_dir:
         refuse(f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run it "
                "again, or choose another --output-dir")
     return None if differing else results
 
 
-def main(argv=None) -> str:
-    from lp_decentral_nlp.vision.recipe import main as recipe_main
+def plan(args) -> list[dict]:
+    """Each run's norm, precision, folder, and either its reused ``results`` or the recipe ``argv``
+    to run it with, every refusal made before any run: a folder holding results is reused
+    (``--skip-existing``), redone (a stopped run with ``--skip-existing``, or
+    ``--overwrite-output-dir``) or refused (one line naming ``--output-dir``)."""
+    from lp_decentral_nlp.commands.run import exit_with_error, run_outputs_in
 
-    args = parse_args(argv)
-    entries = []
+    runs = []
     for run in args.runs:
         norm, _, precision = run.partition(":")
         out = os.path.join(args.output_dir, f"{norm}_{precision}")
         results = reusable_results(args, norm, precision, out)
-        if results is None:
-            results = recipe_main("choco", recipe_argv(args, norm, precision, out))
-        entries.append({"norm": norm, "precision": precision, "dir": out, "results": results})
-    table = markdown_table(entries)
-    with open(os.path.join(args.output_dir, "table.md"), "w") as fh:
-        fh.write(table + "\n")
-    print(table)
-    setup = {k: v for k, v in vars(args).items() if k not in ("runs", "output_dir", "plot", "skip_existing")}
-    rows = [{"norm": LABELS[e["norm"]], "precision": "8-bit" if e["precision"] == "int8" else "fp32",
-             "accuracy": e["results"]["accuracy"],
-             "mean_node_accuracy": sum(e["results"]["node_accuracy"]) / len(e["results"]["node_accuracy"]),
-             "node_accuracy": e["results"]["node_accuracy"], "consensus_distance": e["results"]["consensus_distance"],
-             "wall_time_s": e["results"]["wall_time_s"]} for e in entries]
-    command = [__file__, *(sys.argv[1:] if argv is None else argv)]
-    path = save_results(f"vision_norm_comparison_skew{args.skew:g}", {"setup": setup, "runs": rows}, command)
-    print(f"results: {path}")
-    plot(entries, args, args.plot)
-    print(f"plot: {args.plot}")
+        argv = recipe_argv(args, norm, precision, out)
+        found = run_outputs_in(pathlib.Path(out))
+        if results is None and found and not args.overwrite_output_dir:
+            if args.skip_existing and "results.json" in found:  # not finished (reusable_results): a stopped run
+                argv.append("--overwrite_output_dir")
+            elif args.skip_existing:
+                exit_with_error(PROG, f"{out} holds files of a run but no results.json ({', '.join(found)}): pass "
+                                      "--overwrite-output-dir to run it again, or choose another --output-dir",
+                                "--output-dir")
+            else:
+                exit_with_error(PROG, f"{out} already holds a run's results ({', '.join(found)}): pass --skip-existing "
+                                      "to reuse the finished runs of these settings (and redo stopped ones), "
+                                      "--overwrite-output-dir to run them again, or choose another --output-dir",
+                                "--output-dir")
+        runs.append({"norm": norm, "precision": precision, "dir": out, "results": results,
+                     "argv": None if results is not None else argv})
+    return runs
+
+
+def run_vision(argv: list[str]) -> dict:
+    """One run of the vision recipe (Choco-SGD) in this process. Ctrl-C in its training stops with
+    this comparison's advice (:data:`AFTER_INTERRUPT`), not the recipe's (its ``--save_steps``)."""
+    from lp_decentral_nlp.vision.recipe import main as vision_main
+
+    return vision_main("choco", argv, on_interrupt=AFTER_INTERRUPT)
+
+
+def main(argv=None) -> str:
+    from lp_decentral_nlp.commands import stop_on_interrupt
+
+    args = parse_args(argv)
+    with stop_on_interrupt(PROG, AFTER_INTERRUPT):
+        entries = plan(args)
+        for entry in entries:
+            if entry["results"] is None:
+                entry["results"] = run_vision(entry.pop("argv"))
+        table = markdown_table(entries)
+        with open(os.path.join(args.output_dir, "table.md"), "w") as fh:
+            fh.write(table + "\n")
+        print(table)
+        setup = {k: getattr(args, k) for k in SETUP}
+        rows = [{"norm": LABELS[e["norm"]], "precision": "8-bit" if e["precision"] == "int8" else "fp32",
+                 "accuracy": e["results"]["accuracy"],
+                 "mean_node_accuracy": sum(e["results"]["node_accuracy"]) / len(e["results"]["node_accuracy"]),
+                 "node_accuracy": e["results"]["node_accuracy"],
+                 "consensus_distance": e["results"]["consensus_distance"],
+                 "wall_time_s": e["results"]["wall_time_s"]} for e in entries]
+        command = [__file__, *(sys.argv[1:] if argv is None else argv)]
+        path = record.save_results(record_path(args).stem, {"setup": setup, "runs": rows}, command)
+        print(f"results: {path}")
+        plot(entries, args, args.plot)
+        print(f"plot: {args.plot}")
     return table
 
 

@@ -172,8 +172,9 @@ def parse_vision_args(algorithm: str, argv: list[str] | None = None):
     return build_vision_parser(algorithm).parse(argv)
 
 
-def run_vision(parsed, prog: str = "") -> dict:
-    """Train, evaluate and save one vision run from :func:`parse_vision_args`; returns the results."""
+def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
+    """Train, evaluate and save one vision run from :func:`parse_vision_args`; returns the results.
+    `on_interrupt`: what to do after Ctrl-C in training (``commands.train_and_report``)."""
     from transformers import set_seed
 
     from .classifier import ImageClassifier
@@ -208,12 +209,12 @@ def run_vision(parsed, prog: str = "") -> dict:
     input_shape = (3, recipe.image_size, recipe.image_size)
     check_memory(model, training, input_shape, prog)
     return train_and_report(parsed, model, data, model_used, input_shape, start, prog,
-                            before_train=_milestones_of_the_run(parsed.values, training))
+                            before_train=_milestones_of_the_run(parsed.values, training), on_interrupt=on_interrupt)
 
 
-def main(algorithm: str, argv: list[str] | None = None) -> dict:
-    """Entry point of the vision recipes."""
+def main(algorithm: str, argv: list[str] | None = None, on_interrupt: str | None = None) -> dict:
+    """Entry point of the vision recipes (`on_interrupt`: :func:`run_vision`'s)."""
     parser = build_vision_parser(algorithm)
-    results = run_vision(parser.parse(argv), parser.prog)
+    results = run_vision(parser.parse(argv), parser.prog, on_interrupt)
     print_summary(results)
     return results
