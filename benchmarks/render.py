@@ -3,16 +3,23 @@
     python benchmarks/render.py
     python benchmarks/render.py --results-dir path/to/results --output path/to/benchmarks.md
 
-Each results file is a record written by ``benchmarks/record.py`` (``benchmark``, ``command``,
-``date``, ``machine``, ``results``). Every file becomes one section: what the benchmark measures
-(for the benchmarks named in :data:`BENCHMARKS`), the command, machine and date, then its
-figures. Figures are laid out from the shape of ``results`` alone, so a benchmark this script
-does not know renders too:
+Each results file is a record written by ``benchmarks/record.py``: a JSON object with
+``benchmark`` (its name, a string), ``command``, ``date``, ``machine`` (an object) and ``results``
+(an object). Every file becomes one section: what the benchmark measures (for the benchmarks
+named in :data:`BENCHMARKS`), the command, machine and date, then its figures, one entry of
+``results`` after the other. Each entry is laid out from its shape alone, so a benchmark this
+script does not know renders too:
 
 * a list of dicts is a table (one row per dict, the union of their keys as columns);
 * a dict of plain values is a two-column table; a dict holding lists or dicts gets one
   sub-section per such key;
-* a list of numbers is summarised (its size, median and range) unless it is short.
+* a list of numbers is summarised (its size, median and range) unless it is short; NaN values
+  are counted apart (``5 values, 1 NaN; the other 4: median ...``);
+* any other value is one line.
+
+A file that is no such record, or whose ``results`` hold an empty list or object (at any depth:
+an empty table or section), stops the page with one line naming the file; the page is written
+only when every record renders (``--output``, checked before any record is read).
 
 Column names come from the keys, with the unit read from the suffix (``_s`` seconds, ``_gb_s``
 GB/s, ``_bytes``, ``_mib``); fractions under keys holding ``share`` or ``accuracy`` are shown as
@@ -21,6 +28,7 @@ percentages.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import statistics
 
@@ -102,12 +110,12 @@ def label(key: str) -> str:
 
 
 def _number(value: float, percent: bool = False) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # nan, inf, -inf (not "nan%")
     if percent and isinstance(value, float):
         return f"{100 * value:.2f}%"
     if isinstance(value, int):
         return f"{value:,}"
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
     if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
         return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.3e}"
     return f"{value:.4g}"
@@ -125,8 +133,14 @@ def cell(key: str, value) -> str:
     if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         if len(value) <= 3:
             return ", ".join(_number(v, percent) for v in value)
-        return (f"{len(value)} values: median {_number(statistics.median(value), percent)}, "
-                f"{_number(min(value), percent)} to {_number(max(value), percent)}")
+        numbers = [v for v in value if v == v]  # NaN would make the median and range meaningless
+        if not numbers:
+            return f"{len(value)} values, all NaN"
+        summary = (f"median {_number(statistics.median(numbers), percent)}, "
+                   f"{_number(min(numbers), percent)} to {_number(max(numbers), percent)}")
+        if len(numbers) == len(value):
+            return f"{len(value)} values: {summary}"
+        return f"{len(value)} values, {len(value) - len(numbers)} NaN; the other {len(numbers)}: {summary}"
     if isinstance(value, (list, dict)):
         text = json.dumps(value, separators=(", ", ": "))
     else:
@@ -173,9 +187,24 @@ def describe(name: str) -> tuple[str, str | None]:
     return BENCHMARKS[max(known, key=len)]
 
 
+def empty_part(value, where: str = "results") -> str | None:
+    """Where in ``value`` (``results["a"][0]`` ...) an empty list or object lies, which would render as
+    an empty table, section or value; None if there is none."""
+    if isinstance(value, (list, dict)) and not value:
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = empty_part(item, f"{where}[{json.dumps(key)}]")
+        if found:
+            return found
+    return None
+
+
 def load_records(results_dir: pathlib.Path) -> list[dict]:
     """Every ``*.json`` record in ``results_dir``, known benchmarks first (in :data:`BENCHMARKS` order),
-    then the rest by name."""
+    then the rest by name. A file that is not valid JSON or not a record (see the module's
+    docstring: its keys, a string ``benchmark``, objects ``machine`` and ``results``, no empty list
+    or object in ``results``) is a ValueError naming it."""
     results_dir = pathlib.Path(results_dir)
     if not results_dir.is_dir():
         raise FileNotFoundError(f"results_dir: {results_dir} is not a directory: run a benchmark first "
@@ -194,6 +223,13 @@ def load_records(results_dir: pathlib.Path) -> list[dict]:
         if not isinstance(record["machine"], dict) or not isinstance(record["results"], dict):
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): its machine and results are "
                              "JSON objects")
+        if not isinstance(record["benchmark"], str) or not record["benchmark"].strip():
+            raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): its benchmark is a name (a "
+                             f"non-empty string), got {json.dumps(record['benchmark'])}")
+        empty = empty_part(record["results"])
+        if empty:
+            raise ValueError(f"{path}: {empty} is empty: a benchmark record's results hold figures (no empty list or "
+                             "object)")
         records.append(record)
     if not records:
         raise FileNotFoundError(f"results_dir: no *.json results in {results_dir}: run a benchmark first")
@@ -233,31 +269,60 @@ def render(results_dir: pathlib.Path = RESULTS_DIR) -> str:
             lines += [what, ""]
         lines += [f"- command: `{record['command']}`", f"- machine: {machine_text(record['machine'])}",
                   f"- date: {record['date']}", ""]
-        results = record["results"]
-        if isinstance(results, dict):
-            for key, value in results.items():
-                lines += block(key, value, 3)
-        else:
-            lines += block("results", results, 3)
+        for key, value in record["results"].items():  # a JSON object (load_records)
+            lines += block(key, value, 3)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def output_problem(output: str) -> str | None:
+    """Why the page cannot be written to ``output``, or None: an empty name, a folder, a folder that
+    cannot be made or written (:func:`output_dir_problem`), or a file that cannot be opened for
+    writing (tried without changing it: an existing file is opened to append nothing, a new one is
+    created and removed)."""
+    if not output.strip():
+        return "the file name is empty"
+    path = pathlib.Path(output)
+    if path.is_dir():
+        return "a folder"
+    problem = output_dir_problem(str(path.parent), overwrite=True)
+    if problem:
+        return problem
+    if not path.parent.is_dir():
+        return None  # a folder that can be created (output_dir_problem tried it) takes a new file
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    if not existed:
+        path.unlink()
+    return None
 
 
 def main(argv=None) -> pathlib.Path:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR, help="default %(default)s")
-    parser.add_argument("--output", type=pathlib.Path, default=OUTPUT, help="default %(default)s")
+    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR,
+                        help="folder of the benchmark records, every *.json in it (default: %(default)s)")
+    parser.add_argument("--output", default=str(OUTPUT),
+                        help="the Markdown page to write, replaced if it exists (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.output.is_dir() or output_dir_problem(str(args.output.parent), overwrite=True):
-        parser.error(f"argument --output: cannot write {args.output} "
-                     f"({output_dir_problem(str(args.output.parent), overwrite=True) or 'a folder'})")
+    problem = output_problem(args.output)  # before any record is read
+    if problem:
+        parser.error(f"argument --output: {problem}" if not args.output.strip()
+                     else f"argument --output: cannot write {args.output} ({problem})")
+    output = pathlib.Path(args.output)
     try:
         page = render(args.results_dir)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(page)
-    print(f"wrote {args.output}")
-    return args.output
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(page)
+    except OSError as err:  # e.g. the disk filled up since the check
+        parser.error(f"argument --output: cannot write {output} ({type(err).__name__}: {err.strerror or err})")
+    print(f"wrote {output}")
+    return output
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,59 @@ def test_bad_results_dirs(tmp_path):
                            str(tmp_path / "missing"), "--output", str(tmp_path / "out.md")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr and not (tmp_path / "out.md").exists()
+
+
+def render_cli(results_dir, output):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py"), "--results-dir", str(results_dir),
+                           "--output", str(output)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("benchmark, results, problem", [
+    (5, {"x": 1}, "not a benchmark record (benchmarks/record.py): its benchmark is a name (a non-empty string), "
+                  "got 5"),
+    (None, {"x": 1}, "not a benchmark record (benchmarks/record.py): its benchmark is a name (a non-empty "
+                     "string), got null"),
+    ("x", {"rows": [{}]}, 'results["rows"][0] is empty'),
+    ("x", {"times_s": []}, 'results["times_s"] is empty'),
+    ("x", {"setup": {"nested": {}}}, 'results["setup"]["nested"] is empty'),
+    ("x", {}, "results is empty"),
+])
+def test_a_damaged_record_is_one_line_naming_its_file(benchmark, results, problem, tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    record = {"benchmark": benchmark, "command": "c", "date": "2026-11-24", "machine": MACHINE, "results": results}
+    (d / "damaged.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=re.escape(f"damaged.json: {problem}")):
+        render.render(d)
+    proc = render_cli(d, tmp_path / "out.md")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{d / 'damaged.json'}: {problem}" in proc.stderr and not (tmp_path / "out.md").exists()
+
+
+def test_nan_among_repeats_is_shown(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    write(d, "zz_nan", {"round_s": [3.0, float("nan"), 1.0, 5.0], "all_s": [float("nan")] * 4,
+                        "few_s": [1.0, float("nan")], "accuracy": [0.5, float("nan")]})
+    section = sections(render.render(d))["zz_nan (`zz_nan`)"]
+    assert "**round (s)**: 4 values, 1 NaN; the other 3: median 3, 1 to 5" in section
+    assert "**all (s)**: 4 values, all NaN" in section
+    assert "**few (s)**: 1, nan" in section and "**accuracy**: 50.00%, nan" in section
+
+
+@pytest.mark.parametrize("output, message", [
+    ("/proc/x.md", "argument --output: cannot write /proc/x.md ("),
+    ("", "argument --output: the file name is empty"),
+])
+def test_an_output_that_cannot_be_written_is_one_line_before_rendering(output, message, results_dir):
+    proc = render_cli(results_dir, output)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"render.py: error: {message}")
+
+
+def test_the_output_is_checked_before_the_records(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    (d / "broken.json").write_text("{not json")
+    proc = render_cli(d, "/proc/x.md")  # both are wrong: the output is named, before any record is read
+    assert proc.returncode == 2 and "argument --output" in proc.stderr and "broken.json" not in proc.stderr
