@@ -9,20 +9,29 @@ weights; the classification head stays full precision.
     python recipes/finetune_single.py ... --full-precision --output-dir runs/fp32
 
 Writes to ``--output-dir`` ``results.json`` (accuracy, configuration, the kernel each 8-bit layer
-trained with, wall time) and ``model/``, the fine-tuned model and its tokenizer
-(``AutoModelForSequenceClassification.from_pretrained`` reloads it, 8-bit layers included).
+trained with, wall time) and ``model/``, the fine-tuned model and its tokenizer. An 8-bit run's
+model reloads with its 8-bit layers through ``lp_decentral_nlp.load_quantized(folder)`` (or
+``AutoModelForSequenceClassification.from_pretrained`` once ``lp_decentral_nlp`` is imported;
+without that import it builds plain ``Linear`` layers); a ``--full-precision`` run's with
+``from_pretrained``. Training shows transformers' progress bar; torch runs ``--threads`` threads
+(default ``OMP_NUM_THREADS``, else 1, as the decentralized recipes). Ctrl-C stops with one line.
 """
 from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
 import sys
 import time
 
-from lp_decentral_nlp.commands import DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, existing_path, ranged
+from lp_decentral_nlp.commands import (DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
+                                       existing_path, ranged)
 
 PROG = "finetune_single.py"
+#: what to do after Ctrl-C (results.json is written only when the run finishes)
+AFTER_INTERRUPT = ("the run did not finish: run it again (with --overwrite-output-dir if --output-dir holds files "
+                   "of it)")
 
 
 def parse_args(argv=None):
@@ -31,21 +40,37 @@ def parse_args(argv=None):
     positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
-    p.add_argument("--data-dir", type=existing_path, default=None, help="AG News CSV file or folder; omit to read the hub")
-    p.add_argument("--max-train-samples", type=positive_int, default=None)
-    p.add_argument("--max-eval-samples", type=positive_int, default=None)
+    p.add_argument("--data-dir", type=existing_path, default=None,
+                   help="AG News: a CSV file (header label,title,description or text,label), a folder of CSV files or "
+                        "a DatasetDict.save_to_disk folder; omit to read the hub")
+    p.add_argument("--max-train-samples", type=positive_int, default=None,
+                   help="train on a seeded random subset of this many rows (default: None, every row)")
+    p.add_argument("--max-eval-samples", type=positive_int, default=None,
+                   help="evaluate on a seeded random subset of this many test rows (default: None, every row)")
     p.add_argument("--max-length", type=ranged(int, Range(2)), default=128, help="tokens per example")
-    p.add_argument("--epochs", type=positive_float, default=1.0)
+    p.add_argument("--epochs", type=positive_float, default=1.0, help="training epochs")
     p.add_argument("--lr", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
-    p.add_argument("--batch-size", type=positive_int, default=16)
-    p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0)
+    p.add_argument("--batch-size", type=positive_int, default=16,
+                   help="training batch size (evaluation: twice this)")
+    p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
+                   help="random seed of the run (transformers.set_seed: subsets, head initialisation, batch order)")
     p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
     p.add_argument("--kernel", default="auto",
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
-    p.add_argument("--output-dir", required=True)
+    add_threads_flag(p, None, "torch intra-op threads (default: OMP_NUM_THREADS if set, else 1, as the "
+                              "decentralized recipes: docs/design.md)")
+    p.add_argument("--output-dir", required=True,
+                   help="folder of results.json and model/ (default: none: it is required)")
     p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
                    help="write over the results of another run in --output-dir")
     args = p.parse_args(argv)
+    if args.data_dir is not None and pathlib.Path(args.data_dir).is_file() and \
+            pathlib.Path(args.data_dir).suffix.lower() != ".csv":
+        p.error(f"argument --data-dir: {args.data_dir} is not a .csv file: AG News is read from a CSV file, a folder "
+                "of CSV files or a DatasetDict.save_to_disk folder")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if args.threads is None and threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
+        p.error(f"environment variable OMP_NUM_THREADS={threads!r} must be a whole number >= 1 (or pass --threads)")
     if args.kernel != "auto":  # the registry imports torch: only for a kernel named on the command line
         from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
 
@@ -65,17 +90,27 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    from lp_decentral_nlp.commands import stop_on_interrupt
+
     args = parse_args(argv)  # before the heavy imports: a bad flag is answered at once
+    with stop_on_interrupt(PROG, AFTER_INTERRUPT):
+        return run(args)
+
+
+def run(args) -> dict:
+    """Fine-tune, evaluate and save as the parsed flags ``args`` say; returns the results."""
     import numpy as np
     import torch
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
     from lp_decentral_nlp.commands import load_classifier, load_data, load_tokenizer, resolve_model
+    from lp_decentral_nlp.commands.run import set_threads
     from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
     out = pathlib.Path(args.output_dir)
     start = time.perf_counter()
+    args.threads = set_threads(args)  # results.json records the count it ran with
     set_seed(args.seed)
 
     model_path, notice = resolve_model(args.model, PROG)
@@ -102,7 +137,7 @@ def main(argv=None) -> dict:
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
         adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,  # SPEC 8 NLP optimiser
         seed=args.seed, data_seed=args.seed, eval_strategy="no", save_strategy="no", logging_steps=20,
-        report_to="none", disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(),
+        report_to="none", disable_tqdm=False, dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),

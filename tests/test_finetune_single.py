@@ -1,0 +1,90 @@
+"""recipes/finetune_single.py's command line: the progress bar, --threads, --data-dir's message, --help and Ctrl-C."""
+import importlib.util
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lp_decentral_nlp import load_quantized
+from lp_decentral_nlp.quant import QuantModule
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "finetune_single.py"
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("finetune_single", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_argv(model_dir, csv, out):
+    return ["--model", str(model_dir), "--data-dir", str(csv), "--max-train-samples", "32", "--max-eval-samples", "16",
+            "--max-length", "16", "--batch-size", "16", "--output-dir", str(out)]
+
+
+def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # --threads wins over it
+    torch.set_num_threads(2)
+    results = load_recipe().main([*tiny_argv(tiny_model_dir, ag_news_csv, tmp_path / "run"), "--threads", "1"])
+    assert torch.get_num_threads() == 1 and results["args"]["threads"] == 1
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["args"]["threads"] == 1
+    assert re.search(r"100%\|[^\n]*\| 2/2 \[", capsys.readouterr().err)  # transformers' training bar, 2 steps
+    # what the docstring says reloads the 8-bit layers
+    assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path / "run" / "model").modules())
+
+
+@pytest.mark.parametrize("argv, environment, message", [
+    (["--threads", "0"], {}, "argument --threads: must be in [1, "),
+    ([], {"OMP_NUM_THREADS": "abc"}, "environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1"),
+])
+def test_bad_thread_settings_are_one_line(argv, environment, message, tmp_path, monkeypatch, capsys):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        load_recipe().parse_args([*argv, "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"finetune_single.py: error: {message}"), err
+
+
+def test_data_dir_message_names_what_this_recipe_reads(tmp_path, capsys):
+    text = tmp_path / "sentence_length.txt"
+    text.write_text("tr\t0\tA sentence .\n")
+    with pytest.raises(SystemExit) as exc:
+        load_recipe().parse_args(["--data-dir", str(text), "--output-dir", str(tmp_path / "run")])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        f"finetune_single.py: error: argument --data-dir: {text} is not a .csv file: AG News is read from a CSV file, "
+        "a folder of CSV files or a DatasetDict.save_to_disk folder\n")
+
+
+def test_help_states_every_flag_and_its_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_recipe().parse_args(["--help"])
+    assert exc.value.code == 0
+    entries = re.split(r"\n(?=  -)", capsys.readouterr().out.split("\noptions:\n")[1])[1:]  # after -h
+    for entry in entries:
+        flag_and_metavar = 1 if "--full-precision" in entry or "--overwrite" in entry else 2
+        help_text, _, default = " ".join(entry.split()).partition("(default")
+        assert default and len(help_text.split()) > flag_and_metavar + 1, entry
+    assert any(entry.split()[0] == "--threads" for entry in entries)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, ag_news_csv, tmp_path):
+    code = ("import sys, transformers, importlib.util\n"
+            "def interrupted(self, *args, **kwargs):\n"
+            "    raise KeyboardInterrupt\n"
+            "transformers.Trainer.train = interrupted\n"
+            f"spec = importlib.util.spec_from_file_location('finetune_single', {str(RECIPE)!r})\n"
+            "module = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            "module.main(sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", code, *tiny_argv(tiny_model_dir, ag_news_csv, tmp_path / "run")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.endswith("finetune_single.py: interrupted: the run did not finish: run it again (with "
+                                "--overwrite-output-dir if --output-dir holds files of it)\n")
