@@ -32,7 +32,7 @@ import math
 import pathlib
 import statistics
 
-from lp_decentral_nlp.commands import OneLineParser, output_dir_problem
+from lp_decentral_nlp.commands import OneLineParser, output_file_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -274,32 +274,6 @@ def render(results_dir: pathlib.Path = RESULTS_DIR) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def output_problem(output: str) -> str | None:
-    """Why the page cannot be written to ``output``, or None: an empty name, a folder, a folder that
-    cannot be made or written (:func:`output_dir_problem`), or a file that cannot be opened for
-    writing (tried without changing it: an existing file is opened to append nothing, a new one is
-    created and removed)."""
-    if not output.strip():
-        return "the file name is empty"
-    path = pathlib.Path(output)
-    if path.is_dir():
-        return "a folder"
-    problem = output_dir_problem(str(path.parent), overwrite=True)
-    if problem:
-        return problem
-    if not path.parent.is_dir():
-        return None  # a folder that can be created (output_dir_problem tried it) takes a new file
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as err:
-        return f"{type(err).__name__}: {err.strerror or err}"
-    if not existed:
-        path.unlink()
-    return None
-
-
 def main(argv=None) -> pathlib.Path:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR,
@@ -307,7 +281,7 @@ def main(argv=None) -> pathlib.Path:
     parser.add_argument("--output", default=str(OUTPUT),
                         help="the Markdown page to write, replaced if it exists (default: %(default)s)")
     args = parser.parse_args(argv)
-    problem = output_problem(args.output)  # before any record is read
+    problem = output_file_problem(args.output)  # before any record is read
     if problem:
         parser.error(f"argument --output: {problem}" if not args.output.strip()
                      else f"argument --output: cannot write {args.output} ({problem})")

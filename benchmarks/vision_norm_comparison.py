@@ -117,36 +117,11 @@ def unpublished(parser, args) -> list[tuple[str, str]]:
     return differing
 
 
-def file_problem(path: str) -> str | None:
-    """Why file ``path`` cannot be written, or None: an empty name, a folder, a folder that cannot
-    be made or written, or a file that cannot be opened for writing (tried without changing it: an
-    existing file is opened to append nothing, a new one is created and removed)."""
-    from lp_decentral_nlp.commands import output_dir_problem
-
-    if not path.strip():
-        return "the file name is empty"
-    target = pathlib.Path(path)
-    if target.is_dir():
-        return f"{path} is a folder"
-    problem = output_dir_problem(str(target.parent), overwrite=True)
-    if problem or not target.parent.is_dir():  # a folder that can be created takes a new file
-        return problem
-    existed = target.exists()
-    try:
-        with open(target, "a"):
-            pass
-    except OSError as err:
-        return f"{type(err).__name__}: {err.strerror or err}"
-    if not existed:
-        target.unlink()
-    return None
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked (one line, exit 2) before any run: the runs, the outputs of a comparison
     that is not the published one (module docstring), and that the plot, the record and the table
     can be written."""
-    from lp_decentral_nlp.commands import output_dir_problem
+    from lp_decentral_nlp.commands import output_dir_problem, output_file_problem
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -170,10 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --skew: the default --plot {DEFAULT_PLOT} is the published comparison at skew "
                 f"{p.get_default('skew'):g}: name a --plot FILE for skew {args.skew:g}")
     args.plot = str(DEFAULT_PLOT) if args.plot is None else args.plot
-    problem = file_problem(args.plot)
+    problem = output_file_problem(args.plot)
     if problem:
         p.error(f"argument --plot: cannot write {args.plot!r} ({problem})")
-    problem = file_problem(str(record_path(args)))
+    problem = output_file_problem(str(record_path(args)))
     if problem:
         p.error(f"cannot write the record {record_path(args)} ({problem}): set LP_BENCHMARK_RESULTS_DIR to a "
                 "folder that can be written")

@@ -260,6 +260,30 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
     return None
 
 
+def output_file_problem(path: str) -> str | None:
+    """Why a file cannot be written at ``path``, or None: an empty name, a folder, a folder that
+    cannot be made or written (:func:`output_dir_problem`), or a file that cannot be opened for
+    writing (tried without changing it: an existing file is opened to append nothing, a new one is
+    created and removed). For commands that write a file after long work: checked first."""
+    if not path.strip():
+        return "the file name is empty"
+    target = pathlib.Path(path)
+    if target.is_dir():
+        return "a folder"
+    problem = output_dir_problem(str(target.parent), overwrite=True)
+    if problem or not target.parent.is_dir():  # a folder that can be created takes a new file
+        return problem
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    if not existed:
+        target.unlink()
+    return None
+
+
 def remove_run_outputs(output_dir: str) -> list[str]:
     """Remove what a previous run left in `output_dir` (:data:`RUN_OUTPUTS` and ``checkpoint-*``
     folders; nothing else in it) and return their names: ``--overwrite_output_dir`` runs anew, and
