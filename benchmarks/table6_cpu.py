@@ -58,7 +58,7 @@ from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
                                       changed_settings, finished_results, output_dir_problem, packaged_model_path,
-                                      ranged, run_config)
+                                      ranged, run_config, stop_on_interrupt)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -216,6 +216,10 @@ def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
     return {**run_config(run), "consensus_lr_used": consensus_lr_used}
 
 
+#: what to do after Ctrl-C stopped the grid (a stopped cell's checkpoints are not resumed)
+AFTER_INTERRUPT = "run it again: its finished cells are reused, the stopped ones start afresh"
+
+
 def fingerprint(path: pathlib.Path) -> str:
     """What a data file or model folder holds, wherever it lies: a SHA-256 (16 hex digits) of a
     file's bytes, or of a folder's file names and sizes and its JSON files' bytes (the weights by
@@ -341,7 +345,8 @@ def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> int:
         return 0
     print(f"{n} runs: {n - len(todo)} reused, {len(todo)} to run", file=sys.stderr)
     run_pending([recipe_run(args, cell)[0] for cell in args.selected], todo, args.jobs,
-                [cell["id"] for cell in args.selected], [recipe_script(cell) for cell in args.selected])
+                [cell["id"] for cell in args.selected], [recipe_script(cell) for cell in args.selected],
+                AFTER_INTERRUPT)
     return len(todo)
 
 
@@ -520,7 +525,8 @@ def main(argv=None) -> pathlib.Path:
     """Run the grid, save the JSON, render the Markdown and the plot; returns the JSON's path."""
     args = parse(argv)
     recorded = recorded_runs(args)  # read before this invocation writes the JSON anew
-    ran = run_selected(args, recorded)
+    with stop_on_interrupt("table6_cpu.py", AFTER_INTERRUPT):
+        ran = run_selected(args, recorded)
     previous = record.RESULTS_DIR / f"{args.name}.json"
     # nothing run: the record keeps the command, date and machine that measured its cells
     provenance = json.loads(previous.read_text()) if not ran and previous.is_file() else None

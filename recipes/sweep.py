@@ -165,7 +165,7 @@ def grid(sweep) -> list:
 AFTER_INTERRUPT = "run the sweep again: its finished points are reused, the stopped ones start afresh"
 
 
-def run_logged(run, prog: str = "") -> dict:
+def run_logged(run, prog: str = "", on_interrupt: str = AFTER_INTERRUPT) -> dict:
     """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
     os.makedirs(run.training.output_dir, exist_ok=True)
     with open(os.path.join(run.training.output_dir, "run.log"), "w") as log:
@@ -173,7 +173,7 @@ def run_logged(run, prog: str = "") -> dict:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
         try:
-            return commands.run_nlp(run, prog, on_interrupt=AFTER_INTERRUPT)
+            return commands.run_nlp(run, prog, on_interrupt=on_interrupt)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
@@ -192,11 +192,13 @@ def remove_log_only_folders(folders) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[str] | None = None) -> dict[int, dict]:
+def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[str] | None = None,
+                on_interrupt: str = AFTER_INTERRUPT) -> dict[int, dict]:
     """Run ``runs[i]`` (:meth:`RecipeParser.parse` results) for every ``i`` in ``todo``: one after
     the other in this process when ``jobs == 1``, else ``jobs`` at a time in fresh (spawned)
     processes, each printing into its output folder's ``run.log``. Prints ``[k/n] name: accuracy``
-    after each (``names[i]``; ``progs[i]``: the recipe named in its errors). Returns ``{i: results}``;
+    after each (``names[i]``; ``progs[i]``: the recipe named in its errors; `on_interrupt`: what a
+    run stopped by Ctrl-C advises). Returns ``{i: results}``;
     a failed run cancels the rest and raises RuntimeError naming it and its log, or for a bad
     input found by the run (exit status 2) prints its one-line error and exits 2."""
     progs = progs or [""] * len(runs)
@@ -207,13 +209,13 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
     if jobs == 1:
         for done, i in enumerate(todo, 1):
-            results[i] = commands.run_nlp(runs[i], progs[i], on_interrupt=AFTER_INTERRUPT)
+            results[i] = commands.run_nlp(runs[i], progs[i], on_interrupt=on_interrupt)
             report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
         new_folders = [runs[i].training.output_dir for i in todo if not os.path.exists(runs[i].training.output_dir)]
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = {pool.submit(run_logged, runs[i], progs[i]): i for i in todo}
+            futures = {pool.submit(run_logged, runs[i], progs[i], on_interrupt): i for i in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 i = futures[future]
                 try:

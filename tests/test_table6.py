@@ -240,3 +240,23 @@ def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_cs
     assert real.output_dir.parent == shrunk.output_dir.parent
     # a shrunk table is no docs page: it goes with its runs
     assert real.docs_dir.name == "docs" and shrunk.docs_dir == shrunk.output_dir
+
+
+def test_ctrl_c_stops_the_grid_with_its_own_advice(table6, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):
+    """One line and exit 130, advising to run the grid again (not the sweep's or a recipe's resume)."""
+    import record
+
+    from lp_decentral_nlp.commands import nlp
+
+    def interrupted(parsed, prog):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(nlp, "prepare_nlp_run", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        table6.main(["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--output-dir",
+                     str(tmp_path / "runs"), "--max-steps", "1", "--limit-rows", "64", "--cells",
+                     "ag_news/Choco/skew0/comp0"])
+    assert exc.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
+        "table6_cpu.py: interrupted: run it again: its finished cells are reused, the stopped ones start afresh")
+    assert not (tmp_path / "results").exists()
