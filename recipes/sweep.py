@@ -46,19 +46,29 @@ def add_grid_flags(parser) -> None:
                         help="grid points run at once, each in its own process (default: 1, in this process)")
 
 
+def set_grid_help(parser) -> None:
+    """The help of the recipe flags whose meaning the grid changes: the output folder, the flags it
+    sets at every point (:data:`GRID_SET`, refused), and ``--overwrite_output_dir``."""
+    parser.set_help("output_dir", SWEEP_OUTPUT_DIR_HELP)
+    for name, grid_flag in GRID_SET.items():
+        parser.set_help(name, f"set by the grid at every point: give {grid_flag} instead")
+    parser.set_help("overwrite_output_dir", "run again the grid points whose folders hold results of other settings "
+                                            "(points finished with these settings are reused) (default: False)")
+
+
 def parse(argv=None):
     """The NLP recipes' flags (``--task`` included) plus the grid's; returns the parsed flags
     (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``). A bad flag or ``--help``
     is answered from the flag table before torch is imported."""
     description = __doc__.splitlines()[0]
     check = flag_check_parser("nlp", description=description, fixed=("algorithm",))
-    check.set_help("output_dir", SWEEP_OUTPUT_DIR_HELP)
+    set_grid_help(check)
     add_grid_flags(check)
     grid_flags = check.parse_args(sys.argv[1:] if argv is None else argv)
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
-    parser.set_help("output_dir", SWEEP_OUTPUT_DIR_HELP)
+    set_grid_help(parser)
     add_grid_flags(parser)
     parser.add_check(check_grid)
     return parser.parse(argv)

@@ -335,3 +335,14 @@ def test_sweep_kernel_flag_is_for_its_8bit_runs():
     sweep = import_sweep()
     runs = sweep.grid(sweep.parse(["--kernel", "int8", "--algorithms", "choco", "--skews", "0", "--comps", "0"]))
     assert [(run.training.low_precision, run.training.quant_kernel) for run in runs] == [(False, "auto"), (True, "int8")]
+
+
+def test_sweep_help_says_which_recipe_flags_the_grid_sets(capsys):
+    sweep = import_sweep()
+    with pytest.raises(SystemExit):
+        sweep.parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flags, grid_flag in (("--skew SKEW", "--skews"), ("--comp COMPRESSION, --compression COMPRESSION", "--comps"),
+                             ("--full-precision, --no_low_precision, --no-low-precision", "--precisions")):
+        assert f"{flags} set by the grid at every point: give {grid_flag} instead" in text
+    assert "Degree of label skew" not in text and "they are removed when training starts" not in text

@@ -191,12 +191,14 @@ class OneLineErrors:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def set_help(self, name: str, text: str) -> None:
-        """Replace the help of the flag that sets ``name``, for a program whose default or meaning
-        differs from the field's (KeyError when no flag sets ``name``)."""
-        action = next((a for a in self._actions if a.dest == name and a.option_strings), None)
-        if action is None:
+        """Replace the help of the flags that set ``name`` (e.g. ``--low_precision`` and
+        ``--full-precision``), for a program whose default or meaning differs from the field's
+        (KeyError when no flag sets ``name``)."""
+        actions = [a for a in self._actions if a.dest == name and a.option_strings]
+        if not actions:
             raise KeyError(f"no flag sets {name!r}")
-        action.help = text
+        for action in actions:
+            action.help = text
 
     # actions a flag may be given to more than once (each occurrence adds)
     _REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
