@@ -92,8 +92,8 @@ def test_cli_hf_model(capsys, minilm_path):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--compression", "100"], "argument --compression: compression must be a percentage in [0, 100)"),
-     (["--train-samples", "2"], "--train-samples (2) must give each of --num-nodes (4) at least one --batch-size (2) "
-                                "batch"),
+     (["--train-samples", "2"], "error: argument --train-samples: 2 samples must give each of --num-nodes (4) at "
+                                "least one --batch-size (2) batch"),
      (["--convention", "table10"], "argument --convention: invalid choice: 'table10'")],
 )
 def test_cli_rejects_bad_arguments(capsys, argv, message):

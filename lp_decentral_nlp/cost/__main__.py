@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     args.optimizer = args.optimizer or defaults["optimizer"]
     train_samples = args.train_samples or defaults["train_samples"]
     if train_samples // args.num_nodes < args.batch_size:
-        parser.error(f"--train-samples ({train_samples}) must give each of --num-nodes ({args.num_nodes}) at least one "
-                     f"--batch-size ({args.batch_size}) batch")
+        parser.error(f"argument --train-samples: {train_samples} samples must give each of --num-nodes "
+                     f"({args.num_nodes}) at least one --batch-size ({args.batch_size}) batch")
     model_config = _check_model_flags(parser, args)
     from lp_decentral_nlp.gossip.factory import build_gossip
 
