@@ -7,7 +7,12 @@ Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every
 to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
 repeated; one done with other settings is refused, or with --overwrite_output_dir repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
-Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed).
+Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed). Those three hold
+this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
+only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
+
+Ctrl-C stops the sweep with one line; run it again and its finished points are reused, the
+stopped ones start afresh.
 
 ``--jobs N`` runs N grid points at once, each in its own process (give each one thread:
 ``OMP_NUM_THREADS=1``); a run's log goes to ``run.log`` in its folder.
