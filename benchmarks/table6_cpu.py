@@ -57,8 +57,8 @@ import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      changed_settings, finished_results, output_dir_problem, packaged_model_path,
-                                      ranged, run_config, stop_on_interrupt)
+                                      changed_settings, finished_results, model_flag_problem, output_dir_problem,
+                                      packaged_model_path, ranged, run_config, stop_on_interrupt)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -161,6 +161,9 @@ def parse(argv=None) -> argparse.Namespace:
             parser.error(f"argument {err}")
     if args.model is None:
         args.model = packaged_model_path()
+    problem = model_flag_problem(str(args.model))  # said as this program's, not as the first cell's recipe
+    if problem:
+        parser.error(f"argument --model: {problem}")
     local_model = pathlib.Path(args.model).exists()  # else a hub id
     if local_model:
         args.model = pathlib.Path(args.model).resolve()

@@ -215,6 +215,13 @@ def test_bad_flags(table6, ag_news_csv, flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_model_that_does_not_exist_is_this_programs_error(table6, ag_news_csv, tmp_path, capsys):
+    """It was the first cell's recipe's error (recipes/agnews_deepsqueeze.py: error: ...)."""
+    with pytest.raises(SystemExit):
+        table6.parse(["--data-dir", str(ag_news_csv), "--model", str(tmp_path / "none")])
+    assert capsys.readouterr().err == f"table6_cpu.py: error: argument --model: {tmp_path / 'none'} does not exist\n"
+
+
 def test_finished_only_with_nothing_finished_runs_nothing(table6, ag_news_csv, tmp_path, monkeypatch, capsys):
     import record
 
