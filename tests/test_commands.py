@@ -90,6 +90,18 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
     assert changed_settings({**config, "learning_rate": 0.1}, config, ignored=("output_dir",)) == ["learning_rate"]
 
 
+def test_results_config_records_a_whole_number_of_steps_as_typed():
+    """transformers types the *_steps fields float (a ratio below 1): --eval_steps 6 was recorded as 6.0."""
+    from lp_decentral_nlp.commands import changed_settings, run_config
+
+    parsed = build_nlp_parser("ag_news", "choco").parse(["--eval_strategy", "steps", "--eval_steps", "6",
+                                                          "--logging_steps", "0.5", "--save_steps", "10"])
+    config = run_config(parsed)
+    assert json.dumps({k: config[k] for k in ("eval_steps", "logging_steps", "save_steps")}) == (
+        '{"eval_steps": 6, "logging_steps": 0.5, "save_steps": 10}')
+    assert changed_settings({**config, "eval_steps": 6.0, "save_steps": 10.0}, config) == []  # older records
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--nodes", "2.0"], "argument --nodes: expected an integer, got '2.0'"),
     (["--num-nodes", "1e3"], "argument --num-nodes: expected an integer, got '1e3'"),

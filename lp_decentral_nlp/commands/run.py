@@ -591,10 +591,18 @@ def run_config(parsed) -> dict:
     recipe's options, the decentralized setting (:data:`ALWAYS_IN_CONFIG`) and every training
     argument but those left at :class:`DecentralizedTrainingArguments`' default
     (:func:`training_default`) by a recipe whose default (``parsed.defaults``) it is too."""
-    config = {k: v for k, v in parsed.values.items()
+    config = {k: _whole_steps(k, v) for k, v in parsed.values.items()
               if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
     config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
     return config
+
+
+def _whole_steps(name: str, value):
+    """A ``*_steps`` value as typed: transformers types them float (below 1, a ratio of the run),
+    so ``--eval_steps 6`` arrives as 6.0; a whole number of steps is recorded as one."""
+    if name.endswith("_steps") and isinstance(value, float) and value >= 1 and value.is_integer():
+        return int(value)
+    return value
 
 
 def final_evaluation(trainer) -> dict:
