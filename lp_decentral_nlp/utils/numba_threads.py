@@ -44,15 +44,21 @@ def _build_named(kernel, build: str):
     return named
 
 
-@torch.compiler.disable
 def run_kernel(kernels: tuple, numel: int, *args):
     """Call the serial or the parallel build of ``kernels`` (:func:`compile_serial_and_parallel`)
     on ``args`` for work over `numel` elements: parallel only with at least
     ``PARALLEL_MIN_ELEMENTS`` elements and more than one torch thread, then on as many threads as
     torch's intra-op pool (at most ``NUMBA_NUM_THREADS``), leaving torch's thread count as it was.
 
-    Runs outside ``torch.compile``'s graphs (a graph break): Dynamo cannot trace numba's
-    dispatcher, whose first call in a process compiles or loads the kernel."""
+    Under ``torch.compile`` the call runs outside the compiled graph (a graph break): Dynamo cannot
+    trace numba's dispatcher, whose first call in a process compiles or loads the kernel. Eager
+    calls skip that wrapper (it costs microseconds per call)."""
+    if torch.compiler.is_compiling():
+        return _run_outside_graph(kernels, numel, *args)
+    return _run(kernels, numel, *args)
+
+
+def _run(kernels: tuple, numel: int, *args):
     if numel < PARALLEL_MIN_ELEMENTS:
         return kernels[0](*args)
     torch_threads = torch.get_num_threads()
@@ -65,3 +71,6 @@ def run_kernel(kernels: tuple, numel: int, *args):
     finally:
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
+
+
+_run_outside_graph = torch.compiler.disable(_run)
