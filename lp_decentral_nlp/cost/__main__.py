@@ -149,9 +149,9 @@ def main(argv=None) -> int:
                 model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
                 gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes,
                 convention=args.convention)
-        except ValueError as err:
+        except ValueError as err:  # the model's own error where estimate_cost names input_shape for it
             parser.error(f"argument --batch-size: {model.__class__.__name__} cannot train on a batch of "
-                         f"{args.batch_size} x {input_shape}: {str(err).splitlines()[0]}")
+                         f"{args.batch_size} x {input_shape}: {str(err.__cause__ or err).splitlines()[0]}")
     what = args.arch or args.model
     comm = reports["fp32"].communication
     print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
