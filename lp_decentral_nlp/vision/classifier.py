@@ -5,7 +5,8 @@ save/load of its own (these nets are not Hugging Face models).
 Saved folder: ``model.safetensors`` (the state dict: fp32 master weights and every buffer, the
 8-bit layers' activation ranges included) and ``vision_config.json`` (``arch``, ``num_classes``,
 ``norm``, ``groups``, ``preprocessing`` and, for a model passed through ``quantize_model``, its
-``QuantConfig``).
+``QuantConfig`` and the names of its 8-bit layers, so that a model quantized in part reloads as it
+was saved).
 """
 from __future__ import annotations
 
@@ -58,13 +59,19 @@ class ImageClassifier(nn.Module):
         return next((m.quant_config for m in self.modules() if isinstance(m, QuantModule)), None)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``vision_config.json`` and ``model.safetensors`` into ``save_directory``."""
+        """Write ``vision_config.json`` and ``model.safetensors`` into ``save_directory``. ValueError
+        when its 8-bit layers were made with different ``QuantConfig``\ s (one is recorded)."""
         from safetensors.torch import save_file
 
+        layers = {name: m.quant_config.to_dict() for name, m in self.named_modules() if isinstance(m, QuantModule)}
+        if len({json.dumps(c, sort_keys=True) for c in layers.values()}) > 1:
+            raise ValueError("its 8-bit layers were made with different QuantConfigs, and a saved ImageClassifier "
+                             "records one: quantize it with one QuantConfig (select layers with its target)")
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
         quant = self.applied_quant_config()
-        config = {**self.vision_config, "quant_config": None if quant is None else quant.to_dict()}
+        config = {**self.vision_config, "quant_config": None if quant is None else quant.to_dict(),
+                  "quantized_layers": list(layers) if layers else None}
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / WEIGHTS_NAME))
 
@@ -80,9 +87,19 @@ class ImageClassifier(nn.Module):
             raise FileNotFoundError(f"{folder} must hold {CONFIG_NAME} and {WEIGHTS_NAME} "
                                     "(written by ImageClassifier.save_pretrained)")
         config = json.loads((folder / CONFIG_NAME).read_text())
-        quant = config.pop("quant_config", None)
+        quant, layers = config.pop("quant_config", None), config.pop("quantized_layers", None)
         model = cls(**config)
-        if quant is not None:
-            quantize_model(model, QuantConfig.from_dict(quant))
-        model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+        if quant is not None:  # exactly the saved 8-bit layers (a folder written before they were named: all)
+            quant = QuantConfig.from_dict(quant)
+            if layers is not None and quantize_model(model, quant, dry_run=True).quantized != layers:
+                quant = QuantConfig.from_dict({**quant.to_dict(), "target": layers})  # quantized in part
+            quantize_model(model, quant)
+        state = load_file(str(folder / WEIGHTS_NAME))
+        saved_float = [name for name, m in model.named_modules()
+                       if isinstance(m, QuantModule) and hasattr(m, "act_running_min")
+                       and f"{name}.act_running_min" not in state]
+        if saved_float:  # a float layer's state would load into an 8-bit one as uncalibrated, silently
+            raise ValueError(f"{folder}: layers {saved_float[:3]} were saved float but its quant_config makes them "
+                             "8-bit: save the model again with this version (it records its 8-bit layers)")
+        model.load_state_dict(state)
         return model.eval()
