@@ -181,6 +181,22 @@ def test_a_bad_saved_split_is_refused_before_any_split_is_converted(tmp_path, ca
     assert capfd.readouterr().err == ""
 
 
+def test_saved_splits_that_name_the_classes_otherwise_are_refused(tmp_path):
+    """A test row saved as "Sports" (id 0 of its split) was read as "World" (id 0 of train's)."""
+    from datasets import ClassLabel, Features, Value
+
+    def split(names, labels):
+        return Dataset.from_dict({"text": [f"t{i}" for i in range(len(labels))], "label": labels},
+                                 features=Features({"text": Value("string"), "label": ClassLabel(names=names)}))
+
+    folder = tmp_path / "saved"
+    DatasetDict(train=split(["World", "Sports", "Business", "Sci/Tech"], [0, 1, 2, 3] * 2),
+                test=split(["Sports", "World", "Business", "Sci/Tech"], [0])).save_to_disk(folder)
+    _expect(ValueError, r"its splits name the classes otherwise \(train: \['World', 'Sports', 'Business', "
+                        r"'Sci/Tech'\]; test: \['Sports', 'World', 'Business', 'Sci/Tech'\]\)",
+            lambda: load_task("ag_news", data_dir=folder), folder)
+
+
 def test_saved_dataset_without_train_split_or_unreadable(tmp_path):
     folder = _saved(tmp_path, {"text": ["a"], "label": [0]}, splits=("validation",))
     _expect(ValueError, r"has no 'train' split \(splits: \['validation'\]\)",

@@ -313,8 +313,13 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
         raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")
     parts = {split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()}  # all, first
     # a 4-class ClassLabel keeps its own names (the ids are the same); plain integers get AG News's
-    names = next((part.features["label"].names for part in parts.values()
-                  if isinstance(part.features["label"], ClassLabel)), AG_NEWS_LABELS)
+    named = {split: part.features["label"].names for split, part in parts.items()
+             if isinstance(part.features["label"], ClassLabel)}
+    if len({tuple(n) for n in named.values()}) > 1:  # the same id would mean another class in another split
+        raise ValueError(f"saved dataset at {str(path)!r}: its splits name the classes otherwise ("
+                         + "; ".join(f"{split}: {n}" for split, n in named.items()) + "): give every split the same "
+                         "ClassLabel names in the same order")
+    names = next(iter(named.values()), AG_NEWS_LABELS)
     parts = DatasetDict({split: _as_class_label(part, names) for split, part in parts.items()})
     if "test" in parts:
         return parts
