@@ -204,6 +204,23 @@ def test_running_range_in_training_and_its_use_in_eval():
     assert torch.allclose(out, nn.functional.linear(x_q, w_q, f.bias), atol=1e-5)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_training_batch_leaves_the_running_range_alone(bad):
+    """One such batch made the range NaN for good: every later evaluation gave NaN logits."""
+    _, q, _ = make_layer("linear")
+    q.train()
+    q(torch.randn(4, 5, 12))
+    before = (q.act_running_min.clone(), q.act_running_max.clone(), q.act_num_batches.clone())
+    x = torch.randn(4, 5, 12)
+    x[1, 2, 3] = bad
+    q(x)
+    assert (q.act_running_min, q.act_running_max, q.act_num_batches) == before
+    q(torch.randn(4, 5, 12))  # a clean batch counts again
+    assert int(q.act_num_batches) == 2 and bool(torch.isfinite(q.act_running_min + q.act_running_max))
+    with torch.no_grad():
+        assert bool(torch.isfinite(q.eval()(torch.randn(2, 5, 12))).all())
+
+
 def test_uncalibrated_eval_uses_the_batch_range():
     f, q, x = make_layer("linear")
     q.eval()

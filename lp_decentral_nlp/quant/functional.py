@@ -223,9 +223,14 @@ def update_running_range(
     """Momentum update of a running range, in place, PyTorch's convention (SPEC 4).
 
     ``running = (1 - momentum) * running + momentum * batch``; the first batch (``num_batches == 0``)
-    initialises the range. All arguments are 0-d tensors except `momentum`; no host sync.
+    initialises the range. A batch whose range is not finite (a NaN or infinite input) leaves the
+    range and the count as they were: one such batch would otherwise make every later evaluation
+    NaN. All arguments are 0-d tensors except `momentum`; no host sync.
     """
     first = num_batches == 0
-    torch.where(first, batch_min, torch.lerp(running_min, batch_min, momentum), out=running_min)
-    torch.where(first, batch_max, torch.lerp(running_max, batch_max, momentum), out=running_max)
-    num_batches.add_(1)
+    finite = torch.isfinite(batch_min + batch_max)  # inf - inf is NaN: one test for both ends
+    torch.where(finite, torch.where(first, batch_min, torch.lerp(running_min, batch_min, momentum)), running_min,
+                out=running_min)
+    torch.where(finite, torch.where(first, batch_max, torch.lerp(running_max, batch_max, momentum)), running_max,
+                out=running_max)
+    num_batches.add_(finite)
