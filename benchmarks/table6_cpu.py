@@ -155,8 +155,7 @@ def parse(argv=None) -> argparse.Namespace:
         args.selected = [c for c in args.selected if any(matches(c, p) for p in args.cells)]
     if args.limit_rows is not None:
         try:
-            check_enough_rows(args.limit_rows, SETTINGS["nodes"], SETTINGS["batch_size"], "--limit-rows",
-                              skew=max(c["skew"] for c in args.selected))
+            check_enough_rows(args.limit_rows, SETTINGS["nodes"], SETTINGS["batch_size"], "--limit-rows")
         except ValueError as err:
             parser.error(f"argument {err}")
     if args.model is None:

@@ -118,16 +118,6 @@ def check_grid_flags(parser, sweep) -> None:
     if sweep.training.compressor == "qsgd":
         parser.error(f"argument {parser.flag_of('compressor')}: the grid's --comps are the percentages top-k and "
                      "random-k drop; QSGD's size is set by --qsgd_levels: sweep topk or randomk")
-    rows = sweep.recipe.max_train_samples
-    if rows is not None:  # every point's shards fill a batch, checked before the first point trains
-        from lp_decentral_nlp.data import check_enough_rows
-
-        for skew in sorted(grid_flags.skews, reverse=True):  # the most skewed needs the most rows
-            try:
-                check_enough_rows(rows, sweep.training.num_nodes, sweep.training.per_device_train_batch_size,
-                                  f"{sweep.recipe.data_dir or sweep.recipe.task} cut to {rows} rows", skew=skew)
-            except ValueError as err:
-                parser.error(f"argument {parser.flag_of('max_train_samples')}: {err}")
     out = sweep.values["output_dir"]
     for name in ("sweep.json", "sweep.md", "sweep.png"):  # written after the last point: checked before the first
         if os.path.isdir(os.path.join(out, name)):

@@ -38,6 +38,14 @@ def test_partition_is_disjoint_and_complete(skew):
     assert [len(s) for s in shards] == [250] * 4
 
 
+def test_shards_differ_in_size_by_at_most_one_and_none_is_empty():
+    """Both pools gave their extra samples to the first nodes: with 100 rows on 100 nodes at skew
+    0.9, 12 shards were empty; one class of 10 rows on 4 nodes at skew 0.5 gave [4, 2, 2, 2]."""
+    sizes = [len(s) for s in skewed_partition(np.repeat(np.arange(4), 25), num_nodes=100, skew=0.9)]
+    assert sizes == [1] * 100
+    assert sorted(len(s) for s in skewed_partition(np.zeros(10, int), num_nodes=4, skew=0.5)) == [2, 2, 3, 3]
+
+
 def test_skew_one_gives_each_node_one_class_and_zero_is_mixed():
     labels = np.repeat(np.arange(4), 250)
     for i, shard in enumerate(skewed_partition(labels, 4, 1.0)):

@@ -203,9 +203,8 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     (["--cells", "ag_news/DS/skew0/comp0/seed1"], "seeds [0] from --seeds)"),
     (["--seeds", "1", "1"], "argument --seeds: [1, 1] repeats a seed"),
     (["--seeds", "-1"], "argument --seeds: must be in [0, inf), got -1"),
-    (["--limit-rows", "66"], "argument --limit-rows: 66 training rows cannot give each of 4 nodes one batch of 16: "
-                             "at least 67 rows"),
-    (["--cells", "ag_news/*/skew0/*", "--limit-rows", "63"], "argument --limit-rows: 63 training rows"),
+    (["--limit-rows", "63"], "argument --limit-rows: 63 training rows cannot give each of 4 nodes one batch of 16: "
+                             "at least 64 rows"),
     (["--jobs", "0"], "table6_cpu.py: error: argument --jobs: must be in [1, inf), got 0"),
     (["--docs-dir", "/proc/no/docs"], "table6_cpu.py: error: argument --docs-dir: /proc/no/docs cannot be created"),
 ])

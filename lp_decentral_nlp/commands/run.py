@@ -383,8 +383,8 @@ def load_data(load, what: str, data_dir, prog: str, from_hub: bool = True):
 def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
                         max_train_samples: int | None = None) -> None:
     """Exit like a bad flag when a training split of ``num_rows`` rows cannot give each of
-    ``training.num_nodes`` nodes one batch of ``training.per_device_train_batch_size`` at
-    ``training.skew`` (:func:`lp_decentral_nlp.data.check_enough_rows`, SPEC 6). The flag named
+    ``training.num_nodes`` nodes one batch of ``training.per_device_train_batch_size`` at any skew
+    (:func:`lp_decentral_nlp.data.check_enough_rows`, SPEC 6). The flag named
     is ``--max-train-samples`` when it cut the split to ``num_rows``, else ``--data-dir`` (no flag
     for ``what`` read from the hub or bundled)."""
     from ..data import check_enough_rows
@@ -396,8 +396,7 @@ def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
     else:
         flag, source = None, what
     try:
-        check_enough_rows(num_rows, training.num_nodes, training.per_device_train_batch_size, source,
-                          skew=training.skew)
+        check_enough_rows(num_rows, training.num_nodes, training.per_device_train_batch_size, source)
     except ValueError as err:
         exit_with_error(prog, str(err), flag)
 

@@ -14,9 +14,10 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     Implements SPEC section 6: sort the samples by label (stable, so dataset order is kept within a
     class); from every class the first ``floor(skew * n_c)`` samples go to a *sorted pool* (label
     order) and the rest to a *random pool* shuffled with ``seed``. Node ``i`` receives the ``i``-th
-    contiguous block of the sorted pool plus the ``i``-th block of the random pool. Blocks are cut
-    with :func:`numpy.array_split`, so every sample is used and block sizes differ by at most one
-    when a pool does not divide evenly.
+    contiguous block of the sorted pool plus the ``i``-th block of the random pool. Every sample is
+    used; a pool that does not divide evenly gives its extra samples to the first nodes (the sorted
+    pool, as :func:`numpy.array_split`) or to the last ones (the random pool), so the shards differ
+    in size by at most one: every shard holds at least ``N // num_nodes`` samples.
 
     Args:
         labels: label of every sample, length ``N``.
@@ -54,5 +55,14 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     np.random.default_rng(seed).shuffle(random_pool)
 
     sorted_blocks = np.array_split(sorted_pool, num_nodes)
-    random_blocks = np.array_split(random_pool, num_nodes)
+    random_blocks = _split_extra_last(random_pool, num_nodes)
     return [np.concatenate([s, r]).astype(np.int64) for s, r in zip(sorted_blocks, random_blocks)]
+
+
+def _split_extra_last(pool: np.ndarray, num_nodes: int) -> list[np.ndarray]:
+    """``num_nodes`` contiguous blocks of ``pool`` whose sizes differ by at most one, the larger
+    ones last (:func:`numpy.array_split` puts them first): beside the sorted pool's blocks no shard
+    gets two extra samples while another gets none. A pool that divides evenly is cut as before."""
+    base, extra = divmod(len(pool), num_nodes)
+    sizes = [base + (i >= num_nodes - extra) for i in range(num_nodes)]
+    return np.split(pool, np.cumsum(sizes)[:-1])

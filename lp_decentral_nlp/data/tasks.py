@@ -124,22 +124,19 @@ def _subset(ds: Dataset, limit: int | None, seed: int, arg: str) -> Dataset:
     return ds.shuffle(seed=seed).select(range(min(limit, len(ds))))
 
 
-def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: str, skew: float = 0.0) -> None:
+def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: str) -> None:
     """Refuse a training split too small for ``num_nodes`` nodes of ``batch_size`` rows each.
 
     Every node trains on its own shard (:func:`~lp_decentral_nlp.data.skewed_partition`, SPEC
     section 6) and drops its last incomplete batch, so every shard needs ``batch_size`` rows. The
-    shards of ``N`` rows hold ``N // num_nodes`` rows or more without skew; with skew they are cut
-    from two pools and the smallest can be one row shorter. Hence the rows needed:
-    ``num_nodes * batch_size`` at ``skew == 0``, ``num_nodes * (batch_size + 1) - 1`` otherwise.
-    A split that passes always gives every node at least one batch.
+    shards of ``N`` rows hold at least ``N // num_nodes`` rows at any skew, hence the rows needed:
+    ``num_nodes * batch_size``. A split that passes gives every node at least one batch.
 
     Args:
         num_rows: rows of the training split.
         num_nodes: number of nodes (``--nodes``).
         batch_size: batch size of each node, in rows (``--batch-size``).
         source: what the rows came from (a file, ``--data-dir ...``), named in the error.
-        skew: label skew of the shards, in ``[0, 1]`` (``--skew``).
 
     Raises:
         ValueError: naming ``source``, the rows it has and the rows needed; or naming a bad argument.
@@ -147,14 +144,11 @@ def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: st
     for arg, value, low in (("num_rows", num_rows, 0), ("num_nodes", num_nodes, 1), ("batch_size", batch_size, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
-    if isinstance(skew, bool) or not isinstance(skew, (int, float, np.floating)) or not 0.0 <= skew <= 1.0:
-        raise ValueError(f"skew must be a number in [0, 1], got {skew!r}")
-    needed = num_nodes * batch_size if skew == 0 else num_nodes * (batch_size + 1) - 1
+    needed = num_nodes * batch_size
     if num_rows < needed:
-        why = "" if skew == 0 else f" (skew {skew:g} can leave a shard one row short of an even split)"
         raise ValueError(f"{source}: {num_rows} training rows cannot give each of {num_nodes} nodes one batch of "
-                         f"{batch_size}: at least {needed} rows are needed{why}; give more data, or lower the "
-                         "batch size or the number of nodes")
+                         f"{batch_size}: at least {needed} rows are needed; give more data, or lower the batch size "
+                         "or the number of nodes")
 
 
 def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) -> DatasetDict:
