@@ -181,6 +181,20 @@ def test_a_bad_saved_split_is_refused_before_any_split_is_converted(tmp_path, ca
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.parametrize("content, message", [
+    (HEADER + _rows(8) + "2,,\n", r"empty.csv:10: no text \(title and description empty\); every row needs one"),
+    ("text,label\n" + "".join(f"t{i},{i % 4}\n" for i in range(8)) + "  ,1\n",
+     r"empty.csv:10: no text \(text empty\); every row needs one"),
+])
+def test_a_row_without_text_is_refused(content, message, tmp_path):
+    """It was read as "" (or ". " from an empty title and description) and trained on."""
+    source = _write(tmp_path / "empty.csv", content)
+    _expect(ValueError, message, lambda: load_task("ag_news", data_dir=source), source)
+    folder = _saved(tmp_path, {"text": ["a", " "], "label": [0, 1]})
+    _expect(ValueError, r"saved \[train\]: column 'text' has empty values \(None or blank\)",
+            lambda: load_task("ag_news", data_dir=folder), folder)
+
+
 def test_saved_splits_that_name_the_classes_otherwise_are_refused(tmp_path):
     """A test row saved as "Sports" (id 0 of its split) was read as "World" (id 0 of train's)."""
     from datasets import ClassLabel, Features, Value
@@ -245,7 +259,7 @@ def test_saved_dataset_with_empty_labels_or_texts_or_an_empty_split(tmp_path):
     _expect(ValueError, r"saved \[train\]: column 'label' has empty \(None\) values; every row needs a label 0-3",
             lambda: load_task("ag_news", data_dir=folder), folder)
     folder = _saved(tmp_path / "texts", {"text": ["a", None], "label": [0, 1]})
-    _expect(ValueError, r"saved \[train\]: column 'text' has empty \(None\) values; every row needs a text",
+    _expect(ValueError, r"saved \[train\]: column 'text' has empty values \(None or blank\); every row needs a text",
             lambda: load_task("ag_news", data_dir=folder), folder)
     part = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
     empty_test = tmp_path / "empty_test"

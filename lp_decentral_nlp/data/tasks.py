@@ -285,10 +285,11 @@ def _read_ag_news_csv(file: Path) -> Dataset:
         if not first <= int(value) < first + len(AG_NEWS_LABELS):
             raise ValueError(f"{file}:{lineno}: label {int(value)} is not a class; labels must be {allowed}")
         label.append(int(value) - first)
-        if "text" in where:
-            text.append(fields[where["text"]])
-        else:
-            text.append(f"{_unescape(fields[where['title']])}. {_unescape(fields[where['description']])}")
+        parts = [fields[where[c]] for c in (("text",) if "text" in where else ("title", "description"))]
+        if not any(part.strip() for part in parts):
+            raise ValueError(f"{file}:{lineno}: no text ({' and '.join(c for c in where if c != 'label')} empty); "
+                             "every row needs one")
+        text.append(parts[0] if "text" in where else f"{_unescape(parts[0])}. {_unescape(parts[1])}")
     features = Features({"text": Value("string"), "label": ClassLabel(names=list(AG_NEWS_LABELS))})
     return Dataset.from_dict({"text": text, "label": label}, features=features)
 
@@ -338,8 +339,8 @@ def _checked_saved_split(part: Dataset, source: str) -> Dataset:
                              f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
     elif not (isinstance(label, Value) and re.fullmatch(r"u?int\d+", label.dtype)):
         raise ValueError(f"{source}: column 'label' must hold integers 0-3 (or be a ClassLabel), found {label}")
-    if any(value is None for value in part["text"]):
-        raise ValueError(f"{source}: column 'text' has empty (None) values; every row needs a text")
+    if any(value is None or not value.strip() for value in part["text"]):
+        raise ValueError(f"{source}: column 'text' has empty values (None or blank); every row needs a text")
     labels = part["label"]
     if any(value is None for value in labels):
         raise ValueError(f"{source}: column 'label' has empty (None) values; every row needs a label 0-3")
