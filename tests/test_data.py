@@ -70,6 +70,7 @@ def test_partition_is_deterministic_under_seed_and_changes_with_it():
     (dict(seed=-1), r"^seed must be an integer in \[0, 4294967295\], got -1"),
     (dict(seed=1.5), r"^seed must be an integer"),
     (dict(labels=[0, float("nan"), 1, 0, 1, 0, 1, 0, 1, 0]), r"^labels must be class ids, found nan at index 1"),
+    (dict(labels=[0, 1, None, 0, 1, 0, 1, 0, 1, 0]), r"^labels must be class ids, found None at index 2"),
 ])
 def test_partition_rejects_bad_arguments(kwargs, word):
     args = dict(labels=list(range(10)), num_nodes=2, skew=0.5) | kwargs
@@ -136,6 +137,21 @@ def test_a_saved_class_label_keeps_its_names(tmp_path):
     ds = load_task("ag_news", data_dir=tmp_path / "saved")
     assert ds["train"].features["label"].names == ds["test"].features["label"].names == ["a", "b", "c", "d"]
     assert ds["train"]["label"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(data_dir=5), r"^data_dir must be a path \(str or os.PathLike\) or None, got int"),
+    (dict(eval_fraction="0.2"), r"^eval_fraction must be a number in \(0, 1\), got '0.2'"),
+    (dict(eval_fraction=None), r"^eval_fraction must be a number in \(0, 1\), got None"),
+    (dict(tokenizer=42), r"^tokenizer must be a Hugging Face tokenizer \(callable\) or None, got int"),
+])
+def test_load_task_refuses_arguments_of_the_wrong_kind_in_one_line(kwargs, message):
+    """They were raw TypeErrors from deep inside (the tokenizer's behind a "Tokenizing" bar)."""
+    with pytest.raises(ValueError, match=message):
+        load_task("ag_news", **kwargs)
+    if "eval_fraction" in kwargs:
+        with pytest.raises(ValueError, match=message):
+            build_sentlen(None, **kwargs)
 
 
 def test_max_length_without_a_tokenizer_is_refused(tmp_path):

@@ -39,6 +39,8 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     if isinstance(skew, bool) or not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
         raise ValueError(f"skew must be a number in [0, 1], got {skew!r}")
     check_field("seed", seed)
+    if labels.dtype == object and any(label is None for label in labels):
+        raise ValueError(f"labels must be class ids, found None at index {[l is None for l in labels].index(True)}")
     if labels.dtype.kind == "f" and not np.isfinite(labels).all():
         raise ValueError(f"labels must be class ids, found {labels[~np.isfinite(labels)][0]} at index "
                          f"{int(np.flatnonzero(~np.isfinite(labels))[0])}")

@@ -84,8 +84,11 @@ def load_task(
     """
     if name not in TASKS:
         raise ValueError(f"name must be one of {TASKS}, got {name!r}")
-    if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    _check_eval_fraction(eval_fraction)
+    if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
+        raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
+    if tokenizer is not None and not callable(tokenizer):
+        raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable) or None, got {type(tokenizer).__name__}")
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
     check_field("seed", seed)
@@ -114,6 +117,11 @@ def load_task(
             desc="Tokenizing",
         )
     return ds
+
+
+def _check_eval_fraction(eval_fraction) -> None:
+    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
 
 
 def _subset(ds: Dataset, limit: int | None, seed: int, arg: str) -> Dataset:
@@ -422,6 +430,8 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
     ``source`` came from in the ValueError raised when some length class has fewer than 2
     sentences.
     """
+    _check_eval_fraction(eval_fraction)
+    check_field("seed", seed)
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
     by_class = [[] for _ in SENTLEN_BINS]
