@@ -400,6 +400,29 @@ def test_an_image_classifier_quantized_in_part_reloads_as_it_was_saved(tmp_path)
         mixed.save_pretrained(tmp_path / "mixed")
 
 
+def test_an_image_classifier_folder_or_preprocessing_it_cannot_use_is_one_value_error(tmp_path):
+    """They were a JSONDecodeError naming no file, an __init__ TypeError, torch's size-mismatch dump,
+    and a preprocessing that failed only when saved, after its folder was made."""
+    import json
+
+    ImageClassifier("resnet20", 10, "evonorm").save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "vision_config.json"
+    saved = json.loads(config.read_text())
+    for content, message in (("{not json", r"vision_config.json is not JSON"),
+                             (json.dumps({**saved, "colour": "red"}), r"is not an ImageClassifier's config: expected"),
+                             (json.dumps({**saved, "num_classes": 3}), r"model.safetensors does not fit its "
+                                                                       r"vision_config.json \(Error\(s\) in loading")):
+        config.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            ImageClassifier.from_pretrained(tmp_path / "m")
+    good = {"labels": ["a", "b"], "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
+    ImageClassifier("resnet20", 2, "evonorm", preprocessing=good)
+    for bad in ({**good, "image_size": "big"}, {**good, "mean": torch.zeros(3)}, {**good, "std": [0.2, 0.2, 0.0]},
+                {"labels": ["a"]}):
+        with pytest.raises(ValueError, match=r"^preprocessing must be None or \{'labels'"):
+            ImageClassifier("resnet20", 2, "evonorm", preprocessing=bad)
+
+
 def test_float_image_classifier_saves_no_quant_config(tmp_path):
     model = ImageClassifier("resnet20", 10, "evonorm")
     model.save_pretrained(tmp_path)

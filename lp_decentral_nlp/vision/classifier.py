@@ -43,6 +43,7 @@ class ImageClassifier(nn.Module):
 
     def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
                  preprocessing: dict | None = None):
+        _check_preprocessing(preprocessing)
         super().__init__()
         self.net = build_vision_model(arch, num_classes, norm, groups)
         self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
@@ -86,7 +87,14 @@ class ImageClassifier(nn.Module):
         if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"{folder} must hold {CONFIG_NAME} and {WEIGHTS_NAME} "
                                     "(written by ImageClassifier.save_pretrained)")
-        config = json.loads((folder / CONFIG_NAME).read_text())
+        try:
+            config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{folder / CONFIG_NAME} is not JSON ({err})") from None
+        known = {"arch", "num_classes", "norm", "groups", "preprocessing", "quant_config", "quantized_layers"}
+        if not isinstance(config, dict) or set(config) - known:
+            raise ValueError(f"{folder / CONFIG_NAME} is not an ImageClassifier's config: expected the keys "
+                             f"{sorted(known)}, got {sorted(config) if isinstance(config, dict) else type(config).__name__}")
         quant, layers = config.pop("quant_config", None), config.pop("quantized_layers", None)
         model = cls(**config)
         if quant is not None:  # exactly the saved 8-bit layers (a folder written before they were named: all)
@@ -101,5 +109,28 @@ class ImageClassifier(nn.Module):
         if saved_float:  # a float layer's state would load into an 8-bit one as uncalibrated, silently
             raise ValueError(f"{folder}: layers {saved_float[:3]} were saved float but its quant_config makes them "
                              "8-bit: save the model again with this version (it records its 8-bit layers)")
-        model.load_state_dict(state)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as err:  # torch lists every key and shape, over many lines
+            raise ValueError(f"{folder / WEIGHTS_NAME} does not fit its {CONFIG_NAME} ("
+                             f"{' '.join(str(err).split())[:300]})") from None
         return model.eval()
+
+
+def _check_preprocessing(preprocessing) -> None:
+    """ValueError unless ``preprocessing`` is None or ``{"labels": [str], "image_size": int >= 1,
+    "mean": [3 numbers], "std": [3 positive numbers]}`` (it is saved as JSON with the model)."""
+    if preprocessing is None:
+        return
+    expected = "None or {'labels': [class names], 'image_size': int, 'mean': [3 numbers], 'std': [3 numbers > 0]}"
+    ok = isinstance(preprocessing, dict) and set(preprocessing) == {"labels", "image_size", "mean", "std"}
+    if ok:
+        labels, size, mean, std = (preprocessing[k] for k in ("labels", "image_size", "mean", "std"))
+        triples = all(isinstance(t, (list, tuple)) and len(t) == 3 for t in (mean, std))
+        numbers = [*mean, *std] if triples else []
+        ok = (isinstance(labels, (list, tuple)) and all(isinstance(name, str) for name in labels)
+              and isinstance(size, int) and not isinstance(size, bool) and size >= 1
+              and triples and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+              and all(v > 0 for v in numbers[3:]))
+    if not ok:
+        raise ValueError(f"preprocessing must be {expected}, got {preprocessing!r}")
