@@ -230,3 +230,19 @@ def test_invalid_arguments(tmp_path, monkeypatch):
         VisionTransform(8, (0.0,) * 3, (1.0,) * 3, train=True, padding=-1)
     with pytest.raises(ValueError, match="std"):
         VisionTransform(8, (0.0,) * 3, (0.0, 1.0, 1.0), train=True)
+
+
+@pytest.mark.parametrize("image_size, message", [(-3, r"^image_size must be an integer in \[1, "),
+                                                 (0, r"^image_size must be an integer in \[1, "),
+                                                 (2.5, r"^image_size must be an integer")])
+def test_folder_spec_refuses_an_image_size_that_is_no_size(image_size, message):
+    """-3 was a raw torch RuntimeError, 0 silently meant "measure it"."""
+    from lp_decentral_nlp.vision import folder_spec
+
+    images = [Image.new("RGB", (12, 10), (i * 40, 0, 0)) for i in range(4)]
+    dsd = datasets.DatasetDict(train=datasets.Dataset.from_dict(
+        {"image": images, "label": [0, 1, 0, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})))
+    assert folder_spec(dsd).image_size == 10 and folder_spec(dsd, 6).image_size == 6
+    with pytest.raises(ValueError, match=message):
+        folder_spec(dsd, image_size)

@@ -440,11 +440,12 @@ def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample
     training images spread over the split, in pixels); the per-channel mean and std of those
     images in [0, 1] at that size (a std under 1e-3, a channel constant over the sample, counts
     1e-3)."""
+    check_field("image_size", image_size)  # None: measured; 0 meant "measure" too, silently
     train = dsd["train"]
     count = min(sample, len(train))
     indices = sorted({round(i * (len(train) - 1) / max(1, count - 1)) for i in range(count)})
     images = train.select(indices)["image"]
-    size = image_size or int(np.median([min(im.size) for im in images]))
+    size = image_size if image_size is not None else int(np.median([min(im.size) for im in images]))
     x = torch.stack([_to_square_tensor(im, size) for im in images]).float().div_(255.0)
     mean, std = x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3)).clamp(min=1e-3)
     return VisionDatasetSpec(train.features["label"].num_classes, size, tuple(round(float(v), 4) for v in mean),
