@@ -479,3 +479,11 @@ def test_the_compiled_range_evonorm_leaves_torchs_thread_count_as_set():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[1, 2]"
+
+
+@pytest.mark.parametrize("make", [lambda: EvoNormS0(8, groups=2), lambda: RangeEvoNorm2d(8, groups=2),
+                                  lambda: RangeBatchNorm2d(8)])
+def test_an_integer_input_is_refused(make):
+    """RangeBatchNorm2d gave integer zeros for an int64 batch, RangeEvoNorm2d a NotImplementedError."""
+    with pytest.raises(TypeError, match=r"expects a floating-point input, got torch.int64"):
+        make()(torch.ones(2, 8, 4, 4, dtype=torch.int64))

@@ -83,6 +83,8 @@ def _check_input(x: torch.Tensor, num_channels: int, layer: str) -> None:
         raise ValueError(
             f"{layer} expects input of shape (N, {num_channels}, H, W), got {tuple(x.shape)}"
         )
+    if not x.is_floating_point():  # an integer image batch gave integer zeros (RangeBatchNorm2d)
+        raise TypeError(f"{layer} expects a floating-point input, got {x.dtype}: convert images with .float()")
 
 
 def empty_batch_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
