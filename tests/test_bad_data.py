@@ -137,6 +137,24 @@ def test_folder_with_unexpected_csv_next_to_train(tmp_path):
             tmp_path)
 
 
+def test_a_folder_keeps_its_validation_csv_as_a_saved_dataset_keeps_its_split(tmp_path):
+    """validation.csv beside train.csv was refused, while a saved DatasetDict's validation split was kept."""
+    _write(tmp_path / "train.csv", HEADER + _rows(40))
+    _write(tmp_path / "validation.csv", HEADER + _rows(8))
+    ds = load_task("ag_news", data_dir=str(tmp_path))
+    assert sorted(ds) == ["test", "train", "validation"] and len(ds["validation"]) == 8
+    assert len(ds["train"]) + len(ds["test"]) == 40
+    _write(tmp_path / "test.csv", HEADER + _rows(12))
+    assert {split: len(part) for split, part in load_task("ag_news", data_dir=tmp_path).items()} == {
+        "train": 40, "test": 12, "validation": 8}
+
+
+def test_data_dir_may_start_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path / "news.csv", HEADER + _rows(40))
+    assert len(load_task("ag_news", data_dir="~/news.csv")["train"]) == 32
+
+
 def test_folder_with_test_csv_and_no_train_csv(tmp_path):
     _write(tmp_path / "test.csv", HEADER + _rows(40))
     _expect(ValueError, "holds test.csv but no train.csv: test.csv is the test split beside a train.csv, and its rows "

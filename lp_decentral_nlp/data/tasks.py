@@ -31,6 +31,8 @@ SENTLEN_BINS = ((5, 8), (9, 12), (13, 16), (17, 20), (21, 25), (26, 28))
 SENTLEN_LABELS = tuple(f"{lo}-{hi}" for lo, hi in SENTLEN_BINS)
 SENTEVAL_FILE = "sentence_length.txt"
 _SENTEVAL_SPLITS = {"tr": "train", "va": "validation", "te": "test"}
+# the splits a folder of CSV files keeps, by file stem (train.csv required), as a saved DatasetDict's
+_CSV_SPLITS = ("train", "test", "validation")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 
@@ -55,8 +57,8 @@ def load_task(
 
             * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
               the original layout (``label,title,description``, labels 1-4) or ``text,label``
-              columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``, no other
-              CSV) keeps those splits (``test.csv`` without ``train.csv`` is refused); or a directory written by ``DatasetDict.save_to_disk``
+              columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``,
+              ``validation.csv``, no other CSV) keeps those splits (``test.csv`` without ``train.csv`` is refused); or a directory written by ``DatasetDict.save_to_disk``
               (``text`` strings, ``label`` integers 0-3, a ``train`` split).
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
@@ -87,6 +89,7 @@ def load_task(
     _check_eval_fraction(eval_fraction)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
+    data_dir = None if data_dir is None else os.path.expanduser(data_dir)
     if tokenizer is not None and not callable(tokenizer):
         raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable) or None, got {type(tokenizer).__name__}")
     if not isinstance(max_length, int) or max_length < 2:
@@ -232,18 +235,19 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
             raise ValueError(f"data_dir {str(path)!r} holds test.csv but no train.csv: test.csv is the test split "
                              "beside a train.csv, and its rows are never trained on; add train.csv or rename test.csv")
         if "train" in by_name:
-            others = sorted(p.name for p in csvs if p.stem not in ("train", "test"))
+            others = sorted(p.name for p in csvs if p.stem not in _CSV_SPLITS)
             if others:
                 raise ValueError(f"data_dir {str(path)!r} holds train.csv and also {others}: with train.csv only "
-                                 "train.csv and test.csv are read; move the other CSV files out")
-            files = {split: [by_name[split]] for split in ("train", "test") if split in by_name}
+                                 "train.csv, test.csv and validation.csv are read; move the other CSV files out")
+            files = {split: [by_name[split]] for split in _CSV_SPLITS if split in by_name}
         else:
             files = {"data": csvs}
     ds = DatasetDict({split: concatenate_datasets([_read_ag_news_csv(f) for f in parts])
                       for split, parts in files.items()})
     if "test" not in ds:
         split = "data" if "data" in ds else "train"
-        ds = _with_eval_split(ds[split], eval_fraction, seed, ", ".join(str(f) for f in files[split]))
+        held_out = _with_eval_split(ds.pop(split), eval_fraction, seed, ", ".join(str(f) for f in files[split]))
+        ds = DatasetDict({**held_out, **ds})  # a validation.csv stays its own split
     return ds
 
 
