@@ -429,3 +429,28 @@ def test_float_image_classifier_saves_no_quant_config(tmp_path):
     back = ImageClassifier.from_pretrained(tmp_path)
     assert back.applied_quant_config() is None and back.vision_config == model.vision_config
     assert isinstance(back.net.classifier, nn.Linear) and not isinstance(back.net.classifier, QuantLinear)
+
+
+def test_a_reloaded_image_classifier_predicts_pil_images_with_its_own_preprocessing(tmp_path):
+    """The saved preprocessing had no use but by hand (VisionTransform wanted a label per image)."""
+    from PIL import Image
+
+    from lp_decentral_nlp.vision import VisionTransform
+
+    torch.manual_seed(0)
+    spec = {"labels": ["cat", "dog", "owl"], "image_size": 8, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3]}
+    model = ImageClassifier("resnet20", 3, "range_evonorm", preprocessing=spec)
+    quantize_model(model)
+    model.train()(torch.randn(4, 3, 8, 8))
+    images = [Image.new("RGB", (12, 9), (40 * i, 200 - 30 * i, 90)) for i in range(5)]
+    expected = VisionTransform(8, spec["mean"], spec["std"], train=False)(
+        {"image": images, "label": [0] * 5})["pixel_values"]
+    assert torch.equal(model.preprocess(images), expected)
+    with torch.no_grad():
+        names = [spec["labels"][i] for i in model.eval()(expected).logits.argmax(-1).tolist()]
+    model.train()
+    assert model.predict(images) == names and model.training  # its mode is restored
+    model.save_pretrained(tmp_path)
+    assert ImageClassifier.from_pretrained(tmp_path).predict(images) == names
+    with pytest.raises(ValueError, match="records no preprocessing"):
+        ImageClassifier("resnet20", 3, "evonorm").predict(images)

@@ -55,6 +55,32 @@ class ImageClassifier(nn.Module):
         loss = None if labels is None else F.cross_entropy(logits, labels)
         return ImageClassifierOutput(loss=loss, logits=logits)
 
+    def preprocess(self, images) -> torch.Tensor:
+        """``pixel_values`` ``(N, 3, S, S)`` float32 for a list of PIL images, made as the model's
+        training inputs were (its ``preprocessing``: RGB, shorter side to S and centre crop, values
+        in [0, 1] normalised per channel). ValueError for a model without ``preprocessing``."""
+        from .data import VisionTransform
+
+        spec = self.vision_config["preprocessing"]
+        if spec is None:
+            raise ValueError("this model records no preprocessing (built without it): make its inputs with "
+                             "lp_decentral_nlp.vision.VisionTransform and the normalisation it was trained with")
+        transform = VisionTransform(spec["image_size"], spec["mean"], spec["std"], train=False)
+        device = next(self.parameters()).device
+        return transform({"image": list(images)})["pixel_values"].to(device)
+
+    @torch.no_grad()
+    def predict(self, images) -> list[str]:
+        """The class name (``preprocessing["labels"]``) the model gives each PIL image of ``images``,
+        in eval mode (the model's mode is restored)."""
+        was_training = self.training
+        try:
+            logits = self.eval()(self.preprocess(images)).logits
+        finally:
+            self.train(was_training)
+        names = self.vision_config["preprocessing"]["labels"]
+        return [names[i] for i in logits.argmax(dim=-1).tolist()]
+
     def applied_quant_config(self) -> QuantConfig | None:
         """The ``QuantConfig`` of its 8-bit layers (None when it has none)."""
         return next((m.quant_config for m in self.modules() if isinstance(m, QuantModule)), None)

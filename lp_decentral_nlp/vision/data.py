@@ -396,7 +396,8 @@ class VisionTransform:
     """Batch transform for ``Dataset.set_transform``.
 
     Input: a batch ``{"image": [PIL images], "label": [int]}``. Output:
-    ``{"pixel_values": (B, 3, image_size, image_size) float32, "label": (B,) int64}``.
+    ``{"pixel_values": (B, 3, image_size, image_size) float32, "label": (B,) int64}`` (without
+    ``label`` for a batch without one: images to predict).
     ``train=True`` adds the random crop (zero padding of ``padding`` pixels, applied to pixel
     values in [0, 1] before normalisation, as torchvision's RandomCrop) and the random
     horizontal flip (p = 0.5).
@@ -430,8 +431,10 @@ class VisionTransform:
         x = x.float().div_(255.0)
         if self.train:
             x = self.augment(x)
-        return {"pixel_values": (x - self.mean) / self.std,
-                "label": torch.as_tensor(batch["label"], dtype=torch.long)}
+        out = {"pixel_values": (x - self.mean) / self.std}
+        if "label" in batch:
+            out["label"] = torch.as_tensor(batch["label"], dtype=torch.long)
+        return out
 
 
 def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample: int = 512) -> VisionDatasetSpec:
