@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import pathlib
 import sys
@@ -211,28 +210,12 @@ def plot(entries: list[dict], args, path: str) -> None:
     plt.close(fig)
 
 
-def _shown(value) -> str:
-    """A setting's value (as results.json stores it) for a message: floats with :g."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_shown(v) for v in value) + "]"
-    return repr(value)
-
-
-def _difference(key: str, saved, wanted) -> str:
-    old, new = _shown(saved), _shown(wanted)
-    if old == new:  # :g rounded the difference away
-        old, new = repr(saved), repr(wanted)
-    return f"{key}={old} (this run: {new})"
-
-
 def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     """With ``--skip-existing``, the finished results in ``out`` of the run these flags ask for;
     None when it has not finished (no results.json, or one a stopped run left "running"). A run
     finished with other settings, or a damaged results.json, runs again with
     ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing`` (exit 2) without it."""
-    from lp_decentral_nlp.commands import changed_settings, finished_results, run_config
+    from lp_decentral_nlp.commands import config_differences, finished_results
     from lp_decentral_nlp.commands.run import exit_with_error
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
@@ -249,9 +232,7 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
         return None
     argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
     wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
-    saved, config = (json.loads(json.dumps(c, default=str)) for c in (results["config"], run_config(wanted)))
-    differing = [_difference(key, saved.get(key), config.get(key))
-                 for key in changed_settings(saved, config, ("overwrite_output_dir", "threads", "consensus_lr_used"))]
+    differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
     if differing and not args.overwrite_output_dir:
         refuse(f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run it "
                "again, or choose another --output-dir")

@@ -762,7 +762,24 @@ def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this
     ``"name=saved (<this>: value)"``, except the names in `ignored` (:func:`changed_settings`);
     empty if none."""
     saved, wanted = _as_json(saved_config), _as_json(run_config(parsed))
-    return [f"{key}={saved.get(key)!r} ({this}: {wanted.get(key)!r})" for key in changed_settings(saved, wanted, ignored)]
+    return [_difference(key, saved.get(key), wanted.get(key), this) for key in changed_settings(saved, wanted, ignored)]
+
+
+def _difference(key: str, saved, wanted, this: str) -> str:
+    """``"key=saved (<this>: wanted)"``, floats with ``:g`` (a computed milestone reads 0.15, not
+    0.15000000000000002) unless that would show the two values alike."""
+    old, new = _shown(saved), _shown(wanted)
+    if old == new:
+        old, new = repr(saved), repr(wanted)
+    return f"{key}={old} ({this}: {new})"
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return repr(value)
 
 
 def print_summary(results: dict) -> None:
