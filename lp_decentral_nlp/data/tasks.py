@@ -21,7 +21,7 @@ import numpy as np
 from datasets import (ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset,
                       load_from_disk)
 
-from ..checks import check_field
+from ..checks import Number, check_field, check_number
 
 AG_NEWS_HUB_ID = "ag_news"
 DEFAULT_MAX_LENGTH = 128  # tokens (load_task)
@@ -31,6 +31,8 @@ SENTLEN_BINS = ((5, 8), (9, 12), (13, 16), (17, 20), (21, 25), (26, 28))
 SENTLEN_LABELS = tuple(f"{lo}-{hi}" for lo, hi in SENTLEN_BINS)
 SENTEVAL_FILE = "sentence_length.txt"
 _SENTEVAL_SPLITS = {"tr": "train", "va": "validation", "te": "test"}
+#: the share of a source held out as its test split
+_EVAL_FRACTION = Number(low=0, high=1, low_open=True, high_open=True)
 # the splits a folder of CSV files keeps, by file stem (train.csv required), as a saved DatasetDict's
 _CSV_SPLITS = ("train", "test", "validation")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -86,7 +88,7 @@ def load_task(
     """
     if name not in TASKS:
         raise ValueError(f"name must be one of {TASKS}, got {name!r}")
-    _check_eval_fraction(eval_fraction)
+    check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
     data_dir = None if data_dir is None else os.path.expanduser(data_dir)
@@ -120,11 +122,6 @@ def load_task(
             desc="Tokenizing",
         )
     return ds
-
-
-def _check_eval_fraction(eval_fraction) -> None:
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
 
 
 def _subset(ds: Dataset, limit: int | None, seed: int, arg: str) -> Dataset:
@@ -434,7 +431,7 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
     ``source`` came from in the ValueError raised when some length class has fewer than 2
     sentences.
     """
-    _check_eval_fraction(eval_fraction)
+    check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     check_field("seed", seed)
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
