@@ -1,4 +1,6 @@
 """Gossip traffic of the cost report: bytes counted are the bytes the engine encodes."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +75,31 @@ def test_cli_vision(capsys):
     for row in ("train energy (mJ)", "train memory (MB)", "gossip bytes/iteration", "gossip MB/epoch", "ratio"):
         assert row in out
     assert "ops without a cost rule" not in out
+
+
+def test_cli_output_writes_both_reports_as_printed(capsys, tmp_path):
+    pytest.importorskip("lp_decentral_nlp.vision")
+    path = tmp_path / "out" / "cost.json"  # a folder that does not exist yet is made
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--compression", "99", "--output", str(path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(path.read_text())
+    assert record["settings"]["arch"] == "resnet20" and record["settings"]["train_samples"] == 50_000
+    assert set(record["reports"]) == {"fp32", "int8"}
+    for precision, report in record["reports"].items():
+        assert report["precision"] == precision and report["convention"] == "ours" and report["layers"]
+        assert report["communication"]["num_nodes"] == 4
+    reports = record["reports"]
+    assert reports["int8"]["communication"]["message_bytes"] < reports["fp32"]["communication"]["message_bytes"]
+    printed = float(out.split("weight-gradient GEMM priced fp32")[1].split(": ")[1].split(" mJ")[0])
+    assert record["int8_train_energy_mj_fp32_weight_gradient"] == pytest.approx(printed, rel=1e-3)
+    assert f"wrote {path}" in out
+
+
+def test_cli_output_refused_before_any_work(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["--arch", "resnet20", "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"argument --output: cannot write {tmp_path}: a folder" in capsys.readouterr().err
 
 
 def test_cli_paper_convention(capsys):

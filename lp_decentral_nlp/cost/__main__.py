@@ -3,6 +3,7 @@
     python -m lp_decentral_nlp.cost --arch resnet20 --batch-size 32
     python -m lp_decentral_nlp.cost --arch resnet20 --convention paper   # the paper's Table 10 pricing
     python -m lp_decentral_nlp.cost --model distilbert-base-uncased --seq-len 128
+    python -m lp_decentral_nlp.cost --arch resnet20 --output cost.json    # also both reports as JSON
 
 Vision models compare the paper's pairs: EvoNorm-S0 for fp32 and Range EvoNorm for 8-bit
 (SPEC 5; ``--norm`` uses one norm for both). Hugging Face models are built from their config
@@ -14,6 +15,8 @@ training (SPEC 3).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import sys
 
@@ -55,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--convention", choices=CONVENTIONS, default="ours",
                    help="ours: price int8 only what 8-bit training runs in 8 bits; paper: every op of the 8-bit "
                         "model int8, inference memory = weights, MiB (Table 10) (ours)")
+    p.add_argument("--output", help="also write the settings and both full reports, per layer, to this JSON file")
     return p
 
 
@@ -137,6 +141,12 @@ def main(argv=None) -> int:
         parser.error(f"argument --train-samples: {train_samples} samples must give each of --num-nodes "
                      f"({args.num_nodes}) at least one --batch-size ({args.batch_size}) batch")
     model_config = _check_model_flags(parser, args)
+    if args.output is not None:
+        from ..commands import output_file_problem
+
+        problem = output_file_problem(args.output)
+        if problem:
+            parser.error(f"argument --output: cannot write {args.output}: {problem}")
     from lp_decentral_nlp.gossip.factory import build_gossip
 
     from .report import estimate_cost, format_comparison  # torch: only once the flags are good
@@ -157,17 +167,26 @@ def main(argv=None) -> int:
     print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
           f"gossip: {comm.algorithm} on {comm.topology}, compression {args.compression:g}%")
     print(format_comparison(reports))
+    fp32_weight_grad_energy = None
     if args.convention == "ours":  # the paper's convention prices every op of the 8-bit model int8
-        energy = estimate_cost(model, input_shape, args.batch_size, "int8", optimizer=args.optimizer,
-                               weight_grad_gemm="fp32").train_energy_mj
+        fp32_weight_grad_energy = estimate_cost(model, input_shape, args.batch_size, "int8", optimizer=args.optimizer,
+                                                weight_grad_gemm="fp32").train_energy_mj
         print(f"8-bit train energy with the weight-gradient GEMM priced fp32 (SPEC 4 computes it from the "
-              f"full-precision output gradient): {energy:.4g} mJ, "
-              f"{reports['fp32'].train_energy_mj / energy:.2f}x less than fp32")
+              f"full-precision output gradient): {fp32_weight_grad_energy:.4g} mJ, "
+              f"{reports['fp32'].train_energy_mj / fp32_weight_grad_energy:.2f}x less than fp32")
     for precision, report in reports.items():
         if report.uncounted_ops:
             print(f"note ({precision}): ops without a cost rule, counted as zero: {report.uncounted_ops}")
         if args.layers:
             print(f"\nper-layer breakdown, {precision}:\n{report.layer_table()}")
+    if args.output is not None:
+        record = {"settings": {**vars(args), "train_samples": train_samples},
+                  "reports": {precision: report.to_dict() for precision, report in reports.items()},
+                  "int8_train_energy_mj_fp32_weight_gradient": fp32_weight_grad_energy}
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as fh:
+            json.dump(record, fh, indent=2)
+        print(f"wrote {args.output}")
     return 0
 
 
