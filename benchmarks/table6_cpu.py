@@ -48,6 +48,7 @@ import pathlib
 import re
 import shlex
 import sys
+from typing import NamedTuple
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -242,35 +243,45 @@ def fingerprint(path: pathlib.Path) -> str:
 MOVABLE_PATHS = {"--model": "model_fingerprint", "--data-dir": "data_fingerprint", "--output-dir": None}
 
 
-def recorded_runs(args: argparse.Namespace) -> dict[str, dict]:
-    """The runs of this grid that the JSON written before (``benchmarks/results/<name>.json``) holds,
-    by cell id, each with the fingerprints of its data and model (``fingerprint``; None in a record
-    written before they were kept); empty when there is none."""
+class RecordedGrid(NamedTuple):
+    """What the JSON written before (``benchmarks/results/<name>.json``) holds of this grid."""
+
+    cells: dict[str, dict]
+    """Its runs by cell id: the cell with its figures and ``command``."""
+    fingerprints: dict[str, str | None]
+    """``MOVABLE_PATHS``' keys: the ``fingerprint`` of the data and model they ran on (None in a
+    record written before they were kept)."""
+
+
+def recorded_runs(args: argparse.Namespace) -> RecordedGrid:
+    """The runs of this grid that the JSON written before holds, and what they ran on; no cells
+    when there is none."""
     path = record.RESULTS_DIR / f"{args.name}.json"
     if not path.is_file():
-        return {}
+        return RecordedGrid({}, {})
     results = json.loads(path.read_text())["results"]
-    saved = {key: results["settings"].get(key) for key in MOVABLE_PATHS.values() if key}
-    return {cell["id"]: {**cell, **saved} for cell in results["cells"]}
+    return RecordedGrid({cell["id"]: cell for cell in results["cells"]},
+                        {key: results["settings"].get(key) for key in MOVABLE_PATHS.values() if key})
 
 
-def here_paths(args: argparse.Namespace, cell: dict, recorded: dict) -> list[str]:
+def here_paths(args: argparse.Namespace, cell: dict, recorded: dict, fingerprints: dict) -> list[str]:
     """The recorded command's arguments with its paths made this checkout's (``MOVABLE_PATHS``):
     the output folder always (not compared), the data file and model where what this run reads
-    has the fingerprint recorded. The JSON is the table's record, so a checkout elsewhere, whose
-    data and packaged model lie at other paths, still finds its cells finished."""
+    has the fingerprint recorded (``fingerprints``, ``RecordedGrid``'s). The JSON is the table's
+    record, so a checkout elsewhere, whose data and packaged model lie at other paths, still finds
+    its cells finished."""
     here = {"--model": str(args.model), "--data-dir": str(args.data_dir),
             "--output-dir": str(args.output_dir / cell_folder(cell))}
     argv = shlex.split(recorded["command"])[2:]
     for i, token in enumerate(argv[:-1]):
         key = MOVABLE_PATHS.get(token, "")
-        if key is None or (key and recorded.get(key) is not None and recorded[key] == args.fingerprints[key]):
+        if key is None or (key and fingerprints.get(key) is not None and fingerprints[key] == args.fingerprints[key]):
             argv[i + 1] = here[token]
     return argv
 
 
-def recorded_settings(args: argparse.Namespace, cell: dict, recorded: dict) -> dict:
-    """``run_settings`` of the run that ``recorded`` (a cell of the JSON written before) describes:
+def recorded_settings(args: argparse.Namespace, cell: dict, recorded: RecordedGrid) -> dict:
+    """``run_settings`` of the run that ``recorded`` (the JSON written before) holds for ``cell``:
     its recipe command parsed again (with this checkout's paths, ``here_paths``), with the
     consensus step it ran with.
 
@@ -278,18 +289,19 @@ def recorded_settings(args: argparse.Namespace, cell: dict, recorded: dict) -> d
         ValueError: the command does not parse here (e.g. its data file is elsewhere on this
             machine and holds other rows), with the recipe parser's one-line error.
     """
-    script = shlex.split(recorded["command"])[1]
-    argv = here_paths(args, cell, recorded)
+    run_record = recorded.cells[cell["id"]]
+    script = shlex.split(run_record["command"])[1]
+    argv = here_paths(args, cell, run_record, recorded.fingerprints)
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):  # the parser prints its error, then exits
             run = build_nlp_parser(cell["task"], cell["algorithm"], prog=script).parse(argv)
     except SystemExit:
         raise ValueError(errors.getvalue().strip()) from None
-    return run_settings(run, recorded["gamma"])
+    return run_settings(run, run_record["gamma"])
 
 
-def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]) -> tuple[dict | None, list[str]]:
+def finished_run(args: argparse.Namespace, cell: dict, recorded: RecordedGrid) -> tuple[dict | None, list[str]]:
     """``(record, [])`` if ``cell`` has finished with these settings: its folder's ``results.json``
     (which, when it has finished, is the only say: it holds the run its folder name refers to), else
     its entry in the JSON written before (``recorded``); the record is the cell with its figures,
@@ -309,27 +321,25 @@ def finished_run(args: argparse.Namespace, cell: dict, recorded: dict[str, dict]
                     "gamma": done["config"]["consensus_lr_used"], "command": command,
                     "output_dir": run.training.output_dir}, []
         return None, changed  # the folder holds another run than the one the JSON may record
-    if cell["id"] not in recorded:
+    if cell["id"] not in recorded.cells:
         return None, []
     try:
-        changed = changed_settings(settings, recorded_settings(args, cell, recorded[cell["id"]]),
-                                   IGNORED_WHEN_REUSING)
+        changed = changed_settings(settings, recorded_settings(args, cell, recorded), IGNORED_WHEN_REUSING)
     except ValueError as err:
         return None, [f"its recorded command does not parse here: {err}"]
-    figures = {k: v for k, v in recorded[cell["id"]].items() if k not in MOVABLE_PATHS.values()}
-    return (None, changed) if changed else ({**figures, **cell}, [])
+    return (None, changed) if changed else ({**recorded.cells[cell["id"]], **cell}, [])
 
 
-def recorded_seeds(args: argparse.Namespace, recorded: dict[str, dict]) -> set[int]:
+def recorded_seeds(args: argparse.Namespace, recorded: RecordedGrid) -> set[int]:
     """The seeds of the runs with a folder under ``--output-dir`` (``cell_folder``'s names) or an
     entry in the JSON written before, and seed 0."""
-    found = {0} | {cell["seed"] for cell in recorded.values()}
+    found = {0} | {cell["seed"] for cell in recorded.cells.values()}
     if args.output_dir.is_dir():
         found |= {int(m.group(1)) for f in args.output_dir.iterdir() if (m := re.search(r"_seed(\d+)$", f.name))}
     return found
 
 
-def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> int:
+def run_selected(args: argparse.Namespace, recorded: RecordedGrid) -> int:
     """Run every selected run that has not finished with these settings (``--finished-only``: none);
     a finished run is reused, one finished with other settings runs again. ``recorded``:
     ``recorded_runs``. Returns how many ran."""
@@ -352,7 +362,7 @@ def run_selected(args: argparse.Namespace, recorded: dict[str, dict]) -> int:
     return len(todo)
 
 
-def table_cells(args: argparse.Namespace, recorded: dict[str, dict]) -> list[dict]:
+def table_cells(args: argparse.Namespace, recorded: RecordedGrid) -> list[dict]:
     """What the table shows: every run of the grid finished with these settings (``finished_run``:
     the ones just run, any finished before under ``--output-dir``, and those the JSON written
     before records, ``recorded``), whatever its seed, in table order; one record per run. Finished
@@ -530,15 +540,18 @@ def main(argv=None) -> pathlib.Path:
     with stop_on_interrupt("table6_cpu.py", AFTER_INTERRUPT):
         ran = run_selected(args, recorded)
     previous = record.RESULTS_DIR / f"{args.name}.json"
-    # nothing run: the record keeps the command, date and machine that measured its cells
+    # nothing run: the record keeps the command, date and machine that measured its cells, and that
+    # command's selection of cells and seeds
     provenance = json.loads(previous.read_text()) if not ran and previous.is_file() else None
+    selection = {"cells": args.cells, "seeds": args.seeds}
+    if provenance is not None:
+        selection = {key: provenance["results"]["settings"].get(key) for key in selection}
     cells = table_cells(args, recorded)
     rows = summarise(cells)
     json_path = record.save_results(args.name, {
         "settings": {**SETTINGS, "adam_betas": [0.9, 0.9], "data": str(args.data_dir), "model": str(args.model),
                      **args.fingerprints,
-                     "max_steps": args.max_steps, "limit_rows": args.limit_rows, "cells": args.cells,
-                     "seeds": args.seeds},
+                     "max_steps": args.max_steps, "limit_rows": args.limit_rows, **selection},
         "runs_wall_time_s": sum(c["wall_time_s"] for c in cells),  # the runs' own, whenever they ran
         "table": rows,
         "goals": check_goals(rows),

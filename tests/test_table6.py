@@ -141,6 +141,9 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     table6.main([*argv[:argv.index("--seeds")], "--cells", "sentlen/DS/skew0/comp0"])
     assert "1 runs: 1 reused, 0 to run" in capsys.readouterr().err
     assert json.loads(path.read_text())["results"]["cells"] == cells
+    # ... and the selection of that command, not of the invocations that ran nothing
+    assert {k: json.loads(path.read_text())["results"]["settings"][k] for k in ("cells", "seeds")} == {
+        "cells": ["ag_news/LP-Choco/skew0/comp99", "sentlen/DS/skew0/comp0/seed0"], "seeds": [0, 1]}
     assert "**Part of the grid:** the 2 cells finished so far; the other 46" in (
         tmp_path / "docs" / "table6_cpu_shrunk.md").read_text()
 
