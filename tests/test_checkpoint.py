@@ -4,13 +4,14 @@ in tests/test_checkpoint_distributed.py)."""
 import collections
 import csv
 import json
+import logging
 import math
 import os
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 
 from lp_decentral_nlp.trainer import checkpointing as ckpt
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
@@ -321,3 +322,38 @@ def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys
         f"argument --resume-from-checkpoint: cannot resume from {tmp_path / 'a' / 'checkpoint-2'}: it was written with "
         "lr_milestones=")
     assert not (tmp_path / "c").exists()
+
+
+class StepLRs(TrainerCallback):
+    """The LR each node's optimizer holds when each optimizer step begins, by global step."""
+
+    def __init__(self):
+        self.trainer, self.lrs = None, {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.lrs[state.global_step + 1] = [opt.param_groups[0]["lr"] for opt in self.trainer.node_optimizers]
+
+
+@pytest.mark.parametrize("schedule, warned", [("linear", True), ("constant", False)])
+def test_resuming_with_more_steps_continues_on_the_schedule_over_the_new_total(
+        schedule, warned, tmp_path, agnews, tokenizer, caplog):
+    out = tmp_path / "run"
+    run(out, agnews, tokenizer, lr_scheduler_type=schedule)  # 8 steps (a linear schedule reaches 0), checkpoint-8
+    lrs = StepLRs()
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=12, lr_scheduler_type=schedule),
+                                   train_dataset=agnews["train"], eval_dataset=agnews["test"],
+                                   processing_class=tokenizer, callbacks=[lrs])
+    lrs.trainer = trainer
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    # every step after the checkpoint trains with the schedule over 12 steps, the first one too
+    expected = {step: 2e-3 * ((12 - step + 1) / 12 if schedule == "linear" else 1.0) for step in range(9, 13)}
+    assert lrs.lrs == {step: [pytest.approx(lr)] * 4 for step, lr in expected.items()}
+    messages = [r.getMessage() for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+    if warned:
+        assert messages == ["resuming at step 8 a run of 8 steps with 12 steps in all: the linear learning-rate "
+                            "schedule is recomputed over 12 steps and the LR continues from 0.000667, where the "
+                            "interrupted run's schedule was at 0. To continue that run as it was, resume with its "
+                            "max_steps or num_train_epochs"]
+    else:
+        assert messages == []

@@ -13,9 +13,12 @@ import warnings
 
 import torch
 from transformers import Trainer
+from transformers.utils import logging
 
 from .. import gossip as gossip_lib
 from .arguments import DecentralizedTrainingArguments
+
+logger = logging.get_logger(__name__)
 
 
 def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None) -> None:
@@ -113,6 +116,32 @@ class OptimizerMixin:
             scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
         self.optimizer, self.lr_scheduler = None, None
         return optimizer, scheduler
+
+    def _continue_schedules_over(self, resumed_max_steps: int, max_steps: int) -> None:
+        """After a checkpoint was restored into a run of another length (``max_steps`` in all, from
+        ``max_steps`` or ``num_train_epochs``, where the interrupted run had ``resumed_max_steps``):
+        Trainer's step schedules (``linear``, ``cosine``, warmup by ``warmup_ratio``...) are
+        functions of the total, so each node's LR is set at once to its schedule over the new total
+        at the checkpoint's step (the restored optimizer still holds the old schedule's LR, and
+        would train one more step with it), with a warning giving both LRs: extending a finished
+        linear schedule lifts the LR from 0 back up. The resume is not refused: training longer is
+        a reason to resume. Schedules that do not depend on the total (``constant``,
+        ``lr_milestones``, metric-driven ones) are left as restored."""
+        if resumed_max_steps == max_steps or not isinstance(self.node_schedulers[0], torch.optim.lr_scheduler.LambdaLR):
+            return
+        resumed_lr = self.node_schedulers[0].get_last_lr()[0]
+        for scheduler, optimizer in zip(self.node_schedulers, self.node_optimizers):
+            for group, base_lr, lr_at in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base_lr * lr_at(scheduler.last_epoch)
+        new_lr = self.node_optimizers[0].param_groups[0]["lr"]
+        if abs(new_lr - resumed_lr) <= 1e-6 * abs(resumed_lr) or not self.state.is_world_process_zero:
+            return
+        schedule = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        logger.warning(f"resuming at step {self.node_schedulers[0].last_epoch} a run of {resumed_max_steps} steps "
+                       f"with {max_steps} steps in all: the {schedule} learning-rate schedule is recomputed over "
+                       f"{max_steps} steps and the LR continues from {new_lr:.3g}, where the interrupted run's "
+                       f"schedule was at {resumed_lr:.3g}. To continue that run as it was, resume with its "
+                       f"max_steps or num_train_epochs")
 
     @contextlib.contextmanager
     def _schedule_order_warning_hidden(self):

@@ -242,6 +242,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
         self._data_position = (epoch, done)
         self._mark_main_process()
+        if resume_from_checkpoint:
+            self._continue_schedules_over(self.state.max_steps, max_steps)  # the checkpoint's total
         self.state.max_steps, self.state.num_train_epochs = max_steps, num_epochs
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
