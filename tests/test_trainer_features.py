@@ -2,6 +2,7 @@
 gradient accumulation, best-model tracking and early stopping, dict eval sets, predict, tasks
 without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
 guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -13,7 +14,7 @@ from datasets import Dataset
 from helpers import agnews_sample
 from helpers import tiny_distilbert as tiny_model
 from transformers import (
-    DataCollatorForLanguageModeling, DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback,
+    DataCollatorForLanguageModeling, DataCollatorForTokenClassification, DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback,
     GPT2Config, GPT2LMHeadModel, TrainerCallback,
 )
 
@@ -226,6 +227,113 @@ def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(tmp_path, a
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
     steps_logged = [h["step"] for h in accumulated.state.log_history if "loss" in h]
     assert steps_logged == [1, 2]
+
+
+class FirstStepOfNode0(TrainerCallback):
+    """Node 0's micro-batches (as its loss saw them) and gradient at the first optimizer step."""
+
+    def __init__(self):
+        self.batches, self.grads = [], None
+
+    def on_pre_optimizer_step(self, args, state, control, node=None, model=None, **kwargs):
+        if node == 0 and state.global_step == 0:
+            self.grads = [p.grad.clone() for p in model.parameters()]
+
+
+def first_step_recorder(record):
+    class Recording(DecentralizedTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if model is self.nodes[0] and self.state.global_step == 0:
+                record.batches.append({k: v.clone() for k, v in inputs.items()})
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    return Recording
+
+
+def varied_length_rows(tokenizer, n=32):
+    text = [" ".join(["word"] * (1 + i % 7) + ["end"]) for i in range(n)]
+    return Dataset.from_dict(dict(tokenizer(text, truncation=True, max_length=12)))
+
+
+def gradient(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "token_classification"])
+def test_gradient_accumulation_averages_over_every_label_of_the_accumulated_batch(task, tmp_path, tokenizer):
+    """Micro-batches holding different numbers of labels: the node's gradient is that of the mean
+    loss over all their labels, as one batch of them all (Trainer's ``num_items_in_batch``), not
+    the mean of the micro-batches' means. GPT-2 also checks the causal shift (its first label of
+    each row is no target), which Trainer's own count misses for GPT-2."""
+    data = varied_length_rows(tokenizer)
+    torch.manual_seed(0)
+    if task == "causal_lm":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1,
+                                           n_head=2, pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attn_pdrop=0.0))
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    else:
+        model = DistilBertForTokenClassification(DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1,
+                                                                  n_heads=2, hidden_dim=32, num_labels=3,
+                                                                  dropout=0.0, attention_dropout=0.0))
+        data = data.map(lambda row: {"labels": [-100] + [t % 3 for t in row["input_ids"][1:]]})
+        collator = DataCollatorForTokenClassification(tokenizer)
+    start = copy.deepcopy(model)
+    record = FirstStepOfNode0()
+    trainer = first_step_recorder(record)(
+        model=model, args=targs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1),
+        train_dataset=data, data_collator=collator, callbacks=[record])
+    trainer.train()
+    first, second = record.batches
+    shift = 1 if task == "causal_lm" else 0
+
+    def summed_loss(batch):
+        logits = start(**{key: value for key, value in batch.items() if key != "labels"}).logits
+        labels = batch["labels"][:, shift:]
+        logits = logits[:, :logits.shape[1] - shift]
+        return torch.nn.functional.cross_entropy(logits.reshape(labels.numel(), -1), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+
+    counts = [int(b["labels"][:, shift:].ne(-100).sum()) for b in (first, second)]
+    assert counts[0] != counts[1]  # else both rules agree
+    start.train()
+    whole = gradient(start, (summed_loss(first) + summed_loss(second)) / sum(counts))
+    for got, want in zip(record.grads, whole):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_compute_loss_func_gets_the_label_count_of_the_accumulated_batch(tmp_path, tokenizer):
+    """Trainer's contract: ``compute_loss_func(outputs, labels, num_items_in_batch)`` gets the
+    labels of every micro-batch of the optimizer step and normalises by it; its loss is not scaled
+    again."""
+    seen = []
+
+    def summed_over_items(outputs, labels, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        logits = outputs.logits
+        return torch.nn.functional.cross_entropy(logits.reshape(labels.numel(), -1), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum") / num_items_in_batch
+
+    data = varied_length_rows(tokenizer).map(lambda row: {"labels": [t % 3 for t in row["input_ids"]]})
+    torch.manual_seed(0)
+    model = DistilBertForTokenClassification(DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1,
+                                                              n_heads=2, hidden_dim=32, num_labels=3,
+                                                                  dropout=0.0, attention_dropout=0.0))
+    start = copy.deepcopy(model)
+    record = FirstStepOfNode0()
+    trainer = first_step_recorder(record)(
+        model=model, args=targs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1),
+        train_dataset=data, data_collator=DataCollatorForTokenClassification(tokenizer), callbacks=[record],
+        compute_loss_func=summed_over_items)
+    trainer.train()
+    total = sum(int(b["labels"].ne(-100).sum()) for b in record.batches)
+    assert seen[:2] == [total, total]  # node 0's two micro-batches
+    start.train()
+    want = gradient(start, sum(summed_over_items(start(**{k: v for k, v in b.items() if k != "labels"}), b["labels"],
+                                                 total) for b in record.batches))
+    for got, expected in zip(record.grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
 
 
 class RecordEvals(TrainerCallback):

@@ -61,8 +61,8 @@ POLICY: dict[str, str] = {
     "adam_epsilon": PER_NODE,
     "max_grad_norm": PER_NODE + " (default 0: no clipping, as the paper trains; Trainer's default is 1.0)",
     "label_smoothing_factor": PER_NODE,
-    "average_tokens_across_devices": "refused: a node's loss is normalised over its own batch; gradients and token "
-                                     "counts never cross nodes",
+    "average_tokens_across_devices": "refused: a node's loss is normalised over its own (accumulated) batch; "
+                                     "gradients and token counts never cross nodes",
     "activation_checkpointing": PER_NODE + " (in 8-bit too: the recomputed forward leaves the activation ranges "
                                            "alone)",
     "activation_checkpointing_kwargs": PER_NODE,

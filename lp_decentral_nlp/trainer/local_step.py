@@ -2,12 +2,18 @@
 optimizer update, then one gossip step."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 from ..gossip import QuasiGlobalAdam
 
 logger = logging.get_logger(__name__)
+
+#: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
+CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 class NonFiniteError(FloatingPointError):
@@ -68,9 +74,10 @@ class LocalStepMixin:
         """SPEC 2 step 1 of local node ``k``: gradient, NaN/Inf check, clipping, optimizer update
         (with ``qgm``, the iteration's quasi-global momentum or None, as :meth:`_iteration` says).
 
-        The gradient is the mean over ``micro_batches`` (``gradient_accumulation_steps`` of them:
-        each backward is scaled by ``1 / len(micro_batches)``), and the logged loss their mean.
-        Callbacks see the node's substeps and update (:meth:`_node_event`).
+        The gradient is that of the loss over all ``micro_batches`` together
+        (``gradient_accumulation_steps`` of them, weighted by :meth:`_accumulation_weights`: the
+        mean over every label of the node's batch, as one batch of them all would give), and the
+        logged loss is that loss. Callbacks see the node's substeps and update (:meth:`_node_event`).
 
         The node's gradients are freed right after its update, so only one node's gradients exist
         at a time and the next node's backward reuses their memory (with all ``n`` alive until
@@ -83,13 +90,12 @@ class LocalStepMixin:
         # the forward also updates running statistics (8-bit activation ranges, norm statistics):
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
         buffers = [b.clone() for b in node.buffers()] if self.args.skip_nonfinite else None
-        scale = 1.0 / len(micro_batches)
+        weights, num_items = self._accumulation_weights(micro_batches)
         loss = 0.0
-        for j, batch in enumerate(micro_batches):
-            loss = loss + self._backward(k, node, batch, scale)
+        for j, (batch, weight) in enumerate(zip(micro_batches, weights)):
+            loss = loss + weight * self._backward(k, node, batch, weight, num_items)
             if j < len(micro_batches) - 1:
                 self._node_event("on_substep_end", k)
-        loss = loss * scale
         if self._finite_then_clip(k, loss, step):
             self._node_event("on_pre_optimizer_step", k)
             if qgm is None:
@@ -222,14 +228,65 @@ class LocalStepMixin:
                 return f"{where}: non-finite gradient ({kind}) in {name}"
         return f"{where}: non-finite gradient"
 
-    def _backward(self, k: int, node, batch, scale: float = 1.0) -> torch.Tensor:
+    def _accumulation_weights(self, micro_batches: list) -> tuple[list[float], torch.Tensor | None]:
+        """``(weights, num_items_in_batch)`` of one node's ``micro_batches``: each micro-batch's loss
+        (a mean over its labels) enters the node's loss times its weight, its share of the labels
+        that are not ``-100`` (of ``labels[..., 1:]`` for a causal LM, whose loss shifts them; of
+        ``shift_labels`` when the collator gives them), so the node's loss is the mean over every
+        label of the accumulated batch, the loss `Trainer` normalises by ``num_items_in_batch``.
+        Without countable labels each weighs ``1 / len(micro_batches)``.
+
+        With ``compute_loss_func`` (or a subclass's ``loss_is_scaled_for_ga = True``) the loss is
+        the function's, normalised by the ``num_items_in_batch`` it is given (Trainer's contract):
+        each weighs 1. The model is never given ``num_items_in_batch``: a model whose forward takes
+        ``**kwargs`` but computes its own mean loss (DistilBERT's classifiers) would be scaled twice."""
+        k = len(micro_batches)
+        counts = [self._label_count(batch) for batch in micro_batches]
+        total = None if None in counts else sum(counts)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5
+        if scaled is None:
+            scaled = getattr(self, "compute_loss_func", None) is not None  # transformers >= 4.46
+        if scaled:
+            return [1.0] * k, None if total is None else torch.tensor(total, device=self.args.device)
+        if k == 1:
+            return [1.0], None
+        if not total:
+            return [1.0 / k] * k, None
+        return [count / total for count in counts], None
+
+    def _label_count(self, batch) -> int | None:
+        """Labels of ``batch`` a loss averages over (not ``-100``; see :meth:`_accumulation_weights`),
+        or None when it holds no label tensor."""
+        if not isinstance(batch, Mapping):  # a dict, or a collator's BatchEncoding
+            return None
+        labels = batch.get("shift_labels")
+        if labels is None:
+            labels = batch.get("labels")
+            if torch.is_tensor(labels) and self._loss_shifts_labels_of(labels):
+                labels = labels[..., 1:]
+        return int(labels.ne(-100).sum()) if torch.is_tensor(labels) else None
+
+    def _loss_shifts_labels_of(self, labels: torch.Tensor) -> bool:
+        """Whether the model's loss shifts ``labels`` (a decoder-only causal LM: Trainer's own rule,
+        or a causal-LM class, which Trainer's rule misses when ``loss_type`` is unset, e.g. GPT-2)."""
+        model = self.model
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or labels.dim() < 2:
+            return False
+        return bool(getattr(self, "_loss_shifts_labels", False)) or type(model).__name__ in CAUSAL_LM_CLASSES
+
+    def _backward(self, k: int, node, batch, scale: float = 1.0,
+                  num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
         """Loss of local node ``k`` at z_k on ``batch``; its gradient times ``scale`` is added to
-        the node's ``.grad`` (in that node's RNG stream)."""
+        the node's ``.grad`` (in that node's RNG stream). ``num_items_in_batch`` goes to
+        ``compute_loss`` when given (:meth:`_accumulation_weights`)."""
         node.train()
         with self._rng.activate(self.node_ids[k]):
             batch = self._prepare_inputs(batch)
             with self.compute_loss_context_manager():
-                loss = self.compute_loss(node, batch)
+                if num_items_in_batch is None:
+                    loss = self.compute_loss(node, batch)
+                else:
+                    loss = self.compute_loss(node, batch, num_items_in_batch=num_items_in_batch)
             (loss * scale if scale != 1.0 else loss).backward()
         return loss.detach()
 
