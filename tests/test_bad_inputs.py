@@ -280,6 +280,14 @@ def test_row18_distributed_backend_without_a_launcher(capsys, monkeypatch):
     assert cli_error(["--backend", "distributed"], capsys) == ROWS[18].message
 
 
+def test_row58_a_bad_thread_variable_is_refused_in_one_line_before_openmp_reads_it():
+    """OpenMP (loaded with torch) prints its own complaint about OMP_NUM_THREADS: the recipe refuses
+    the variable before it imports torch, so the user sees one line."""
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py")], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="abc"), timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"agnews_choco.py: error: {ROWS[58].message}\n"
+
+
 @pytest.mark.distributed
 def test_row19_torchrun_world_size_differs_from_nodes():
     """A real 2-process torchrun of a recipe asked for 4 nodes."""
