@@ -157,7 +157,10 @@ def main():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2")
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
-    parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS))
+    parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS), metavar="CONFIG",
+                        help=(f"the gossip configuration of part 3's training round, one of part 1's "
+                              f"({', '.join(repr(name) for name in CONFIGS)}; default {ROUND_CONFIG!r})"
+                              ).replace("%", "%%"))  # argparse formats help with %
     parser.add_argument("--skip-round", action="store_true", help="skip part 3 (the training round)")
     add_threads_flag(parser, None, "torch intra-op threads (default: torch's)")
     add_default_malloc_flag(parser)

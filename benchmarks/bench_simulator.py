@@ -355,18 +355,20 @@ def memory_child(args, precision):
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--nodes", type=POSITIVE, default=4)
+    p.add_argument("--nodes", type=POSITIVE, default=4, help="simulated nodes in the round (default %(default)s)")
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed rounds per precision (default %(default)s)")
     p.add_argument("--warmup", type=NONNEGATIVE, default=1, help="untimed rounds per precision first")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
-    p.add_argument("--seq-len", type=POSITIVE, default=128)
+    p.add_argument("--seq-len", type=POSITIVE, default=128, help="tokens per sequence (default %(default)s)")
     add_threads_flag(p, torch.get_num_threads(), "torch.set_num_threads (default: torch's, here %(default)s)")
     p.add_argument("--kernel", default=AUTO, choices=(AUTO, *(name for name in kernel_names() if name != AUTO)),
                    help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
-    p.add_argument("--algorithm", default="choco", choices=("choco", "deepsqueeze"))
+    p.add_argument("--algorithm", default="choco", choices=("choco", "deepsqueeze"),
+                   help="gossip algorithm of the round (default %(default)s)")
     p.add_argument("--compression", type=ranged(float, Range(0, 100, high_open=True)), default=90.0,
                    help="top-k: percent dropped, in [0, 100) (default %(default)s)")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "8-bit"], choices=["fp32", "8-bit"],
+                   help="precisions timed, each against plain steps of one model (default: both)")
     p.add_argument("--memory-rounds", type=NONNEGATIVE, default=2, help="rounds of the peak-memory subprocess (0: skip)")
     p.add_argument("--small", action="store_true", help="2 layers, dim 256 instead of DistilBERT-base")
     p.add_argument("--interleave", choices=["node", "round"], default="node",

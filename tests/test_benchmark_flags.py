@@ -103,3 +103,26 @@ def test_bench_simulator_tells_why_its_memory_process_failed():
     with pytest.raises(RuntimeError, match=r"(?s)the 8-bit peak-memory process failed \(exit 2\):.*"
                                            r"argument --kernel: invalid choice: 'int9'"):
         bench_simulator.measure_memory(args, "8-bit")
+
+
+@pytest.mark.parametrize("name", ["bench_8bit", "bench_export", "bench_gossip", "bench_quant", "bench_round",
+                                  "bench_simulator", "render", "table6_cpu", "vision_norm_comparison"])
+def test_every_benchmark_flag_has_help(name, monkeypatch):
+    """``--help`` says what each flag does: the parser a benchmark builds, caught as it parses."""
+    import argparse
+
+    benchmark = load_benchmark(name)
+    built = []
+
+    def catch(parser, *args, **kwargs):
+        built.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])  # bench_gossip reads sys.argv
+    with pytest.raises(SystemExit):
+        benchmark.main() if name == "bench_gossip" else benchmark.main([])
+    undocumented = [action.option_strings or action.dest for action in built[0]._actions  # argparse has no public list
+                    if not (action.help or "").strip()]
+    assert not undocumented, f"{name}: flags without help: {undocumented}"
+    built[0].format_help()  # and the help formats (a '%' in a help text must be '%%')
