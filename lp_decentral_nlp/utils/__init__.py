@@ -1,1 +1,3 @@
-"""Process-wide helpers: :mod:`.cpu_malloc` (glibc malloc policy for CPU training)."""
+"""Process-wide helpers: :mod:`.cpu_malloc` (glibc's malloc policy for CPU training),
+:mod:`.numba_threads` (numba's kernels on torch's thread count), :mod:`.layout` (the memory layouts
+the compiled kernels take) and :mod:`.lazy` (lazy package namespaces)."""
