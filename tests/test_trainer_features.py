@@ -533,6 +533,10 @@ def test_token_classification_with_a_labels_column_and_skew_zero(tmp_path):
     assert np.isfinite(metrics["eval_loss"]) and "eval_accuracy" not in metrics  # no class-per-sample labels
     with pytest.raises(ValueError, match="skew=0.5 needs a column of class ids"):
         DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5), train_dataset=data)
+    with pytest.raises(ValueError, match=r"^train_dataset: labels holds lists such as \[\d, \d, .*, not one integer "
+                                         r"class id per sample: name a column of class ids with shard_column, or "
+                                         r"use skew=0$"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, shard_column="labels"), train_dataset=data)
 
 
 class TorchDigits(torch.utils.data.Dataset):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Hashable
 
 import numpy as np
 import torch
@@ -131,13 +132,23 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     else:
         values = [dataset[i][name] for i in range(len(dataset))]
     values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
+    what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+    unhashable = next((v for v in values if not isinstance(v, Hashable)), None)
+    if unhashable is not None:  # e.g. token classification's per-token labels
+        raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {_shorten(unhashable)}, "
+                         f"not one integer class id per sample: name a column of class ids with shard_column, "
+                         f"or use skew=0")
     num_labels = num_labels if name in ("label", "labels") else None
     bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
     if bad:
         allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
-        what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
         raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
     return values
+
+
+def _shorten(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _is_class_id(value) -> bool:
