@@ -208,6 +208,22 @@ def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, to
     assert whole["eval_loss"] == pytest.approx((metrics["eval_first_loss"] + metrics["eval_second_loss"]) / 2)
 
 
+def test_a_best_metric_that_names_no_set_of_a_dict_eval_dataset_is_refused_before_training(tmp_path, agnews_small,
+                                                                                            tokenizer):
+    sets = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}
+    with pytest.raises(ValueError, match=r"^metric_for_best_model='loss': with a dict eval_dataset every metric is "
+                                         r"named after its set, eval_<set>_<metric> \(sets: 'first', 'second'\): "
+                                         r"name one, e.g. 'eval_first_loss'$"):
+        trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=sets, load_best_model_at_end=True,
+                    eval_strategy="steps", save_strategy="steps", eval_steps=1, save_steps=1)
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=sets, load_best_model_at_end=True,
+                          eval_strategy="steps", save_strategy="steps", eval_steps=1, save_steps=1,
+                          metric_for_best_model="second_loss")
+    trainer.train()
+    assert trainer.state.best_metric == min(h["eval_second_loss"] for h in trainer.state.log_history
+                                            if "eval_second_loss" in h)
+
+
 def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(tmp_path, agnews_small, tokenizer):
     """k micro-batches of b samples per optimizer step: with a model without dropout this is the
     step of one batch of k*b samples (the mean loss), and global_step counts optimizer steps."""

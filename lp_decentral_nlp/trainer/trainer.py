@@ -98,6 +98,21 @@ def _class_count(model) -> int | None:
     return getattr(getattr(model, "config", None), "num_labels", None)
 
 
+def _check_best_metric_names_a_set(args: DecentralizedTrainingArguments, eval_dataset) -> None:
+    """With a dict ``eval_dataset`` every metric is named per set (``eval_<set>_loss``), so a
+    ``metric_for_best_model`` (``load_best_model_at_end`` sets ``loss``) must name a set's, or the
+    first evaluation in training stops the run (Trainer's KeyError): a ValueError at construction."""
+    metric = args.metric_for_best_model
+    if not isinstance(eval_dataset, dict) or not eval_dataset or metric is None:
+        return
+    key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    if not any(key.startswith(f"eval_{name}_") for name in eval_dataset):
+        example = f"eval_{next(iter(eval_dataset))}_{metric.removeprefix('eval_')}"
+        raise ValueError(f"metric_for_best_model={metric!r}: with a dict eval_dataset every metric is named after its "
+                         f"set, eval_<set>_<metric> (sets: {', '.join(map(repr, eval_dataset))}): name one, "
+                         f"e.g. {example!r}")
+
+
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -159,6 +174,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
                              "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
                              f"{type(train_dataset).__name__}")
+        _check_best_metric_names_a_set(args, kwargs.get("eval_dataset"))
         # everything that can refuse the inputs runs before the surgery changes the user's model
         if args.qgm:
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
