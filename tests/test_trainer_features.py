@@ -319,6 +319,27 @@ def test_gradient_accumulation_averages_over_every_label_of_the_accumulated_batc
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
+def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(tmp_path, tokenizer):
+    """GPT-2 leaves ``loss_type`` unset, and Trainer's count of a batch's labels then includes each
+    row's first, which no prediction targets: its eval_loss read about 10% low. It is the mean
+    loss over the predicted tokens, as training computes it."""
+    data = varied_length_rows(tokenizer, n=8)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       pad_token_id=tokenizer.pad_token_id))
+    assert model.loss_type is None
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=data, eval_dataset=data,
+                                   data_collator=collator)
+    batch = collator([data[i] for i in range(8)])  # one evaluation batch of every row
+    model.eval()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(labels.numel(), -1), labels.reshape(-1))
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_compute_loss_func_gets_the_label_count_of_the_accumulated_batch(tmp_path, tokenizer):
     """Trainer's contract: ``compute_loss_func(outputs, labels, num_items_in_batch)`` gets the
     labels of every micro-batch of the optimizer step and normalises by it; its loss is not scaled

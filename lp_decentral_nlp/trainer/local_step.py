@@ -5,15 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 from ..gossip import QuasiGlobalAdam
 
 logger = logging.get_logger(__name__)
-
-#: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
-CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 class NonFiniteError(FloatingPointError):
@@ -262,17 +258,9 @@ class LocalStepMixin:
         labels = batch.get("shift_labels")
         if labels is None:
             labels = batch.get("labels")
-            if torch.is_tensor(labels) and self._loss_shifts_labels_of(labels):
+            if torch.is_tensor(labels) and self._loss_shifts_labels and labels.dim() >= 2:
                 labels = labels[..., 1:]
         return int(labels.ne(-100).sum()) if torch.is_tensor(labels) else None
-
-    def _loss_shifts_labels_of(self, labels: torch.Tensor) -> bool:
-        """Whether the model's loss shifts ``labels`` (a decoder-only causal LM: Trainer's own rule,
-        or a causal-LM class, which Trainer's rule misses when ``loss_type`` is unset, e.g. GPT-2)."""
-        model = self.model
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or labels.dim() < 2:
-            return False
-        return bool(getattr(self, "_loss_shifts_labels", False)) or type(model).__name__ in CAUSAL_LM_CLASSES
 
     def _backward(self, k: int, node, batch, scale: float = 1.0,
                   num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
 from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
@@ -96,6 +97,10 @@ def _class_count(model) -> int | None:
     if get_output_embeddings is not None and get_output_embeddings() is not None:
         return None
     return getattr(getattr(model, "config", None), "num_labels", None)
+
+
+#: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
+CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _check_best_metric_names_a_set(args: DecentralizedTrainingArguments, eval_dataset) -> None:
@@ -183,6 +188,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         super().__init__(model=model, args=args, **kwargs)
+        # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
+        # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
+        # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low
+        self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or (
+            type(model).__name__ in CAUSAL_LM_CLASSES and not getattr(model.config, "is_encoder_decoder", False))
         self._shard_labels, self.node_group = shard_labels, node_group
         self.node_ids = self.node_group.node_ids
         # SPEC 1: every node starts from the same weights (process 0's)
