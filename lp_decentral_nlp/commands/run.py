@@ -413,13 +413,15 @@ def set_threads(run: RunArguments) -> int:
 def set_process_output(training) -> None:
     """This process's console output, from the start of the run (model loading included): the
     transformers log level Trainer sets (``--log_level``; ``--log_level_replica`` on the other
-    ranks of a launch), and no ``datasets`` progress bars on those ranks, which repeat rank 0's work."""
+    ranks of a launch), and no ``datasets`` or transformers progress bars (dataset maps, weight
+    loading and writing) with ``--disable_tqdm`` or on those other ranks, which repeat rank 0's work."""
     import datasets
     import transformers
 
     transformers.logging.set_verbosity(training.get_process_log_level())
-    if process_rank() != 0:
+    if training.disable_tqdm or process_rank() != 0:
         datasets.disable_progress_bars()
+        transformers.logging.disable_progress_bar()
 
 
 def available_memory_mb(device) -> float:

@@ -23,6 +23,7 @@ robustness studies (``drop_prob``, ``stragglers``, ``absences``; rules in
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -37,6 +38,7 @@ from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
+from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
 from ..gossip.transport import GossipPeerError
@@ -101,6 +103,20 @@ def _class_count(model) -> int | None:
 
 #: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
 CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+@contextlib.contextmanager
+def _transformers_progress_bars(enabled: bool):
+    """transformers' own progress bars (``save_pretrained``'s "Writing model shards") off inside,
+    unless ``enabled`` (``disable_tqdm`` is False); their process-wide setting is restored after."""
+    if enabled or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _check_best_metric_names_a_set(args: DecentralizedTrainingArguments, eval_dataset) -> None:
@@ -416,7 +432,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         ``model.safetensors``), the processing class, and the training arguments as Trainer saves
         them (``training_args.bin``, read back with ``torch.load(..., weights_only=False)``)."""
         if hasattr(self.model, "save_pretrained"):
-            self.model.save_pretrained(output_dir)
+            with _transformers_progress_bars(not self.args.disable_tqdm):
+                self.model.save_pretrained(output_dir)
         else:
             safetensors.torch.save_model(self.model, str(Path(output_dir) / "model.safetensors"))
         if self.processing_class is not None:
