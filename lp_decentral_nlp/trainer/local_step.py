@@ -237,15 +237,15 @@ class LocalStepMixin:
         each weighs 1. The model is never given ``num_items_in_batch``: a model whose forward takes
         ``**kwargs`` but computes its own mean loss (DistilBERT's classifiers) would be scaled twice."""
         k = len(micro_batches)
-        counts = [self._label_count(batch) for batch in micro_batches]
-        total = None if None in counts else sum(counts)
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5
         if scaled is None:
             scaled = getattr(self, "compute_loss_func", None) is not None  # transformers >= 4.46
+        if k == 1 and not scaled:  # the usual step: nothing to count
+            return [1.0], None
+        counts = [self._label_count(batch) for batch in micro_batches]
+        total = None if None in counts else sum(counts)
         if scaled:
             return [1.0] * k, None if total is None else torch.tensor(total, device=self.args.device)
-        if k == 1:
-            return [1.0], None
         if not total:
             return [1.0 / k] * k, None
         return [count / total for count in counts], None
