@@ -122,3 +122,31 @@ def test_a_connection_already_closed_when_posting_names_the_peer(monkeypatch, br
         gossip.step([[torch.zeros(4)]])
     assert info.value.peer == peer
     assert posted == ([] if broken == "isend" else [0])  # sends are posted first
+
+
+@pytest.mark.parametrize("collective", ["gather", "sum", "barrier", "gather_objects"])
+def test_a_collective_broken_by_an_exited_rank_is_a_peer_error(monkeypatch, collective):
+    """A rank that never exchanges gossip with the one that died (rank 3 of a directed ring, whose
+    only in-neighbour is rank 2) meets the loss in a collective of every rank (the logging gather,
+    the averaged model's sum): a CollectiveError, a GossipPeerError, which the trainer gives the
+    checkpoint to resume from, not gloo's bare RuntimeError (process group calls stood in for)."""
+    from lp_decentral_nlp.gossip import GossipPeerError
+    from lp_decentral_nlp.trainer import CollectiveError, NodeGroup
+
+    for name, value in (("is_available", True), ("is_initialized", True), ("get_world_size", 4), ("get_rank", 3),
+                        ("get_backend", "gloo")):
+        monkeypatch.setattr(torch.distributed, name, lambda *args, value=value, **kwargs: value)
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:13726\nmore")
+
+    for name in ("all_gather", "all_reduce", "barrier", "all_gather_object"):
+        monkeypatch.setattr(torch.distributed, name, closed)
+    group = NodeGroup(4, "distributed")
+    call = {"gather": lambda: group.gather(torch.zeros(1)), "sum": lambda: group.sum([[torch.zeros(2)]]),
+            "barrier": group.barrier, "gather_objects": lambda: group.gather_objects("x")}[collective]
+    with pytest.raises(CollectiveError, match=r"^rank 3: .* with every rank failed \(has another rank exited or "
+                                              r"stopped answering\?\): \[\.\./gloo/transport/tcp/pair\.cc:553\] "
+                                              r"Connection closed by peer \[127\.0\.0\.1\]:13726$") as info:
+        call()
+    assert isinstance(info.value, GossipPeerError) and info.value.peer is None

@@ -11,10 +11,35 @@ never branches on the backend itself.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from .. import gossip as gossip_lib
+from ..gossip.transport import GossipPeerError
+
+
+class CollectiveError(GossipPeerError):
+    """A collective over every process (logging's gather, the averaged model's sum, a barrier)
+    failed: another rank exited or stopped answering. A collective does not say which rank, so
+    ``peer`` is None; the gossip step's :class:`~lp_decentral_nlp.gossip.GossipPeerError` names it
+    when a neighbour is lost there. Like it, the trainer adds the checkpoint to resume from."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message, peer)
+
+
+@contextlib.contextmanager
+def _collective(what: str):
+    """Run a ``torch.distributed`` collective, turning the process group's error (gloo's
+    "Connection closed by peer", a timeout after ``ddp_timeout``) into a :class:`CollectiveError`."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo and NCCL raise RuntimeError (DistBackendError is one)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CollectiveError(f"rank {dist.get_rank()}: {what} with every rank failed (has another rank exited or "
+                              f"stopped answering?): {first}") from err
 
 
 class NodeGroup:
@@ -55,8 +80,9 @@ class NodeGroup:
     def broadcast_(self, tensors) -> None:
         """Overwrite ``tensors`` in place with process 0's values (no-op when simulated)."""
         if self.distributed:
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=0)
+            with _collective("broadcasting the initial model"):
+                for tensor in tensors:
+                    dist.broadcast(tensor.data, src=0)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Per-node values of all nodes, shape ``(num_nodes, ...)``, from ``local`` of shape
@@ -65,7 +91,8 @@ class NodeGroup:
             return local
         sent = _on_group_device(local).contiguous()
         parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, sent)
+        with _collective("gathering the nodes' values"):
+            dist.all_gather(parts, sent)
         return torch.cat(parts).to(local.device)
 
     @torch.no_grad()
@@ -76,21 +103,24 @@ class NodeGroup:
         if self.distributed:
             for j, t in enumerate(total):
                 reduced = _on_group_device(t)
-                dist.all_reduce(reduced)
+                with _collective("summing over the nodes"):
+                    dist.all_reduce(reduced)
                 total[j] = reduced.to(t.device)
         return total
 
     def barrier(self) -> None:
         """Wait for every process (no-op when simulated)."""
         if self.distributed:
-            dist.barrier()
+            with _collective("waiting at a barrier"):
+                dist.barrier()
 
     def gather_objects(self, obj) -> list:
         """``[obj of process 0, obj of process 1, ...]`` (``[obj]`` when simulated)."""
         if not self.distributed:
             return [obj]
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        with _collective("gathering the processes' results"):
+            dist.all_gather_object(out, obj)
         return out
 
 
