@@ -14,8 +14,9 @@ from datasets import Dataset
 from helpers import agnews_sample
 from helpers import tiny_distilbert as tiny_model
 from transformers import (
-    DataCollatorForLanguageModeling, DataCollatorForTokenClassification, DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback,
-    GPT2Config, GPT2LMHeadModel, TrainerCallback,
+    AutoModelForSequenceClassification, DataCollatorForLanguageModeling, DataCollatorForTokenClassification,
+    DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback, GPT2Config, GPT2LMHeadModel,
+    TrainerCallback,
 )
 
 from lp_decentral_nlp.data import skewed_partition
@@ -387,6 +388,23 @@ def test_disable_tqdm_also_hides_the_bars_of_saving_the_model(disable_tqdm, tmp_
     trainer.save_model(str(tmp_path / "model"))
     assert ("Writing model shards" in capfd.readouterr().err) is not disable_tqdm
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_save_model_after_training_needs_no_other_process(tmp_path, agnews_small, tokenizer, monkeypatch):
+    """After ``train()`` the averaged model is current, so ``save_model`` forms no average again:
+    under torchrun the main process may call it alone, as with Trainer (forming the average is a
+    sum over every process, which would wait for ranks that never call it)."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=2)
+    trainer.train()
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("save_model waited for the other processes")
+
+    monkeypatch.setattr(trainer.node_group, "sum", no_collective)
+    trainer.save_model(str(tmp_path / "model"))
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model")
+    for key, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[key], value)
 
 
 class RecordEvals(TrainerCallback):

@@ -512,6 +512,7 @@ class CheckpointMixin:
         """Every local node's weights from checkpoint ``path`` (``load_best_model_at_end``: the
         averaged model is then the best one evaluated)."""
         logger.info(f"loading the best model from {path} (score: {self.state.best_metric})")
+        self._average_is_current = False
         for k, i in enumerate(self.node_ids):
             self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
 
@@ -594,6 +595,7 @@ class CheckpointMixin:
         """Load each local node's ``states[node_id]`` (read by :func:`load_state_file`) into its
         model, optimizer, scheduler, RNG stream, QGM buffer, counters and gossip rows; ValueError
         naming the node file whose part does not fit."""
+        self._average_is_current = False
         parts = []
         for k, i in enumerate(self.node_ids):
             file, state = path / node_file(i), states[i]

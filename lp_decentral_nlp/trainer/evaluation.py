@@ -46,6 +46,7 @@ class EvaluationMixin:
         for dst, src in zip(self.model.state_dict().values(), self.nodes[0].state_dict().values()):
             if not dst.is_floating_point():
                 dst.copy_(src)
+        self._average_is_current = True
 
     @torch.no_grad()
     def consensus_distance(self) -> float:

@@ -214,6 +214,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # SPEC 1: every node starts from the same weights (process 0's)
         self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
         self.nodes = [copy.deepcopy(self.model) for _ in self.node_ids]
+        self._average_is_current = True  # self.model is the nodes' average (they are its copies)
         # z_i of every local node, as the gossip engine updates them in place
         self.node_params = [[p.detach() for p in node.parameters()] for node in self.nodes]
         self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout))
@@ -419,8 +420,15 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              gossip=self.gossip, samples_per_node=samples_per_node)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the averaged model (HF format; an 8-bit one reloads with `load_quantized`)."""
-        self._refresh_average_model()
+        """Save the averaged model (HF format; an 8-bit one reloads with `load_quantized`).
+
+        ``train()``, ``evaluate()`` and ``predict()`` leave ``self.model`` the nodes' average
+        (as every rank computed it), so afterwards the main process may call this alone, as with
+        Trainer under DDP. Once the nodes have moved since (a training step, a restored checkpoint),
+        forming the average is a sum over every process: in the distributed backend every rank
+        must then call it."""
+        if not self._average_is_current:
+            self._refresh_average_model()
         output_dir = output_dir or self.args.output_dir
         if not self.node_group.is_main:
             return
