@@ -51,6 +51,10 @@ def test_dry_run_reports_without_touching_the_model():
     assert "10 layers quantized, 6 kept full precision" in text
     assert "matches skip pattern 'layer.1.ffn'" in text
     assert "Embedding: off by default (QuantConfig(embeddings=True) quantizes it)" in text
+    # the norms are no layers of the surgery, but stay fp32 too: the report says so
+    assert report.other_float == {"LayerNorm": 5}  # the embeddings' and two per block
+    assert text.splitlines()[-1] == ("  float  also 5 LayerNorm: 1-D parameters only (scales, shifts) and no "
+                                     "registered 8-bit version, so fp32")
     assert report.problems == []
 
 

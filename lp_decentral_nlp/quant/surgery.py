@@ -58,11 +58,14 @@ class QuantReport:
 
     ``layers`` lists every module of a registered float type (or a subclass of one), and every other
     module holding weights of its own (parameters of 2 or more dimensions, e.g. fused MoE experts),
-    which stay fp32; ``problems`` lists what makes the real run raise (patterns matching nothing,
-    nothing to quantize).
+    which stay fp32; ``other_float`` counts, by type, the remaining modules with parameters of
+    their own, all 1-D (norms such as LayerNorm), which stay fp32 too;
+    ``problems`` lists what makes the real run raise (patterns matching nothing, nothing to
+    quantize).
     """
 
     layers: list[LayerDecision] = field(default_factory=list)
+    other_float: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -77,6 +80,10 @@ class QuantReport:
         width = max((len(d.name) for d in self.layers), default=4)
         lines = [f"{len(self.quantized)} layers quantized, {len(self.skipped)} kept full precision"]
         lines += [f"  {'8-bit' if d.quantize else 'float'}  {d.name:<{width}}  {d.type_name}: {d.reason}" for d in self.layers]
+        if self.other_float:
+            counts = ", ".join(f"{n} {type_name}" for type_name, n in self.other_float.items())
+            lines.append(f"  float  also {counts}: 1-D parameters only (scales, shifts) and no registered 8-bit "
+                         "version, so fp32")
         lines += [f"ERROR: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -163,6 +170,9 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
                 report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
+            elif any(True for _ in module.parameters(recurse=False)):
+                type_name = type(module).__name__
+                report.other_float[type_name] = report.other_float.get(type_name, 0) + 1
             continue
         if not name:
             continue
