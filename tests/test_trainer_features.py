@@ -341,6 +341,32 @@ def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(tmp_path, tokenize
     assert trainer.evaluate()["eval_loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_a_micro_batch_without_labels_adds_nothing_to_the_step(tmp_path, tokenizer):
+    """Its mean loss is NaN (no label to average over): it weighs 0 and is not back-propagated, so
+    the step is that of the other micro-batches, as Trainer's count-normalised loss gives, not a
+    non-finite stop. One node holding both rows: its one step accumulates both."""
+    data = varied_length_rows(tokenizer, n=2).map(
+        lambda row, i: {"labels": [t % 3 if i == 0 else -100 for t in row["input_ids"]]}, with_indices=True)
+    torch.manual_seed(0)
+    model = DistilBertForTokenClassification(DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1,
+                                                              n_heads=2, hidden_dim=32, num_labels=3, dropout=0.0,
+                                                              attention_dropout=0.0))
+    start = copy.deepcopy(model)
+    record = FirstStepOfNode0()
+    trainer = first_step_recorder(record)(
+        model=model, args=targs(tmp_path, num_nodes=1, algorithm="dpsgd", per_device_train_batch_size=1,
+                                gradient_accumulation_steps=2, max_steps=1),
+        train_dataset=data, data_collator=DataCollatorForTokenClassification(tokenizer), callbacks=[record])
+    trainer.train()
+    labelled = [b for b in record.batches if b["labels"].ne(-100).any()]
+    assert len(record.batches) == 2 and len(labelled) == 1
+    start.train()
+    want = gradient(start, start(**labelled[0]).loss)
+    for got, expected in zip(record.grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+    assert np.isfinite(trainer.state.log_history[0]["loss"])
+
+
 def test_compute_loss_func_gets_the_label_count_of_the_accumulated_batch(tmp_path, tokenizer):
     """Trainer's contract: ``compute_loss_func(outputs, labels, num_items_in_batch)`` gets the
     labels of every micro-batch of the optimizer step and normalises by it; its loss is not scaled

@@ -90,7 +90,9 @@ class LocalStepMixin:
         weights, num_items = self._accumulation_weights(micro_batches)
         loss = 0.0
         for j, (batch, weight) in enumerate(zip(micro_batches, weights)):
-            loss = loss + weight * self._backward(k, node, batch, weight, num_items)
+            micro_loss = self._backward(k, node, batch, weight, num_items)
+            if weight:  # a micro-batch without a label has a NaN mean loss and no say
+                loss = loss + weight * micro_loss
             if j < len(micro_batches) - 1:
                 self._node_event("on_substep_end", k)
         if self._finite_then_clip(k, loss, step):
@@ -231,7 +233,8 @@ class LocalStepMixin:
         that are not ``-100`` (of ``labels[..., 1:]`` for a causal LM, whose loss shifts them; of
         ``shift_labels`` when the collator gives them), so the node's loss is the mean over every
         label of the accumulated batch, the loss `Trainer` normalises by ``num_items_in_batch``.
-        Without countable labels each weighs ``1 / len(micro_batches)``.
+        Without countable labels each weighs ``1 / len(micro_batches)``; a micro-batch whose labels
+        are all ``-100`` weighs 0 and is not back-propagated (its mean loss is NaN).
 
         With ``compute_loss_func`` (or a subclass's ``loss_is_scaled_for_ga = True``) the loss is
         the function's, normalised by the ``num_items_in_batch`` it is given (Trainer's contract):
@@ -276,6 +279,7 @@ class LocalStepMixin:
                     loss = self.compute_loss(node, batch)
                 else:
                     loss = self.compute_loss(node, batch, num_items_in_batch=num_items_in_batch)
-            (loss * scale if scale != 1.0 else loss).backward()
+            if scale:  # weight 0: no label to learn from (the forward still runs, as Trainer's would)
+                (loss * scale if scale != 1.0 else loss).backward()
         return loss.detach()
 
