@@ -630,6 +630,10 @@ def test_token_classification_with_a_labels_column_and_skew_zero(tmp_path):
     assert np.isfinite(metrics["eval_loss"]) and "eval_accuracy" not in metrics  # no class-per-sample labels
     with pytest.raises(ValueError, match="skew=0.5 needs a column of class ids"):
         DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5), train_dataset=data)
+    tags = Dataset.from_dict({"input_ids": ids.tolist(), "labels": [[*row[:3], 3, -100, 0] for row in (ids % 3).tolist()]})
+    with pytest.raises(ValueError, match=r"^train_dataset: labels must be tag ids 0\.\.2 \(the model has num_labels=3\) "
+                                         r"or -100, found 3 in row 0$"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=tags)
     with pytest.raises(ValueError, match=r"^train_dataset: labels holds lists such as \[\d, \d, .*, not one integer "
                                          r"class id per sample: name a column of class ids with shard_column, or "
                                          r"use skew=0$"):

@@ -7,6 +7,8 @@ import json
 from collections.abc import Hashable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, Subset
@@ -126,6 +128,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
                      f"train_dataset has no 'label' or 'labels' column (columns: {columns})")
             raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and {found}: name "
                              "one with shard_column, or use skew=0")
+        _check_tag_ids(dataset, num_labels)
         return None
     if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
         values = dataset.with_format(None)[name]
@@ -144,6 +147,25 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
         allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
         raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
     return values
+
+
+def _check_tag_ids(dataset, num_labels: int | None) -> None:
+    """Per-token labels (token classification: a list of tag ids per row in ``labels``) must be
+    ids of the model's ``num_labels`` tags or -100 (ignored); ValueError naming the first other
+    value and its row, instead of an IndexError in the first training step. Checked on a
+    ``datasets.Dataset`` with integer lists (other labels are not tag ids)."""
+    if not num_labels or not isinstance(dataset, Dataset) or "labels" not in dataset.column_names:
+        return
+    column = dataset.with_format("arrow")["labels"]
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not pa.types.is_list(column.type) or not pa.types.is_integer(column.type.value_type):
+        return
+    values, rows = pc.list_flatten(column), pc.list_parent_indices(column)
+    bad = pc.and_(pc.not_equal(values, -100), pc.or_(pc.less(values, 0), pc.greater_equal(values, num_labels)))
+    if pc.any(bad).as_py():
+        first = pc.indices_nonzero(bad)[0].as_py()
+        raise ValueError(f"train_dataset: labels must be tag ids 0..{num_labels - 1} (the model has "
+                         f"num_labels={num_labels}) or -100, found {values[first].as_py()} in row {rows[first].as_py()}")
 
 
 def _shorten(value, limit: int = 40) -> str:
