@@ -1,17 +1,17 @@
 """The recipes' entry point: the flag check first (no torch), then the run.
 
 ``recipe_main("nlp", "choco", task="ag_news")`` is what ``recipes/agnews_choco.py`` runs: a bad flag
-or ``--help`` is answered from the flag table (as :func:`.flags.check_flags`), and an unusable
-launcher or thread variable (:func:`.run.environment_problem`) refused, before torch and
-transformers are imported; flags that pass go to the recipe's ``main`` (:func:`.nlp.main`,
-:func:`lp_decentral_nlp.vision.recipe.main`), whose parser checks them again, and the rest.
+or ``--help`` is answered by :func:`.flags.check_flags` from the flag table (which also refuses an
+unusable launcher or thread variable), before torch and transformers are imported; flags that
+pass go to the recipe's ``main`` (:func:`.nlp.main`, :func:`lp_decentral_nlp.vision.recipe.main`),
+whose parser checks them again, and the rest.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from .flags import flag_check_parser
+from .flags import check_flags
 
 RECIPE_FAMILIES = ("nlp", "vision")
 
@@ -31,14 +31,9 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
         known = sorted({t for t, _ in descriptions if t is not None}) if family == "nlp" else []
         raise ValueError(f"algorithm must be one of {sorted({a for _, a in descriptions})}"
                          + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
-    flags = flag_check_parser(family, fixed=("algorithm",) if task is None else ("algorithm", "task"),
-                              description=descriptions[task, algorithm])
-    flags.parse_args(sys.argv[1:] if argv is None else argv)  # as check_flags: before torch is imported
-    from .run import environment_problem, stop_on_interrupt
-
-    problem = environment_problem()  # also before torch: OpenMP reads OMP_NUM_THREADS as it loads, and complains
-    if problem:
-        flags.error(problem)
+    check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
+                description=descriptions[task, algorithm])
+    from .run import stop_on_interrupt
 
     with stop_on_interrupt(os.path.basename(sys.argv[0]), "the run did not finish: run it again (with "
                                                           "--overwrite_output_dir once its output folder holds files)"):

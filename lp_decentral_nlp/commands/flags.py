@@ -262,7 +262,9 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
     """Check a recipe's command line against the flag table, without importing torch or transformers:
     ``flag_check_parser(family, ...).parse_args(argv)``.
 
-    A bad flag exits as the recipe's parser would (one line ``<prog>: error: <message>``, status 2);
+    A bad flag exits as the recipe's parser would (one line ``<prog>: error: <message>``, status 2),
+    and so does an unusable launcher or thread variable (:func:`.run.environment_problem`): OpenMP
+    reads ``OMP_NUM_THREADS`` as torch loads, and would print its own complaint first.
     ``--help`` prints the recipe's help and exits (status 0). Returns the parsed flags (only those
     given) when they pass; the caller then runs the real parser, which also makes the checks that
     need the libraries (combinations of flags, files, the launcher).
@@ -274,8 +276,14 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
         description: the recipe's description, shown by ``--help``.
         prog: the program name (default: argparse's, the script's file name).
     """
-    return flag_check_parser(family, fixed=fixed, description=description, prog=prog).parse_args(
-        sys.argv[1:] if argv is None else argv)
+    parser = flag_check_parser(family, fixed=fixed, description=description, prog=prog)
+    parsed = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from .run import environment_problem  # the standard library only, as this module
+
+    problem = environment_problem()
+    if problem:
+        parser.error(problem)
+    return parsed
 
 
 def flag_check_parser(family: str, *, fixed=(), description: str | None = None, prog: str | None = None):
