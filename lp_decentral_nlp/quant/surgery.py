@@ -170,7 +170,7 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
                 report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
-            elif any(True for _ in module.parameters(recurse=False)):
+            elif next(module.parameters(recurse=False), None) is not None:
                 type_name = type(module).__name__
                 report.other_float[type_name] = report.other_float.get(type_name, 0) + 1
             continue

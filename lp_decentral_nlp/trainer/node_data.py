@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from collections.abc import Hashable
 
 import numpy as np
@@ -138,7 +139,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
     unhashable = next((v for v in values if not isinstance(v, Hashable)), None)
     if unhashable is not None:  # e.g. token classification's per-token labels
-        raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {_shorten(unhashable)}, "
+        raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {reprlib.repr(unhashable)}, "
                          f"not one integer class id per sample: name a column of class ids with shard_column, "
                          f"or use skew=0")
     num_labels = num_labels if name in ("label", "labels") else None
@@ -166,11 +167,6 @@ def _check_tag_ids(dataset, num_labels: int | None) -> None:
         first = pc.indices_nonzero(bad)[0].as_py()
         raise ValueError(f"train_dataset: labels must be tag ids 0..{num_labels - 1} (the model has "
                          f"num_labels={num_labels}) or -100, found {values[first].as_py()} in row {rows[first].as_py()}")
-
-
-def _shorten(value, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _is_class_id(value) -> bool:

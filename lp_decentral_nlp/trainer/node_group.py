@@ -101,11 +101,11 @@ class NodeGroup:
         node ``k``; returns one tensor per ``j`` (an all-reduce when distributed)."""
         total = [torch.stack(ts).sum(0) for ts in zip(*tensors_per_node)]
         if self.distributed:
-            for j, t in enumerate(total):
-                reduced = _on_group_device(t)
-                with _collective("summing over the nodes"):
+            with _collective("summing over the nodes"):
+                for j, t in enumerate(total):
+                    reduced = _on_group_device(t)
                     dist.all_reduce(reduced)
-                total[j] = reduced.to(t.device)
+                    total[j] = reduced.to(t.device)
         return total
 
     def barrier(self) -> None:
