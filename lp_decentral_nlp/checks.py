@@ -12,6 +12,7 @@ their flags with it before torch is imported.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import NamedTuple
 
@@ -40,6 +41,27 @@ class Number(NamedTuple):
         if self.high is not None:
             return f"{what} {'<' if self.high_open else '<='} {_show(self.high)}"
         return what
+
+    def admits(self, value) -> bool:
+        """Whether ``value`` is a finite number within these bounds: an int (any integral type:
+        Python's or NumPy's) if ``integer``, else any real number; never a bool (NumPy's bool is not a
+        number to :mod:`numbers` either); None if ``optional``."""
+        if value is None:
+            return self.optional
+        kind = numbers.Integral if self.integer else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+            return False
+        low, high = self.low, self.high
+        return not (low is not None and (value <= low if self.low_open else value < low)) and \
+            not (high is not None and (value >= high if self.high_open else value > high))
+
+
+def plain_number(value):
+    """``value`` as Python's own int or float (a NumPy scalar converted; None, int and float as they
+    are), so that settings hold numbers that JSON, argparse and ``repr`` treat as usual."""
+    if value is None or type(value) in (int, float):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _show(bound) -> str:
@@ -95,30 +117,28 @@ NUMBER_FIELDS: dict[str, Number] = {
 }
 
 
-def check_number(name: str, value, allowed: Number) -> None:
-    """ValueError ``"<name> must be <allowed.describe()>, got <value!r>"`` unless ``value`` is a
-    finite number (an int if ``allowed.integer``; never a bool) within ``allowed``."""
-    if allowed.optional and value is None:
-        return
-    kinds = (int,) if allowed.integer else (int, float)
-    ok = not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
-    if ok:
-        low, high = allowed.low, allowed.high
-        ok = not (low is not None and (value <= low if allowed.low_open else value < low)) and \
-            not (high is not None and (value >= high if allowed.high_open else value > high))
-    if not ok:
+def check_number(name: str, value, allowed: Number):
+    """``value`` as a plain Python number (:func:`plain_number`) if ``allowed`` admits it
+    (:meth:`Number.admits`: NumPy numbers too), else ValueError
+    ``"<name> must be <allowed.describe()>, got <value!r>"``."""
+    if not allowed.admits(value):
         raise ValueError(f"{name} must be {allowed.describe()}, got {value!r}")
+    return plain_number(value)
 
 
-def check_field(name: str, value) -> None:
+def check_field(name: str, value):
     """:func:`check_number` of setting ``name`` against its :data:`NUMBER_FIELDS` entry."""
-    check_number(name, value, NUMBER_FIELDS[name])
+    return check_number(name, value, NUMBER_FIELDS[name])
 
 
 def check_fields(obj, names) -> None:
-    """:func:`check_field` of each attribute ``names`` of ``obj``, in order (the first bad one raises)."""
+    """:func:`check_field` of each attribute ``names`` of ``obj``, in order (the first bad one
+    raises); a NumPy number is stored back as Python's (frozen dataclasses included)."""
     for name in names:
-        check_field(name, getattr(obj, name))
+        value = getattr(obj, name)
+        plain = check_field(name, value)
+        if plain is not value:
+            object.__setattr__(obj, name, plain)
 
 
 def check_choice(name: str, value, allowed) -> None:

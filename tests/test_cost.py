@@ -329,7 +329,7 @@ def test_to_dict_is_json():
         ({"precision": "int4"}, "precision must be one of"),
         ({"optimizer": "adamw"}, "optimizer must be one of"),
         ({"weight_grad_gemm": "bf16"}, "weight_grad_gemm must be one of"),
-        ({"batch_size": 0}, "batch_size must be a positive int"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
         ({"input_shape": (4, 0)}, "input_shape must be"),
         ({"input_shape": 4}, r"^input_shape must be a non-empty tuple of positive ints, got 4"),
         ({"quant_config": QuantConfig()}, r"^quant_config selects the 8-bit layers of precision='int8'"),

@@ -216,7 +216,7 @@ def test_statistics_in_float32_for_bfloat16_input():
 def test_argument_errors():
     with pytest.raises(ValueError, match="divisible by groups"):
         EvoNormS0(6, groups=4)
-    with pytest.raises(ValueError, match="groups must be a positive int"):
+    with pytest.raises(ValueError, match="groups must be an integer >= 1"):
         RangeEvoNorm2d(6, groups=0)
     with pytest.raises(ValueError, match="at least 2 channels per group"):
         RangeEvoNorm2d(4, groups=4)

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from ..checks import check_field
+from ..checks import check_fields
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -65,7 +65,7 @@ class RunArguments:
                 "one of 2 cores, 2 threads ran 2.1x slower than 1: docs/design.md)"})
 
     def __post_init__(self):
-        check_field("threads", self.threads)
+        check_fields(self, ("threads",))
 
 
 #: the recipes' ``--output_dir`` help (``run_name``: the folder :func:`derive_run_values` names)

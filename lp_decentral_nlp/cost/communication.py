@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from ..checks import Number, check_number
+
 
 @dataclass(frozen=True)
 class CommunicationCost:
@@ -55,9 +57,8 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
         raise TypeError(f"gossip must be an SGP, ChocoSGD or DeepSqueeze instance, got {type(gossip).__name__}")
     if (batch_size is None) != (samples_per_node is None):
         raise ValueError("give both batch_size and samples_per_node (for the per-epoch traffic) or neither")
-    for name, value in (("batch_size", batch_size), ("samples_per_node", samples_per_node)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    batch_size, samples_per_node = (check_number(name, value, Number(integer=True, low=1, optional=True))
+                                    for name, value in (("batch_size", batch_size), ("samples_per_node", samples_per_node)))
     if batch_size is not None and samples_per_node < batch_size:
         raise ValueError(f"samples_per_node={samples_per_node} holds no full batch of batch_size={batch_size}: an "
                          "epoch is the full batches (the loaders drop the last partial one)")

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..checks import check_field
+from ..checks import Number, check_field, check_number
 
 
 def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: int = 0) -> list[np.ndarray]:
@@ -32,13 +32,11 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
+    num_nodes = check_number("num_nodes", num_nodes, Number(integer=True, low=1))
     if num_nodes > len(labels):
         raise ValueError(f"num_nodes={num_nodes} exceeds the number of samples ({len(labels)}): some shards would be empty")
-    if isinstance(skew, bool) or not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
-        raise ValueError(f"skew must be a number in [0, 1], got {skew!r}")
-    check_field("seed", seed)
+    skew = check_field("skew", skew)
+    seed = check_field("seed", seed)
     if labels.dtype == object and any(label is None for label in labels):
         raise ValueError(f"labels must be class ids, found None at index {[l is None for l in labels].index(True)}")
     if labels.dtype.kind == "f" and not np.isfinite(labels).all():

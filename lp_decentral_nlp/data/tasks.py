@@ -88,15 +88,16 @@ def load_task(
     """
     if name not in TASKS:
         raise ValueError(f"name must be one of {TASKS}, got {name!r}")
-    check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
+    eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
     data_dir = None if data_dir is None else os.path.expanduser(data_dir)
     if tokenizer is not None and not callable(tokenizer):
         raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable) or None, got {type(tokenizer).__name__}")
-    if not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
-    check_field("seed", seed)
+    max_length = check_field("max_length", max_length)
+    seed = check_field("seed", seed)
+    limits = {"train": check_field("max_train_samples", max_train_samples),
+              "test": check_field("max_eval_samples", max_eval_samples)}
     if tokenizer is None and max_length != DEFAULT_MAX_LENGTH:
         raise ValueError(f"max_length={max_length} is where the tokenizer truncates, and no tokenizer was given: pass "
                          "tokenizer or leave max_length out")
@@ -112,8 +113,7 @@ def load_task(
         ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed, origin=origin)
 
     for split in list(ds):
-        arg, limit = ("max_train_samples", max_train_samples) if split == "train" else ("max_eval_samples", max_eval_samples)
-        ds[split] = _subset(ds[split], limit, seed, arg)
+        ds[split] = _subset(ds[split], limits["train" if split == "train" else "test"], seed)
     if tokenizer is not None:
         ds = ds.map(
             lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length),
@@ -124,11 +124,9 @@ def load_task(
     return ds
 
 
-def _subset(ds: Dataset, limit: int | None, seed: int, arg: str) -> Dataset:
+def _subset(ds: Dataset, limit: int | None, seed: int) -> Dataset:
     if limit is None:
         return ds
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"{arg} must be a positive integer or None, got {limit!r}")
     return ds.shuffle(seed=seed).select(range(min(limit, len(ds))))
 
 
@@ -150,8 +148,7 @@ def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: st
         ValueError: naming ``source``, the rows it has and the rows needed; or naming a bad argument.
     """
     for arg, value, low in (("num_rows", num_rows, 0), ("num_nodes", num_nodes, 1), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+        check_number(arg, value, Number(integer=True, low=low))
     needed = num_nodes * batch_size
     if num_rows < needed:
         raise ValueError(f"{source}: {num_rows} training rows cannot give each of {num_nodes} nodes one batch of "
@@ -431,8 +428,8 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0
     ``source`` came from in the ValueError raised when some length class has fewer than 2
     sentences.
     """
-    check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
-    check_field("seed", seed)
+    eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
+    seed = check_field("seed", seed)
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
     by_class = [[] for _ in SENTLEN_BINS]

@@ -28,6 +28,7 @@ import numpy as np
 
 import torch
 
+from ..checks import NUMBER_FIELDS, Number, check_number
 from .wire import index_dtype, pack_codes, packed_nbytes, unpack_codes
 
 Fields = list[tuple[str, torch.dtype, int]]
@@ -161,8 +162,7 @@ class QSGD(Compressor):
     stochastic = True
 
     def __init__(self, levels: int, scaled: bool = False):
-        if not isinstance(levels, int) or isinstance(levels, bool) or not 1 <= levels <= 127:
-            raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
+        levels = check_number("levels", levels, NUMBER_FIELDS["qsgd_levels"])
         if not isinstance(scaled, bool):
             raise TypeError(f"scaled must be a bool, got {scaled!r}")
         self.levels = levels
@@ -204,8 +204,7 @@ class _Sparsifier(Compressor):
     """
 
     def __init__(self, keep: float, value_bits: int | None = None):
-        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
-            raise ValueError(f"keep must be a fraction in (0, 1], got {keep!r}")
+        keep = check_number("keep", keep, Number(low=0, low_open=True, high=1, what="a fraction"))
         if value_bits not in (None, 8):
             raise ValueError(f"value_bits must be None (model float type) or 8, got {value_bits!r}")
         self.keep = float(keep)

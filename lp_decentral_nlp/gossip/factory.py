@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_field
+from ..checks import check_choice, check_fields
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
 from .push_sum import PushSumGossip
@@ -64,12 +64,10 @@ class GossipConfig:
     faults: FaultPlan | None = None
 
     def __post_init__(self):
-        check_field("num_nodes", self.num_nodes)
+        check_fields(self, ("num_nodes", "compression", "qsgd_levels", "consensus_lr", "seed", "torus_rows"))
         check_choice("topology", self.topology, TOPOLOGIES)
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("compressor", self.compressor, COMPRESSORS)
-        check_field("compression", self.compression)
-        check_field("qsgd_levels", self.qsgd_levels)
         qsgd = self.compressor == "qsgd"
         if qsgd and self.compression > 0:
             raise ValueError(f"compression={self.compression!r} is the percent top-k and random-k drop; QSGD's message "
@@ -80,16 +78,13 @@ class GossipConfig:
         if self.algorithm == "dpsgd" and (self.compression > 0 or qsgd):
             raise ValueError(f"{'compressor=qsgd' if qsgd else 'compression > 0'} needs algorithm 'choco' or "
                              "'deepsqueeze'; 'dpsgd' sends exact models")
-        check_field("consensus_lr", self.consensus_lr)
         if self.algorithm == "dpsgd" and self.consensus_lr not in (None, 1.0):
             raise ValueError(f"consensus_lr={self.consensus_lr!r} is the consensus step of 'choco' and 'deepsqueeze'; "
                              "'dpsgd' mixes exactly (gamma 1): drop consensus_lr or choose another algorithm")
         if not isinstance(self.low_precision, bool):
             raise ValueError(f"low_precision must be True or False, got {self.low_precision!r}")
-        check_field("seed", self.seed)
         if self.faults is not None and not isinstance(self.faults, FaultPlan):
             raise ValueError(f"faults must be a FaultPlan or None, got {type(self.faults).__name__}")
-        check_field("torus_rows", self.torus_rows)
         if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):
             raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")

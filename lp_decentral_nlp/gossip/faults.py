@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import check_field, parse_absence, parse_straggler
+from ..checks import check_fields, parse_absence, parse_straggler
 from .topology import Topology
 
 # Separates the drop draws from every other use of the run's seed.
@@ -67,9 +67,7 @@ class FaultPlan:
     absences: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
-        check_field("drop_prob", self.drop_prob)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a nonnegative int, got {self.seed!r}")
+        check_fields(self, ("drop_prob", "seed"))
         object.__setattr__(self, "stragglers", tuple((int(n), float(s)) for n, s in self.stragglers))
         object.__setattr__(self, "absences", tuple((int(n), int(a), int(b)) for n, a, b in self.absences))
         for node, seconds in self.stragglers:

@@ -26,7 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import NUMBER_FIELDS, Number, check_number
+
 ParamList = list[torch.Tensor]
+#: the allowed learning rate of an iteration, and of a beta of the moments (Adam's betas, QGM's beta)
+_LR, _BETA = Number(low=0, low_open=True, what="a learning rate"), NUMBER_FIELDS["qgm_beta"]
 
 
 class QuasiGlobalMomentum:
@@ -39,8 +43,7 @@ class QuasiGlobalMomentum:
     """
 
     def __init__(self, nodes: list[ParamList], beta: float = 0.9):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
-            raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+        beta = check_number("beta", beta, _BETA)
         if not isinstance(nodes, (list, tuple)) or not nodes or not all(isinstance(p, (list, tuple)) for p in nodes):
             raise TypeError("nodes must be a non-empty list of parameter lists (one per local node)")
         self.beta = float(beta)
@@ -59,8 +62,7 @@ class QuasiGlobalMomentum:
     def add_momentum(self, node: int, grads: ParamList) -> None:
         """``g += beta * m`` in place for local node ``node``'s gradients (SPEC 2 QGM), one tensor per
         parameter in the order given at construction. Call it for each node that steps."""
-        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self._momentum):
-            raise ValueError(f"node must be a local node index in [0, {len(self._momentum) - 1}], got {node!r}")
+        node = _checked_node(node, len(self._momentum))
         if len(grads) != len(self._momentum[node]):
             raise ValueError(f"grads must hold {len(self._momentum[node])} tensors (one per parameter), got {len(grads)}")
         with torch.no_grad():
@@ -71,8 +73,7 @@ class QuasiGlobalMomentum:
         momentum of the local nodes in ``skip`` stays as it is (they took no step)."""
         if not self._open:
             raise RuntimeError("end_iteration() without begin_iteration() in this iteration")
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr must be a positive number (the learning rate of this iteration), got {lr!r}")
+        lr = check_number("lr", lr, _LR)
         with torch.no_grad():
             for k, (m, snap, params) in enumerate(zip(self._momentum, self._snapshot, self._nodes)):
                 if k in skip:
@@ -146,16 +147,13 @@ class QuasiGlobalAdam:
                  weight_decay: float | list[float] = 0.0):
         if not isinstance(nodes, (list, tuple)) or not nodes or not all(isinstance(p, (list, tuple)) for p in nodes):
             raise TypeError("nodes must be a non-empty list of parameter lists (one per local node)")
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_BETA.admits(b) for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"eps must be a positive number, got {eps!r}")
+        eps = check_number("eps", eps, Number(low=0, low_open=True))
         self._nodes = [list(params) for params in nodes]
         count = len(self._nodes[0])
         decays = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay] * count
-        if len(decays) != count or not all(isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0
-                                           for d in decays):
+        if len(decays) != count or not all(Number(low=0).admits(d) for d in decays):
             raise ValueError(f"weight_decay must be a number >= 0 or {count} such numbers (one per parameter), "
                              f"got {weight_decay!r}")
         self.betas = (float(betas[0]), float(betas[1]))
@@ -181,11 +179,10 @@ class QuasiGlobalAdam:
         tensor per parameter, in the order given at construction), in place on its parameters."""
         if not self._open:
             raise RuntimeError("step() outside an iteration: call begin_iteration() first")
-        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < len(self._nodes):
-            raise ValueError(f"node must be a local node index in [0, {len(self._nodes) - 1}], got {node!r}")
+        node = _checked_node(node, len(self._nodes))
         if len(grads) != len(self._nodes[node]):
             raise ValueError(f"grads must hold {len(self._nodes[node])} tensors (one per parameter), got {len(grads)}")
-        _check_lr(lr)
+        lr = check_number("lr", lr, _LR)
         beta1, beta2 = self.betas
         self._steps[node] += 1
         c = self._steps[node]
@@ -207,7 +204,7 @@ class QuasiGlobalAdam:
         step count."""
         if not self._open:
             raise RuntimeError("end_iteration() without begin_iteration() in this iteration")
-        _check_lr(lr)
+        lr = check_number("lr", lr, _LR)
         beta1 = self.betas[0]
         with torch.no_grad():
             for k in sorted(self._stepped):
@@ -272,6 +269,6 @@ class QuasiGlobalAdam:
         self._steps = [int(c) for c in state_dict["steps"]]
 
 
-def _check_lr(lr) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"lr must be a positive number (the learning rate of this iteration), got {lr!r}")
+def _checked_node(node, count: int) -> int:
+    """``node`` as an int; ValueError unless it indexes one of ``count`` local nodes."""
+    return check_number("node", node, Number(integer=True, low=0, high=count - 1, what="a local node index"))

@@ -81,6 +81,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import NUMBER_FIELDS, check_field, check_number
 from .compressors import Compressor, Identity
 from .faults import FaultPlan
 from .topology import Topology
@@ -150,10 +151,8 @@ class PushSumGossip:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor (Identity, TopK, RandomK, QSGD, Quantize), "
                             f"got {type(compressor).__name__}")
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
-            raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be a nonnegative int, got {seed!r}")
+        gamma = check_number("gamma", gamma, NUMBER_FIELDS["consensus_lr"]._replace(optional=False))
+        seed = check_field("seed", seed)
         if faults is not None and not isinstance(faults, FaultPlan):
             raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
         if faults is not None:

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..checks import NUMBER_FIELDS, check_number
 from .topology import Topology
 from .wire import Message, MessageLayout
 
@@ -98,9 +99,7 @@ class TorchDistributedTransport:
                   "topology fingerprint", "algorithm/compressor/parameter-shape fingerprint")
 
     def __init__(self, timeout: float = 300.0, group=None):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = float(check_number("timeout", timeout, NUMBER_FIELDS["gossip_timeout"]))
         self.group = group
 
     def node_ids(self, num_nodes: int) -> list[int]:

@@ -5,6 +5,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from ..checks import Number, check_number
 from .kernels import kernel_names
 
 # Task heads of Hugging Face models (classification, question answering, MLM transforms and LM
@@ -72,19 +73,15 @@ class QuantConfig:
 
     def __post_init__(self):
         for name in ("bits", "grad_bits"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not MIN_BITS <= value <= MAX_BITS:
-                raise ValueError(f"{name} must be an integer in [{MIN_BITS}, {MAX_BITS}], got {value!r}")
+            object.__setattr__(self, name, check_number(name, getattr(self, name),
+                                                        Number(integer=True, low=MIN_BITS, high=MAX_BITS)))
         for name in ("stochastic_grad_rounding", "embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.grad_granularity not in GRAD_GRANULARITIES:
             raise ValueError(f"grad_granularity must be one of {GRAD_GRANULARITIES}, got {self.grad_granularity!r}")
-        if isinstance(self.act_momentum, bool) or not isinstance(self.act_momentum, (int, float)) or not (
-            0.0 < self.act_momentum <= 1.0
-        ):
-            raise ValueError(f"act_momentum must be a number in (0, 1], got {self.act_momentum!r}")
-        object.__setattr__(self, "act_momentum", float(self.act_momentum))
+        object.__setattr__(self, "act_momentum", float(check_number(
+            "act_momentum", self.act_momentum, Number(low=0, low_open=True, high=1))))
         object.__setattr__(self, "skip", _patterns("skip", self.skip))
         if self.target is not None:
             object.__setattr__(self, "target", _patterns("target", self.target))

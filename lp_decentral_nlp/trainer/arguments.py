@@ -13,7 +13,7 @@ import torch
 from transformers import TrainingArguments, training_args
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import check_choice, check_fields, parse_absence, parse_straggler
+from ..checks import Number, check_choice, check_fields, parse_absence, parse_straggler, plain_number
 from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
@@ -31,7 +31,8 @@ NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", 
                    "adam_epsilon", "max_grad_norm", "label_smoothing_factor", "warmup_steps", "logging_steps",
                    "save_steps", "eval_steps", "eval_delay", "save_total_limit", "seed", "data_seed",
                    "dataloader_num_workers", "dataloader_prefetch_factor", "skew", "qgm_beta", "lr_decay",
-                   "gossip_timeout")
+                   "gossip_timeout", "num_nodes", "torus_rows", "compression", "qsgd_levels", "consensus_lr",
+                   "drop_prob")
 
 
 @dataclass
@@ -164,10 +165,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if self.lr_milestones is None:
             return
         m = list(self.lr_milestones)
-        if not m or any(isinstance(e, bool) or not isinstance(e, (int, float)) or e <= 0 for e in m) \
-                or m != sorted(set(m)):
+        if not m or not all(Number(low=0, low_open=True).admits(e) for e in m) or m != sorted(set(m)):
             raise ValueError(f"lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
                              f"(or None), got {self.lr_milestones!r}")
+        self.lr_milestones = [plain_number(e) for e in m]
         if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
             raise ValueError(f"lr_milestones needs lr_scheduler_type='constant' (the milestones are the schedule), "
                              f"got lr_scheduler_type={self.lr_scheduler_type!r}")

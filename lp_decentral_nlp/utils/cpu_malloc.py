@@ -31,6 +31,8 @@ import sys
 import torch
 from transformers.utils import logging
 
+from ..checks import Number, check_number
+
 logger = logging.get_logger(__name__)
 
 #: glibc's ``mallopt`` parameter numbers (malloc.h)
@@ -71,11 +73,12 @@ def keep_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: 
         True if the settings were applied, False where the C library is not glibc (macOS,
         Windows, musl): nothing is changed there.
     """
-    for name, value, lo, hi in (("mmap_threshold", mmap_threshold, 128 << 10, MAX_MMAP_THRESHOLD),
-                                ("trim_threshold", trim_threshold, mmap_threshold, (1 << 31) - 1),
-                                ("top_pad", top_pad, 0, (1 << 31) - 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ValueError(f"{name} must be an int of bytes in [{lo}, {hi}], got {value!r}")
+    def checked(name, value, low, high=(1 << 31) - 1):
+        return check_number(name, value, Number(integer=True, low=low, high=high, what="an int of bytes"))
+
+    mmap_threshold = checked("mmap_threshold", mmap_threshold, 128 << 10, MAX_MMAP_THRESHOLD)
+    trim_threshold = checked("trim_threshold", trim_threshold, mmap_threshold)
+    top_pad = checked("top_pad", top_pad, 0)
     libc = _glibc()
     if libc is None:
         return False

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import datasets
 
-from ..checks import check_field
+from ..checks import Number, check_field, check_number
 
 __all__ = [
     "FOLDER",
@@ -363,13 +363,13 @@ def load_vision_dataset(
     cannot open; TypeError for a label column that is not a ClassLabel.
     """
     if name == FOLDER:
-        check_field("seed", seed)
+        seed = check_field("seed", seed)
         if data_dir is None:
             raise ValueError(f"{FOLDER}: the user's own images need data_dir: a DatasetDict.save_to_disk folder or an "
                              f"image folder tree ({_FOLDER_LAYOUT})")
         return _load_source(None, name, data_dir)
     spec = vision_dataset_spec(name)
-    check_field("seed", seed)
+    seed = check_field("seed", seed)
     if name == "digits":
         if data_dir is not None:
             raise ValueError("digits is bundled with scikit-learn: data_dir must be None")
@@ -404,10 +404,8 @@ class VisionTransform:
     """
 
     def __init__(self, image_size: int, mean, std, train: bool, padding: int = 0):
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-            raise ValueError(f"image_size must be a positive int, got {image_size!r}")
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ValueError(f"padding must be a non-negative int, got {padding!r}")
+        image_size = check_number("image_size", image_size, Number(integer=True, low=1))
+        padding = check_number("padding", padding, Number(integer=True, low=0))
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"mean and std must hold 3 values (RGB), std > 0; got {mean}, {std}")
         self.image_size, self.train, self.padding = image_size, train, padding
@@ -443,7 +441,7 @@ def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample
     training images spread over the split, in pixels); the per-channel mean and std of those
     images in [0, 1] at that size (a std under 1e-3, a channel constant over the sample, counts
     1e-3)."""
-    check_field("image_size", image_size)  # None: measured; 0 meant "measure" too, silently
+    image_size = check_field("image_size", image_size)  # None: measured; 0 meant "measure" too, silently
     train = dsd["train"]
     count = min(sample, len(train))
     indices = sorted({round(i * (len(train) - 1) / max(1, count - 1)) for i in range(count)})

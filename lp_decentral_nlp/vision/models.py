@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..checks import check_field
+from ..checks import Number, check_field, check_number
 from .norms import EvoNormS0, RangeBatchNorm2d, RangeEvoNorm2d
 
 __all__ = [
@@ -58,15 +58,17 @@ NORMS = ("batchnorm", "groupnorm", "evonorm", "range_batchnorm", "range_evonorm"
 GROUPED_NORMS, DEFAULT_GROUPS = ("groupnorm", "evonorm", "range_evonorm"), 2
 
 
-def _check_norm(norm: str, groups) -> None:
-    """ValueError for a ``norm`` not in :data:`NORMS`, a ``groups`` that is not an integer >= 1,
-    or a group count other than the default given to a norm without groups (it would be ignored)."""
+def _checked_groups(norm: str, groups) -> int:
+    """``groups`` as an int; ValueError for a ``norm`` not in :data:`NORMS`, a ``groups`` that is not
+    an integer >= 1, or a group count other than the default given to a norm without groups (it
+    would be ignored)."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}; got {norm!r}")
-    check_field("groups", groups)
+    groups = check_field("groups", groups)
     if norm not in GROUPED_NORMS and groups != DEFAULT_GROUPS:
         raise ValueError(f"groups={groups} is the group count of {', '.join(GROUPED_NORMS)}; norm={norm!r} has no "
                          f"groups: leave groups at {DEFAULT_GROUPS}")
+    return groups
 
 
 def norm_act(
@@ -85,7 +87,7 @@ def norm_act(
     Returns a module mapping (N, C, H, W) to (N, C, H, W); non-fused norms with an activation
     come as ``nn.Sequential(norm=..., act=...)``.
     """
-    _check_norm(norm, groups)
+    groups = _checked_groups(norm, groups)
     if norm == "evonorm":
         return EvoNormS0(num_channels, groups=groups, apply_act=apply_act)
     if norm == "range_evonorm":
@@ -255,7 +257,7 @@ class MobileNetV2(nn.Module):
 
 
 def _norm_factory(norm: str, groups: int, act_layer: type[nn.Module] = nn.ReLU) -> NormFactory:
-    _check_norm(norm, groups)
+    groups = _checked_groups(norm, groups)
 
     def make_norm(num_channels: int, apply_act: bool = True) -> nn.Module:
         return norm_act(norm, num_channels, apply_act=apply_act, act_layer=act_layer, groups=groups)
@@ -263,28 +265,27 @@ def _norm_factory(norm: str, groups: int, act_layer: type[nn.Module] = nn.ReLU) 
     return make_norm
 
 
-def _check_num_classes(num_classes: int) -> None:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+def _checked_num_classes(num_classes: int) -> int:
+    return check_number("num_classes", num_classes, Number(integer=True, low=1))
 
 
 def resnet20(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """CIFAR ResNet-20: 3 stages x 3 basic blocks, 16/32/64 channels (0.27M parameters)."""
-    _check_num_classes(num_classes)
+    num_classes = _checked_num_classes(num_classes)
     return ResNet((3, 3, 3), (16, 32, 64), "cifar", num_classes, _norm_factory(norm, groups))
 
 
 def resnet54(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """CIFAR ResNet-54: 3 stages x 8 basic blocks (``(54 - 2) // 6``), 16/32/64 channels
     (0.76M parameters)."""
-    _check_num_classes(num_classes)
+    num_classes = _checked_num_classes(num_classes)
     return ResNet((8, 8, 8), (16, 32, 64), "cifar", num_classes, _norm_factory(norm, groups))
 
 
 def resnet18(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:
     """ImageNet ResNet-18: [2, 2, 2, 2] basic blocks, 64/128/256/512 channels
     (11.18M parameters for 10 classes, 11.69M for 1000)."""
-    _check_num_classes(num_classes)
+    num_classes = _checked_num_classes(num_classes)
     return ResNet((2, 2, 2, 2), (64, 128, 256, 512), "imagenet", num_classes,
                   _norm_factory(norm, groups))
 
@@ -292,13 +293,13 @@ def resnet18(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAU
 def vgg11(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> VGG:
     """VGG-11 (configuration "A") with a 512-unit hidden linear layer (9.49M parameters for 10
     classes)."""
-    _check_num_classes(num_classes)
+    num_classes = _checked_num_classes(num_classes)
     return VGG(_VGG11_CONFIG, num_classes, _norm_factory(norm, groups))
 
 
 def mobilenetv2(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> MobileNetV2:
     """MobileNetV2 width 1.0 (2.24M parameters for 10 classes, 3.50M for 1000)."""
-    _check_num_classes(num_classes)
+    num_classes = _checked_num_classes(num_classes)
     return MobileNetV2(num_classes, _norm_factory(norm, groups, act_layer=nn.ReLU6))
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..checks import Number, check_number
 from ..utils.layout import dense_like
 
 __all__ = [
@@ -44,7 +45,7 @@ def range_scale_constant(n: int) -> float:
 
     Raises ValueError for ``n < 2`` (``ln 1 = 0``: one value has no spread to measure).
     """
-    if isinstance(n, bool) or not isinstance(n, int):
+    if not Number(integer=True).admits(n):
         raise TypeError(f"n must be an int, got {type(n).__name__}")
     if n < 2:
         raise ValueError(
@@ -59,18 +60,16 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_channels_groups(num_channels: int, groups: int) -> None:
-    _check_positive_int("num_channels", num_channels)
-    _check_positive_int("groups", groups)
+def _checked_channels_groups(num_channels: int, groups: int) -> tuple[int, int]:
+    """``(num_channels, groups)`` as ints; ValueError unless both are integers >= 1 and ``groups``
+    divides ``num_channels``."""
+    num_channels, groups = (check_number(name, value, Number(integer=True, low=1))
+                            for name, value in (("num_channels", num_channels), ("groups", groups)))
     if num_channels % groups:
         raise ValueError(
             f"num_channels={num_channels} must be divisible by groups={groups}"
         )
+    return num_channels, groups
 
 
 def _check_eps(eps: float) -> None:
@@ -125,7 +124,7 @@ def evonorm_s0(
     over (channels of the group, H, W), computed in float32 or wider.
     """
     n, c = x.shape[:2]
-    _check_channels_groups(c, groups)
+    c, groups = _checked_channels_groups(c, groups)
     var = x.to(_stat_dtype(x)).reshape(n, groups, -1).var(dim=-1, unbiased=False, keepdim=True)
     numerator = x if v is None else x * torch.sigmoid(_per_channel(v, x) * x)
     return _affine(_divide_by_group_stat(numerator, (var + eps).sqrt(), groups), weight, bias)
@@ -155,7 +154,7 @@ def range_evonorm2d(
     shared evenly among ties.
     """
     n, c = x.shape[:2]
-    _check_channels_groups(c, groups)
+    c, groups = _checked_channels_groups(c, groups)
     scale = range_scale_constant(c // groups)
     if RangeEvoNormFunction.supports(x):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, v)):
@@ -293,7 +292,7 @@ class _GroupNormAct(nn.Module):
 
     def __init__(self, num_channels: int, groups: int, eps: float, apply_act: bool):
         super().__init__()
-        _check_channels_groups(num_channels, groups)
+        num_channels, groups = _checked_channels_groups(num_channels, groups)
         _check_eps(eps)
         self.num_channels, self.groups, self.eps, self.apply_act = num_channels, groups, eps, apply_act
         self.weight = nn.Parameter(torch.ones(num_channels))
@@ -357,7 +356,7 @@ class RangeBatchNorm2d(nn.Module):
 
     def __init__(self, num_features: int, momentum: float | None = 0.1, eps: float = 1e-5):
         super().__init__()
-        _check_positive_int("num_features", num_features)
+        num_features = check_number("num_features", num_features, Number(integer=True, low=1))
         _check_eps(eps)
         if momentum is not None and not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")
