@@ -104,7 +104,7 @@ def test_make_topology_rejects_bad_arguments():
         make_topology("torus", 16, rows=3)
     with pytest.raises(ValueError, match="rows \\* cols"):
         make_topology("torus", 16, rows=3, cols=5)
-    with pytest.raises(ValueError, match="^rows must be an int >= 1, got True"):
+    with pytest.raises(ValueError, match="^rows must be an integer >= 1, got True"):
         make_topology("torus", 1, rows=True, cols=1)
     with pytest.raises(ValueError, match="only apply to name='torus'"):
         make_topology("ring", 4, rows=2)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..checks import Number, check_number
+
 TOPOLOGIES = ("directed_ring", "ring", "torus", "exponential", "complete")
 
 # Column sums may differ from 1 by float32 rounding of user-built matrices, no more.
@@ -116,14 +118,10 @@ class Topology:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _phase(self, step: int) -> int:
-        if not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a nonnegative int, got {step!r}")
-        return int(step) % self.period
+        return check_number("step", step, Number(integer=True, low=0)) % self.period
 
     def _node(self, i: int) -> int:
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_nodes:
-            raise ValueError(f"node index must be an int in [0, {self.num_nodes}), got {i!r}")
-        return int(i)
+        return check_number("node index", i, Number(integer=True, low=0, high=self.num_nodes, high_open=True))
 
 
 def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: int | None = None) -> Topology:
@@ -142,9 +140,7 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
             and without both the most square shape is taken (``rows <= cols``). Not allowed for
             the other graphs.
     """
-    if not isinstance(num_nodes, (int, np.integer)) or isinstance(num_nodes, bool) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
-    n = int(num_nodes)
+    n = check_number("num_nodes", num_nodes, Number(integer=True, low=1))
     if name not in TOPOLOGIES:
         raise ValueError(f"name must be one of {TOPOLOGIES}, got {name!r}")
     if name != "torus" and (rows is not None or cols is not None):
@@ -160,9 +156,8 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
         mats = [_uniform_split(n, lambda i, h=h: [(i + h) % n]) for h in hops]
         return Topology(mats, name=name)
     # torus
-    for arg, v in (("rows", rows), ("cols", cols)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-            raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+    rows, cols = (check_number(arg, v, Number(integer=True, low=1, optional=True))
+                  for arg, v in (("rows", rows), ("cols", cols)))
     if rows is None and cols is None:
         rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
     if rows is None or cols is None:
