@@ -230,3 +230,16 @@ def test_build_sentlen_needs_enough_sentences():
 def test_accuracy_metric_loads_offline():
     metric = accuracy_metric()
     assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])["accuracy"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("predictions, message", [
+    ([0.9, 1.0, 2.0, 2.0], r"^predictions must be class ids \(whole numbers\), got 0.9 at index 0: take the argmax"),
+    ([0, 1, float("nan"), 2], r"^predictions must be class ids \(whole numbers\), got nan at index 2"),
+])
+def test_accuracy_metric_refuses_predictions_that_are_not_class_ids(predictions, message):
+    """Probabilities or unrounded regression outputs were cast to int64 (0.9 -> 0) and scored
+    as class ids: [0.9, 1.7, 2.2] against [0, 1, 2] gave accuracy 1.0."""
+    with pytest.raises(ValueError, match=message):
+        accuracy_metric().compute(predictions=predictions, references=[0, 1, 1, 2])
+    assert accuracy_metric().compute(predictions=np.array([0, 1, 2]), references=[0.0, 1.0, 1.0])["accuracy"] == \
+        pytest.approx(2 / 3)

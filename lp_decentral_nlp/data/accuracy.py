@@ -27,10 +27,18 @@ class Accuracy(evaluate.Metric):
             citation="",
             inputs_description=_KWARGS_DESCRIPTION,
             features=datasets.Features(
-                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+                # float64, not int64: datasets would truncate a float prediction (0.9 -> 0) silently;
+                # _compute refuses values that are not whole numbers instead
+                {"predictions": datasets.Value("float64"), "references": datasets.Value("float64")}
             ),
         )
 
     def _compute(self, predictions, references, normalize=True):
+        for name, values in (("predictions", predictions), ("references", references)):
+            values = np.asarray(values, dtype=np.float64)
+            fractional = np.flatnonzero(values != np.round(values))
+            if fractional.size:
+                raise ValueError(f"{name} must be class ids (whole numbers), got {float(values[fractional[0]])!r} at index "
+                                 f"{int(fractional[0])}: take the argmax of the logits (or threshold a probability)")
         correct = np.asarray(predictions) == np.asarray(references)
         return {"accuracy": float(correct.mean() if normalize else correct.sum())}
