@@ -322,6 +322,16 @@ def test_header_names_match_whatever_their_case(tmp_path):
     _expect(ValueError, r"found \['Label', 'Headline'\]", lambda: load_task("ag_news", data_dir=bad), bad)
 
 
+def test_header_with_both_layouts_is_refused(tmp_path):
+    """``label,title,description,text`` read as the original layout (labels 1-4), its text column
+    silently unused; which texts and which label convention it means is the user's to say."""
+    source = _write(tmp_path / "both.csv", "label,title,description,text\n" +
+                    "".join(f"{i % 4 + 1},Title {i},Description {i}.,Story {i}.\n" for i in range(40)))
+    _expect(ValueError, r"both.csv: the header \['label', 'title', 'description', 'text'\] has the columns of both "
+            r"layouts, label,title,description \(labels 1-4\) and text,label \(labels 0-3\)",
+            lambda: load_task("ag_news", data_dir=source), source)
+
+
 def test_utf8_with_byte_order_mark_is_read(tmp_path):
     source = _write(tmp_path / "bom.csv", "\ufeff" + HEADER + _rows(40))
     ds = load_task("ag_news", data_dir=source)

@@ -266,7 +266,12 @@ def _read_ag_news_csv(file: Path) -> Dataset:
         raise ValueError(f"{file}: every field is empty (no header line, no data rows)")
     names = [name.strip() for name in rows[0][1]]
     header = [name.lower() for name in names]  # column names match whatever their case
-    layout = next(((cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)), None)
+    layouts = [(cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)]
+    if len(layouts) > 1:
+        raise ValueError(f"{file}: the header {names} has the columns of both layouts, label,title,description "
+                         "(labels 1-4) and text,label (labels 0-3), so which texts and labels it means is unclear: "
+                         "keep the columns of one")
+    layout = layouts[0] if layouts else None
     if layout is None:
         looks_like_data = bool(header) and _INTEGER.fullmatch(header[0]) is not None
         raise ValueError(f"{file}: expected columns label,title,description (labels 1-4) or text,label (labels "
