@@ -1,5 +1,6 @@
 """Vision datasets (offline paths: digits, image folders, saved dirs, hub column mapping) and transforms."""
 import collections
+import logging
 
 import numpy as np
 import pytest
@@ -137,6 +138,27 @@ def test_image_folder_val_split_becomes_test(tmp_path):
     _write_image_folder(tmp_path / "nette", {"train": 1, "val": 1}, [f"n0{i}" for i in range(10)])
     dsd = load_vision_dataset("imagenette", data_dir=tmp_path / "nette")
     assert list(dsd) == ["train", "test"] and dsd["test"].num_rows == 10
+
+
+def test_several_test_splits_warn_which_one_is_used(tmp_path, caplog):
+    """An image folder tree with test/ and val/ (or a saved dataset with test and validation)
+    evaluated on test/ and said nothing about val/."""
+    classes = [f"n0{i}" for i in range(10)]
+    _write_image_folder(tmp_path / "nette", {"train": 1, "val": 1, "test": 2}, classes)
+    with caplog.at_level(logging.WARNING):
+        dsd = load_vision_dataset("imagenette", data_dir=tmp_path / "nette")
+    assert dsd["test"].num_rows == 20
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data_dir {str(tmp_path / 'nette')!r}: evaluating on 'test'; 'val' also found, not used (the first of test, "
+        "testing, eval, evaluation, validation, valid, val, dev is the test split)"]
+    source = _hub_like_cifar100()
+    datasets.DatasetDict(train=source["train"], validation=source["test"], dev=source["test"]).save_to_disk(
+        tmp_path / "saved")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_vision_dataset("cifar100", data_dir=tmp_path / "saved")
+    assert [r.getMessage().split(" (the first")[0] for r in caplog.records] == [
+        f"cifar100 ({tmp_path / 'saved'}): evaluating on 'validation'; 'dev' also found, not used"]
 
 
 def test_image_folder_with_wrong_class_count(tmp_path):

@@ -34,8 +34,11 @@ import torch
 import torch.nn.functional as F
 
 import datasets
+from transformers.utils import logging
 
 from ..checks import Number, check_field, check_number
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "FOLDER",
@@ -133,6 +136,16 @@ _TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid",
 _FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
 
 
+def _test_split(names, where: str) -> str | None:
+    """The split of ``names`` evaluated on: the first of :data:`_TEST_FOLDERS` there (None if none),
+    with a warning naming the others found, which are not used."""
+    found = [name for name in _TEST_FOLDERS if name in names]
+    if len(found) > 1:
+        logger.warning(f"{where}: evaluating on {found[0]!r}; {', '.join(map(repr, found[1:]))} also found, not used "
+                       f"(the first of {', '.join(_TEST_FOLDERS)} is the test split)")
+    return found[0] if found else None
+
+
 def _load_source(spec: VisionDatasetSpec | None, name: str,
                  data_dir: str | os.PathLike | None) -> datasets.DatasetDict:
     """``name`` from the hub, a ``save_to_disk`` folder or an image folder tree, standardised.
@@ -227,7 +240,7 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
     """
     folders = {p.name: p for p in path.iterdir() if p.is_dir()}
     train_name = next((f for f in _TRAIN_FOLDERS if f in folders), None)
-    test_name = next((f for f in _TEST_FOLDERS if f in folders), None)
+    test_name = _test_split(folders, f"data_dir {str(path)!r}")
     if train_name is None or test_name is None:
         what = "train" if train_name is None else "test"
         raise ValueError(f"data_dir {str(path)!r} has no {what} folder (found {sorted(folders) or 'none'}): expected "
@@ -294,7 +307,7 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec |
     splits = list(raw.keys())
     if "train" not in splits:
         raise ValueError(f"{where}: the source has no 'train' split (splits: {splits})")
-    test_split = next((s for s in _TEST_FOLDERS if s in splits), None)
+    test_split = _test_split(splits, where)
     if test_split is None:
         raise ValueError(f"{where}: the source has no test split, expected one of {_TEST_FOLDERS} "
                          f"(splits: {splits})")
