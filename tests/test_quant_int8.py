@@ -31,6 +31,7 @@ from lp_decentral_nlp.quant.kernels import (
     onednn_conv_available,
     resolve_kernel,
 )
+from lp_decentral_nlp.quant.functional import quantize_codes
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 from lp_decentral_nlp.quant.kernels import int8 as int8_module
 from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON
@@ -100,6 +101,24 @@ def test_quantize_gives_signed_codes_with_the_shift_folded_into_the_offset():
     assert torch.allclose(q.dequantize(), simulated, atol=4 * EPS * x.abs().max())
     const = Int8Kernel().quantize(torch.full((3, 4), 2.5), torch.tensor(2.5), torch.tensor(2.5), 8, False)
     assert torch.equal(const.dequantize(), torch.full((3, 4), 2.5)), "zero-width range dequantizes to lo"
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["fused", "torch"])
+def test_int8_codes_are_the_simulated_codes_shifted_ties_included(stochastic, contiguous):
+    """The signed codes are the unsigned codes minus 128 bit for bit. Rounding ``v - 128`` instead of
+    ``v`` put a value on a .5 tie of its grid on the other side: one code of this weight differed,
+    so the int8 kernel's forward and the int8 export (and the simulated kernel) used different
+    weights."""
+    torch.manual_seed(3)
+    weight = nn.Linear(256, 512).weight.detach()  # holds a value on a .5 tie of its 8-bit grid
+    x = weight if contiguous else weight.t()  # a transposed tensor goes through the torch passes
+    lo, hi = x.min(), x.max()
+    torch.manual_seed(0)
+    signed = Int8Kernel().quantize(x, lo, hi, 8, stochastic).codes
+    torch.manual_seed(0)
+    unsigned = quantize_codes(x, lo, hi, 8, stochastic)[0]
+    assert torch.equal(signed.int() + 128, unsigned.int())
 
 
 class SpyIntMM:

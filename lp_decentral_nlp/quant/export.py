@@ -68,11 +68,10 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
         if cache_key not in coded:
             bits, value_range = spec
             lo, hi = value_range(value)
-            # unsigned codes, rounded as the forward rounds them (signed=True rounds v - 2**(bits-1),
-            # which float rounding can put on the other side of a .5 tie), then shifted exactly
-            codes, scale = quantize_codes(value, lo, hi, bits)
+            # the codes every kernel's forward multiplies (signed: the unsigned codes shifted exactly)
+            codes, scale = quantize_codes(value, lo, hi, bits, signed=True)
             half = 2 ** (bits - 1)
-            coded[cache_key] = ((codes - half).to(torch.int8), scale.float(), (lo + half * scale).float())
+            coded[cache_key] = (codes.to(torch.int8), scale.float(), (lo + half * scale).float())
         out[key], out[key + SCALE_SUFFIX], out[key + OFFSET_SUFFIX] = coded[cache_key]
     return out
 

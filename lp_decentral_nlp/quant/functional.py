@@ -33,7 +33,8 @@ def quantize_codes(
             per call (``fused.dither_words``: computed in parallel, reproducible from
             ``torch.manual_seed``); elsewhere four words from each 64-bit draw of the device's
             generator. Nearest rounding otherwise.
-        signed: return ``q - 2**(bits - 1)`` (the shift folded into the affine offset: no extra pass).
+        signed: return ``q - 2**(bits - 1)``: the unsigned codes shifted after rounding, bit for bit
+            (the int8 kernel's codes are the simulated kernel's, .5 ties included).
 
     Returns:
         ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (``signed``:
@@ -48,7 +49,8 @@ def quantize_codes(
         v.add_(_dither(v.numel(), v.device).view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
     else:
         v.round_()
-    return v.clamp_(-shift, levels - shift), scale
+    v.clamp_(0, levels)
+    return (v.sub_(shift) if shift else v), scale
 
 
 def _affine_parameters(lo, hi, bits, stochastic, signed):
@@ -59,8 +61,9 @@ def _affine_parameters(lo, hi, bits, stochastic, signed):
     shift = 2 ** (bits - 1) if signed else 0
     scale = (hi - lo) / levels
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    # (x - lo) / s - shift = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU
-    offset = -lo * inv - shift
+    # (x - lo) / s = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU. The shift is
+    # subtracted after rounding: rounding v - shift instead of v can put a .5 tie on the other side
+    offset = -lo * inv
     if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
         offset = offset + _DITHER_OFFSET
     return scale, inv, offset, levels, shift

@@ -81,13 +81,15 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
     ranges = lo.shape[0]
     # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
     inv, offset = np.empty(ranges, np.float32), np.empty(ranges, np.float32)
-    low, high = -shift, levels - shift
+    # rounded on the unsigned grid [0, levels], then shifted: exact, and rounding v - shift instead
+    # could put a .5 tie on the other side (float rounding of v - shift differs from that of v)
+    low = shift - shift
+    high = levels - low
     for j in range(ranges):
         step = (hi[j] - lo[j]) / levels
         scale[j] = step
         inv[j] = np.float32(1.0) / step if step > 0 else np.float32(0.0)
         b = -lo[j] * inv[j]
-        b = b - shift
         offset[j] = b + dither_offset if stochastic else b
     rows_per_range = rows // ranges
     for r in numba.prange(rows):  # rows are independent: each element's operations do not change
@@ -100,7 +102,8 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
             # of a vector where an int64 index gives 8)
             index = _U32(np.int64(r) * cols)
             for c in range(cols):
-                code_row[c] = _stochastic_code(x_row[c], a, b, index, key_low, key_high, dither_scale, low, high)
+                code = _stochastic_code(x_row[c], a, b, index, key_low, key_high, dither_scale, low, high)
+                code_row[c] = code - shift
                 index = _U32(index + _U32(1))
         elif stochastic:
             # a channels-last sample, memory (positions, channels): element (p, ch) gets the word
@@ -111,14 +114,14 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
                 index = _U32(first + _U32(p))
                 base = p * channels
                 for ch in range(channels):
-                    code_row[base + ch] = _stochastic_code(x_row[base + ch], a, b, index, key_low, key_high,
-                                                           dither_scale, low, high)
+                    code = _stochastic_code(x_row[base + ch], a, b, index, key_low, key_high, dither_scale, low, high)
+                    code_row[base + ch] = code - shift
                     index = _U32(index + _U32(positions))
         else:
             for c in range(cols):
                 v = x_row[c] * a
                 v = v + b
-                code_row[c] = np.rint(_clamp(v, low, high))
+                code_row[c] = np.rint(_clamp(v, low, high)) - shift
         if values.shape[0] > 0:  # a row at a time: the codes are still in cache
             s, base, value_row = scale[k], lo[k], values[r]
             for c in range(cols):
