@@ -1,5 +1,6 @@
 """Model surgery: selection rules and their errors, dry-run report, dequantize, config validation."""
 import copy
+import re
 
 import pytest
 import torch
@@ -105,6 +106,20 @@ def test_nothing_to_quantize_and_double_quantization_are_errors():
         quantize_model(tiny_distilbert(), {"bits": 8})
     with pytest.raises(ValueError, match="no quantized layers"):
         dequantize_model(tiny_distilbert())
+
+
+def test_layers_that_are_not_float32_are_refused_before_anything_is_swapped():
+    """A bf16 layer among float32 ones raised TypeError from its own swap, after the layers before
+    it were already 8-bit: the half-converted model then refused model.float() + quantize_model as
+    "already quantized", and the dry run had said nothing."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4).to(torch.bfloat16))
+    message = (r"2 parameters of the layers to quantize are not float32 \(e.g. 2.weight of dtype torch.bfloat16\): "
+               r"the 8-bit layers keep float32 master weights \(SPEC 4\); call model.float\(\) first")
+    assert re.fullmatch(message, quantize_model(model, dry_run=True).problems[0])
+    with pytest.raises(ValueError, match="^quantize_model: " + message):
+        quantize_model(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert [type(m) for m in quantize_model(model.float())] == [QuantLinear, nn.ReLU, QuantLinear]
 
 
 def test_linear_subclasses_without_a_replacement_are_left_alone_and_reported():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -61,7 +62,7 @@ class QuantReport:
     which stay fp32; ``other_float`` counts, by type, the remaining modules with parameters of
     their own, all 1-D (norms such as LayerNorm), which stay fp32 too;
     ``problems`` lists what makes the real run raise (patterns matching nothing, nothing to
-    quantize).
+    quantize, layers to quantize whose parameters are not float32).
     """
 
     layers: list[LayerDecision] = field(default_factory=list)
@@ -164,7 +165,7 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
     supported = tuple(QUANT_LAYERS)
     report = QuantReport()
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
-    skip_used, target_used = set(), set()
+    skip_used, target_used, not_float32 = set(), set(), []
     for name, module in model.named_modules():
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
@@ -204,6 +205,8 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
         else:
             quantize = True
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
+        not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
+                        if quantize and t.dtype != torch.float32]
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
@@ -215,6 +218,11 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
     for p in config.target or ():
         if p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
+    if not_float32:
+        layer, param, dtype = not_float32[0]
+        report.problems.append(f"{len(not_float32)} parameters of the layers to quantize are not float32 (e.g. "
+                               f"{layer}.{param} of dtype {dtype}): the 8-bit layers keep float32 master weights "
+                               "(SPEC 4); call model.float() first")
     if not report.quantized and not report.problems:
         kinds = ", ".join(t.__name__ for t in QUANT_LAYERS)
         report.problems.append(f"no layer to quantize (supported types: {kinds})")
@@ -240,14 +248,16 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
 
 
 def _replace(model: nn.Module, selected: set[int], build) -> None:
-    """Replace each module whose id is in `selected` by ``build(module)``, under every name it has."""
+    """Replace each module whose id is in `selected` by ``build(module)``, under every name it has.
+    Every replacement is built before any is set: a build that raises leaves `model` as it was."""
+    named = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if id(module) in selected]
     built: dict[int, nn.Module] = {}
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if id(module) in selected:
-            if id(module) not in built:
-                built[id(module)] = build(module)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, built[id(module)])
+    for _, module in named:
+        if id(module) not in built:
+            built[id(module)] = build(module)
+    for name, module in named:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, built[id(module)])
 
 
 _LOCATION_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download")
