@@ -16,6 +16,8 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertForSequenceClassification,
+    BertModel,
+    BertPreTrainedModel,
     DistilBertConfig,
     DistilBertForSequenceClassification,
     GPT2Config,
@@ -143,6 +145,32 @@ def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
     # The base model can be loaded from the task checkpoint: buffers keep their prefix-less names.
     base = load_quantized(tmp_path, auto_class=AutoModel)
     assert torch.equal(base.transformer.layer[0].attention.q_lin.act_running_min, q_lin.act_running_min)
+
+
+class CustomClassifier(BertPreTrainedModel):
+    """A user's own task model: a class transformers does not define."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.bert, self.classifier = BertModel(config), nn.Linear(config.hidden_size, 3)
+        self.post_init()
+
+    def forward(self, input_ids):
+        return self.classifier(self.bert(input_ids).last_hidden_state[:, 0])
+
+
+def test_load_quantized_asks_for_the_class_of_a_custom_model(tmp_path):
+    """load_quantized fell back to AutoModel for a class transformers does not define, returning
+    a BertModel without the saved classifier head."""
+    model = quantize_model(CustomClassifier(BertConfig(**TEXT)))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"names the class 'CustomClassifier', which transformers does not define "
+                                         r"\(your own model class, or remote code\): pass it as auto_class"):
+        load_quantized(tmp_path)
+    loaded = load_quantized(tmp_path, auto_class=CustomClassifier)
+    inputs = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(inputs), model.eval()(inputs))
 
 
 def test_load_quantized_refuses_a_float_checkpoint(tmp_path):

@@ -271,9 +271,10 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
 
     Args:
         path: local folder or hub repo id.
-        auto_class: e.g. ``AutoModelForSequenceClassification``; default: the class
-            ``config.json`` names (``architectures``, as saved: a classifier with its head), else
-            ``AutoModel``.
+        auto_class: e.g. ``AutoModelForSequenceClassification`` or your own ``PreTrainedModel``
+            subclass; default: the transformers class ``config.json`` names (``architectures``, as
+            saved: a classifier with its head), ``AutoModel`` if it names none. A class transformers
+            does not define (your own, or remote code) is a ValueError asking for ``auto_class``.
         **from_pretrained_kwargs: passed to ``auto_class.from_pretrained`` (those locating the files,
             e.g. ``revision``, also to ``AutoConfig.from_pretrained``).
     """
@@ -288,6 +289,10 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
                          f"(found {method!r}): it was not saved from a quantize_model model; load it with "
                          "from_pretrained and call quantize_model")
     if auto_class is None:
-        saved_as = (getattr(config, "architectures", None) or [None])[0]
-        auto_class = getattr(transformers, saved_as or "AutoModel", transformers.AutoModel)
+        saved_as = (getattr(config, "architectures", None) or ["AutoModel"])[0]
+        auto_class = getattr(transformers, saved_as, None)
+        if auto_class is None:  # falling back to AutoModel would drop the head silently
+            raise ValueError(f"config.json of {path} names the class {saved_as!r}, which transformers does not "
+                             "define (your own model class, or remote code): pass it as auto_class, e.g. "
+                             f"load_quantized(path, auto_class={saved_as})")
     return auto_class.from_pretrained(path, **from_pretrained_kwargs)
