@@ -147,6 +147,27 @@ def test_save_pretrained_and_load_quantized_round_trip(tmp_path, caplog):
     assert torch.equal(base.transformer.layer[0].attention.q_lin.act_running_min, q_lin.act_running_min)
 
 
+def test_a_task_checkpoint_of_a_targeted_base_model_reloads_as_the_base_model(tmp_path):
+    """QuantConfig(target=("bert",)), the README's way to quantize the base of a task model, named
+    nothing in BertModel: AutoModel.from_pretrained of the checkpoint raised "target pattern 'bert'
+    matches no quantizable layer"."""
+    model = quantize_model(ARCHITECTURES["bert"](), QuantConfig(target=("bert",)))
+    train_steps(model)
+    model.save_pretrained(tmp_path)
+    base = AutoModel.from_pretrained(tmp_path)
+    assert {n for n, m in base.named_modules() if isinstance(m, QuantLinear)} == {
+        n.removeprefix("bert.") for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    ids = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(base.eval()(ids).last_hidden_state, model.bert.eval()(ids).last_hidden_state)
+    base.save_pretrained(tmp_path / "base")  # and the base model's own checkpoint reloads again
+    assert type(load_quantized(tmp_path / "base").encoder.layer[0].output.dense) is QuantLinear
+    # on a base model the pattern names the whole of it, as in its task models
+    bert = BertModel(BertConfig(**TEXT))
+    assert quantize_model(bert, QuantConfig(target=("bert",)), dry_run=True).quantized == [
+        n for n, m in bert.named_modules() if type(m) is nn.Linear]
+
+
 class CustomClassifier(BertPreTrainedModel):
     """A user's own task model: a class transformers does not define."""
 

@@ -106,11 +106,22 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
+    Names. A layer matches a pattern by its name in `model` or a parent's. A transformers base
+    model (``BertModel``; its ``base_model`` is itself) also answers to the names its task models
+    give it, under ``base_model_prefix``: ``target=("bert",)`` selects all of it, as in
+    ``BertForSequenceClassification``, so a task checkpoint reloads as its base model too.
+
     Returns:
         `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer,
         when nothing would be quantized, or when `model` is already quantized (by us or by
         another transformers quantization method).
     """
+    return _quantize(model, config, dry_run, check_patterns=True)
+
+
+def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, check_patterns: bool):
+    """:func:`quantize_model`; ``check_patterns=False`` (reloading a saved model, whose patterns
+    were checked on the model it was saved from, maybe another class) allows patterns matching nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = QuantConfig() if config is None else config
@@ -127,7 +138,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     if other is not None and method != QUANT_METHOD:
         raise ValueError(f"model carries a quantization_config of quant_method {method!r}: 8-bit training needs "
                          "the float model (load it without quantization_config)")
-    report = _plan(model, config)
+    report = _plan(model, config, check_patterns)
     if dry_run:
         return report
     if report.problems:
@@ -161,9 +172,11 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
+def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) -> QuantReport:
     supported = tuple(QUANT_LAYERS)
     report = QuantReport()
+    # a transformers base model is also named under its prefix ("bert") in its task models
+    prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
     skip_used, target_used, not_float32 = set(), set(), []
     for name, module in model.named_modules():
@@ -179,6 +192,8 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             continue
         parts = name.split(".")
         chain = [".".join(parts[: i + 1]) for i in range(len(parts))]  # the layer and its parents
+        if prefix:
+            chain += [prefix] + [f"{prefix}.{n}" for n in chain]
         skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
         targets = None if config.target is None else [p for p in config.target if any(name_matches(p, n) for n in chain)]
         quant_type = QUANT_LAYERS.get(type(module))
@@ -212,10 +227,10 @@ def _plan(model: nn.Module, config: QuantConfig) -> QuantReport:
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
         report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
 
-    for p in config.skip:
+    for p in config.skip if check_patterns else ():
         if p not in skip_used and p not in DEFAULT_SKIP:
             report.problems.append(f"skip pattern {p!r} matches no quantizable layer")
-    for p in config.target or ():
+    for p in (config.target or ()) if check_patterns else ():
         if p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
     if not_float32:
