@@ -33,7 +33,7 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from lp_decentral_nlp import QuantConfig, export_int8_state_dict, load_quantized, quantize_model
+from lp_decentral_nlp import QuantConfig, dequantize_model, export_int8_state_dict, load_quantized, quantize_model
 from lp_decentral_nlp.quant import (
     QuantConv1D,
     QuantConv2d,
@@ -238,6 +238,25 @@ def test_int8_export_reproduces_each_kernel_exactly(kernel):
     x = torch.randn(64, 256)
     with torch.no_grad():
         assert torch.equal(clone(x), model(x))
+
+
+def test_int8_export_loads_into_the_float_model_without_the_activation_ranges():
+    """The docstring promised a state dict for the float model too, but the 8-bit layers' range
+    buffers made its strict load_state_dict fail with "Unexpected key(s)"."""
+    model = train_steps(quantize_model(ARCHITECTURES["distilbert"]()))
+    exported = export_int8_state_dict(model)
+    float_model = dequantize_model(copy.deepcopy(model))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        float_model.load_state_dict(dequantize_int8_state_dict(exported))
+    weights = dequantize_int8_state_dict(exported, activation_ranges=False)
+    assert not [k for k in weights if ".act_" in k]
+    plain = ARCHITECTURES["distilbert"]()
+    plain.load_state_dict(weights)  # strict
+    q_lin = model.distilbert.transformer.layer[0].attention.q_lin
+    assert torch.allclose(plain.distilbert.transformer.layer[0].attention.q_lin.weight,
+                          fake_quantize(q_lin.weight.detach(), *tensor_range(q_lin.weight.detach()), 8), atol=1e-6)
+    with pytest.raises(TypeError, match="activation_ranges must be a bool, got 'no'"):
+        dequantize_int8_state_dict(exported, activation_ranges="no")
 
 
 def test_int8_export_of_embeddings_codes_each_row_on_its_own_grid():

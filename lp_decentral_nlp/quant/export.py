@@ -9,10 +9,13 @@ norms, heads kept full precision, activation-range buffers) is copied as is.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from .functional import quantize_codes, tensor_range
+from .hf_quantizer import ACTIVATION_RANGE_KEYS
 from .layers import QuantEmbedding, QuantGemmLayer, QuantModule
 
 SCALE_SUFFIX, OFFSET_SUFFIX = "_scale", "_offset"
@@ -86,11 +89,24 @@ def _row_range(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return table.aminmax(dim=1, keepdim=True)
 
 
-def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float state dict from ``export_int8_state_dict``'s output (weights ``c * scale + offset``),
-    loadable into the float or quantized model with ``load_state_dict``."""
+def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor],
+                               activation_ranges: bool = True) -> dict[str, torch.Tensor]:
+    """Float state dict from ``export_int8_state_dict``'s output (weights ``c * scale + offset``).
+
+    Args:
+        state_dict: what :func:`export_int8_state_dict` returned.
+        activation_ranges: keep the 8-bit layers' activation-range buffers
+            (``act_running_min``/``act_running_max``/``act_num_batches``): the state dict loads
+            into the quantized model (``load_state_dict``) and gives its outputs back. False drops
+            them: it loads into the float model (``dequantize_model``'s, or the architecture built
+            without ``lp_decentral_nlp``), which computes in fp32 with the 8-bit grid's weights.
+    """
+    if not isinstance(activation_ranges, bool):
+        raise TypeError(f"activation_ranges must be a bool, got {activation_ranges!r}")
     coded = {k for k, v in state_dict.items() if v.dtype == torch.int8 and k + SCALE_SUFFIX in state_dict}
     extras = {k + s for k in coded for s in (SCALE_SUFFIX, OFFSET_SUFFIX)}
+    if not activation_ranges:
+        extras |= {k for k in state_dict if re.search(ACTIVATION_RANGE_KEYS, k)}
     return {
         key: value.float() * state_dict[key + SCALE_SUFFIX] + state_dict[key + OFFSET_SUFFIX] if key in coded else value
         for key, value in state_dict.items()
