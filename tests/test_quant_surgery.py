@@ -1,6 +1,7 @@
 """Model surgery: selection rules and their errors, dry-run report, dequantize, config validation."""
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -176,6 +177,29 @@ def test_embeddings_are_quantized_only_when_asked_and_the_swap_undoes():
     assert type(model.distilbert.embeddings.position_embeddings) is QuantEmbedding
     with pytest.raises(ValueError, match="skip pattern 'word_embeddings' matches no quantizable layer"):
         quantize_model(tiny_distilbert(), QuantConfig(skip=("word_embeddings",)))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """As Gemma's and BART's token tables: a subclass whose forward does more than a lookup."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_embeddings_true_warns_about_the_tables_it_cannot_quantize():
+    """QuantConfig(embeddings=True) quantized no table of Gemma or BART and said so only in the dry run."""
+    model = nn.Sequential(ScaledEmbedding(10, 8), nn.Linear(8, 8))
+    message = (r"QuantConfig\(embeddings=True\) leaves 1 embedding table\(s\) fp32: 0 \(ScaledEmbedding\): subclasses "
+               r"of nn.Embedding, whose forward may do more than a lookup \(a scale, positions\), have no registered "
+               r"8-bit replacement \(register_quant_layer\)")
+    assert re.search("^WARNING: " + message + "$", str(quantize_model(model, QuantConfig(embeddings=True), dry_run=True)),
+                     re.MULTILINE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(copy.deepcopy(model))  # tables stay float by default: nothing to warn about
+    with pytest.warns(UserWarning, match="^" + message + "$"):
+        quantize_model(model, QuantConfig(embeddings=True))
+    assert type(model[0]) is ScaledEmbedding and type(model[1]) is QuantLinear
 
 
 def test_an_embedding_with_max_norm_stays_float_with_the_reason():

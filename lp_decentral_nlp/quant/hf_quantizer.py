@@ -79,9 +79,7 @@ class LpHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         from .surgery import _quantize
 
-        # the saved patterns were checked on the model saved; a task checkpoint loaded as its base
-        # model (AutoModel) lacks the head a skip pattern may name
-        _quantize(model, self.quantization_config.to_quant_config(), dry_run=False, check_patterns=False)
+        _quantize(model, self.quantization_config.to_quant_config(), dry_run=False, reloading=True)
         if not self.pre_quantized:  # a float checkpoint has no activation ranges: not worth a warning
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | {
                 ACTIVATION_RANGE_KEYS}

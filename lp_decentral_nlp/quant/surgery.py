@@ -10,6 +10,7 @@ the transformers quantizer registered in ``hf_quantizer.py``.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -62,12 +63,14 @@ class QuantReport:
     which stay fp32; ``other_float`` counts, by type, the remaining modules with parameters of
     their own, all 1-D (norms such as LayerNorm), which stay fp32 too;
     ``problems`` lists what makes the real run raise (patterns matching nothing, nothing to
-    quantize, layers to quantize whose parameters are not float32).
+    quantize, layers to quantize whose parameters are not float32); ``warnings`` what the real run
+    warns about (a setting that some layers it asks for cannot follow).
     """
 
     layers: list[LayerDecision] = field(default_factory=list)
     other_float: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def quantized(self) -> list[str]:
@@ -85,6 +88,7 @@ class QuantReport:
             counts = ", ".join(f"{n} {type_name}" for type_name, n in self.other_float.items())
             lines.append(f"  float  also {counts}: 1-D parameters only (scales, shifts) and no registered 8-bit "
                          "version, so fp32")
+        lines += [f"WARNING: {w}" for w in self.warnings]
         lines += [f"ERROR: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -116,12 +120,13 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
         when nothing would be quantized, or when `model` is already quantized (by us or by
         another transformers quantization method).
     """
-    return _quantize(model, config, dry_run, check_patterns=True)
+    return _quantize(model, config, dry_run, reloading=False)
 
 
-def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, check_patterns: bool):
-    """:func:`quantize_model`; ``check_patterns=False`` (reloading a saved model, whose patterns
-    were checked on the model it was saved from, maybe another class) allows patterns matching nothing."""
+def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloading: bool):
+    """:func:`quantize_model`; ``reloading`` (``from_pretrained`` of a saved 8-bit model) allows
+    patterns matching nothing and does not warn: both were checked and said on the model saved
+    (which may be of another class: a task checkpoint loaded as its base model lacks its head)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = QuantConfig() if config is None else config
@@ -138,11 +143,13 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, check
     if other is not None and method != QUANT_METHOD:
         raise ValueError(f"model carries a quantization_config of quant_method {method!r}: 8-bit training needs "
                          "the float model (load it without quantization_config)")
-    report = _plan(model, config, check_patterns)
+    report = _plan(model, config, check_patterns=not reloading)
     if dry_run:
         return report
     if report.problems:
         raise ValueError("quantize_model: " + "; ".join(report.problems) + f"\n{report}")
+    for message in () if reloading else report.warnings:
+        warnings.warn(message, stacklevel=3)
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
     if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
@@ -178,7 +185,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     # a transformers base model is also named under its prefix ("bert") in its task models
     prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
-    skip_used, target_used, not_float32 = set(), set(), []
+    skip_used, target_used, not_float32, float_tables = set(), set(), [], []
     for name, module in model.named_modules():
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
@@ -207,6 +214,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         quantize = False
         if quant_type is None:
             reason = f"subclass of {module.__class__.__mro__[1].__name__} with no registered 8-bit replacement"
+            if config.embeddings and isinstance(module, nn.Embedding) and not skips:
+                float_tables.append(f"{name} ({type(module).__name__})")
         elif switched_off:
             reason = f"off by default (QuantConfig({switch}=True) quantizes it)"
         elif unsupported:
@@ -227,12 +236,17 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
         report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
 
-    for p in config.skip if check_patterns else ():
+    for p in (config.skip if check_patterns else ()):
         if p not in skip_used and p not in DEFAULT_SKIP:
             report.problems.append(f"skip pattern {p!r} matches no quantizable layer")
     for p in (config.target or ()) if check_patterns else ():
         if p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
+    if float_tables:
+        report.warnings.append(
+            f"QuantConfig(embeddings=True) leaves {len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: "
+            "subclasses of nn.Embedding, whose forward may do more than a lookup (a scale, positions), have no "
+            "registered 8-bit replacement (register_quant_layer)")
     if not_float32:
         layer, param, dtype = not_float32[0]
         report.problems.append(f"{len(not_float32)} parameters of the layers to quantize are not float32 (e.g. "
