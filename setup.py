@@ -10,15 +10,16 @@ setup(
     packages=find_packages(include=["lp_decentral_nlp", "lp_decentral_nlp.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # A range that the local CPU build torch==2.13.0 satisfies (install it first).
+        # A range that the local CPU build torch==2.13.0 satisfies (install it first); only 2.13 is tested.
         "torch>=2.2",
-        "transformers>=4.40",
-        "datasets>=2.18",
-        "accelerate>=0.30",
+        # The oldest releases the test suite passes with (docs/design.md, "Dependency versions").
+        "transformers>=5.23",
+        "datasets>=4.5",
+        "accelerate>=1.3",
         "evaluate>=0.4",
         "numpy",
         # the compiled CPU codec kernels: top-k scan, 8-bit codes (lp_decentral_nlp/gossip/codec_kernels.py)
-        "numba>=0.59",
+        "numba>=0.60",
         "safetensors",
         "tqdm",
     ],
