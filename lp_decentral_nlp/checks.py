@@ -56,6 +56,10 @@ class Number(NamedTuple):
             not (high is not None and (value >= high if self.high_open else value > high))
 
 
+#: the two most common kinds of count: at least one (sizes, classes) and at least zero (steps, padding)
+POSITIVE_INT, NONNEGATIVE_INT = Number(integer=True, low=1), Number(integer=True, low=0)
+
+
 def plain_number(value):
     """``value`` as Python's own int or float (a NumPy scalar converted; None, int and float as they
     are), so that settings hold numbers that JSON, argparse and ``repr`` treat as usual."""

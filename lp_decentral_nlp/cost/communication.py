@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from ..checks import Number, check_number
+from ..checks import POSITIVE_INT, check_number
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
         raise TypeError(f"gossip must be an SGP, ChocoSGD or DeepSqueeze instance, got {type(gossip).__name__}")
     if (batch_size is None) != (samples_per_node is None):
         raise ValueError("give both batch_size and samples_per_node (for the per-epoch traffic) or neither")
-    batch_size, samples_per_node = (check_number(name, value, Number(integer=True, low=1, optional=True))
+    batch_size, samples_per_node = (check_number(name, value, POSITIVE_INT._replace(optional=True))
                                     for name, value in (("batch_size", batch_size), ("samples_per_node", samples_per_node)))
     if batch_size is not None and samples_per_node < batch_size:
         raise ValueError(f"samples_per_node={samples_per_node} holds no full batch of batch_size={batch_size}: an "

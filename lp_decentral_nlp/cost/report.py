@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..checks import Number, check_number
+from ..checks import POSITIVE_INT, check_number
 from .communication import CommunicationCost, communication_cost
 from .conventions import (CONVENTION_TEXT, CONVENTIONS, ENERGY_PJ, MB, MEMORY_UNITS, OPTIMIZER_STATES, PRECISIONS,
                           SAVED_RANGE_BYTES)
@@ -230,12 +230,12 @@ def estimate_cost(
                          "prices every op of the 8-bit model int8")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    batch_size = check_number("batch_size", batch_size, Number(integer=True, low=1))
+    batch_size = check_number("batch_size", batch_size, POSITIVE_INT)
     if precision == "fp32" and quant_config is not None:
         raise ValueError("quant_config selects the 8-bit layers of precision='int8'; precision='fp32' prices every "
                          "layer in fp32: drop quant_config or use precision='int8'")
     shape = tuple(input_shape) if isinstance(input_shape, (tuple, list, torch.Size)) else ()
-    if not shape or not all(Number(integer=True, low=1).admits(s) for s in shape):
+    if not shape or not all(POSITIVE_INT.admits(s) for s in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")
     input_shape = tuple(int(s) for s in shape)
     if gossip is None and samples_per_node is not None:

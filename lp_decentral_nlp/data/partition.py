@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..checks import Number, check_field, check_number
+from ..checks import POSITIVE_INT, check_field, check_number
 
 
 def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: int = 0) -> list[np.ndarray]:
@@ -32,7 +32,7 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
-    num_nodes = check_number("num_nodes", num_nodes, Number(integer=True, low=1))
+    num_nodes = check_number("num_nodes", num_nodes, POSITIVE_INT)
     if num_nodes > len(labels):
         raise ValueError(f"num_nodes={num_nodes} exceeds the number of samples ({len(labels)}): some shards would be empty")
     skew = check_field("skew", skew)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..checks import Number, check_number
+from ..checks import NONNEGATIVE_INT, POSITIVE_INT, Number, check_number
 
 TOPOLOGIES = ("directed_ring", "ring", "torus", "exponential", "complete")
 
@@ -118,7 +118,7 @@ class Topology:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _phase(self, step: int) -> int:
-        return check_number("step", step, Number(integer=True, low=0)) % self.period
+        return check_number("step", step, NONNEGATIVE_INT) % self.period
 
     def _node(self, i: int) -> int:
         return check_number("node index", i, Number(integer=True, low=0, high=self.num_nodes, high_open=True))
@@ -140,7 +140,7 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
             and without both the most square shape is taken (``rows <= cols``). Not allowed for
             the other graphs.
     """
-    n = check_number("num_nodes", num_nodes, Number(integer=True, low=1))
+    n = check_number("num_nodes", num_nodes, POSITIVE_INT)
     if name not in TOPOLOGIES:
         raise ValueError(f"name must be one of {TOPOLOGIES}, got {name!r}")
     if name != "torus" and (rows is not None or cols is not None):
@@ -156,7 +156,7 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
         mats = [_uniform_split(n, lambda i, h=h: [(i + h) % n]) for h in hops]
         return Topology(mats, name=name)
     # torus
-    rows, cols = (check_number(arg, v, Number(integer=True, low=1, optional=True))
+    rows, cols = (check_number(arg, v, POSITIVE_INT._replace(optional=True))
                   for arg, v in (("rows", rows), ("cols", cols)))
     if rows is None and cols is None:
         rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)

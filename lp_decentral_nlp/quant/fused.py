@@ -82,7 +82,9 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
     # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
     inv, offset = np.empty(ranges, np.float32), np.empty(ranges, np.float32)
     # rounded on the unsigned grid [0, levels], then shifted: exact, and rounding v - shift instead
-    # could put a .5 tie on the other side (float rounding of v - shift differs from that of v)
+    # could put a .5 tie on the other side (float rounding of v - shift differs from that of v).
+    # The bounds are computed, not `high = levels`: that failed numba's typing (float32 against a
+    # 0-d array) in a fresh process under torch.compile (tests/test_quant_models.py)
     low = shift - shift
     high = levels - low
     for j in range(ranges):

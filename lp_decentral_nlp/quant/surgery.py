@@ -229,8 +229,9 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         else:
             quantize = True
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
-        not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
-                        if quantize and t.dtype != torch.float32]
+        if quantize:
+            not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
+                            if t.dtype != torch.float32]
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))

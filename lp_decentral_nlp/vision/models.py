@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..checks import Number, check_field, check_number
+from ..checks import POSITIVE_INT, check_field, check_number
 from .norms import EvoNormS0, RangeBatchNorm2d, RangeEvoNorm2d
 
 __all__ = [
@@ -266,7 +266,7 @@ def _norm_factory(norm: str, groups: int, act_layer: type[nn.Module] = nn.ReLU) 
 
 
 def _checked_num_classes(num_classes: int) -> int:
-    return check_number("num_classes", num_classes, Number(integer=True, low=1))
+    return check_number("num_classes", num_classes, POSITIVE_INT)
 
 
 def resnet20(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:

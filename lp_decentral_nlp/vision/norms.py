@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..checks import Number, check_number
+from ..checks import POSITIVE_INT, Number, check_number
 from ..utils.layout import dense_like
 
 __all__ = [
@@ -63,7 +63,7 @@ def _stat_dtype(x: torch.Tensor) -> torch.dtype:
 def _checked_channels_groups(num_channels: int, groups: int) -> tuple[int, int]:
     """``(num_channels, groups)`` as ints; ValueError unless both are integers >= 1 and ``groups``
     divides ``num_channels``."""
-    num_channels, groups = (check_number(name, value, Number(integer=True, low=1))
+    num_channels, groups = (check_number(name, value, POSITIVE_INT)
                             for name, value in (("num_channels", num_channels), ("groups", groups)))
     if num_channels % groups:
         raise ValueError(
@@ -356,7 +356,7 @@ class RangeBatchNorm2d(nn.Module):
 
     def __init__(self, num_features: int, momentum: float | None = 0.1, eps: float = 1e-5):
         super().__init__()
-        num_features = check_number("num_features", num_features, Number(integer=True, low=1))
+        num_features = check_number("num_features", num_features, POSITIVE_INT)
         _check_eps(eps)
         if momentum is not None and not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")
