@@ -78,6 +78,30 @@ def test_range_evonorm_matches_equation(groups, apply_act):
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_nan_makes_its_groups_range_evonorm_output_and_gradient_nan(dtype, layout):
+    """The compiled kernels' max/min skipped a NaN: Range EvoNorm on the CPU left the rest of the
+    group finite, where the torch formula (``amax``/``amin``, any other device) and EvoNorm-S0 make
+    it NaN, and a diverged activation disappeared. Now the group's range is NaN as torch's."""
+    layer = _randomise(RangeEvoNorm2d(8, groups=2), gen_scale=1.5)
+    x = (torch.randn(3, 8, 4, 5, dtype=dtype) * 3).contiguous(memory_format=layout)
+    x[1, 5, 2, 3] = float("nan")
+    x.requires_grad_()
+    y = layer.to(dtype)(x)
+    expected = torch.zeros_like(y, dtype=torch.bool)
+    expected[1, 4:] = True  # the second group of the second sample
+    assert RangeEvoNormFunction.supports(x) and torch.equal(y.isnan(), expected)
+    reference = _reference_group_norm_act(x.detach(), layer.weight, layer.bias, layer.v, 2, layer.eps, "range")
+    assert torch.equal(reference.isnan(), expected)
+    torch.testing.assert_close(y[~expected].double(), reference[~expected], rtol=1e-5, atol=1e-5)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad.isnan(), expected)
+    for p in (layer.weight, layer.v):  # the NaN group's channels; dL/db = sum g does not read x
+        assert p.grad[4:].isnan().all() and p.grad[:4].isfinite().all()
+    assert layer.bias.grad.isfinite().all()
+
+
 def test_range_evonorm_constant_group_is_finite():
     layer = RangeEvoNorm2d(4, groups=2)
     x = torch.full((2, 4, 3, 3), 0.7)

@@ -54,24 +54,36 @@ _ONE_SIXTH = np.float32(1.0 / 6.0)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _max(a, b):
+    """The larger of `a` and `b`, NaN if either is: ``torch.amax``'s rule (a NaN stays the running
+    extreme, so a NaN anywhere makes the group's range NaN, as in the torch formula)."""
+    return a if a > b or a != a else b
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _min(a, b):
+    """The smaller of `a` and `b`, NaN if either is (``torch.amin``'s rule)."""
+    return a if a < b or a != a else b
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _group_range(xs):
     """``(max, min)`` of a group ``xs`` ``(C/G, H*W)`` (values or codes): first an elementwise max
     and min over its channel rows (vectorised), then over the one row left. The same extremes as
-    ``max``/``min`` element by element, for any values but NaN."""
+    ``max``/``min`` element by element; both NaN where the group holds a NaN."""
     per_group, positions = xs.shape
     highs = xs[0].copy()
     lows = xs[0].copy()
     for j in range(1, per_group):
         row = xs[j]
         for k in range(positions):
-            a = row[k]
-            highs[k] = a if a > highs[k] else highs[k]
-            lows[k] = a if a < lows[k] else lows[k]
+            highs[k] = _max(row[k], highs[k])
+            lows[k] = _min(row[k], lows[k])
     hi = highs[0]
     lo = lows[0]
     for k in range(1, positions):
-        hi = max(hi, highs[k])
-        lo = min(lo, lows[k])
+        hi = _max(highs[k], hi)
+        lo = _min(lows[k], lo)
     return hi, lo
 
 
@@ -197,22 +209,20 @@ def _fold_runs(along_run, channels):
 def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
     """The decoded ``(max, min)`` of each group of a channels-last sample ``xs`` (flat ``H*W*C``),
     as two (C,) arrays holding each channel's group's values: elementwise max and min down the runs
-    (vectorised), folded to channels, then to groups. The same extremes as element by element, for
-    any values but NaN."""
+    (vectorised), folded to channels, then to groups. The same extremes as element by element; both
+    NaN where the group holds a NaN."""
     size = xs.shape[0]
     highs = xs[:span].copy()
     lows = xs[:span].copy()
     for start in range(span, size, span):
         run = xs[start:min(start + span, size)]
         for j in range(run.shape[0]):
-            a = run[j]
-            highs[j] = a if a > highs[j] else highs[j]
-            lows[j] = a if a < lows[j] else lows[j]
+            highs[j] = _max(run[j], highs[j])
+            lows[j] = _min(run[j], lows[j])
     for first in range(channels, span, channels):  # fold the run's positions onto the first
         for c in range(channels):
-            a, b = highs[first + c], lows[first + c]
-            highs[c] = a if a > highs[c] else highs[c]
-            lows[c] = b if b < lows[c] else lows[c]
+            highs[c] = _max(highs[first + c], highs[c])
+            lows[c] = _min(lows[first + c], lows[c])
     per_group = channels // groups
     out_hi = np.empty(channels, np.float64)
     out_lo = np.empty(channels, np.float64)
@@ -220,8 +230,8 @@ def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
         hi = highs[grp * per_group]
         lo = lows[grp * per_group]
         for c in range(grp * per_group + 1, (grp + 1) * per_group):
-            hi = max(hi, highs[c])
-            lo = min(lo, lows[c])
+            hi = _max(highs[c], hi)
+            lo = _min(lows[c], lo)
         for c in range(grp * per_group, (grp + 1) * per_group):
             out_hi[c] = hi * x_scale + x_lo
             out_lo[c] = lo * x_scale + x_lo
@@ -351,10 +361,11 @@ def _backward_kernel_last(x, x_scale, x_lo, gx, gx_scale, gx_lo, gp, weight, v, 
                 dx_run[j] = d + through_range
 
 
-_FORWARD = compile_serial_and_parallel(_forward_kernel)
-_BACKWARD = compile_serial_and_parallel(_backward_kernel, fastmath={"reassoc"})
 # IEEE division (numpy's error model, as torch divides): python's checks every divisor for zero,
-# which stops a loop over per-element divisors from vectorising
+# which stops a loop over per-element divisors from vectorising, and raises where a NaN range has
+# no element equal to it (0 ties: the gradient is NaN, as autograd's)
+_FORWARD = compile_serial_and_parallel(_forward_kernel, error_model="numpy")
+_BACKWARD = compile_serial_and_parallel(_backward_kernel, fastmath={"reassoc"}, error_model="numpy")
 _FORWARD_LAST = compile_serial_and_parallel(_forward_kernel_last, error_model="numpy")
 _BACKWARD_LAST = compile_serial_and_parallel(_backward_kernel_last, fastmath={"reassoc"}, error_model="numpy")
 
