@@ -404,3 +404,49 @@ def test_a_layer_converted_off_float32_after_the_surgery_refuses_to_run(kind, dt
                                         rf"got weight of dtype {dtype}; .*call model.float\(\)"):
         q.to(dtype)(x if kind == "embedding" else x.to(dtype))
     assert q.float()(x).dtype == torch.float32
+
+
+NON_FINITE_LAYERS = {
+    "linear": lambda: (nn.Linear(12, 6), torch.randn(4, 5, 12)),
+    "conv1d": lambda: (Conv1D(6, 12), torch.randn(4, 5, 12)),
+    "conv2d": lambda: (nn.Conv2d(3, 5, 3, stride=2, padding=1), torch.randn(4, 3, 9, 9)),
+    "conv2d grouped dilated": lambda: (nn.Conv2d(4, 6, 3, padding=2, dilation=2, groups=2), torch.randn(3, 4, 8, 8)),
+    "conv2d reflect": lambda: (nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.randn(2, 3, 7, 7)),
+    "conv2d channels last": lambda: (nn.Conv2d(8, 8, 1), torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:QuantConfig\\(kernel='int8'\\) cannot run every layer")
+@pytest.mark.parametrize("kernel", ["simulated", "int8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("kind", sorted(NON_FINITE_LAYERS))
+def test_evaluation_keeps_a_non_finite_input_where_the_float_layer_does(kind, bad, kernel):
+    """The running range's codes cannot hold a NaN or an infinity (a NaN became the lowest code):
+    a calibrated 8-bit layer in evaluation turned a NaN input, e.g. from a diverged earlier layer,
+    into finite outputs. The outputs that depend on such an input are NaN now, exactly those the
+    float layer leaves non-finite; the others are untouched."""
+    torch.manual_seed(0)
+    f, x = NON_FINITE_LAYERS[kind]()
+    q = {nn.Linear: QuantLinear, Conv1D: QuantConv1D, nn.Conv2d: QuantConv2d}[type(f)].from_float(
+        f, QuantConfig(kernel=kernel))
+    q.train()
+    q(x)  # calibrated
+    q.eval()
+    with torch.no_grad():
+        clean = q(x)
+        x[(0, 1, 2, 3)[: x.dim()]] = bad
+        if x.dim() == 4:
+            x[-1, -1, 0, 0] = bad  # a corner: reached through the padding's border windows
+        out = q(x)
+        expected = ~torch.isfinite(f(x))
+    assert expected.any() and not expected.all()
+    assert torch.equal(out.isnan(), expected)
+    assert torch.equal(out[~expected], clean[~expected])
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+def test_a_non_finite_training_batch_gives_nan_outputs(kind):
+    _, q, x = make_layer(kind)
+    q.train()
+    x[0, 1, 2] = float("nan")
+    assert q(x).isnan().all()

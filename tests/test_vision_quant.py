@@ -454,3 +454,32 @@ def test_a_reloaded_image_classifier_predicts_pil_images_with_its_own_preprocess
     assert ImageClassifier.from_pretrained(tmp_path).predict(images) == names
     with pytest.raises(ValueError, match="records no preprocessing"):
         ImageClassifier("resnet20", 3, "evonorm").predict(images)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluation_keeps_a_nan_input_where_the_float_norm_does(kind):
+    """A NaN became the lowest code of the running range: an 8-bit norm in evaluation gave finite
+    outputs for it, hiding a NaN from the convolution before it. Now the outputs that depend on it
+    are NaN, exactly those the float norm makes NaN (a group's, or the element's own)."""
+    f, q, x = make_norm(kind)
+    q(x)  # calibrated
+    q.eval(), f.eval()
+    with torch.no_grad():
+        clean = q(x)
+        x[1, 2, 3, 4] = float("nan")
+        out = q(x)
+        expected = f(x).isnan()
+    assert expected.any() and not expected.all()
+    assert torch.equal(out.isnan(), expected)
+    assert torch.equal(out[~expected], clean[~expected])
+
+
+def test_an_8bit_resnet_in_evaluation_gives_nan_logits_for_a_nan_image():
+    torch.manual_seed(0)
+    model = quantize_model(build_vision_model("resnet20", 10, "range_evonorm"), QuantConfig())
+    x = torch.randn(4, 3, 8, 8)
+    model(x)
+    x[2, 0, 4, 4] = float("nan")
+    with torch.no_grad():
+        logits = model.eval()(x)
+    assert logits[2].isnan().all() and torch.isfinite(logits[[0, 1, 3]]).all()

@@ -1,7 +1,9 @@
 """The float GEMM of each supported layer type and its two backward products.
 
 A kernel (``kernels/``) runs these on its quantized operands; the autograd Function in
-``layers.py`` decides which operands each product gets (gradient bifurcation, SPEC 4).
+``layers.py`` decides which operands each product gets (gradient bifurcation, SPEC 4). Each also
+says which outputs depend on a non-finite input element (``non_finite_outputs``), the ones the
+float layer leaves NaN or infinite: the 8-bit layers' codes cannot carry such a value.
 """
 from __future__ import annotations
 
@@ -14,8 +16,18 @@ from torch.nn.grad import conv2d_weight
 from ..utils.layout import is_channels_last
 
 
+def non_finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(..., 1)`` bool: the rows (over the last dim) of `x` holding a NaN or an infinity, whose
+    outputs a linear map leaves non-finite."""
+    return ~torch.isfinite(x).all(-1, keepdim=True)
+
+
 class LinearGemm:
     """``nn.Linear``: ``y = x @ W.T + b``; ``x (..., in)``, ``W (out, in)``, ``y (..., out)``."""
+
+    def non_finite_outputs(self, x, w):
+        """``(..., 1)`` bool, broadcastable to ``y``: the rows of `x` holding a NaN or an infinity."""
+        return non_finite_rows(x)
 
     def forward(self, x, w, b):
         return F.linear(x, w, b)
@@ -34,6 +46,10 @@ class LinearGemm:
 
 class TransposedLinearGemm:
     """transformers' ``Conv1D`` (GPT-2 family): ``y = x @ W + b`` with ``W (in, out)``."""
+
+    def non_finite_outputs(self, x, w):
+        """``(..., 1)`` bool, broadcastable to ``y``: the rows of `x` holding a NaN or an infinity."""
+        return non_finite_rows(x)
 
     def forward(self, x, w, b):
         return F.linear(x, w.T, b)
@@ -66,6 +82,17 @@ class Conv2dGemm:
 
     def forward(self, x, w, b):
         return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+
+    def non_finite_outputs(self, x, w):
+        """``(N, Cout, Ho, Wo)`` bool: the outputs whose window, in their group's channels, holds a
+        NaN or an infinity of ``x (N, Cin, H, W)``. The count of such taps is the convolution of the
+        group's non-finite indicator with a kernel of ones (integers, exact in fp32)."""
+        n, c, h, width = x.shape
+        cout, _, kh, kw = w.shape
+        bad = (~torch.isfinite(x)).reshape(n, self.groups, c // self.groups, h, width).any(2).to(x.dtype)
+        taps = torch.ones(self.groups, 1, kh, kw, dtype=x.dtype, device=x.device)
+        reached = F.conv2d(bad, taps, None, self.stride, self.padding, self.dilation, self.groups) > 0.5
+        return reached.repeat_interleave(cout // self.groups, dim=1)
 
     def grad_input(self, g, w, input_shape):
         """``dL/dx`` of shape `input_shape` from ``g (N, Cout, Ho, Wo)`` and ``w``: the convolution

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -178,24 +179,48 @@ class ActivationQuantizer(QuantModule):
         self.act_running_max = torch.zeros((), device=device)
         self.act_num_batches = torch.zeros((), dtype=torch.long, device=device)
 
-    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
         the running range; the running range in eval (the batch's own before any training batch).
+        Returns ``(lo, hi, batch_finite)``, all 0-d; ``batch_finite``: whether `x` holds no NaN and
+        no infinity (its per-sample extremes are finite), for :meth:`_keep_non_finite`.
 
         A forward that runs inside a backward pass is gradient checkpointing's recomputation
         (``torch.utils.checkpoint``, reentrant or not): it takes the same batch range but leaves the
         running range alone, so a checkpointed step updates it once, as an uncheckpointed one."""
         with torch.no_grad():
             lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
+            batch_finite = torch.isfinite(lo + hi)  # inf - inf is NaN: one test for both ends
             if self.training:
                 if not _in_backward():
                     update_running_range(
                         self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
                         self.quant_config.act_momentum,
                     )
-                return lo, hi
+                return lo, hi, batch_finite
             calibrated = self.act_num_batches > 0
-            return torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi)
+            return (torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi),
+                    batch_finite)
+
+    def _keep_non_finite(self, y: torch.Tensor, batch_finite: torch.Tensor,
+                         non_finite_outputs: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`y` with NaN where, in evaluation, the output depends on a NaN or infinite input element
+        (``non_finite_outputs()``, a bool mask broadcastable to `y`), the others untouched: for a
+        GEMM layer exactly the outputs the float layer leaves non-finite, for a norm those of the
+        statistic's group (the float layer's NaNs; an infinity may leave it finite values there, as
+        ``x / inf``). The running range's codes cannot hold such a
+        value (a NaN rounds to the lowest code, an infinity to an end of the grid), so a NaN from a
+        diverged earlier layer would otherwise come out as finite numbers. In training the batch's
+        own range is not finite, so every output is NaN already.
+
+        On the CPU the 0-d `batch_finite` is read on the host (no device sync) and a finite batch
+        costs nothing more; elsewhere (CUDA, ``torch.compile``) the mask is computed every call, so
+        no value leaves the device."""
+        if self.training:
+            return y
+        if batch_finite.is_cpu and not torch.compiler.is_compiling() and bool(batch_finite.numpy()):
+            return y
+        return y.masked_fill(non_finite_outputs(), float("nan"))
 
 
 class QuantGemmLayer(ActivationQuantizer):
@@ -227,10 +252,9 @@ class QuantGemmLayer(ActivationQuantizer):
                     warnings.warn(f"QuantConfig(kernel={self.quant_config.kernel!r}) cannot run every layer: "
                                   f"{fallback}; those layers run the simulated kernel (kernel_report(model) names "
                                   f"them)", stacklevel=2)
-            lo, hi = self._activation_range(x)
-            return QuantGemmFunction.apply(
-                x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training
-            )
+            lo, hi, batch_finite = self._activation_range(x)
+            y = QuantGemmFunction.apply(x, self.weight, self.bias, lo, hi, gemm, kernel, self.quant_config, self.training)
+            return self._keep_non_finite(y, batch_finite, lambda: gemm.non_finite_outputs(x, self.weight))
 
     def kernel(self, x: torch.Tensor | None = None, gemm: Gemm | None = None) -> Kernel:
         """The kernel this layer's forward runs now (``resolve_kernel`` for its config, weight

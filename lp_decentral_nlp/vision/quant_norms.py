@@ -152,8 +152,14 @@ class QuantNormLayer(ActivationQuantizer):
         x = x.to(self.weight.dtype)
         if x.shape[0] == 0:  # no range to take: the running range stays as it is
             return empty_batch_output(x, self.weight, self.bias)
-        lo, hi = self._activation_range(x)
-        return QuantNormFunction.apply(x, lo, hi, self, self.training, *self.quant_parameters())
+        lo, hi, batch_finite = self._activation_range(x)
+        y = QuantNormFunction.apply(x, lo, hi, self, self.training, *self.quant_parameters())
+        return self._keep_non_finite(y, batch_finite, lambda: self.non_finite_outputs(x))
+
+    def non_finite_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Bool mask broadcastable to the output of ``x (N, C, H, W)``: the outputs that depend on a
+        NaN or infinite element of `x` in evaluation (``ActivationQuantizer._keep_non_finite``)."""
+        raise NotImplementedError
 
     def extra_repr(self) -> str:
         c = self.quant_config
@@ -172,6 +178,13 @@ class _QuantGroupNormAct(QuantNormLayer):
     def normalize(self, x, params, training, update_stats):
         weight, bias, *v = params
         return self.norm_fn(x, weight, bias, v[0] if v else None, self.groups, self.eps)
+
+    def non_finite_outputs(self, x):
+        """``(N, C, 1, 1)``: every channel of a group whose statistic (over its channels, H and W of
+        one sample) a non-finite element enters."""
+        n, c = x.shape[:2]
+        bad_groups = ~torch.isfinite(x).reshape(n, self.groups, -1).all(-1)
+        return bad_groups.repeat_interleave(c // self.groups, dim=1).reshape(n, c, 1, 1)
 
 
 class QuantEvoNormS0(_QuantGroupNormAct, EvoNormS0):
@@ -220,6 +233,10 @@ class QuantRangeBatchNorm2d(QuantNormLayer, RangeBatchNorm2d):
         if training and not update_stats:  # same batch statistics, scratch copies of the running buffers
             stats = tuple(t.clone() for t in stats)
         return range_batch_norm2d(x, *stats, weight, bias, training, self.momentum, self.eps)
+
+    def non_finite_outputs(self, x):
+        """``x``'s shape: in evaluation each output depends on its own input element only."""
+        return ~torch.isfinite(x)
 
 
 register_quant_layer(EvoNormS0, QuantEvoNormS0)
