@@ -22,6 +22,17 @@ from .kernels import AUTO, Kernel, resolve_kernel
 from ..utils.layout import dense_like
 
 
+def outside_compiled_graphs(forward):
+    """`forward` (an 8-bit layer's call) run eagerly under ``torch.compile``: one graph break per
+    call, between the compiled pieces of the model around it (``torch.compiler.disable``).
+
+    The layers' CPU kernels are numba functions Dynamo cannot trace. Traced around them, each call
+    broke several times and Dynamo compiled the pieces between the breaks once per weight shape
+    until its recompile limit, so a compiled 8-bit model ran slower than an uncompiled one
+    (docs/design.md)."""
+    return torch.compiler.disable(forward)
+
+
 class QuantGemmFunction(torch.autograd.Function):
     """One quantized GEMM forward, bifurcated backward (SPEC 4).
 
@@ -214,11 +225,11 @@ class ActivationQuantizer(QuantModule):
         own range is not finite, so every output is NaN already.
 
         On the CPU the 0-d `batch_finite` is read on the host (no device sync) and a finite batch
-        costs nothing more; elsewhere (CUDA, ``torch.compile``) the mask is computed every call, so
-        no value leaves the device."""
+        costs nothing more; elsewhere (CUDA) the mask is computed every call, so no value leaves the
+        device."""
         if self.training:
             return y
-        if batch_finite.is_cpu and not torch.compiler.is_compiling() and bool(batch_finite.numpy()):
+        if batch_finite.is_cpu and bool(batch_finite.numpy()):
             return y
         return y.masked_fill(non_finite_outputs(), float("nan"))
 
@@ -230,6 +241,7 @@ class QuantGemmLayer(ActivationQuantizer):
     gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
     _warned_fallback: str | None = None  # the reason this layer last warned it cannot run its configured kernel
 
+    @outside_compiled_graphs
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with
         the kernel ``resolve_kernel`` picks for this layer (the simulated one where it must fall back:
@@ -411,6 +423,7 @@ class QuantEmbedding(QuantModule, nn.Embedding):
         return dict(num_embeddings=module.num_embeddings, embedding_dim=module.embedding_dim,
                     padding_idx=module.padding_idx, scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse)
 
+    @outside_compiled_graphs
     def forward(self, ids):
         self.check_master_weights()
         rows = F.embedding(ids, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse)

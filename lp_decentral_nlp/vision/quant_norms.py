@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
 from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_fused, quantize_uint8
-from ..quant.layers import ActivationQuantizer
+from ..quant.layers import ActivationQuantizer, outside_compiled_graphs
 from ..utils.layout import dense_like
 from .norms import (
     EvoNormS0,
@@ -145,6 +145,7 @@ class QuantNormLayer(ActivationQuantizer):
         """The parameters quantized in the forward pass: ``weight``, ``bias`` and ``v`` if present."""
         return [p for p in (self.weight, self.bias, getattr(self, "v", None)) if p is not None]
 
+    @outside_compiled_graphs
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) -> (N, C, H, W) float32 (the master-weight dtype, as the 8-bit GEMM layers)."""
         _check_input(x, self.weight.numel(), type(self).__name__)
