@@ -152,6 +152,33 @@ def test_weights_no_8bit_layer_computes_with_are_reported():
     assert unreported == set()
 
 
+def test_tokens_and_position_tables_are_reported_as_added_to_the_activations():
+    """ViT's class token and position table were reported as weights no 8-bit layer was registered
+    for, which read as if the surgery had missed a layer."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                intermediate_size=64, image_size=32, patch_size=8, num_labels=3))
+    reasons = {d.name: d.reason for d in quantize_model(model, dry_run=True).layers if not d.quantize}
+    assert reasons["vit.embeddings"] == (
+        "holds cls_token (1, 1, 32), position_embeddings (1, 17, 32), which stay fp32: a leading dim of 1 broadcasts "
+        "over the batch (a token or position table added to the activations, like an embedding table, not a GEMM "
+        "weight)")
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kernel = nn.Parameter(torch.zeros(4, 8))
+            self.pos = nn.Parameter(torch.zeros(1, 5, 8))
+            self.proj = nn.Linear(8, 8)
+
+    reasons = {d.name: d.reason for d in quantize_model(Mixed(), dry_run=True).layers if not d.quantize}
+    assert reasons[""] == ("holds kernel (4, 8), which stay fp32: no 8-bit version of Mixed is registered "
+                           "(register_quant_layer); and pos (1, 5, 8), which stay fp32: a leading dim of 1 broadcasts "
+                           "over the batch (a token or position table added to the activations, like an embedding "
+                           "table, not a GEMM weight)")
+
+
 def test_shared_module_is_replaced_under_every_name():
     shared = nn.Linear(4, 4)
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
