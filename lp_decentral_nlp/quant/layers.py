@@ -219,10 +219,10 @@ class ActivationQuantizer(QuantModule):
         (``non_finite_outputs()``, a bool mask broadcastable to `y`), the others untouched: for a
         GEMM layer exactly the outputs the float layer leaves non-finite, for a norm those of the
         statistic's group (the float layer's NaNs; an infinity may leave it finite values there, as
-        ``x / inf``). The running range's codes cannot hold such a
-        value (a NaN rounds to the lowest code, an infinity to an end of the grid), so a NaN from a
-        diverged earlier layer would otherwise come out as finite numbers. In training the batch's
-        own range is not finite, so every output is NaN already.
+        ``x / inf``). The running range's codes cannot hold such a value (a NaN rounds to the
+        lowest code, an infinity to an end of the grid), so a NaN from a diverged earlier layer
+        would otherwise come out as finite numbers. In training the batch's own range is not
+        finite, so every output is NaN already.
 
         On the CPU the 0-d `batch_finite` is read on the host (no device sync) and a finite batch
         costs nothing more; elsewhere (CUDA) the mask is computed every call, so no value leaves the

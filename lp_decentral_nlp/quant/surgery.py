@@ -265,16 +265,16 @@ def _unreplaced_weights(module: nn.Module) -> str | None:
     a position table added to the activations (ViT's ``cls_token``, ``position_embeddings``), no
     GEMM operand. The others are weights no 8-bit layer computes with, e.g. the 3-D expert tensors
     of a fused mixture-of-experts block."""
-    named = [(f"{n} {tuple(p.shape)}", p.shape[0] == 1) for n, p in module.named_parameters(recurse=False)
-             if p.dim() >= 2]
-    weights = [n for n, added in named if not added]
-    added = [n for n, is_added in named if is_added]
+    described = [(f"{n} {tuple(p.shape)}", p.shape[0] == 1) for n, p in module.named_parameters(recurse=False)
+                 if p.dim() >= 2]
+    weights = [text for text, broadcast in described if not broadcast]
+    tables = [text for text, broadcast in described if broadcast]
     reasons = []
     if weights:
         reasons.append(f"holds {', '.join(weights)}, which stay fp32: no 8-bit version of {type(module).__name__} is "
                        "registered (register_quant_layer)")
-    if added:
-        reasons.append(f"{'holds' if not weights else 'and'} {', '.join(added)}, which stay fp32: a leading dim of 1 "
+    if tables:
+        reasons.append(f"{'holds' if not weights else 'and'} {', '.join(tables)}, which stay fp32: a leading dim of 1 "
                        "broadcasts over the batch (a token or position table added to the activations, like an "
                        "embedding table, not a GEMM weight)")
     return "; ".join(reasons) or None

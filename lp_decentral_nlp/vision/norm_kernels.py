@@ -54,14 +54,14 @@ _ONE_SIXTH = np.float32(1.0 / 6.0)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _max(a, b):
+def _max_nan(a, b):
     """The larger of `a` and `b`, NaN if either is: ``torch.amax``'s rule (a NaN stays the running
     extreme, so a NaN anywhere makes the group's range NaN, as in the torch formula)."""
     return a if a > b or a != a else b
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _min(a, b):
+def _min_nan(a, b):
     """The smaller of `a` and `b`, NaN if either is (``torch.amin``'s rule)."""
     return a if a < b or a != a else b
 
@@ -77,13 +77,13 @@ def _group_range(xs):
     for j in range(1, per_group):
         row = xs[j]
         for k in range(positions):
-            highs[k] = _max(row[k], highs[k])
-            lows[k] = _min(row[k], lows[k])
+            highs[k] = _max_nan(row[k], highs[k])
+            lows[k] = _min_nan(row[k], lows[k])
     hi = highs[0]
     lo = lows[0]
     for k in range(1, positions):
-        hi = _max(highs[k], hi)
-        lo = _min(lows[k], lo)
+        hi = _max_nan(highs[k], hi)
+        lo = _min_nan(lows[k], lo)
     return hi, lo
 
 
@@ -217,12 +217,12 @@ def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
     for start in range(span, size, span):
         run = xs[start:min(start + span, size)]
         for j in range(run.shape[0]):
-            highs[j] = _max(run[j], highs[j])
-            lows[j] = _min(run[j], lows[j])
+            highs[j] = _max_nan(run[j], highs[j])
+            lows[j] = _min_nan(run[j], lows[j])
     for first in range(channels, span, channels):  # fold the run's positions onto the first
         for c in range(channels):
-            highs[c] = _max(highs[first + c], highs[c])
-            lows[c] = _min(lows[first + c], lows[c])
+            highs[c] = _max_nan(highs[first + c], highs[c])
+            lows[c] = _min_nan(lows[first + c], lows[c])
     per_group = channels // groups
     out_hi = np.empty(channels, np.float64)
     out_lo = np.empty(channels, np.float64)
@@ -230,8 +230,8 @@ def _group_bounds_last(xs, channels, groups, span, x_scale, x_lo):
         hi = highs[grp * per_group]
         lo = lows[grp * per_group]
         for c in range(grp * per_group + 1, (grp + 1) * per_group):
-            hi = _max(highs[c], hi)
-            lo = _min(lows[c], lo)
+            hi = _max_nan(highs[c], hi)
+            lo = _min_nan(lows[c], lo)
         for c in range(grp * per_group, (grp + 1) * per_group):
             out_hi[c] = hi * x_scale + x_lo
             out_lo[c] = lo * x_scale + x_lo
