@@ -282,7 +282,7 @@ def state_bytes(gossip, stats) -> int:
 
 @pytest.mark.parametrize("make", [
     lambda: ChocoSGD(make_topology("ring", 5), TopK(0.1), gamma=0.5),
-    lambda: DeepSqueeze(make_topology("exponential", 8), QSGD(4), gamma=0.5),
+    lambda: DeepSqueeze(make_topology("exponential", 8), QSGD(4, scaled=True), gamma=0.5),
     lambda: SGP(make_topology("complete", 3)),
     lambda: DeepSqueeze(irregular_digraph(), Identity(), gamma=1.0),  # push-sum weights leave 1: "written" kept
     lambda: DeepSqueeze(make_topology("directed_ring", 4), RandomK(0.2), gamma=0.5,

@@ -67,7 +67,7 @@ def test_low_precision_train_eval_save_reload(tmp_path, agnews_small, tokenizer)
     trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"],
                                    eval_dataset=agnews_small["test"], processing_class=tokenizer,
                                    callbacks=[MetricsCSVCallback(str(csv_path))])
-    assert args.gamma == 0.05  # factory.default_consensus_lr: 5 x the kept 1% for Choco
+    assert args.gamma == 0.05  # default_consensus_lr: 5 x the kept 1% for Choco
     trainer.train()
     metrics = trainer.evaluate()
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0

@@ -973,7 +973,7 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
   'help': 'Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm '
-          '(lp_decentral_nlp.gossip.factory.default_consensus_lr, docs/consensus_step.md). (default: None)',
+          '(lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md). (default: None)',
   'type': 'finite_float'},
  {'options': ['--skew'],
   'dest': 'skew',

@@ -218,7 +218,7 @@ def flag_tables() -> dict:
     """:func:`flag_table` of the NLP recipes' parser (with ``--task``) and of the vision recipes',
     with their descriptions by ``(task, algorithm)`` (task None: the vision recipes, or ``--task``)."""
     from ..data import TASKS
-    from ..gossip.factory import ALGORITHMS
+    from ..gossip.step_size import ALGORITHMS
     from ..vision.recipe import build_vision_parser
     from .nlp import build_nlp_parser
 

@@ -3,7 +3,7 @@
 Simulated (all nodes in one process)::
 
     topo = make_topology("directed_ring", num_nodes=8)
-    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.05)  # factory.default_consensus_lr
+    gossip = ChocoSGD(topo, compressor=TopK(0.01))  # gamma: step_size.default_consensus_lr, 0.05
     stats = gossip.step(nodes)      # nodes[i]: node i's parameter tensors z_i, updated in place
     gossip.close()                  # (or ``with gossip: ...``) shuts down its segment thread pool
 
@@ -23,8 +23,8 @@ from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
 from .wire import MessageLayout, index_dtype
-from .factory import ALGORITHMS, COMPRESSORS, GossipConfig, build_compressor, build_gossip, build_topology, \
-    default_consensus_lr
+from .factory import COMPRESSORS, GossipConfig, build_compressor, build_gossip, build_topology
+from .step_size import ALGORITHMS, compression_quality, default_consensus_lr
 
 __all__ = [
     "TOPOLOGIES", "Topology", "make_topology",
@@ -34,5 +34,5 @@ __all__ = [
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
     "ALGORITHMS", "COMPRESSORS", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
-    "default_consensus_lr",
+    "compression_quality", "default_consensus_lr",
 ]

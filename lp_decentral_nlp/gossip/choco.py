@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .compressors import QSGD, Compressor, Identity, Quantize
+from .compressors import Compressor, Identity, Quantize
 from .faults import FaultPlan
 from .push_sum import PushSumGossip
 from .topology import Topology
@@ -23,9 +23,10 @@ class ChocoSGD(PushSumGossip):
 
     Args:
         topology: a static graph (``period == 1``).
-        compressor: ``C`` (default ``Identity()``); ``TopK(0.01)`` with ``gamma = 0.05`` for 99%
-            (:func:`~.factory.default_consensus_lr`).
-        gamma: consensus step size in (0, 1].
+        compressor: ``C`` (default ``Identity()``), a contraction (``QSGD`` only scaled).
+        gamma: consensus step size in (0, 1]; None (default): ``default_consensus_lr(compressor,
+            "choco")`` (:mod:`.step_size`), 5 times the compressor's quality: 0.05 for ``TopK(0.01)``,
+            1 for exact or 8-bit messages.
         transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
             to the public copies only when it reached every out-neighbour (:mod:`.faults`).
     State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all
@@ -33,14 +34,12 @@ class ChocoSGD(PushSumGossip):
     """
 
     _state_names = ("public",)
+    algorithm = "choco"
 
-    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
+    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float | None = None,
                  transport=None, seed: int = 0, faults: FaultPlan | None = None):
         super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
                          faults)  # checks the arguments' types first
-        if isinstance(compressor, QSGD) and not compressor.scaled:
-            raise ValueError(f"ChocoSGD needs a contraction, and {compressor!r} is none: its public copies diverge "
-                             "whatever gamma; use QSGD(levels, scaled=True) (QSGD's docstring)")
         if topology.period != 1:
             raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
                              f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")

@@ -15,12 +15,15 @@ class DeepSqueeze(PushSumGossip):
     ``x_i <- x~_i + gamma * (sum_j W_ij q_j - q_i)``. Without compression and with ``gamma=1``
     this is SGP. Works on time-varying graphs.
 
-    Args: as :class:`ChocoSGD` (any topology). State: ``"error"`` (``e_i``).
+    Args: as :class:`ChocoSGD` (any topology), but the default ``gamma`` is
+    ``default_consensus_lr(compressor, "deepsqueeze")``, 1.5 times the compressor's quality (0.015
+    for ``TopK(0.01)``). State: ``"error"`` (``e_i``).
     """
 
     _state_names = ("error",)
+    algorithm = "deepsqueeze"
 
-    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float = 1.0,
+    def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float | None = None,
                  transport=None, seed: int = 0, faults: FaultPlan | None = None):
         super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
                          faults)

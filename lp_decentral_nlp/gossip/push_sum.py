@@ -82,8 +82,9 @@ import numpy as np
 import torch
 
 from ..checks import NUMBER_FIELDS, check_field, check_number
-from .compressors import Compressor, Identity
+from .compressors import QSGD, Compressor, Identity
 from .faults import FaultPlan
+from .step_size import default_consensus_lr
 from .topology import Topology
 from .transport import SimulatedTransport
 from .wire import Message, MessageLayout
@@ -121,7 +122,9 @@ class PushSumGossip:
     Args:
         topology: the graph (its ``num_nodes`` nodes are all simulated here, or one per rank).
         compressor: the layer-wise codec ``C`` for parameter tensors.
-        gamma: consensus step size in (0, 1] (SPEC 2 step 5).
+        gamma: consensus step size in (0, 1] (SPEC 2 step 5); None:
+            :func:`~.step_size.default_consensus_lr` of the compressor and :attr:`algorithm`
+            (``ChocoSGD(topo, TopK(0.01))``: 0.05).
         transport: :class:`~.transport.SimulatedTransport` (default) or
             :class:`~.transport.TorchDistributedTransport`.
         seed: base seed of the per-(node, step) generators of stochastic compressors.
@@ -141,16 +144,24 @@ class PushSumGossip:
 
     #: coefficient of ``x~_i`` in the update (SPEC 2 step 5 keeps the local model; SGP replaces it)
     _keep = 1.0
+    #: the algorithm's name in :data:`~.step_size.ALGORITHMS`, for its default ``gamma``
+    algorithm: str
     #: names of the state buffers, each ``(rows, P + 1)`` with one row per node in ``_state_nodes[name]``
     _state_names: tuple[str, ...] = ()
 
-    def __init__(self, topology: Topology, compressor: Compressor, gamma: float,
+    def __init__(self, topology: Topology, compressor: Compressor, gamma: float | None,
                  transport=None, seed: int = 0, faults: FaultPlan | None = None):
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology (see make_topology), got {type(topology).__name__}")
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor (Identity, TopK, RandomK, QSGD, Quantize), "
                             f"got {type(compressor).__name__}")
+        if isinstance(compressor, QSGD) and not compressor.scaled:
+            raise ValueError(f"{type(self).__name__} needs a contraction, and {compressor!r} is none: its compression "
+                             "error grows with the models and they diverge whatever gamma; use QSGD(levels, "
+                             "scaled=True) (QSGD's docstring)")
+        if gamma is None:
+            gamma = default_consensus_lr(compressor, self.algorithm)
         gamma = check_number("gamma", gamma, NUMBER_FIELDS["consensus_lr"]._replace(optional=False))
         seed = check_field("seed", seed)
         if faults is not None and not isinstance(faults, FaultPlan):

@@ -18,6 +18,7 @@ class SGP(PushSumGossip):
     """
 
     _keep = 0.0
+    algorithm = "dpsgd"
 
     def __init__(self, topology: Topology, *, transport=None, seed: int = 0, faults: FaultPlan | None = None):
         super().__init__(topology, Identity(), 1.0, transport, seed, faults)

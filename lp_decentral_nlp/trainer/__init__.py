@@ -1,7 +1,8 @@
 """Decentralized training of Hugging Face models (SPEC 1-2): :class:`DecentralizedTrainer` and
 :class:`DecentralizedTrainingArguments`. See ``docs/trainer.md`` for how every `TrainingArguments`
 field is treated."""
-from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES
+from ..gossip.factory import COMPRESSORS, TOPOLOGIES
+from ..gossip.step_size import ALGORITHMS
 from .arguments import BACKENDS, DecentralizedTrainingArguments
 from .callbacks import MetricsCSVCallback, OnTrainBeginCallback, TrainingKernelsCallback
 from .checkpointing import CheckpointError, check_resumable, resume_config

@@ -14,7 +14,8 @@ from transformers import TrainingArguments, training_args
 from transformers.trainer_utils import SchedulerType
 
 from ..checks import Number, check_choice, check_fields, parse_absence, parse_straggler, plain_number
-from ..gossip.factory import ALGORITHMS, COMPRESSORS, TOPOLOGIES, GossipConfig
+from ..gossip.factory import COMPRESSORS, TOPOLOGIES, GossipConfig
+from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
 from .field_policy import refuse_unsupported
@@ -59,7 +60,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
     qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127), for compressor='qsgd'."})
     consensus_lr: float | None = field(
         default=None, metadata={"help": "Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm "
-                                     "(lp_decentral_nlp.gossip.factory.default_consensus_lr, docs/consensus_step.md)."}
+                                     "(lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md)."}
     )
     skew: float = field(default=0.0, metadata={"help": "Degree of label skew of the shards, in [0, 1] (SPEC 6)."})
     low_precision: bool = field(
