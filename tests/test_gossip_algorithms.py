@@ -542,3 +542,47 @@ def test_choco_on_a_regular_graph_keeps_weights_at_exactly_1_and_its_shortcuts_c
         runs.append(nodes)
     assert any(fused) == isinstance(compressor, TopK)  # (Identity is one segment: written, never offered)
     assert all(torch.equal(x, y) for other in runs[1:] for pa, pb in zip(runs[0], other) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("make", [
+    lambda topo: SGP(topo),
+    lambda topo: ChocoSGD(topo, TopK(0.1), gamma=0.5),
+    lambda topo: DeepSqueeze(topo, TopK(0.1), gamma=0.5),
+], ids=["sgp", "choco", "deepsqueeze"])
+def test_a_refused_step_changes_nothing_and_the_corrected_call_runs(make):
+    """The first step set itself up from node 0 before checking the others, so a wrong node 0 was
+    blamed on node 1 and the corrected call was refused for good; later steps checked shapes only,
+    so an int64 node was truncated (SGP) or failed half-way after node 0 and the state had changed."""
+    topo = make_topology("ring", 3)
+    gossip = make(topo)
+    wrong_first = make_nodes(3)
+    wrong_first[0] = wrong_first[0][:2]
+    with pytest.raises(ValueError, match=r"^nodes\[1\] holds tensors of shapes \[\(12, 10\), \(10,\), \(3, 4, 5\), "
+                                         r"\(300,\)\], nodes\[0\] of \[\(12, 10\), \(10,\)\]: every node must hold the "
+                                         r"same model"):
+        gossip.step(wrong_first)
+    with pytest.raises(TypeError, match=r"^nodes\[2\] must be a non-empty list of tensors, got str at \[1\]"):
+        gossip.step(make_nodes(3)[:2] + [[torch.zeros(12, 10), "b"]])
+    reference = make(topo)
+    nodes, same = make_nodes(3), make_nodes(3)
+    gossip.step(nodes), reference.step(same)  # the corrected call runs, as on a fresh object
+    assert all(torch.equal(a, b) for x, y in zip(nodes, same) for a, b in zip(x, y))
+
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in gossip.state_dict().items()}
+    bad = [[p.clone() for p in params] for params in nodes]
+    bad[1][3] = bad[1][3].to(torch.float64)
+    before = [[p.clone() for p in params] for params in bad]
+    with pytest.raises(ValueError, match=r"^all parameters must share one floating dtype, got \['torch.float32', "
+                                         r"'torch.float64'\]"):
+        gossip.step(bad)
+    as_int = [[p.to(torch.int64) for p in params] for params in nodes]
+    with pytest.raises(ValueError, match=r"^all parameters must share one floating dtype, got \['torch.int64'\]"):
+        gossip.step(as_int)
+    as_double = [[p.double() for p in params] for params in nodes]
+    with pytest.raises(ValueError, match=r"^the parameters must keep the first step's dtype torch.float32 and device "
+                                         r"cpu, got torch.float64 on cpu"):
+        gossip.step(as_double)
+    assert all(torch.equal(a, b) for x, y in zip(bad, before) for a, b in zip(x, y)), "the user's tensors"
+    after = gossip.state_dict()
+    assert after.keys() == state.keys() and gossip.num_steps == 1
+    assert all(torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in state.items())

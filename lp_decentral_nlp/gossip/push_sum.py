@@ -624,24 +624,44 @@ class PushSumGossip:
             where = "one per simulated node" if m > 1 else "[my_params] for this rank"
             raise ValueError(f"nodes must be a list of {m} parameter lists ({where}), "
                              f"got {type(nodes).__name__} of length {len(nodes) if hasattr(nodes, '__len__') else '?'}")
-        if not self._ready:
-            self._setup(nodes)
         for k, params in enumerate(nodes):
-            if not isinstance(params, (list, tuple)) or [tuple(p.shape) for p in params] != self._shapes:
-                raise ValueError(f"nodes[{k}] must be a list of tensors with shapes {self._shapes} "
-                                 "(the same model on every node, same order as at the first step)")
-
-    def _setup(self, nodes) -> None:
-        """First step: lay out the wire format, allocate buffers, run the transport's pre-flight."""
-        first = nodes[0]
-        if not isinstance(first, (list, tuple)) or not first or not all(isinstance(p, torch.Tensor) for p in first):
-            raise TypeError("nodes[0] must be a non-empty list of tensors")
+            if not isinstance(params, (list, tuple)) or not params:
+                got = "an empty list" if isinstance(params, (list, tuple)) else type(params).__name__
+                raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {got}")
+            for j, p in enumerate(params):
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(p).__name__} "
+                                    f"at [{j}]")
+        # every node is checked before anything is set up or written: a refused call changes nothing
+        if self._ready:
+            for k, params in enumerate(nodes):
+                if [tuple(p.shape) for p in params] != self._shapes:
+                    raise ValueError(f"nodes[{k}] must be a list of tensors with shapes {self._shapes} "
+                                     "(the same model on every node, same order as at the first step)")
+        else:
+            first = [tuple(p.shape) for p in nodes[0]]
+            for k, params in enumerate(nodes[1:], start=1):
+                if [tuple(p.shape) for p in params] != first:
+                    raise ValueError(f"nodes[{k}] holds tensors of shapes {[tuple(p.shape) for p in params]}, "
+                                     f"nodes[0] of {first}: every node must hold the same model, in the same order")
         dtypes = {p.dtype for params in nodes for p in params}
         devices = {p.device for params in nodes for p in params}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
         if len(devices) != 1:
             raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
+        if not self._ready:
+            self._setup(nodes)
+        elif (self._param_dtype, self._device) != (next(iter(dtypes)), next(iter(devices))):
+            raise ValueError(f"the parameters must keep the first step's dtype {self._param_dtype} and device "
+                             f"{self._device}, got {next(iter(dtypes))} on {next(iter(devices))}")
+
+    def _setup(self, nodes) -> None:
+        """First step, after :meth:`_check_nodes`: lay out the wire format, allocate buffers, run the
+        transport's pre-flight."""
+        first = nodes[0]
+        dtypes = {p.dtype for p in first}
+        devices = {p.device for p in first}
         self._shapes = [tuple(p.shape) for p in first]
         self._param_dtype = next(iter(dtypes))
         self._device = next(iter(devices))
