@@ -1,6 +1,7 @@
 """Fault injection at the gossip level (lost messages, stragglers, nodes that leave and rejoin): the
 push-sum mass stays exactly conserved and gossip still reaches the exact average. Training under
 faults: tests/test_faults_training.py."""
+import numpy as np
 import pytest
 import torch
 from helpers import irregular_digraph
@@ -173,6 +174,21 @@ def test_fault_specs_parse(text, parse, expected):
     (lambda: FaultPlan(absences=((1, 0, 5), (1, 3, 8))), "overlap"),
     (lambda: SGP(make_topology("ring", 4), faults=FaultPlan(stragglers=((4, 1.0),))),
      r"stragglers: node 4 does not exist \(nodes are 0..3\)"),
+    # were unpacking errors naming nothing, or silently truncated to another node or step
+    (lambda: FaultPlan(stragglers="2:0.5"), r"^stragglers must be a list of entries, each a \(node, seconds\) pair "
+                                            r"or a 'NODE:SECONDS' string, got str$"),
+    (lambda: FaultPlan(absences=None), r"^absences must be a list of entries, each .*, got NoneType$"),
+    (lambda: FaultPlan(stragglers={1: 0.5}), r"^stragglers must be a list .*, got dict$"),
+    (lambda: FaultPlan(stragglers=[(1.7, 0.5)]), r"^stragglers\[0\] must be a \(node, seconds\) pair or a "
+                                                 r"'NODE:SECONDS' string, got \(1.7, 0.5\)$"),
+    (lambda: FaultPlan(stragglers=[(True, 0.5)]), r"^stragglers\[0\] must be a \(node, seconds\) pair"),
+    (lambda: FaultPlan(stragglers=[(1, "a")]), r"^stragglers\[0\] must be a \(node, seconds\) pair"),
+    (lambda: FaultPlan(absences=[(0, 1, 2), (1, 0, 2.9)]), r"^absences\[1\] must be a \(node, start, end\) triple "
+                                                          r"of integers or a 'NODE:START:END' string, got \(1, 0, 2.9\)$"),
+    (lambda: FaultPlan(absences=["1:0:5:6"]), r"^absences\[0\]: expected NODE:START:END \(e.g. 1:100:200\), got "
+                                              r"'1:0:5:6'$"),
+    (lambda: FaultPlan(stragglers=[(1, float("inf"))]), r"^stragglers\[0\]: expected NODE:SECONDS with NODE >= 0 and "
+                                                        r"finite SECONDS >= 0, got '1:inf'$"),
 ])
 def test_bad_fault_plans_are_named(make, match):
     with pytest.raises(ValueError, match=match):
@@ -187,3 +203,11 @@ def test_without_faults_the_step_is_the_plain_one():
         a.step(na), b.step(nb)
     assert b.faults is None
     assert all(torch.equal(x, y) for pa, pb in zip(na, nb) for x, y in zip(pa, pb))
+
+
+def test_a_fault_plan_takes_the_command_lines_strings_and_numpy_integers():
+    """The "NODE:SECONDS" form the trainer and the recipes use was refused with an unpacking error."""
+    plan = FaultPlan(stragglers=["2:0.5"], absences=["1:0:5", (np.int64(2), 3, 4)])
+    assert plan.stragglers == ((2, 0.5),) and plan.absences == ((1, 0, 5), (2, 3, 4))
+    assert all(type(v) in (int, float) for entry in plan.stragglers + plan.absences for v in entry)
+    assert plan == FaultPlan(stragglers=((2, 0.5),), absences=((1, 0, 5), (2, 3, 4)))

@@ -38,6 +38,7 @@ runs gossip step ``t``.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -50,6 +51,31 @@ from .topology import Topology
 _DROP_STREAM = 0x6C6F7374  # "lost"
 
 
+_ENTRY_FORMS = {"stragglers": "a (node, seconds) pair or a 'NODE:SECONDS' string",
+                "absences": "a (node, start, end) triple of integers or a 'NODE:START:END' string"}
+
+
+def _entries(name: str, value, parse, kinds: tuple[type, ...]) -> tuple[tuple, ...]:
+    """The entries of the :class:`FaultPlan` field `name` as checked tuples of Python numbers: each
+    a tuple of numbers of `kinds` (an integer node or step, no bool) or the command line's string,
+    both checked by `parse` (``checks.parse_straggler`` / ``parse_absence``); ValueError naming the
+    entry otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of entries, each {_ENTRY_FORMS[name]}, got {type(value).__name__}")
+    entries = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, str):
+            if (not isinstance(entry, (list, tuple)) or len(entry) != len(kinds)
+                    or any(isinstance(v, bool) or not isinstance(v, kind) for v, kind in zip(entry, kinds))):
+                raise ValueError(f"{name}[{i}] must be {_ENTRY_FORMS[name]}, got {entry!r}")
+            entry = ":".join(str(int(v) if kind is numbers.Integral else float(v)) for v, kind in zip(entry, kinds))
+        try:
+            entries.append(parse(entry))
+        except ValueError as err:
+            raise ValueError(f"{name}[{i}]: {err}") from None
+    return tuple(entries)
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     """Which faults to inject (see the module docstring for the rules).
@@ -57,8 +83,10 @@ class FaultPlan:
     Args:
         drop_prob: probability in ``[0, 1)`` that a message between two nodes is lost.
         seed: seed of the drop draws (the run's seed).
-        stragglers: ``((node, seconds), ...)``: delay before each of that node's sends.
-        absences: ``((node, start, end), ...)``: the node is absent for iterations ``[start, end)``.
+        stragglers: ``((node, seconds), ...)``: delay before each of that node's sends; an entry
+            may also be the command line's ``"NODE:SECONDS"`` string.
+        absences: ``((node, start, end), ...)``: the node is absent for iterations ``[start, end)``;
+            or ``"NODE:START:END"`` strings.
     """
 
     drop_prob: float = 0.0
@@ -68,15 +96,13 @@ class FaultPlan:
 
     def __post_init__(self):
         check_fields(self, ("drop_prob", "seed"))
-        object.__setattr__(self, "stragglers", tuple((int(n), float(s)) for n, s in self.stragglers))
-        object.__setattr__(self, "absences", tuple((int(n), int(a), int(b)) for n, a, b in self.absences))
-        for node, seconds in self.stragglers:
-            parse_straggler(f"{node}:{seconds}")
+        object.__setattr__(self, "stragglers", _entries("stragglers", self.stragglers, parse_straggler,
+                                                        (numbers.Integral, numbers.Real)))
+        object.__setattr__(self, "absences", _entries("absences", self.absences, parse_absence,
+                                                      (numbers.Integral,) * 3))
         nodes = [n for n, _ in self.stragglers]
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"stragglers: each node may be listed once, got {list(self.stragglers)}")
-        for node, start, end in self.absences:
-            parse_absence(f"{node}:{start}:{end}")
         for node in {n for n, _, _ in self.absences}:
             spans = sorted((a, b) for n, a, b in self.absences if n == node)
             if any(a2 < b1 for (_, b1), (a2, _) in zip(spans, spans[1:])):
