@@ -371,7 +371,16 @@ def test_layout_orders_fields_by_size_so_views_are_aligned_and_unpadded():
     (lambda: TopK(0), "keep"), (lambda: TopK(1.5), "keep"), (lambda: TopK(0.1, value_bits=4), "value_bits"),
     (lambda: RandomK(0.1, unbiased="yes"), "unbiased"), (lambda: Quantize(3), "bits"),
     (lambda: QSGD(0), "levels"), (lambda: QSGD(128), "levels"),
+    # equal to an allowed value but no integer: Quantize(4.0) failed inside the first step, after
+    # Deep-Squeeze had changed its error memory
+    (lambda: Quantize(4.0), r"^bits must be one of \(1, 2, 4, 8\), got 4.0$"), (lambda: Quantize(True), "bits"),
+    (lambda: TopK(0.1, value_bits=8.0), r"^value_bits must be None \(model float type\) or 8, got 8.0$"),
 ])
 def test_bad_compressor_arguments_are_rejected(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+def test_numpy_integers_are_integers_to_the_compressors():
+    assert Quantize(np.int64(4)).bits == 4 and type(Quantize(np.int64(4)).bits) is int
+    assert TopK(0.1, value_bits=np.int32(8)).value_bits == 8

@@ -23,6 +23,7 @@ holding ``numel - 1``). Every message also carries the push-sum weight (``F`` by
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -119,9 +120,9 @@ class Quantize(Compressor):
     """
 
     def __init__(self, bits: int = 8):
-        if bits not in (1, 2, 4, 8) or isinstance(bits, bool):
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in (1, 2, 4, 8):
             raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits!r}")
-        self.bits = bits
+        self.bits = int(bits)
 
     def fields(self, numel, dtype):
         return [("codes", torch.uint8, packed_nbytes(numel, self.bits)),
@@ -205,10 +206,11 @@ class _Sparsifier(Compressor):
 
     def __init__(self, keep: float, value_bits: int | None = None):
         keep = check_number("keep", keep, Number(low=0, low_open=True, high=1, what="a fraction"))
-        if value_bits not in (None, 8):
+        if value_bits is not None and (isinstance(value_bits, bool) or not isinstance(value_bits, numbers.Integral)
+                                       or value_bits != 8):
             raise ValueError(f"value_bits must be None (model float type) or 8, got {value_bits!r}")
         self.keep = float(keep)
-        self.value_bits = value_bits
+        self.value_bits = None if value_bits is None else int(value_bits)
 
     def num_kept(self, numel: int) -> int:
         """``k = ceil(keep * numel)`` (at least 1), robust to ``keep * numel`` rounding up past an integer."""
