@@ -288,7 +288,11 @@ def test_gpt2_needs_real_values_and_falls_back_to_a_real_run():
                      bos_token_id=1, eos_token_id=1)
     model = GPT2ForSequenceClassification(cfg)
     before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(1)
     r = estimate_cost(model, (8,), 2, "int8")
+    drawn_after = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(drawn_after, torch.rand(3)), "the real run's dropout moved a seeded run's random stream"
     assert r.walk_device == "cpu" and r.uncounted_ops == {}
     # HF Conv1D (weight (nx, nf)): c_attn maps 32 -> 96 on 2*8 tokens
     assert layer(r, "transformer.h.0.attn.c_attn").forward_macs == 16 * 96 * 32
@@ -400,3 +404,19 @@ def test_an_input_shape_the_model_cannot_take_is_named():
 def test_int8_with_nothing_to_quantize_is_an_error():
     with pytest.raises(ValueError, match="no layer to quantize"):
         estimate_cost(nn.Sequential(nn.ReLU()), (4,), 2, "int8")
+
+
+def test_an_lstm_is_priced_without_a_false_uncounted_op():
+    """The LSTM's unsafe_split (a view) was listed as an op without a cost rule, so the command line
+    printed "ops without a cost rule, counted as zero" for nothing."""
+    r = estimate_cost(_LSTMHead(), (5, 8), 2)
+    assert r.uncounted_ops == {}
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]

@@ -81,7 +81,8 @@ def dequantize(n: int) -> Ops:
 _FREE = frozenset(
     """
     view _unsafe_view reshape _reshape_alias t transpose permute expand expand_as squeeze unsqueeze
-    slice select narrow unbind split split_with_sizes chunk as_strided alias detach clone contiguous
+    slice select narrow unbind split split_with_sizes chunk unsafe_split unsafe_split_with_sizes unsafe_chunk
+    as_strided alias detach clone contiguous
     _to_copy to copy copy_ cat stack flatten unflatten repeat roll flip constant_pad_nd
     embedding index index_select gather scatter index_put masked_fill where
     arange zeros ones full empty empty_like empty_strided zeros_like ones_like full_like new_empty

@@ -195,9 +195,11 @@ def walk(model: nn.Module, make_inputs, training: bool) -> Walk:
     try:
         return _walk(model, make_inputs, training, torch.device("meta"))
     except (RuntimeError, NotImplementedError):
-        # The forward needs real values (data-dependent Python control flow): run it for real.
+        # The forward needs real values (data-dependent Python control flow): run it for real, on
+        # a fork of the random streams, so its dropout does not move a seeded run's numbers
         device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
-        return _walk(model, make_inputs, training, device)
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            return _walk(model, make_inputs, training, device)
 
 
 def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -> Walk:
