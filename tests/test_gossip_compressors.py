@@ -93,7 +93,7 @@ def test_topk_of_a_difference_selects_and_gathers_like_the_written_difference():
 def test_split_by_magnitude_splits_positions_and_values_by_magnitude_like_numpy(dtype, band_dtype, n, difference):
     rng = np.random.default_rng(n)
     x = rng.standard_normal(n).astype(dtype)
-    x[::7] = np.nan  # NaNs fall in neither class
+    x[::7] = np.nan  # NaNs count above t_hi, as torch.topk ranks NaN above every number
     x[1::11] = 1.0  # entries exactly at a threshold: >= t_lo is in the band, > t_hi is above
     if difference:  # x = a - b exactly: b's entries are small integers, a = x + b is exact
         b = rng.integers(-4, 5, n).astype(dtype)
@@ -105,11 +105,11 @@ def test_split_by_magnitude_splits_positions_and_values_by_magnitude_like_numpy(
         above_values, band_values = np.zeros(n, dtype), np.zeros(n, dtype)
         num_above, num_band = split_by_magnitude(a, b, t_lo, t_hi, above, above_values, band, band_values)
         magnitude = np.abs(x)
-        expected_above = np.flatnonzero(magnitude > t_hi)
+        expected_above = np.flatnonzero((magnitude > t_hi) | np.isnan(magnitude))
         expected_band = np.flatnonzero((magnitude >= t_lo) & (magnitude <= t_hi))
         assert np.array_equal(above[:num_above], expected_above)
         assert np.array_equal(band[:num_band], expected_band)
-        assert np.array_equal(above_values[:num_above], x[expected_above])
+        assert np.array_equal(above_values[:num_above], x[expected_above], equal_nan=True)
         assert np.array_equal(band_values[:num_band], x[expected_band])
 
 
@@ -384,3 +384,27 @@ def test_bad_compressor_arguments_are_rejected(make, match):
 def test_numpy_integers_are_integers_to_the_compressors():
     assert Quantize(np.int64(4)).bits == 4 and type(Quantize(np.int64(4)).bits) is int
     assert TopK(0.1, value_bits=np.int32(8)).value_bits == 8
+
+
+@pytest.mark.parametrize("n", [1000, 50000])  # torch.topk, and the compiled sample-and-scan path
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_top_k_keeps_a_non_finite_entry_at_every_size(n, bad):
+    """The compiled path (tensors over 32768 entries) dropped an infinity or a NaN that torch.topk
+    keeps, and an infinity in the band indexed its histogram with int(NaN)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x[7] = bad
+    k = n // 100
+    indices, values = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    _largest_abs_k(x, None, indices, values, torch.empty_like(x))
+    assert 7 in indices.tolist()
+    expected = torch.topk(x.abs(), k).indices
+    assert torch.equal(indices.sort().values, expected.sort().values)
+
+
+def test_largest_in_band_ranks_an_infinity_above_every_finite_magnitude():
+    band_values = np.array([1.0, -np.inf, 3.0, 2.0, np.inf, 0.5])
+    indices, values = np.empty(3, np.int64), np.empty(3)
+    largest_in_band(np.arange(6) * 10, band_values, indices, values)
+    assert indices.tolist() == [10, 20, 40] and values.tolist() == [-np.inf, 3.0, np.inf]
+    largest_in_band(np.arange(6) * 10, np.full(6, np.inf), indices[:2], values[:2])  # no finite magnitude
+    assert indices[:2].tolist() == [0, 10]

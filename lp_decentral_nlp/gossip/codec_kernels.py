@@ -52,7 +52,8 @@ def split_by_magnitude(a: np.ndarray, b: np.ndarray | None, t_lo: float, t_hi: f
     Args:
         a: ``(n,)`` contiguous float32 or float64 array.
         b: None, or an array like ``a`` (same shape and dtype): ``x = a - b`` is computed entry by
-            entry in their dtype. NaNs in ``x`` fall in neither class.
+            entry in their dtype. A NaN in ``x`` counts above ``t_hi``, as ``torch.topk`` ranks NaN
+            above every number.
         t_lo, t_hi: thresholds, ``t_lo <= t_hi`` (``t_hi`` may be ``inf``); compared in ``a``'s dtype.
         above: ``(k,)`` integer array: room for at most ``k`` positions above ``t_hi``.
         above_values: ``(k,)`` array of ``a``'s dtype: ``x`` at those positions.
@@ -91,12 +92,13 @@ def _pop_lowest(word):
 
 @numba.njit(inline="always")
 def _masks(a, b, start, width, t_lo, t_hi):
-    """Bit ``j`` of ``(lo, hi)``: ``|x[start + j]| >= t_lo`` and ``> t_hi``, for ``j < width <= 64``."""
+    """Bit ``j`` of ``(lo, hi)``: ``|x[start + j]| >= t_lo`` and ``> t_hi`` (or NaN), for
+    ``j < width <= 64``."""
     lo = hi = np.uint64(0)
     for j in range(width):
         magnitude = abs(_entry(a, b, start + j))
         lo |= np.uint64(magnitude >= t_lo) << np.uint64(j)
-        hi |= np.uint64(magnitude > t_hi) << np.uint64(j)
+        hi |= np.uint64(not magnitude <= t_hi) << np.uint64(j)  # one unordered compare: > t_hi or NaN
     return lo, hi
 
 
@@ -135,7 +137,8 @@ def largest_in_band(band: np.ndarray, band_values: np.ndarray, indices: np.ndarr
 
     Args:
         band: ``(m,)`` integer array, the band's positions.
-        band_values: ``(m,)`` float32 or float64 array, the band's values (no NaN).
+        band_values: ``(m,)`` float32 or float64 array, the band's values (no NaN; an infinity
+            ranks above every finite magnitude).
         indices: ``(count,)`` integer array, ``count <= m``, written; its dtype must hold every
             band position (as the message's index field does).
         values: ``(count,)`` array of ``band_values``'s dtype, written.
@@ -157,6 +160,15 @@ def largest_in_band(band: np.ndarray, band_values: np.ndarray, indices: np.ndarr
 _BAND_BINS = 4096
 
 
+@numba.njit(inline="always")
+def _magnitude_bin(magnitude, smallest, scale):
+    """The histogram bin of a band magnitude, ``smallest`` and ``scale`` spanning the finite ones: an
+    infinite one in the top bin (``(inf - smallest) * scale`` is NaN or inf, no index)."""
+    if magnitude == np.inf:
+        return _BAND_BINS - 1
+    return int((magnitude - smallest) * scale)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _largest_in_band(band, band_values, indices, values):
     # A histogram of the magnitudes over [min, max] finds the bin holding the count-th largest (the
@@ -168,11 +180,12 @@ def _largest_in_band(band, band_values, indices, values):
     smallest, largest = np.inf, 0.0
     for i in range(m):
         magnitude = abs(band_values[i])
-        smallest, largest = min(smallest, magnitude), max(largest, magnitude)
+        if magnitude < np.inf:
+            smallest, largest = min(smallest, magnitude), max(largest, magnitude)
     scale = (_BAND_BINS - 1) / (largest - smallest) if largest > smallest else 0.0
     histogram = np.zeros(_BAND_BINS, np.int64)
     for i in range(m):
-        histogram[int((abs(band_values[i]) - smallest) * scale)] += 1
+        histogram[_magnitude_bin(abs(band_values[i]), smallest, scale)] += 1
     cut, above_cut = _BAND_BINS - 1, 0  # the bin of the count-th largest; entries in bins above it
     while above_cut + histogram[cut] < count:
         above_cut += histogram[cut]
@@ -181,7 +194,7 @@ def _largest_in_band(band, band_values, indices, values):
     filled = 0
     for i in range(m):
         magnitude = abs(band_values[i])
-        if int((magnitude - smallest) * scale) == cut:
+        if _magnitude_bin(magnitude, smallest, scale) == cut:
             in_cut[filled] = magnitude
             filled += 1
     rank = count - above_cut  # places left for the cut bin's entries, largest first
@@ -190,7 +203,7 @@ def _largest_in_band(band, band_values, indices, values):
     written = 0
     for i in range(m):
         magnitude = abs(band_values[i])
-        where = int((magnitude - smallest) * scale)
+        where = _magnitude_bin(magnitude, smallest, scale)
         if where > cut or (where == cut and (magnitude > threshold or (magnitude == threshold and ties > 0))):
             if where == cut and magnitude == threshold:
                 ties -= 1
