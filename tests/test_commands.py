@@ -338,6 +338,20 @@ def test_cost_command_line_refuses_bad_flags_in_one_line(argv, expected, capsys)
     assert exc.value.code == 2 and err == f"python -m lp_decentral_nlp.cost: error: {expected}\n"
 
 
+def test_cost_command_line_prices_a_folder_holding_only_a_config(tmp_path, capsys):
+    """The cost is built from the config (random weights), yet a config-only folder, the natural way
+    to price an architecture before training it, was refused for having no weights."""
+    from transformers import DistilBertConfig
+
+    from lp_decentral_nlp.cost.__main__ import main as cost_main
+
+    DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(tmp_path)
+    cost_main(["--model", str(tmp_path), "--seq-len", "16"])
+    assert capsys.readouterr().out.startswith(f"{tmp_path}: hardware cost per node")
+    with pytest.raises(SystemExit):
+        cost_main(["--model", str(tmp_path / "absent"), "--seq-len", "16"])
+
+
 def clear_launcher_env(monkeypatch):
     for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(var, raising=False)

@@ -55,13 +55,16 @@ def _derive(values: dict) -> None:
     derive_run_values(values, run_name)
 
 
-def model_flag_problem(model: str) -> str | None:
+def model_flag_problem(model: str, needs_weights: bool = True) -> str | None:
     """Why ``--model`` cannot name a model, before anything is loaded: a local path (or one that
-    looks like a path) that does not exist or is not a model folder; None for a hub id."""
+    looks like a path) that does not exist or is not a model folder (with weights, unless
+    `needs_weights` is False: the cost command builds the model from its config); None for a hub id."""
     looks_local = pathlib.Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if not looks_local:
         return None
-    return f"{model} does not exist" if not pathlib.Path(model).exists() else model_folder_problem(model)
+    if not pathlib.Path(model).exists():
+        return f"{model} does not exist"
+    return model_folder_problem(model, needs_weights)
 
 
 def check_model_flag(parser, parsed) -> None:

@@ -496,15 +496,16 @@ def model_label_mismatch(model_path: str, labels) -> str | None:
     return None
 
 
-def model_folder_problem(path: str) -> str | None:
-    """Why local folder ``path`` is not a loadable Hugging Face model, or None."""
+def model_folder_problem(path: str, needs_weights: bool = True) -> str | None:
+    """Why local folder ``path`` is not a loadable Hugging Face model (a config, and weights where
+    `needs_weights`), or None."""
     folder = pathlib.Path(path)
     if not folder.is_dir():
         return f"{path} is a file, not a model folder"
     if not (folder / "config.json").is_file():
         return f"{path} is not a model folder (no config.json)"
     weights = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-    if not any((folder / name).is_file() for name in weights):
+    if needs_weights and not any((folder / name).is_file() for name in weights):
         return f"{path} is incomplete: no weights ({' or '.join(weights[:2])})"
     return None
 

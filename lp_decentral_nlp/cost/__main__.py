@@ -89,7 +89,7 @@ def _check_model_flags(parser, args):
     from ..commands import model_flag_problem, resolve_model
     from ..commands.run import error_summary
 
-    problem = model_flag_problem(args.model)
+    problem = model_flag_problem(args.model, needs_weights=False)  # built from its config: random weights
     if problem:
         parser.error(f"argument --model: {problem}")
     path, fallback = resolve_model(args.model, parser.prog)
