@@ -340,6 +340,9 @@ def test_to_dict_is_json():
         ({"samples_per_node": 100}, "needs gossip="),
         ({"convention": "table10"}, "convention must be one of"),
         ({"convention": "paper", "weight_grad_gemm": "fp32"}, "weight_grad_gemm='fp32' needs convention='ours'"),
+        # a torch optimizer's repr spans lines, so the message did too
+        ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)},
+         r"^optimizer must be one of \('sgd', 'momentum', 'adam', 'sgd_qgm', 'adam_qgm'\), got SGD$"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -399,6 +402,19 @@ def test_an_input_shape_the_model_cannot_take_is_named():
         estimate_cost(linear_model(), (5,), 2)  # Linear(3, 2)
     with pytest.raises(ValueError, match="^reports must hold at least one CostReport, got none"):
         format_comparison({})
+
+
+def test_format_comparison_refuses_reports_of_different_settings():
+    """It printed the first report's batch and optimizer above ratios of reports of another batch
+    size or optimizer, and a list of reports gave an AttributeError."""
+    small = estimate_cost(linear_model(), (3,), 2)
+    with pytest.raises(ValueError, match=r"^reports must share one batch size to be compared, got \['2', '64'\]$"):
+        format_comparison({"a": small, "b": estimate_cost(linear_model(), (3,), 64)})
+    with pytest.raises(ValueError, match=r"^reports must share one optimizer to be compared, got \['adam', 'momentum'\]$"):
+        format_comparison({"a": small, "b": estimate_cost(linear_model(), (3,), 2, optimizer="adam")})
+    with pytest.raises(TypeError, match=r"^reports must be a dict of CostReports by label .*, got list$"):
+        format_comparison([small])
+    assert "batch=2" in format_comparison({"a": small, "b": estimate_cost(linear_model(), (3,), 2, "int8")})
 
 
 def test_int8_with_nothing_to_quantize_is_an_error():

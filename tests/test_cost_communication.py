@@ -127,3 +127,10 @@ def test_cli_rejects_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit):
         main(["--arch", "resnet20", "--batch-size", "2", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_communication_cost_names_a_model_that_is_no_module():
+    from lp_decentral_nlp.gossip import SGP, make_topology
+
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got str$"):
+        communication_cost("x", SGP(make_topology("ring", 3)))

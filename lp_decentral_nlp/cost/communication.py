@@ -53,6 +53,8 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
     """
     from lp_decentral_nlp.gossip import SGP, PushSumGossip, make_topology
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(gossip, PushSumGossip):
         raise TypeError(f"gossip must be an SGP, ChocoSGD or DeepSqueeze instance, got {type(gossip).__name__}")
     if (batch_size is None) != (samples_per_node is None):

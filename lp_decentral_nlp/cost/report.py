@@ -441,8 +441,9 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if not isinstance(value, str) or value not in allowed:  # an object's repr may span lines: its type then
+        got = repr(value) if isinstance(value, (str, int, float, type(None))) else type(value).__name__
+        raise ValueError(f"{name} must be one of {allowed}, got {got}")
 
 
 def _format_table(header, rows) -> str:
@@ -457,15 +458,21 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_comparison(reports: dict[str, CostReport]) -> str:
-    """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``) of one convention, which
-    the text names; with two reports a last column gives the ratio first / second."""
+    """Side-by-side table of reports (e.g. ``{"fp32": r32, "int8": r8}``) of one convention and one
+    setting (batch, input shape, optimizer), which the text names; with two reports a last column
+    gives the ratio first / second."""
+    if not isinstance(reports, dict) or not all(isinstance(r, CostReport) for r in reports.values()):
+        raise TypeError(f"reports must be a dict of CostReports by label (e.g. {{'fp32': r32, 'int8': r8}}), got "
+                        f"{type(reports).__name__}")
     if not reports:
         raise ValueError("reports must hold at least one CostReport, got none")
     labels = list(reports)
     rs = list(reports.values())
-    conventions = {r.convention for r in rs}
-    if len(conventions) != 1:
-        raise ValueError(f"reports must share one convention to be compared, got {sorted(conventions)}")
+    for what, get in (("convention", lambda r: r.convention), ("batch size", lambda r: r.batch_size),
+                      ("input shape", lambda r: tuple(r.input_shape)), ("optimizer", lambda r: r.optimizer)):
+        values = {get(r) for r in rs}
+        if len(values) != 1:
+            raise ValueError(f"reports must share one {what} to be compared, got {sorted(map(str, values))}")
     convention = rs[0].convention
     unit = rs[0].memory_unit
     items = [
