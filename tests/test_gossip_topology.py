@@ -80,6 +80,10 @@ def test_from_matrix_accepts_a_valid_directed_graph_and_a_time_varying_list():
     (np.eye(3), "strongly connected"),
     (np.array([[np.nan, 0.5], [0.5, 0.5]]), "finite"),
     ([["a", "b"], ["c", "d"]], r"^matrices\[0\]: a mixing matrix must hold numbers"),
+    # the imaginary parts were dropped with numpy's ComplexWarning
+    ([[0.5 + 1j, 0.5], [0.5, 0.5]], r"^matrices\[0\]: a mixing matrix must hold real numbers, got complex ones$"),
+    (torch.full((2, 2), 0.5, dtype=torch.complex64), r"^matrices\[0\]: a mixing matrix must hold real numbers, got "
+                                                     r"torch.complex64$"),
 ])
 def test_from_matrix_rejects_invalid_matrices_with_clear_errors(W, message):
     with pytest.raises(ValueError, match=message):
@@ -112,3 +116,13 @@ def test_make_topology_rejects_bad_arguments():
         make_topology("ring", 4).mixing_matrix(-1)
     with pytest.raises(ValueError, match="node index"):
         make_topology("ring", 4).out_neighbors(4)
+
+
+@pytest.mark.parametrize("W, name, message", [
+    (None, "custom", r"^matrices must be an \(n, n\) array-like .* or a list of them, got NoneType$"),  # was "has no len()"
+    (1.0, "custom", r"^matrices must be .*, got float$"),
+    (np.full((2, 2), 0.5), 5, r"^name must be a str, got int$"),
+])
+def test_from_matrix_names_an_argument_of_the_wrong_type(W, name, message):
+    with pytest.raises(TypeError, match=message):
+        Topology.from_matrix(W, name=name)

@@ -37,6 +37,11 @@ class Topology:
     """
 
     def __init__(self, matrices: Sequence, name: str = "custom"):
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        if not isinstance(matrices, (Sequence, np.ndarray, torch.Tensor)) or isinstance(matrices, (str, bytes)):
+            raise TypeError(f"matrices must be an (n, n) array-like (array, tensor, nested lists) or a list of them, "
+                            f"got {type(matrices).__name__}")
         if _is_single_matrix(matrices):
             matrices = [matrices]
         if len(matrices) == 0:
@@ -196,7 +201,11 @@ def _is_single_matrix(obj) -> bool:
 
 def _as_float64(m, what: str) -> np.ndarray:
     if isinstance(m, torch.Tensor):
+        if m.is_complex():
+            raise ValueError(f"{what}: a mixing matrix must hold real numbers, got {m.dtype}")
         m = m.detach().cpu().double().numpy()
+    if np.iscomplexobj(m):  # np.array(..., float64) would drop the imaginary parts with a warning
+        raise ValueError(f"{what}: a mixing matrix must hold real numbers, got complex ones")
     try:
         arr = np.array(m, dtype=np.float64)
     except (TypeError, ValueError) as err:  # strings, ragged rows
