@@ -263,13 +263,35 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run(make):
 
 def test_state_dict_rows_are_labelled_by_node():
     gossip = ChocoSGD(make_topology("directed_ring", 3), TopK(0.5), gamma=0.5)
-    assert set(gossip.state_dict()) == {"step", "node_ids", "weights", "config"}
+    assert set(gossip.state_dict()) == {"step", "node_ids", "weights", "config", "topology"}
     gossip.step(make_nodes(3))
     sd = gossip.state_dict()
     assert sd["public"].shape == (3, P + 1) and sd["public_nodes"].tolist() == [0, 1, 2]
     assert int(sd["step"]) == 1
     with pytest.raises(ValueError, match="state_dict is for"):
         DeepSqueeze(make_topology("directed_ring", 3)).load_state_dict(sd)
+
+
+def test_a_state_of_another_graph_or_no_state_at_all_is_refused():
+    """A Choco state of a ring loaded into a Choco of a directed ring without complaint, and None
+    or a dict without weights gave an AttributeError or a KeyError."""
+    gossip = ChocoSGD(make_topology("ring", 4), TopK(0.5), gamma=0.5)
+    gossip.step(make_nodes(4))
+    sd = gossip.state_dict()
+    other = ChocoSGD(make_topology("directed_ring", 4), TopK(0.5), gamma=0.5)
+    with pytest.raises(ValueError, match=r"^state_dict is for the graph \"Topology\('ring', num_nodes=4, period=1\) "
+                                         r"#[0-9a-f]+\", this object has \"Topology\('directed_ring'"):
+        other.load_state_dict(sd)
+    parts = [gossip.node_state_dict(i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"^state_dict is for the graph"):
+        other.load_node_state_dicts(parts)
+    ChocoSGD(make_topology("ring", 4), TopK(0.5), gamma=0.5).load_node_state_dicts(parts)  # the same graph
+    older = {k: v for k, v in sd.items() if k != "topology"}  # saved before the graph was recorded
+    ChocoSGD(make_topology("ring", 4), TopK(0.5), gamma=0.5).load_state_dict(older)
+    with pytest.raises(TypeError, match=r"^state_dict must be a dict from state_dict\(\), got NoneType$"):
+        other.load_state_dict(None)
+    with pytest.raises(ValueError, match=r"^state_dict lacks \['weights'\]: it is not a state_dict\(\) of a gossip"):
+        other.load_state_dict({k: v for k, v in sd.items() if k != "weights"})
 
 
 def state_bytes(gossip, stats) -> int:

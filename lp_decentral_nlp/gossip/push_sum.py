@@ -317,7 +317,7 @@ class PushSumGossip:
         ``"written_nodes"``.
         """
         sd = {"step": torch.tensor(self._step), "node_ids": torch.tensor(self._node_ids),
-              "weights": self._w, "config": self._config()}
+              "weights": self._w, "config": self._config(), "topology": self._graph()}
         for name, buf in (self._state if self._ready else self._pending).items():
             sd[name] = buf
             sd[f"{name}_nodes"] = torch.tensor(self._state_nodes[name])
@@ -330,10 +330,20 @@ class PushSumGossip:
         """Restore :meth:`state_dict` output, before or after the first step.
 
         Rows are matched by node id, so a simulated checkpoint (all nodes) can resume any rank of
-        the distributed backend and vice versa.
+        the distributed backend and vice versa. The state must come from the same algorithm,
+        compressor, ``gamma`` and seed, and the same graph (where it records it: not in checkpoints
+        saved before it did).
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+        absent = [key for key in ("step", "node_ids", "weights", "config") if key not in state_dict]
+        if absent:
+            raise ValueError(f"state_dict lacks {absent}: it is not a state_dict() of a gossip algorithm")
         if state_dict.get("config") != self._config():
             raise ValueError(f"state_dict is for {state_dict.get('config')!r}, this object is {self._config()!r}")
+        if state_dict.get("topology", self._graph()) != self._graph():
+            raise ValueError(f"state_dict is for the graph {state_dict['topology']!r}, this object has "
+                             f"{self._graph()!r}")
         rows = _rows_for(state_dict["node_ids"], self._node_ids, "weights")
         buffers = {name: state_dict[name][_rows_for(state_dict[f"{name}_nodes"], self._state_nodes[name], name)]
                    for name in self._state_names if name in state_dict}
@@ -394,8 +404,8 @@ class PushSumGossip:
             raise ValueError(f"node {node} is not run by this process (local nodes: {self._node_ids})")
         sd = self.state_dict()
         row = self._node_ids.index(node)
-        part = {"step": sd["step"], "config": sd["config"], "node_ids": torch.tensor([node]),
-                "weights": sd["weights"][row:row + 1]}
+        part = {"step": sd["step"], "config": sd["config"], "topology": sd["topology"],
+                "node_ids": torch.tensor([node]), "weights": sd["weights"][row:row + 1]}
         for name in (*self._state_names, _WRITTEN):
             if name not in sd:
                 continue
@@ -414,6 +424,7 @@ class PushSumGossip:
         if len(steps) != 1:
             raise ValueError(f"node state dicts are from different steps: {sorted(steps)}")
         merged = {"step": parts[0]["step"], "config": parts[0]["config"],
+                  **({"topology": parts[0]["topology"]} if "topology" in parts[0] else {}),
                   "node_ids": torch.cat([p["node_ids"] for p in parts]),
                   "weights": torch.cat([p["weights"] for p in parts])}
         for name in (*self._state_names, _WRITTEN):
@@ -509,6 +520,11 @@ class PushSumGossip:
     def _param_views(self, row: torch.Tensor) -> list[torch.Tensor]:
         """The parameter-shaped views of a flat ``(P,)`` or ``(P + 1,)`` row."""
         return [row[o:o + n].view(s) for o, n, s in self._param_slices]
+
+    def _graph(self) -> str:
+        """The graph, by its matrices' fingerprint, as :meth:`state_dict` records it. (Not the fault
+        plan: a run may resume under other faults, the mass stays conserved.)"""
+        return f"{self.topology!r} #{self.topology.fingerprint():x}"
 
     def _config(self) -> str:
         return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
