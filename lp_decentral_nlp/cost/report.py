@@ -367,11 +367,15 @@ def _parameter_bytes(model: nn.Module, eight_bit: set[int]) -> tuple[int, int]:
 def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, int]:
     """Bytes saved for backward, per row. A storage saved by several ops counts once per precision
     it is kept at (8-bit codes plus a per-tensor scale and offset when saved by a quantized layer,
-    its dtype's size otherwise)."""
+    its dtype's size otherwise). A float norm layer counts what autograd saves inside it; a
+    quantized one, and a GEMM layer, their input."""
     by_row: dict[str, int] = {}
     for entries in train_walk.saved.values():
         seen_bits = set()
         for e in entries:
+            float_norm = e.row in train_walk.norm_rows and e.row not in quantized
+            if e.kind == ("input" if float_norm else "inside"):
+                continue
             bits = 8 if e.row in quantized else 8 * e.itemsize
             if bits not in seen_bits:
                 seen_bits.add(bits)

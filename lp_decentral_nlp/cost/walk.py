@@ -15,7 +15,10 @@ During the pass:
   innermost running module (so a residual ``add`` lands on its block, attention matmuls on the
   attention module);
 * training pass: ``saved_tensors_hooks`` record every tensor autograd saves for backward (the
-  activation memory of training); a GEMM/norm layer saves its input;
+  activation memory of training); a GEMM/norm layer is recorded as saving its input
+  (``Saved.kind == "input"``: what a quantized layer keeps, as codes), and what autograd saves
+  inside a norm layer is recorded too (``"inside"``: what the float norm keeps, e.g. EvoNorm-S0's
+  intermediates, several times its input);
 * inference pass: the live activation storages are tracked op by op; their peak is the
   activation memory of inference.
 
@@ -62,11 +65,14 @@ class Row:
 
 @dataclass
 class Saved:
-    """One storage autograd keeps for backward: its size and the row that saved it."""
+    """One storage autograd keeps for backward: its size, the row that saved it, and how it was
+    recorded: ``"op"`` by an op outside the typed layers, ``"input"`` as the input of a GEMM or
+    norm layer, ``"inside"`` by autograd inside a norm layer."""
 
     numel: int
     itemsize: int
     row: str
+    kind: str = "op"
 
 
 @dataclass
@@ -76,6 +82,7 @@ class Walk:
     saved: dict[StorageWeakRef, list[Saved]]
     peak_activation_bytes: int
     device: str
+    norm_rows: set[str] = field(default_factory=set)  # the rows of norm layers
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -98,6 +105,8 @@ class _Recorder(TorchDispatchMode):
         self.live: dict[StorageWeakRef, int] = {}
         self.peak = 0
         self._typed_input: list[torch.Tensor | None] = []
+        self.norm_rows: set[str] = set()
+        self._inside_norm: str | None = None  # the row of the outermost typed layer, when it is a norm
 
     # -- rows ---------------------------------------------------------------------------------
     def row(self, module_name: str, module: nn.Module) -> Row:
@@ -116,10 +125,14 @@ class _Recorder(TorchDispatchMode):
         self.stack.append((self.names.get(module, type(module).__name__), module))
         if self.typed(module):
             if self.typed_depth == 0:
+                name = self.stack[-1][0]
                 x = _first_tensor(args, kwargs)
                 self._typed_input.append(x)
                 if self.training and torch.is_grad_enabled():
-                    self._save(x, self.stack[-1][0])  # the layer keeps its input for backward
+                    self._save(x, name, "input")  # the layer keeps its input for backward
+                if isinstance(module, self.norm_types):
+                    self.norm_rows.add(name)
+                    self._inside_norm = name
             self.typed_depth += 1
 
     def post_hook(self, module, args, kwargs, output):
@@ -129,6 +142,7 @@ class _Recorder(TorchDispatchMode):
         self.typed_depth -= 1
         if self.typed_depth:
             return
+        self._inside_norm = None
         x = self._typed_input.pop()
         out = _first_tensor((output,), {})
         if out is None:  # the forward raised; the error propagates
@@ -159,18 +173,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
     # -- memory ---------------------------------------------------------------------------------
-    def _save(self, t: torch.Tensor | None, row: str) -> None:
+    def _save(self, t: torch.Tensor | None, row: str, kind: str) -> None:
         if t is None:
             return
         key = StorageWeakRef(t.untyped_storage())
         if key in self.state_storages:
             return  # parameters and buffers are counted as weights
-        entry = Saved(t.untyped_storage().nbytes() // t.element_size(), t.element_size(), row)
+        entry = Saved(t.untyped_storage().nbytes() // t.element_size(), t.element_size(), row, kind)
         self.saved.setdefault(key, []).append(entry)
 
     def pack(self, t: torch.Tensor):
         if not self.typed_depth:
-            self._save(t, self.stack[-1][0])
+            self._save(t, self.stack[-1][0], "op")
+        elif self._inside_norm is not None:
+            self._save(t, self._inside_norm, "inside")
         return t
 
     def _track(self, out) -> None:
@@ -236,4 +252,4 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -
             handle.remove()
         for module, mode in was_training.items():
             module.training = mode
-    return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type)
+    return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type, recorder.norm_rows)

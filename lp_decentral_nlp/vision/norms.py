@@ -180,8 +180,9 @@ class RangeEvoNormFunction(torch.autograd.Function):
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
-        """Whether the compiled kernels take `x`: a float32/float64 CPU tensor of real storage."""
-        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+        """Whether the compiled kernels take `x`: a float32/float64 CPU tensor of real storage (or
+        a ``meta`` one: the cost model's walk then sees what the Function saves on the CPU)."""
+        return (x.device.type in ("cpu", "meta") and x.dtype in (torch.float32, torch.float64)
                 and type(x.detach()) is torch.Tensor and x.numel() > 0)
 
     @staticmethod
@@ -194,6 +195,8 @@ class RangeEvoNormFunction(torch.autograd.Function):
     @staticmethod
     def output(x, weight, bias, v, groups: int, eps: float) -> torch.Tensor:
         """``y`` of the compiled forward (no autograd graph): what :meth:`forward` returns."""
+        if x.is_meta:
+            return torch.empty_like(x)
         from .norm_kernels import range_evonorm_forward
 
         return range_evonorm_forward(dense_like(x), weight, bias, v, groups, eps,
