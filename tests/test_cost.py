@@ -394,6 +394,23 @@ def test_an_encoder_decoder_is_priced_with_a_decoder_of_the_same_length():
     assert any(name.startswith("encoder.") for name in layers) and any(name.startswith("decoder.") for name in layers)
 
 
+def test_encoder_decoder_classifiers_get_an_end_of_sequence_token():
+    """BART's and T5's classification heads read the state at the end-of-sequence token and refused
+    the all-zero ids ("Each example must contain at least one <eos> token"), an error that then
+    blamed input_shape."""
+    from transformers import BartConfig, BartForSequenceClassification, T5Config, T5ForSequenceClassification
+
+    bart = BartForSequenceClassification(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, num_labels=3))
+    t5 = T5ForSequenceClassification(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                              num_decoder_layers=1, num_heads=2, num_labels=3))
+    for model in (bart, t5):
+        report = estimate_cost(model, (16,), 2, "int8")
+        assert report.uncounted_ops == {} and report.train_energy_mj > 0
+        assert any(layer.name.endswith("out_proj") for layer in report.layers)  # the head was walked
+
+
 def test_an_input_shape_the_model_cannot_take_is_named():
     with pytest.raises(ValueError, match=r"^input_shape=\(4096,\) exceeds the model's 512 positions"):
         estimate_cost(tiny_bert(), (4096,), 2)

@@ -122,7 +122,8 @@ _ELEMENTWISE = {
 
 # (adds per input element, mults per input element, mults per output element).
 _REDUCTION = {
-    **dict.fromkeys("sum amax amin max min argmax argmin any all cumsum".split(), (1, 0, 0)),
+    **dict.fromkeys("sum amax amin max min argmax argmin any all cumsum unique_consecutive".split(), (1, 0, 0)),
+    "aminmax": (2, 0, 0),  # a comparison for each end
     "mean": (1, 0, 1),
     "var": (3, 1, 2),
     "var_mean": (3, 1, 2),

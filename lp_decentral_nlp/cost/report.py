@@ -418,8 +418,10 @@ def _check_priced_bits(quant_config, what: str) -> None:
 
 
 def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
-    """``make_inputs(device)`` for the walk: zero ``input_ids`` of shape ``(batch_size, seq_len)`` for
-    a token model (an encoder-decoder's decoder reads as many tokens), zero floats of shape
+    """``make_inputs(device)`` for the walk: ``input_ids`` of shape ``(batch_size, seq_len)`` for a
+    token model (an encoder-decoder's decoder reads as many tokens), zeros ending in the config's
+    ``eos_token_id`` where it has one (BART's and T5's classification heads read the
+    end-of-sequence token's state and refuse a row without one); zero floats of shape
     ``(batch_size, *input_shape)`` otherwise. ValueError naming ``input_shape`` when a token model
     cannot take it."""
     try:
@@ -435,9 +437,14 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
             raise ValueError(f"input_shape={input_shape!r} exceeds the model's {positions} positions "
                              "(config.max_position_embeddings)")
         decoder = bool(getattr(config, "is_encoder_decoder", False))
+        eos = getattr(config, "eos_token_id", None)
+        eos = next(iter(eos), None) if isinstance(eos, (list, tuple)) else eos
+        eos = eos if isinstance(eos, int) and 0 <= eos < embeddings.num_embeddings else None
 
         def token_inputs(device):
             ids = torch.zeros((batch_size, *input_shape), dtype=torch.long, device=device)
+            if eos is not None:
+                ids[:, -1] = eos
             return (), ({"input_ids": ids, "decoder_input_ids": ids} if decoder else {"input_ids": ids})
         return token_inputs
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
