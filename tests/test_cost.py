@@ -481,3 +481,14 @@ def test_fp32_saved_activations_are_what_autograd_saves(norm):
     assert report.walk_device == "meta"
     assert report.memory_breakdown_mb["train"]["activations"] * 1e6 == pytest.approx(
         sum(nbytes for nbytes, _ in saved.values()), rel=1e-9)
+
+
+def test_per_layer_saved_activations_add_up_to_the_total():
+    """An embedding keeps its token ids for backward but runs no priced op, so it had no row: the
+    layer table and the JSON summed to less than the reported total."""
+    report = estimate_cost(tiny_bert(), (8,), 2, "int8")
+    rows = {layer.name: layer for layer in report.layers}
+    assert rows["bert.embeddings.word_embeddings"].saved_activation_bytes == 2 * 8 * 8  # int64 ids
+    assert rows["bert.embeddings.word_embeddings"].kind == "Embedding"
+    assert sum(layer.saved_activation_bytes for layer in report.layers) == pytest.approx(
+        report.memory_breakdown_mb["train"]["activations"] * 1e6)

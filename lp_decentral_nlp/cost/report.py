@@ -59,7 +59,7 @@ from .communication import CommunicationCost, communication_cost
 from .conventions import (CONVENTION_TEXT, CONVENTIONS, ENERGY_PJ, MB, MEMORY_UNITS, OPTIMIZER_STATES, PRECISIONS,
                           SAVED_RANGE_BYTES)
 from .ops import Ops, dequantize, quantize
-from .walk import Row, Walk, walk
+from .walk import ROOT, Row, Walk, walk
 
 
 
@@ -256,8 +256,11 @@ def estimate_cost(
 
     saved_by_row = _saved_activation_bytes(train_walk, quantized)
     layers = []
-    for name in dict.fromkeys([*train_walk.rows, *eval_walk.rows]):
-        tr, ev = train_walk.rows.get(name, Row(name, "")), eval_walk.rows.get(name, Row(name, ""))
+    kinds = {name or ROOT: type(module).__name__ for name, module in model.named_modules()}
+    # a module that only saves (an embedding keeps its token ids) has a row too: the rows add up
+    for name in dict.fromkeys([*train_walk.rows, *eval_walk.rows, *saved_by_row]):
+        tr = train_walk.rows.get(name, Row(name, kinds.get(name, "")))
+        ev = eval_walk.rows.get(name, Row(name, kinds.get(name, "")))
         q = name in quantized
         layers.append(LayerCost(
             name=name, kind=tr.kind or ev.kind, precision="int8" if q else "fp32",
