@@ -608,3 +608,20 @@ def test_a_refused_step_changes_nothing_and_the_corrected_call_runs(make):
     after = gossip.state_dict()
     assert after.keys() == state.keys() and gossip.num_steps == 1
     assert all(torch.equal(after[k], v) if isinstance(v, torch.Tensor) else after[k] == v for k, v in state.items())
+
+
+def test_a_transport_or_memory_query_of_the_wrong_kind_is_named():
+    """A string transport gave "'str' object has no attribute 'node_ids'"; memory_bytes([]) an
+    IndexError, memory_bytes(nodes) (the list of lists step takes) an AttributeError, and a tensor
+    was read as a list of rows."""
+    ring = make_topology("ring", 3)
+    with pytest.raises(TypeError, match=r"^transport must be a SimulatedTransport or TorchDistributedTransport "
+                                        r"\(or None; one of your own needs node_ids, prepare, exchange, "
+                                        r"memory_bytes\), got str$"):
+        ChocoSGD(ring, transport="x")
+    gossip = ChocoSGD(ring, TopK(0.1))
+    for params, got in (([], "an empty list"), (make_nodes(3), "a list holding list"), (torch.randn(3), "Tensor"),
+                        ([torch.zeros(3, dtype=torch.int64)], "a list holding torch.int64")):
+        with pytest.raises(TypeError, match=rf"^params must be one node's non-empty list of floating-point tensors "
+                                            rf"\(meta tensors will do\), got {got}$"):
+            gossip.memory_bytes(params)

@@ -94,6 +94,10 @@ ParamList = list[torch.Tensor]
 #: state key of the models the engine wrote back at the previous step (SPEC 2 step 1)
 _WRITTEN = "written"
 
+#: what the engine calls on a transport (transport.py's two classes have them)
+_TRANSPORT_METHODS = ("node_ids", "prepare", "exchange", "memory_bytes")
+
+
 @dataclass
 class GossipStats:
     """What one :meth:`PushSumGossip.step` did.
@@ -168,6 +172,10 @@ class PushSumGossip:
             raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
         if faults is not None:
             faults.check_nodes(topology.num_nodes)
+        missing = [m for m in _TRANSPORT_METHODS if not callable(getattr(transport, m, None))]
+        if transport is not None and missing:
+            raise TypeError(f"transport must be a SimulatedTransport or TorchDistributedTransport (or None; one of "
+                            f"your own needs {', '.join(_TRANSPORT_METHODS)}), got {type(transport).__name__}")
         self.faults = faults if faults is not None and faults.active else None
         self._lost: frozenset[tuple[int, int]] = frozenset()
         self.topology = topology
@@ -224,6 +232,13 @@ class PushSumGossip:
         and without faults their weights stay 1). Encoding scratch space, freed within a step, is
         not counted.
         """
+        if (not isinstance(params, (list, tuple)) or not params
+                or not all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in params)):
+            got = type(params).__name__ if not isinstance(params, (list, tuple)) else (
+                "an empty list" if not params else "a list holding " + ", ".join(
+                    sorted({type(p).__name__ if not isinstance(p, torch.Tensor) else str(p.dtype) for p in params})))
+            raise TypeError(f"params must be one node's non-empty list of floating-point tensors (meta tensors will "
+                            f"do), got {got}")
         sizes = [p.numel() for p in params]
         P = sum(sizes)
         dtype = torch.promote_types(params[0].dtype, torch.float32)
