@@ -492,3 +492,27 @@ def test_per_layer_saved_activations_add_up_to_the_total():
     assert rows["bert.embeddings.word_embeddings"].kind == "Embedding"
     assert sum(layer.saved_activation_bytes for layer in report.layers) == pytest.approx(
         report.memory_breakdown_mb["train"]["activations"] * 1e6)
+
+
+class _LoraLinear(nn.Linear):
+    """A Linear whose forward does more than its type's GEMM."""
+
+    def __init__(self, features, rank=4):
+        super().__init__(features, features)
+        self.A, self.B = nn.Linear(features, rank, bias=False), nn.Linear(rank, features, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.B(self.A(x))
+
+
+def test_a_layer_subclass_with_its_own_forward_is_costed_op_by_op():
+    """It was priced by its type's formula alone: the low-rank branch's work, and its Linear
+    layers, were not counted, and nothing was flagged."""
+    model = nn.Sequential(_LoraLinear(64))
+    rows = {layer.name: layer for layer in estimate_cost(model, (64,), 8).layers}
+    assert rows["0"].forward_macs == 8 * 64 * 64  # its own GEMM, counted from the ATen ops it runs
+    assert rows["0.A"].forward_macs == rows["0.B"].forward_macs == 8 * 64 * 4
+    assert rows["0"].precision == "fp32"
+    assert {n: r.precision for n, r in ((layer.name, layer) for layer in
+                                         estimate_cost(model, (64,), 8, "int8").layers)} == {
+        "0": "fp32", "0.A": "int8", "0.B": "int8"}  # the layers quantize_model swaps

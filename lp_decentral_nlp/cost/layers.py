@@ -9,7 +9,9 @@
   without the vision package.
 
 Every other module (LayerNorm, BatchNorm, activations, attention, residual blocks, pooling) is
-costed from the ATen ops it runs (``ops.aten_cost``).
+costed from the ATen ops it runs (``ops.aten_cost``), and so is a subclass of these types that
+overrides ``forward`` (a LoRA layer adding ``B(A(x))``, say): its forward may do more than the
+type's formula (:func:`computes_its_type`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,18 @@ def _hf_conv1d() -> tuple[type, ...]:
 def gemm_layer_types() -> tuple[type, ...]:
     """Module types whose forward is one GEMM/convolution (the quantizable layers)."""
     return (nn.Linear, *_CONV, *_hf_conv1d())
+
+
+def computes_its_type(module: nn.Module) -> bool:
+    """Whether `module` computes what its GEMM or norm type's formula prices: its ``forward`` is one
+    of those types' own, or it is an 8-bit layer of ``lp_decentral_nlp`` (whose forward runs the
+    same GEMM or norm on quantized operands). Any other override may do more work."""
+    from ..quant import QuantModule
+
+    if isinstance(module, QuantModule):
+        return True
+    forward = type(module).forward
+    return any(isinstance(module, base) and forward is base.forward for base in gemm_layer_types() + norm_layer_types())
 
 
 def gemm_macs(module: nn.Module, output: torch.Tensor) -> int:

@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .layers import gemm_layer_types, gemm_macs, norm_layer_cost, norm_layer_types
+from .layers import computes_its_type, gemm_layer_types, gemm_macs, norm_layer_cost, norm_layer_types
 from .ops import Ops, aten_cost, gemm
 
 ROOT = "(model)"
@@ -111,14 +111,14 @@ class _Recorder(TorchDispatchMode):
     # -- rows ---------------------------------------------------------------------------------
     def row(self, module_name: str, module: nn.Module) -> Row:
         if module_name not in self.rows:
-            is_gemm = isinstance(module, self.gemm_types)
+            is_gemm = isinstance(module, self.gemm_types) and self.typed(module)
             self.rows[module_name] = Row(
                 module_name, type(module).__name__, is_gemm, module.weight.numel() if is_gemm else 0
             )
         return self.rows[module_name]
 
     def typed(self, module: nn.Module) -> bool:
-        return isinstance(module, self.gemm_types + self.norm_types)
+        return isinstance(module, self.gemm_types + self.norm_types) and computes_its_type(module)
 
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, module, args, kwargs):
