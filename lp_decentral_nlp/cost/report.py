@@ -43,8 +43,8 @@ Conventions (SPEC 7, ``convention=``):
   arithmetic, norms, heads and all -- is an int8 op, so the fp32 / 8-bit energy ratio is about
   (0.9 + 3.7) / (0.03 + 0.2) = 20 by construction (19.9x for ResNet-20); inference memory is the
   model weights alone (every parameter at 8 bits in the 8-bit model); training memory is counted
-  as in ``"ours"``; memory is in MiB (2^20 bytes), the unit of the paper's "MB" (ResNet-20:
-  1.04 vs 0.26; VGG-11: 36.22 vs 9.01). ``weight_grad_gemm="fp32"`` has no meaning there and is refused.
+  as in ``"ours"``; memory is in MiB (2^20 bytes), the unit of the paper's "MB" (the paper's
+  ResNet-20: 1.04 vs 0.26, which this reproduces; VGG-11: 36.22 vs 9.01, this gives 9.05). ``weight_grad_gemm="fp32"`` has no meaning there and is refused.
 """
 from __future__ import annotations
 
@@ -209,8 +209,10 @@ def estimate_cost(
         batch_size: samples per iteration on this node.
         precision: ``"fp32"`` or ``"int8"`` (8-bit training of SPEC 4).
         quant_config: ``lp_decentral_nlp.quant.QuantConfig`` selecting the quantized layers for
-            ``"int8"`` (default ``QuantConfig()``: every Linear/Conv1D/Conv2d but the heads). A
-            model already passed through ``quantize_model`` uses its own 8-bit layers instead.
+            ``"int8"`` (default ``QuantConfig()``: what ``quantize_model`` would swap, every
+            Linear/Conv1D/Conv2d but the heads, and with ``lp_decentral_nlp.vision`` imported its
+            EvoNorm-S0 / Range norms; ``embeddings=True`` adds the embeddings). A model already
+            passed through ``quantize_model`` uses its own 8-bit layers instead.
         optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2),
             ``"sgd_qgm"`` (2) or ``"adam_qgm"`` (3): quasi-global momentum's model snapshot on top
             (``OPTIMIZER_STATES``; ``lp_decentral_nlp.trainer.cost_optimizer`` names a run's).
