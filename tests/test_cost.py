@@ -341,6 +341,9 @@ def test_to_dict_is_json():
         ({"convention": "table10"}, "convention must be one of"),
         ({"convention": "paper", "weight_grad_gemm": "fp32"}, "weight_grad_gemm='fp32' needs convention='ours'"),
         # a torch optimizer's repr spans lines, so the message did too
+        # priced fp32 with half the memory, and the report said fp32
+        ({"model": Residual().to(torch.bfloat16)}, r"^the cost model prices fp32 training .*; parameter '[a-z0-9.]+' is "
+                                                   r"torch.bfloat16: call model.float\(\) first$"),
         ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)},
          r"^optimizer must be one of \('sgd', 'momentum', 'adam', 'sgd_qgm', 'adam_qgm'\), got SGD$"),
     ],

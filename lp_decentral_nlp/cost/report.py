@@ -232,6 +232,11 @@ def estimate_cost(
                          "prices every op of the 8-bit model int8")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    other = next(((n, p.dtype) for n, p in model.named_parameters()
+                  if p.is_floating_point() and p.dtype != torch.float32), None)
+    if other is not None:  # its memory would be counted at its dtype, its arithmetic priced fp32
+        raise ValueError(f"the cost model prices fp32 training and SPEC 4's 8-bit training of an fp32 model; "
+                         f"parameter {other[0]!r} is {other[1]}: call model.float() first")
     batch_size = check_number("batch_size", batch_size, POSITIVE_INT)
     if precision == "fp32" and quant_config is not None:
         raise ValueError("quant_config selects the 8-bit layers of precision='int8'; precision='fp32' prices every "
