@@ -49,8 +49,9 @@ class Row:
     """What one module did in one forward pass (summed over its calls).
 
     ``ops``: forward arithmetic, for a GEMM layer its MACs plus bias adds (no quantization).
-    ``calls``, ``input_numel``/``output_numel``: calls of a GEMM layer and the elements of its
-    inputs and outputs over all calls.
+    ``calls``, ``input_numel``/``output_numel``: calls of a GEMM or norm layer and the elements of
+    its inputs and outputs over all calls; ``weight_numel``: a GEMM layer's weight elements, a norm
+    layer's parameter elements (what an 8-bit layer quantizes each call).
     """
 
     name: str
@@ -112,9 +113,13 @@ class _Recorder(TorchDispatchMode):
     def row(self, module_name: str, module: nn.Module) -> Row:
         if module_name not in self.rows:
             is_gemm = isinstance(module, self.gemm_types) and self.typed(module)
-            self.rows[module_name] = Row(
-                module_name, type(module).__name__, is_gemm, module.weight.numel() if is_gemm else 0
-            )
+            if is_gemm:
+                weight_numel = module.weight.numel()
+            elif self.typed(module):  # a norm: its (C,) weight, bias and v
+                weight_numel = sum(p.numel() for p in module.parameters(recurse=False))
+            else:
+                weight_numel = 0
+            self.rows[module_name] = Row(module_name, type(module).__name__, is_gemm, weight_numel)
         return self.rows[module_name]
 
     def typed(self, module: nn.Module) -> bool:
@@ -156,6 +161,9 @@ class _Recorder(TorchDispatchMode):
             row.output_numel += out.numel()
         else:
             row.ops += norm_layer_cost(module, x, self.training)
+            row.calls += 1
+            row.input_numel += x.numel()
+            row.output_numel += out.numel()
         self._track(out)
 
     # -- ATen ops -------------------------------------------------------------------------------
