@@ -541,3 +541,20 @@ def test_a_layer_subclass_with_its_own_forward_is_costed_op_by_op():
     assert {n: r.precision for n, r in ((layer.name, layer) for layer in
                                          estimate_cost(model, (64,), 8, "int8").layers)} == {
         "0": "fp32", "0.A": "int8", "0.B": "int8"}  # the layers quantize_model swaps
+
+
+class _Bilinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bilinear = nn.Bilinear(4, 4, 2)
+
+    def forward(self, x):
+        return self.bilinear(x, x)
+
+
+def test_the_text_report_names_the_ops_it_counted_as_zero():
+    """Only the command line printed them; print(report) and format_comparison showed a clean table."""
+    report = estimate_cost(_Bilinear(), (4,), 2)
+    assert report.uncounted_ops  # _trilinear has no cost rule
+    assert str(report).endswith(f"note (fp32): ops without a cost rule, counted as zero: {report.uncounted_ops}")
+    assert "note" not in str(estimate_cost(linear_model(), (3,), 2))

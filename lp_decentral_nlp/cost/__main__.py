@@ -174,9 +174,7 @@ def main(argv=None) -> int:
         print(f"8-bit train energy with the weight-gradient GEMM priced fp32 (SPEC 4 computes it from the "
               f"full-precision output gradient): {fp32_weight_grad_energy:.4g} mJ, "
               f"{reports['fp32'].train_energy_mj / fp32_weight_grad_energy:.2f}x less than fp32")
-    for precision, report in reports.items():
-        if report.uncounted_ops:
-            print(f"note ({precision}): ops without a cost rule, counted as zero: {report.uncounted_ops}")
+    for precision, report in reports.items():  # format_comparison printed the uncounted ops
         if args.layers:
             print(f"\nper-layer breakdown, {precision}:\n{report.layer_table()}")
     if args.output is not None:

@@ -554,4 +554,6 @@ def format_comparison(reports: dict[str, CostReport]) -> str:
         rows.append((label, *(fmt.format(v) for v in values), *ratio))
     setup = ", ".join(f"{k}={v}" for k, v in (("batch", rs[0].batch_size),
                                                 ("input", rs[0].input_shape), ("optimizer", rs[0].optimizer)))
-    return f"{setup}\n{CONVENTION_TEXT[convention]}\n" + _format_table(header, rows)
+    notes = "".join(f"\nnote ({label}): ops without a cost rule, counted as zero: {r.uncounted_ops}"
+                    for label, r in reports.items() if r.uncounted_ops)
+    return f"{setup}\n{CONVENTION_TEXT[convention]}\n" + _format_table(header, rows) + notes
