@@ -374,6 +374,15 @@ def test_bad_inputs_are_rejected_with_clear_errors():
     for summary in (average_model, consensus_distance):
         with pytest.raises(ValueError, match="at least one node"):
             summary([])
+        # were torch's "Tensor list must have at least one tensor", a broadcasting error, and
+        # "Boolean value of Tensor ... is ambiguous"
+        with pytest.raises(ValueError, match=r"^nodes\[0\] must be a non-empty list of tensors$"):
+            summary([[]])
+        with pytest.raises(ValueError, match=r"^nodes\[1\] holds tensors of shapes \[\(3,\)\], nodes\[0\] of "
+                                             r"\[\(2,\)\]: every node must hold the same model$"):
+            summary([[torch.zeros(2)], [torch.zeros(3)]])
+        with pytest.raises(ValueError, match=r"^nodes must hold at least one node's parameter list, got Tensor$"):
+            summary(torch.zeros(2, 3))
     gossip = SGP(ring)
     with pytest.raises(ValueError, match="list of 3 parameter lists"):
         gossip.step(make_nodes(2))

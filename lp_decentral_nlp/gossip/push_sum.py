@@ -770,9 +770,21 @@ def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Te
 
 
 def average_model(nodes: list[ParamList]) -> ParamList:
-    """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors."""
-    if not nodes:
-        raise ValueError("nodes must hold at least one node's parameter list, got none")
+    """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors. ``nodes``: one
+    non-empty list of tensors per node, the same shapes on every node."""
+    if not isinstance(nodes, (list, tuple)) or not nodes:
+        got = "none" if isinstance(nodes, (list, tuple)) else type(nodes).__name__
+        raise ValueError(f"nodes must hold at least one node's parameter list, got {got}")
+    shapes = None
+    for k, params in enumerate(nodes):
+        if (not isinstance(params, (list, tuple)) or not params
+                or not all(isinstance(p, torch.Tensor) for p in params)):
+            raise ValueError(f"nodes[{k}] must be a non-empty list of tensors")
+        if shapes is None:
+            shapes = [tuple(p.shape) for p in params]
+        elif [tuple(p.shape) for p in params] != shapes:
+            raise ValueError(f"nodes[{k}] holds tensors of shapes {[tuple(p.shape) for p in params]}, nodes[0] of "
+                             f"{shapes}: every node must hold the same model")
     avg = [p.detach().clone() for p in nodes[0]]
     for params in nodes[1:]:
         torch._foreach_add_(avg, [p.detach() for p in params])
