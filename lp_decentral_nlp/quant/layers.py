@@ -190,30 +190,31 @@ class ActivationQuantizer(QuantModule):
         self.act_running_max = torch.zeros((), device=device)
         self.act_num_batches = torch.zeros((), dtype=torch.long, device=device)
 
-    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _activation_range(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Input range (SPEC 4): batch mean of per-sample min/max in training, which also updates
         the running range; the running range in eval (the batch's own before any training batch).
-        Returns ``(lo, hi, batch_finite)``, all 0-d; ``batch_finite``: whether `x` holds no NaN and
-        no infinity (its per-sample extremes are finite), for :meth:`_keep_non_finite`.
+        Returns ``(lo, hi, batch_finite)``, 0-d tensors; ``batch_finite`` (eval only, None in
+        training): whether `x` holds no NaN and no infinity (its per-sample extremes are finite),
+        for :meth:`_keep_non_finite`.
 
         A forward that runs inside a backward pass is gradient checkpointing's recomputation
         (``torch.utils.checkpoint``, reentrant or not): it takes the same batch range but leaves the
         running range alone, so a checkpointed step updates it once, as an uncheckpointed one."""
         with torch.no_grad():
             lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
-            batch_finite = torch.isfinite(lo + hi)  # inf - inf is NaN: one test for both ends
             if self.training:
                 if not _in_backward():
                     update_running_range(
                         self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
                         self.quant_config.act_momentum,
                     )
-                return lo, hi, batch_finite
+                return lo, hi, None
+            batch_finite = torch.isfinite(lo + hi)  # inf - inf is NaN: one test for both ends
             calibrated = self.act_num_batches > 0
             return (torch.where(calibrated, self.act_running_min, lo), torch.where(calibrated, self.act_running_max, hi),
                     batch_finite)
 
-    def _keep_non_finite(self, y: torch.Tensor, batch_finite: torch.Tensor,
+    def _keep_non_finite(self, y: torch.Tensor, batch_finite: torch.Tensor | None,
                          non_finite_outputs: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`y` with NaN where, in evaluation, the output depends on a NaN or infinite input element
         (``non_finite_outputs()``, a bool mask broadcastable to `y`), the others untouched: for a
