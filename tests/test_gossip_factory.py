@@ -4,7 +4,7 @@ import torch
 
 from lp_decentral_nlp.gossip import QSGD, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, consensus_distance, \
     make_topology
-from lp_decentral_nlp.gossip import GossipConfig, compression_quality, default_consensus_lr
+from lp_decentral_nlp.gossip import GossipConfig, build_gossip, compression_quality, default_consensus_lr
 
 
 @pytest.mark.parametrize("compressor, algorithm, gamma", [
@@ -93,3 +93,13 @@ def test_unscaled_qsgd_is_refused_by_both_compressed_algorithms(cls):
     with pytest.raises(ValueError, match=rf"^{cls.__name__} needs a contraction"):
         cls(topo, QSGD(4))
     assert cls(topo, QSGD(4, scaled=True)).gamma == default_consensus_lr(QSGD(4, scaled=True), cls.algorithm)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_an_exponential_graph_of_one_or_two_nodes_is_static_and_takes_choco(num_nodes):
+    """It was refused by name, though with one neighbour it never changes (period 1), and
+    ChocoSGD accepts it."""
+    config = GossipConfig(num_nodes=num_nodes, topology="exponential", algorithm="choco", compression=90.0)
+    assert isinstance(build_gossip(config), ChocoSGD)
+    with pytest.raises(ValueError, match=r"^topology='exponential' changes every step"):
+        GossipConfig(num_nodes=3, topology="exponential", algorithm="choco")
