@@ -309,7 +309,9 @@ def state_bytes(gossip, stats) -> int:
     lambda: DeepSqueeze(irregular_digraph(), Identity(), gamma=1.0),  # push-sum weights leave 1: "written" kept
     lambda: DeepSqueeze(make_topology("directed_ring", 4), RandomK(0.2), gamma=0.5,
                         faults=FaultPlan(drop_prob=0.3, seed=1)),
-], ids=["choco", "deepsqueeze", "sgp", "irregular", "lost-messages"])
+    # stragglers only delay: no weight leaves 1, no "written" (it was counted anyway)
+    lambda: ChocoSGD(make_topology("ring", 4), TopK(0.2), gamma=0.5, faults=FaultPlan(stragglers=((1, 0.0),))),
+], ids=["choco", "deepsqueeze", "sgp", "irregular", "lost-messages", "stragglers"])
 def test_memory_bytes_is_what_the_gossip_holds_after_stepping(make):
     gossip = make()
     n = gossip.topology.num_nodes

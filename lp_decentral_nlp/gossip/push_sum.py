@@ -228,7 +228,7 @@ class PushSumGossip:
         transport's receive buffers, all in the state dtype (the parameters' promoted to at least
         float32) or as encoded. ``"written"`` (``(len(node_ids), P)`` in the parameters' dtype, kept
         once a push-sum weight leaves 1) is counted wherever a weight may leave 1: under a fault plan
-        (:mod:`.faults`), or on a graph whose mixing rows do not sum to 1 (the built-in graphs' do,
+        that loses messages or has absences (:mod:`.faults`), or on a graph whose mixing rows do not sum to 1 (the built-in graphs' do,
         and without faults their weights stay 1). Encoding scratch space, freed within a step, is
         not counted.
         """
@@ -249,7 +249,8 @@ class PushSumGossip:
         total += self.transport.memory_bytes(self.topology, layout, self._node_ids)
         rows_sum_to_one = all(np.allclose(self.topology.mixing_matrix(t).sum(dim=1).numpy(), 1.0)
                               for t in range(self.topology.period))
-        if self.faults is not None or not rows_sum_to_one:
+        moves_weights = self.faults is not None and (self.faults.drop_prob > 0 or bool(self.faults.absences))
+        if moves_weights or not rows_sum_to_one:  # stragglers only delay: the weights stay 1
             total += len(self._node_ids) * P * params[0].element_size()
         return total
 
