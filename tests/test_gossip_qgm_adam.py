@@ -96,3 +96,25 @@ def test_a_node_that_skips_keeps_its_moments_and_state_round_trips():
         QuasiGlobalAdam(nodes, betas=(1.0, 0.9))
     with pytest.raises(RuntimeError, match="begin_iteration"):
         QuasiGlobalAdam(nodes).step(0, [torch.ones(4)], lr=0.1)
+
+
+def test_gradients_of_the_wrong_kind_are_refused_before_any_state_changes():
+    """int64 gradients failed inside the update after v and the step count had changed."""
+    nodes = [[torch.ones(4)], [torch.ones(4)]]
+    qgm = QuasiGlobalAdam(nodes)
+    qgm.begin_iteration()
+    before = qgm.state_dict()
+    before = {k: [[t.clone() for t in node] for node in v] if k in ("exp_avg", "exp_avg_sq") else v
+              for k, v in before.items()}
+    for grads, message in (([torch.ones(4, dtype=torch.int64)], r"^grads\[0\] must be a floating-point tensor of "
+                                                                 r"shape \(4,\), got torch.int64 of shape \(4,\)$"),
+                           ([torch.ones(3)], r"^grads\[0\] must be a floating-point tensor of shape \(4,\), got "
+                                             r"torch.float32 of shape \(3,\)$"),
+                           (torch.ones(4), r"^grads must hold 1 tensors \(one per parameter\), got Tensor$")):
+        with pytest.raises(ValueError, match=message):
+            qgm.step(0, grads, lr=0.1)
+    after = qgm.state_dict()
+    assert after["steps"] == before["steps"]
+    assert all(torch.equal(a, b) for k in ("exp_avg", "exp_avg_sq") for x, y in zip(after[k], before[k])
+               for a, b in zip(x, y))
+    assert torch.equal(nodes[0][0], torch.ones(4))

@@ -63,8 +63,7 @@ class QuasiGlobalMomentum:
         """``g += beta * m`` in place for local node ``node``'s gradients (SPEC 2 QGM), one tensor per
         parameter in the order given at construction. Call it for each node that steps."""
         node = _checked_node(node, len(self._momentum))
-        if len(grads) != len(self._momentum[node]):
-            raise ValueError(f"grads must hold {len(self._momentum[node])} tensors (one per parameter), got {len(grads)}")
+        _check_grads(grads, self._momentum[node])
         with torch.no_grad():
             torch._foreach_add_(list(grads), self._momentum[node], alpha=self.beta)
 
@@ -180,8 +179,7 @@ class QuasiGlobalAdam:
         if not self._open:
             raise RuntimeError("step() outside an iteration: call begin_iteration() first")
         node = _checked_node(node, len(self._nodes))
-        if len(grads) != len(self._nodes[node]):
-            raise ValueError(f"grads must hold {len(self._nodes[node])} tensors (one per parameter), got {len(grads)}")
+        _check_grads(grads, self._nodes[node])
         lr = check_number("lr", lr, _LR)
         beta1, beta2 = self.betas
         self._steps[node] += 1
@@ -267,6 +265,18 @@ class QuasiGlobalAdam:
                 for buffers, saved_buffers in zip(mine, saved, strict=True):
                     torch._foreach_copy_(buffers, list(saved_buffers))
         self._steps = [int(c) for c in state_dict["steps"]]
+
+
+def _check_grads(grads, params: list[torch.Tensor]) -> None:
+    """ValueError unless ``grads`` holds one floating tensor per parameter, shaped like it, checked
+    before any state is written."""
+    if not isinstance(grads, (list, tuple)) or len(grads) != len(params):
+        got = len(grads) if isinstance(grads, (list, tuple)) else type(grads).__name__
+        raise ValueError(f"grads must hold {len(params)} tensors (one per parameter), got {got}")
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.shape != p.shape:
+            got = type(g).__name__ if not isinstance(g, torch.Tensor) else f"{g.dtype} of shape {tuple(g.shape)}"
+            raise ValueError(f"grads[{i}] must be a floating-point tensor of shape {tuple(p.shape)}, got {got}")
 
 
 def _checked_node(node, count: int) -> int:
