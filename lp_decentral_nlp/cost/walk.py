@@ -73,7 +73,7 @@ class Saved:
     numel: int
     itemsize: int
     row: str
-    kind: str = "op"
+    kind: str
 
 
 @dataclass
