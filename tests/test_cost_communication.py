@@ -134,3 +134,17 @@ def test_communication_cost_names_a_model_that_is_no_module():
 
     with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got str$"):
         communication_cost("x", SGP(make_topology("ring", 3)))
+
+
+def test_only_the_trainable_parameters_are_priced_as_gossip():
+    """The traffic counted every parameter; the trainer gossips the trained ones only."""
+    from lp_decentral_nlp.gossip import SGP, make_topology
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    gossip = SGP(make_topology("directed_ring", 4))
+    whole = communication_cost(model, gossip).bytes_per_iteration
+    model[0].requires_grad_(False)
+    head = communication_cost(model, gossip).bytes_per_iteration
+    assert head == whole * (64 * 2 + 2 + 1) // (64 * 64 + 64 + 64 * 2 + 2 + 1)  # fp32 entries and the weight
+    with pytest.raises(ValueError, match=r"^model has no trainable parameter"):
+        communication_cost(model.requires_grad_(False), gossip)

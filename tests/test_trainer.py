@@ -111,6 +111,39 @@ def test_averaged_model_is_the_mean_of_the_nodes(tmp_path, agnews_small, tokeniz
     assert dist == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("algorithm, qgm", [("deepsqueeze", False), ("choco", True)])
+def test_frozen_parameters_are_not_gossiped_and_stay_as_they_were(tmp_path, agnews_small, tokenizer, algorithm, qgm):
+    """Every parameter was gossiped: with random-k messages a frozen base (a LoRA model's, a frozen
+    encoder) drifted on every node (a LayerNorm weight of 1.0 ended in [-0.44, 2.44] after 20
+    Deep-Squeeze steps), QuasiGlobalAdam decayed it, and bytes_sent counted the whole model."""
+    model = tiny_model()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("classifier", "pre_classifier")))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    args = targs(tmp_path, algorithm=algorithm, compression=90.0, compressor="randomk", low_precision=False,
+                 max_steps=4, qgm=qgm, weight_decay=0.1 if qgm else 0.0, optim="adamw_torch")
+    trainer = DecentralizedTrainer(model=model, args=args, train_dataset=agnews_small["train"],
+                                   processing_class=tokenizer)
+    trainer.train()
+    for net in (trainer.model, *trainer.nodes):
+        assert all(torch.equal(p, frozen[name]) for name, p in net.named_parameters() if name in frozen)
+    assert [p.numel() for p in trainer.node_params[0]] == [p.numel() for p in model.parameters() if p.requires_grad]
+    per_message = int(trainer.bytes_sent[0]) / 4  # 4 steps, one out-neighbour on the directed ring
+    assert per_message < 2 * trainable_numel * 4  # the trained parameters' share, not the whole model's
+    moved = [not torch.equal(p, q) for p, q in zip(trainer.nodes[0].parameters(), trainer.nodes[1].parameters())
+             if p.requires_grad]
+    assert any(moved)
+
+
+def test_a_model_without_trainable_parameters_is_refused(tmp_path, agnews_small, tokenizer):
+    model = tiny_model().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^model has no trainable parameter \(requires_grad=True\): nothing to "
+                                         r"train or gossip$"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"],
+                             processing_class=tokenizer)
+
+
 @pytest.mark.parametrize("kwargs, word", [
     (dict(num_nodes=0), "num_nodes"), (dict(compression=100.0), "compression"), (dict(skew=1.5), "skew"),
     (dict(algorithm="gossip"), "algorithm"), (dict(backend="mpi"), "backend"), (dict(topology="star"), "topology"),

@@ -452,7 +452,7 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     """
     from ..cost import OPTIMIZER_STATES, estimate_cost
     from ..cost.conventions import MB  # the report's memory unit in its default convention
-    from ..gossip import build_gossip
+    from ..gossip import build_gossip, gossiped_parameters
     from ..trainer import NodeGroup, cost_optimizer
 
     optimizer = cost_optimizer(training, model)
@@ -465,7 +465,7 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     available = available_memory_mb(training.device)  # sets up the process group of a launch
     group = NodeGroup(training.num_nodes, training.backend)
     gossip = build_gossip(training.gossip_config, group.transport(training.gossip_timeout))
-    shared = (weights + gossip.memory_bytes(list(model.parameters()))) / MB
+    shared = (weights + gossip.memory_bytes(gossiped_parameters(model))) / MB
     here = len(group.node_ids)
     need = per_node * here + shared
     if need > available:

@@ -45,13 +45,14 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
     """Gossip traffic per node for ``model`` under the algorithm object ``gossip``.
 
     Args:
-        model: the model every node trains (its parameters are gossiped; it is not modified).
+        model: the model every node trains (its trainable parameters are gossiped,
+            ``gossip.gossiped_parameters``; it is not modified).
         gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``, ``ChocoSGD``, ``DeepSqueeze``),
             which fixes the compressor and the topology.
         batch_size, samples_per_node: give both for the per-epoch traffic (``samples_per_node >=
             batch_size``: an epoch is its full batches).
     """
-    from lp_decentral_nlp.gossip import SGP, PushSumGossip, make_topology
+    from lp_decentral_nlp.gossip import SGP, PushSumGossip, gossiped_parameters, make_topology
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -69,7 +70,9 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
     alone = make_topology("directed_ring", 1)
     probe = SGP(alone) if isinstance(gossip, SGP) else type(gossip)(alone, compressor=gossip.compressor,
                                                                       gamma=gossip.gamma)
-    params = [p.detach().clone() for p in model.parameters()]
+    params = [p.clone() for p in gossiped_parameters(model)]  # the trained ones: frozen ones are not sent
+    if not params:
+        raise ValueError("model has no trainable parameter (requires_grad=True): nothing is gossiped")
     message_bytes = probe.step([params]).message_bytes
 
     topology = gossip.topology

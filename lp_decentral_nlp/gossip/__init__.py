@@ -15,7 +15,7 @@ Distributed (one node per rank, after ``torch.distributed.init_process_group``):
 """
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
-from .push_sum import GossipStats, PushSumGossip, average_model, consensus_distance
+from .push_sum import GossipStats, PushSumGossip, average_model, consensus_distance, gossiped_parameters
 from .sgp import SGP
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .momentum import QuasiGlobalAdam, QuasiGlobalMomentum
@@ -30,6 +30,7 @@ __all__ = [
     "TOPOLOGIES", "Topology", "make_topology",
     "Compressor", "Identity", "TopK", "RandomK", "QSGD", "Quantize",
     "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
+    "gossiped_parameters",
     "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",

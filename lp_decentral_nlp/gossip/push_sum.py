@@ -770,6 +770,14 @@ def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Te
     return torch.tensor([saved.index(i) for i in wanted])
 
 
+def gossiped_parameters(model: torch.nn.Module) -> ParamList:
+    """The parameters decentralized training gossips for ``model``: those that train
+    (``requires_grad``), detached, in ``model.parameters()`` order. A frozen parameter (a LoRA
+    model's base, a frozen embedding) starts equal on every node (SPEC 1) and never changes, so it
+    needs no messages; gossiping it with compressed messages would move it."""
+    return [p.detach() for p in model.parameters() if p.requires_grad]
+
+
 def average_model(nodes: list[ParamList]) -> ParamList:
     """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors. ``nodes``: one
     non-empty list of tensors per node, the same shapes on every node."""

@@ -18,7 +18,7 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import logging
 
-from ..gossip import RandomK, TopK
+from ..gossip import RandomK, TopK, gossiped_parameters
 from ..gossip.factory import build_compressor
 
 logger = logging.get_logger(__name__)
@@ -33,7 +33,10 @@ class EvaluationMixin:
     """`DecentralizedTrainer`'s averaged model, final merge, training logs and evaluation."""
 
     def _float_state(self, model):
-        return [t for t in model.state_dict().values() if t.is_floating_point()]
+        """What the nodes' average is formed over, in ``state_dict`` order: its float entries but
+        the frozen parameters (equal on every node, never changed: they stay as they are)."""
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return [t for name, t in model.state_dict().items() if t.is_floating_point() and name not in frozen]
 
     @torch.no_grad()
     def _refresh_average_model(self):
@@ -50,12 +53,12 @@ class EvaluationMixin:
 
     @torch.no_grad()
     def consensus_distance(self) -> float:
-        """``1/n * sum_i ||z_i - mean z||^2`` over all parameters (SPEC 1)."""
+        """``1/n * sum_i ||z_i - mean z||^2`` over the gossiped parameters (SPEC 1)."""
         self._refresh_average_model()
-        mean = list(self.model.parameters())
+        mean = gossiped_parameters(self.model)
         local = torch.zeros(len(self.nodes), dtype=torch.float64)
-        for k, node in enumerate(self.nodes):
-            diffs = torch._foreach_sub(list(node.parameters()), mean)
+        for k, params in enumerate(self.node_params):
+            diffs = torch._foreach_sub(params, mean)
             local[k] = sum(torch.linalg.vector_norm(d, dtype=torch.float64) ** 2 for d in diffs)
         return float(self.node_group.gather(local).mean())
 

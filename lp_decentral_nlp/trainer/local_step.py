@@ -102,7 +102,8 @@ class LocalStepMixin:
             else:
                 # a parameter the loss does not reach has no gradient: a zero one (SGD's step skips
                 # it, the momentum added goes nowhere; QuasiGlobalAdam moves it by momentum and decay)
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in node.parameters()
+                         if p.requires_grad]  # qgm's parameters: the gossiped ones
                 if isinstance(qgm, QuasiGlobalAdam):
                     qgm.step(k, grads, optimizer.param_groups[0]["lr"])
                 else:

@@ -188,4 +188,4 @@ class OptimizerMixin:
         decay = {id(p): group["weight_decay"] for group in groups for p in group["params"]}
         return gossip_lib.QuasiGlobalAdam(
             self.node_params, betas=tuple(groups[0]["betas"]), eps=groups[0]["eps"],
-            weight_decay=[float(decay.get(id(p), 0.0)) for p in self.nodes[0].parameters()])
+            weight_decay=[float(decay.get(id(p), 0.0)) for p in self.nodes[0].parameters() if p.requires_grad])

@@ -41,6 +41,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
+from ..gossip.push_sum import gossiped_parameters
 from ..gossip.transport import GossipPeerError
 from ..quant import QuantConfig, QuantModule, quantize_model
 from ..quant.kernels import AUTO
@@ -209,14 +210,17 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low
         self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or (
             type(model).__name__ in CAUSAL_LM_CLASSES and not getattr(model.config, "is_encoder_decoder", False))
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         self._shard_labels, self.node_group = shard_labels, node_group
         self.node_ids = self.node_group.node_ids
         # SPEC 1: every node starts from the same weights (process 0's)
         self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
         self.nodes = [copy.deepcopy(self.model) for _ in self.node_ids]
         self._average_is_current = True  # self.model is the nodes' average (they are its copies)
-        # z_i of every local node, as the gossip engine updates them in place
-        self.node_params = [[p.detach() for p in node.parameters()] for node in self.nodes]
+        # z_i of every local node, as the gossip engine updates them in place: the trained parameters
+        # (a frozen one, e.g. a LoRA model's base, is equal on every node and never changes)
+        self.node_params = [gossiped_parameters(node) for node in self.nodes]
         self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout))
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
