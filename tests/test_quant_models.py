@@ -504,3 +504,45 @@ def test_gradient_checkpointing_updates_the_running_ranges_once_per_step(use_ree
         buffers.append({k: v for k, v in model.state_dict().items() if ".act_" in k})
     assert buffers[1]["bert.encoder.layer.1.attention.self.query.act_num_batches"].item() == len(batches)
     assert all(torch.equal(buffers[0][k], buffers[1][k]) for k in buffers[0])
+
+
+class _ForwardingWrapper(nn.Module):
+    """What PEFT's PeftModel is to this library: it holds a transformers model, forwards unknown
+    attributes (``config``, ``dequantize``) to it, and returns it from ``get_base_model()``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def get_base_model(self):
+        return self.base_model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)
+
+
+def test_a_wrapped_model_keeps_its_quantizer_and_config_on_the_model_it_wraps():
+    """With PEFT's wrapper, quantize_model set hf_quantizer on the wrapper, so the model of
+    merge_and_unload() refused dequantize() ("You need to first quantize your model"); and
+    dequantize_model of a wrapper around a quantized model failed deleting the quantizer from the
+    wrapper after every layer was float, leaving quantization_config behind: the saved base
+    reloaded 8-bit."""
+    from lp_decentral_nlp.quant import QuantModule
+
+    inner = ARCHITECTURES["bert"]()
+    wrapper = quantize_model(_ForwardingWrapper(inner))
+    assert "hf_quantizer" in vars(inner) and "hf_quantizer" not in vars(wrapper)
+    inner.dequantize()  # the merged model's way
+    assert not any(isinstance(m, QuantModule) for m in inner.modules())
+    assert not hasattr(inner.config, "quantization_config")
+
+    inner = quantize_model(ARCHITECTURES["bert"]())
+    dequantize_model(_ForwardingWrapper(inner))
+    assert not any(isinstance(m, QuantModule) for m in inner.modules())
+    assert not hasattr(inner.config, "quantization_config") and "hf_quantizer" not in vars(inner)

@@ -152,12 +152,23 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
         warnings.warn(message, stacklevel=3)
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
-    if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
+    owner = _config_owner(model)
+    if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
-        setattr(model.config, CONFIG_KEY, hf_config)
-        if hasattr(model, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
-            model.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
+        setattr(owner.config, CONFIG_KEY, hf_config)
+        if hasattr(owner, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
+            owner.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
     return model
+
+
+def _config_owner(model: nn.Module) -> nn.Module:
+    """The model whose config records the quantization: `model`, or the transformers model a wrapper
+    holds (PEFT's ``PeftModel``, through ``get_base_model()``). The wrapper forwards ``config`` and
+    ``dequantize`` to it, but a quantizer set on the wrapper stays there: the merged model of
+    ``merge_and_unload()`` lacked it, and deleting it from the wrapper failed."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    return base if isinstance(base, nn.Module) else model
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
@@ -171,11 +182,12 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     if not selected:
         raise ValueError("dequantize_model: model has no quantized layers")
     _replace(model, selected, lambda m: m.to_float())
-    quantizer = getattr(model, "hf_quantizer", None)
+    owner = _config_owner(model)
+    quantizer = owner.__dict__.get("hf_quantizer")  # its own, not one a wrapper forwards
     if isinstance(quantizer, LpHfQuantizer):
-        quantizer.remove_quantization_config(model)
-    elif isinstance(getattr(getattr(model, "config", None), CONFIG_KEY, None), LpQuantizationConfig):
-        delattr(model.config, CONFIG_KEY)
+        quantizer.remove_quantization_config(owner)
+    elif isinstance(getattr(getattr(owner, "config", None), CONFIG_KEY, None), LpQuantizationConfig):
+        delattr(owner.config, CONFIG_KEY)
     return model
 
 
