@@ -656,48 +656,47 @@ class PushSumGossip:
             where = "one per simulated node" if m > 1 else "[my_params] for this rank"
             raise ValueError(f"nodes must be a list of {m} parameter lists ({where}), "
                              f"got {type(nodes).__name__} of length {len(nodes) if hasattr(nodes, '__len__') else '?'}")
-        for k, params in enumerate(nodes):
-            if not isinstance(params, (list, tuple)) or not params:
-                got = "an empty list" if isinstance(params, (list, tuple)) else type(params).__name__
-                raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {got}")
-            for j, p in enumerate(params):
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(p).__name__} "
-                                    f"at [{j}]")
-        # every node is checked before anything is set up or written: a refused call changes nothing
-        if self._ready:
-            for k, params in enumerate(nodes):
-                if [tuple(p.shape) for p in params] != self._shapes:
-                    raise ValueError(f"nodes[{k}] must be a list of tensors with shapes {self._shapes} "
-                                     "(the same model on every node, same order as at the first step)")
-        else:
-            first = [tuple(p.shape) for p in nodes[0]]
-            for k, params in enumerate(nodes[1:], start=1):
-                if [tuple(p.shape) for p in params] != first:
-                    raise ValueError(f"nodes[{k}] holds tensors of shapes {[tuple(p.shape) for p in params]}, "
-                                     f"nodes[0] of {first}: every node must hold the same model, in the same order")
-        dtypes = {p.dtype for params in nodes for p in params}
-        devices = {p.device for params in nodes for p in params}
-        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
+        # every node is checked, in one pass over its tensors, before anything is set up or written
+        # (a refused call changes nothing); after the first step a step compares one list per node
+        layouts = [_tensor_layout(k, params) for k, params in enumerate(nodes)]
+        reference = self._node_layout if self._ready else layouts[0]
+        for k, layout in enumerate(layouts):
+            if layout != reference:
+                raise self._layout_error(k, layout, reference, layouts)
         if not self._ready:
-            self._setup(nodes)
-        elif (self._param_dtype, self._device) != (next(iter(dtypes)), next(iter(devices))):
-            raise ValueError(f"the parameters must keep the first step's dtype {self._param_dtype} and device "
-                             f"{self._device}, got {next(iter(dtypes))} on {next(iter(devices))}")
+            dtypes, devices = {d for _, d, _ in reference}, {v for _, _, v in reference}
+            if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+                raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
+            if len(devices) != 1:
+                raise ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
+            self._setup(nodes, reference)
 
-    def _setup(self, nodes) -> None:
-        """First step, after :meth:`_check_nodes`: lay out the wire format, allocate buffers, run the
-        transport's pre-flight."""
+    def _layout_error(self, k: int, layout, reference, layouts) -> ValueError:
+        """Why node `k`'s ``(shape, dtype, device)`` list `layout` differs from `reference`."""
+        shapes, expected = [s for s, _, _ in layout], [s for s, _, _ in reference]
+        if shapes != expected and self._ready:
+            return ValueError(f"nodes[{k}] must be a list of tensors with shapes {expected} "
+                              "(the same model on every node, same order as at the first step)")
+        if shapes != expected:
+            return ValueError(f"nodes[{k}] holds tensors of shapes {shapes}, nodes[0] of {expected}: every node must "
+                              "hold the same model, in the same order")
+        dtypes = {d for node in layouts for _, d, _ in node}
+        devices = {v for node in layouts for _, _, v in node}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            return ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
+        if len(devices) != 1:
+            return ValueError(f"all parameters must live on one device, got {sorted(map(str, devices))}")
+        return ValueError(f"the parameters must keep the first step's dtype {self._param_dtype} and device "
+                          f"{self._device}, got {next(iter(dtypes))} on {next(iter(devices))}")
+
+    def _setup(self, nodes, layout) -> None:
+        """First step, after :meth:`_check_nodes` (`layout`: every node's ``(shape, dtype, device)``
+        list): lay out the wire format, allocate buffers, run the transport's pre-flight."""
         first = nodes[0]
-        dtypes = {p.dtype for p in first}
-        devices = {p.device for p in first}
-        self._shapes = [tuple(p.shape) for p in first]
-        self._param_dtype = next(iter(dtypes))
-        self._device = next(iter(devices))
-        self._dtype = torch.promote_types(next(iter(dtypes)), torch.float32)
+        self._node_layout = layout  # what every later step's nodes must match
+        self._shapes = [s for s, _, _ in layout]
+        _, self._param_dtype, self._device = layout[0]
+        self._dtype = torch.promote_types(self._param_dtype, torch.float32)
         sizes = [p.numel() for p in first]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self._P = P = int(offsets[-1])
@@ -709,7 +708,7 @@ class PushSumGossip:
         self._flat = torch.zeros(P + 1, dtype=dt, device=dev)
         self._work = torch.zeros(P + 1, dtype=dt, device=dev)
         self._flat_views = [self._flat[o:o + n].view(s) for o, n, s in self._param_slices]
-        self._exact_scaling = next(iter(dtypes)) == dt
+        self._exact_scaling = self._param_dtype == dt
         self._outgoing = [Message(self._layout, dev) for _ in self._node_ids]
         self._state = {name: torch.zeros(len(self._state_nodes[name]), P + 1, dtype=dt, device=dev)
                        for name in self._state_names}
@@ -768,6 +767,19 @@ def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Te
     if missing:
         raise ValueError(f"state_dict[{what!r}] holds nodes {saved}, it lacks nodes {missing} needed here")
     return torch.tensor([saved.index(i) for i in wanted])
+
+
+def _tensor_layout(k: int, params) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+    """``(shape, dtype, device)`` of each tensor of ``nodes[k]``; TypeError unless it is a non-empty
+    list of tensors."""
+    if not isinstance(params, (list, tuple)) or not params:
+        got = "an empty list" if isinstance(params, (list, tuple)) else type(params).__name__
+        raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {got}")
+    try:
+        return [(tuple(p.shape), p.dtype, p.device) for p in params]
+    except AttributeError:
+        j, bad = next((j, p) for j, p in enumerate(params) if not isinstance(p, torch.Tensor))
+        raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(bad).__name__} at [{j}]") from None
 
 
 def gossiped_parameters(model: torch.nn.Module) -> ParamList:

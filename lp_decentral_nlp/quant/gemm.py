@@ -16,18 +16,16 @@ from torch.nn.grad import conv2d_weight
 from ..utils.layout import is_channels_last
 
 
-def non_finite_rows(x: torch.Tensor) -> torch.Tensor:
-    """``(..., 1)`` bool: the rows (over the last dim) of `x` holding a NaN or an infinity, whose
-    outputs a linear map leaves non-finite."""
+def _non_finite_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A linear map's ``non_finite_outputs``: ``(..., 1)`` bool, broadcastable to ``y``, the rows
+    (over the last dim) of `x` holding a NaN or an infinity (`w` is not read)."""
     return ~torch.isfinite(x).all(-1, keepdim=True)
 
 
 class LinearGemm:
     """``nn.Linear``: ``y = x @ W.T + b``; ``x (..., in)``, ``W (out, in)``, ``y (..., out)``."""
 
-    def non_finite_outputs(self, x, w):
-        """``(..., 1)`` bool, broadcastable to ``y``: the rows of `x` holding a NaN or an infinity."""
-        return non_finite_rows(x)
+    non_finite_outputs = staticmethod(_non_finite_rows)
 
     def forward(self, x, w, b):
         return F.linear(x, w, b)
@@ -47,9 +45,7 @@ class LinearGemm:
 class TransposedLinearGemm:
     """transformers' ``Conv1D`` (GPT-2 family): ``y = x @ W + b`` with ``W (in, out)``."""
 
-    def non_finite_outputs(self, x, w):
-        """``(..., 1)`` bool, broadcastable to ``y``: the rows of `x` holding a NaN or an infinity."""
-        return non_finite_rows(x)
+    non_finite_outputs = staticmethod(_non_finite_rows)
 
     def forward(self, x, w, b):
         return F.linear(x, w.T, b)

@@ -228,9 +228,7 @@ class ActivationQuantizer(QuantModule):
         On the CPU the 0-d `batch_finite` is read on the host (no device sync) and a finite batch
         costs nothing more; elsewhere (CUDA) the mask is computed every call, so no value leaves the
         device."""
-        if self.training:
-            return y
-        if batch_finite.is_cpu and bool(batch_finite.numpy()):
+        if self.training or (batch_finite.is_cpu and bool(batch_finite.numpy())):
             return y
         return y.masked_fill(non_finite_outputs(), float("nan"))
 
