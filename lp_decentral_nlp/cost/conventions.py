@@ -6,10 +6,12 @@ CONVENTIONS = ("ours", "paper")
 # Unit of the memory figures of each convention: name, bytes. The paper's Table 10 "MB" are MiB.
 MEMORY_UNITS = {"ours": ("MB", 10**6), "paper": ("MiB", 2**20)}
 CONVENTION_TEXT = {
-    "ours": "convention ours: only what 8-bit training runs in 8 bits is priced int8; the 8-bit layers' weights, "
+    "ours": "convention ours: backward counted as autograd runs it (no gradient for frozen weights or data); "
+            "only what 8-bit training runs in 8 bits is priced int8; the 8-bit layers' weights, "
             "gradients and optimizer state count 8 bits, as SPEC 7's accelerator holds them (lp_decentral_nlp keeps "
             "them fp32); memory in MB (10^6 bytes)",
-    "paper": "convention paper (Table 10): every add and mult of the 8-bit model priced int8; inference memory "
+    "paper": "convention paper (Table 10): SPEC 7's 3x per layer; every add and mult of the 8-bit model priced "
+             "int8; inference memory "
              "= the weights alone; memory in MiB (2^20 bytes)",
 }
 # A quantized layer saves its input for backward as 8-bit codes plus a per-tensor scale and offset (2 x fp32).

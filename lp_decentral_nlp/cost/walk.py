@@ -14,6 +14,12 @@ During the pass:
 * a ``TorchDispatchMode`` costs every other ATen op (``ops.aten_cost``) and books it on the
   innermost running module (so a residual ``add`` lands on its block, attention matmuls on the
   attention module);
+* training pass: what backward will compute is recorded beside the forward, from what requires
+  grad (the walk's parameters require grad as the model's do): a GEMM layer's input-gradient GEMM
+  when its input requires grad, its weight-gradient GEMM when its weight does; every other op's
+  backward, counted as twice its forward, when one of its inputs requires grad (a frozen
+  embedding's output, the first layer's input and everything computed from frozen weights alone
+  have none);
 * training pass: ``saved_tensors_hooks`` record every tensor autograd saves for backward (the
   activation memory of training); a GEMM/norm layer is recorded as saving its input
   (``Saved.kind == "input"``: what a quantized layer keeps, as codes), and what autograd saves
@@ -29,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -52,6 +58,14 @@ class Row:
     ``calls``, ``input_numel``/``output_numel``: calls of a GEMM or norm layer and the elements of
     its inputs and outputs over all calls; ``weight_numel``: a GEMM layer's weight elements, a norm
     layer's parameter elements (what an 8-bit layer quantizes each call).
+
+    What backward computes (training pass; zero in inference): ``backward``: every op's backward
+    but a GEMM layer's two GEMMs, 2x the forward of each op that autograd differentiates (a GEMM
+    layer's bias gradient when its bias requires grad); ``input_grad_macs``/``weight_grad_macs``:
+    the MACs of a GEMM layer's input- and weight-gradient GEMMs over the calls that compute them;
+    ``weight_grad_calls``: those computing a weight gradient; ``grad_output_numel`` /
+    ``grad_input_numel``: over the calls that pass a gradient back to their input, the elements
+    of the output gradient (what an 8-bit layer quantizes) and of the input gradient.
     """
 
     name: str
@@ -62,6 +76,22 @@ class Row:
     ops: Ops = field(default_factory=Ops)
     input_numel: int = 0
     output_numel: int = 0
+    backward: Ops = field(default_factory=Ops)
+    input_grad_macs: int = 0
+    weight_grad_macs: int = 0
+    weight_grad_calls: int = 0
+    grad_output_numel: int = 0
+    grad_input_numel: int = 0
+
+    def fully_trained(self) -> "Row":
+        """This row as SPEC 7's formula counts it (the paper's convention): every call computes
+        both backward GEMMs and every op its backward, whatever requires grad."""
+        bias_adds = Ops(self.ops.adds - self.ops.macs, self.ops.mults - self.ops.macs)
+        return replace(self, backward=(bias_adds if self.is_gemm else self.ops).scaled(2),
+                       input_grad_macs=self.ops.macs if self.is_gemm else 0,
+                       weight_grad_macs=self.ops.macs if self.is_gemm else 0,
+                       weight_grad_calls=self.calls if self.is_gemm else 0,
+                       grad_output_numel=self.output_numel, grad_input_numel=self.input_numel)
 
 
 @dataclass
@@ -125,6 +155,11 @@ class _Recorder(TorchDispatchMode):
     def typed(self, module: nn.Module) -> bool:
         return isinstance(module, self.gemm_types + self.norm_types) and computes_its_type(module)
 
+    def differentiated(self, *tensors) -> bool:
+        """Whether backward computes a gradient through an op on `tensors` (training pass)."""
+        return self.training and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, module, args, kwargs):
         self.stack.append((self.names.get(module, type(module).__name__), module))
@@ -133,8 +168,10 @@ class _Recorder(TorchDispatchMode):
                 name = self.stack[-1][0]
                 x = _first_tensor(args, kwargs)
                 self._typed_input.append(x)
-                if self.training and torch.is_grad_enabled():
-                    self._save(x, name, "input")  # the layer keeps its input for backward
+                # a GEMM layer keeps its input for the weight gradient; a norm layer keeps it for backward
+                weights = [module.weight] if isinstance(module, self.gemm_types) else [x, *module.parameters()]
+                if self.differentiated(*weights):
+                    self._save(x, name, "input")
                 if isinstance(module, self.norm_types):
                     self.norm_rows.add(name)
                     self._inside_norm = name
@@ -153,17 +190,30 @@ class _Recorder(TorchDispatchMode):
         if out is None:  # the forward raised; the error propagates
             return
         row = self.row(name, module)
+        row.calls += 1
+        row.input_numel += x.numel()
+        row.output_numel += out.numel()
         if row.is_gemm:
-            bias_adds = out.numel() if getattr(module, "bias", None) is not None else 0
-            row.ops += gemm(gemm_macs(module, out), bias_adds)
-            row.calls += 1
-            row.input_numel += x.numel()
-            row.output_numel += out.numel()
+            bias = getattr(module, "bias", None)
+            bias_adds = out.numel() if bias is not None else 0
+            macs = gemm_macs(module, out)
+            row.ops += gemm(macs, bias_adds)
+            if self.differentiated(x):
+                row.input_grad_macs += macs
+                row.grad_output_numel += out.numel()
+                row.grad_input_numel += x.numel()
+            if self.differentiated(module.weight):
+                row.weight_grad_macs += macs
+                row.weight_grad_calls += 1
+            if self.differentiated(bias):
+                row.backward += Ops(bias_adds, 0).scaled(2)
         else:
-            row.ops += norm_layer_cost(module, x, self.training)
-            row.calls += 1
-            row.input_numel += x.numel()
-            row.output_numel += out.numel()
+            cost = norm_layer_cost(module, x, self.training)
+            row.ops += cost
+            if self.differentiated(x, *module.parameters()):
+                row.backward += cost.scaled(2)
+                row.grad_output_numel += out.numel()
+                row.grad_input_numel += x.numel()
         self._track(out)
 
     # -- ATen ops -------------------------------------------------------------------------------
@@ -176,7 +226,10 @@ class _Recorder(TorchDispatchMode):
         if cost is None:
             self.uncounted[str(func.overloadpacket.__name__)] += 1
         elif cost != Ops():
-            self.row(*self.stack[-1]).ops += cost
+            row = self.row(*self.stack[-1])
+            row.ops += cost
+            if self.differentiated(*tree_flatten((args, kwargs))[0]):
+                row.backward += cost.scaled(2)
         self._track(out)
         return out
 
