@@ -148,3 +148,25 @@ def test_only_the_trainable_parameters_are_priced_as_gossip():
     assert head == whole * (64 * 2 + 2 + 1) // (64 * 64 + 64 + 64 * 2 + 2 + 1)  # fp32 entries and the weight
     with pytest.raises(ValueError, match=r"^model has no trainable parameter"):
         communication_cost(model.requires_grad_(False), gossip)
+
+
+def test_cli_prices_a_saved_classifier_with_its_own_labels(capsys, tmp_path):
+    """--model priced every classifier with a 4-label head: a saved 3-label model's head was
+    rebuilt with 4 outputs unless --num-classes was given."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, id2label={0: "neg", 1: "neu", 2: "pos"})
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "sentiment")
+
+    def head_macs(argv):
+        path = tmp_path / "cost.json"
+        assert main(["--model", str(tmp_path / "sentiment"), "--seq-len", "8", "--batch-size", "2",
+                     "--output", str(path), *argv]) == 0
+        record = json.loads(path.read_text())
+        layers = {row["name"]: row for row in record["reports"]["fp32"]["layers"]}
+        return record["settings"]["num_classes"], layers["classifier"]["forward_macs"]
+
+    assert head_macs([]) == (3, 2 * 16 * 3)
+    assert head_macs(["--num-classes", "5"]) == (5, 2 * 16 * 5)  # an explicit flag is honoured
+    capsys.readouterr()

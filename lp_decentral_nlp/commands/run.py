@@ -476,12 +476,10 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
                         "node per process (--backend distributed)")
 
 
-def model_label_mismatch(model_path: str, labels) -> str | None:
-    """Why the classification head saved in local folder ``model_path`` cannot serve ``labels``, or None.
-
-    A head whose labels were named (a model fine-tuned for another task) and whose size differs
-    is refused; a folder whose head is unnamed (``LABEL_0`` ...: random, or no head) is retrained.
-    """
+def saved_head_labels(model_path: str) -> list[str] | None:
+    """The label names of the sequence-classification head saved in local folder ``model_path``
+    (its config's ``id2label``, in id order), or None: no such folder, no such head, or a head whose
+    labels were never named (``LABEL_0`` ...: random, or a base model's default)."""
     config_file = pathlib.Path(model_path) / "config.json"
     if not config_file.is_file():
         return None
@@ -489,9 +487,19 @@ def model_label_mismatch(model_path: str, labels) -> str | None:
     id2label = config.get("id2label") or {}
     heads = [a for a in config.get("architectures") or () if a.endswith("ForSequenceClassification")]
     named = any(name != f"LABEL_{i}" for i, name in id2label.items())
-    if heads and named and len(id2label) != len(labels):
-        return (f"{model_path} has a classification head for {len(id2label)} labels "
-                f"({', '.join(id2label.values())}), this task has {len(labels)} ({', '.join(labels)}): use a base "
+    return [id2label[i] for i in sorted(id2label, key=int)] if heads and named else None
+
+
+def model_label_mismatch(model_path: str, labels) -> str | None:
+    """Why the classification head saved in local folder ``model_path`` cannot serve ``labels``, or None.
+
+    A head whose labels were named (a model fine-tuned for another task) and whose size differs
+    is refused; a folder whose head is unnamed (``LABEL_0`` ...: random, or no head) is retrained.
+    """
+    saved = saved_head_labels(model_path)
+    if saved is not None and len(saved) != len(labels):
+        return (f"{model_path} has a classification head for {len(saved)} labels "
+                f"({', '.join(saved)}), this task has {len(labels)} ({', '.join(labels)}): use a base "
                 f"model or one trained for this task")
     return None
 

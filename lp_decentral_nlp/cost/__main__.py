@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive, default=32, help="samples per node per iteration (32)")
     p.add_argument("--image-size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
     p.add_argument("--seq-len", type=positive, help="tokens per sample, for --model (128)")
-    p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch, 4 for --model)")
+    p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch; for --model the labels of its saved "
+                        "classification head, else 4)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                    help="optimizer state per parameter: sgd 0 tensors, momentum 1, adam 2, sgd_qgm 2, adam_qgm 3 "
@@ -86,7 +87,7 @@ def _check_model_flags(parser, args):
     args.seq_len = args.seq_len or 128
     from transformers import AutoConfig
 
-    from ..commands import model_flag_problem, resolve_model
+    from ..commands import model_flag_problem, resolve_model, saved_head_labels
     from ..commands.run import error_summary
 
     problem = model_flag_problem(args.model, needs_weights=False)  # built from its config: random weights
@@ -95,6 +96,9 @@ def _check_model_flags(parser, args):
     path, fallback = resolve_model(args.model, parser.prog)
     if fallback:  # the recipes train the packaged MiniLM instead; a cost must be the named model's
         parser.error(f"argument --model: {args.model!r} is not reachable (offline, not cached): pass a local folder")
+    if args.num_classes is None:
+        labels = saved_head_labels(path)
+        args.num_classes = len(labels) if labels else _TEXT_DEFAULTS["num_classes"]
     try:
         config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
     except (OSError, ValueError, KeyError) as err:
@@ -134,7 +138,8 @@ def main(argv=None) -> int:
         field = re.match(r"\w+", str(err)).group()
         parser.error(f"argument --{field.replace('_', '-')}: {err}")
     defaults = _VISION_DEFAULTS if args.arch is not None else _TEXT_DEFAULTS
-    args.num_classes = args.num_classes or defaults["num_classes"]
+    if args.arch is not None:  # a --model's default comes from its saved head (_check_model_flags)
+        args.num_classes = args.num_classes or defaults["num_classes"]
     args.optimizer = args.optimizer or defaults["optimizer"]
     train_samples = args.train_samples or defaults["train_samples"]
     if train_samples // args.num_nodes < args.batch_size:
