@@ -280,6 +280,31 @@ def test_the_memory_check_counts_float32_master_weights_in_an_8bit_run(capsys, m
     assert float32_state < per_node < 1.5 * float32_state  # and the small 8-bit activations of 4 x 16 tokens
 
 
+def test_the_memory_check_counts_what_activation_checkpointing_keeps(capsys, monkeypatch):
+    """With --activation-checkpointing the nodes keep only each layer's inputs for backward, but
+    the check counted every activation: it refused runs that checkpointing makes fit."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from lp_decentral_nlp.commands import run
+    from lp_decentral_nlp.cost import estimate_cost
+
+    model = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=2,
+                                                                 hidden_dim=256, max_position_embeddings=128))
+    monkeypatch.setattr(run, "available_memory_mb", lambda device: 0.001)
+    per_node = {}
+    for flags in ([], ["--activation-checkpointing"]):
+        training = build_nlp_parser("ag_news", "choco").parse(["--batch-size", "16", *flags]).training
+        with pytest.raises(SystemExit):
+            run.check_memory(model, training, (128,), "agnews_choco.py")
+        per_node[bool(flags)] = float(capsys.readouterr().err.split(" x ")[1].split(" MB each")[0].replace(",", ""))
+    activations = {checkpointing: estimate_cost(model, (128,), 16, "int8", optimizer="adam",
+                                                activation_checkpointing=checkpointing).memory_breakdown_mb["train"][
+        "activations"] for checkpointing in (False, True)}
+    assert activations[True] < activations[False] / 2
+    assert per_node[False] - per_node[True] == pytest.approx(activations[False] - activations[True], abs=1)  # printed to 1 MB
+    assert not model.distilbert.transformer.layer[0].gradient_checkpointing  # the model is left as it was
+
+
 def test_the_memory_check_counts_the_gossip_buffers_and_the_initial_model(capsys, monkeypatch):
     """Choco keeps a public copy of every node's model (SPEC 2), all of them in one process when
     simulated; the trainer also keeps the model the nodes were copied from."""

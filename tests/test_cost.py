@@ -613,3 +613,64 @@ def test_backward_is_priced_as_autograd_runs_it():
     assert int8["frozen_out"].train.fp32_mults == 64 + 64 + 16 + 16 + 64
     assert estimate_cost(model, (8,), 4, "int8", convention="paper").mults.train > sum(
         layer.train.mults for layer in int8.values())  # SPEC 7's formula: three GEMMs everywhere
+
+
+def test_activation_checkpointing_is_priced_as_it_runs():
+    """A model with activation checkpointing on (the trainer's activation_checkpointing) was
+    priced as without: every checkpointed layer's saved activations counted (3.2x the real
+    figure for this BERT), its recomputed forward not. The recipes' memory check refused runs
+    that checkpointing makes fit."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))  # train-mode forward = eval-mode forward
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    plain = estimate_cost(model, (16,), 4)
+    assert estimate_cost(model, (16,), 4, activation_checkpointing=False).to_dict() == plain.to_dict()
+
+    def real_step():
+        """GEMM MACs of a real forward + backward, and the bytes kept for backward: what autograd
+        saves, and what the checkpointed layers are called with (their recompute's inputs)."""
+        state = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+        kept = {}
+
+        def keep(t):
+            if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) not in state:
+                kept[StorageWeakRef(t.untyped_storage())] = (t.untyped_storage().nbytes(), t)
+            return t
+
+        def keep_inputs(module, args, kwargs):
+            for t in (*args, *kwargs.values()):
+                keep(t)
+
+        hooks = [layer.register_forward_pre_hook(keep_inputs, with_kwargs=True) for layer in model.bert.encoder.layer]
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH):  # attention's matmuls as ops the counter sees
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                loss = model(input_ids=ids).logits.sum()
+            loss.backward()
+        for hook in hooks:
+            hook.remove()
+        return counter.get_total_flops() // 2, sum(nbytes for nbytes, _ in kept.values())
+
+    model.train()
+    model.activation_checkpointing_enable()
+    macs, kept = real_step()
+    report = estimate_cost(model, (16,), 4)
+    assert report.to_dict() == estimate_cost(model, (16,), 4, activation_checkpointing=True).to_dict()
+    assert report.memory_breakdown_mb["train"]["activations"] * 1e6 == kept
+    assert kept < plain.memory_breakdown_mb["train"]["activations"] * 1e6 / 2
+    # backward runs each checkpointed layer's forward again: its GEMMs, and every other op
+    in_layers = [layer for layer in plain.layers if layer.name.startswith("bert.encoder.layer.")]
+    model.activation_checkpointing_disable()
+    assert macs - real_step()[0] == sum(layer.forward_macs for layer in in_layers)
+    assert report.mults.train - plain.mults.train == sum(layer.inference.mults for layer in in_layers)
+    assert report.adds.train - plain.adds.train == sum(layer.inference.adds for layer in in_layers)
+    assert model.bert.encoder.layer[0].gradient_checkpointing is False  # the model is left as it was
+    with pytest.raises(ValueError, match="has no layer transformers' activation checkpointing wraps"):
+        estimate_cost(linear_model(), (3,), 2, activation_checkpointing=True)

@@ -445,19 +445,22 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     The need is what this process will store: per node, its weights, gradients and optimizer state
     (float32 master weights in 8-bit training too) and the activations its layers save for
     backward (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit
-    layers), times the nodes this process holds (all of them with ``backend="simulated"``, one with
+    layers; with ``activation_checkpointing``, what the checkpointed layers keep), times the nodes this process holds (all of them with ``backend="simulated"``, one with
     ``"distributed"``); plus the model the nodes are copied from and the gossip's buffers
     (:meth:`lp_decentral_nlp.gossip.PushSumGossip.memory_bytes`). Transient work space is not
     counted: the need is a lower bound.
     """
-    from ..cost import OPTIMIZER_STATES, estimate_cost
+    from ..cost import OPTIMIZER_STATES, checkpointable_layers, estimate_cost
     from ..cost.conventions import MB  # the report's memory unit in its default convention
     from ..gossip import build_gossip, gossiped_parameters
     from ..trainer import NodeGroup, cost_optimizer
 
     optimizer = cost_optimizer(training, model)
     report = estimate_cost(model, tuple(input_shape), training.per_device_train_batch_size,
-                           "int8" if training.low_precision else "fp32", optimizer=optimizer)
+                           "int8" if training.low_precision else "fp32", optimizer=optimizer,
+                           # a model it cannot checkpoint is refused by the trainer, with its reason
+                           activation_checkpointing=True if training.activation_checkpointing
+                           and checkpointable_layers(model) else None)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     per_node = (weights + trainable * (1 + OPTIMIZER_STATES[optimizer])) / MB \

@@ -25,6 +25,7 @@ _EXPORTS = {
     "TrainInference": ".report",
     "estimate_cost": ".report",
     "format_comparison": ".report",
+    "checkpointable_layers": ".walk",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("communication", "conventions", "layers", "ops",

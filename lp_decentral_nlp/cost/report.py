@@ -18,6 +18,9 @@ What is counted, per forward pass on the real shapes (conventions in ``ops``):
   gradient), every other op's backward at 2x its forward when one of its inputs requires grad.
   Nothing below the lowest trainable parameter has a backward: a PEFT model with frozen base
   weights costs what its step computes. Inference: 1x, eval mode.
+* Activation checkpointing (``activation_checkpointing``): backward runs each checkpointed
+  layer's forward again, priced a second time, and the layer keeps only the tensors it was
+  called with for backward (``walk``).
 * 8-bit (``precision="int8"``) adds the quantization of every quantized GEMM layer, run in
   float (``ops.quantize``/``ops.dequantize``). Training: its input activation (per-sample range
   search, clamp), its weights (range search), its output gradient (range search, stochastic
@@ -66,7 +69,7 @@ from .conventions import (CONVENTION_TEXT, CONVENTIONS, ENERGY_PJ, MB, MEMORY_UN
                           SAVED_RANGE_BYTES)
 from .ops import Ops, dequantize, quantize
 from .layers import norm_layer_types
-from .walk import ROOT, Row, Walk, walk
+from .walk import ROOT, Row, Walk, checkpointable_layers, walk
 
 
 
@@ -203,6 +206,7 @@ def estimate_cost(
     gossip=None,
     samples_per_node: int | None = None,
     convention: str = "ours",
+    activation_checkpointing: bool | None = None,
 ) -> CostReport:
     """Compute, energy and memory of one iteration of one node (SPEC 7); see the module docstring.
 
@@ -231,6 +235,11 @@ def estimate_cost(
             which fixes compressor and topology): adds the gossip traffic (``communication_cost``).
         samples_per_node: training samples per node, for the traffic per epoch.
         convention: ``"ours"`` or ``"paper"`` (SPEC 7, module docstring); the report says which.
+        activation_checkpointing: None: as the model is set (the layers that
+            ``activation_checkpointing_enable()`` switched on); True: as if it had been called
+            (every layer transformers can checkpoint; ValueError for a model without such layers);
+            False: as without. A checkpointed layer keeps only the tensors it is called with for
+            backward, and backward runs its forward a second time.
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
@@ -257,9 +266,10 @@ def estimate_cost(
     if gossip is None and samples_per_node is not None:
         raise ValueError("samples_per_node is for the gossip traffic: it needs gossip=")
 
+    checkpointed = _checkpointed_layers(model, activation_checkpointing)
     make_inputs = _input_factory(model, input_shape, batch_size)
     try:
-        train_walk = walk(model, make_inputs, training=True)
+        train_walk = walk(model, make_inputs, training=True, checkpointed=checkpointed)
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(f"the model's forward fails on a batch of shape {(batch_size, *input_shape)} "
@@ -278,11 +288,12 @@ def estimate_cost(
         tr = train_walk.rows.get(name, Row(name, kinds.get(name, "")))
         ev = eval_walk.rows.get(name, Row(name, kinds.get(name, "")))
         q = name in quantized
+        train = _train_ops(tr.fully_trained() if convention == "paper" else tr, q, int8_weight_grad, all_int8)
+        if name in train_walk.recomputed:  # activation checkpointing: backward runs this forward again
+            train += _train_ops(train_walk.recomputed[name], q, int8_weight_grad, all_int8)
         layers.append(LayerCost(
-            name=name, kind=tr.kind or ev.kind, precision="int8" if q else "fp32",
-            forward_macs=tr.ops.macs,
-            train=_train_ops(tr.fully_trained() if convention == "paper" else tr, q, int8_weight_grad, all_int8), inference=_inference_ops(ev, q, all_int8),
-            saved_activation_bytes=saved_by_row.get(name, 0)))
+            name=name, kind=tr.kind or ev.kind, precision="int8" if q else "fp32", forward_macs=tr.ops.macs,
+            train=train, inference=_inference_ops(ev, q, all_int8), saved_activation_bytes=saved_by_row.get(name, 0)))
 
     train_total = sum((layer.train for layer in layers), PricedOps())
     infer_total = sum((layer.inference for layer in layers), PricedOps())
@@ -446,6 +457,19 @@ def _quantized_layers(model: nn.Module, quant_config) -> set[str]:
     if plan.problems:
         raise ValueError("precision='int8': " + "; ".join(plan.problems))
     return set(plan.quantized)
+
+
+def _checkpointed_layers(model: nn.Module, activation_checkpointing: bool | None) -> list[nn.Module]:
+    """The layers whose calls activation checkpointing wraps, per ``estimate_cost``'s argument."""
+    if activation_checkpointing not in (None, True, False):
+        raise TypeError(f"activation_checkpointing must be None, True or False, got {activation_checkpointing!r}")
+    layers = checkpointable_layers(model)
+    if activation_checkpointing is None:
+        return [m for m in layers if m.gradient_checkpointing]
+    if activation_checkpointing and not layers:
+        raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no layer transformers' "
+                         "activation checkpointing wraps (GradientCheckpointingLayer)")
+    return layers if activation_checkpointing else []
 
 
 def _check_priced_bits(quant_config, what: str) -> None:

@@ -26,7 +26,13 @@ During the pass:
   inside a norm layer is recorded too (``"inside"``: what the float norm keeps, e.g. EvoNorm-S0's
   intermediates, several times its input);
 * inference pass: the live activation storages are tracked op by op; their peak is the
-  activation memory of inference.
+  activation memory of inference;
+* activation checkpointing (transformers' ``GradientCheckpointingLayer``, as
+  ``activation_checkpointing_enable()`` sets it, or the layers passed as ``checkpointed``): the
+  pass runs without it, and each checkpointed layer's call is priced as checkpointing runs it:
+  what its inside saves is not kept, the tensors it is called with are (the recompute's inputs),
+  and its forward is recorded a second time, forward only (``Walk.recomputed``: backward
+  recomputes it).
 
 Attention runs with PyTorch's math SDPA backend so that its matmuls and softmax are visible ops.
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -114,6 +121,17 @@ class Walk:
     peak_activation_bytes: int
     device: str
     norm_rows: set[str] = field(default_factory=set)  # the rows of norm layers
+    # forward-only rows of the calls made inside checkpointed layers: what backward computes again
+    recomputed: dict[str, Row] = field(default_factory=dict)
+
+
+def checkpointable_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of `model` that transformers' activation checkpointing wraps
+    (``GradientCheckpointingLayer``: a model's blocks), checkpointed or not; [] for other models."""
+    hf_layers = sys.modules.get("transformers.modeling_layers")  # not loaded: no such layer exists
+    if hf_layers is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, hf_layers.GradientCheckpointingLayer)]
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -121,8 +139,12 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], training: bool):
+    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], training: bool,
+                 checkpointed: frozenset[nn.Module]):
         super().__init__()
+        self.checkpointed = checkpointed
+        self.checkpoint_depth = 0  # > 0 inside a checkpointed layer's call (training pass)
+        self.recomputed: dict[str, Row] = {}
         self.training = training
         self.names = {m: (name or ROOT) for name, m in model.named_modules()}
         self.gemm_types = gemm_layer_types()
@@ -140,8 +162,10 @@ class _Recorder(TorchDispatchMode):
         self._inside_norm: str | None = None  # the row of the outermost typed layer, when it is a norm
 
     # -- rows ---------------------------------------------------------------------------------
-    def row(self, module_name: str, module: nn.Module) -> Row:
-        if module_name not in self.rows:
+    def row(self, module_name: str, module: nn.Module, recomputed: bool = False) -> Row:
+        """The row of `module` (`recomputed`: in ``self.recomputed``)."""
+        rows = self.recomputed if recomputed else self.rows
+        if module_name not in rows:
             is_gemm = isinstance(module, self.gemm_types) and self.typed(module)
             if is_gemm:
                 weight_numel = module.weight.numel()
@@ -149,8 +173,14 @@ class _Recorder(TorchDispatchMode):
                 weight_numel = sum(p.numel() for p in module.parameters(recurse=False))
             else:
                 weight_numel = 0
-            self.rows[module_name] = Row(module_name, type(module).__name__, is_gemm, weight_numel)
-        return self.rows[module_name]
+            rows[module_name] = Row(module_name, type(module).__name__, is_gemm, weight_numel)
+        return rows[module_name]
+
+    def forward_rows(self, module_name: str, module: nn.Module) -> list[Row]:
+        """The rows a forward computation of `module` is booked on: its row, and its recomputed
+        row inside a checkpointed layer."""
+        row = self.row(module_name, module)
+        return [row, self.row(module_name, module, recomputed=True)] if self.checkpoint_depth else [row]
 
     def typed(self, module: nn.Module) -> bool:
         return isinstance(module, self.gemm_types + self.norm_types) and computes_its_type(module)
@@ -163,6 +193,12 @@ class _Recorder(TorchDispatchMode):
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, module, args, kwargs):
         self.stack.append((self.names.get(module, type(module).__name__), module))
+        if module in self.checkpointed and self.training and torch.is_grad_enabled():
+            if not self.checkpoint_depth:  # checkpointing keeps what the layer is called with
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor):
+                        self._save(t, self.stack[-1][0], "op")
+            self.checkpoint_depth += 1
         if self.typed(module):
             if self.typed_depth == 0:
                 name = self.stack[-1][0]
@@ -179,6 +215,8 @@ class _Recorder(TorchDispatchMode):
 
     def post_hook(self, module, args, kwargs, output):
         name, _ = self.stack.pop()
+        if module in self.checkpointed and self.training and torch.is_grad_enabled():
+            self.checkpoint_depth -= 1
         if not self.typed(module):
             return
         self.typed_depth -= 1
@@ -189,15 +227,18 @@ class _Recorder(TorchDispatchMode):
         out = _first_tensor((output,), {})
         if out is None:  # the forward raised; the error propagates
             return
-        row = self.row(name, module)
-        row.calls += 1
-        row.input_numel += x.numel()
-        row.output_numel += out.numel()
+        rows = self.forward_rows(name, module)
+        row = rows[0]
+        for r in rows:
+            r.calls += 1
+            r.input_numel += x.numel()
+            r.output_numel += out.numel()
         if row.is_gemm:
             bias = getattr(module, "bias", None)
             bias_adds = out.numel() if bias is not None else 0
             macs = gemm_macs(module, out)
-            row.ops += gemm(macs, bias_adds)
+            for r in rows:
+                r.ops += gemm(macs, bias_adds)
             if self.differentiated(x):
                 row.input_grad_macs += macs
                 row.grad_output_numel += out.numel()
@@ -209,7 +250,8 @@ class _Recorder(TorchDispatchMode):
                 row.backward += Ops(bias_adds, 0).scaled(2)
         else:
             cost = norm_layer_cost(module, x, self.training)
-            row.ops += cost
+            for r in rows:
+                r.ops += cost
             if self.differentiated(x, *module.parameters()):
                 row.backward += cost.scaled(2)
                 row.grad_output_numel += out.numel()
@@ -226,8 +268,10 @@ class _Recorder(TorchDispatchMode):
         if cost is None:
             self.uncounted[str(func.overloadpacket.__name__)] += 1
         elif cost != Ops():
-            row = self.row(*self.stack[-1])
-            row.ops += cost
+            rows = self.forward_rows(*self.stack[-1])
+            row = rows[0]
+            for r in rows:
+                r.ops += cost
             if self.differentiated(*tree_flatten((args, kwargs))[0]):
                 row.backward += cost.scaled(2)
         self._track(out)
@@ -235,7 +279,7 @@ class _Recorder(TorchDispatchMode):
 
     # -- memory ---------------------------------------------------------------------------------
     def _save(self, t: torch.Tensor | None, row: str, kind: str) -> None:
-        if t is None:
+        if t is None or self.checkpoint_depth:  # a checkpointed layer keeps nothing: backward recomputes it
             return
         key = StorageWeakRef(t.untyped_storage())
         if key in self.state_storages:
@@ -264,22 +308,27 @@ class _Recorder(TorchDispatchMode):
         self.peak = max(self.peak, sum(self.live.values()))
 
 
-def walk(model: nn.Module, make_inputs, training: bool) -> Walk:
+def walk(model: nn.Module, make_inputs, training: bool, checkpointed=None) -> Walk:
     """Run one forward pass of ``model`` (train or eval mode) and record it.
 
     ``make_inputs(device)`` returns ``(args, kwargs)`` for ``model`` on ``device``.
+    ``checkpointed``: the modules whose calls activation checkpointing wraps; None: the
+    ``checkpointable_layers`` that ``activation_checkpointing_enable()`` has switched on.
     """
+    if checkpointed is None:
+        checkpointed = [m for m in checkpointable_layers(model) if m.gradient_checkpointing]
+    checkpointed = frozenset(checkpointed)
     try:
-        return _walk(model, make_inputs, training, torch.device("meta"))
+        return _walk(model, make_inputs, training, torch.device("meta"), checkpointed)
     except (RuntimeError, NotImplementedError):
         # The forward needs real values (data-dependent Python control flow): run it for real, on
         # a fork of the random streams, so its dropout does not move a seeded run's numbers
         device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            return _walk(model, make_inputs, training, device)
+            return _walk(model, make_inputs, training, device, checkpointed)
 
 
-def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -> Walk:
+def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device, checkpointed: frozenset) -> Walk:
     named = itertools.chain(model.named_parameters(), model.named_buffers())
     if device.type == "meta":
         state = {k: torch.empty_like(v, device=device).requires_grad_(v.requires_grad) for k, v in named}
@@ -288,7 +337,7 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -
             k: v.detach().requires_grad_(v.requires_grad) if isinstance(v, nn.Parameter) else v.clone()
             for k, v in named
         }
-    recorder = _Recorder(model, state, training)
+    recorder = _Recorder(model, state, training, checkpointed)
     handles = []
     for module in recorder.names:
         handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
@@ -296,6 +345,8 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -
             module.register_forward_hook(recorder.post_hook, with_kwargs=True, always_call=True)
         )
     was_training = {m: m.training for m in recorder.names}
+    # the pass runs without transformers' checkpointing; the recorder prices it (module docstring)
+    was_checkpointing = {m: m.gradient_checkpointing for m in checkpointable_layers(model)}
     args, kwargs = make_inputs(device)
     saved_hooks = (
         torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
@@ -304,6 +355,8 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -
     )
     try:
         model.train(training)
+        for module in was_checkpointing:
+            module.gradient_checkpointing = False
         with torch.set_grad_enabled(training), sdpa_kernel(SDPBackend.MATH), saved_hooks, recorder:
             recorder._track((args, kwargs))
             output = torch.func.functional_call(model, state, args, kwargs, tie_weights=True)
@@ -313,4 +366,7 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device) -
             handle.remove()
         for module, mode in was_training.items():
             module.training = mode
-    return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type, recorder.norm_rows)
+        for module, flag in was_checkpointing.items():
+            module.gradient_checkpointing = flag
+    return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type, recorder.norm_rows,
+                recorder.recomputed)
