@@ -450,3 +450,15 @@ def test_a_non_finite_training_batch_gives_nan_outputs(kind):
     q.train()
     x[0, 1, 2] = float("nan")
     assert q(x).isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_a_second_derivative_through_a_gemm_layer_is_refused(kind):
+    """The backward's products run on 8-bit codes outside autograd, so under create_graph=True
+    the layer gradient carried no graph: a gradient penalty silently added nothing to the
+    weights' gradients (the float layer's 499 for this penalty)."""
+    _, q, x = make_layer(kind)
+    x.requires_grad_(True)
+    grad_x, = torch.autograd.grad(q(x).pow(2).sum() + x.pow(3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_x.pow(2).sum().backward()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from transformers.pytorch_utils import Conv1D
 
 from .config import QuantConfig
@@ -72,6 +73,7 @@ class QuantGemmFunction(torch.autograd.Function):
         return y.detach()  # not a view: the caller may write into it (see the class docstring)
 
     @staticmethod
+    @once_differentiable  # its products run on 8-bit codes outside autograd: no second derivative
     def backward(ctx, g):
         # a strided g (attention's K projection gets a transposed one) would take the torch passes,
         # not the one-pass quantizer: one copy is cheaper (the same codes: the dither follows the
