@@ -217,6 +217,23 @@ def test_range_batchnorm_running_statistics_come_from_the_8bit_input_once_per_st
     assert torch.allclose(q.running_mean, 0.1 * x_q.mean((0, 2, 3)), atol=1e-6)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_range_batchnorm_updates_its_running_statistics_once(use_reentrant):
+    """Under torch.utils.checkpoint the recomputed forward updated the running mean and scale a
+    second time (num_batches_tracked 2): the evaluation statistics drifted from an uncheckpointed
+    run's, although the activation range was updated once."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, plain, x = make_norm("range_batchnorm")
+    _, checkpointed, _ = make_norm("range_batchnorm")
+    for run in (plain, lambda t: checkpoint(checkpointed, t, use_reentrant=use_reentrant)):
+        torch.manual_seed(0)
+        run(x.clone().requires_grad_(True)).pow(2).sum().backward()
+    assert checkpointed.num_batches_tracked.item() == checkpointed.act_num_batches.item() == 1
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffer, checkpointed.get_buffer(name)), name
+
+
 @pytest.mark.parametrize("kind", ["evonorm", "range_evonorm"])
 def test_norm_without_activation(kind):
     _, q, x = make_norm(kind, apply_act=False)

@@ -205,7 +205,7 @@ class ActivationQuantizer(QuantModule):
         with torch.no_grad():
             lo, hi = mean_sample_range(x.detach(), batched=x.dim() > 1)
             if self.training:
-                if not _in_backward():
+                if not in_backward():
                     update_running_range(
                         self.act_running_min, self.act_running_max, self.act_num_batches, lo, hi,
                         self.quant_config.act_momentum,
@@ -454,7 +454,7 @@ def _share_state(src: nn.Module, dst: nn.Module) -> None:
             setattr(dst, name, src_buffers[name])
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass now (the test torch's own FSDP and
     ``torch.utils.module_tracker.ModuleTracker.is_bw`` use; one C call, no device sync)."""
     return torch._C._current_graph_task_id() != -1

@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from ..quant import register_quant_layer
 from ..quant.functional import dequantize_uint8, fake_quantize, grad_range, quantize_fused, quantize_uint8
-from ..quant.layers import ActivationQuantizer, outside_compiled_graphs
+from ..quant.layers import ActivationQuantizer, in_backward, outside_compiled_graphs
 from ..utils.layout import dense_like
 from .norms import (
     EvoNormS0,
@@ -81,7 +81,9 @@ class QuantNormFunction(torch.autograd.Function):
         ctx.save_for_backward(codes, scale, x_lo, *params_q)
         ctx.layer, ctx.training = layer, training
         ctx.stochastic = layer.quant_config.stochastic_grad_rounding and training
-        return layer.normalize(x_q, params_q, training, update_stats=True)
+        # a forward inside a backward is checkpointing's recomputation: the running statistics
+        # were updated by the step's forward already (as the activation range, ``_activation_range``)
+        return layer.normalize(x_q, params_q, training, update_stats=not in_backward())
 
     @staticmethod
     @once_differentiable
