@@ -110,3 +110,38 @@ def test_stochastic_rounding_of_a_strided_tensor_uses_every_element_once():
     assert draws.unique().tolist() == [0.0, pytest.approx(scale)]
     assert abs(up.mean().item() - 0.5) < 6 * 0.5 / (up.numel() ** 0.5)
     assert 0.3 < up.mean(1).min() and up.mean(1).max() < 0.7  # no row left without its own dithers
+
+
+def test_a_range_per_column_is_read_by_broadcasting_whatever_the_layout():
+    """A (4,) range against a (4, 4) tensor broadcasts along the last dim (one range per column);
+    the one-pass CPU path read it as one range per row, so a contiguous tensor and a strided copy
+    of it got different values, and a (4,) range against a (4, 3) tensor, which cannot broadcast,
+    was taken."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    lo, hi = torch.tensor([-3.0, -1.0, -0.5, -2.0]), torch.tensor([3.0, 1.0, 0.5, 2.0])
+    codes, step = quantize_codes(x, lo, hi, 8)
+    by_broadcasting = codes * step + lo
+    assert torch.equal(fake_quantize(x, lo, hi, 8), by_broadcasting)  # the one-pass path
+    assert torch.equal(fake_quantize(x.t().contiguous().t(), lo, hi, 8), by_broadcasting)  # the torch passes
+    with pytest.raises(RuntimeError, match="must match"):
+        fake_quantize(torch.randn(4, 3), lo, hi, 8)
+    rows = (lo.reshape(4, 1), hi.reshape(4, 1))  # one range per row: the one-pass path's shape
+    assert torch.equal(fake_quantize(x, *rows, 8), fake_quantize(x.t().contiguous().t(), *rows, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_input_is_quantized_in_float32(dtype):
+    """A float16/bfloat16 input was scaled and rounded in its own dtype, which cannot tell 256
+    levels apart: 6% (float16) and 13% (bfloat16) of nearest codes were wrong, and stochastic
+    rounding was biased by up to a third of a step."""
+    torch.manual_seed(0)
+    x = torch.randn(4096).to(dtype)
+    lo, hi = tensor_range(x.float())
+    codes, _ = quantize_codes(x, lo, hi, 8)
+    assert torch.equal(codes, quantize_codes(x.float(), lo, hi, 8)[0])
+    values = fake_quantize(x, lo, hi, 8)
+    assert values.dtype == dtype and torch.equal(values, fake_quantize(x.float(), lo, hi, 8).to(dtype))
+    exact = (x.float() - lo) / ((hi - lo) / 255)
+    draws = torch.stack([quantize_codes(x, lo, hi, 8, stochastic=True)[0] for _ in range(200)])
+    assert (draws.mean(0) - exact).abs().mean() < 0.05  # unbiased: the mean of 200 draws within noise

@@ -23,7 +23,8 @@ def quantize_codes(
     """Integer codes of `x` on the `bits`-bit affine grid spanning ``[lo, hi]`` (SPEC 4).
 
     Args:
-        x: tensor of any shape.
+        x: tensor of any shape and dtype; computed in float32 at least (a float16/bfloat16 ``v``
+            cannot tell the levels of an 8-bit grid apart, nor hold the dither).
         lo, hi: range, 0-d or broadcastable to `x`; values outside it are clamped.
         bits: grid has ``2**bits`` levels.
         stochastic: round ``v`` to ``floor(v + u)``, ``u`` uniform on the ``2**16`` midpoints
@@ -37,14 +38,14 @@ def quantize_codes(
             (the int8 kernel's codes are the simulated kernel's, .5 ties included).
 
     Returns:
-        ``(codes, scale)``: codes as floats holding integers in ``[0, 2**bits - 1]`` (``signed``:
-        ``[-2**(bits-1), 2**(bits-1) - 1]``; same shape as `x`), and the step ``s`` (shape of
-        ``hi - lo``). A zero-width range gives ``s = 0`` and
-        codes 0, so every element dequantizes to ``lo``. Not differentiable (rounding has zero
-        gradient): callers apply the straight-through estimator.
+        ``(codes, scale)``: codes as floats (float32, or float64 for a float64 `x`) holding
+        integers in ``[0, 2**bits - 1]`` (``signed``: ``[-2**(bits-1), 2**(bits-1) - 1]``; same
+        shape as `x`), and the step ``s`` (shape of ``hi - lo``). A zero-width range gives
+        ``s = 0`` and codes 0, so every element dequantizes to ``lo``. Not differentiable
+        (rounding has zero gradient): callers apply the straight-through estimator.
     """
     scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
-    v = torch.mul(x, inv).add_(offset)
+    v = torch.mul(x.to(torch.promote_types(x.dtype, torch.float32)), inv).add_(offset)
     if stochastic:
         v.add_(_dither(v.numel(), v.device).view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
     else:
@@ -107,14 +108,16 @@ def _hashed_words(n: int, key: torch.Tensor) -> torch.Tensor:
 def fake_quantize(
     x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
-    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`;
-    no autograd history). One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the
-    operands: the same bits."""
+    """Quantize-dequantize: the value of `x` on its affine grid, ``q * s + lo`` (same shape as `x`,
+    and dtype for a floating `x`: the grid computed in float32 at least, then cast; no autograd
+    history). One compiled pass (8-bit codes) where ``fused.quantize_rows`` takes the operands:
+    the same bits."""
     if bits <= 8 and _fusable(x, lo, hi):
         return quantize_fused(x, lo, hi, bits, stochastic, signed=False, values=True, last_dim_sums=False)[1]
     codes, scale = quantize_codes(x, lo, hi, bits, stochastic)
     with torch.no_grad():
-        return codes.mul_(scale).add_(lo)
+        values = codes.mul_(scale).add_(lo)
+        return values.to(x.dtype) if x.is_floating_point() else values
 
 
 def quantize_uint8(

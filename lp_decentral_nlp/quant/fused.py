@@ -268,8 +268,10 @@ _EMPTY_F32_1D = np.zeros(0, dtype=np.float32)
 
 def _one_per_sample(t: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether range `t` holds one value per sample (dim 0) of an `x` of at least 2 dims, whose
-    rows over the last dim each lie in one sample (a 1-D `x` is one row)."""
-    return x.dim() > 1 and t.numel() == t.shape[0] == x.shape[0]
+    rows over the last dim each lie in one sample (a 1-D `x` is one row): shaped ``(x.shape[0], 1,
+    ..., 1)`` with `x`'s dims, as broadcasting against `x` reads it (a ``(x.shape[0],)`` range
+    would broadcast along `x`'s last dim instead)."""
+    return x.dim() > 1 and t.shape == (x.shape[0],) + (1,) * (x.dim() - 1)
 
 
 def fusable(x: torch.Tensor, *ranges: torch.Tensor) -> bool:
