@@ -14,6 +14,8 @@ from ..utils.layout import memory_order
 # Resolution of the stochastic-rounding dither: u takes the 2**16 values (j + 1/2) / 2**16.
 DITHER_BITS = 16
 _DITHER_OFFSET = 0.5 + 2.0 ** -(DITHER_BITS + 1)  # the dither's constant part
+# The smallest step with a finite float32 reciprocal (the smallest normal float32); smaller steps count as zero.
+MIN_STEP = float(torch.finfo(torch.float32).tiny)
 
 
 @torch.no_grad()
@@ -44,30 +46,30 @@ def quantize_codes(
         ``s = 0`` and codes 0, so every element dequantizes to ``lo``. Not differentiable
         (rounding has zero gradient): callers apply the straight-through estimator.
     """
-    scale, inv, offset, levels, shift = _affine_parameters(lo, hi, bits, stochastic, signed)
-    v = torch.mul(x.to(torch.promote_types(x.dtype, torch.float32)), inv).add_(offset)
-    if stochastic:
-        v.add_(_dither(v.numel(), v.device).view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
+    scale, inv, levels, shift = _affine_parameters(lo, hi, bits, signed)
+    v = torch.sub(x.to(torch.promote_types(x.dtype, torch.float32)), lo).mul_(inv)
+    if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer
+        v.add_(_DITHER_OFFSET).add_(_dither(v.numel(), v.device).view(v.shape), alpha=2.0**-DITHER_BITS).floor_()
     else:
         v.round_()
     v.clamp_(0, levels)
     return (v.sub_(shift) if shift else v), scale
 
 
-def _affine_parameters(lo, hi, bits, stochastic, signed):
-    """``(scale, inv, offset, levels, shift)`` of ``quantize_codes``: ``v = x * inv + offset``
-    (the dither's constant part folded into the offset), then round and clamp to
-    ``[-shift, levels - shift]``."""
+def _affine_parameters(lo, hi, bits, signed):
+    """``(scale, inv, levels, shift)`` of ``quantize_codes``: ``v = (x - lo) * inv``, then round
+    and clamp to ``[0, levels]``, then subtract ``shift``.
+
+    ``(x - lo) * inv``, not ``x * inv - lo * inv``: the two products of the second cancel when
+    ``|lo|`` is large against the range (``[1000, 1000.01]`` gave 69% wrong codes). A step too
+    small for a finite float32 reciprocal (below the smallest normal float32: a range under 3e-36)
+    is taken as zero, as a zero-width range. The shift is subtracted after rounding: rounding
+    ``v - shift`` instead of ``v`` can put a .5 tie on the other side."""
     levels = 2**bits - 1
     shift = 2 ** (bits - 1) if signed else 0
     scale = (hi - lo) / levels
-    inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    # (x - lo) / s = x * inv + offset; mul + add_ beats addcmul with 0-d tensors on CPU. The shift is
-    # subtracted after rounding: rounding v - shift instead of v can put a .5 tie on the other side
-    offset = -lo * inv
-    if stochastic:  # u = r / 2**16 + (1/2 + 2**-17), r a signed 16-bit integer; the constant joins the offset
-        offset = offset + _DITHER_OFFSET
-    return scale, inv, offset, levels, shift
+    inv = torch.where(scale >= MIN_STEP, scale.reciprocal(), torch.zeros_like(scale))
+    return scale, inv, levels, shift
 
 
 def _dither(n: int, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,7 @@ SPEC 4's affine quantizer in torch is a chain of whole-tensor passes: scale, shi
 the dither and floor), clamp, convert to 8 bits, and for the simulated kernel dequantize again
 (multiply, add) -- seven reads and writes of the tensor. :func:`quantize_rows` does them in one
 pass that keeps the intermediates in registers, with the same fp32 operations in the same order
-(``v = x * inv + offset``, no fused multiply-add; ``rint`` rounds half to even like
+(``v = (x - lo) * inv``, no fused multiply-add; ``rint`` rounds half to even like
 ``torch.round``; clamping to the integer bounds before rounding gives the same codes; the
 stochastic dither is :func:`dither_words`' word of each element, computed in place), so its codes
 and values are bit for bit those of the torch passes (tests). It needs a float32 CPU tensor,
@@ -36,6 +36,7 @@ import torch
 
 from ..utils.layout import is_channels_last, is_dense, memory_order
 from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
+from .functional import MIN_STEP
 from .gemm import conv_output_hw
 
 
@@ -66,21 +67,22 @@ def _dither_word(index, key_low, key_high):
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _stochastic_code(value, a, b, index, key_low, key_high, dither_scale, low, high):
-    """The stochastically rounded code of `value`: ``floor(clamp(value * a + b + w * dither_scale))``,
-    ``w`` the dither word of element `index` (fp32 operations in that order, no fused multiply-add)."""
-    v = value * a
-    v = v + b
+def _stochastic_code(value, lo, inv, offset, index, key_low, key_high, dither_scale, low, high):
+    """The stochastically rounded code of `value`: ``floor(clamp((value - lo) * inv + offset + w *
+    dither_scale))``, ``w`` the dither word of element `index` (fp32 operations in that order, no
+    fused multiply-add)."""
+    v = (value - lo) * inv
+    v = v + offset
     d = np.float32(_dither_word(index, key_low, key_high))
     return np.floor(_clamp(v + d * dither_scale, low, high))
 
 
-def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, channels,
-                   codes, scale, values, row_sums):
+def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dither_scale, dither_offset, min_step,
+                   channels, codes, scale, values, row_sums):
     rows, cols = x.shape
     ranges = lo.shape[0]
     # functional._affine_parameters' fp32 operations, one range at a time (serial: a few values)
-    inv, offset = np.empty(ranges, np.float32), np.empty(ranges, np.float32)
+    inv = np.empty(ranges, np.float32)
     # rounded on the unsigned grid [0, levels], then shifted: exact, and rounding v - shift instead
     # could put a .5 tie on the other side (float rounding of v - shift differs from that of v).
     # The bounds are computed, not `high = levels`: that failed numba's typing (float32 against a
@@ -90,21 +92,20 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
     for j in range(ranges):
         step = (hi[j] - lo[j]) / levels
         scale[j] = step
-        inv[j] = np.float32(1.0) / step if step > 0 else np.float32(0.0)
-        b = -lo[j] * inv[j]
-        offset[j] = b + dither_offset if stochastic else b
+        inv[j] = np.float32(1.0) / step if step >= min_step else np.float32(0.0)
     rows_per_range = rows // ranges
     for r in numba.prange(rows):  # rows are independent: each element's operations do not change
         # int64: a parallel prange index may be uint64, and uint64 with int64 types as float64
         k = np.int64(r) // rows_per_range
-        a, b = inv[k], offset[k]
+        a, x_lo = inv[k], lo[k]
         x_row, code_row = x[r], codes[r]
         if stochastic and channels == 0:
             # the dither's counter: the element's flat index mod 2**32, counted in uint32 (16 lanes
             # of a vector where an int64 index gives 8)
             index = _U32(np.int64(r) * cols)
             for c in range(cols):
-                code = _stochastic_code(x_row[c], a, b, index, key_low, key_high, dither_scale, low, high)
+                code = _stochastic_code(x_row[c], x_lo, a, dither_offset, index, key_low, key_high, dither_scale, low,
+                                        high)
                 code_row[c] = code - shift
                 index = _U32(index + _U32(1))
         elif stochastic:
@@ -116,13 +117,13 @@ def _quantize_rows(x, lo, hi, levels, shift, stochastic, key_low, key_high, dith
                 index = _U32(first + _U32(p))
                 base = p * channels
                 for ch in range(channels):
-                    code = _stochastic_code(x_row[base + ch], a, b, index, key_low, key_high, dither_scale, low, high)
+                    code = _stochastic_code(x_row[base + ch], x_lo, a, dither_offset, index, key_low, key_high,
+                                            dither_scale, low, high)
                     code_row[base + ch] = code - shift
                     index = _U32(index + _U32(positions))
         else:
             for c in range(cols):
-                v = x_row[c] * a
-                v = v + b
+                v = (x_row[c] - x_lo) * a
                 code_row[c] = np.rint(_clamp(v, low, high)) - shift
         if values.shape[0] > 0:  # a row at a time: the codes are still in cache
             s, base, value_row = scale[k], lo[k], values[r]
@@ -307,8 +308,8 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
             (uint8 otherwise).
         dither_key: None (round to nearest, half to even) or a 64-bit key: ``v`` becomes
             ``floor(v + w * dither_scale)``, ``w`` the element's word of ``dither_words(n, dither_key)``
-            in row-major order, with `dither_offset` (the dither's constant part) added to the
-            offset: the stochastic rounding of ``quantize_codes``.
+            in row-major order, with `dither_offset` (the dither's constant part) added first: the
+            stochastic rounding of ``quantize_codes``.
         values: also return ``codes * scale + lo`` (fp32, `x`'s shape; unsigned codes).
         last_dim_sums: also return the codes summed over the last dim (fp32, keepdim; exact).
     Returns:
@@ -333,7 +334,8 @@ def quantize_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
     key_low, key_high = _NO_KEY if dither_key is None else _key_halves(dither_key)
     run_kernel(_QUANTIZE_ROWS, matrix.size,
         matrix, lo.detach().numpy().reshape(-1), hi.detach().numpy().reshape(-1), *_grid_constants(bits, signed),
-        dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset), channels,
+        dither_key is not None, key_low, key_high, np.float32(dither_scale), np.float32(dither_offset),
+        np.float32(MIN_STEP), channels,
         memory_order(codes).numpy().reshape(matrix.shape), scale.numpy().reshape(-1),
         memory_order(out_values).numpy().reshape(matrix.shape) if values else _EMPTY_F32,
         sums.numpy().reshape(-1) if last_dim_sums else _EMPTY_F32_1D,
