@@ -2,8 +2,9 @@
 
 For each quantized layer ``L`` the export holds ``L.weight`` as int8 codes ``c`` with
 ``L.weight_scale`` and ``L.weight_offset`` (fp32, 0-d) such that the weight the layer used in its
-forward pass is ``c * scale + offset``, unless a float module reads the same tensor (a tied
-weight: it then stays fp32 under every key). Optionally every plain ``nn.Embedding`` table is stored the same
+forward pass, ``q * scale + min`` with ``q = c + 2**(bits-1)``, is ``c * scale + offset`` up to
+fp32 rounding (the two sums round differently: at most about one ulp of the weight apart), unless
+a float module reads the same tensor (a tied weight: it then stays fp32 under every key). Optionally every plain ``nn.Embedding`` table is stored the same
 way with one scale and offset per row (post-training, weight-only). Everything else (biases,
 norms, heads kept full precision, activation-range buffers) is copied as is.
 """
@@ -33,7 +34,8 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
     is a ``QuantEmbedding``) stays fp32 under every key: the float module read the fp32 tensor and
     the quantized layer quantizes it per tensor at each forward, so ``load_state_dict`` of
     :func:`dequantize_int8_state_dict`'s output (which writes every key into the one shared
-    parameter) gives back the exported model's outputs exactly, whatever the key order.
+    parameter) gives back the exported model's outputs up to fp32 rounding (the same codes; a
+    weight moves by about one ulp at most, see the module docstring), whatever the key order.
 
     Args:
         model: a model after :func:`quantize_model`.
@@ -45,7 +47,7 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
             entry moves by at most half its row's step ``(row max - row min) / 255``. With it the
             whole export of a DistilBERT-base classifier is ~3.9x smaller than the fp32 state dict
             instead of ~1.9x. (Tables quantized in training, ``QuantConfig(embeddings=True)``, are
-            quantized layers and exported exactly either way.)
+            quantized layers and exported with their own codes either way.)
     """
     if not isinstance(embeddings, bool):
         raise TypeError(f"embeddings must be a bool, got {embeddings!r}")
@@ -97,7 +99,8 @@ def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor],
         state_dict: what :func:`export_int8_state_dict` returned.
         activation_ranges: keep the 8-bit layers' activation-range buffers
             (``act_running_min``/``act_running_max``/``act_num_batches``): the state dict loads
-            into the quantized model (``load_state_dict``) and gives its outputs back. False drops
+            into the quantized model (``load_state_dict``) and gives its outputs back up to fp32
+            rounding. False drops
             them: it loads into the float model (``dequantize_model``'s, or the architecture built
             without ``lp_decentral_nlp``), which computes in fp32 with the 8-bit grid's weights.
     """
