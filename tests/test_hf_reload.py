@@ -191,3 +191,58 @@ def test_a_backbone_selected_with_target_reloads_as_saved(tmp_path, tokenizer):
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
     calibrated(model, batch).save_pretrained(tmp_path)
     check_reload(model, tmp_path, batch)
+
+
+def test_a_float_checkpoint_quantized_on_load_checks_its_patterns(tmp_path, tokenizer):
+    """from_pretrained(float checkpoint, quantization_config=...) skipped quantize_model's pattern
+    checks: a misspelt skip pattern quantized the head silently."""
+    tiny_bert(tokenizer.vocab_size).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="skip pattern 'clasifier' matches no quantizable layer"):
+        AutoModelForSequenceClassification.from_pretrained(
+            tmp_path, quantization_config=LpQuantizationConfig(skip=["pooler", "clasifier"]))
+
+
+def test_a_checkpoint_without_some_activation_ranges_reloads_them_uncalibrated(tmp_path, tokenizer):
+    """transformers left the missing range buffers uninitialised memory, which evaluation took as a
+    calibrated range (a layer's output moved by 0.57, a different amount each run)."""
+    from safetensors.torch import load_file, save_file
+
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    model = calibrated(quantize_model(tiny_bert(tokenizer.vocab_size)), batch)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".query.act_" not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"no activation range for 2 8-bit layers .*'bert.encoder.layer.0.attention"
+                                         r".self.query'\): they start uncalibrated"):
+        reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    for name, value in reloaded.state_dict().items():
+        if ".query.act_" in name:
+            assert value.item() == 0, name
+        else:
+            assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_an_int8_export_saved_as_the_weights_is_refused_by_name(tmp_path, tokenizer):
+    """The export's int8 codes loaded as the layers' parameters, and the first forward failed with
+    advice that could not be followed (model.float() is refused on a quantized model)."""
+    from safetensors.torch import save_file
+
+    from lp_decentral_nlp import export_int8_state_dict
+
+    model = quantize_model(tiny_bert(tokenizer.vocab_size))
+    model.save_pretrained(tmp_path)
+    save_file(export_int8_state_dict(model), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"8-bit layer 'bert.encoder.layer.0.attention.self.query' loaded as "
+                                         r"torch.int8, not float32 master weights: an export_int8_state_dict file"):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path)
+
+
+def test_a_half_precision_checkpoint_quantized_on_load_is_told_which_dtype_to_pass(tmp_path, tokenizer):
+    """transformers' default dtype='auto' takes the checkpoint's: the error said 'or no dtype'."""
+    tiny_bert(tokenizer.vocab_size).half().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"pass dtype=torch.float32 to from_pretrained"):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path, quantization_config=LpQuantizationConfig())
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path, quantization_config=LpQuantizationConfig(),
+                                                               dtype=torch.float32)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -15,9 +15,14 @@ The checkpoint holds fp32 master weights (SPEC 4), so the quantizer converts no 
 trainable (``Trainer`` and ``DecentralizedTrainer`` accept the reloaded model) and serializable.
 Passing ``quantization_config=LpQuantizationConfig(...)`` (or its dict form,
 ``{"quant_method": "lp_decentral_nlp", "bits": ...}``) to ``from_pretrained`` of a float
-checkpoint quantizes it on load (the activation ranges start uncalibrated, as after ``quantize_model``).
+checkpoint quantizes it on load (the activation ranges start uncalibrated, as after ``quantize_model``;
+its ``target``/``skip`` patterns are checked as ``quantize_model`` checks them). A saved 8-bit
+checkpoint lacking some layers' ranges loads them uncalibrated, with a warning; one whose 8-bit
+layers' weights are not float32 (an ``export_int8_state_dict`` file) is refused.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from transformers.quantizers import HfQuantizer
@@ -29,6 +34,15 @@ from .config import QuantConfig
 QUANT_METHOD = "lp_decentral_nlp"
 # State-dict keys of the activation-range buffers of the 8-bit layers (``layers.ActivationQuantizer``).
 ACTIVATION_RANGE_KEYS = r"\.act_(running_min|running_max|num_batches)$"
+
+
+def _ranges_missing(layer) -> bool:
+    """Whether `layer`'s activation-range buffers were not in the checkpoint ``from_pretrained`` loaded:
+    transformers marks every loaded tensor ``_is_hf_initialized``; without the mark on the weight
+    (another loading path) nothing is known, and nothing is taken as missing."""
+    loaded = getattr(layer.weight, "_is_hf_initialized", None)
+    return loaded is True and not all(getattr(buffer, "_is_hf_initialized", False) for buffer in (
+        layer.act_running_min, layer.act_running_max, layer.act_num_batches))
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -73,13 +87,15 @@ class LpHfQuantizer(HfQuantizer):
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is not None and dtype != torch.float32:
             raise ValueError(f"dtype={dtype} is not supported for an {QUANT_METHOD} 8-bit model: its master weights "
-                             "are float32 (SPEC 4); load it with dtype=torch.float32 (or no dtype)")
+                             "are float32 (SPEC 4); pass dtype=torch.float32 to from_pretrained (its default, "
+                             "dtype='auto', takes the checkpoint's dtype)")
         return torch.float32
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         from .surgery import _quantize
 
-        _quantize(model, self.quantization_config.to_quant_config(), dry_run=False, reloading=True)
+        # a saved 8-bit model's patterns were checked when it was quantized; a float checkpoint's are checked now
+        _quantize(model, self.quantization_config.to_quant_config(), dry_run=False, reloading=self.pre_quantized)
         if not self.pre_quantized:  # a float checkpoint has no activation ranges: not worth a warning
             model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | {
                 ACTIVATION_RANGE_KEYS}
@@ -87,13 +103,28 @@ class LpHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         """Start uncalibrated ranges when the checkpoint was a float one (``quantization_config`` passed
-        to ``from_pretrained``), as ``quantize_model`` does."""
-        from .layers import ActivationQuantizer
+        to ``from_pretrained``), as ``quantize_model`` does, and in a saved 8-bit model the layers
+        whose ranges the checkpoint lacks (transformers leaves such buffers uninitialised memory, which
+        evaluation would take as a calibrated range), with a warning. ValueError for a layer whose
+        weight loaded in another dtype than float32 (an ``export_int8_state_dict`` file saved as the
+        model's weights)."""
+        from .layers import ActivationQuantizer, QuantModule
 
-        if not self.pre_quantized:
-            for module in model.modules():
-                if isinstance(module, ActivationQuantizer):
-                    module.reset_activation_range()
+        source = getattr(getattr(model, "config", None), "_name_or_path", "the checkpoint")
+        for name, module in model.named_modules():
+            not_float32 = [p for p in module.parameters(recurse=False) if p.dtype != torch.float32]
+            if isinstance(module, QuantModule) and not_float32:
+                raise ValueError(f"{source}: the weights of 8-bit layer {name!r} loaded as {not_float32[0].dtype}, not "
+                                 "float32 master weights: an export_int8_state_dict file is for inference runtimes; "
+                                 "load the folder save_pretrained wrote, or dequantize_int8_state_dict the export and "
+                                 "load_state_dict it into the quantized model")
+        missing = [name for name, module in model.named_modules()
+                   if isinstance(module, ActivationQuantizer) and (not self.pre_quantized or _ranges_missing(module))]
+        for name in missing:
+            model.get_submodule(name).reset_activation_range()
+        if self.pre_quantized and missing:
+            warnings.warn(f"{source}: the checkpoint has no activation range for {len(missing)} 8-bit layers (e.g. "
+                          f"{missing[0]!r}): they start uncalibrated, as after quantize_model", stacklevel=2)
         return model
 
     def _dequantize(self, model, dtype=None):
