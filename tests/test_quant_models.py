@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -192,6 +193,55 @@ def test_load_quantized_asks_for_the_class_of_a_custom_model(tmp_path):
     inputs = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(inputs), model.eval()(inputs))
+
+
+def test_load_quantized_passes_trust_remote_code_to_the_config(tmp_path, monkeypatch):
+    """AutoConfig.from_pretrained got only the file-locating arguments: a remote-code model failed
+    with transformers' "contains custom code ... pass trust_remote_code=True" although it was passed."""
+    import transformers.dynamic_module_utils as dynamic_modules
+
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # not the user's cache
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    (folder / "configuration_lpdn_remote.py").write_text(
+        "from transformers import PretrainedConfig\n\n"
+        "class RemoteConfig(PretrainedConfig):\n"
+        "    model_type = 'lpdn_remote'\n\n"
+        "    def __init__(self, hidden=8, **kwargs):\n"
+        "        self.hidden = hidden\n"
+        "        super().__init__(**kwargs)\n")
+    (folder / "modeling_lpdn_remote.py").write_text(
+        "from torch import nn\nfrom transformers import PreTrainedModel\n"
+        "from .configuration_lpdn_remote import RemoteConfig\n\n"
+        "class RemoteModel(PreTrainedModel):\n"
+        "    config_class = RemoteConfig\n\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__(config)\n"
+        "        self.a, self.b = nn.Linear(config.hidden, config.hidden), nn.Linear(config.hidden, 2)\n"
+        "        self.post_init()\n\n"
+        "    def forward(self, x):\n"
+        "        return self.b(self.a(x).relu())\n")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "lpdn_remote", "hidden": 8, "architectures": ["RemoteModel"],
+        "auto_map": {"AutoConfig": "configuration_lpdn_remote.RemoteConfig",
+                     "AutoModel": "modeling_lpdn_remote.RemoteModel"}}))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model = quantize_model(AutoModel.from_config(config, trust_remote_code=True), QuantConfig(skip=("b",)))
+    model.save_pretrained(folder)
+    loaded = load_quantized(folder, auto_class=AutoModel, trust_remote_code=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert type(loaded.a) is QuantLinear and torch.equal(loaded.eval()(x), model.eval()(x))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_load_quantized_names_the_folder_of_weights_it_cannot_read(tmp_path, damage):
+    """safetensors' "Error while deserializing header" named no file."""
+    quantize_model(ARCHITECTURES["distilbert"]()).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000] if damage == "truncated" else b"\xff" * 1000)
+    with pytest.raises(ValueError, match=f"the weights of {tmp_path} cannot be read .*save the model again"):
+        load_quantized(tmp_path)
 
 
 def test_load_quantized_refuses_a_float_checkpoint(tmp_path):

@@ -100,6 +100,10 @@ def test_nothing_to_quantize_and_double_quantization_are_errors():
         quantize_model(nn.Sequential(nn.LayerNorm(4), nn.ReLU()))
     with pytest.raises(ValueError, match="no layer to quantize"):
         quantize_model(tiny_distilbert(), QuantConfig(skip=("distilbert", "classifier", "pre_classifier")))
+    # a bare layer is not "no layer": the swap replaces a child of its parent, and the root has none
+    with pytest.raises(ValueError, match=r"the model is itself a Linear, which cannot be swapped in place: quantize "
+                                         r"a module that holds it, e.g. nn.Sequential\(layer\)"):
+        quantize_model(nn.Linear(4, 4))
     model = quantize_model(tiny_distilbert())
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(model)

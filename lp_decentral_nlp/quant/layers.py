@@ -137,7 +137,7 @@ class QuantModule:
         if self.weight.dtype != torch.float32:
             _require_float32(self, f"{type(self).__name__} with weight {tuple(self.weight.shape)}",
                              "the model was converted after quantize_model (only float32 is allowed): call "
-                             "model.float(); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs "
+                             "model.to(torch.float32); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs "
                              "stay fp32")
 
     def to_float(self) -> nn.Module:

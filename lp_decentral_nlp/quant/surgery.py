@@ -267,7 +267,11 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
                                "(SPEC 4); call model.float() first")
     if not report.quantized and not report.problems:
         kinds = ", ".join(t.__name__ for t in QUANT_LAYERS)
-        report.problems.append(f"no layer to quantize (supported types: {kinds})")
+        if isinstance(model, supported):  # the swap replaces a child of its parent: the root has none
+            report.problems.append(f"the model is itself a {type(model).__name__}, which cannot be swapped in place: "
+                                   "quantize a module that holds it, e.g. nn.Sequential(layer)")
+        else:
+            report.problems.append(f"no layer to quantize (supported types: {kinds})")
     return report
 
 
@@ -312,7 +316,8 @@ def _replace(model: nn.Module, selected: set[int], build) -> None:
         setattr(model.get_submodule(parent), child, built[id(module)])
 
 
-_LOCATION_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download")
+_LOCATION_KWARGS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download", "proxies",
+                    "trust_remote_code", "code_revision")
 
 
 def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_kwargs) -> nn.Module:
@@ -327,8 +332,13 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
             subclass; default: the transformers class ``config.json`` names (``architectures``, as
             saved: a classifier with its head), ``AutoModel`` if it names none. A class transformers
             does not define (your own, or remote code) is a ValueError asking for ``auto_class``.
-        **from_pretrained_kwargs: passed to ``auto_class.from_pretrained`` (those locating the files,
-            e.g. ``revision``, also to ``AutoConfig.from_pretrained``).
+        **from_pretrained_kwargs: passed to ``auto_class.from_pretrained`` (those locating the files
+            and allowing remote code, e.g. ``revision``, ``trust_remote_code``, also to
+            ``AutoConfig.from_pretrained``).
+
+    Raises:
+        ValueError: no ``lp_decentral_nlp`` quantization_config in ``config.json``, a class to
+            name (above), or weights that cannot be read (naming `path`).
     """
     import transformers
 
@@ -347,4 +357,10 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
             raise ValueError(f"config.json of {path} names the class {saved_as!r}, which transformers does not "
                              "define (your own model class, or remote code): pass it as auto_class, e.g. "
                              f"load_quantized(path, auto_class={saved_as})")
-    return auto_class.from_pretrained(path, **from_pretrained_kwargs)
+    from safetensors import SafetensorError
+
+    try:
+        return auto_class.from_pretrained(path, **from_pretrained_kwargs)
+    except SafetensorError as err:  # its message names no file
+        raise ValueError(f"the weights of {path} cannot be read ({err}): the file is truncated or not a "
+                         "safetensors file; save the model again with save_pretrained") from err
