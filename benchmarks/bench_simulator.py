@@ -305,7 +305,7 @@ def measure_time(args, precision):
     plain_sections = {k: statistics.median(r[k] for r in callback.plain_sections[keep])
                       for k in callback.plain_sections[0]}
     ratios = [r / p for r, p in zip(round_s, plain_s)]
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     gossip_s = [r.get("gossip.step", 0.0) for r in trainer.rounds[keep]]
     own_work_ratios = [r / (p + g) for r, p, g in zip(round_s, plain_s, gossip_s)]
     distinct_s = callback.distinct_s[keep]
@@ -399,10 +399,11 @@ def main(argv=None):
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
     results = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"},
-               "load_average": os.getloadavg(), "rounds": [], "sections": [], "per_repeat": {},
-               "memory": [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"],
-                           "peak_rss_bytes": m["peak_rss"], "cuda_peak_bytes": m["cuda_peak"]}
-                          for precision, m in memory.items()]}
+               "load_average": os.getloadavg(), "rounds": [], "sections": [], "per_repeat": {}}
+    if memory:  # --memory-rounds 0 measures none: a record holds no empty list
+        results["memory"] = [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"],
+                              "peak_rss_bytes": m["peak_rss"], "cuda_peak_bytes": m["cuda_peak"]}
+                             for precision, m in memory.items()]
     for precision in args.precisions:
         r = measure_time(args, precision)
         results["rounds"].append({

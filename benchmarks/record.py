@@ -16,9 +16,16 @@ import platform
 import shlex
 import sys
 
+#: the published records' folder, benchmarks/results/ (docs/benchmarks.md is rendered from it)
+PUBLISHED_DIR = pathlib.Path(__file__).resolve().parent / "results"
 #: where the records go: benchmarks/results/, or the folder LP_BENCHMARK_RESULTS_DIR names
-RESULTS_DIR = pathlib.Path(os.environ.get("LP_BENCHMARK_RESULTS_DIR")
-                           or pathlib.Path(__file__).resolve().parent / "results")
+RESULTS_DIR = pathlib.Path(os.environ.get("LP_BENCHMARK_RESULTS_DIR") or PUBLISHED_DIR)
+
+
+def trial_run() -> bool:
+    """Whether this is a trial run: ``LP_BENCHMARK_RESULTS_DIR`` sends the records elsewhere than the
+    published folder, and a benchmark's docs page or plot then goes there too, by default."""
+    return RESULTS_DIR.resolve() != PUBLISHED_DIR.resolve()
 # /proc/cpuinfo flags recorded with each result: fp32 GEMMs (AVX2, AVX-512), int8 dot products
 # (AVX512-VNNI: oneDNN's int8 GEMM and convolution), bfloat16 (AVX512-BF16) and AMX tiles
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")

@@ -122,7 +122,8 @@ def parse(argv=None) -> argparse.Namespace:
                              "with --max-steps or --limit-rows)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
                         help="where the Markdown table and the plot go (default docs/, or --output-dir with "
-                             "--max-steps or --limit-rows: a shrunk table is no docs page)")
+                             "--max-steps or --limit-rows: a shrunk table is no docs page; with "
+                             "LP_BENCHMARK_RESULTS_DIR, a trial run, that folder)")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="cells run at once, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
@@ -173,7 +174,9 @@ def parse(argv=None) -> argparse.Namespace:
     if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
         args.output_dir = REPO / "runs" / args.name
     if args.docs_dir is None:
-        args.docs_dir = REPO / "docs" if args.name == "table6_cpu" else args.output_dir
+        # a shrunk table is no docs page; a trial run's (LP_BENCHMARK_RESULTS_DIR) goes with its record
+        args.docs_dir = (record.RESULTS_DIR if record.trial_run() else REPO / "docs") if args.name == "table6_cpu" \
+            else args.output_dir
     problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
     if problem:
         parser.error(f"argument --docs-dir: {problem}")
@@ -554,7 +557,7 @@ def main(argv=None) -> pathlib.Path:
                      "max_steps": args.max_steps, "limit_rows": args.limit_rows, **selection},
         "runs_wall_time_s": sum(c["wall_time_s"] for c in cells),  # the runs' own, whenever they ran
         "table": rows,
-        "goals": check_goals(rows),
+        **({"goals": goals} if (goals := check_goals(rows)) else {}),  # a record holds no empty list
         "cells": cells,
     }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)], provenance=provenance)
     args.docs_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,8 @@ runs (e.g. to redraw the plot) and redoes the runs that were stopped (a results.
 The table's figures go to the record ``vision_norm_comparison_skew<skew>.json`` in
 ``benchmarks/results/`` (``benchmarks/record.py``; ``LP_BENCHMARK_RESULTS_DIR=FOLDER`` sends it
 elsewhere), the plot to ``--plot``, by default ``docs/vision_norm_comparison.png`` of this
-repository (wherever the command runs from). These defaults hold the published comparison: every
+repository (wherever the command runs from; with ``LP_BENCHMARK_RESULTS_DIR``, a trial run, that
+folder's ``vision_norm_comparison.png``). These defaults hold the published comparison: every
 default run, every setting at its default (the record's name carries the skew; the plot is of
 the default skew). A run that differs (a subset of ``--runs``, other ``--epochs``, ``--seed``,
 ...) is refused, before any run, unless it names its own outputs: ``--plot FILE`` for the plot,
@@ -36,8 +37,6 @@ PROG = os.path.basename(__file__)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: the published comparison's plot (README, docs/benchmarks.md)
 DEFAULT_PLOT = ROOT / "docs" / "vision_norm_comparison.png"
-#: where the published comparison's record goes (without LP_BENCHMARK_RESULTS_DIR)
-PUBLISHED_RESULTS_DIR = ROOT / "benchmarks" / "results"
 DEFAULT_RUNS = ("batchnorm:fp32", "groupnorm:fp32", "evonorm:fp32", "range_evonorm:int8", "range_evonorm:fp32")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm": "GroupNorm", "evonorm": "EvoNorm-S0",
           "range_evonorm": "Range EvoNorm", "range_batchnorm": "Range BatchNorm"}
@@ -58,14 +57,17 @@ def _recipe_choices(dest: str) -> list[str]:
 
 
 def build_parser():
-    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, Range, ranged
+    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, Range, existing_path, ranged
 
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
                    help=f"norm:precision pairs, each run once (norm in {', '.join(LABELS)}; precision fp32 or int8)")
     p.add_argument("--dataset", default="digits", choices=[d for d in _recipe_choices("dataset") if d != "folder"],
                    help="image dataset of every run (digits: scikit-learn's bundled 8x8 digits, offline; the others "
-                        "from the hub)")
+                        "from the hub, or from --data-dir)")
+    p.add_argument("--data-dir", type=existing_path, default=None,
+                   help="a local copy of --dataset for every run, as the vision recipes take it (a save_to_disk "
+                        "folder; default: none, the hub)")
     p.add_argument("--arch", default="resnet20", choices=_recipe_choices("arch"), help="network of every run")
     p.add_argument("--nodes", type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
     p.add_argument("--topology", default="directed_ring", choices=_recipe_choices("topology"),
@@ -86,7 +88,8 @@ def build_parser():
                    help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md")
     p.add_argument("--plot", default=None,
                    help="PNG file of the accuracy curves (default: docs/vision_norm_comparison.png of this "
-                        "repository, which only the published comparison may write: every default run and setting)")
+                        "repository, which only the published comparison may write: every default run and setting; "
+                        "with LP_BENCHMARK_RESULTS_DIR, a trial run, that folder's vision_norm_comparison.png)")
     p.add_argument("--skip-existing", action="store_true",
                    help="reuse the runs whose results.json says done with these settings, and redo the runs that "
                         "were stopped (results.json left running)")
@@ -131,19 +134,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "and precision fp32 or int8")
     if len(set(args.runs)) < len(args.runs):
         p.error(f"argument --runs: {' '.join(args.runs)} names a run twice: give each once")
+    if args.data_dir is not None and args.dataset == "digits":
+        p.error("argument --data-dir: digits is bundled with scikit-learn and takes no data directory: drop "
+                "--data-dir, or name its --dataset")
     differing = unpublished(p, args)
-    published_record = pathlib.Path(record.RESULTS_DIR).resolve() == PUBLISHED_RESULTS_DIR.resolve()
-    taken = [("--plot FILE", DEFAULT_PLOT)] if args.plot is None else []
-    taken += [("LP_BENCHMARK_RESULTS_DIR=FOLDER", record_path(args))] if published_record else []
+    trial = record.trial_run()  # its default plot goes to the trial's folder
+    taken = [("--plot FILE", DEFAULT_PLOT)] if args.plot is None and not trial else []
+    taken += [("LP_BENCHMARK_RESULTS_DIR=FOLDER", record_path(args))] if not trial else []
     if differing and taken:
         p.error(f"argument {differing[0][0]}: {', '.join(text for _, text in differing)} is not the published "
                 f"comparison, whose outputs are the defaults: name this run's own with "
                 f"{' and '.join(how for how, _ in taken)}, or it would replace "
                 f"{' and '.join(str(file) for _, file in taken)}")
-    if args.plot is None and args.skew != p.get_default("skew"):
+    if args.plot is None and not trial and args.skew != p.get_default("skew"):
         p.error(f"argument --skew: the default --plot {DEFAULT_PLOT} is the published comparison at skew "
                 f"{p.get_default('skew'):g}: name a --plot FILE for skew {args.skew:g}")
-    args.plot = str(DEFAULT_PLOT) if args.plot is None else args.plot
+    if args.plot is None:
+        args.plot = str(record.RESULTS_DIR / DEFAULT_PLOT.name if trial else DEFAULT_PLOT)
     problem = output_file_problem(args.plot)
     if problem:
         p.error(f"argument --plot: cannot write {args.plot!r} ({problem})")
@@ -162,7 +169,8 @@ def recipe_argv(args, norm: str, precision: str, out: str) -> list[str]:
             "--topology", args.topology, "--skew", str(args.skew), "--comp", str(args.comp),
             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
             "--eval-steps", str(args.eval_steps), "--logging-steps", str(args.eval_steps), "--output-dir", out]
-    return (argv + (["--full-precision"] if precision == "fp32" else [])
+    return (argv + (["--data-dir", args.data_dir] if args.data_dir is not None else [])
+            + (["--full-precision"] if precision == "fp32" else [])
             + (["--overwrite_output_dir"] if args.overwrite_output_dir else []))
 
 

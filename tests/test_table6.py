@@ -124,6 +124,9 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     assert f"| 0 | 0% | {100 * cells[2]['accuracy']:.2f} |" in table.split("## sentlen")[1]
     assert "## Goals" in table and "ag_news: every 8-bit cell" not in table
     assert (tmp_path / "docs" / "table6_cpu_shrunk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no goal's cells ran: the record leaves goals out (an empty list made render.py refuse the folder)
+    assert "none of the goals' cells have been run" in table and "goals" not in record_["results"]
+    assert "table6_cpu_shrunk" in load_benchmark("render").render(tmp_path / "results")
 
     capsys.readouterr()
     link = tmp_path / "link.csv"  # the same file by another path is the same setting
@@ -269,3 +272,15 @@ def test_ctrl_c_stops_the_grid_with_its_own_advice(table6, tiny_model_dir, ag_ne
     assert exc.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == (
         "table6_cpu.py: interrupted: run it again: its finished cells are reused, the stopped ones start afresh")
     assert not (tmp_path / "results").exists()
+
+
+def test_a_trial_run_writes_its_table_and_plot_beside_its_record(table6, ag_news_csv, tmp_path, monkeypatch):
+    """With LP_BENCHMARK_RESULTS_DIR (the README's trial run) the record went to the trial folder
+    but the table and plot replaced docs/table6_cpu.md and .png, citing the trial's record."""
+    import record
+
+    argv = ["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path / "runs")]
+    monkeypatch.setattr(record, "RESULTS_DIR", record.PUBLISHED_DIR)
+    assert table6.parse(argv).docs_dir == table6.REPO / "docs"
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")
+    assert table6.parse(argv).docs_dir == tmp_path / "trial"

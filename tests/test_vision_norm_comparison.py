@@ -126,6 +126,9 @@ def test_the_defaults_are_the_published_comparison(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "records")  # a trial's record goes elsewhere
     trial = comparison.parse_args(["--epochs", "5", "--plot", "plot.png"])
     assert trial.epochs == 5 and trial.plot == "plot.png"
+    # ... and its plot too, by default: it replaced the published docs/vision_norm_comparison.png
+    for argv in ([], ["--runs", "evonorm:fp32"], ["--skew", "0.4"]):
+        assert pathlib.Path(comparison.parse_args(argv).plot) == tmp_path / "records" / "vision_norm_comparison.png"
 
 
 def test_help_states_every_flag_and_its_default(comparison, capsys):
@@ -185,3 +188,19 @@ def test_ctrl_c_outside_training_is_one_line(comparison, tmp_path, monkeypatch, 
     assert exc.value.code == 130 and capsys.readouterr().err == (
         "vision_norm_comparison.py: interrupted: the comparison did not finish: run it again with --skip-existing "
         "(finished runs are reused, the stopped one is redone)\n")
+
+
+def test_a_local_copy_of_the_dataset_reaches_every_run(comparison, tmp_path, capsys):
+    """Offline, the runs' error said "pass --data-dir with a local copy", a flag this script did not have."""
+    from lp_decentral_nlp.vision.recipe import parse_vision_args
+
+    args = comparison.parse_args(["--dataset", "cifar10", "--data-dir", str(tmp_path), *outputs(tmp_path)])
+    argv = comparison.recipe_argv(args, "evonorm", "fp32", str(tmp_path / "run"))
+    recipe = parse_vision_args("choco", argv).recipe
+    assert recipe.dataset == "cifar10" and recipe.data_dir == str(tmp_path)
+    for flags, message in ((["--data-dir", str(tmp_path)], "argument --data-dir: digits is bundled with "
+                                                            "scikit-learn and takes no data directory"),
+                           (["--dataset", "cifar10", "--data-dir", str(tmp_path / "none")], "argument --data-dir: ")):
+        with pytest.raises(SystemExit):
+            comparison.parse_args([*flags, *outputs(tmp_path)])
+        assert message in capsys.readouterr().err
