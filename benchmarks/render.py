@@ -3,6 +3,9 @@
     python benchmarks/render.py
     python benchmarks/render.py --results-dir path/to/results --output path/to/benchmarks.md
 
+With ``LP_BENCHMARK_RESULTS_DIR`` set (a trial run, ``benchmarks/record.py``) the defaults are that
+folder's records and its ``benchmarks.md``: the published page stays as it is.
+
 Each results file is a record written by ``benchmarks/record.py``: a JSON object with
 ``benchmark`` (its name, a string), ``command``, ``date``, ``machine`` (an object) and ``results``
 (an object). Every file becomes one section: what the benchmark measures (for the benchmarks
@@ -32,11 +35,12 @@ import math
 import pathlib
 import statistics
 
+import record
 from lp_decentral_nlp.commands import OneLineParser, output_file_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
-OUTPUT = ROOT / "docs" / "benchmarks.md"
+RESULTS_DIR = record.RESULTS_DIR  # benchmarks/results/, or a trial's folder
+OUTPUT = record.RESULTS_DIR / "benchmarks.md" if record.trial_run() else ROOT / "docs" / "benchmarks.md"
 
 #: name (or name prefix) -> (title, what the benchmark measures), in the order the page lists them
 BENCHMARKS = {
@@ -207,7 +211,7 @@ def load_records(results_dir: pathlib.Path) -> list[dict]:
     or object in ``results``) is a ValueError naming it."""
     results_dir = pathlib.Path(results_dir)
     if not results_dir.is_dir():
-        raise FileNotFoundError(f"results_dir: {results_dir} is not a directory: run a benchmark first "
+        raise FileNotFoundError(f"argument --results-dir: {results_dir} is not a directory: run a benchmark first "
                                 "(each one writes benchmarks/results/<name>.json)")
     records = []
     for path in sorted(results_dir.glob("*.json")):
@@ -232,7 +236,7 @@ def load_records(results_dir: pathlib.Path) -> list[dict]:
                              "object)")
         records.append(record)
     if not records:
-        raise FileNotFoundError(f"results_dir: no *.json results in {results_dir}: run a benchmark first")
+        raise FileNotFoundError(f"argument --results-dir: no *.json results in {results_dir}: run a benchmark first")
     order = list(BENCHMARKS)
 
     def rank(record):

@@ -1,5 +1,4 @@
 """benchmarks/render.py: a synthetic results directory rendered into the benchmarks page."""
-import importlib.util
 import json
 import pathlib
 import re
@@ -7,19 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import load_benchmark
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MACHINE = {"cpu": "Test CPU 9000", "cores": 2, "memory_gib": 15.6, "gpu": None, "python": "3.11.9", "torch": "2.13.0"}
 
 
-def load_render():
-    spec = importlib.util.spec_from_file_location("render", REPO / "benchmarks" / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render = load_render()
+render = load_benchmark("render")
 
 
 def write(results_dir, name, results, command=None):
@@ -95,7 +88,7 @@ def test_cli_writes_the_page(results_dir, tmp_path):
 
 
 def test_bad_results_dirs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="results_dir: .* is not a directory"):
+    with pytest.raises(FileNotFoundError, match="argument --results-dir: .* is not a directory"):
         render.render(tmp_path / "missing")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -168,3 +161,15 @@ def test_the_output_is_checked_before_the_records(tmp_path):
     (d / "broken.json").write_text("{not json")
     proc = render_cli(d, "/proc/x.md")  # both are wrong: the output is named, before any record is read
     assert proc.returncode == 2 and "argument --output" in proc.stderr and "broken.json" not in proc.stderr
+
+
+def test_a_trial_run_renders_its_own_folder_into_its_own_page(results_dir, tmp_path):
+    """render.py ignored LP_BENCHMARK_RESULTS_DIR: it rendered the published records over
+    docs/benchmarks.md, and seeing a trial's figures needed --results-dir."""
+    import os
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py")], capture_output=True, text=True,
+                          env={**os.environ, "LP_BENCHMARK_RESULTS_DIR": str(results_dir)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"wrote {results_dir / 'benchmarks.md'}\n"
+    assert (results_dir / "benchmarks.md").read_text() == render.render(results_dir)
