@@ -188,7 +188,7 @@ def main():
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, r in steps.items():
         print(f"| {name} | {r['median']:.2f} | {r['median'] / NUM_NODES:.3f} | {r['message_bytes']:,} | "
-              f"{fp32_bytes / r['message_bytes']:.1f}x less |")
+              f"{fp32_bytes / r['message_bytes']:.1f}x fewer bytes |")
 
     results = {
         "setup": {"nodes": NUM_NODES, "graph": "directed_ring", "tensors": len(shapes), "parameters": params,

@@ -468,8 +468,8 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
                 f"**Shrunk run, not Table 6:** max steps {args.max_steps}, limit rows {args.limit_rows}. ")
              + ("" if len(rows) == len(all_cells()) else
                 f"**Part of the grid:** the {len(rows)} cells finished so far; the other "
-                f"{len(all_cells()) - len(rows)} have not been run (`python benchmarks/table6_cpu.py --jobs 2` "
-                "runs them and reuses these). ")
+                f"{len(all_cells()) - len(rows)} have not been run (`python benchmarks/table6_cpu.py` with "
+                "this run's other flags and no `--cells` runs them and reuses these). ")
              + ("" if all(r["seeds"] == [0] for r in rows) else
                 f"Seeds {', '.join(map(str, sorted({s for r in rows for s in r['seeds']})))} (`--seeds`) where run: "
                 "a cell with several is the mean over them, its range in brackets. ")

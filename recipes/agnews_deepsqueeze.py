@@ -5,7 +5,7 @@
     accelerate launch --num_processes 4 recipes/agnews_deepsqueeze.py --backend distributed  # on CPU as well
 
 `--help` lists every flag (every TrainingArguments flag, transformers spelling, is accepted); results land
-in --output-dir (results.json, cost_report.json, metrics.csv, model/).
+in --output-dir (results.json, cost_report.json, kernels.json, metrics.csv, model/).
 """
 from lp_decentral_nlp.commands import recipe_main
 

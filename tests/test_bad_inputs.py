@@ -110,11 +110,11 @@ ROWS = {
     4: cli(["--topology", "star"], "argument --topology: topology must be one of ('directed_ring', 'ring', 'torus', "
                                    "'exponential', 'complete'), got 'star'"),
     5: cli(["--lr", "abc"], "argument --lr: expected a number, got 'abc'"),
-    6: cli(["--data-dir", "/no/such/dir"], "argument --data-dir: data_dir: path '/no/such/dir' does not exist"),
+    6: cli(["--data-dir", "/no/such/dir"], "argument --data-dir: path '/no/such/dir' does not exist"),
     7: cli(["--seed", "-1"], "argument --seed: seed must be an integer in [0, 4294967295], got -1"),
     8: cli(["--drop-prob", "1"], "argument --drop-prob: drop_prob must be a probability in [0, 1), got 1.0"),
     9: cli(["--straggler", "2"], "argument --straggler: stragglers: expected NODE:SECONDS (e.g. 2:0.5), got '2'"),
-    10: cli(["--straggler", "7:0.5"], "argument --straggler: stragglers: node 7 does not exist (nodes are 0..3)",
+    10: cli(["--straggler", "7:0.5"], "argument --straggler: node 7 does not exist (nodes are 0..3)",
             " with 4 nodes"),
     11: cli(["--leave", "1:50:20"], "argument --leave: absences: expected NODE:START:END with NODE >= 0 and 0 <= START "
                                     "< END, got '1:50:20'"),
@@ -138,7 +138,7 @@ ROWS = {
             "argument --nodes: 4 nodes, but the launcher started 2 processes (WORLD_SIZE=2): launch one process per "
             "node (torchrun --nproc_per_node 4)"),
     20: Row("`--backend distributed --straggler 1:400` (timeout 300)", "exit 2",
-            "argument --straggler: stragglers: node 1 sleeps 400 s per step, not less than gossip_timeout=300 s: its "
+            "argument --straggler: node 1 sleeps 400 s per step, not less than gossip_timeout=300 s: its "
             "peers would give up on it"),
     21: Row("`--resume-from-checkpoint DIR`, no checkpoint in DIR", "exit 2",
             "argument --resume-from-checkpoint: no complete checkpoint-<step> directory in DIR"),

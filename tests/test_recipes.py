@@ -83,7 +83,7 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     ("--skew", "1.5", "argument --skew: skew must be a number in [0, 1], got 1.5"),
     ("--comp", "100", "argument --comp: compression must be a percentage in [0, 100), got 100.0"),
     ("--nodes", "0", "argument --nodes: num_nodes must be an integer in [1, 65536], got 0"),
-    ("--data-dir", "/no/such/dir", "argument --data-dir: data_dir: path '/no/such/dir' does not exist"),
+    ("--data-dir", "/no/such/dir", "argument --data-dir: path '/no/such/dir' does not exist"),
     ("--topology", "star", "argument --topology: topology must be one of"),
     ("--lr", "abc", "argument --lr: expected a number, got 'abc'"),
 ])

@@ -116,8 +116,8 @@ def test_defaults_resolve_per_precision_and_dataset():
     (["--lr-milestones", "0"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing list "
                                "of epochs > 0"),
     (["--lr-milestones", "nan"], "expected a finite number, got 'nan'"),
-    (["--data-dir", "."], "argument --data-dir: data_dir: digits is bundled with scikit-learn"),
-    (["--arch", "vgg11"], "argument --image_size: vgg11 needs images of at least 32x32, got 8 (pass --image_size 32)"),
+    (["--data-dir", "."], "argument --data-dir: digits is bundled with scikit-learn"),
+    (["--arch", "vgg11"], "argument --image-size: vgg11 needs images of at least 32x32, got 8 (pass --image-size 32)"),
     (["--arch", "vgg11", "--image-size", "16"], "argument --image-size: vgg11 needs images of at least 32x32, got 16 "
                                                 "(pass --image-size 32)"),
     (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
@@ -250,15 +250,15 @@ def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, mo
                        "1", "--disable_tqdm", "true", "--output-dir", str(out)])
     assert exc.value.code == 130
     assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == (  # after the program name
-        f"interrupted at step 3: resume from its last checkpoint with --resume_from_checkpoint {out / 'checkpoint-2'}")
+        f"interrupted at step 3: resume from its last checkpoint with --resume-from-checkpoint {out / 'checkpoint-2'}")
     assert json.loads((out / "results.json").read_text())["status"] == "running"
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main("choco", ["--nodes", "2", "--batch-size", "8", "--max-steps", "4", "--logging_steps", "1",
                        "--disable_tqdm", "true", "--output-dir", str(tmp_path / "unsaved")])
     assert capsys.readouterr().err.splitlines()[-1].endswith(
-        "interrupted at step 3: no checkpoint was written (--save_steps N writes them): run it again with "
-        "--overwrite_output_dir")
+        "interrupted at step 3: no checkpoint was written (--save-steps N writes them): run it again with "
+        "--overwrite-output-dir")
 
 
 def test_own_images_train_with_their_classes_size_and_statistics(tmp_path, capsys):
@@ -304,5 +304,5 @@ def test_own_images_need_their_folder(capsys):
 
     with pytest.raises(SystemExit):
         build_vision_parser("choco").parse(["--dataset", "folder"])
-    assert capsys.readouterr().err.endswith(
-        "data_dir: --dataset folder trains your own images: give their folder with --data-dir\n")
+    assert capsys.readouterr().err.endswith(  # the flag as the docs spell it, once (it said "--data_dir: data_dir:")
+        "error: argument --data-dir: --dataset folder trains your own images: give their folder with --data-dir\n")

@@ -229,8 +229,10 @@ def options_given(action: argparse.Action, argv) -> list[str]:
 
 
 def option_used(action: argparse.Action, argv) -> str:
-    """The option of ``action`` that ``argv`` uses (``--lr`` or ``--lr=...``), else its first one."""
-    return (options_given(action, argv) or action.option_strings or [action.dest])[0]
+    """The option of ``action`` that ``argv`` uses (``--lr`` or ``--lr=...``), else its first one
+    spelt with dashes (``--data-dir``, the spelling the docs use), else its first one."""
+    dashed = sorted(action.option_strings, key=lambda option: "_" in option)  # stable: the first dashed one first
+    return (options_given(action, argv) or dashed or [action.dest])[0]
 
 
 class OneLineParser(OneLineErrors, argparse.ArgumentParser):

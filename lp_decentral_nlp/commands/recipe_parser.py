@@ -177,7 +177,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         first = re.match(r"\w+", message)
         dests = {a.dest for a in self._actions if a.option_strings}
         if first and first.group(0) in dests:
-            return f"argument {self.flag_of(first.group(0), argv)}: {message}"
+            name = first.group(0)  # "data_dir: path ..." reads "argument --data-dir: path ...", not "...: data_dir: path"
+            return f"argument {self.flag_of(name, argv)}: {message.removeprefix(name + ': ')}"
         return message
 
 

@@ -223,7 +223,8 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
         csvs = sorted(p for p in path.glob("*.csv") if p.is_file())
         if not csvs:
             raise ValueError(f"data_dir {str(path)!r} holds no CSV file and no saved dataset "
-                             "(expected label,title,description CSVs or a save_to_disk directory)")
+                             "(expected label,title,description CSVs or a save_to_disk directory, and for sentlen "
+                             "also SentEval's sentence_length.txt)")
         by_name = {p.stem: p for p in csvs}
         if "test" in by_name and "train" not in by_name:
             raise ValueError(f"data_dir {str(path)!r} holds test.csv but no train.csv: test.csv is the test split "
