@@ -30,9 +30,11 @@ import copy
 import gc
 import os
 import statistics
+import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp.commands import OneLineParser, Range, add_default_malloc_flag, add_threads_flag, ranged
@@ -69,8 +71,10 @@ def gossip_steps(shapes, passes: int) -> dict[str, dict]:
     """Part 1: median time of one 8-node gossip step per configuration."""
     topo = make_topology("directed_ring", NUM_NODES)
     results = {name: {"times": []} for name in CONFIGS}
+    progress = tqdm(total=passes * len(CONFIGS), desc="part 1: gossip steps", unit="step", file=sys.stderr)
     for _ in range(passes):
         for name, make in CONFIGS.items():
+            progress.set_postfix_str(name)
             nodes = [[torch.randn(s) * 0.05 for s in shapes] for _ in range(NUM_NODES)]
             gossip = make(topo)
             stats = gossip.step(nodes)  # first step: allocation of buffers and state
@@ -80,6 +84,8 @@ def gossip_steps(shapes, passes: int) -> dict[str, dict]:
             results[name]["message_bytes"] = stats.message_bytes
             del nodes, gossip
             gc.collect()
+            progress.update()
+    progress.close()
     for r in results.values():
         r["median"] = statistics.median(r["times"])
     return results

@@ -170,3 +170,19 @@ def test_cli_prices_a_saved_classifier_with_its_own_labels(capsys, tmp_path):
     assert head_macs([]) == (3, 2 * 16 * 3)
     assert head_macs(["--num-classes", "5"]) == (5, 2 * 16 * 5)  # an explicit flag is honoured
     capsys.readouterr()
+
+
+def test_cli_prices_activation_checkpointing(capsys, tmp_path, minilm_path):
+    """The API priced activation checkpointing (estimate_cost(activation_checkpointing=True)); the
+    command line had no way to ask for it."""
+    args = ["--model", str(minilm_path), "--seq-len", "64", "--batch-size", "8"]
+    saved = {}
+    for flags in ([], ["--activation-checkpointing"]):
+        path = tmp_path / f"{len(flags)}.json"
+        assert main([*args, *flags, "--output", str(path)]) == 0
+        saved[bool(flags)] = json.loads(path.read_text())["reports"]["int8"]["memory_breakdown_mb"]["train"]
+    assert saved[True]["activations"] < saved[False]["activations"] / 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--arch", "resnet20", "--activation-checkpointing"])
+    assert "argument --activation-checkpointing: not a setting of --arch models: drop it" in capsys.readouterr().err

