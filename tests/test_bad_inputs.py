@@ -125,7 +125,7 @@ ROWS = {
     14: cli(["--topology", "exponential"], "argument --topology: topology='exponential' changes every step, but "
             "algorithm='choco' needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with "
             "low_precision=False) or a static topology", " in a Choco recipe"),
-    15: cli(["--save-total-limit", "2"], "argument --save-total-limit: needs --save_steps (no checkpoints are written "
+    15: cli(["--save-total-limit", "2"], "argument --save-total-limit: needs --save-steps (no checkpoints are written "
             "without it)", " without `--save-steps`"),
     16: cli(["--resume-from-checkpoint", "/no/such/run"],
             "argument --resume-from-checkpoint: path '/no/such/run' does not exist"),

@@ -45,7 +45,7 @@ def test_single_linear_fp32_exact():
 
 
 def test_single_linear_int8_exact():
-    r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam")
+    r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam", weight_grad_gemm="int8")
     fc = layer(r, "0")
     assert fc.precision == "int8" and r.quantized_mac_share == 1.0 and r.weight_grad_gemm == "int8"
     # inference: int8 GEMM; fp32: bias 8 adds, quantize 12 inputs with the running range
@@ -68,18 +68,24 @@ def test_single_linear_int8_exact():
     assert r.memory_breakdown_mb["inference"] == pytest.approx({"weights": 14e-6, "activations": 80e-6})
 
 
-def test_weight_gradient_gemm_priced_fp32():
-    fc = layer(estimate_cost(linear_model(), (3,), 4, "int8", weight_grad_gemm="fp32"), "0")
+def test_the_weight_gradient_gemm_is_priced_fp32_as_our_training_runs_it():
+    """Convention "ours" prices int8 only what our training runs in 8 bits (SPEC 7), but priced the
+    weight-gradient GEMM, an fp32 GEMM of the codes and the full-precision output gradient (SPEC
+    4), int8 by default: ResNet-20's 8-bit training read 11.6x less energy than fp32 instead of 2.5x."""
+    r = estimate_cost(linear_model(), (3,), 4, "int8")
+    fc = layer(r, "0")
+    assert r.weight_grad_gemm == "fp32" and "8-bit weight-gradient GEMM priced fp32" in str(r)
     assert (fc.train.int8_adds, fc.train.int8_mults) == (24, 24)
     # one GEMM moves to fp32, and its output needs no rescaling (6 weights)
     assert (fc.train.fp32_adds, fc.train.fp32_mults) == (134 - 6 + 24, 32 - 6 + 24)
+    assert estimate_cost(linear_model(), (3,), 4, "int8", convention="paper").weight_grad_gemm == "int8"
 
 
 def test_single_linear_paper_convention_exact():
     """The paper's convention (SPEC 7, Table 10): every op of the 8-bit model int8, counted by SPEC
     7's formula (three GEMMs per layer, the first layer's too), inference memory = the weights
     alone, memory in MiB."""
-    ours = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam")
+    ours = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam", weight_grad_gemm="int8")
     r = estimate_cost(linear_model(), (3,), 4, "int8", optimizer="adam", convention="paper")
     fc = layer(r, "0")
     assert (fc.train.fp32_adds, fc.train.fp32_mults) == (0, 0)
@@ -602,7 +608,7 @@ def test_backward_is_priced_as_autograd_runs_it():
     _, real = saved_tensor_bytes(model, torch.randn(4, 8), exclude=list(model.parameters()))
     assert fp32.memory_breakdown_mb["train"]["activations"] * 1e6 == real == 2 * 4 * 16 * 4
 
-    int8 = {layer.name: layer for layer in estimate_cost(model, (8,), 4, "int8").layers}
+    int8 = {layer.name: layer for layer in estimate_cost(model, (8,), 4, "int8", weight_grad_gemm="int8").layers}
     assert [int8[n].train.int8_mults for n in ("frozen_in", "trained", "frozen_out")] == [
         4 * 16 * 8, 2 * 4 * 16 * 16, 2 * 4 * 4 * 16]
     # fp32 mults (one per element quantized or rescaled): every layer quantizes its input and

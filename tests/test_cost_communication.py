@@ -90,8 +90,8 @@ def test_cli_output_writes_both_reports_as_printed(capsys, tmp_path):
         assert report["communication"]["num_nodes"] == 4
     reports = record["reports"]
     assert reports["int8"]["communication"]["message_bytes"] < reports["fp32"]["communication"]["message_bytes"]
-    printed = float(out.split("weight-gradient GEMM priced fp32")[1].split(": ")[1].split(" mJ")[0])
-    assert record["int8_train_energy_mj_fp32_weight_gradient"] == pytest.approx(printed, rel=1e-3)
+    printed = float(out.split("weight-gradient GEMM priced int8 as well")[1].split(": ")[1].split(" mJ")[0])
+    assert record["int8_train_energy_mj_int8_weight_gradient"] == pytest.approx(printed, rel=1e-3)
     assert f"wrote {path}" in out
 
 
@@ -107,7 +107,7 @@ def test_cli_paper_convention(capsys):
     assert main(["--arch", "resnet20", "--batch-size", "2", "--convention", "paper"]) == 0
     out = capsys.readouterr().out
     assert "convention paper" in out and "inference memory (MiB)" in out
-    assert "weight-gradient GEMM priced fp32" not in out  # an ours-only figure
+    assert "weight-gradient GEMM priced int8 as well" not in out  # an ours-only figure
 
 
 def test_cli_hf_model(capsys, minilm_path):

@@ -309,8 +309,8 @@ def check_output_dir(parser, training, run) -> None:
 
 def check_save_total_limit(parser, training) -> None:
     if training.save_total_limit is not None and training.save_strategy == "no":
-        parser.error(f"argument {parser.flag_of('save_total_limit')}: needs --save_steps (no checkpoints are written "
-                     "without it)")
+        parser.error(f"argument {parser.flag_of('save_total_limit')}: needs {parser.flag_of('save_steps')} (no "
+                     "checkpoints are written without it)")
 
 
 def check_resume(parser, training, values: dict) -> None:

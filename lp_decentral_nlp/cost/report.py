@@ -29,10 +29,11 @@ What is counted, per forward pass on the real shapes (conventions in ``ops``):
 
 Energy (Horowitz, ISSCC 2014, 45 nm): fp32 add 0.9 pJ, fp32 mult 3.7 pJ, int8 add 0.03 pJ,
 int8 mult 0.2 pJ. With ``precision="int8"`` only the GEMMs of the quantized layers are priced at
-int8 -- all three of them in training, as the paper does (``weight_grad_gemm="fp32"`` prices the
-weight-gradient GEMM at fp32 instead: SPEC 4 computes it from the full-precision output gradient).
-Everything else -- quantization arithmetic, bias, norms, activations, softmax, attention matmuls,
-residual additions, pooling, the layers kept full precision (heads) -- is priced at fp32.
+int8: the forward and the input-gradient GEMMs; the weight-gradient GEMM at fp32, as our training
+runs it (SPEC 4 computes it from the full-precision output gradient), unless
+``weight_grad_gemm="int8"`` prices it int8 as the paper's accelerator does. Everything else --
+quantization arithmetic, bias, norms, activations, softmax, attention matmuls, residual additions,
+pooling, the layers kept full precision (heads) -- is priced at fp32.
 
 Memory (bytes, 1 MB = 10^6 bytes): training holds weights + gradients + optimizer state
 (``optimizer``: 0 to 3 tensors per parameter) + the activations autograd saves for backward;
@@ -53,7 +54,8 @@ Conventions (SPEC 7, ``convention=``):
   1%); inference memory is the model weights alone (every parameter at 8 bits in the 8-bit
   model); training memory is counted as in ``"ours"``; memory is in MiB (2^20 bytes), the unit of
   the paper's "MB" (the paper's ResNet-20: 1.04 vs 0.26, which this reproduces; VGG-11: 36.22 vs
-  9.01, this gives 9.05). ``weight_grad_gemm="fp32"`` has no meaning there and is refused.
+  9.01, this gives 9.05). Its weight-gradient GEMM is int8 too; ``weight_grad_gemm="fp32"`` has no
+  meaning there and is refused.
 """
 from __future__ import annotations
 
@@ -202,7 +204,7 @@ def estimate_cost(
     *,
     quant_config=None,
     optimizer: str = "momentum",
-    weight_grad_gemm: str = "int8",
+    weight_grad_gemm: str | None = None,
     gossip=None,
     samples_per_node: int | None = None,
     convention: str = "ours",
@@ -230,7 +232,9 @@ def estimate_cost(
             ``"sgd_qgm"`` (2) or ``"adam_qgm"`` (3): quasi-global momentum's model snapshot on top
             (``OPTIMIZER_STATES``; ``lp_decentral_nlp.trainer.cost_optimizer`` names a run's).
         weight_grad_gemm: precision at which the weight-gradient GEMM of a quantized layer is
-            priced, ``"int8"`` (the paper's model) or ``"fp32"`` (SPEC 4's full-precision ``g``).
+            priced, ``"fp32"`` (what our training runs: SPEC 4's full-precision ``g``) or
+            ``"int8"`` (the paper's accelerator); None: the convention's, ``"fp32"`` in ours,
+            ``"int8"`` in the paper's.
         gossip: a ``lp_decentral_nlp.gossip`` algorithm (``SGP``/``ChocoSGD``/``DeepSqueeze``,
             which fixes compressor and topology): adds the gossip traffic (``communication_cost``).
         samples_per_node: training samples per node, for the traffic per epoch.
@@ -243,8 +247,10 @@ def estimate_cost(
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
-    _check_choice("weight_grad_gemm", weight_grad_gemm, PRECISIONS)
     _check_choice("convention", convention, CONVENTIONS)
+    if weight_grad_gemm is None:
+        weight_grad_gemm = "int8" if convention == "paper" else "fp32"
+    _check_choice("weight_grad_gemm", weight_grad_gemm, PRECISIONS)
     if convention == "paper" and weight_grad_gemm != "int8":
         raise ValueError(f"weight_grad_gemm={weight_grad_gemm!r} needs convention='ours': the paper's convention "
                          "prices every op of the 8-bit model int8")
@@ -583,8 +589,13 @@ def format_comparison(reports: dict[str, CostReport]) -> str:
         ratio = (_ratio(*values),) if len(rs) == 2 and not label.startswith("forward MACs") else (
             ("",) if len(rs) == 2 else ())
         rows.append((label, *(fmt.format(v) for v in values), *ratio))
-    setup = ", ".join(f"{k}={v}" for k, v in (("batch", rs[0].batch_size),
-                                                ("input", rs[0].input_shape), ("optimizer", rs[0].optimizer)))
+    weight_grads = {label: r.weight_grad_gemm for label, r in reports.items() if r.weight_grad_gemm}
+    setup = ", ".join(f"{k}={v}" for k, v in (("batch", rs[0].batch_size), ("input", rs[0].input_shape),
+                                                ("optimizer", rs[0].optimizer)))
+    if len(set(weight_grads.values())) == 1:
+        setup += f", 8-bit weight-gradient GEMM priced {next(iter(weight_grads.values()))}"
+    elif weight_grads:
+        setup += ", 8-bit weight-gradient GEMM priced " + ", ".join(f"{v} ({k})" for k, v in weight_grads.items())
     notes = "".join(f"\nnote ({label}): ops without a cost rule, counted as zero: {r.uncounted_ops}"
                     for label, r in reports.items() if r.uncounted_ops)
     return f"{setup}\n{CONVENTION_TEXT[convention]}\n" + _format_table(header, rows) + notes
