@@ -94,8 +94,9 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
 
 @pytest.mark.distributed
 def test_final_merge_gives_every_rank_the_average_of_all_nodes(tmp_path, ag_news_csv, minilm_path):
-    """SPEC 2a in the distributed backend: one all-reduce leaves every rank with mean_i z_i, the
-    same model the simulated backend's merge gives every node."""
+    """SPEC 2a in the distributed backend: every rank ends with mean_i z_i, bit for bit the model the
+    simulated backend's merge gives every node (an all-reduce's order of addition moved the last
+    bits of the average: the saved model and its accuracy differed between the backends)."""
     merged = tmp_path / "merged"
     merged.mkdir()
     proc = torchrun("merge", merged, ag_news_csv, minilm_path)
@@ -107,8 +108,7 @@ def test_final_merge_gives_every_rank_the_average_of_all_nodes(tmp_path, ag_news
     for rank, final in enumerate(finals):
         for key, value in final.items():
             assert torch.equal(value, finals[0][key]), f"rank {rank} differs from rank 0 in {key}"
-            torch.testing.assert_close(value, simulated.nodes[rank].state_dict()[key], rtol=1e-4, atol=1e-5,
-                                       msg=f"rank {rank}: {key}")
+            assert torch.equal(value, simulated.nodes[rank].state_dict()[key]), f"rank {rank}: {key}"
 
 
 @pytest.mark.distributed
