@@ -340,6 +340,18 @@ def test_row63_resume_with_another_learning_rate(capsys, run_dir):
                      capsys) == ROWS[63].expected(run_dir)
 
 
+def test_a_resume_with_another_schedule_clipping_or_smoothing_is_refused(capsys, run_dir):
+    """Resumed with another lr_scheduler_type, warmup, max_grad_norm or label smoothing, a run went on
+    silently as neither the interrupted run nor a fresh one (a cosine resume of a linear run logged
+    2.5e-4 where either schedule gives another rate)."""
+    message = cli_error(["--resume-from-checkpoint", str(run_dir), "--batch-size", "8", "--lr-scheduler-type",
+                         "cosine", "--warmup-steps", "1", "--max-grad-norm", "1", "--label-smoothing-factor", "0.1"],
+                        capsys)
+    for difference in ("lr_scheduler_type='linear' (this run: 'cosine')", "warmup_steps=0 (this run: 1.0)",
+                       "max_grad_norm=0.0 (this run: 1.0)", "label_smoothing_factor=0.0 (this run: 0.1)"):
+        assert difference in message
+
+
 def test_row24_dataset_without_label_column(tmp_path, data):
     train = data["train"].rename_column("label", "target")
     with pytest.raises(ValueError) as err:

@@ -346,8 +346,10 @@ class CheckpointError(ValueError):
 
 def resume_config(args: DecentralizedTrainingArguments) -> dict:
     """The arguments a resumed run must share with its checkpoint: those that shape the saved
-    state, and the optimizer settings the restored optimizer and LR-schedule states carry (a
-    different ``learning_rate`` would otherwise be silently replaced by the saved one)."""
+    state, the optimizer settings the restored optimizer and LR-schedule states carry (a
+    different ``learning_rate`` would otherwise be silently replaced by the saved one), and those
+    that shape every step after it (the schedule's type, arguments and warmup, gradient clipping,
+    label smoothing: a different one made a run neither the interrupted one nor a fresh one)."""
     config = args.gossip_config
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
@@ -357,7 +359,12 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
             "optim": str(getattr(args.optim, "value", args.optim)), "learning_rate": args.learning_rate,
             "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
             "adam_epsilon": args.adam_epsilon,
-            "lr_milestones": list(args.lr_milestones) if args.lr_milestones else None, "lr_decay": args.lr_decay}
+            "lr_milestones": list(args.lr_milestones) if args.lr_milestones else None, "lr_decay": args.lr_decay,
+            "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            # as the manifest's JSON gives it back (tuples become lists)
+            "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
+            "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
+            "label_smoothing_factor": args.label_smoothing_factor}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
@@ -365,7 +372,8 @@ _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                    "lr_milestones", "lr_decay", "train_rows")
+                    "lr_milestones", "lr_decay", "train_rows", "lr_scheduler_type", "lr_scheduler_kwargs",
+                    "warmup_steps", "max_grad_norm", "label_smoothing_factor")
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,

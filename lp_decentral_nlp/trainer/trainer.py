@@ -247,9 +247,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 the same final weights, bytes and metrics as a run that never stopped (identical
                 in the simulated backend) as long as the arguments that shape the run are the
                 same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
-                column, seed, batch size, gradient accumulation, training set size). With
+                column, seed, batch size, gradient accumulation, training set and rows, optimizer
+                and its settings, learning rate and schedule, warmup, gradient clipping, label
+                smoothing; not checked: the 8-bit layers' ``QuantConfig`` and kernel). With
                 ``dataloader_num_workers > 0`` random data transforms do not repeat after a
-                mid-epoch resume.
+                resume: the workers' random streams start afresh.
             trial: must be None: hyperparameter search needs ``model_init``, which is refused.
             ignore_keys_for_eval: as in `Trainer`.
         """
