@@ -50,7 +50,7 @@ class QuantConfig:
             wide enough Linear/Conv1D layer where ``torch._int_mm`` is a real int8 GEMM (CUDA, or a
             CPU with AVX512-VNNI) and a large enough Conv2d call where oneDNN's int8 convolution
             runs; simulated elsewhere, see ``kernels.resolve_kernel``; the two compute the same
-            products up to fp32 rounding),
+            products up to fp32 rounding, per layer: a whole run ends close, not equal),
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another
             registered kernel. A layer the kernel cannot run falls back to ``"simulated"``;
