@@ -357,3 +357,23 @@ def test_resuming_with_more_steps_continues_on_the_schedule_over_the_new_total(
                             "max_steps or num_train_epochs"]
     else:
         assert messages == []
+
+
+def test_a_resume_with_other_8bit_settings_is_refused_but_another_kernel_is_not(tmp_path, agnews, tokenizer):
+    """A checkpoint of 8-bit training resumed with QuantConfig(grad_bits=4) went on silently with
+    4-bit layer gradients: a run that was neither the interrupted one nor a fresh one. The kernel
+    may change (the same products up to fp32 rounding)."""
+    from lp_decentral_nlp.quant import QuantConfig
+
+    out = tmp_path / "run"
+    DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=4, eval_strategy="no"),
+                         train_dataset=agnews["train"]).train()
+
+    def resume(config):
+        return DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=5, eval_strategy="no"),
+                                    train_dataset=agnews["train"], quant_config=config).train(
+            resume_from_checkpoint=str(out / "checkpoint-4"))
+
+    with pytest.raises(ValueError, match=r"quant_config=\{.*'grad_bits': 8.*\} \(this run: \{.*'grad_bits': 4"):
+        resume(QuantConfig(grad_bits=4))
+    assert resume(QuantConfig(kernel="simulated")).global_step == 5

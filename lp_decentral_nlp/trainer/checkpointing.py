@@ -34,6 +34,7 @@ from transformers.utils import logging
 from .. import __version__
 from ..gossip import QuasiGlobalAdam
 from ..gossip.factory import build_compressor, build_topology
+from ..quant import QuantModule
 from .node_data import rows_digest
 
 if TYPE_CHECKING:
@@ -373,15 +374,26 @@ _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                     "lr_milestones", "lr_decay", "train_rows", "lr_scheduler_type", "lr_scheduler_kwargs",
-                    "warmup_steps", "max_grad_norm", "label_smoothing_factor")
+                    "warmup_steps", "max_grad_norm", "label_smoothing_factor", "quant_config")
+
+
+def quant_settings(model) -> dict | None:
+    """What a resumed run's 8-bit layers must share with its checkpoint: their ``QuantConfig``
+    fields but the kernel (a kernel computes the same products up to fp32 rounding), as the
+    manifest's JSON gives them back; None for a model without 8-bit layers."""
+    layer = next((m for m in model.modules() if isinstance(m, QuantModule)), None)
+    if layer is None:
+        return None
+    return json.loads(json.dumps({k: v for k, v in layer.quant_config.to_dict().items() if k != "kernel"}))
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,
-                    unresolved: tuple[str, ...] = (), train_rows: str | None = None):
+                    unresolved: tuple[str, ...] = (), train_rows: str | None = None, quant_config: dict | None = None):
     """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
-    given, the same number of training samples and the same training rows: ``train_rows``, their
-    :func:`~.node_data.rows_digest`). ValueError listing every argument that differs.
+    given, the same number of training samples, the same training rows: ``train_rows``, their
+    :func:`~.node_data.rows_digest`, and the same 8-bit settings: ``quant_config``,
+    :func:`quant_settings`). ValueError listing every argument that differs.
     ``unresolved``: :func:`resume_config` keys not compared, because ``args`` holds a placeholder the
     caller resolves later (``train()`` compares every key)."""
     try:
@@ -394,6 +406,8 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
         now["train_samples"] = train_samples
     if train_rows is not None:
         now["train_rows"] = train_rows
+    if quant_config is not None:
+        now["quant_config"] = quant_config
     saved = {**_RESUME_DEFAULTS, **saved}
     diffs = ["other training rows (another data file, tokenizer or max length)" if key == "train_rows"
              else f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
@@ -536,7 +550,7 @@ class CheckpointMixin:
 
     def _resume_config(self) -> dict:
         return {**resume_config(self.args), "train_samples": len(self.train_dataset),
-                "train_rows": rows_digest(self.train_dataset)}
+                "train_rows": rows_digest(self.train_dataset), "quant_config": quant_settings(self.nodes[0])}
 
     def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
@@ -563,7 +577,7 @@ class CheckpointMixin:
         """``(path, manifest, trainer_state, {node id: state})`` of the checkpoint at `path`, read and
         checked against this run (ValueError naming the file or argument)."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset),
-                               train_rows=rows_digest(self.train_dataset))
+                               train_rows=rows_digest(self.train_dataset), quant_config=quant_settings(self.nodes[0]))
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
         if data["steps_per_epoch"] != steps_per_epoch:

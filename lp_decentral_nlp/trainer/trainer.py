@@ -249,7 +249,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
                 column, seed, batch size, gradient accumulation, training set and rows, optimizer
                 and its settings, learning rate and schedule, warmup, gradient clipping, label
-                smoothing; not checked: the 8-bit layers' ``QuantConfig`` and kernel). With
+                smoothing, the 8-bit layers' ``QuantConfig``; not checked: their kernel). With
                 ``dataloader_num_workers > 0`` random data transforms do not repeat after a
                 resume: the workers' random streams start afresh.
             trial: must be None: hyperparameter search needs ``model_init``, which is refused.
