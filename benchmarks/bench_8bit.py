@@ -195,8 +195,8 @@ def main(argv=None):
                         "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
     p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
-    p.add_argument("--image-batch-size", type=POSITIVE, default=32, help="batch of the vision steps: ResNet-20, VGG-11 and the conv sweep "
-                                                                   "(default %(default)s)")
+    p.add_argument("--image-batch-size", type=POSITIVE, default=32,
+                   help="batch of the vision steps: ResNet-20, VGG-11 and the conv sweep (default %(default)s)")
     add_device_flag(p)
     add_threads_flag(p, torch.get_num_threads(), "torch intra-op threads (default: torch's, here %(default)s)")
     p.add_argument("--conv-sweep", action="store_true",

@@ -26,6 +26,12 @@ def trial_run() -> bool:
     """Whether this is a trial run: ``LP_BENCHMARK_RESULTS_DIR`` sends the records elsewhere than the
     published folder, and a benchmark's docs page or plot then goes there too, by default."""
     return RESULTS_DIR.resolve() != PUBLISHED_DIR.resolve()
+
+
+def output_path(published: pathlib.Path) -> pathlib.Path:
+    """Where a benchmark writes a page or plot it publishes at `published` (under docs/): there, or in
+    a trial run (:func:`trial_run`) the file of that name in the trial's folder."""
+    return RESULTS_DIR / published.name if trial_run() else published
 # /proc/cpuinfo flags recorded with each result: fp32 GEMMs (AVX2, AVX-512), int8 dot products
 # (AVX512-VNNI: oneDNN's int8 GEMM and convolution), bfloat16 (AVX512-BF16) and AMX tiles
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")

@@ -40,7 +40,7 @@ from lp_decentral_nlp.commands import OneLineParser, output_file_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = record.RESULTS_DIR  # benchmarks/results/, or a trial's folder
-OUTPUT = record.RESULTS_DIR / "benchmarks.md" if record.trial_run() else ROOT / "docs" / "benchmarks.md"
+OUTPUT = record.output_path(ROOT / "docs" / "benchmarks.md")
 
 #: name (or name prefix) -> (title, what the benchmark measures), in the order the page lists them
 BENCHMARKS = {

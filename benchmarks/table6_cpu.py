@@ -173,10 +173,10 @@ def parse(argv=None) -> argparse.Namespace:
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
     if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
         args.output_dir = REPO / "runs" / args.name
-    if args.docs_dir is None:
-        # a shrunk table is no docs page; a trial run's (LP_BENCHMARK_RESULTS_DIR) goes with its record
-        args.docs_dir = (record.RESULTS_DIR if record.trial_run() else REPO / "docs") if args.name == "table6_cpu" \
-            else args.output_dir
+    if args.docs_dir is None and args.name != "table6_cpu":  # a shrunk table is no docs page
+        args.docs_dir = args.output_dir
+    elif args.docs_dir is None:  # a trial run's (LP_BENCHMARK_RESULTS_DIR) goes with its record
+        args.docs_dir = record.output_path(REPO / "docs" / f"{args.name}.md").parent
     problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
     if problem:
         parser.error(f"argument --docs-dir: {problem}")

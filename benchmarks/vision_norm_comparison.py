@@ -150,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"argument --skew: the default --plot {DEFAULT_PLOT} is the published comparison at skew "
                 f"{p.get_default('skew'):g}: name a --plot FILE for skew {args.skew:g}")
     if args.plot is None:
-        args.plot = str(record.RESULTS_DIR / DEFAULT_PLOT.name if trial else DEFAULT_PLOT)
+        args.plot = str(record.output_path(DEFAULT_PLOT))
     problem = output_file_problem(args.plot)
     if problem:
         p.error(f"argument --plot: cannot write {args.plot!r} ({problem})")

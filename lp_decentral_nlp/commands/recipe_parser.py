@@ -177,7 +177,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         first = re.match(r"\w+", message)
         dests = {a.dest for a in self._actions if a.option_strings}
         if first and first.group(0) in dests:
-            name = first.group(0)  # "data_dir: path ..." reads "argument --data-dir: path ...", not "...: data_dir: path"
+            # "data_dir: path ..." reads "argument --data-dir: path ...", not "... --data-dir: data_dir: path ..."
+            name = first.group(0)
             return f"argument {self.flag_of(name, argv)}: {message.removeprefix(name + ': ')}"
         return message
 

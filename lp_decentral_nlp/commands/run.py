@@ -445,8 +445,9 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
     The need is what this process will store: per node, its weights, gradients and optimizer state
     (float32 master weights in 8-bit training too) and the activations its layers save for
     backward (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit
-    layers; with ``activation_checkpointing``, what the checkpointed layers keep), times the nodes this process holds (all of them with ``backend="simulated"``, one with
-    ``"distributed"``); plus the model the nodes are copied from and the gossip's buffers
+    layers; with ``activation_checkpointing``, what the checkpointed layers keep), times the nodes
+    this process holds (all of them with ``backend="simulated"``, one with ``"distributed"``); plus
+    the model the nodes are copied from and the gossip's buffers
     (:meth:`lp_decentral_nlp.gossip.PushSumGossip.memory_bytes`). Transient work space is not
     counted: the need is a lower bound.
     """

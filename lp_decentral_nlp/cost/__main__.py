@@ -38,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive, default=32, help="samples per node per iteration (32)")
     p.add_argument("--image-size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
     p.add_argument("--seq-len", type=positive, help="tokens per sample, for --model (128)")
-    p.add_argument("--num-classes", type=ranged(int, Range(2)), help="classes (default 10 for --arch; for --model the labels of its saved "
-                        "classification head, else 4)")
+    p.add_argument("--num-classes", type=ranged(int, Range(2)),
+                   help="classes (default 10 for --arch; for --model the labels of its saved classification head, "
+                        "else 4)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                    help="optimizer state per parameter: sgd 0 tensors, momentum 1, adam 2, sgd_qgm 2, adam_qgm 3 "

@@ -39,8 +39,9 @@ Memory (bytes, 1 MB = 10^6 bytes): training holds weights + gradients + optimize
 (``optimizer``: 0 to 3 tensors per parameter) + the activations autograd saves for backward;
 inference holds the weights + the peak of the live activation tensors during the forward pass.
 With ``precision="int8"`` what the quantized layers quantize (a GEMM layer's weight, not its
-bias; a norm's every parameter), its gradients and optimizer state count 8 bits, as SPEC 7's 8-bit accelerator holds them (``lp_decentral_nlp.quant``
-keeps fp32 master weights and weight gradients). The input a quantized layer saves for backward
+bias; a norm's every parameter), its gradients and optimizer state count 8 bits, as SPEC 7's
+8-bit accelerator holds them (``lp_decentral_nlp.quant`` keeps fp32 master weights and weight
+gradients). The input a quantized layer saves for backward
 counts what the 8-bit layers store: its 8-bit codes (1 byte per element) plus a per-tensor scale
 and offset (two fp32 values, ``SAVED_RANGE_BYTES``). Every other tensor counts its dtype's size.
 
@@ -48,8 +49,8 @@ Conventions (SPEC 7, ``convention=``):
 
 * ``"ours"`` (default): as above -- only what our 8-bit training runs in 8 bits is priced int8.
 * ``"paper"`` (the paper's Table 10): training counted by SPEC 7's formula (every layer 3x its
-  forward, the first layer and frozen ones too); every add and multiply of the 8-bit model -- quantization
-  arithmetic, norms, heads and all -- is an int8 op, so the fp32 / 8-bit energy ratio is about
+  forward, the first layer and frozen ones too); every add and multiply of the 8-bit model --
+  quantization arithmetic, norms, heads and all -- is an int8 op, so the fp32 / 8-bit energy ratio is about
   (0.9 + 3.7) / (0.03 + 0.2) = 20 by construction (19.7x for ResNet-20, the paper's 19.9x within
   1%); inference memory is the model weights alone (every parameter at 8 bits in the 8-bit
   model); training memory is counted as in ``"ours"``; memory is in MiB (2^20 bytes), the unit of
@@ -370,12 +371,13 @@ def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool, all_int8: bool
         + dequantize(row.output_numel)  # forward GEMM output
         + layer_gradient
     )
+    fp32 = bias_adds + row.backward + quant
     int8_gemms = Ops(macs + row.input_grad_macs, macs + row.input_grad_macs)
     weight_grad = Ops(row.weight_grad_macs, row.weight_grad_macs)
-    if int8_weight_grad:
-        return PricedOps.of(fp32=bias_adds + row.backward + quant + dequantize(row.weight_numel * row.weight_grad_calls),
-                            int8=int8_gemms + weight_grad)
-    return PricedOps.of(fp32=bias_adds + row.backward + quant + weight_grad, int8=int8_gemms)
+    if int8_weight_grad:  # its int32 output rescaled to float
+        weight_grad_output = dequantize(row.weight_numel * row.weight_grad_calls)
+        return PricedOps.of(fp32=fp32 + weight_grad_output, int8=int8_gemms + weight_grad)
+    return PricedOps.of(fp32=fp32 + weight_grad, int8=int8_gemms)
 
 
 def _inference_ops(row: Row, quantized: bool, all_int8: bool) -> PricedOps:

@@ -185,6 +185,10 @@ class _Recorder(TorchDispatchMode):
     def typed(self, module: nn.Module) -> bool:
         return isinstance(module, self.gemm_types + self.norm_types) and computes_its_type(module)
 
+    def checkpoints(self, module: nn.Module) -> bool:
+        """Whether `module`'s call is an activation-checkpointed one (training pass, grad enabled)."""
+        return module in self.checkpointed and self.training and torch.is_grad_enabled()
+
     def differentiated(self, *tensors) -> bool:
         """Whether backward computes a gradient through an op on `tensors` (training pass)."""
         return self.training and torch.is_grad_enabled() and any(
@@ -193,7 +197,7 @@ class _Recorder(TorchDispatchMode):
     # -- module hooks ---------------------------------------------------------------------------
     def pre_hook(self, module, args, kwargs):
         self.stack.append((self.names.get(module, type(module).__name__), module))
-        if module in self.checkpointed and self.training and torch.is_grad_enabled():
+        if self.checkpoints(module):
             if not self.checkpoint_depth:  # checkpointing keeps what the layer is called with
                 for t in tree_flatten((args, kwargs))[0]:
                     if isinstance(t, torch.Tensor):
@@ -205,8 +209,8 @@ class _Recorder(TorchDispatchMode):
                 x = _first_tensor(args, kwargs)
                 self._typed_input.append(x)
                 # a GEMM layer keeps its input for the weight gradient; a norm layer keeps it for backward
-                weights = [module.weight] if isinstance(module, self.gemm_types) else [x, *module.parameters()]
-                if self.differentiated(*weights):
+                needing_it = [module.weight] if isinstance(module, self.gemm_types) else [x, *module.parameters()]
+                if self.differentiated(*needing_it):
                     self._save(x, name, "input")
                 if isinstance(module, self.norm_types):
                     self.norm_rows.add(name)
@@ -215,7 +219,7 @@ class _Recorder(TorchDispatchMode):
 
     def post_hook(self, module, args, kwargs, output):
         name, _ = self.stack.pop()
-        if module in self.checkpointed and self.training and torch.is_grad_enabled():
+        if self.checkpoints(module):
             self.checkpoint_depth -= 1
         if not self.typed(module):
             return
@@ -229,16 +233,19 @@ class _Recorder(TorchDispatchMode):
             return
         rows = self.forward_rows(name, module)
         row = rows[0]
-        for r in rows:
-            r.calls += 1
-            r.input_numel += x.numel()
-            r.output_numel += out.numel()
         if row.is_gemm:
             bias = getattr(module, "bias", None)
             bias_adds = out.numel() if bias is not None else 0
             macs = gemm_macs(module, out)
-            for r in rows:
-                r.ops += gemm(macs, bias_adds)
+            cost = gemm(macs, bias_adds)
+        else:
+            cost = norm_layer_cost(module, x, self.training)
+        for r in rows:
+            r.calls += 1
+            r.input_numel += x.numel()
+            r.output_numel += out.numel()
+            r.ops += cost
+        if row.is_gemm:
             if self.differentiated(x):
                 row.input_grad_macs += macs
                 row.grad_output_numel += out.numel()
@@ -248,14 +255,10 @@ class _Recorder(TorchDispatchMode):
                 row.weight_grad_calls += 1
             if self.differentiated(bias):
                 row.backward += Ops(bias_adds, 0).scaled(2)
-        else:
-            cost = norm_layer_cost(module, x, self.training)
-            for r in rows:
-                r.ops += cost
-            if self.differentiated(x, *module.parameters()):
-                row.backward += cost.scaled(2)
-                row.grad_output_numel += out.numel()
-                row.grad_input_numel += x.numel()
+        elif self.differentiated(x, *module.parameters()):
+            row.backward += cost.scaled(2)
+            row.grad_output_numel += out.numel()
+            row.grad_input_numel += x.numel()
         self._track(out)
 
     # -- ATen ops -------------------------------------------------------------------------------

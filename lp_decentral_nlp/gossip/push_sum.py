@@ -228,9 +228,9 @@ class PushSumGossip:
         transport's receive buffers, all in the state dtype (the parameters' promoted to at least
         float32) or as encoded. ``"written"`` (``(len(node_ids), P)`` in the parameters' dtype, kept
         once a push-sum weight leaves 1) is counted wherever a weight may leave 1: under a fault plan
-        that loses messages or has absences (:mod:`.faults`), or on a graph whose mixing rows do not sum to 1 (the built-in graphs' do,
-        and without faults their weights stay 1). Encoding scratch space, freed within a step, is
-        not counted.
+        that loses messages or has absences (:mod:`.faults`), or on a graph whose mixing rows do not
+        sum to 1 (the built-in graphs' do, and without faults their weights stay 1). Encoding scratch
+        space, freed within a step, is not counted.
         """
         if (not isinstance(params, (list, tuple)) or not params
                 or not all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in params)):

@@ -4,8 +4,9 @@ For each quantized layer ``L`` the export holds ``L.weight`` as int8 codes ``c``
 ``L.weight_scale`` and ``L.weight_offset`` (fp32, 0-d) such that the weight the layer used in its
 forward pass, ``q * scale + min`` with ``q = c + 2**(bits-1)``, is ``c * scale + offset`` up to
 fp32 rounding (the two sums round differently: at most about one ulp of the weight apart), unless
-a float module reads the same tensor (a tied weight: it then stays fp32 under every key). Optionally every plain ``nn.Embedding`` table is stored the same
-way with one scale and offset per row (post-training, weight-only). Everything else (biases,
+a float module reads the same tensor (a tied weight: it then stays fp32 under every key).
+Optionally every plain ``nn.Embedding`` table is stored the same way with one scale and offset per
+row (post-training, weight-only). Everything else (biases,
 norms, heads kept full precision, activation-range buffers) is copied as is.
 """
 from __future__ import annotations

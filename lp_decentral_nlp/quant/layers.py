@@ -137,8 +137,8 @@ class QuantModule:
         if self.weight.dtype != torch.float32:
             _require_float32(self, f"{type(self).__name__} with weight {tuple(self.weight.shape)}",
                              "the model was converted after quantize_model (only float32 is allowed): call "
-                             "model.to(torch.float32); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs "
-                             "stay fp32")
+                             "model.to(torch.float32); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit "
+                             "GEMMs stay fp32")
 
     def to_float(self) -> nn.Module:
         """The plain float module holding this module's current parameters and buffers (same objects)."""

@@ -98,22 +98,12 @@ class NodeGroup:
     @torch.no_grad()
     def sum(self, tensors_per_node) -> list[torch.Tensor]:
         """Sum over all nodes of each tensor: ``tensors_per_node[k][j]`` is tensor ``j`` of local
-        node ``k``; returns one tensor per ``j``, ``torch.stack(all nodes' tensors j).sum(0)`` in
-        node order in both backends, so the same bits (the averaged model of a distributed run is
-        the simulation's). Distributed, each tensor is all-gathered and summed in node order, one
-        tensor at a time (``num_nodes`` copies of it held at once): an all-reduce's order of
-        addition depends on its algorithm and moved the last bits."""
-        if not self.distributed:
-            return [torch.stack(ts).sum(0) for ts in zip(*tensors_per_node)]
-        (local,) = tensors_per_node  # one node per process
-        total = []
-        with _collective("summing over the nodes"):
-            for t in local:
-                sent = _on_group_device(t).contiguous()
-                parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
-                dist.all_gather(parts, sent)
-                total.append(torch.stack(parts).sum(0).to(t.device))
-        return total
+        node ``k``; returns one tensor per ``j``, all nodes' tensors ``j`` stacked in node order and
+        summed over dim 0 in both backends, so the same bits (the averaged model of a distributed
+        run is the simulation's). Distributed, each tensor is gathered (:meth:`gather`, ``num_nodes``
+        copies of one tensor at a time): an all-reduce's order of addition depends on its algorithm
+        and moved the last bits."""
+        return [self.gather(torch.stack(ts)).sum(0) for ts in zip(*tensors_per_node)]
 
     def barrier(self) -> None:
         """Wait for every process (no-op when simulated)."""
