@@ -28,6 +28,18 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_every_source_file_compiles_without_a_warning():
+    """An invalid escape such as ``"\\ "`` in a docstring is a SyntaxWarning on Python 3.12, printed
+    on the first import of the module (seen on the GPU machine's Python 3.12)."""
+    import warnings
+
+    for path in sorted(p for folder in ("lp_decentral_nlp", "benchmarks", "recipes", "tests")
+                       for p in (REPO / folder).rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")
+
+
 def loaded_after(statement: str) -> list[str]:
     """The heavy libraries (:data:`HEAVY`) in ``sys.modules`` after running ``statement``."""
     proc = run_python(f"import sys, json\n{statement}\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")

@@ -87,7 +87,7 @@ class ImageClassifier(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write ``vision_config.json`` and ``model.safetensors`` into ``save_directory``. ValueError
-        when its 8-bit layers were made with different ``QuantConfig``\ s (one is recorded)."""
+        when its 8-bit layers were made with different QuantConfigs (one is recorded)."""
         from safetensors.torch import save_file
 
         layers = {name: m.quant_config.to_dict() for name, m in self.named_modules() if isinstance(m, QuantModule)}
