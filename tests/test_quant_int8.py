@@ -259,7 +259,7 @@ def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_small_batch_is_padded_to_the_int_mm_shape_rule():
     a, b = random_operand((3, 32)), random_operand((32, 16))
-    a, b = (Int8Operand(*(t.cuda() for t in op)) for op in (a, b))
+    a, b = (Int8Operand(*(None if t is None else t.cuda() for t in op)) for op in (a, b))
     expected = a.dequantize().double() @ b.dequantize().double()
     assert (affine_int8_matmul(a, b).double() - expected).abs().max() <= gemm_tolerance(a.dequantize(), b.dequantize())
 
