@@ -18,7 +18,8 @@ whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer 
 (``kernel_report``), and for DistilBERT two floors: the bytes fp32 saves outside its Linear
 layers, which 8-bit Linear layers leave as they are (``saved_bytes_floor``), and on the CPU the
 time fp32 weight-gradient GEMMs put under any 8-bit step (``timing.weight_gradient_floor``). On the CPU freed memory is kept between steps, as ``DecentralizedTrainer`` does
-(``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``.
+(``--default-malloc``: glibc's policy). Results go to ``benchmarks/results/bench_8bit.json``
+(``bench_8bit_cuda.json`` with ``--device cuda``: ``record.device_record_name``).
 
     python benchmarks/bench_8bit.py --threads 2            # a few minutes on 2 CPU cores
     python benchmarks/bench_8bit.py --threads 2 --conv-sweep   # and one Conv2d per width: where int8 pays
@@ -39,7 +40,7 @@ from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Ran
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
-from record import save_results
+from record import device_record_name, save_results
 from timing import interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
@@ -254,7 +255,7 @@ def main(argv=None):
     if args.smoke:
         print("smoke run: results not saved")
     else:
-        print(f"wrote {save_results('bench_8bit', results)}")
+        print(f"wrote {save_results(device_record_name('bench_8bit', device), results)}")
 
 
 if __name__ == "__main__":

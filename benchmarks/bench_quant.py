@@ -17,7 +17,7 @@ weight-gradient GEMM):
 * the checkpoint size, fp32 state dict vs ``export_int8_state_dict`` (without and with 8-bit embedding tables).
 
 The figures also go to ``benchmarks/results/bench_quant.json`` (``bench_quant_layer_sweep.json`` for
-``--layer-sweep``).
+``--layer-sweep``; with ``--device cuda`` the same names ending ``_cuda``).
 
     python benchmarks/bench_quant.py --threads 2                # ~3-4 minutes on 2 CPU cores
     python benchmarks/bench_quant.py --threads 2 --repeats 20   # tighter medians
@@ -44,7 +44,7 @@ from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import save_results
+from record import device_record_name, save_results
 from timing import interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
@@ -174,7 +174,7 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
     results = {"settings": {"rows": args.batch_size * args.seq_len, "repeats": args.repeats, "device": str(device),
                             "threads": torch.get_num_threads(), "int8_gemm": int8_path},
                "widths": rows}
-    print(f"wrote {save_results('bench_quant_layer_sweep', results)}")
+    print(f"wrote {save_results(device_record_name('bench_quant_layer_sweep', device), results)}")
 
 
 def main(argv=None):
@@ -268,7 +268,7 @@ def main(argv=None):
         "quantized_layer_weight_bytes": {"fp32": fp32_layers, "int8": int8_layers},
         "quantized_flop_share": share,
     }
-    print(f"wrote {save_results('bench_quant', results)}")
+    print(f"wrote {save_results(device_record_name('bench_quant', device), results)}")
 
 
 if __name__ == "__main__":

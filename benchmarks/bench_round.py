@@ -23,7 +23,8 @@ After the timed repeats on the CPU, one more fp32 training profiles its round af
 GPU (the trainer's device where torch sees one) the CPU profiler sees only kernel launches, so no
 floor is computed there.
 
-Writes ``benchmarks/results/bench_round.json`` (``record.save_results``): the settings, the kernel
+Writes ``benchmarks/results/bench_round.json`` (``bench_round_cuda.json`` on a GPU; ``record.save_results``
+and ``record.device_record_name``): the settings, the kernel
 each 8-bit layer ran, every round's seconds, the per-repeat ratios, their median, whether it
 meets the goal of 0.6, and on the CPU the floor.
 """
@@ -39,7 +40,7 @@ import statistics
 import tempfile
 import time
 
-from record import save_results
+from record import device_record_name, save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
@@ -182,7 +183,7 @@ def main(argv=None):
     if floor is not None:
         print(f"fp32 round in the profiler {floor['step_s']:.2f} s, Linear GEMMs {floor['linear_gemm_s']:.2f} s: "
               f"with fp32 weight gradients no 8-bit round beats {floor['floor_ratio']:.2f}x fp32")
-    print(f"results: {save_results('bench_round', results)}")
+    print(f"results: {save_results(device_record_name('bench_round', device), results)}")
     return results
 
 

@@ -69,6 +69,13 @@ def machine() -> dict:
     }
 
 
+def device_record_name(name: str, device) -> str:
+    """The record name of benchmark `name` run on `device`: `name` on the CPU, ``<name>_<device
+    type>`` elsewhere (``bench_8bit_cuda``), so a GPU run keeps the CPU record and renders beside it."""
+    kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    return name if kind == "cpu" else f"{name}_{kind}"
+
+
 def save_results(name: str, results: dict, argv: list[str] | None = None,
                  provenance: dict | None = None) -> pathlib.Path:
     """Write ``results`` to ``benchmarks/results/<name>.json`` with the command, machine and date.

@@ -78,6 +78,18 @@ def test_render_known_unknown_and_order(results_dir):
     assert "| round (s) | 4 values: median 2.5, 1 to 5 |" in new
 
 
+def test_a_gpu_run_keeps_the_cpu_record_and_renders_beside_it(results_dir):
+    import torch
+
+    record = load_benchmark("record")
+    names = [record.device_record_name("bench_8bit", device) for device in ("cpu", torch.device("cuda"), "cuda:1")]
+    assert names == ["bench_8bit", "bench_8bit_cuda", "bench_8bit_cuda"]
+    for name in ("bench_8bit_cuda", "bench_round", "bench_8bit"):
+        write(results_dir, name, {"ratio": 1.0})
+    titles = re.findall(r"^## (.*)$", render.render(results_dir), flags=re.M)
+    assert titles[1] == titles[0].replace("`bench_8bit`", "`bench_8bit_cuda`"), "the GPU record after the CPU one"
+
+
 def test_cli_writes_the_page(results_dir, tmp_path):
     out = tmp_path / "docs" / "benchmarks.md"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py"), "--results-dir", str(results_dir),

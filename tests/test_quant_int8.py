@@ -34,7 +34,7 @@ from lp_decentral_nlp.quant.kernels import (
 from lp_decentral_nlp.quant.functional import quantize_codes
 from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
 from lp_decentral_nlp.quant.kernels import int8 as int8_module
-from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON
+from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON, NOT_CPU_REASON
 from lp_decentral_nlp.utils.layout import is_channels_last
 
 EPS = torch.finfo(torch.float32).eps
@@ -254,6 +254,20 @@ def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
     assert QuantConfig(kernel="auto").kernel == "auto"
     with pytest.raises(ValueError, match=r"kernel must be one of .*'int8'.*'auto'"):
         QuantConfig(kernel="int4")
+
+
+class CudaWeight:
+    """What ``resolve_kernel`` reads of a ``(768, 768)`` weight on CUDA, its device and shape, where
+    torch sees no GPU."""
+    device, shape = torch.device("cuda"), (768, 768)
+
+    def __getitem__(self, row):
+        return torch.empty(768)
+
+
+def test_auto_keeps_the_simulated_kernel_on_cuda_where_int8_measured_slower():
+    assert resolve_kernel("auto", LinearGemm, CudaWeight()) == (KERNELS["simulated"], NOT_CPU_REASON)
+    assert resolve_kernel("int8", LinearGemm, CudaWeight()) == (KERNELS["int8"], None), "int8 asked for is honoured"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -47,9 +47,10 @@ class QuantConfig:
         target: ``None`` quantizes every supported layer not skipped; otherwise only layers whose
             name (or a parent's) matches one of these patterns.
         kernel: how the quantized GEMMs run: ``"auto"`` (the default: int8 where it is faster, i.e. a
-            wide enough Linear/Conv1D layer where ``torch._int_mm`` is a real int8 GEMM (CUDA, or a
-            CPU with AVX512-VNNI) and a large enough Conv2d call where oneDNN's int8 convolution
-            runs; simulated elsewhere, see ``kernels.resolve_kernel``; the two compute the same
+            wide enough Linear/Conv1D layer on a CPU where ``torch._int_mm`` is a real int8 GEMM
+            (AVX512-VNNI) and a large enough Conv2d call where oneDNN's int8 convolution runs;
+            simulated elsewhere, CUDA included, where int8 measured slower; see
+            ``kernels.resolve_kernel``; the two compute the same
             products up to fp32 rounding, per layer: a whole run ends close, not equal),
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another

@@ -28,6 +28,15 @@ from .int8 import cpu_has_int8_dot, onednn_conv_available
 # the gain there is small and the other CPU has int8 slower at 128, so the threshold is 256.
 AUTO_MIN_FEATURES = 256
 NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp32 GEMMs, not faster"
+# On CUDA the int8 kernel is slower than the simulated one: `bench_8bit.py --device cuda --repeats 7
+# --conv-sweep` on an NVIDIA H200 (torch 2.11, the record in benchmarks/results/bench_8bit_cuda.json)
+# timed a DistilBERT-base step at 5.52x fp32 with every Linear layer int8 (torch._int_mm) against
+# 4.39x simulated, and every swept Conv2d at 3.9-6.5x fp32 int8 against 2.4-4.1x simulated. Both
+# are launch bound there: a layer's quantize passes are tens of small torch ops each, on the CPU
+# one compiled pass (fused.py), and the int8 kernel adds its code conversions and zero-point
+# terms while the GEMM it saves is a small part of the step. So auto keeps the simulated kernel
+# on every device but the CPU.
+NOT_CPU_REASON = "not a CPU: the int8 kernel's extra passes cost more than its GEMM saves (slower on CUDA)"
 # Convolutions: on a CPU with oneDNN's int8 convolution (int8.onednn_conv_available) the int8
 # Conv2d runs it on the codes; the passes around it (sign flip, channels-last copy of row-major
 # codes, zero-point sums, the epilogue) cost more per call than the simulated kernel's quantize
@@ -47,7 +56,7 @@ NO_INT8_GEMM_REASON = "CPU without AVX512-VNNI: no int8 GEMM, int8 would run fp3
 # and out channels (the narrowest width measured; a 3-channel image layer stays simulated), where
 # oneDNN's int8 convolution runs. Elsewhere the int8 Conv2d is an im2col of the codes in torch ops plus one
 # int8 GEMM, slower than the simulated kernel up to 256 channels and no faster at 512 on the
-# Xeon; it is not measured on CUDA.
+# Xeon, and slower at every width swept on CUDA (NOT_CPU_REASON below).
 AUTO_MIN_CONV_CHANNELS = 16
 AUTO_MIN_CONV_MACS = 2**26
 CONV_REASON = "no oneDNN int8 convolution here: the im2col int8 Conv2d is not faster than the simulated kernel"
@@ -59,9 +68,9 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
     for (None when it is). Cheap and sync-free: called on every forward, so a layer moved to
     another device, or called on other shapes, re-decides. `groups`: a Conv2d's groups (1 for
     other layers); `output_pixels`: a Conv2d call's ``N * Ho * Wo`` (None: not known, as in a dry
-    run). ``"auto"`` picks int8 where it is supported and faster: a Linear or Conv1D layer of at
-    least ``AUTO_MIN_FEATURES`` in and out features on a device where ``torch._int_mm`` is a real
-    int8 GEMM (CUDA, or a CPU with AVX512-VNNI: ``int8.cpu_has_int8_dot``), and a Conv2d call of at
+    run). ``"auto"`` picks int8 where it is supported and faster, on the CPU only (``NOT_CPU_REASON``):
+    a Linear or Conv1D layer of at least ``AUTO_MIN_FEATURES`` in and out features on a CPU where
+    ``torch._int_mm`` is a real int8 GEMM (AVX512-VNNI: ``int8.cpu_has_int8_dot``), and a Conv2d call of at
     least ``AUTO_MIN_CONV_CHANNELS`` in and out channels and ``AUTO_MIN_CONV_MACS`` multiply-adds
     (``output_pixels * weight.numel()``; not checked when unknown) where oneDNN's int8
     convolution runs (``int8.onednn_conv_available``); the simulated kernel otherwise."""
@@ -81,7 +90,9 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
                       f"{AUTO_MIN_CONV_MACS:,}: int8 not faster")
     elif reason is None and min(weight.shape[:2]) < AUTO_MIN_FEATURES:
         reason = f"layer {tuple(weight.shape)} narrower than {AUTO_MIN_FEATURES} features: int8 not faster"
-    if reason is None and weight.device.type == "cpu" and not cpu_has_int8_dot():
+    if reason is None and weight.device.type != "cpu":
+        reason = NOT_CPU_REASON
+    if reason is None and not cpu_has_int8_dot():
         reason = NO_INT8_GEMM_REASON
     return (KERNELS["simulated"], reason) if reason else (int8, None)
 
