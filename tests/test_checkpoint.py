@@ -295,15 +295,21 @@ def test_a_refused_resume_leaves_the_finished_runs_files_as_they_were(tmp_path, 
         assert {name: (run / name).read_bytes() for name in before} == before
 
 
-def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys):
-    """The vision CLI shares the flags: random crops/flips are drawn in each node's RNG stream, so a
-    resumed run repeats them (ResNet-20, 8-bit, Range EvoNorm, digits)."""
+WORKERS = ["--dataloader-num-workers", "2", "--dataloader-persistent-workers", "true"]
+
+
+@pytest.mark.parametrize("workers", [[], WORKERS], ids=["main process", "2 persistent workers"])
+def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys, workers):
+    """The vision CLI shares the flags: random crops/flips are drawn under each batch's own seed
+    (a function of seed, node, epoch and batch), so a resumed run repeats them, and dataloader
+    workers draw what the main process draws (ResNet-20, 8-bit, Range EvoNorm, digits). Workers
+    used to start their streams afresh on a resume."""
     from safetensors.torch import load_file
 
     from lp_decentral_nlp.vision.recipe import main
 
     flags = ["--nodes", "2", "--comp", "90", "--augment", "--max-steps", "4", "--batch-size", "8", "--save-steps", "2",
-             "--logging-steps", "1"]
+             "--logging-steps", "1", *workers]
     straight = main("choco", [*flags, "--output-dir", str(tmp_path / "a")])
     resumed = main("choco", [*flags, "--output-dir", str(tmp_path / "b"),
                              "--resume-from-checkpoint", str(tmp_path / "a" / "checkpoint-2")])
@@ -311,6 +317,10 @@ def test_vision_recipe_resume_with_random_augmentation_is_exact(tmp_path, capsys
         assert straight[key] == resumed[key], key
     a, b = load_file(tmp_path / "a" / "model" / "model.safetensors"), load_file(tmp_path / "b" / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if workers:  # the same run in the main process
+        main("choco", [*flags[:-len(workers)], "--output-dir", str(tmp_path / "main")])
+        in_main_process = load_file(tmp_path / "main" / "model" / "model.safetensors")
+        assert all(torch.equal(a[k], in_main_process[k]) for k in a)
     # the default milestones are 50% and 75% of the --max-steps run: a longer run has others, which
     # train() finds once the trainer knows its steps per epoch
     with pytest.raises(SystemExit) as exc:

@@ -34,11 +34,11 @@ POLICY: dict[str, str] = {
     "resume_from_checkpoint": HONOURED,
     "remove_unused_columns": HONOURED,
     "label_names": HONOURED,
-    "dataloader_num_workers": HONOURED + " (random transforms in the workers do not repeat after a resume: their "
-                                         "random streams start afresh)",
+    "dataloader_num_workers": HONOURED + " (each batch is read and collated under a seed of its own, so random "
+                                         "transforms draw the same numbers with any number of workers and after a "
+                                         "resume)",
     "dataloader_pin_memory": HONOURED,
-    "dataloader_persistent_workers": HONOURED + " (random transforms in the workers draw one stream across "
-                                                "epochs, which a resume does not repeat)",
+    "dataloader_persistent_workers": HONOURED,
     "dataloader_prefetch_factor": HONOURED,
     "dataloader_multiprocessing_context": HONOURED,
     "dataloader_drop_last": "refused: the training shards always drop their last partial batch (a node's epoch is "

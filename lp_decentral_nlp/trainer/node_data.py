@@ -1,5 +1,6 @@
 """Each node's data (SPEC 6): the column its shards are skewed on, the shards, and one loader per
-local node whose order is a pure function of ``(seed, epoch)`` (:class:`~.rng.EpochSampler`)."""
+local node whose order is a pure function of ``(seed, epoch)`` (:class:`~.rng.EpochSampler`) and
+whose batches are read under seeds of their own (:class:`~.rng.EpochBatchSampler`)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +13,40 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from ..data import skewed_partition
-from .rng import EpochSampler, node_seed
+from .rng import EpochBatchSampler, EpochSampler, node_seed, seeded_host_rngs
+
+
+class SeededBatches(torch.utils.data.Dataset):
+    """A node's shard of `dataset` (rows `indices`), read and collated a batch at a time under the
+    batch's seed: the loader's items are the lists of ``(shard position, batch seed)`` of an
+    :class:`~.rng.EpochBatchSampler`, and each comes out collated (``collate_fn``), so the loader's
+    own collate function passes it on (:func:`collated`). Random transforms (``with_transform``)
+    and collators draw from torch's CPU generator, ``random`` and NumPy seeded by the batch
+    (:func:`~.rng.seeded_host_rngs`), the same in the main process and in any worker."""
+
+    def __init__(self, dataset, indices: list[int], collate_fn):
+        self.dataset, self.indices, self.collate_fn = dataset, indices, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitems__(self, batch: list[tuple[int, int]]):
+        rows = [self.indices[i] for i, _ in batch]
+        with seeded_host_rngs(batch[0][1]):
+            samples = (self.dataset.__getitems__(rows) if hasattr(self.dataset, "__getitems__")
+                       else [self.dataset[r] for r in rows])
+            return self.collate_fn(samples)
+
+    def __getitem__(self, item: tuple[int, int]):
+        return self.__getitems__([item])
+
+
+def collated(batch):
+    """The loader's collate function over :class:`SeededBatches`: the batch comes collated."""
+    return batch
 
 
 class NodeDataMixin:
@@ -57,19 +88,22 @@ class NodeDataMixin:
 
     def node_dataloaders(self) -> list[DataLoader]:
         """One loader per local node over its skewed shard, shuffled by an :class:`EpochSampler`
-        of its own (``loader.sampler.set_epoch(epoch, start)`` picks the epoch and position)."""
+        of its own (``loader.batch_sampler.sampler.set_epoch(epoch, start)`` picks the epoch and
+        position), each batch read under its own seed (:class:`SeededBatches`)."""
         if self.train_dataset is None:
             raise ValueError("DecentralizedTrainer.train() needs a train_dataset")
         shards = self._checked_shards()
         options = self._loader_options(self.train_dataset, "training")
-        dataset = options.pop("dataset")
+        dataset, collate_fn = options.pop("dataset"), options.pop("collate_fn")
         bs = self.args.per_device_train_batch_size
         loaders = []
         for i in self.node_ids:
-            shard = Subset(dataset, shards[i].tolist())
-            # the loader's own generator only seeds worker processes; reseeded per epoch in _start_epoch
-            loaders.append(DataLoader(shard, batch_size=bs, sampler=EpochSampler(len(shard), node_seed(self.args.seed, i)),
-                                      drop_last=True, generator=torch.Generator(), **options))
+            shard = SeededBatches(dataset, shards[i].tolist(), collate_fn)
+            batches = EpochBatchSampler(EpochSampler(len(shard), node_seed(self.args.seed, i)), bs)
+            # the loader's own generator seeds worker processes (the batches bring their own seeds):
+            # without one, starting the workers would draw from torch's global generator
+            loaders.append(DataLoader(shard, batch_sampler=batches, collate_fn=collated, generator=torch.Generator(),
+                                      **options))
         return loaders
 
     def steps_per_epoch(self) -> int:
@@ -91,18 +125,15 @@ class NodeDataMixin:
     def _start_epoch(loaders, epoch: int, batches_done: int) -> list:
         """Iterators over epoch ``epoch`` of every loader, from batch ``batches_done`` on."""
         for loader in loaders:
-            loader.sampler.set_epoch(epoch, batches_done * loader.batch_size)
-            loader.generator.manual_seed(loader.sampler.epoch_seed())
+            batches = loader.batch_sampler
+            batches.sampler.set_epoch(epoch, batches_done * batches.batch_size)
+            loader.generator.manual_seed(batches.sampler.epoch_seed())
         return [iter(loader) for loader in loaders]
 
     def _next_batches(self, iterators) -> list[list]:
-        """The next ``gradient_accumulation_steps`` micro-batches of every local node, drawn in that
-        node's RNG stream (random transforms)."""
-        batches = []
-        for i, it in zip(self.node_ids, iterators):
-            with self._rng.activate(i):
-                batches.append([next(it) for _ in range(self.args.gradient_accumulation_steps)])
-        return batches
+        """The next ``gradient_accumulation_steps`` micro-batches of every local node (each read
+        under its own seed: :class:`SeededBatches`)."""
+        return [[next(it) for _ in range(self.args.gradient_accumulation_steps)] for it in iterators]
 
 
 def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None:

@@ -1,9 +1,12 @@
-"""Per-node random streams (SPEC 1: node ``i`` draws the same numbers in either backend) and the
-epoch sampler that makes a node's data order a pure function of ``(seed, epoch)``."""
+"""Per-node random streams (SPEC 1: node ``i`` draws the same numbers in either backend), the
+epoch sampler that makes a node's data order a pure function of ``(seed, epoch)``, and the seeds
+each batch is read and collated under."""
 from __future__ import annotations
 
+import random
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 from transformers.utils import logging
@@ -99,4 +102,47 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.size - self.start
+
+
+class EpochBatchSampler(Sampler[list]):
+    """A node's batches of ``batch_size`` in its :class:`EpochSampler` order, each a list of
+    ``(index, batch seed)``; the last incomplete batch is dropped. The seed is a pure function of
+    the node's seed, the epoch and the batch's position in it (:func:`batch_seed`): the batch is read
+    and collated under it (``node_data.SeededBatches``), so random transforms and collators draw the
+    same numbers whether they run in the main process or in any number of dataloader workers,
+    persistent or not, and after a resume mid-epoch."""
+
+    def __init__(self, sampler: EpochSampler, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __iter__(self):
+        order = list(self.sampler)
+        first = self.sampler.start // self.batch_size  # the position of the first batch in the epoch
+        for b in range(len(order) // self.batch_size):
+            seed = batch_seed(self.sampler.epoch_seed(), first + b)
+            yield [(i, seed) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+
+def batch_seed(epoch_seed: int, batch: int) -> int:
+    """The seed of batch ``batch`` (0-based position in its epoch) of an epoch seeded ``epoch_seed``."""
+    return int(np.random.SeedSequence([epoch_seed, batch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+@contextmanager
+def seeded_host_rngs(seed: int):
+    """Run the block with torch's CPU generator, Python's ``random`` and NumPy's global generator
+    seeded from ``seed``, and restore all three after it (the CUDA generators are left alone)."""
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
 

@@ -249,9 +249,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
                 column, seed, batch size, gradient accumulation, training set and rows, optimizer
                 and its settings, learning rate and schedule, warmup, gradient clipping, label
-                smoothing, the 8-bit layers' ``QuantConfig``; not checked: their kernel). With
-                ``dataloader_num_workers > 0`` random data transforms do not repeat after a
-                resume: the workers' random streams start afresh.
+                smoothing, the 8-bit layers' ``QuantConfig``; not checked: their kernel). Random
+                data transforms and collators repeat too: each batch is read under a seed of
+                its own (seed, node, epoch, batch), in dataloader workers as in the main process.
             trial: must be None: hyperparameter search needs ``model_init``, which is refused.
             ignore_keys_for_eval: as in `Trainer`.
         """

@@ -20,7 +20,8 @@
 those rows into ``{"pixel_values": (B, 3, S, S) float32, "label": (B,) int64}``: RGB, shorter
 side resized to ``S`` and centre-cropped when the image is not ``S x S``, then (training only)
 a random ``S x S`` crop of the zero-padded image and a random horizontal flip, then per-channel
-normalisation. Randomness comes from torch's global RNG (seeded per DataLoader worker).
+normalisation. Randomness comes from torch's global RNG, which ``DecentralizedTrainer`` seeds per
+batch (from seed, node, epoch and batch), in the main process and in dataloader workers alike.
 """
 from __future__ import annotations
 
