@@ -298,17 +298,27 @@ def test_transformer_attention_matmuls_and_quantized_share():
     assert linears["bert.encoder.layer.0.intermediate.dense"].forward_macs == b * seq * hidden * 64
 
 
-def test_quantized_model_priced_like_its_float_plan():
+@pytest.mark.parametrize("config", [None, QuantConfig(embeddings=True)], ids=["default", "8-bit embeddings"])
+def test_quantized_model_priced_like_its_float_plan(config):
+    """8-bit embeddings had two prices: the plan priced nothing for their quantization and the
+    quantized model its ops (7% apart in training energy), and both counted their saved int64 ids
+    as 8-bit codes."""
     from lp_decentral_nlp.quant import quantize_model
 
     model = tiny_bert()
-    planned = estimate_cost(model, (8,), 2, "int8")
-    quantized = quantize_model(copy.deepcopy(model))
+    planned = estimate_cost(model, (8,), 2, "int8", quant_config=config)
+    quantized = quantize_model(copy.deepcopy(model), config)
     own = estimate_cost(quantized, (8,), 2, "int8")
     # the 8-bit layers' own simulated quantization ops are not counted on top of the model's
     strip_kind = lambda d: {**d, "layers": [{**l, "kind": None} for l in d["layers"]]}  # noqa: E731
     assert strip_kind(own.to_dict()) == strip_kind(planned.to_dict())
     assert layer(own, "bert.pooler.dense").kind == "QuantLinear"
+    table = layer(own, "bert.embeddings.word_embeddings")
+    assert table.saved_activation_bytes == 2 * 8 * 8, "its int64 ids, whatever its precision"
+    if config is not None:  # the table's range (2 per entry), the rows' quantization (5 adds, 2 mults each)
+        entries, rows = quantized.bert.embeddings.word_embeddings.weight.numel(), 2 * 8 * quantized.config.hidden_size
+        assert table.precision == "int8" and table.inference.fp32_adds == 2 * entries + 5 * rows
+        assert table.inference.fp32_mults == 2 * rows
     with pytest.raises(ValueError, match="already quantized"):
         estimate_cost(quantized, (8,), 2, "int8", quant_config=QuantConfig())
     skip_pooler = estimate_cost(model, (8,), 2, "int8", quant_config=QuantConfig(skip=("classifier", "pooler")))

@@ -7,6 +7,9 @@
 * The vision norm layers of SPEC 5 (``lp_decentral_nlp.vision.norms``): EvoNorm-S0, Range
   EvoNorm, Range BatchNorm, costed from their equations. Imported lazily: the cost model works
   without the vision package.
+* ``nn.Embedding`` (and the 8-bit ``QuantEmbedding``): a lookup, no arithmetic; an 8-bit table's
+  quantization of the looked-up rows is priced in ``report``, the same for a float model's plan
+  and its quantized copy.
 
 Every other module (LayerNorm, BatchNorm, activations, attention, residual blocks, pooling) is
 costed from the ATen ops it runs (``ops.aten_cost``), and so is a subclass of these types that
@@ -40,15 +43,22 @@ def gemm_layer_types() -> tuple[type, ...]:
 
 
 def computes_its_type(module: nn.Module) -> bool:
-    """Whether `module` computes what its GEMM or norm type's formula prices: its ``forward`` is one
-    of those types' own, or it is an 8-bit layer of ``lp_decentral_nlp`` (whose forward runs the
-    same GEMM or norm on quantized operands). Any other override may do more work."""
+    """Whether `module` computes what its GEMM, norm or embedding type's formula prices: its
+    ``forward`` is one of those types' own, or it is an 8-bit layer of ``lp_decentral_nlp`` (whose
+    forward runs the same GEMM, norm or lookup on quantized operands). Any other override (a scaled
+    embedding, say) may do more work."""
     from ..quant import QuantModule
 
     if isinstance(module, QuantModule):
         return True
     forward = type(module).forward
-    return any(isinstance(module, base) and forward is base.forward for base in gemm_layer_types() + norm_layer_types())
+    return any(isinstance(module, base) and forward is base.forward
+               for base in gemm_layer_types() + norm_layer_types() + embedding_layer_types())
+
+
+def embedding_layer_types() -> tuple[type, ...]:
+    """Module types whose forward is one table lookup."""
+    return (nn.Embedding,)
 
 
 def gemm_macs(module: nn.Module, output: torch.Tensor) -> int:

@@ -354,6 +354,8 @@ def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool, all_int8: bool
     grad_gemms = Ops(row.input_grad_macs + row.weight_grad_macs, row.input_grad_macs + row.weight_grad_macs)
     if not quantized:
         return PricedOps.of(fp32=row.ops + row.backward + grad_gemms)
+    if row.is_embedding:
+        return PricedOps.of(fp32=row.ops + row.backward + _lookup_quantization(row))
     layer_gradient = (quantize(row.grad_output_numel, range_search=True, clamp=False, stochastic=True)
                       + dequantize(row.grad_input_numel))  # and the input gradient's rescaling
     if not row.is_gemm:  # an 8-bit norm: its float formula on fake-quantized input and parameters
@@ -380,6 +382,15 @@ def _train_ops(row: Row, quantized: bool, int8_weight_grad: bool, all_int8: bool
     return PricedOps.of(fp32=fp32 + weight_grad, int8=int8_gemms)
 
 
+def _lookup_quantization(row: Row) -> Ops:
+    """What an 8-bit embedding (``quant.QuantEmbedding``) computes on each call, in training and in
+    evaluation alike: the table's min and max (2 comparisons per entry), then the looked-up rows
+    put on its grid (nearest rounding, clamped) and back to float."""
+    rows = row.output_numel
+    return (Ops(2 * row.weight_numel * row.calls, 0)
+            + quantize(rows, range_search=False, clamp=True, stochastic=False) + dequantize(rows))
+
+
 def _inference_ops(row: Row, quantized: bool, all_int8: bool) -> PricedOps:
     """Inference ops of one row: its eval-mode forward; a quantized GEMM runs in int8, its input
     is quantized with the running range and its output rescaled (weights are stored 8-bit).
@@ -388,6 +399,8 @@ def _inference_ops(row: Row, quantized: bool, all_int8: bool) -> PricedOps:
         return _as_int8(_inference_ops(row, quantized, False))
     if not quantized:
         return PricedOps.of(fp32=row.ops)
+    if row.is_embedding:
+        return PricedOps.of(fp32=row.ops + _lookup_quantization(row))
     if not row.is_gemm:  # an 8-bit norm: the input fake-quantized with the running range
         quant = quantize(row.input_numel, range_search=False, clamp=True, stochastic=False) + dequantize(
             row.input_numel)
@@ -428,8 +441,8 @@ def _parameter_bytes(model: nn.Module, eight_bit: set[int]) -> tuple[int, int]:
 def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, int]:
     """Bytes saved for backward, per row. A storage saved by several ops counts once per precision
     it is kept at (8-bit codes plus a per-tensor scale and offset when saved by a quantized layer,
-    its dtype's size otherwise). A float norm layer counts what autograd saves inside it; a
-    quantized one, and a GEMM layer, their input."""
+    its dtype's size otherwise; an embedding's ids at theirs). A float norm layer counts what
+    autograd saves inside it; a quantized one, a GEMM layer and an embedding, their input."""
     by_row: dict[str, int] = {}
     for entries in train_walk.saved.values():
         seen_bits = set()
@@ -437,10 +450,11 @@ def _saved_activation_bytes(train_walk: Walk, quantized: set[str]) -> dict[str, 
             float_norm = e.row in train_walk.norm_rows and e.row not in quantized
             if e.kind == ("input" if float_norm else "inside"):
                 continue
-            bits = 8 if e.row in quantized else 8 * e.itemsize
+            coded = e.row in quantized and not train_walk.rows[e.row].is_embedding
+            bits = 8 if coded else 8 * e.itemsize
             if bits not in seen_bits:
                 seen_bits.add(bits)
-                nbytes = e.numel * bits // 8 + (SAVED_RANGE_BYTES if e.row in quantized else 0)
+                nbytes = e.numel * bits // 8 + (SAVED_RANGE_BYTES if coded else 0)
                 by_row[e.row] = by_row.get(e.row, 0) + nbytes
     return by_row
 

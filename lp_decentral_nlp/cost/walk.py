@@ -51,7 +51,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .layers import computes_its_type, gemm_layer_types, gemm_macs, norm_layer_cost, norm_layer_types
+from .layers import (computes_its_type, embedding_layer_types, gemm_layer_types, gemm_macs, norm_layer_cost,
+                     norm_layer_types)
 from .ops import Ops, aten_cost, gemm
 
 ROOT = "(model)"
@@ -62,9 +63,11 @@ class Row:
     """What one module did in one forward pass (summed over its calls).
 
     ``ops``: forward arithmetic, for a GEMM layer its MACs plus bias adds (no quantization).
-    ``calls``, ``input_numel``/``output_numel``: calls of a GEMM or norm layer and the elements of
-    its inputs and outputs over all calls; ``weight_numel``: a GEMM layer's weight elements, a norm
-    layer's parameter elements (what an 8-bit layer quantizes each call).
+    ``calls``, ``input_numel``/``output_numel``: calls of a GEMM, norm or embedding layer and the
+    elements of its inputs and outputs over all calls; ``weight_numel``: a GEMM layer's weight
+    elements, a norm layer's parameter elements, an embedding's table (what an 8-bit layer
+    quantizes, or an 8-bit embedding searches for its range, each call). ``is_embedding``: the row
+    of a table lookup (``nn.Embedding``), which no arithmetic prices.
 
     What backward computes (training pass; zero in inference): ``backward``: every op's backward
     but a GEMM layer's two GEMMs, 2x the forward of each op that autograd differentiates (a GEMM
@@ -79,6 +82,7 @@ class Row:
     kind: str
     is_gemm: bool = False
     weight_numel: int = 0
+    is_embedding: bool = False
     calls: int = 0
     ops: Ops = field(default_factory=Ops)
     input_numel: int = 0
@@ -149,6 +153,7 @@ class _Recorder(TorchDispatchMode):
         self.names = {m: (name or ROOT) for name, m in model.named_modules()}
         self.gemm_types = gemm_layer_types()
         self.norm_types = norm_layer_types()
+        self.embedding_types = embedding_layer_types()
         self.state_storages = {StorageWeakRef(t.untyped_storage()) for t in state.values()}
         self.stack: list[tuple[str, nn.Module]] = [(ROOT, model)]
         self.typed_depth = 0  # > 0 while inside a layer costed by type
@@ -167,13 +172,14 @@ class _Recorder(TorchDispatchMode):
         rows = self.recomputed if recomputed else self.rows
         if module_name not in rows:
             is_gemm = isinstance(module, self.gemm_types) and self.typed(module)
-            if is_gemm:
+            is_embedding = isinstance(module, self.embedding_types) and self.typed(module)
+            if is_gemm or is_embedding:
                 weight_numel = module.weight.numel()
             elif self.typed(module):  # a norm: its (C,) weight, bias and v
                 weight_numel = sum(p.numel() for p in module.parameters(recurse=False))
             else:
                 weight_numel = 0
-            rows[module_name] = Row(module_name, type(module).__name__, is_gemm, weight_numel)
+            rows[module_name] = Row(module_name, type(module).__name__, is_gemm, weight_numel, is_embedding)
         return rows[module_name]
 
     def forward_rows(self, module_name: str, module: nn.Module) -> list[Row]:
@@ -183,7 +189,8 @@ class _Recorder(TorchDispatchMode):
         return [row, self.row(module_name, module, recomputed=True)] if self.checkpoint_depth else [row]
 
     def typed(self, module: nn.Module) -> bool:
-        return isinstance(module, self.gemm_types + self.norm_types) and computes_its_type(module)
+        return isinstance(module, self.gemm_types + self.norm_types + self.embedding_types) and \
+            computes_its_type(module)
 
     def checkpoints(self, module: nn.Module) -> bool:
         """Whether `module`'s call is an activation-checkpointed one (training pass, grad enabled)."""
@@ -208,8 +215,10 @@ class _Recorder(TorchDispatchMode):
                 name = self.stack[-1][0]
                 x = _first_tensor(args, kwargs)
                 self._typed_input.append(x)
-                # a GEMM layer keeps its input for the weight gradient; a norm layer keeps it for backward
-                needing_it = [module.weight] if isinstance(module, self.gemm_types) else [x, *module.parameters()]
+                # a GEMM layer keeps its input for the weight gradient, an embedding its ids for the
+                # table's gradient; a norm layer keeps it for backward
+                needing_it = [module.weight] if isinstance(module, self.gemm_types + self.embedding_types) else \
+                    [x, *module.parameters()]
                 if self.differentiated(*needing_it):
                     self._save(x, name, "input")
                 if isinstance(module, self.norm_types):
@@ -238,6 +247,8 @@ class _Recorder(TorchDispatchMode):
             bias_adds = out.numel() if bias is not None else 0
             macs = gemm_macs(module, out)
             cost = gemm(macs, bias_adds)
+        elif row.is_embedding:  # a lookup; its gradient adds output rows into the table, unpriced as before
+            cost = Ops()
         else:
             cost = norm_layer_cost(module, x, self.training)
         for r in rows:
@@ -255,7 +266,7 @@ class _Recorder(TorchDispatchMode):
                 row.weight_grad_calls += 1
             if self.differentiated(bias):
                 row.backward += Ops(bias_adds, 0).scaled(2)
-        elif self.differentiated(x, *module.parameters()):
+        elif not row.is_embedding and self.differentiated(x, *module.parameters()):
             row.backward += cost.scaled(2)
             row.grad_output_numel += out.numel()
             row.grad_input_numel += x.numel()
