@@ -72,7 +72,9 @@ def machine() -> dict:
 def device_record_name(name: str, device) -> str:
     """The record name of benchmark `name` run on `device`: `name` on the CPU, ``<name>_<device
     type>`` elsewhere (``bench_8bit_cuda``), so a GPU run keeps the CPU record and renders beside it."""
-    kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    import torch
+
+    kind = torch.device(device).type
     return name if kind == "cpu" else f"{name}_{kind}"
 
 

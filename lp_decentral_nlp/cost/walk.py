@@ -171,11 +171,12 @@ class _Recorder(TorchDispatchMode):
         """The row of `module` (`recomputed`: in ``self.recomputed``)."""
         rows = self.recomputed if recomputed else self.rows
         if module_name not in rows:
-            is_gemm = isinstance(module, self.gemm_types) and self.typed(module)
-            is_embedding = isinstance(module, self.embedding_types) and self.typed(module)
+            typed = self.typed(module)
+            is_gemm = typed and isinstance(module, self.gemm_types)
+            is_embedding = typed and isinstance(module, self.embedding_types)
             if is_gemm or is_embedding:
                 weight_numel = module.weight.numel()
-            elif self.typed(module):  # a norm: its (C,) weight, bias and v
+            elif typed:  # a norm: its (C,) weight, bias and v
                 weight_numel = sum(p.numel() for p in module.parameters(recurse=False))
             else:
                 weight_numel = 0
@@ -322,15 +323,13 @@ class _Recorder(TorchDispatchMode):
         self.peak = max(self.peak, sum(self.live.values()))
 
 
-def walk(model: nn.Module, make_inputs, training: bool, checkpointed=None) -> Walk:
+def walk(model: nn.Module, make_inputs, training: bool, checkpointed=()) -> Walk:
     """Run one forward pass of ``model`` (train or eval mode) and record it.
 
     ``make_inputs(device)`` returns ``(args, kwargs)`` for ``model`` on ``device``.
-    ``checkpointed``: the modules whose calls activation checkpointing wraps; None: the
-    ``checkpointable_layers`` that ``activation_checkpointing_enable()`` has switched on.
+    ``checkpointed``: the modules whose calls activation checkpointing wraps in a training pass
+    (``report`` picks them from ``estimate_cost``'s ``activation_checkpointing``).
     """
-    if checkpointed is None:
-        checkpointed = [m for m in checkpointable_layers(model) if m.gradient_checkpointing]
     checkpointed = frozenset(checkpointed)
     try:
         return _walk(model, make_inputs, training, torch.device("meta"), checkpointed)

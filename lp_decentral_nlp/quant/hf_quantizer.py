@@ -112,8 +112,10 @@ class LpHfQuantizer(HfQuantizer):
 
         source = getattr(getattr(model, "config", None), "_name_or_path", "the checkpoint")
         for name, module in model.named_modules():
+            if not isinstance(module, QuantModule):
+                continue
             not_float32 = [p for p in module.parameters(recurse=False) if p.dtype != torch.float32]
-            if isinstance(module, QuantModule) and not_float32:
+            if not_float32:
                 raise ValueError(f"{source}: the weights of 8-bit layer {name!r} loaded as {not_float32[0].dtype}, not "
                                  "float32 master weights: an export_int8_state_dict file is for inference runtimes; "
                                  "load the folder save_pretrained wrote, or dequantize_int8_state_dict the export and "
