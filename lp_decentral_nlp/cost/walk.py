@@ -27,9 +27,8 @@ During the pass:
   intermediates, several times its input);
 * inference pass: the live activation storages are tracked op by op; their peak is the
   activation memory of inference;
-* activation checkpointing (transformers' ``GradientCheckpointingLayer``, as
-  ``activation_checkpointing_enable()`` sets it, or the layers passed as ``checkpointed``): the
-  pass runs without it, and each checkpointed layer's call is priced as checkpointing runs it:
+* activation checkpointing (the layers passed as ``checkpointed``, transformers'
+  ``GradientCheckpointingLayer`` blocks): the pass runs without transformers' own, and each checkpointed layer's call is priced as checkpointing runs it:
   what its inside saves is not kept, the tensors it is called with are (the recompute's inputs),
   and its forward is recorded a second time, forward only (``Walk.recomputed``: backward
   recomputes it).
