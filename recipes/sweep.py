@@ -46,7 +46,7 @@ def add_grid_flags(parser) -> None:
                         help="precisions of the grid: fp32 or int8 (8-bit training and gossip) (default: both)")
     parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
                         help="gamma of the runs with --comps > 0 (default: the trainer's default_consensus_lr, "
-                             "from the compressor and algorithm); runs without compression keep gamma 1")
+                             "from the compressor, algorithm and graph); runs without compression keep gamma 1")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
 

@@ -151,7 +151,7 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert summary["loss"] == results["loss"] and summary["results"] == str(out / "results.json")
     assert len(results["node_accuracy"]) == 2 and all(b > 0 for b in results["bytes_sent_per_node"])
     assert results["config"]["norm"] == "range_evonorm" and results["config"]["algorithm"] == "choco"
-    assert results["config"]["consensus_lr_used"] == 0.5  # default_consensus_lr at --comp 90
+    assert results["config"]["consensus_lr_used"] == 0.2  # default_consensus_lr at --comp 90 on 2 nodes
     assert results["config"]["threads"] == 1  # no --threads: OMP_NUM_THREADS, the count the run used
     assert results["model_used"] == "resnet20 (range_evonorm, 10 classes, random init)"
     assert results["cost"]["precision"] == "int8" and results["cost"]["input_shape"] == [3, 8, 8]

@@ -972,8 +972,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'consensus_lr',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': 'Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm '
-          '(lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md). (default: None)',
+  'help': 'Consensus step size gamma in (0, 1]; default: from the compressor, the algorithm, the graph and the message '
+          'loss (lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md). (default: None)',
   'type': 'finite_float'},
  {'options': ['--skew'],
   'dest': 'skew',

@@ -3,13 +3,13 @@
 Simulated (all nodes in one process)::
 
     topo = make_topology("directed_ring", num_nodes=8)
-    gossip = ChocoSGD(topo, compressor=TopK(0.01))  # gamma: step_size.default_consensus_lr, 0.05
+    gossip = ChocoSGD(topo, compressor=TopK(0.01))  # gamma: step_size.default_consensus_lr, 0.02 here
     stats = gossip.step(nodes)      # nodes[i]: node i's parameter tensors z_i, updated in place
     gossip.close()                  # (or ``with gossip: ...``) shuts down its segment thread pool
 
 Distributed (one node per rank, after ``torch.distributed.init_process_group``)::
 
-    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.05,
+    gossip = ChocoSGD(topo, compressor=TopK(0.01), gamma=0.02,
                       transport=TorchDistributedTransport(timeout=300))
     stats = gossip.step([my_params])
 """

@@ -100,10 +100,10 @@ class GossipConfig:
     @property
     def gamma(self) -> float:
         """Consensus step size: ``consensus_lr`` if set, else :func:`default_consensus_lr` of this
-        run's compressor and algorithm (1.0 without sparsification)."""
+        run's compressor, algorithm, graph and message loss (1.0 without sparsification)."""
         if self.consensus_lr is not None:
             return self.consensus_lr
-        return default_consensus_lr(build_compressor(self), self.algorithm)
+        return default_consensus_lr(build_compressor(self), self.algorithm, build_topology(self), self.faults)
 
 
 def build_topology(config: GossipConfig) -> Topology:

@@ -18,8 +18,10 @@ Rules (they keep SPEC 1's push-sum mass ``sum_i x_i`` and ``sum_i w_i`` exactly 
   applies it, and the difference it carried stays in ``x~_j - x^_j``, to be sent again in ``j``'s
   next message. With sparse or random messages (top-k, random-k, QSGD) the mixing matrix stays
   ``W`` (a receiver mixes its unchanged copy), so the graph stays static and Choco keeps
-  converging to the exact average; it needs fairly reliable links (measured on a 4-node ring:
-  exact at 10% loss, diverging from about 30%). With dense messages (exact or 8-bit: a committed
+  converging to the exact average, if its step allows for the messages that are not committed:
+  the default step (``step_size.default_consensus_lr``) is scaled by the chance ``(1 -
+  drop_prob) ** outdeg`` that a message is committed (at the loss-free step Choco's consensus
+  diverged from about 30% loss). With dense messages (exact or 8-bit: a committed
   copy is the sender's model) the share of an uncommitted message returns to its sender, ``W'``
   as for SGP: mixing the stale copy drove push-sum weights to 0 at 50% loss.
 * **Deep-Squeeze error memory** is updated as usual (the compression error does not depend on

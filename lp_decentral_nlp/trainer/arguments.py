@@ -59,8 +59,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                 "(when compression > 0); qsgd sends qsgd_levels levels per entry (compression stays 0)."})
     qsgd_levels: int = field(default=16, metadata={"help": "QSGD levels s (1..127), for compressor='qsgd'."})
     consensus_lr: float | None = field(
-        default=None, metadata={"help": "Consensus step size gamma in (0, 1]; default: from the compressor and the algorithm "
-                                     "(lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md)."}
+        default=None, metadata={"help": "Consensus step size gamma in (0, 1]; default: from the compressor, the algorithm, "
+                                     "the graph and the message loss (lp_decentral_nlp.gossip.default_consensus_lr, "
+                                     "docs/consensus_step.md)."}
     )
     skew: float = field(default=0.0, metadata={"help": "Degree of label skew of the shards, in [0, 1] (SPEC 6)."})
     low_precision: bool = field(
