@@ -82,7 +82,7 @@ import numpy as np
 import torch
 
 from ..checks import NUMBER_FIELDS, check_field, check_number
-from .compressors import QSGD, Compressor, Identity
+from .compressors import QSGD, Compressor, Identity, RandomK
 from .faults import FaultPlan
 from .step_size import default_consensus_lr
 from .topology import Topology
@@ -160,10 +160,11 @@ class PushSumGossip:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor (Identity, TopK, RandomK, QSGD, Quantize), "
                             f"got {type(compressor).__name__}")
-        if isinstance(compressor, QSGD) and not compressor.scaled:
+        if (isinstance(compressor, QSGD) and not compressor.scaled) or (isinstance(compressor, RandomK)
+                                                                        and compressor.unbiased):
+            fix = "QSGD(levels, scaled=True) (QSGD's docstring)" if isinstance(compressor, QSGD) else "RandomK(keep)"
             raise ValueError(f"{type(self).__name__} needs a contraction, and {compressor!r} is none: its compression "
-                             "error grows with the models and they diverge whatever gamma; use QSGD(levels, "
-                             "scaled=True) (QSGD's docstring)")
+                             f"error grows with the models and they diverge whatever gamma; use {fix}")
         if faults is not None and not isinstance(faults, FaultPlan):
             raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
         if faults is not None:

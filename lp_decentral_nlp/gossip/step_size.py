@@ -14,17 +14,23 @@ from .topology import Topology, make_topology
 
 ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
 
-#: gamma / (compression quality delta), per algorithm, on any graph (docs/consensus_step.md):
-#: Choco's is the largest factor its consensus stayed stable with on every graph measured over
-#: thousands of steps (directed rings, rings, tori and complete graphs of 2 to 36 nodes, top-1% and
-#: top-10%); Deep-Squeeze's is its fastest measured consensus, stable on all of them
+#: gamma / (compression quality delta) with top-k or QSGD messages, per algorithm, on any graph
+#: (docs/consensus_step.md): Choco's is the largest factor its consensus stayed stable with on
+#: every graph measured over thousands of steps (directed rings, rings, tori and complete graphs of
+#: 2 to 36 nodes, top-1% and top-10%); Deep-Squeeze's is its fastest measured consensus, stable on
+#: all of them
 CONSENSUS_LR_PER_QUALITY = {"choco": 2.0, "deepsqueeze": 1.5}
 
-#: a larger factor where it was measured stable over those horizons and trained better:
-#: ``(algorithm, make_topology name, nodes) -> factor``. The 4-node directed ring is the recipes'
-#: default graph; on every torus, ring, complete graph and longer directed ring measured Choco's
-#: consensus diverged at 5 delta, at top-10% or top-1% (docs/consensus_step.md, "Stability over
-#: long runs")
+#: the same with random-k messages, whose error is not the smallest a k-entry message can leave:
+#: both algorithms diverged at 1.5 delta (top-10% and top-1%) on most graphs measured and were
+#: stable at 0.5 delta on all of them (docs/consensus_step.md, "Random-k")
+RANDOM_K_CONSENSUS_LR_PER_QUALITY = {"choco": 0.5, "deepsqueeze": 0.5}
+
+#: a larger factor with top-k messages where it was measured stable over those horizons and
+#: trained better: ``(algorithm, make_topology name, nodes) -> factor``. The 4-node directed ring
+#: is the recipes' default graph; on every torus, ring, complete graph and longer directed ring
+#: measured Choco's consensus diverged at 5 delta, at top-10% or top-1% (docs/consensus_step.md,
+#: "Stability over long runs")
 CONSENSUS_LR_PER_QUALITY_ON = {("choco", "directed_ring", 4): 5.0}
 
 #: tensor size at which a scaled QSGD's quality ``1 / (1 + omega)`` is taken (a 1024 x 1024 layer)
@@ -36,9 +42,13 @@ def compression_quality(compressor: Compressor | None) -> float:
     ``E||C(x) - x||^2 <= (1 - delta) ||x||^2``): 1 for exact and 8-bit-quantized messages (their
     error is negligible next to sparsification), ``keep`` for top-k and random-k (whatever their
     value bits), ``1 / (1 + omega)`` for scaled QSGD at a ``QSGD_REFERENCE_NUMEL``-entry tensor.
-    Unscaled QSGD is no contraction (ValueError)."""
+    Unscaled QSGD and unbiased random-k are no contraction (ValueError)."""
     if compressor is None or isinstance(compressor, (Identity, Quantize)):
         return 1.0
+    if isinstance(compressor, RandomK) and compressor.unbiased:
+        raise ValueError("compressor RandomK(unbiased=True) is not a contraction (its values are scaled by 1 / keep), "
+                         "so it has no default consensus step (and Choco-SGD and Deep-Squeeze diverge with it whatever "
+                         "the step): use RandomK(keep)")
     if isinstance(compressor, (TopK, RandomK)):
         return compressor.keep
     if isinstance(compressor, QSGD):
@@ -57,9 +67,10 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     """The default consensus step ``gamma`` (SPEC 2 step 5): ``min(1, c * delta) * p_commit``.
 
     * ``delta``: the compressor's :func:`compression_quality`.
-    * ``c``: 1.5 for ``"deepsqueeze"``; for ``"choco"`` 2, or 5 on the 4-node directed ring
-      (:data:`CONSENSUS_LR_PER_QUALITY`, :data:`CONSENSUS_LR_PER_QUALITY_ON`; without a
-      `topology`, the factor of any graph).
+    * ``c``: with top-k or QSGD messages 1.5 for ``"deepsqueeze"``; for ``"choco"`` 2, or 5 with
+      top-k on the 4-node directed ring (:data:`CONSENSUS_LR_PER_QUALITY`,
+      :data:`CONSENSUS_LR_PER_QUALITY_ON`; without a `topology`, the factor of any graph). With
+      random-k messages 0.5 for both (:data:`RANDOM_K_CONSENSUS_LR_PER_QUALITY`).
     * ``p_commit``: for Choco with compressed messages (``delta < 1``) under message loss, the
       chance ``(1 - drop_prob) ** d`` that a message reaches all ``d`` out-neighbours of the
       best-connected node and is committed (:mod:`.faults`); 1 otherwise.
@@ -77,7 +88,9 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     committed nowhere, so under loss the public copies follow the models at ``p_commit`` times the
     rate. Without the factor Choco's consensus diverged at 30% loss on three of five graphs
     measured and at 50% loss on all five; with it, it converged on all of them (top-1% and
-    top-10%).
+    top-10%). Random-k leaves a larger error than top-k of the same size: with it both algorithms
+    diverged at 1.5 delta (top-10% and top-1%) on a 4-node directed ring, a 4x4 torus and an
+    8-node complete graph, and were stable at 0.5 delta on those and the 4-node ring.
 
     Args:
         compressor: the message codec (None: exact messages).
@@ -92,8 +105,11 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     if algorithm == "dpsgd":
         return 1.0
     quality = compression_quality(compressor)
-    factor = CONSENSUS_LR_PER_QUALITY[algorithm]
-    if topology is not None:
+    if isinstance(compressor, RandomK):
+        factor = RANDOM_K_CONSENSUS_LR_PER_QUALITY[algorithm]
+    else:
+        factor = CONSENSUS_LR_PER_QUALITY[algorithm]
+    if topology is not None and isinstance(compressor, TopK):
         factor = next((c for (alg, name, n), c in CONSENSUS_LR_PER_QUALITY_ON.items()
                        if alg == algorithm and _is_standard_graph(topology, name, n)), factor)
     gamma = min(1.0, factor * quality)
