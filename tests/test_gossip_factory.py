@@ -51,6 +51,10 @@ def test_under_message_loss_chocos_step_shrinks_with_the_chance_that_a_message_i
     assert default_consensus_lr(TopK(0.1), "choco", torus, FaultPlan(absences=((1, 2, 5),))) == pytest.approx(0.2)
     with pytest.raises(ValueError, match=r"^the default Choco step under message loss needs the topology"):
         default_consensus_lr(TopK(0.1), "choco", None, loss)
+    with pytest.raises(TypeError, match=r"^faults must be a FaultPlan or None, got float$"):
+        default_consensus_lr(TopK(0.1), "choco", torus, 0.3)
+    with pytest.raises(TypeError, match=r"^topology must be a Topology or None, got str$"):
+        default_consensus_lr(TopK(0.1), "choco", "torus")
 
 
 def test_scaled_qsgd_quality_is_one_over_one_plus_omega_and_unscaled_qsgd_is_refused():

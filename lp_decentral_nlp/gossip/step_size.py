@@ -72,8 +72,8 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
       :data:`CONSENSUS_LR_PER_QUALITY_ON`; without a `topology`, the factor of any graph). With
       random-k messages 0.5 for both (:data:`RANDOM_K_CONSENSUS_LR_PER_QUALITY`).
     * ``p_commit``: for Choco with compressed messages (``delta < 1``) under message loss, the
-      chance ``(1 - drop_prob) ** d`` that a message reaches all ``d`` out-neighbours of the
-      best-connected node and is committed (:mod:`.faults`); 1 otherwise.
+      chance ``(1 - drop_prob) ** d`` that a message reaches all ``d`` out-neighbours of the node
+      with the most of them, and is committed (:mod:`.faults`); 1 otherwise.
     * ``"dpsgd"`` (exact or 8-bit SGP) takes 1.0.
 
     Measured on the consensus distance of gossip alone (docs/consensus_step.md). The fastest
@@ -82,9 +82,8 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     every graph measured. Over thousands of steps Choco's consensus diverged at 5 delta on every
     torus, ring and complete graph measured and on directed rings of 8 and 16 nodes (at top-10%),
     and at 2.5 delta on complete graphs of 8 or more nodes, while 2 delta converged on all of
-    them. On the 4-node directed ring 5 delta
-    stayed stable and trained better at 1% top-k (digits +3 to +17 points over 2.5 delta, AG News
-    at skew 0.9 +1.6 points over three seeds). A Choco message that misses one out-neighbour is
+    them. On the 4-node directed ring 5 delta stayed stable and trained better at 1% top-k
+    (digits +3 to +17 points over 2.5 delta, AG News at skew 0.9 +1.6 points over three seeds). A Choco message that misses one out-neighbour is
     committed nowhere, so under loss the public copies follow the models at ``p_commit`` times the
     rate. Without the factor Choco's consensus diverged at 30% loss on three of five graphs
     measured and at 50% loss on all five; with it, it converged on all of them (top-1% and
@@ -102,6 +101,10 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
         ``gamma`` in (0, 1].
     """
     check_choice("algorithm", algorithm, ALGORITHMS)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology or None, got {type(topology).__name__}")
+    if faults is not None and not isinstance(faults, FaultPlan):
+        raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
     if algorithm == "dpsgd":
         return 1.0
     quality = compression_quality(compressor)
