@@ -85,9 +85,9 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     them. On the 4-node directed ring 5 delta stayed stable and trained better at 1% top-k
     (digits +3 to +17 points over 2.5 delta, AG News at skew 0.9 +1.6 points over three seeds). A Choco message that misses one out-neighbour is
     committed nowhere, so under loss the public copies follow the models at ``p_commit`` times the
-    rate. Without the factor Choco's consensus diverged at 30% loss on three of five graphs
-    measured and at 50% loss on all five; with it, it converged on all of them (top-1% and
-    top-10%). Random-k leaves a larger error than top-k of the same size: with it both algorithms
+    rate. Without the factor Choco's consensus diverged at 30% loss on two or three of five graphs
+    measured and at 50% loss on four or five (top-1%, top-10%); with it, it converged on all of
+    them. Random-k leaves a larger error than top-k of the same size: with it both algorithms
     diverged at 1.5 delta (top-10% and top-1%) on a 4-node directed ring, a 4x4 torus and an
     8-node complete graph, and were stable at 0.5 delta on those and the 4-node ring.
 
