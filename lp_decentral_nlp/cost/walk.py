@@ -28,10 +28,10 @@ During the pass:
 * inference pass: the live activation storages are tracked op by op; their peak is the
   activation memory of inference;
 * activation checkpointing (the layers passed as ``checkpointed``, transformers'
-  ``GradientCheckpointingLayer`` blocks): the pass runs without transformers' own, and each checkpointed layer's call is priced as checkpointing runs it:
-  what its inside saves is not kept, the tensors it is called with are (the recompute's inputs),
-  and its forward is recorded a second time, forward only (``Walk.recomputed``: backward
-  recomputes it).
+  ``GradientCheckpointingLayer`` blocks): the pass runs without transformers' own, and each
+  checkpointed layer's call is priced as checkpointing runs it: what its inside saves is not
+  kept, the tensors it is called with are (the recompute's inputs), and its forward is recorded a
+  second time, forward only (``Walk.recomputed``: backward recomputes it).
 
 Attention runs with PyTorch's math SDPA backend so that its matmuls and softmax are visible ops.
 """

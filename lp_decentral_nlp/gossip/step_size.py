@@ -81,15 +81,16 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     for Choco and 1.5 delta for Deep-Squeeze. Deep-Squeeze settles at its floor with 1.5 delta on
     every graph measured. Over thousands of steps Choco's consensus diverged at 5 delta on every
     torus, ring and complete graph measured and on directed rings of 8 and 16 nodes (at top-10%),
-    and at 2.5 delta on complete graphs of 8 or more nodes, while 2 delta converged on all of
-    them. On the 4-node directed ring 5 delta stayed stable and trained better at 1% top-k
-    (digits +3 to +17 points over 2.5 delta, AG News at skew 0.9 +1.6 points over three seeds). A Choco message that misses one out-neighbour is
-    committed nowhere, so under loss the public copies follow the models at ``p_commit`` times the
-    rate. Without the factor Choco's consensus diverged at 30% loss on two or three of five graphs
-    measured and at 50% loss on four or five (top-1%, top-10%); with it, it converged on all of
-    them. Random-k leaves a larger error than top-k of the same size: with it both algorithms
-    diverged at 1.5 delta (top-10% and top-1%) on a 4-node directed ring, a 4x4 torus and an
-    8-node complete graph, and were stable at 0.5 delta on those and the 4-node ring.
+    and at 2.5 delta on complete graphs of 8 or more nodes, while 2 delta converged on all of them.
+    On the 4-node directed ring 5 delta stayed stable and trained better at 1% top-k (digits +3 to
+    +17 points over 2.5 delta, AG News at skew 0.9 +1.6 points over three seeds). A Choco message
+    that misses one out-neighbour is committed nowhere, so under loss the public copies follow the
+    models at ``p_commit`` times the rate. Without the factor Choco's consensus diverged at 30%
+    loss on two or three of five graphs measured and at 50% loss on four or five (top-1%, top-10%);
+    with it, it converged on all of them. Random-k leaves a larger error than top-k of the same
+    size: with it both algorithms diverged at 1.5 delta (top-10% and top-1%) on a 4-node directed
+    ring, a 4x4 torus and an 8-node complete graph, and were stable at 0.5 delta on those and the
+    4-node ring.
 
     Args:
         compressor: the message codec (None: exact messages).
