@@ -27,7 +27,8 @@ class ChocoSGD(PushSumGossip):
         gamma: consensus step size in (0, 1]; None (default): ``default_consensus_lr(compressor,
             "choco", topology, faults)`` (:mod:`.step_size`): 2 times the compressor's quality (5 times
             on the 4-node directed ring), times the chance a message is committed under message loss;
-            for ``TopK(0.01)`` 0.02 (0.05 on that ring), 1 for exact or 8-bit messages.
+            for ``TopK(0.01)`` 0.02 (0.05 on that ring), 1 for exact or 8-bit messages; 0.5 times
+            the quality with ``RandomK``.
         transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
             to the public copies only when it reached every out-neighbour (:mod:`.faults`).
     State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all

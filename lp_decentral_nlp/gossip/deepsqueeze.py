@@ -17,7 +17,7 @@ class DeepSqueeze(PushSumGossip):
 
     Args: as :class:`ChocoSGD` (any topology), but the default ``gamma`` is
     ``default_consensus_lr(compressor, "deepsqueeze")``, 1.5 times the compressor's quality (0.015
-    for ``TopK(0.01)``). State: ``"error"`` (``e_i``).
+    for ``TopK(0.01)``; 0.5 times with ``RandomK``). State: ``"error"`` (``e_i``).
     """
 
     _state_names = ("error",)
