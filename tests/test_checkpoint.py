@@ -50,6 +50,8 @@ CONFIGS = {
                               gradient_accumulation_steps=2),
     # QGM with SGD: the momentum buffer added to the gradient (QuasiGlobalMomentum)
     "dpsgd-sgd-qgm": dict(algorithm="dpsgd", low_precision=False, optim="sgd", qgm=True, learning_rate=0.05),
+    # 8-bit layers among bfloat16 autocast (the heads, attention's matmuls), Choco top-10%
+    "choco-8bit-bf16": dict(algorithm="choco", compression=90.0, bf16=True),
 }
 
 
@@ -387,3 +389,16 @@ def test_a_resume_with_other_8bit_settings_is_refused_but_another_kernel_is_not(
     with pytest.raises(ValueError, match=r"quant_config=\{.*'grad_bits': 8.*\} \(this run: \{.*'grad_bits': 4"):
         resume(QuantConfig(grad_bits=4))
     assert resume(QuantConfig(kernel="simulated")).global_step == 5
+
+
+def test_a_resume_with_or_without_bf16_autocast_is_refused(tmp_path, agnews, tokenizer):
+    """bf16 changes every step's forward: a run resumed with the other setting would be neither the
+    interrupted one nor a fresh one."""
+    for saved in (True, False):
+        out = tmp_path / f"bf16_{saved}"
+        DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=4, eval_strategy="no", bf16=saved),
+                             train_dataset=agnews["train"]).train()
+        resumed = DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=5, eval_strategy="no",
+                                                                       bf16=not saved), train_dataset=agnews["train"])
+        with pytest.raises(ValueError, match=rf"bf16={saved} \(this run: {not saved}\)"):
+            resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))

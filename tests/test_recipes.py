@@ -115,9 +115,11 @@ def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
 
 
 @pytest.mark.distributed
-def test_torchrun_distributed_equals_simulated(tiny_model_dir, ag_news_csv, tmp_path):
-    """4 processes over gloo, one node each, give the simulation's results (8-bit, top-1% Choco)."""
-    flags = ["--skew", "0.5", "--comp", "99", "--max-steps", "4"]
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["8bit", "8bit-bf16-autocast"])
+def test_torchrun_distributed_equals_simulated(precision, tiny_model_dir, ag_news_csv, tmp_path):
+    """4 processes over gloo, one node each, give the simulation's results (8-bit, top-1% Choco; also
+    with the float layers under bfloat16 autocast)."""
+    flags = ["--skew", "0.5", "--comp", "99", "--max-steps", "4", *precision]
     sim_out, dist_out = tmp_path / "sim", tmp_path / "dist"
     main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, sim_out, *flags))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -765,7 +765,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(bf16=True), "bf16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
+    (dict(fp16=True), "fp16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
@@ -775,10 +775,52 @@ def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, 
         targs(tmp_path, **kwargs)
 
 
-def test_bf16_is_refused_with_the_reason_before_transformers_checks_the_device(tmp_path):
-    """Without use_cpu, TrainingArguments answered bf16=True on a CPU with "Your setup doesn't support bf16"."""
-    with pytest.raises(ValueError, match=r"^bf16=True is not supported by DecentralizedTrainer \(precision is "
-                                         r"low_precision \(8-bit training\) or float32"):
+def linear_output_dtypes(trainer) -> dict:
+    """Hooks on every ``nn.Linear`` of `trainer`'s nodes and averaged model, filling ``{(model,
+    layer type, training): {output dtypes}}`` as they run; model is ``"node"`` or ``"average"``."""
+    seen = {}
+    for which, models in (("node", trainer.nodes), ("average", [trainer.model])):
+        for model in models:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.register_forward_hook(lambda m, args, out, which=which: seen.setdefault(
+                        (which, type(m).__name__, m.training), set()).add(out.dtype))
+    return seen
+
+
+def test_bf16_runs_every_nodes_forward_under_bfloat16_autocast_and_keeps_float32_weights(
+        tmp_path, agnews_small, tokenizer):
+    """Trainer's mixed precision (accelerate's autocast of the model it prepares) on every node, in
+    training and in evaluation (each node and the averaged model); weights and gossip stay fp32."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, bf16=True)
+    seen = linear_output_dtypes(trainer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert seen == {("node", "Linear", True): {torch.bfloat16}, ("node", "Linear", False): {torch.bfloat16},
+                    ("average", "Linear", False): {torch.bfloat16}}
+    assert {p.dtype for node in trainer.nodes for p in node.parameters()} == {torch.float32}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert np.isfinite(metrics["eval_loss"]) and trainer.state.global_step == 2
+    float32 = trainer_for(tmp_path / "fp32", agnews_small, tokenizer)  # the same run without autocast
+    float32.train()
+    assert float32.evaluate()["eval_loss"] != metrics["eval_loss"]
+
+
+def test_bf16_keeps_the_8bit_layers_gemms_in_float32(tmp_path, agnews_small, tokenizer):
+    """The 8-bit layers turn autocast off (a bfloat16 product cannot hold the 8-bit grid); the float
+    heads around them (DEFAULT_SKIP) run in bfloat16."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, bf16=True, low_precision=True)
+    seen = linear_output_dtypes(trainer)
+    trainer.train()
+    trainer.evaluate()
+    for which, training in (("node", True), ("node", False), ("average", False)):
+        assert seen[(which, "QuantLinear", training)] == {torch.float32}
+        assert seen[(which, "Linear", training)] == {torch.bfloat16}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers' answer on a machine without a GPU")
+def test_bf16_on_a_cpu_without_use_cpu_gets_transformers_answer_naming_use_cpu(tmp_path):
+    with pytest.raises(ValueError, match="use_cpu"):
         DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none", bf16=True)
 
 

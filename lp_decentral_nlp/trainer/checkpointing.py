@@ -350,7 +350,8 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
     state, the optimizer settings the restored optimizer and LR-schedule states carry (a
     different ``learning_rate`` would otherwise be silently replaced by the saved one), and those
     that shape every step after it (the schedule's type, arguments and warmup, gradient clipping,
-    label smoothing: a different one made a run neither the interrupted one nor a fresh one)."""
+    label smoothing, bf16 autocast: a different one made a run neither the interrupted one nor a
+    fresh one)."""
     config = args.gossip_config
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
@@ -365,11 +366,11 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
             # as the manifest's JSON gives it back (tuples become lists)
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
-            "label_smoothing_factor": args.label_smoothing_factor}
+            "label_smoothing_factor": args.label_smoothing_factor, "bf16": bool(args.bf16)}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
-_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None}
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "bf16": False}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",

@@ -79,10 +79,10 @@ POLICY: dict[str, str] = {
     "use_cache": "refused: the nodes train without a key/value cache (the model config decides at evaluation)",
     "torch_empty_cache_steps": HONOURED,
     # --- precision and devices ---------------------------------------------------------------
-    "bf16": "refused: precision is low_precision (8-bit training) or float32; accelerate's mixed precision is not "
-            "applied to the nodes",
-    "fp16": "refused: precision is low_precision (8-bit training) or float32; accelerate's mixed precision is not "
-            "applied to the nodes",
+    "bf16": PER_NODE + " (each node's forward and loss under torch.autocast to bfloat16, in training and "
+            "evaluation; master weights, gradients, optimizer states and gossip stay float32, and 8-bit layers keep "
+            "float32 GEMMs)",
+    "fp16": "refused: float16 training needs a loss scaler per node, which the nodes do not have (bf16 needs none)",
     "bf16_full_eval": "refused: evaluation runs in the nodes' own precision",
     "fp16_full_eval": "refused: evaluation runs in the nodes' own precision",
     "tf32": HONOURED,

@@ -366,6 +366,18 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         raise NotImplementedError("DecentralizedTrainer builds one optimizer and schedule per node in train() "
                                   "(node_optimizers, node_schedulers), with create_optimizer(model) and create_scheduler()")
 
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """Where each node's forward and loss run, in training and evaluation (``Trainer`` enters it
+        through ``compute_loss_context_manager``): with ``args.bf16``, ``torch.autocast`` to
+        bfloat16 on the nodes' device (``args.device``), the mixed precision ``Trainer`` gets from
+        the model accelerate prepares (the nodes are not prepared); otherwise nothing. Master
+        weights, gradients, optimizer states and gossip stay float32, and the 8-bit layers keep
+        their GEMMs in float32 (autocast is off inside them: a bfloat16 product cannot hold the
+        8-bit grid exactly)."""
+        if self.args.bf16:
+            return torch.autocast(self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        return contextlib.nullcontext()
+
     def push_to_hub(self, *args, **kwargs):
         """Refused, as the ``push_to_hub`` field is: `save_model` writes the averaged model, and
         ``trainer.model.push_to_hub(repo_id)`` uploads it."""
