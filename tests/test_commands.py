@@ -90,6 +90,21 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
     assert changed_settings({**config, "learning_rate": 0.1}, config, ignored=("output_dir",)) == ["learning_rate"]
 
 
+def test_results_config_records_bf16_mixed_precision_from_the_flag_or_the_launcher(monkeypatch):
+    """accelerate launch --mixed_precision bf16 sets ACCELERATE_MIXED_PRECISION, not --bf16: the
+    run trains under autocast, and its results say so."""
+    from lp_decentral_nlp.commands import changed_settings, run_config
+
+    parser = build_nlp_parser("ag_news", "choco")
+    plain = run_config(parser.parse([]))
+    assert "mixed_precision" not in plain
+    assert run_config(parser.parse(["--bf16"]))["mixed_precision"] == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    launched = run_config(parser.parse([]))
+    assert launched["mixed_precision"] == "bf16" and "bf16" not in launched
+    assert changed_settings(plain, launched) == ["mixed_precision"]
+
+
 def test_results_config_records_a_whole_number_of_steps_as_typed():
     """transformers types the *_steps fields float (a ratio below 1): --eval_steps 6 was recorded as 6.0."""
     from lp_decentral_nlp.commands import changed_settings, run_config

@@ -818,6 +818,26 @@ def test_bf16_keeps_the_8bit_layers_gemms_in_float32(tmp_path, agnews_small, tok
         assert seen[(which, "Linear", training)] == {torch.bfloat16}
 
 
+def test_accelerate_launch_mixed_precision_bf16_autocasts_the_nodes_too(tmp_path, agnews_small, tokenizer,
+                                                                       monkeypatch):
+    """``accelerate launch --mixed_precision bf16`` sets ACCELERATE_MIXED_PRECISION, not bf16: Trainer
+    trains under autocast then, and so do the nodes (they ran in float32 before: the setting was
+    silently ignored)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    assert not trainer.args.bf16 and trainer.args.mixed_precision == "bf16"
+    seen = linear_output_dtypes(trainer)
+    trainer.train()
+    assert seen == {("node", "Linear", True): {torch.bfloat16}}
+
+
+def test_accelerate_launch_mixed_precision_fp16_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match=r"^mixed precision fp16 \(ACCELERATE_MIXED_PRECISION=fp16, set by accelerate "
+                                         r"launch --mixed_precision fp16 or its config\) is not supported"):
+        targs(tmp_path)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="transformers' answer on a machine without a GPU")
 def test_bf16_on_a_cpu_without_use_cpu_gets_transformers_answer_naming_use_cpu(tmp_path):
     with pytest.raises(ValueError, match="use_cpu"):

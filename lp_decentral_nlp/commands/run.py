@@ -604,10 +604,14 @@ def run_config(parsed) -> dict:
     """The settings of a run for ``results.json``, from its :meth:`RecipeParser.parse` flags: the
     recipe's options, the decentralized setting (:data:`ALWAYS_IN_CONFIG`) and every training
     argument but those left at :class:`DecentralizedTrainingArguments`' default
-    (:func:`training_default`) by a recipe whose default (``parsed.defaults``) it is too."""
+    (:func:`training_default`) by a recipe whose default (``parsed.defaults``) it is too; and
+    ``mixed_precision`` where it is on (``--bf16``, or ``accelerate launch --mixed_precision bf16``,
+    which sets no flag)."""
     config = {k: _whole_steps(k, v) for k, v in parsed.values.items()
               if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
     config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
+    if parsed.training.mixed_precision != "no":
+        config["mixed_precision"] = parsed.training.mixed_precision
     return config
 
 

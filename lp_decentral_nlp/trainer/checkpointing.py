@@ -366,7 +366,7 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
             # as the manifest's JSON gives it back (tuples become lists)
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
-            "label_smoothing_factor": args.label_smoothing_factor, "bf16": bool(args.bf16)}
+            "label_smoothing_factor": args.label_smoothing_factor, "bf16": args.mixed_precision == "bf16"}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed

@@ -368,13 +368,14 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """Where each node's forward and loss run, in training and evaluation (``Trainer`` enters it
-        through ``compute_loss_context_manager``): with ``args.bf16``, ``torch.autocast`` to
-        bfloat16 on the nodes' device (``args.device``), the mixed precision ``Trainer`` gets from
-        the model accelerate prepares (the nodes are not prepared); otherwise nothing. Master
+        through ``compute_loss_context_manager``): with bfloat16 mixed precision (``args.bf16``, or
+        ``accelerate launch --mixed_precision bf16``: ``args.mixed_precision``), ``torch.autocast``
+        to bfloat16 on the nodes' device (``args.device``), the mixed precision ``Trainer`` gets
+        from the model accelerate prepares (the nodes are not prepared); otherwise nothing. Master
         weights, gradients, optimizer states and gossip stay float32, and the 8-bit layers keep
         their GEMMs in float32 (autocast is off inside them: a bfloat16 product cannot hold the
         8-bit grid exactly)."""
-        if self.args.bf16:
+        if self.args.mixed_precision == "bf16":
             return torch.autocast(self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
 
