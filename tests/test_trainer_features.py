@@ -902,6 +902,19 @@ def test_torch_compile_compiles_every_node(tmp_path, agnews_small, tokenizer):
             torch.testing.assert_close(p, q)
 
 
+def test_accelerate_launch_dynamo_backend_compiles_every_node_too(tmp_path, agnews_small, tokenizer, monkeypatch):
+    """``accelerate launch --dynamo_backend`` sets ACCELERATE_DYNAMO_BACKEND, not torch_compile:
+    Trainer's model is compiled then, and the nodes were not (the setting was silently ignored)."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, num_nodes=2, max_steps=1)
+    assert not trainer.args.torch_compile
+    traced = {0: [], 1: []}
+    for k, node in enumerate(trainer.nodes):
+        node.register_forward_pre_hook(lambda module, args, k=k: traced[k].append(torch.compiler.is_compiling()))
+    trainer.train()
+    assert all(any(seen) for seen in traced.values())
+
+
 def test_a_refused_dataset_leaves_the_users_model_as_it_was(tmp_path, agnews_small):
     from lp_decentral_nlp.quant import QuantModule
 

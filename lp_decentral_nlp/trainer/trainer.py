@@ -32,6 +32,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from accelerate.utils import DynamoBackend
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
 from transformers import Trainer
@@ -273,11 +274,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
         self.qgm = self._build_qgm() if args.qgm else None
+        compile_kwargs = self._node_compile_kwargs()
         for node in self.nodes:
             if args.activation_checkpointing:
                 node.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
-            if args.torch_compile:
-                node.compile(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+            if compile_kwargs is not None:
+                node.compile(**compile_kwargs)
 
         self.state = self._new_trainer_state()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
@@ -365,6 +367,17 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         `node_schedulers`) with `create_optimizer(model)` and `create_scheduler`."""
         raise NotImplementedError("DecentralizedTrainer builds one optimizer and schedule per node in train() "
                                   "(node_optimizers, node_schedulers), with create_optimizer(model) and create_scheduler()")
+
+    def _node_compile_kwargs(self) -> dict | None:
+        """``torch.compile``'s arguments for every node, or None for none: those accelerate compiles
+        the model ``Trainer`` prepares with (the nodes are not prepared), from the accelerator's
+        dynamo plugin. It holds ``torch_compile`` / ``torch_compile_backend`` / ``torch_compile_mode``
+        or, without them, the launcher's ``accelerate launch --dynamo_backend`` and its options
+        (``ACCELERATE_DYNAMO_*``)."""
+        plugin = self.accelerator.state.dynamo_plugin
+        if plugin is None or plugin.backend == DynamoBackend.NO:
+            return None
+        return plugin.to_kwargs()
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """Where each node's forward and loss run, in training and evaluation (``Trainer`` enters it
