@@ -831,10 +831,12 @@ def test_accelerate_launch_mixed_precision_bf16_autocasts_the_nodes_too(tmp_path
     assert seen == {("node", "Linear", True): {torch.bfloat16}}
 
 
-def test_accelerate_launch_mixed_precision_fp16_is_refused_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(ValueError, match=r"^mixed precision fp16 \(ACCELERATE_MIXED_PRECISION=fp16, set by accelerate "
-                                         r"launch --mixed_precision fp16 or its config\) is not supported"):
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_accelerate_launch_mixed_precision_other_than_bf16_is_refused_naming_it(tmp_path, monkeypatch, precision):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    with pytest.raises(ValueError, match=rf"^mixed precision {precision} \(ACCELERATE_MIXED_PRECISION={precision}, set "
+                                         rf"by accelerate launch --mixed_precision {precision} or its config\) is not "
+                                         r"supported"):
         targs(tmp_path)
 
 
