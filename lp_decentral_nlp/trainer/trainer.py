@@ -206,6 +206,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         super().__init__(model=model, args=args, **kwargs)
+        # read now: TrainingArguments built after this one (as the recipes do) reset accelerate's shared state
+        self._compile_kwargs = self._node_compile_kwargs()
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low
@@ -274,12 +276,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
         self.qgm = self._build_qgm() if args.qgm else None
-        compile_kwargs = self._node_compile_kwargs()
         for node in self.nodes:
             if args.activation_checkpointing:
                 node.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
-            if compile_kwargs is not None:
-                node.compile(**compile_kwargs)
+            if self._compile_kwargs is not None:
+                node.compile(**self._compile_kwargs)
 
         self.state = self._new_trainer_state()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
