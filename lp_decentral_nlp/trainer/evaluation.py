@@ -68,7 +68,8 @@ class EvaluationMixin:
     def merge_nodes(self) -> None:
         """Skew-compensated final merge (SPEC 2a): every node's model becomes the exact average
         ``mean_i z_i`` of all nodes' de-biased models (parameters and float buffers; one sum over
-        nodes, in the distributed backend all-gathered and added in node order: the simulation's bits). Also leaves ``self.model`` the average."""
+        nodes, in the distributed backend all-gathered and added in node order: the simulation's
+        bits). Also leaves ``self.model`` the average."""
         self._refresh_average_model()
         averaged = self._float_state(self.model)
         for node in self.nodes:
