@@ -3,6 +3,7 @@ on the real scikit-learn digits with a small 8-bit MLP: --drop-prob 0.1 still co
 the push-sum mass; a node that leaves is frozen and rejoins; NaN stops the run naming node and
 step, or is skipped without reaching the other nodes."""
 import math
+import warnings
 
 import datasets
 import numpy as np
@@ -125,6 +126,16 @@ def test_a_node_that_leaves_is_frozen_and_rejoins(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(seen[12][0], seen[13][0]))  # back at iteration 12
     assert seen[20][2] == 20 - 7 and seen[13][4] > seen[12][4]
 
+
+def test_a_node_absent_from_the_start_gets_no_schedule_order_warning(tmp_path):
+    """Its LR schedule counts the global step from iteration 0, before its first optimizer.step():
+    by design, so torch's warning about that order (and about a skipped first LR) is not shown."""
+    trainer = digits_trainer(tmp_path, absences=["1:0:2"], max_steps=3, lr_scheduler_type="linear")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in shown if "lr_scheduler.step()" in str(w.message)]
+    assert trainer.node_optimizers[1].state_dict()["state"][0]["step"].item() == 1
 
 
 def test_an_absent_node_keeps_its_quasi_global_momentum(tmp_path):

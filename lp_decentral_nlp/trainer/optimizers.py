@@ -145,14 +145,13 @@ class OptimizerMixin:
 
     @contextlib.contextmanager
     def _schedule_order_warning_hidden(self):
-        """Hide torch's "lr_scheduler.step() before optimizer.step()" warning while training with
-        :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`, which steps in place of
-        ``optimizer.step()`` by design; nothing is hidden otherwise. Enter it once per ``train()``:
-        leaving ``warnings.catch_warnings`` re-arms every warning Python shows once per place, so
-        around each step it would repeat a model's warning every step."""
-        if not isinstance(self.qgm, gossip_lib.QuasiGlobalAdam):
-            yield
-            return
+        """Hide torch's "lr_scheduler.step() before optimizer.step()" warning while training: every
+        node's LR schedule follows the global step by design, also where the node's first
+        ``optimizer.step()`` does not come first (a node absent under the fault plan, an update
+        skipped by ``skip_nonfinite`` or by the float16 loss scaler, and
+        :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`, which steps in its place). Enter it once
+        per ``train()``: leaving ``warnings.catch_warnings`` re-arms every warning Python shows
+        once per place, so around each step it would repeat a model's warning every step."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             yield
