@@ -52,6 +52,8 @@ CONFIGS = {
     "dpsgd-sgd-qgm": dict(algorithm="dpsgd", low_precision=False, optim="sgd", qgm=True, learning_rate=0.05),
     # 8-bit layers among bfloat16 autocast (the heads, attention's matmuls), Choco top-10%
     "choco-8bit-bf16": dict(algorithm="choco", compression=90.0, bf16=True),
+    # float16 autocast with a loss scaler per node (its scale and count of clean steps), Deep-Squeeze
+    "deepsqueeze-8bit-fp16": dict(algorithm="deepsqueeze", compression=90.0, fp16=True),
 }
 
 
@@ -391,14 +393,37 @@ def test_a_resume_with_other_8bit_settings_is_refused_but_another_kernel_is_not(
     assert resume(QuantConfig(kernel="simulated")).global_step == 5
 
 
-def test_a_resume_with_or_without_bf16_autocast_is_refused(tmp_path, agnews, tokenizer):
-    """bf16 changes every step's forward: a run resumed with the other setting would be neither the
-    interrupted one nor a fresh one."""
-    for saved in (True, False):
-        out = tmp_path / f"bf16_{saved}"
-        DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=4, eval_strategy="no", bf16=saved),
-                             train_dataset=agnews["train"]).train()
-        resumed = DecentralizedTrainer(model=tiny_model(), args=targs(out, max_steps=5, eval_strategy="no",
-                                                                       bf16=not saved), train_dataset=agnews["train"])
-        with pytest.raises(ValueError, match=rf"bf16={saved} \(this run: {not saved}\)"):
-            resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+PRECISION_FLAGS = {"no": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
+
+
+@pytest.mark.parametrize("saved, now", [("bf16", "no"), ("no", "fp16"), ("fp16", "bf16")])
+def test_a_resume_in_another_mixed_precision_is_refused(tmp_path, agnews, tokenizer, saved, now):
+    """Mixed precision changes every step's forward: a run resumed with another one would be neither
+    the interrupted one nor a fresh one."""
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no",
+                                                        **PRECISION_FLAGS[saved]), train_dataset=agnews["train"]).train()
+    resumed = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=5, eval_strategy="no",
+                                                                  **PRECISION_FLAGS[now]), train_dataset=agnews["train"])
+    with pytest.raises(ValueError, match=rf"mixed_precision='{saved}' \(this run: '{now}'\)"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+
+@pytest.mark.parametrize("saved_bf16", [True, False])
+def test_a_checkpoint_recording_bf16_as_a_flag_still_resumes_and_refuses(tmp_path, agnews, tokenizer, saved_bf16):
+    """Checkpoints written before fp16 was supported record ``"bf16": true/false`` in place of
+    ``"mixed_precision"``: read as "bf16" / "no"."""
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no",
+                                                        **PRECISION_FLAGS["bf16" if saved_bf16 else "no"]),
+                         train_dataset=agnews["train"]).train()
+    manifest_path = tmp_path / "checkpoint-4" / ckpt.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["bf16"] = manifest["config"].pop("mixed_precision") == "bf16"
+    manifest_path.write_text(json.dumps(manifest))
+    same_precision = DecentralizedTrainer(model=tiny_model(), args=targs(
+        tmp_path, max_steps=5, eval_strategy="no", **PRECISION_FLAGS["bf16" if saved_bf16 else "no"]),
+        train_dataset=agnews["train"])
+    assert same_precision.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4")).global_step == 5
+    other = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=6, eval_strategy="no",
+                                                                **PRECISION_FLAGS["fp16"]), train_dataset=agnews["train"])
+    with pytest.raises(ValueError, match=rf"mixed_precision='{'bf16' if saved_bf16 else 'no'}' \(this run: 'fp16'\)"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))

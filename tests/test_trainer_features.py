@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from lp_decentral_nlp.data import skewed_partition
-from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, NonFiniteError
 
 
 @pytest.fixture(scope="module")
@@ -765,7 +765,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(fp16=True), "fp16"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
+    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
@@ -831,12 +831,83 @@ def test_accelerate_launch_mixed_precision_bf16_autocasts_the_nodes_too(tmp_path
     assert seen == {("node", "Linear", True): {torch.bfloat16}}
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp8"])
-def test_accelerate_launch_mixed_precision_other_than_bf16_is_refused_naming_it(tmp_path, monkeypatch, precision):
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
-    with pytest.raises(ValueError, match=rf"^mixed precision {precision} \(ACCELERATE_MIXED_PRECISION={precision}, set "
-                                         rf"by accelerate launch --mixed_precision {precision} or its config\) is not "
-                                         r"supported"):
+def test_fp16_autocasts_every_node_and_unscales_its_gradients_with_a_loss_scaler_per_node(
+        tmp_path, agnews_small, tokenizer):
+    """float16 autocast as bf16 does, with one GradScaler per node: the gradient clipped, logged and
+    stepped with is the true one, not the loss-scaled one (65536 times larger)."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, fp16=True, low_precision=True)
+    seen = linear_output_dtypes(trainer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    for which, training in (("node", True), ("node", False), ("average", False)):
+        assert seen[(which, "QuantLinear", training)] == {torch.float32}
+        assert seen[(which, "Linear", training)] == {torch.float16}
+    assert {p.dtype for node in trainer.nodes for p in node.parameters()} == {torch.float32}
+    assert len(trainer.node_scalers) == 4 and len({id(s) for s in trainer.node_scalers}) == 4
+    assert [s.get_scale() for s in trainer.node_scalers] == [2.0 ** 16] * 4  # no overflow in two steps
+    assert trainer.overflow_skips.tolist() == [0] * 4 and np.isfinite(metrics["eval_loss"])
+    float32 = trainer_for(tmp_path / "fp32", agnews_small, tokenizer, low_precision=True)
+    float32.train()
+    first, first32 = trainer.state.log_history[0], float32.state.log_history[0]
+    assert first["overflow_skips_node_0"] == 0 and "overflow_skips_node_0" not in first32
+    assert first["grad_norm"] == pytest.approx(first32["grad_norm"], rel=0.05)  # step 1: both from the same weights
+    assert first["loss"] == pytest.approx(first32["loss"], rel=0.01) and first["loss"] != first32["loss"]
+
+
+class _HugeInitialScale(torch.amp.GradScaler):
+    """A loss scale of 2^40: every float16 gradient overflows until it has backed off to ~2^16."""
+
+    def __init__(self, device="cuda", init_scale=2.0 ** 40, **kwargs):
+        super().__init__(device, init_scale=init_scale, **kwargs)
+
+
+def test_fp16_overflow_skips_the_nodes_update_and_lowers_its_scale_without_an_error(
+        tmp_path, agnews_small, tokenizer, monkeypatch):
+    """An overflowing float16 gradient is the loss scaler's doing, not the model's: no NonFiniteError
+    (skip_nonfinite is off), the node does not move (gossip among equal nodes moves them by float
+    rounding only) and its scale halves, as GradScaler.step does; the logged loss is the true one,
+    and torch's warning about a schedule stepped before its optimizer is not shown (the schedules
+    follow the global step by design)."""
+    monkeypatch.setattr(torch.amp, "GradScaler", _HugeInitialScale)
+    record = RecordUpdates()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, fp16=True, callbacks=[record])
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in shown if "lr_scheduler.step()" in str(w.message)]
+    assert [s.get_scale() for s in trainer.node_scalers] == [2.0 ** 38] * 4
+    assert trainer.overflow_skips.tolist() == [2] * 4 and trainer.nonfinite_skips.tolist() == [0] * 4
+    assert [event for event, _ in record.events] == []  # no node reached its optimizer step
+    for node in trainer.nodes:
+        assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(node.parameters(), start))
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["overflow_skips_node_3"] for log in logs] == [1, 2] and all(np.isfinite(log["loss"]) for log in logs)
+
+
+def test_fp16_still_stops_at_a_non_finite_loss(tmp_path, agnews_small, tokenizer):
+    """A NaN loss is the model's, not an overflow: NonFiniteError names it as without fp16."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, fp16=True)
+    with torch.no_grad():
+        next(trainer.nodes[2].parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match="node 2, step 1: non-finite loss"):
+        trainer.train()
+
+
+def test_accelerate_launch_mixed_precision_fp16_autocasts_the_nodes_with_loss_scalers(
+        tmp_path, agnews_small, tokenizer, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    assert not trainer.args.fp16 and trainer.args.mixed_precision == "fp16"
+    seen = linear_output_dtypes(trainer)
+    trainer.train()
+    assert seen == {("node", "Linear", True): {torch.float16}} and len(trainer.node_scalers) == 4
+
+
+def test_accelerate_launch_mixed_precision_fp8_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match=r"^mixed precision fp8 \(ACCELERATE_MIXED_PRECISION=fp8, set by accelerate "
+                                         r"launch --mixed_precision fp8 or its config\) is not supported"):
         targs(tmp_path)
 
 

@@ -130,11 +130,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
         # before TrainingArguments' own checks, which answer bf16=True on a CPU with "Your setup doesn't support bf16"
         refuse_unsupported(self)
         super().__post_init__()
-        if self.mixed_precision not in ("no", "bf16"):  # not the fp16 field (refused above): the launcher's setting
+        if self.mixed_precision not in ("no", "bf16", "fp16"):  # the launcher's setting (fp8)
             raise ValueError(f"mixed precision {self.mixed_precision} (ACCELERATE_MIXED_PRECISION={self.mixed_precision}, "
                              f"set by accelerate launch --mixed_precision {self.mixed_precision} or its config) is not "
-                             f"supported by DecentralizedTrainer (the nodes run bf16 autocast or none; float16 training "
-                             f"needs a loss scaler per node): launch with --mixed_precision bf16 or no")
+                             f"supported by DecentralizedTrainer (the nodes run bf16 or fp16 autocast, or none): launch "
+                             f"with --mixed_precision bf16, fp16 or no")
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:

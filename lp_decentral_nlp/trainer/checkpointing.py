@@ -350,7 +350,7 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
     state, the optimizer settings the restored optimizer and LR-schedule states carry (a
     different ``learning_rate`` would otherwise be silently replaced by the saved one), and those
     that shape every step after it (the schedule's type, arguments and warmup, gradient clipping,
-    label smoothing, bf16 autocast: a different one made a run neither the interrupted one nor a
+    label smoothing, mixed precision: a different one made a run neither the interrupted one nor a
     fresh one)."""
     config = args.gossip_config
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
@@ -366,11 +366,11 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
             # as the manifest's JSON gives it back (tuples become lists)
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
-            "label_smoothing_factor": args.label_smoothing_factor, "bf16": args.mixed_precision == "bf16"}
+            "label_smoothing_factor": args.label_smoothing_factor, "mixed_precision": args.mixed_precision}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
-_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "bf16": False}
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mixed_precision": "no"}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
@@ -410,6 +410,8 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     if quant_config is not None:
         now["quant_config"] = quant_config
     saved = {**_RESUME_DEFAULTS, **saved}
+    if "bf16" in saved:  # written before fp16: a flag for bf16 autocast
+        saved["mixed_precision"] = "bf16" if saved.pop("bf16") else "no"
     diffs = ["other training rows (another data file, tokenizer or max length)" if key == "train_rows"
              else f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
              if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED)]
@@ -496,7 +498,9 @@ class CheckpointMixin:
         activation ranges included), optimizer and LR scheduler state, its RNG stream, its gossip
         rows (push-sum weight, Choco copies / Deep-Squeeze error memory, labelled by node id), QGM
         state (SGD: the buffer ``m``, a list of tensors; Adam/AdamW: ``exp_avg``, ``exp_avg_sq`` and
-        ``steps`` of :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`), and counters (bytes sent, skipped steps, loss accumulated since the last log)."""
+        ``steps`` of :class:`~lp_decentral_nlp.gossip.QuasiGlobalAdam`), its float16 loss scaler's
+        state (None without fp16), and counters (bytes sent, skipped steps, loss accumulated since
+        the last log)."""
         i = self.node_ids[k]
         optimizer, scheduler = self.node_optimizers[k], self.node_schedulers[k]
         return {
@@ -507,7 +511,9 @@ class CheckpointMixin:
             "rng": self._rng.state_dict(i),
             "gossip": self.gossip.node_state_dict(i),
             "qgm": self._qgm_node_state(k),
+            "scaler": self.node_scalers[k].state_dict() if self.node_scalers is not None else None,
             "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
+                         "overflow_skips": int(self.overflow_skips[k]),
                          "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k]),
                          "grad_norm": self._grad_norm[k]},
         }
@@ -597,6 +603,9 @@ class CheckpointMixin:
                 raise ValueError(f"{path / node_file(i)} lacks {', '.join(missing)}: not a node file of this trainer")
             if self.qgm is not None and state["qgm"] is None:
                 raise ValueError(f"{path / node_file(i)} has no QGM buffer: the checkpoint was written without qgm")
+            if self.node_scalers is not None and not isinstance(state.get("scaler"), dict):
+                raise ValueError(f"{path / node_file(i)} has no loss scaler state: the checkpoint was written without "
+                                 f"fp16")
         return path, manifest, trainer_state, states
 
     def _restore_checkpoint(self, path, manifest: dict, trainer_state: TrainerState, states: dict) -> tuple[int, int]:
@@ -631,6 +640,8 @@ class CheckpointMixin:
                      ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
             if self.qgm is not None:
                 steps.append(("qgm", lambda: self._load_qgm_node_state(k, state["qgm"])))
+            if self.node_scalers is not None:
+                steps.append(("scaler", lambda: self.node_scalers[k].load_state_dict(state["scaler"])))
             for part, load in steps:  # each called at once, in this iteration
                 try:
                     load()
@@ -639,6 +650,7 @@ class CheckpointMixin:
             counters = state["counters"]
             self.bytes_sent[k] = counters["bytes_sent"]
             self.nonfinite_skips[k] = counters["nonfinite_skips"]
+            self.overflow_skips[k] = counters.get("overflow_skips", 0)  # older checkpoints have none
             self._loss_sum[k] = counters["loss_sum"]
             self._loss_count[k] = counters["loss_count"]
             self._grad_norm[k] = counters.get("grad_norm", torch.nan)  # older checkpoints have none

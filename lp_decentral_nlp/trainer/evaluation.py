@@ -104,6 +104,9 @@ class EvaluationMixin:
             if self.args.skip_nonfinite:
                 skips = self.node_group.gather(self.nonfinite_skips)
                 logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
+            if self.args.mixed_precision == "fp16":
+                overflows = self.node_group.gather(self.overflow_skips)
+                logs.update({f"overflow_skips_node_{i}": int(v) for i, v in enumerate(overflows)})
             logs["consensus_distance"] = self.consensus_distance()
             self._watch_drift(logs["consensus_distance"])
             self.log(logs)

@@ -82,7 +82,8 @@ POLICY: dict[str, str] = {
     "bf16": PER_NODE + " (each node's forward and loss under torch.autocast to bfloat16, in training and "
             "evaluation; master weights, gradients, optimizer states and gossip stay float32, and 8-bit layers keep "
             "float32 GEMMs)",
-    "fp16": "refused: float16 training needs a loss scaler per node, which the nodes do not have (bf16 needs none)",
+    "fp16": PER_NODE + " (as bf16, to float16, with a torch.amp.GradScaler per node: a node whose unscaled gradient "
+            "overflows skips that update and is counted in overflow_skips)",
     "bf16_full_eval": "refused: evaluation runs in the nodes' own precision",
     "fp16_full_eval": "refused: evaluation runs in the nodes' own precision",
     "tf32": HONOURED,

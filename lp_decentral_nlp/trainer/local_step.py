@@ -83,19 +83,32 @@ class LocalStepMixin:
         :class:`NonFiniteError` before its own update (nodes earlier in this iteration have taken
         theirs, as other ranks have in the distributed backend) or, with ``skip_nonfinite``, keeps
         its parameters and running statistics.
+
+        With float16 mixed precision the node's loss is scaled by its own ``GradScaler``
+        (``node_scalers[k]``) before each backward and its gradients unscaled before the check, so
+        clipping, QGM and the logged ``grad_norm`` see the true gradient. A finite loss with a
+        non-finite gradient is the scaler's overflow: the node skips this update (counted in
+        ``overflow_skips``, no error) and its scale backs off, as ``GradScaler.step`` does; a
+        non-finite loss is treated as above.
         """
         # the forward also updates running statistics (8-bit activation ranges, norm statistics):
         # a skipped step must leave them as they were, or one NaN batch poisons them for good
         buffers = [b.clone() for b in node.buffers()] if self.args.skip_nonfinite else None
         weights, num_items = self._accumulation_weights(micro_batches)
+        scaler = self.node_scalers[k] if self.node_scalers is not None else None
         loss = 0.0
         for j, (batch, weight) in enumerate(zip(micro_batches, weights)):
-            micro_loss = self._backward(k, node, batch, weight, num_items)
+            micro_loss = self._backward(k, node, batch, weight, num_items, scaler)
             if weight:  # a micro-batch without a label has a NaN mean loss and no say
                 loss = loss + weight * micro_loss
             if j < len(micro_batches) - 1:
                 self._node_event("on_substep_end", k)
-        if self._finite_then_clip(k, loss, step):
+        # unscale_ and update need a gradient to inspect: a node whose micro-batches all lacked labels has none
+        scaled = scaler is not None and any(p.grad is not None for p in node.parameters())
+        if scaled:
+            scaler.unscale_(optimizer)
+        outcome = self._finite_then_clip(k, loss, step, overflow_possible=scaled)
+        if outcome == "step":
             self._node_event("on_pre_optimizer_step", k)
             if qgm is None:
                 optimizer.step()
@@ -110,10 +123,13 @@ class LocalStepMixin:
                     qgm.add_momentum(k, grads)
                     optimizer.step()
             self._node_event("on_optimizer_step", k)
+        elif outcome == "skip" and buffers is not None:  # an overflow's forward was finite: its statistics stand
+            torch._foreach_copy_(list(node.buffers()), buffers)
+        if outcome != "skip":  # an overflow's loss is the node's true loss (the logs would read NaN without it)
             self._loss_sum[k] += loss  # device-side adds: no host-to-device copy (a sync) per step
             self._loss_count[k] += 1
-        elif buffers is not None:
-            torch._foreach_copy_(list(node.buffers()), buffers)
+        if scaled:
+            scaler.update()  # backs off after an overflow unscale_ found, grows after growth_interval clean steps
         optimizer.zero_grad(set_to_none=True)
 
     def _count_input_tokens(self, micro_batches: list) -> int:
@@ -183,35 +199,42 @@ class LocalStepMixin:
         finally:
             handler.model, handler.optimizer, handler.lr_scheduler = kept
 
-    def _finite_then_clip(self, k: int, loss: torch.Tensor, step: int) -> bool:
-        """Whether local node ``k``'s loss and gradients are all finite; if so, their total L2 norm
-        is kept for the logs (``grad_norm``) and they are clipped to ``max_grad_norm`` (when > 0),
-        as ``clip_grad_norm_`` does.
+    def _finite_then_clip(self, k: int, loss: torch.Tensor, step: int, overflow_possible: bool = False) -> str:
+        """``"step"`` when local node ``k``'s loss and gradients are all finite: their total L2 norm
+        is then kept for the logs (``grad_norm``) and they are clipped to ``max_grad_norm`` (when > 0),
+        as ``clip_grad_norm_`` does; otherwise ``"skip"`` or ``"overflow"`` (below).
 
         One ``_foreach_norm`` over the gradients serves both: a NaN/Inf entry makes its tensor's
         norm non-finite, and the total of those norms is what clipping scales by. Checking first
         keeps one bad entry from spreading to every gradient before it is named. One host sync.
         A flagged node is confirmed entry by entry (a norm can also overflow on finite entries),
-        then raises :class:`NonFiniteError`, or returns False and is counted in
-        ``nonfinite_skips`` under ``args.skip_nonfinite``.
+        then raises :class:`NonFiniteError`, or gives ``"skip"`` and is counted in
+        ``nonfinite_skips`` under ``args.skip_nonfinite``. With ``overflow_possible`` (gradients
+        unscaled by a float16 loss scaler), a finite loss with a non-finite gradient gives
+        ``"overflow"`` and is counted in ``overflow_skips``: the scaler's overflow, not the model's.
         """
         params = [p for p in self.nodes[k].parameters() if p.grad is not None]
         norms = torch._foreach_norm([p.grad for p in params]) if params else []
         finite = torch.isfinite(torch.stack([loss.float(), *[n.float() for n in norms]])).all()
         if not (bool(finite) or self._all_finite(k, loss)):
+            if overflow_possible and bool(torch.isfinite(loss)):
+                self.overflow_skips[k] += 1
+                logger.info(f"node {self.node_ids[k]}, step {step}: float16 gradient overflow; update skipped and the "
+                            f"loss scale lowered")
+                return "overflow"
             if not self.args.skip_nonfinite:
                 raise NonFiniteError(self._nonfinite_message(k, step, loss) + ": stopped before the update and before "
                                      "gossip; pass skip_nonfinite=True (--skip-nonfinite) to skip such steps, or lower "
                                      "the learning rate", self.node_ids[k], step)
             self.nonfinite_skips[k] += 1
             logger.warning(self._nonfinite_message(k, step, loss) + "; skipped (skip_nonfinite)")
-            return False
+            return "skip"
         if params:
             total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))  # = get_total_norm
             self._grad_norm[k] = total  # before clipping, as Trainer logs it; on the device: no sync
             if self.args.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
-        return True
+        return "step"
 
     def _all_finite(self, k: int, loss: torch.Tensor) -> bool:
         """Entry-by-entry check of local node ``k``'s loss and gradients (slow; flagged nodes only)."""
@@ -267,11 +290,12 @@ class LocalStepMixin:
                 labels = labels[..., 1:]
         return int(labels.ne(-100).sum()) if torch.is_tensor(labels) else None
 
-    def _backward(self, k: int, node, batch, scale: float = 1.0,
-                  num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+    def _backward(self, k: int, node, batch, scale: float = 1.0, num_items_in_batch: torch.Tensor | None = None,
+                  scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
         """Loss of local node ``k`` at z_k on ``batch``; its gradient times ``scale`` is added to
-        the node's ``.grad`` (in that node's RNG stream). ``num_items_in_batch`` goes to
-        ``compute_loss`` when given (:meth:`_accumulation_weights`)."""
+        the node's ``.grad`` (in that node's RNG stream), times the loss scale of ``scaler`` too
+        when given (float16). ``num_items_in_batch`` goes to ``compute_loss`` when given
+        (:meth:`_accumulation_weights`)."""
         node.train()
         with self._rng.activate(self.node_ids[k]):
             batch = self._prepare_inputs(batch)
@@ -281,6 +305,7 @@ class LocalStepMixin:
                 else:
                     loss = self.compute_loss(node, batch, num_items_in_batch=num_items_in_batch)
             if scale:  # weight 0: no label to learn from (the forward still runs, as Trainer's would)
-                (loss * scale if scale != 1.0 else loss).backward()
+                weighted = loss * scale if scale != 1.0 else loss
+                (weighted if scaler is None else scaler.scale(weighted)).backward()
         return loss.detach()
 

@@ -162,7 +162,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     Attributes (per local node, aligned with ``node_ids``): ``nodes`` (the models z_i),
     ``bytes_sent`` (int64, bytes put on the wire), ``nonfinite_skips`` (int64, steps skipped under
-    ``skip_nonfinite``), and after ``train()`` starts, ``node_optimizers`` and ``node_schedulers``.
+    ``skip_nonfinite``), ``overflow_skips`` (int64, float16 steps skipped by the loss scaler), and
+    after ``train()`` starts, ``node_optimizers``, ``node_schedulers`` and ``node_scalers``
+    (``torch.amp.GradScaler`` per node with float16 mixed precision, else None).
     ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend.
     """
 
@@ -228,6 +230,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self.overflow_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
         self._flos_per_token = None  # Trainer's flos of one token of the main input (floating_point_ops)
         plan = args.fault_plan
@@ -275,6 +278,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
+        # float16 gradients underflow without loss scaling; each node scales its own loss (SPEC 2 step 1)
+        self.node_scalers = ([torch.amp.GradScaler(args.device.type) for _ in self.nodes]
+                             if args.mixed_precision == "fp16" else None)
         self.qgm = self._build_qgm() if args.qgm else None
         for node in self.nodes:
             if args.activation_checkpointing:
@@ -382,15 +388,17 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """Where each node's forward and loss run, in training and evaluation (``Trainer`` enters it
-        through ``compute_loss_context_manager``): with bfloat16 mixed precision (``args.bf16``, or
-        ``accelerate launch --mixed_precision bf16``: ``args.mixed_precision``), ``torch.autocast``
-        to bfloat16 on the nodes' device (``args.device``), the mixed precision ``Trainer`` gets
-        from the model accelerate prepares (the nodes are not prepared); otherwise nothing. Master
-        weights, gradients, optimizer states and gossip stay float32, and the 8-bit layers keep
-        their GEMMs in float32 (autocast is off inside them: a bfloat16 product cannot hold the
-        8-bit grid exactly)."""
-        if self.args.mixed_precision == "bf16":
-            return torch.autocast(self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        through ``compute_loss_context_manager``): with mixed precision (``args.bf16`` /
+        ``args.fp16``, or ``accelerate launch --mixed_precision bf16|fp16``: ``args.mixed_precision``),
+        ``torch.autocast`` to bfloat16 or float16 on the nodes' device (``args.device``), the mixed
+        precision ``Trainer`` gets from the model accelerate prepares (the nodes are not prepared);
+        otherwise nothing. Master weights, gradients, optimizer states and gossip stay float32, and
+        the 8-bit layers keep their GEMMs in float32 (autocast is off inside them: a 16-bit product
+        cannot hold the 8-bit grid exactly). float16 gradients are loss-scaled per node
+        (:attr:`node_scalers`)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.args.mixed_precision)
+        if dtype is not None:
+            return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
 
     def push_to_hub(self, *args, **kwargs):
