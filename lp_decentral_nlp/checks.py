@@ -100,6 +100,7 @@ NUMBER_FIELDS: dict[str, Number] = {
     "data_seed": _SEED._replace(optional=True),
     "dataloader_num_workers": Number(integer=True, low=0, high=1024),
     "dataloader_prefetch_factor": Number(integer=True, low=1, high=1024, optional=True),
+    "neftune_noise_alpha": Number(low=0, low_open=True, high=1e4, optional=True),
     # the decentralized setting (SPEC 1-3, 6)
     "num_nodes": Number(integer=True, low=1, high=65536),  # the mixing matrices are dense n x n
     "torus_rows": Number(integer=True, low=1, high=65536, optional=True),

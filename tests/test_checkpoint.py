@@ -54,6 +54,8 @@ CONFIGS = {
     "choco-8bit-bf16": dict(algorithm="choco", compression=90.0, bf16=True),
     # float16 autocast with a loss scaler per node (its scale and count of clean steps), Deep-Squeeze
     "deepsqueeze-8bit-fp16": dict(algorithm="deepsqueeze", compression=90.0, fp16=True),
+    # NEFTune noise on the input embeddings, drawn in each node's RNG stream
+    "dpsgd-neftune": dict(algorithm="dpsgd", low_precision=False, neftune_noise_alpha=5.0),
 }
 
 

@@ -115,13 +115,13 @@ def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16"]],
-                         ids=["8bit", "8bit-bf16-autocast", "8bit-fp16-autocast-loss-scaled"])
-def test_torchrun_distributed_equals_simulated(precision, tiny_model_dir, ag_news_csv, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--fp16", "--neftune_noise_alpha", "5"]],
+                         ids=["8bit", "8bit-bf16-autocast", "8bit-fp16-autocast-loss-scaled-neftune"])
+def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_csv, tmp_path):
     """4 processes over gloo, one node each, give the simulation's results (8-bit, top-1% Choco; also
     with the float layers under bfloat16 autocast, and under float16 autocast with a loss scaler per
-    node)."""
-    flags = ["--skew", "0.5", "--comp", "99", "--max-steps", "4", *precision]
+    node and NEFTune noise drawn in each node's RNG stream)."""
+    flags = ["--skew", "0.5", "--comp", "99", "--max-steps", "4", *extra]
     sim_out, dist_out = tmp_path / "sim", tmp_path / "dist"
     main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, sim_out, *flags))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -768,7 +768,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
-    (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+    (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):
@@ -902,6 +902,56 @@ def test_accelerate_launch_mixed_precision_fp16_autocasts_the_nodes_with_loss_sc
     seen = linear_output_dtypes(trainer)
     trainer.train()
     assert seen == {("node", "Linear", True): {torch.float16}} and len(trainer.node_scalers) == 4
+
+
+class EmbeddingNoise(TrainerCallback):
+    """Per training forward of each node: whether its input embeddings gave more than the plain
+    lookup of the batch, read by a forward hook registered at the first step (after NEFTune's)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.noisy = trainer, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            for node in self.trainer.nodes:
+                node.get_input_embeddings().register_forward_hook(self.check)
+
+    def check(self, module, args, output):
+        if module.training:
+            self.noisy.append(not torch.equal(output, torch.nn.functional.embedding(args[0], module.weight)))
+
+
+def test_neftune_adds_noise_to_every_nodes_embeddings_in_training_only_and_is_removed_after(
+        tmp_path, agnews_small, tokenizer):
+    """Trainer's NEFTune on each node, drawn in the node's RNG stream: a run repeats exactly; the
+    noise changes training, not evaluation; after train() the nodes' embeddings are plain again."""
+    runs = []
+    for alpha in (5.0, 5.0, None):
+        trainer = trainer_for(tmp_path / str(len(runs)), agnews_small, tokenizer, neftune_noise_alpha=alpha)
+        record = EmbeddingNoise(trainer)
+        trainer.add_callback(record)
+        trainer.train()
+        runs.append((trainer, record.noisy, trainer.state.log_history[0]["loss"]))
+    (noisy, noisy_seen, loss), (again, _, loss_again), (plain, plain_seen, loss_plain) = runs
+    assert noisy_seen == [True] * 8 and plain_seen == [False] * 8  # 4 nodes x 2 steps
+    assert loss == loss_again and loss != loss_plain
+    for a, b in zip(noisy.nodes, again.nodes):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for node in noisy.nodes:
+        embeddings = node.get_input_embeddings()
+        assert len(embeddings._forward_hooks) == 1 and not hasattr(embeddings, "neftune_noise_alpha")  # ours only
+    noisy.nodes[0].train()  # removed: the same forward as a model that never had it
+    batch = {k: v for k, v in tokenizer(["a short text"], return_tensors="pt").items() if k != "token_type_ids"}
+    with torch.no_grad():
+        torch.testing.assert_close(noisy.nodes[0](**batch).logits, noisy.nodes[0](**batch).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alpha, message", [(0.0, r"neftune_noise_alpha must be a number in \(0, 10000\], got 0.0"),
+                                            (5.0, r"neftune_noise_alpha=5.0 adds noise to the model's input "
+                                                  r"embeddings, and Linear has none")])
+def test_neftune_is_refused_naming_the_field_without_a_positive_alpha_or_input_embeddings(tmp_path, alpha, message):
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        DecentralizedTrainer(model=torch.nn.Linear(4, 2), args=targs(tmp_path, neftune_noise_alpha=alpha))
 
 
 def test_accelerate_launch_mixed_precision_fp8_is_refused_naming_it(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", 
                    "save_steps", "eval_steps", "eval_delay", "save_total_limit", "seed", "data_seed",
                    "dataloader_num_workers", "dataloader_prefetch_factor", "skew", "qgm_beta", "lr_decay",
                    "gossip_timeout", "num_nodes", "torus_rows", "compression", "qsgd_levels", "consensus_lr",
-                   "drop_prob")
+                   "drop_prob", "neftune_noise_alpha")
 
 
 @dataclass

@@ -73,7 +73,8 @@ POLICY: dict[str, str] = {
     "torch_compile": PER_NODE,
     "torch_compile_backend": PER_NODE,
     "torch_compile_mode": PER_NODE,
-    "neftune_noise_alpha": "refused: NEFTune hooks are installed on Trainer's single model, not on the nodes",
+    "neftune_noise_alpha": PER_NODE + " (Trainer's NEFTune hook on each node's input embeddings during train(); the "
+                           "noise is drawn in the node's RNG stream)",
     "use_liger_kernel": "refused: Liger kernels patch the model class, which the 8-bit surgery also replaces",
     "liger_kernel_config": "refused: use_liger_kernel is refused",
     "use_cache": "refused: the nodes train without a key/value cache (the model config decides at evaluation)",

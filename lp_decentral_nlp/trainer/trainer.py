@@ -36,6 +36,7 @@ from accelerate.utils import DynamoBackend
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
 from transformers import Trainer
+from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
@@ -81,6 +82,16 @@ def check_model_precision(model, args: DecentralizedTrainingArguments, quant_con
     if quant_config is not None and args.quant_kernel != AUTO and quant_config.kernel != args.quant_kernel:
         raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                          f"{quant_config.kernel!r}: set the kernel in one of them")
+
+
+def _input_embeddings(model) -> torch.nn.Module | None:
+    """``model.get_input_embeddings()`` (the module NEFTune adds noise to), or None where the model
+    has none (not a transformers model, or one without input embeddings)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return embeddings if isinstance(embeddings, torch.nn.Module) else None
 
 
 #: `Trainer` methods the decentralized loop never calls, and what runs in their place: a subclass
@@ -189,6 +200,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise TypeError(f"{type(self).__name__}.create_optimizer() must take the model to build the optimizer for: "
                             f"DecentralizedTrainer calls create_optimizer(model) once per node") from None
         check_model_precision(model, args, quant_config)
+        if args.neftune_noise_alpha is not None and _input_embeddings(model) is None:
+            raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the model's input "
+                             f"embeddings, and {type(model).__name__} has none (get_input_embeddings()): leave it None")
         if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
             raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
@@ -311,6 +325,10 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
+        # Trainer's NEFTune hook on each node's input embeddings: noise in training only, drawn in
+        # the node's RNG stream (so the same in both backends and across a resume); removed after train()
+        neftune = [activate_neftune(node, args.neftune_noise_alpha) for node in self.nodes
+                   ] if args.neftune_noise_alpha is not None else []
         with self._schedule_order_warning_hidden():  # once per train(), not per step
             try:
                 while epoch < num_epochs and self.state.global_step < max_steps:
@@ -344,6 +362,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                                 exc.peer) from exc
             finally:
                 self.gossip.close()  # the engine's worker threads; a later train() starts them again
+                for node, hook in zip(self.nodes, neftune):
+                    deactivate_neftune(node, hook)
         if self._last_logged < self.state.global_step:  # the last window's loss, logged unless logging is off
             self._total_loss += self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
