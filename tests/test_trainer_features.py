@@ -769,6 +769,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
+    (dict(logging_nan_inf_filter=False), "logging_nan_inf_filter"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* is not supported by DecentralizedTrainer \(.+\); leave it at"):
@@ -952,6 +953,22 @@ def test_neftune_adds_noise_to_every_nodes_embeddings_in_training_only_and_is_re
 def test_neftune_is_refused_naming_the_field_without_a_positive_alpha_or_input_embeddings(tmp_path, alpha, message):
     with pytest.raises(ValueError, match=rf"^{message}"):
         DecentralizedTrainer(model=torch.nn.Linear(4, 2), args=targs(tmp_path, neftune_noise_alpha=alpha))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_memory_metrics_are_reported_for_train_evaluate_and_predict_unless_skipped(tmp_path, agnews_small, tokenizer,
+                                                                                   skip):
+    """Trainer's TrainerMemoryTracker (this process's memory: every local node together)."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, skip_memory_metrics=skip)
+    metrics = {"train": trainer.train().metrics, "eval": trainer.evaluate(),
+               "test": trainer.predict(agnews_small["test"]).metrics}
+    for stage, values in metrics.items():
+        memory = {k: v for k, v in values.items() if "_mem_" in k}
+        if skip:
+            assert memory == {}
+        else:
+            assert {f"{stage}_mem_cpu_alloc_delta", f"{stage}_mem_cpu_peaked_delta"} <= set(memory)
+            assert all(isinstance(v, int) for v in memory.values()) and memory[f"{stage}_mem_cpu_peaked_delta"] >= 0
 
 
 def test_accelerate_launch_mixed_precision_fp8_is_refused_naming_it(tmp_path, monkeypatch):

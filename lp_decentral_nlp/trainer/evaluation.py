@@ -244,7 +244,9 @@ class EvaluationMixin:
         ``{p}_bytes_sent_node_{i}``, where ``p`` is the prefix; and Trainer's speed metrics:
         ``{p}_runtime`` (seconds this process took for the whole evaluation, the averaged model and
         its local nodes), ``{p}_samples_per_second`` and ``{p}_steps_per_second`` (samples and
-        batches of the evaluation set per second of it).
+        batches of the evaluation set per second of it); with ``skip_memory_metrics=False``,
+        Trainer's memory metrics ``{p}_mem_cpu_alloc_delta`` / ``..._peaked_delta`` (bytes of this
+        process, and ``..._gpu_...`` on a GPU) too.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
@@ -252,6 +254,7 @@ class EvaluationMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        self._memory_tracker.start()  # Trainer's eval_mem_* metrics (skip_memory_metrics=False); not within train()
         start = time.time()
         dataloader = self.get_eval_dataloader(dataset)
         p = metric_key_prefix
@@ -265,6 +268,7 @@ class EvaluationMixin:
             metrics.update(_prefixed(node_metrics, p, f"_node_{i}"))
         metrics.update({f"{p}_bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
         metrics.update(self._speed_metrics(p, start, averaged.num_samples))
+        self._memory_tracker.stop_and_update_metrics(metrics)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -279,6 +283,7 @@ class EvaluationMixin:
             ``..._accuracy`` or ``compute_metrics``'s keys, and Trainer's ``..._runtime`` in
             seconds, ``..._samples_per_second``, ``..._steps_per_second``).
         """
+        self._memory_tracker.start()
         start = time.time()
         self._refresh_average_model()
         dataloader = self.get_test_dataloader(test_dataset)
@@ -286,6 +291,7 @@ class EvaluationMixin:
                                  keep_outputs=not self.args.prediction_loss_only)
         metrics = {**_prefixed(output.metrics, metric_key_prefix),
                    **self._speed_metrics(metric_key_prefix, start, output.num_samples)}
+        self._memory_tracker.stop_and_update_metrics(metrics)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=metrics)
 

@@ -119,7 +119,8 @@ POLICY: dict[str, str] = {
     "trackio_bucket_id": HONOURED,
     "trackio_static_space_id": HONOURED,
     "include_num_input_tokens_seen": HONOURED + " (num_input_tokens_seen: the tokens every node read, summed)",
-    "skip_memory_metrics": "refused: must stay True: memory metrics are not collected per node",
+    "skip_memory_metrics": HONOURED + " (False: Trainer's *_mem_* metrics of train, evaluate and predict: this "
+                           "process's memory, every local node together)",
     # --- evaluation --------------------------------------------------------------------------
     "eval_strategy": HONOURED,
     "eval_steps": HONOURED,

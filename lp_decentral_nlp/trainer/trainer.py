@@ -279,6 +279,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("trial is for Trainer.hyperparameter_search, which needs model_init; DecentralizedTrainer "
                              "builds its nodes from model and does not run it: leave trial=None")
         args = self.args
+        self._memory_tracker.start()  # Trainer's: train_mem_* metrics with skip_memory_metrics=False, else nothing
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
         if resume_from_checkpoint is True:
@@ -380,6 +381,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.store_flos()
         metrics = {**speed_metrics("train", start, num_samples=steps_run * samples_per_step, num_steps=steps_run),
                    "total_flos": self.state.total_flos, "train_loss": train_loss}
+        self._memory_tracker.stop_and_update_metrics(metrics)
         self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
