@@ -410,6 +410,16 @@ def test_a_resume_in_another_mixed_precision_is_refused(tmp_path, agnews, tokeni
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
 
 
+def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):
+    """data_seed draws the shards and data order: another one would resume into other batches."""
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no"),
+                         train_dataset=agnews["train"]).train()
+    resumed = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=5, eval_strategy="no", data_seed=7),
+                                   train_dataset=agnews["train"])
+    with pytest.raises(ValueError, match=r"data_seed=None \(this run: 7\)"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+
 @pytest.mark.parametrize("saved_bf16", [True, False])
 def test_a_checkpoint_recording_bf16_as_a_flag_still_resumes_and_refuses(tmp_path, agnews, tokenizer, saved_bf16):
     """Checkpoints written before fp16 was supported record ``"bf16": true/false`` in place of

@@ -765,7 +765,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(data_seed=3), "data_seed"), (dict(push_to_hub=True), "push_to_hub"),
+    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(push_to_hub=True), "push_to_hub"),
     (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
@@ -953,6 +953,24 @@ def test_neftune_adds_noise_to_every_nodes_embeddings_in_training_only_and_is_re
 def test_neftune_is_refused_naming_the_field_without_a_positive_alpha_or_input_embeddings(tmp_path, alpha, message):
     with pytest.raises(ValueError, match=rf"^{message}"):
         DecentralizedTrainer(model=torch.nn.Linear(4, 2), args=targs(tmp_path, neftune_noise_alpha=alpha))
+
+
+def first_batches(trainer) -> list[list[int]]:
+    """The first training batch's input ids of every node (its shard and order)."""
+    return [next(iter(loader))["input_ids"][:, 1].tolist() for loader in trainer.node_dataloaders()]
+
+
+def test_data_seed_chooses_the_shards_and_data_order_and_seed_the_rest(tmp_path, agnews_small, tokenizer):
+    """data_seed, when set, takes seed's place for the data (SPEC 6 shards, order, batch seeds), as
+    it seeds Trainer's samplers; the nodes' RNG streams (dropout) stay with seed."""
+    def trainer(seed, data_seed=None):
+        args = targs(tmp_path / f"{seed}_{data_seed}", seed=seed, data_seed=data_seed, max_steps=1, skew=0.5)
+        return DecentralizedTrainer(model=tiny_model(dropout=0.5), args=args, train_dataset=agnews_small["train"])
+
+    plain, data_only, model_only = trainer(0), trainer(0, data_seed=7), trainer(7)
+    assert first_batches(data_only) == first_batches(model_only) != first_batches(plain)
+    losses = [t.train().training_loss for t in (plain, data_only, model_only)]
+    assert len(set(losses)) == 3  # dropout follows seed: data_only and model_only read the same batches
 
 
 @pytest.mark.parametrize("skip", [False, True])

@@ -141,6 +141,12 @@ class DecentralizedTrainingArguments(TrainingArguments):
             check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
 
     @property
+    def data_order_seed(self) -> int:
+        """The seed of every node's SPEC 6 shard, shuffling order and batch seeds: ``data_seed``
+        when set (as Trainer seeds its samplers), else ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    @property
     def gossip_config(self) -> GossipConfig:
         """The run's :class:`~lp_decentral_nlp.gossip.factory.GossipConfig` (checks its fields:
         ValueError naming the one that is wrong)."""

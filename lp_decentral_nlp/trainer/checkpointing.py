@@ -355,7 +355,7 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
     config = args.gossip_config
     return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
-            "qgm": args.qgm, "skew": args.skew, "seed": args.seed,
+            "qgm": args.qgm, "skew": args.skew, "seed": args.seed, "data_seed": args.data_seed,
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps, "shard_column": args.shard_column,
             "optim": str(getattr(args.optim, "value", args.optim)), "learning_rate": args.learning_rate,
@@ -370,7 +370,7 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
-_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mixed_precision": "no"}
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mixed_precision": "no", "data_seed": None}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",

@@ -24,7 +24,8 @@ POLICY: dict[str, str] = {
     "per_device_eval_batch_size": HONOURED,
     "gradient_accumulation_steps": PER_NODE,
     "seed": HONOURED,
-    "data_seed": "refused: every node's shard and data order come from seed (node_seed), the same in both backends",
+    "data_seed": HONOURED + " (when set, every node's shard, data order and batch seeds come from it instead of seed; "
+                 "model initialisation, dropout and gossip randomness stay with seed)",
     "full_determinism": HONOURED,
     "use_cpu": HONOURED,
     "local_rank": HONOURED,

@@ -53,10 +53,10 @@ class NodeDataMixin:
     """`DecentralizedTrainer`'s shards and per-node loaders."""
 
     def _shards(self) -> list:
-        """SPEC 6 shards of the training set (indices per node), the same on every rank; random
-        (skew 0) when the training set has no class column."""
+        """SPEC 6 shards of the training set (indices per node, drawn with ``args.data_order_seed``),
+        the same on every rank; random (skew 0) when the training set has no class column."""
         labels = self._shard_labels if self._shard_labels is not None else [0] * len(self.train_dataset)
-        return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.seed)
+        return skewed_partition(labels, self.args.num_nodes, self.args.skew, seed=self.args.data_order_seed)
 
     def _checked_shards(self) -> list:
         """:meth:`_shards`, refused (ValueError) when the smallest cannot fill one batch of
@@ -99,7 +99,7 @@ class NodeDataMixin:
         loaders = []
         for i in self.node_ids:
             shard = SeededBatches(dataset, shards[i].tolist(), collate_fn)
-            batches = EpochBatchSampler(EpochSampler(len(shard), node_seed(self.args.seed, i)), bs)
+            batches = EpochBatchSampler(EpochSampler(len(shard), node_seed(self.args.data_order_seed, i)), bs)
             # the loader's own generator seeds worker processes (the batches bring their own seeds):
             # without one, starting the workers would draw from torch's global generator
             loaders.append(DataLoader(shard, batch_sampler=batches, collate_fn=collated, generator=torch.Generator(),

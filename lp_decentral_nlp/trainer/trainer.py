@@ -267,7 +267,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 the same final weights, bytes and metrics as a run that never stopped (identical
                 in the simulated backend) as long as the arguments that shape the run are the
                 same (checked: nodes, graph, algorithm, compression, precision, QGM, skew, shard
-                column, seed, batch size, gradient accumulation, training set and rows, optimizer
+                column, seed and data_seed, batch size, gradient accumulation, training set and rows, optimizer
                 and its settings, learning rate and schedule, warmup, gradient clipping, label
                 smoothing, the 8-bit layers' ``QuantConfig``; not checked: their kernel). Random
                 data transforms and collators repeat too: each batch is read under a seed of
