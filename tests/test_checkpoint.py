@@ -14,7 +14,9 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, TrainerCallback
 
 from lp_decentral_nlp.trainer import checkpointing as ckpt
-from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback
+from lp_decentral_nlp.trainer import (
+    DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback, check_resumable,
+)
 from helpers import agnews_sample, tiny_distilbert
 
 
@@ -408,6 +410,41 @@ def test_a_resume_in_another_mixed_precision_is_refused(tmp_path, agnews, tokeni
                                                                   **PRECISION_FLAGS[now]), train_dataset=agnews["train"])
     with pytest.raises(ValueError, match=rf"mixed_precision='{saved}' \(this run: '{now}'\)"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+
+def test_save_only_model_writes_the_nodes_models_alone_and_refuses_to_resume_from_them(tmp_path, agnews, tokenizer):
+    """Trainer's save_only_model: a checkpoint to load (the averaged model, each node's model; the
+    best one at the end), not to resume; the full one holds optimizer, schedule, RNG and gossip."""
+    full, _ = run(tmp_path / "full", agnews, tokenizer, max_steps=4, algorithm="choco", compression=90.0)
+    lean, _ = run(tmp_path / "lean", agnews, tokenizer, max_steps=4, algorithm="choco", compression=90.0,
+                  save_only_model=True)
+    for i in range(4):
+        full_state = ckpt.load_state_file(tmp_path / "full" / "checkpoint-4" / ckpt.node_file(i))
+        lean_state = ckpt.load_state_file(tmp_path / "lean" / "checkpoint-4" / ckpt.node_file(i))
+        assert set(lean_state) == {"node", "model"} and {"optimizer", "gossip", "rng"} <= set(full_state)
+        assert same(lean_state["model"], full_state["model"]) and same(lean_state["model"], lean.nodes[i].state_dict())
+    sizes = [(tmp_path / d / "checkpoint-4" / ckpt.node_file(0)).stat().st_size for d in ("full", "lean")]
+    assert sizes[1] < 0.21 * sizes[0]  # the weights, without AdamW's two moments and Choco's two copies
+    again = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path / "lean", max_steps=6, eval_strategy="no",
+                                                                   save_only_model=True),
+                                 train_dataset=agnews["train"])
+    with pytest.raises(ValueError, match=r"^resume_from_checkpoint: cannot resume from .*checkpoint-4: it was written with "
+                                         r"save_only_model=True and holds the nodes' models only"):
+        again.train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match=r"written with save_only_model=True"):
+        check_resumable(tmp_path / "lean", targs(tmp_path / "lean"))
+
+
+def test_save_only_model_still_loads_the_best_model_at_end(tmp_path, agnews, tokenizer):
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(
+        tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", learning_rate=5e-3, save_only_model=True),
+        train_dataset=agnews["train"], eval_dataset=agnews["test"])
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best_step = min(evals, key=evals.get)
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
 
 
 def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):

@@ -766,7 +766,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(push_to_hub=True), "push_to_hub"),
-    (dict(save_only_model=True), "save_only_model"), (dict(average_tokens_across_devices=True),
+    (dict(save_on_each_node=True), "save_on_each_node"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
     (dict(logging_nan_inf_filter=False), "logging_nan_inf_filter"),

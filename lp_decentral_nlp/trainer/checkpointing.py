@@ -399,9 +399,14 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     caller resolves later (``train()`` compares every key)."""
     try:
         path = resolve_checkpoint(path)
-        saved = read_manifest(path, required=_MANIFEST_KEYS)["config"]
+        manifest = read_manifest(path, required=_MANIFEST_KEYS)
     except ValueError as err:
         raise ValueError(f"resume_from_checkpoint: {err}") from None
+    if manifest.get("model_only"):
+        raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with save_only_model=True "
+                         "and holds the nodes' models only (no optimizer, LR schedule, RNG or gossip state); its "
+                         "averaged model loads with from_pretrained")
+    saved = manifest["config"]
     now = {key: value for key, value in resume_config(args).items() if key not in unresolved}
     if train_samples is not None:
         now["train_samples"] = train_samples
@@ -441,7 +446,8 @@ class CheckpointMixin:
     def _save_checkpoint(self, model, trial):
         """Write ``output_dir/checkpoint-<step>/`` atomically (the functions above).
 
-        Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`), the averaged model in
+        Files: ``node-<i>.safetensors`` per node (:meth:`_node_state`; its model alone with
+        ``save_only_model``, which makes the checkpoint one to load, not to resume), the averaged model in
         Hugging Face format (``config.json``, ``model.safetensors``, tokenizer,
         ``training_args.bin``), ``trainer_state.json`` (`TrainerState`: log history, callback
         states...) and the manifest ``decentralized_state.json`` (step, position in the data, run
@@ -464,7 +470,9 @@ class CheckpointMixin:
         error = None
         try:
             for k, i in enumerate(self.node_ids):
-                save_state_file(staging / node_file(i), self._node_state(k))
+                state = ({"node": i, "model": self.nodes[k].state_dict()} if self.args.save_only_model
+                         else self._node_state(k))
+                save_state_file(staging / node_file(i), state)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
         failed = [(r, e) for r, e in enumerate(self.node_group.gather_objects(error)) if e]
@@ -485,7 +493,7 @@ class CheckpointMixin:
                 "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
                 "config": self._resume_config(),
                 "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
-                "backend": self.args.backend,
+                "backend": self.args.backend, "model_only": self.args.save_only_model,
                 "files": [node_file(i) for i in range(self.args.num_nodes)] + ["trainer_state.json"],
             })
             commit(out, step)

@@ -140,8 +140,8 @@ POLICY: dict[str, str] = {
     "save_strategy": HONOURED,
     "save_steps": HONOURED,
     "save_total_limit": HONOURED,
-    "save_only_model": "refused: a checkpoint is the whole decentralized state; save_model() writes the averaged "
-                       "model alone",
+    "save_only_model": HONOURED + " (each node file holds that node's model alone: load_best_model_at_end works, "
+                       "resuming from such a checkpoint is refused)",
     "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
     "enable_jit_checkpoint": "refused: checkpoints are written at save steps only",
     "restore_callback_states_from_checkpoint": HONOURED,
