@@ -989,6 +989,26 @@ def test_memory_metrics_are_reported_for_train_evaluate_and_predict_unless_skipp
             assert all(isinstance(v, int) for v in memory.values()) and memory[f"{stage}_mem_cpu_peaked_delta"] >= 0
 
 
+def test_debug_underflow_overflow_watches_every_node_and_stops_at_the_first_nan_activation(
+        tmp_path, agnews_small, tokenizer, capsys):
+    """transformers' DebugUnderflowOverflow on each node: a clean run is unchanged; a NaN weight on
+    one node stops the run at its first forward, with the frames that led to it printed."""
+    watched = trainer_for(tmp_path / "watched", agnews_small, tokenizer, debug="underflow_overflow")
+    plain = trainer_for(tmp_path / "plain", agnews_small, tokenizer)
+    assert watched.train().training_loss == plain.train().training_loss
+    poisoned = trainer_for(tmp_path / "poisoned", agnews_small, tokenizer, debug="underflow_overflow")
+    with torch.no_grad():
+        poisoned.nodes[2].get_input_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="^DebugUnderflowOverflow: inf/nan detected"):
+        poisoned.train()
+    assert "Detected inf/nan during batch_number=0" in capsys.readouterr().out
+
+
+def test_debug_tpu_metrics_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^debug='tpu_metrics_debug' prints torch_xla's TPU metrics"):
+        targs(tmp_path, debug="tpu_metrics_debug")
+
+
 def test_accelerate_launch_mixed_precision_fp8_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     with pytest.raises(ValueError, match=r"^mixed precision fp8 \(ACCELERATE_MIXED_PRECISION=fp8, set by accelerate "

@@ -11,6 +11,7 @@ from functools import cached_property
 
 import torch
 from transformers import TrainingArguments, training_args
+from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
 from ..checks import Number, check_choice, check_fields, parse_absence, parse_straggler, plain_number
@@ -135,6 +136,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"set by accelerate launch --mixed_precision {self.mixed_precision} or its config) is not "
                              f"supported by DecentralizedTrainer (the nodes run bf16 or fp16 autocast, or none): launch "
                              f"with --mixed_precision bf16, fp16 or no")
+        if DebugOption.TPU_METRICS_DEBUG in self.debug:  # a list of DebugOption once TrainingArguments parsed it
+            raise ValueError("debug='tpu_metrics_debug' prints torch_xla's TPU metrics after evaluation, which "
+                             "DecentralizedTrainer does not run on TPUs: use debug='underflow_overflow' or none")
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:

@@ -102,7 +102,8 @@ POLICY: dict[str, str] = {
     "fsdp": "refused: every node holds a whole model (no sharding)",
     "fsdp_config": "refused: every node holds a whole model (no sharding)",
     "deepspeed": "refused: every node holds a whole model and its own optimizer",
-    "debug": "refused: no debug modes (underflow/overflow, TPU metrics) are wired into the node loop",
+    "debug": HONOURED + " ('underflow_overflow': transformers' DebugUnderflowOverflow on every node, which stops "
+             "at the first inf/nan activation and prints the frames before it; 'tpu_metrics_debug' is refused)",
     # --- logging -----------------------------------------------------------------------------
     "logging_strategy": HONOURED,
     "logging_steps": HONOURED,

@@ -36,6 +36,7 @@ from accelerate.utils import DynamoBackend
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
 from transformers import Trainer
+from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
@@ -236,6 +237,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # SPEC 1: every node starts from the same weights (process 0's)
         self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
         self.nodes = [copy.deepcopy(self.model) for _ in self.node_ids]
+        if DebugOption.UNDERFLOW_OVERFLOW in args.debug:  # as Trainer hooks its model (for good: no handles)
+            for node in self.nodes:
+                DebugUnderflowOverflow(node)
         self._average_is_current = True  # self.model is the nodes' average (they are its copies)
         # z_i of every local node, as the gossip engine updates them in place: the trained parameters
         # (a frozen one, e.g. a LoRA model's base, is equal on every node and never changes)
