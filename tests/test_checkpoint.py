@@ -54,8 +54,9 @@ CONFIGS = {
     "dpsgd-sgd-qgm": dict(algorithm="dpsgd", low_precision=False, optim="sgd", qgm=True, learning_rate=0.05),
     # 8-bit layers among bfloat16 autocast (the heads, attention's matmuls), Choco top-10%
     "choco-8bit-bf16": dict(algorithm="choco", compression=90.0, bf16=True),
-    # float16 autocast with a loss scaler per node (its scale and count of clean steps), Deep-Squeeze
-    "deepsqueeze-8bit-fp16": dict(algorithm="deepsqueeze", compression=90.0, fp16=True),
+    # float16 autocast with a loss scaler per node (its scale and count of clean steps), Deep-Squeeze,
+    # QGM with AdamW stepping on the unscaled gradients
+    "deepsqueeze-8bit-fp16-qgm": dict(algorithm="deepsqueeze", compression=90.0, fp16=True, qgm=True),
     # NEFTune noise on the input embeddings, drawn in each node's RNG stream
     "dpsgd-neftune": dict(algorithm="dpsgd", low_precision=False, neftune_noise_alpha=5.0),
 }

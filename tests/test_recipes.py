@@ -72,6 +72,11 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert all(name.startswith("distilbert.transformer.layer.") for name in layer_kernels)
     assert results["kernels"] == {"int8" if kernel == "int8" else "simulated": len(layer_kernels)}
     assert results["config"].get("quant_kernel", "auto") == kernel
+    card = (out / "model" / "README.md").read_text()  # Trainer's draft, with the decentralized setting
+    assert f"- num_nodes: 4\n- topology: directed_ring\n- algorithm: {results['config']['algorithm']}\n" in card
+    assert "- total_train_batch_size: 32\n" in card and "- decentralized\n" in card
+    assert f"- Accuracy: {results['accuracy']:.4f}" in card and "Node 0" not in card
+    assert not (out / "README.md").exists()
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
     model = load_quantized(out / "model")  # the class the run saved: the classifier with its head

@@ -989,6 +989,21 @@ def test_memory_metrics_are_reported_for_train_evaluate_and_predict_unless_skipp
             assert all(isinstance(v, int) for v in memory.values()) and memory[f"{stage}_mem_cpu_peaked_delta"] >= 0
 
 
+def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_results(tmp_path, agnews_small,
+                                                                                     tokenizer):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, bf16=True, skew=0.5, algorithm="deepsqueeze",
+                          compression=99.0, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.create_model_card(model_name="tiny-decentralized")
+    card = (tmp_path / "README.md").read_text()
+    for line in ("num_nodes: 4", "algorithm: deepsqueeze", "compressor: TopK(keep=0.01, value_bits=None)", "precision: float32",
+                 "label_skew: 0.5", "train_batch_size: 4", "total_train_batch_size: 32",
+                 "mixed_precision_training: Native AMP (bf16 autocast per node)", f"Loss: {metrics['eval_loss']:.4f}"):
+        assert f"- {line}\n" in card, line
+    assert "Node" not in card
+
+
 def test_debug_underflow_overflow_watches_every_node_and_stops_at_the_first_nan_activation(
         tmp_path, agnews_small, tokenizer, capsys):
     """transformers' DebugUnderflowOverflow on each node: a clean run is unchanged; a NaN weight on

@@ -220,8 +220,9 @@ def run_nlp(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     results. `on_interrupt`: what to do after Ctrl-C in training (:func:`train_and_report`)."""
     start = time.time()
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
+    card = {"dataset": parsed.recipe.task, "tags": ["decentralized", "lp_decentral_nlp"]}
     return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),
-                            start, prog, on_interrupt=on_interrupt, processing_class=tokenizer)
+                            start, prog, on_interrupt=on_interrupt, card=card, processing_class=tokenizer)
 
 
 def main(task: str, algorithm: str, argv: list[str] | None = None) -> dict:

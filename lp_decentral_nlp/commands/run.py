@@ -635,7 +635,8 @@ def final_evaluation(trainer) -> dict:
 
 
 def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, start: float,
-                     prog: str, before_train=None, on_interrupt: str | None = None, **trainer_kwargs) -> dict:
+                     prog: str, before_train=None, on_interrupt: str | None = None, card: dict | None = None,
+                     **trainer_kwargs) -> dict:
     """The part every recipe run shares: a :class:`DecentralizedTrainer` on ``data["train"]`` /
     ``data["test"]`` writing ``metrics.csv``; the SPEC 7 cost report of one sample of shape
     `input_shape` (``cost_report.json``, its summary in a "running" ``results.json``, written when
@@ -649,7 +650,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     the settings that need its shards (e.g.
     :meth:`~lp_decentral_nlp.trainer.DecentralizedTrainer.steps_per_epoch`); a ValueError it
     raises is the run's one-line error. Ctrl-C in training stops with one line naming the step and
-    how to go on: `on_interrupt`, or by default how to resume from the run's last checkpoint."""
+    how to go on: `on_interrupt`, or by default how to resume from the run's last checkpoint.
+    `card`: the model card's fields (``create_model_card``'s arguments) to write ``model/README.md``
+    with, for a transformers model; None writes none."""
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
@@ -715,6 +718,10 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         _write_json(out, "kernels.json", layer_kernels)
     metrics = final_evaluation(trainer)
     trainer.save_model(os.path.join(out, "model"))
+    if card is not None:
+        trainer.create_model_card(**card)  # output_dir/README.md: the card belongs with the model
+        if trainer.state.is_world_process_zero:
+            os.replace(os.path.join(out, "README.md"), os.path.join(out, "model", "README.md"))
     n = training.num_nodes
     results = {
         "status": "done",

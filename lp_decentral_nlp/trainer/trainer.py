@@ -53,6 +53,7 @@ from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
+from .model_card import training_summary
 from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
 from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
@@ -501,6 +502,23 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self._write_model(output_dir)
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        """Trainer's draft model card of the averaged model, ``output_dir/README.md`` (the main
+        process writes it), with the decentralized setting among its hyperparameters (nodes,
+        graph, algorithm, compressor, consensus step, precision, QGM, skew, the batch over all
+        nodes: :func:`~.model_card.decentralized_hyperparameters`) and the averaged model's
+        evaluation results (the per-node ones stay in the logs). Arguments as in Trainer."""
+        if not self.node_group.is_main:
+            return
+        summary = training_summary(self, language=language, license=license, tags=tags, model_name=model_name,
+                                   finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                                   dataset=dataset, dataset_args=dataset_args)
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.args.output_dir) / "README.md").write_text(summary.to_model_card(), encoding="utf-8")
+        if hasattr(self.model, "create_or_update_model_card"):  # a PEFT model adds its library and adapter
+            self.model.create_or_update_model_card(self.args.output_dir)
 
     def _write_model(self, output_dir) -> None:
         """The averaged model via ``save_pretrained`` (a plain ``nn.Module``: its state dict as

@@ -1,0 +1,42 @@
+"""The model card of a decentralized run: Trainer's draft (``transformers.modelcard.TrainingSummary``)
+of the averaged model, with the decentralized setting among its hyperparameters and the per-node
+evaluation figures left to the logs."""
+from __future__ import annotations
+
+import re
+
+from transformers.modelcard import TrainingSummary
+
+from ..gossip.factory import build_compressor, build_topology
+
+# the pretty names TrainingSummary gives per-node metrics ("Loss Node 0", "Bytes Sent Node 3")
+_PER_NODE = re.compile(r" Node \d+$")
+
+
+def decentralized_hyperparameters(args) -> dict:
+    """The setting of SPEC 1-3 and 6 as model-card hyperparameters, and the batch over every node
+    (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`)."""
+    config = args.gossip_config
+    settings = {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
+                "compressor": repr(build_compressor(config)), "consensus_step_size": args.gamma,
+                "precision": "8-bit (weights, activations, layer gradients)" if args.low_precision else "float32",
+                "quasi_global_momentum": args.qgm, "label_skew": args.skew,
+                "total_train_batch_size": (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                           * args.num_nodes)}
+    if args.mixed_precision != "no":
+        settings["mixed_precision_training"] = f"Native AMP ({args.mixed_precision} autocast per node)"
+    if args.final_merge:
+        settings["final_merge"] = True
+    return settings
+
+
+def training_summary(trainer, **card_fields) -> TrainingSummary:
+    """``TrainingSummary.from_trainer(trainer, **card_fields)`` (the fields of
+    ``Trainer.create_model_card``) with :func:`decentralized_hyperparameters` added
+    (``train_batch_size`` stays the batch of one node) and the averaged model's evaluation
+    results only."""
+    summary = TrainingSummary.from_trainer(trainer, **card_fields)
+    summary.hyperparameters.update(decentralized_hyperparameters(trainer.args))
+    summary.eval_results = {k: v for k, v in summary.eval_results.items() if not _PER_NODE.search(k)}
+    summary.eval_lines = [{k: v for k, v in line.items() if not _PER_NODE.search(k)} for line in summary.eval_lines]
+    return summary
