@@ -2,14 +2,17 @@
 gradient accumulation, best-model tracking and early stopping, dict eval sets, predict, tasks
 without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
 guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
+import concurrent.futures
 import copy
 import logging
+import types
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import transformers.trainer
 from datasets import Dataset
 from helpers import agnews_sample
 from helpers import tiny_distilbert as tiny_model
@@ -765,7 +768,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(push_to_hub=True), "push_to_hub"),
+    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(enable_jit_checkpoint=True), "enable_jit_checkpoint"),
     (dict(save_on_each_node=True), "save_on_each_node"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
@@ -1002,6 +1005,58 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
                  "mixed_precision_training: Native AMP (bf16 autocast per node)", f"Loss: {metrics['eval_loss']:.4f}"):
         assert f"- {line}\n" in card, line
     assert "Node" not in card
+
+
+class FakeHub:
+    """``transformers.trainer.hf_api()`` offline: records the repos created and the folders uploaded
+    (their file names at upload time)."""
+
+    def __init__(self):
+        self.repos, self.uploads = [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.repos.append(repo_id)
+        return types.SimpleNamespace(repo_id=f"someone/{repo_id}" if "/" not in repo_id else repo_id)
+
+    def upload_folder(self, repo_id, folder_path, run_as_future=False, **kwargs):
+        files = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        self.uploads.append({"repo_id": repo_id, "files": files, **kwargs})
+        if run_as_future:
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return None
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_push_to_hub_uploads_the_averaged_model_and_its_card_as_trainer_does(tmp_path, agnews_small, tokenizer,
+                                                                             monkeypatch, strategy):
+    """Trainer's Hub machinery through this trainer's save_model, checkpoints and model card: at
+    each save the averaged model and output_dir (never the checkpoints inside it), with
+    hub_strategy='checkpoint' the whole decentralized checkpoint as last-checkpoint too; and
+    push_to_hub() at the end with the card."""
+    hub = FakeHub()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, push_to_hub=True, hub_model_id="tiny-decentralized",
+                          hub_strategy=strategy, save_strategy="steps", save_steps=2, max_steps=4)
+    assert hub.repos == ["tiny-decentralized"] and trainer.hub_model_id == "someone/tiny-decentralized"
+    trainer.train()
+    trainer.push_to_hub()
+    folder_uploads = [u for u in hub.uploads if "path_in_repo" not in u]
+    checkpoint_uploads = [u for u in hub.uploads if "path_in_repo" in u]
+    assert [u["commit_message"] for u in folder_uploads] == ["Training in progress, step 2",
+                                                             "Training in progress, step 4", "End of training"]
+    for upload in folder_uploads:
+        assert upload["repo_id"] == "someone/tiny-decentralized" and "model.safetensors" in upload["files"]
+        assert upload["ignore_patterns"] == ["_*", "checkpoint-*"]
+    assert "README.md" in folder_uploads[-1]["files"]
+    assert "- num_nodes: 4" in (tmp_path / "README.md").read_text()
+    if strategy == "checkpoint":
+        assert [u["path_in_repo"] for u in checkpoint_uploads] == ["last-checkpoint"] * 2
+        assert {"node-0.safetensors", "node-3.safetensors", "decentralized_state.json"} <= set(
+            checkpoint_uploads[-1]["files"])
+    else:
+        assert checkpoint_uploads == []
 
 
 def test_debug_underflow_overflow_watches_every_node_and_stops_at_the_first_nan_activation(
@@ -1296,7 +1351,6 @@ def test_create_optimizer_is_called_per_node_and_overrides_that_would_not_run_ar
         OwnTrainingStep(model=tiny_model(), args=targs(tmp_path))
     for call, message in [(trainer.get_train_dataloader, "one training loader per node"),
                           (lambda: trainer.create_optimizer_and_scheduler(10), "one optimizer and schedule per node"),
-                          (trainer.push_to_hub, "does not upload"),
                           (trainer.hyperparameter_search, "needs model_init")]:
         with pytest.raises(NotImplementedError, match=message):
             call()

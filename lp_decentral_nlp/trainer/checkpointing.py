@@ -499,6 +499,8 @@ class CheckpointMixin:
             commit(out, step)
             if self.args.save_total_limit:
                 rotate(out, self.args.save_total_limit, best=self.state.best_model_checkpoint)
+            if self.args.push_to_hub:  # Trainer's upload of a checkpoint's model (all of it, per hub_strategy)
+                self._push_from_checkpoint(str(checkpoint_dir(out, step)))
         self.node_group.barrier()
 
     def _node_state(self, k: int) -> dict:

@@ -146,13 +146,15 @@ POLICY: dict[str, str] = {
     "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
     "enable_jit_checkpoint": "refused: checkpoints are written at save steps only",
     "restore_callback_states_from_checkpoint": HONOURED,
-    "push_to_hub": "refused: nothing is uploaded; save_model() writes the averaged model for upload",
-    "hub_token": "refused: push_to_hub is refused",
-    "hub_private_repo": "refused: push_to_hub is refused",
-    "hub_model_id": "refused: push_to_hub is refused",
-    "hub_strategy": "refused: push_to_hub is refused",
-    "hub_always_push": "refused: push_to_hub is refused",
-    "hub_revision": "refused: push_to_hub is refused",
+    "push_to_hub": HONOURED + " (as Trainer: output_dir with the averaged model at every checkpoint, and with the "
+                   "model card at save_model() and push_to_hub(); rank 0 uploads)",
+    "hub_token": HONOURED,
+    "hub_private_repo": HONOURED,
+    "hub_model_id": HONOURED,
+    "hub_strategy": HONOURED + " ('checkpoint' / 'all_checkpoints' upload the whole decentralized checkpoint: every "
+                    "node file)",
+    "hub_always_push": HONOURED,
+    "hub_revision": HONOURED,
 }
 
 

@@ -37,6 +37,9 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
     results only."""
     summary = TrainingSummary.from_trainer(trainer, **card_fields)
     summary.hyperparameters.update(decentralized_hyperparameters(trainer.args))
-    summary.eval_results = {k: v for k, v in summary.eval_results.items() if not _PER_NODE.search(k)}
-    summary.eval_lines = [{k: v for k, v in line.items() if not _PER_NODE.search(k)} for line in summary.eval_lines]
+    if summary.eval_results is not None:  # None before any evaluation
+        summary.eval_results = {k: v for k, v in summary.eval_results.items() if not _PER_NODE.search(k)}
+    if summary.eval_lines is not None:
+        summary.eval_lines = [{k: v for k, v in line.items() if not _PER_NODE.search(k)}
+                              for line in summary.eval_lines]
     return summary

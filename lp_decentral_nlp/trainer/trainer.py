@@ -374,6 +374,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self._total_loss += self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_nodes(self.state.best_model_checkpoint)
+        self._finish_current_push()  # Trainer's: a checkpoint upload (push_to_hub) still running ends first
         self._keep_only_best_checkpoint()
         if args.final_merge:
             self.merge_nodes()
@@ -427,12 +428,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if dtype is not None:
             return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
-
-    def push_to_hub(self, *args, **kwargs):
-        """Refused, as the ``push_to_hub`` field is: `save_model` writes the averaged model, and
-        ``trainer.model.push_to_hub(repo_id)`` uploads it."""
-        raise NotImplementedError("DecentralizedTrainer does not upload: save_model() writes the averaged model, and "
-                                  "trainer.model.push_to_hub(repo_id) uploads it")
 
     def hyperparameter_search(self, *args, **kwargs):
         """Refused: a search builds each trial's model with ``model_init``, which this trainer refuses."""
@@ -494,14 +489,16 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         (as every rank computed it), so afterwards the main process may call this alone, as with
         Trainer under DDP. Once the nodes have moved since (a training step, a restored checkpoint),
         forming the average is a sum over every process: in the distributed backend every rank
-        must then call it."""
+        must then call it. With ``push_to_hub``, ``args.output_dir`` is then uploaded, as
+        Trainer's ``push_to_hub()`` does (the averaged model and :meth:`create_model_card`'s card)."""
         if not self._average_is_current:
             self._refresh_average_model()
         output_dir = output_dir or self.args.output_dir
-        if not self.node_group.is_main:
-            return
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self._write_model(output_dir)
+        if self.node_group.is_main:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            self._write_model(output_dir)
+        if self.args.push_to_hub and not _internal_call:  # Trainer's push_to_hub (every process calls it)
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
