@@ -4,6 +4,7 @@
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py resume OUT_DIR CHECKPOINT
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py merge OUT_DIR
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py refused OUT_DIR CHECKPOINT
+    torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py sigterm OUT_DIR
 
 ``die``: trains with a checkpoint every 2 steps; rank :data:`DYING_RANK` exits at the start of
 step 3 (with status 0, so that torchrun leaves the survivors running and the test sees what they
@@ -14,11 +15,15 @@ do). Every survivor writes the error it got to ``OUT_DIR/report-<rank>.json``.
 node state to ``OUT_DIR/final-<rank>.pt``.
 ``refused``: resumes from CHECKPOINT, which is expected to be refused; every rank writes the error
 it got, the step it reached and what ``OUT_DIR`` holds to ``OUT_DIR/report-<rank>.json``.
+``sigterm``: trains with ``enable_jit_checkpoint`` and no save steps; rank :data:`DYING_RANK` alone
+gets SIGTERM at the end of step 1; every rank writes the step it stopped at and whether it was
+stopped by SIGTERM to ``OUT_DIR/report-<rank>.json``.
 
 :func:`make_trainer` builds the same run in the simulated backend for the test to compare.
 """
 import json
 import os
+import signal
 import sys
 import time
 
@@ -105,6 +110,25 @@ def refused(out_dir, data_csv, minilm, checkpoint):
         json.dump(report, fh)
 
 
+class _SigtermAtStep(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sigterm(out_dir, data_csv, minilm):
+    rank = dist.get_rank()
+    trainer = make_trainer(out_dir, "distributed", data_csv, minilm, enable_jit_checkpoint=True, save_strategy="no")
+    if rank == DYING_RANK:
+        trainer.add_callback(_SigtermAtStep(1))
+    trainer.train()
+    with open(os.path.join(out_dir, f"report-{rank}.json"), "w") as fh:
+        json.dump({"step": trainer.state.global_step, "stopped": trainer.stopped_by_sigterm}, fh)
+
+
 def merge(out_dir, data_csv, minilm):
     trainer = make_trainer(out_dir, "distributed", data_csv, minilm, final_merge=True, save_strategy="no")
     trainer.train()
@@ -121,6 +145,8 @@ if __name__ == "__main__":
         merge(out, data_csv, minilm)
     elif mode == "refused":
         refused(out, data_csv, minilm, sys.argv[5])
+    elif mode == "sigterm":
+        sigterm(out, data_csv, minilm)
     else:
         resume(out, data_csv, minilm, sys.argv[5])
     dist.destroy_process_group()

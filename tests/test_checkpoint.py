@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -446,6 +447,40 @@ def test_save_only_model_still_loads_the_best_model_at_end(tmp_path, agnews, tok
     best_step = min(evals, key=evals.get)
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
+
+
+class SigtermAt(TrainerCallback):
+    """Sends this process SIGTERM at the end of step ``step`` (a preempted job's notice)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("save_steps", [4, 3], ids=["checkpoint-written-on-sigterm", "save-step-already-wrote-it"])
+def test_sigterm_with_enable_jit_checkpoint_checkpoints_the_step_and_stops_resumably(tmp_path, agnews, tokenizer,
+                                                                                     save_steps):
+    """SIGTERM no longer ends the process mid-step: the step ends, a checkpoint is written (or the
+    save steps' one at that step kept), training stops, and the run resumes from it to the result
+    of a run never stopped; the previous SIGTERM handler is back afterwards."""
+    kw = dict(algorithm="choco", compression=90.0, save_steps=save_steps, enable_jit_checkpoint=True)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path / "stopped", **kw),
+                                   train_dataset=agnews["train"], eval_dataset=agnews["test"],
+                                   callbacks=[SigtermAt(3)])
+    stopped.train()
+    assert stopped.stopped_by_sigterm and stopped.state.global_step == 3
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "stopped")] == [3]
+    straight, m_straight = run(tmp_path / "straight", agnews, tokenizer, **kw)
+    resumed, m_resumed = run(tmp_path / "stopped", agnews, tokenizer, resume=True, **kw)
+    assert not straight.stopped_by_sigterm and resumed.state.global_step == 8
+    for a, b in zip(straight.nodes, resumed.nodes):
+        assert same(a.state_dict(), b.state_dict())
+    assert m_straight == m_resumed
 
 
 def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):

@@ -112,6 +112,21 @@ def test_final_merge_gives_every_rank_the_average_of_all_nodes(tmp_path, ag_news
 
 
 @pytest.mark.distributed
+def test_sigterm_to_one_rank_checkpoints_and_stops_every_rank_at_the_same_step(tmp_path, ag_news_csv, minilm_path):
+    """enable_jit_checkpoint: the ranks agree on SIGTERM at the end of each step, so one preempted
+    process stops them all after the same step's checkpoint (none hangs waiting for the others)."""
+    out = tmp_path / "stopped"
+    out.mkdir()
+    proc = torchrun("sigterm", out, ag_news_csv, minilm_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(4)]
+    assert reports == [{"step": 1, "stopped": True}] * 4
+    from lp_decentral_nlp.trainer import checkpointing as ckpt
+
+    assert [step for step, _ in ckpt.list_checkpoints(out)] == [1]
+
+
+@pytest.mark.distributed
 def test_a_damaged_node_file_refuses_the_resume_on_every_rank(tmp_path, ag_news_csv, minilm_path):
     """Each rank reads only its own node files; a damaged one on rank 2 refuses the resume on every
     rank, before any step (the others had trained on until rank 2 was missed)."""

@@ -4,8 +4,10 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from helpers import free_port
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.commands import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
+from lp_decentral_nlp.trainer.checkpointing import list_checkpoints
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ["agnews_choco", "agnews_deepsqueeze", "sentlen_choco", "sentlen_deepsqueeze"]
@@ -144,6 +147,28 @@ def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_cs
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny_model_dir, ag_news_csv, tmp_path):
+    """A preempted recipe (SIGTERM once training has begun) writes the step's checkpoint and ends
+    with one line saying how to resume; results.json stays "running"."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "agnews_choco.py"),
+                             *tiny_flags(tiny_model_dir, ag_news_csv, out, "--max-steps", "100000",
+                                         "--enable_jit_checkpoint")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.csv").is_file() and len((out / "metrics.csv").read_text().splitlines()) > 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]
+    (step, checkpoint), = list_checkpoints(out)
+    assert stderr.strip().splitlines()[-1] == (f"agnews_choco.py: stopped at step {step} on SIGTERM: resume with "
+                                               f"--resume-from-checkpoint {checkpoint}")
+    assert json.loads((out / "results.json").read_text())["status"] == "running"
 
 
 def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finished_runs(tiny_model_dir, ag_news_csv, tmp_path):

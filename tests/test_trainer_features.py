@@ -768,7 +768,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(enable_jit_checkpoint=True), "enable_jit_checkpoint"),
+    (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(eval_use_gather_object=True), "eval_use_gather_object"),
     (dict(save_on_each_node=True), "save_on_each_node"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
     (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),

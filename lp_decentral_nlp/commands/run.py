@@ -711,6 +711,11 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         if trainer.state.is_world_process_zero:
             print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
         raise SystemExit(130) from None
+    if trainer.stopped_by_sigterm:  # enable_jit_checkpoint: the checkpoint is written, nothing else is
+        if trainer.state.is_world_process_zero:
+            print(f"{prog}: stopped at step {trainer.state.global_step} on SIGTERM: resume with "
+                  f"{parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}", file=sys.stderr)
+        raise SystemExit(143)
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))

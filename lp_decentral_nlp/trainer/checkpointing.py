@@ -502,6 +502,17 @@ class CheckpointMixin:
             if self.args.push_to_hub:  # Trainer's upload of a checkpoint's model (all of it, per hub_strategy)
                 self._push_from_checkpoint(str(checkpoint_dir(out, step)))
         self.node_group.barrier()
+        self._checkpoint_step = step
+
+    def _checkpoint_and_stop(self) -> None:
+        """SIGTERM under ``enable_jit_checkpoint``: a checkpoint at this step (unless the save
+        steps just wrote it), then the end of training (``stopped_by_sigterm``)."""
+        step = self.state.global_step
+        if self._checkpoint_step != step:
+            self._save_checkpoint(self.model, None)
+        logger.warning(f"stopped at step {step} on SIGTERM; resume from {checkpoint_dir(self.args.output_dir, step)}")
+        self.stopped_by_sigterm = True
+        self.control.should_training_stop = True
 
     def _node_state(self, k: int) -> dict:
         """Everything local node ``k`` holds: model state dict (parameters and buffers, the 8-bit

@@ -144,7 +144,8 @@ POLICY: dict[str, str] = {
     "save_only_model": HONOURED + " (each node file holds that node's model alone: load_best_model_at_end works, "
                        "resuming from such a checkpoint is refused)",
     "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
-    "enable_jit_checkpoint": "refused: checkpoints are written at save steps only",
+    "enable_jit_checkpoint": HONOURED + " (SIGTERM to any process: every process writes a checkpoint at the end of "
+                             "the same step, then training ends with stopped_by_sigterm=True)",
     "restore_callback_states_from_checkpoint": HONOURED,
     "push_to_hub": HONOURED + " (as Trainer: output_dir with the averaged model at every checkpoint, and with the "
                    "model card at save_model() and push_to_hub(); rank 0 uploads)",

@@ -54,6 +54,7 @@ from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
 from .model_card import training_summary
+from .preemption import SigtermWatch
 from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
 from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
@@ -178,7 +179,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
     ``skip_nonfinite``), ``overflow_skips`` (int64, float16 steps skipped by the loss scaler), and
     after ``train()`` starts, ``node_optimizers``, ``node_schedulers`` and ``node_scalers``
     (``torch.amp.GradScaler`` per node with float16 mixed precision, else None).
-    ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend.
+    ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend. ``stopped_by_sigterm``:
+    whether the last ``train()`` ended early on SIGTERM (``enable_jit_checkpoint``), after writing
+    a checkpoint at its last step.
     """
 
     def __init__(self, model=None, args: DecentralizedTrainingArguments | None = None, *, quant_config=None, **kwargs):
@@ -335,7 +338,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # the node's RNG stream (so the same in both backends and across a resume); removed after train()
         neftune = [activate_neftune(node, args.neftune_noise_alpha) for node in self.nodes
                    ] if args.neftune_noise_alpha is not None else []
-        with self._schedule_order_warning_hidden():  # once per train(), not per step
+        sigterm = SigtermWatch() if args.enable_jit_checkpoint else None
+        self.stopped_by_sigterm, self._checkpoint_step = False, None
+        with self._schedule_order_warning_hidden(), sigterm.installed() if sigterm else contextlib.nullcontext():
             try:
                 while epoch < num_epochs and self.state.global_step < max_steps:
                     if done >= steps_per_epoch:
@@ -354,6 +359,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                         self._data_position = (epoch, done)
                         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                         self._maybe_log_save_evaluate(trial, ignore_keys_for_eval)
+                        if sigterm is not None and sigterm.agreed(self.node_group):
+                            self._checkpoint_and_stop()
                         if self.control.should_training_stop or self.control.should_epoch_stop:
                             break
                     if done >= steps_per_epoch or self.control.should_epoch_stop:
@@ -376,7 +383,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self._load_best_nodes(self.state.best_model_checkpoint)
         self._finish_current_push()  # Trainer's: a checkpoint upload (push_to_hub) still running ends first
         self._keep_only_best_checkpoint()
-        if args.final_merge:
+        if args.final_merge and not self.stopped_by_sigterm:  # after the last step, which a stopped run did not reach
             self.merge_nodes()
         self._refresh_average_model()
         self.is_in_train = False
