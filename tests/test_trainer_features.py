@@ -675,16 +675,22 @@ def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
 
 
-@pytest.mark.parametrize("low_precision", [False, True])
+@pytest.mark.parametrize("low_precision, kwargs, layers", [
+    (False, None, [True, True]), (True, None, [True, True]),
+    (True, {"every_n_layers": 2, "offload": True, "use_reentrant": False}, [True, False])])
 def test_activation_checkpointing_is_enabled_on_every_node_and_changes_no_result(tmp_path, agnews_small, tokenizer,
-                                                                                 low_precision):
-    """In 8-bit too: the recomputed forward leaves the activation ranges as one forward does."""
+                                                                                 low_precision, kwargs, layers):
+    """In 8-bit too: the recomputed forward leaves the activation ranges as one forward does.
+    ``every_n_layers`` and ``offload`` are Trainer's keys (not torch.utils.checkpoint's): every
+    other layer checkpointed, its inputs kept on the host."""
     plain = trainer_for(tmp_path / "p", agnews_small, tokenizer, low_precision=low_precision)
     plain.train()
     checkpointed = trainer_for(tmp_path / "c", agnews_small, tokenizer, activation_checkpointing=True,
-                               low_precision=low_precision)
+                               activation_checkpointing_kwargs=kwargs, low_precision=low_precision)
     checkpointed.train()
     assert all(node.is_activation_checkpointing for node in checkpointed.nodes)
+    for node in checkpointed.nodes:
+        assert [layer.gradient_checkpointing for layer in node.distilbert.transformer.layer] == layers
     for a, b in zip(plain.nodes, checkpointed.nodes):
         for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
             torch.testing.assert_close(p, q, msg=name)

@@ -305,9 +305,16 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_scalers = ([torch.amp.GradScaler(args.device.type) for _ in self.nodes]
                              if args.mixed_precision == "fp16" else None)
         self.qgm = self._build_qgm() if args.qgm else None
+        # as Trainer: every_n_layers and offload choose the layers and where their inputs live; the
+        # other keys go to torch.utils.checkpoint. On the CPU the inputs are on the host already
+        # (transformers' offload would pin memory, which needs an accelerator)
+        checkpointing = dict(args.activation_checkpointing_kwargs or {})
+        every_n_layers = checkpointing.pop("every_n_layers", 1)
+        offload = checkpointing.pop("offload", False) and args.device.type != "cpu"
         for node in self.nodes:
             if args.activation_checkpointing:
-                node.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
+                node.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing or None,
+                                                     every_n_layers=every_n_layers, offload=offload)
             if self._compile_kwargs is not None:
                 node.compile(**self._compile_kwargs)
 
