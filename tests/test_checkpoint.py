@@ -471,6 +471,9 @@ def test_sigterm_with_enable_jit_checkpoint_checkpoints_the_step_and_stops_resum
     stopped = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path / "stopped", **kw),
                                    train_dataset=agnews["train"], eval_dataset=agnews["test"],
                                    callbacks=[SigtermAt(3)])
+    # Trainer's own JIT checkpointing (a handler from construction on, a checkpoint mid-step) is not used
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not [cb for cb in stopped.callback_handler.callbacks if type(cb).__name__ == "JITCheckpointCallback"]
     stopped.train()
     assert stopped.stopped_by_sigterm and stopped.state.global_step == 3
     assert signal.getsignal(signal.SIGTERM) is before

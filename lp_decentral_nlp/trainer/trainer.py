@@ -27,6 +27,7 @@ import contextlib
 import copy
 import inspect
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
@@ -226,7 +228,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, _class_count(model))
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
+        sigterm_handler = signal.getsignal(signal.SIGTERM)
         super().__init__(model=model, args=args, **kwargs)
+        if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
+            self.pop_callback(JITCheckpointCallback)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if sigterm_handler is None else sigterm_handler)
         # read now: TrainingArguments built after this one (as the recipes do) reset accelerate's shared state
         self._compile_kwargs = self._node_compile_kwargs()
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
