@@ -121,6 +121,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"low_precision=False trains in full precision: drop one of them")
         if self.shard_column is not None and (not isinstance(self.shard_column, str) or not self.shard_column):
             raise ValueError(f"shard_column must be a column name or None, got {self.shard_column!r}")
+        for name in ("dataloader_persistent_workers", "dataloader_multiprocessing_context"):
+            if getattr(self, name) not in (False, None) and self.dataloader_num_workers == 0:  # as torch's DataLoader
+                raise ValueError(f"{name}={getattr(self, name)!r} is a setting of dataloader worker processes, and "
+                                 f"dataloader_num_workers=0 starts none: set dataloader_num_workers > 0 or leave "
+                                 f"{name} at its default")
         self._check_lr_milestones()
         self._check_constant_schedule()
         plan = self.fault_plan
