@@ -94,7 +94,9 @@ def test_train_reports_the_speed_of_the_steps_it_ran(tmp_path, agnews_small, tok
 
 def test_include_num_input_tokens_seen_counts_every_nodes_tokens(tmp_path, tokenizer):
     """Rows of 8 token positions, 5 of them real: each step the 4 nodes read 4 x 8 rows, so
-    ``"all"`` counts 256 tokens per step and ``"non_padding"`` 160, in every log and across a resume."""
+    ``"all"`` counts 256 tokens per step and ``"non_padding"`` 160, in every log and across a resume;
+    the training logs carry Trainer's token speed of the train() call (``train_tokens_per_second``
+    over ``train_runtime``: a resumed call counts its own tokens)."""
     rows = Dataset.from_dict({"input_ids": [[101, 7, 8, 9, 102, 0, 0, 0]] * 64,
                               "attention_mask": [[1] * 5 + [0] * 3] * 64, "label": [i % 4 for i in range(64)]})
     data = {"train": rows, "test": rows.select(range(8))}
@@ -102,13 +104,18 @@ def test_include_num_input_tokens_seen_counts_every_nodes_tokens(tmp_path, token
         trainer = trainer_for(tmp_path / mode, data, tokenizer, max_steps=3, include_num_input_tokens_seen=mode,
                               save_strategy="steps", save_steps=2)
         trainer.train()
-        assert [h["num_input_tokens_seen"] for h in trainer.state.log_history if "loss" in h] == \
-            [per_step, 2 * per_step, 3 * per_step]
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert [h["num_input_tokens_seen"] for h in logs] == [per_step, 2 * per_step, 3 * per_step]
+        for h in logs:
+            assert h["train_tokens_per_second"] == pytest.approx(h["num_input_tokens_seen"] / h["train_runtime"],
+                                                                 rel=0.05)
         assert trainer.evaluate()["num_input_tokens_seen"] == trainer.state.num_input_tokens_seen == 3 * per_step
         resumed = trainer_for(tmp_path / f"{mode}_resumed", data, tokenizer, max_steps=3,
                               include_num_input_tokens_seen=mode)
         resumed.train(resume_from_checkpoint=str(tmp_path / mode / "checkpoint-2"))
         assert resumed.state.num_input_tokens_seen == 3 * per_step
+        last = [h for h in resumed.state.log_history if "loss" in h][-1]  # step 3, after the checkpoint's logs
+        assert last["train_tokens_per_second"] == pytest.approx(per_step / last["train_runtime"], rel=0.05)
     with pytest.raises(ValueError, match=r"include_num_input_tokens_seen must be one of \('all', 'non_padding', "
                                          r"'no'\), got 'tokens'"):
         targs(tmp_path, include_num_input_tokens_seen="tokens")
@@ -1099,6 +1106,10 @@ def test_bf16_on_a_cpu_without_use_cpu_gets_transformers_answer_naming_use_cpu(t
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(dataloader_persistent_workers=True), r"dataloader_persistent_workers=True is a setting of dataloader worker "
+                                               r"processes, and dataloader_num_workers=0 starts none"),
+    (dict(dataloader_multiprocessing_context="spawn"), r"dataloader_multiprocessing_context='spawn' is a setting of "
+                                                       r"dataloader worker processes"),
     (dict(lr_scheduler_type="constant", warmup_steps=4), "warmup_steps=4 has no effect with lr_scheduler_type="),
     (dict(lr_scheduler_type="constant", lr_milestones=[1.0], warmup_steps=0.1),
      r"warmup_steps=0.1 has no effect with lr_milestones \(a multi-step schedule\): leave warmup_steps at 0"),

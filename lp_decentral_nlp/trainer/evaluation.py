@@ -109,7 +109,7 @@ class EvaluationMixin:
                 logs.update({f"overflow_skips_node_{i}": int(v) for i, v in enumerate(overflows)})
             logs["consensus_distance"] = self.consensus_distance()
             self._watch_drift(logs["consensus_distance"])
-            self.log(logs)
+            self.log(logs, start_time=self._train_start)  # Trainer's token speed with include_num_input_tokens_seen
         return loss * steps if math.isfinite(loss) else 0.0
 
     def drift_warmup_steps(self) -> int:

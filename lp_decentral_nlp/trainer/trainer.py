@@ -344,6 +344,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._steps_per_epoch = steps_per_epoch
         self.is_in_train = True
         start, first_step = time.time(), self.state.global_step
+        # Trainer's: its training logs' train_tokens_per_second count this call's tokens over its time
+        self._train_start, self._initial_num_input_tokens_seen = start, self.state.num_input_tokens_seen
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
