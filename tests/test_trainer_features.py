@@ -1106,6 +1106,12 @@ def test_bf16_on_a_cpu_without_use_cpu_gets_transformers_answer_naming_use_cpu(t
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(optim="schedule_free_adamw"), r"optim='schedule_free_adamw' is not supported by DecentralizedTrainer \(a "
+                                        r"schedule-free optimizer keeps a second weight sequence"),
+    (dict(optim="lomo"), r"optim='lomo' is not supported by DecentralizedTrainer \(LOMO updates each weight inside "
+                         r"backward"),
+    (dict(optim="galore_adamw_layerwise"), r"optim='galore_adamw_layerwise' is not supported by DecentralizedTrainer "
+                                           r"\(GaLore needs optim_target_modules"),
     (dict(dataloader_persistent_workers=True), r"dataloader_persistent_workers=True is a setting of dataloader worker "
                                                r"processes, and dataloader_num_workers=0 starts none"),
     (dict(dataloader_multiprocessing_context="spawn"), r"dataloader_multiprocessing_context='spawn' is a setting of "

@@ -25,6 +25,16 @@ BACKENDS = ("simulated", "distributed")
 _DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
+#: ``optim`` values whose optimizers step outside a node's ``optimizer.step()`` or keep weights gossip
+#: does not average, by name prefix, and why they are refused
+REFUSED_OPTIMIZERS = {
+    "lomo": "LOMO updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip",
+    "adalomo": "AdaLomo updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip",
+    "schedule_free": "a schedule-free optimizer keeps a second weight sequence in its state, which gossip does not "
+                     "average",
+    "galore": "GaLore needs optim_target_modules, which is refused (not checked with gossip)",
+    "apollo": "APOLLO needs optim_target_modules, which is refused (not checked with gossip)",
+}
 _NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
 # the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
 # GossipConfig, drop_prob by FaultPlan, against the same table)
@@ -144,6 +154,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if DebugOption.TPU_METRICS_DEBUG in self.debug:  # a list of DebugOption once TrainingArguments parsed it
             raise ValueError("debug='tpu_metrics_debug' prints torch_xla's TPU metrics after evaluation, which "
                              "DecentralizedTrainer does not run on TPUs: use debug='underflow_overflow' or none")
+        optim = str(getattr(self.optim, "value", self.optim))
+        refused = next((why for prefix, why in REFUSED_OPTIMIZERS.items() if optim.startswith(prefix)), None)
+        if refused:
+            raise ValueError(f"optim={optim!r} is not supported by DecentralizedTrainer ({refused}): use adamw_torch, "
+                             f"sgd or another optimizer that steps in optimizer.step()")
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:

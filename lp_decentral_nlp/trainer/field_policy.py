@@ -55,7 +55,8 @@ POLICY: dict[str, str] = {
                                     "the averaged model's metric_for_best_model, as in Trainer)",
     "lr_scheduler_kwargs": PER_NODE + " (refused with a constant schedule, which takes none)",
     "warmup_steps": PER_NODE + " (refused with a constant schedule, which has no warm-up)",
-    "optim": PER_NODE,
+    "optim": PER_NODE + " (LOMO, AdaLomo, schedule-free, GaLore and APOLLO are refused: they update inside backward, "
+             "keep weights gossip does not average, or need optim_target_modules)",
     "optim_args": PER_NODE,
     "optim_target_modules": "refused: only the GaLore/APOLLO optimizers use it; they are not checked with gossip",
     "weight_decay": PER_NODE,
