@@ -1072,6 +1072,24 @@ def test_push_to_hub_uploads_the_averaged_model_and_its_card_as_trainer_does(tmp
         assert checkpoint_uploads == []
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_persistent_workers_keep_the_evaluation_loaders_across_evaluations(tmp_path, agnews_small, tokenizer, named):
+    """As in Trainer: with dataloader_persistent_workers the trainer's own evaluation sets keep their
+    loaders (and so their worker processes) from one evaluate() to the next; a set passed in does not."""
+    sets = {"a": agnews_small["test"], "b": agnews_small["test"].select(range(8))} if named else agnews_small["test"]
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, eval_dataset=sets, dataloader_num_workers=1,
+                          dataloader_persistent_workers=True)
+    names = ["a", "b"] if named else [None]
+    loaders = [trainer.get_eval_dataloader(name) for name in names]
+    assert [trainer.get_eval_dataloader(name) for name in names] == loaders  # kept
+    first = trainer.evaluate()
+    assert trainer.evaluate().keys() == first.keys()
+    assert all(trainer.get_eval_dataloader(name) is loader for name, loader in zip(names, loaders))  # evaluate's own
+    assert trainer.get_eval_dataloader(agnews_small["test"]) is not trainer.get_eval_dataloader(agnews_small["test"])
+    plain = trainer_for(tmp_path / "plain", agnews_small, tokenizer, eval_dataset=sets, dataloader_num_workers=1)
+    assert plain.get_eval_dataloader(names[0]) is not plain.get_eval_dataloader(names[0])  # Trainer keeps none either
+
+
 def test_debug_underflow_overflow_watches_every_node_and_stops_at_the_first_nan_activation(
         tmp_path, agnews_small, tokenizer, capsys):
     """transformers' DebugUnderflowOverflow on each node: a clean run is unchanged; a NaN weight on

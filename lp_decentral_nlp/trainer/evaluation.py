@@ -251,12 +251,13 @@ class EvaluationMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
             metrics = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            for name, part in dataset.items():  # the trainer's own sets by name (their loaders may be kept)
+                metrics.update(self.evaluate(part if eval_dataset is not None else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
             return metrics
         self._memory_tracker.start()  # Trainer's eval_mem_* metrics (skip_memory_metrics=False); not within train()
         start = time.time()
-        dataloader = self.get_eval_dataloader(dataset)
+        dataloader = self.get_eval_dataloader(eval_dataset)  # None or a name: the trainer's set
         p = metric_key_prefix
         metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
         averaged = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
@@ -297,7 +298,12 @@ class EvaluationMixin:
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         """A plain (unsharded) loader: every process evaluates on the whole evaluation set.
-        ``eval_dataset`` may name one of a dict ``eval_dataset`` given to the trainer, as in Trainer."""
+        ``eval_dataset`` may name one of a dict ``eval_dataset`` given to the trainer, as in Trainer.
+        With ``dataloader_persistent_workers`` the loader of each of the trainer's own evaluation
+        sets is kept, so its workers outlive an evaluation, as in Trainer."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        if key in self._eval_loaders:
+            return self._eval_loaders[key]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
@@ -307,7 +313,10 @@ class EvaluationMixin:
                 raise ValueError(f"eval_dataset={dataset!r} names one of the trainer's evaluation sets, which are "
                                  f"{sorted(named) if named else 'not a dict of named sets'}")
             dataset = named[dataset]
-        return self._plain_loader(dataset, "evaluation")
+        loader = self._plain_loader(dataset, "evaluation")
+        if key is not None and self.args.dataloader_persistent_workers:  # (it needs workers: the arguments check)
+            self._eval_loaders[key] = loader
+        return loader
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         """A plain (unsharded) loader over ``test_dataset``."""
