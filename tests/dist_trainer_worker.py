@@ -23,7 +23,6 @@ stopped by SIGTERM to ``OUT_DIR/report-<rank>.json``.
 """
 import json
 import os
-import signal
 import sys
 import time
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
+from helpers import SigtermAt
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 
@@ -110,20 +110,11 @@ def refused(out_dir, data_csv, minilm, checkpoint):
         json.dump(report, fh)
 
 
-class _SigtermAtStep(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def sigterm(out_dir, data_csv, minilm):
     rank = dist.get_rank()
     trainer = make_trainer(out_dir, "distributed", data_csv, minilm, enable_jit_checkpoint=True, save_strategy="no")
     if rank == DYING_RANK:
-        trainer.add_callback(_SigtermAtStep(1))
+        trainer.add_callback(SigtermAt(1))
     trainer.train()
     with open(os.path.join(out_dir, f"report-{rank}.json"), "w") as fh:
         json.dump({"step": trainer.state.global_step, "stopped": trainer.stopped_by_sigterm}, fh)

@@ -1,13 +1,15 @@
 """Small builders shared by several test modules."""
 import importlib.util
+import os
 import pathlib
+import signal
 import socket
 import sys
 
 import numpy as np
 import pytest
 import torch
-from transformers import DistilBertConfig, DistilBertForSequenceClassification
+from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.gossip import Topology
@@ -20,6 +22,17 @@ def free_port() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return str(sock.getsockname()[1])
+
+
+class SigtermAt(TrainerCallback):
+    """Sends this process SIGTERM at the end of step ``step`` (a preempted job's notice)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):

@@ -18,7 +18,7 @@ from lp_decentral_nlp.trainer import checkpointing as ckpt
 from lp_decentral_nlp.trainer import (
     DecentralizedTrainer, DecentralizedTrainingArguments, MetricsCSVCallback, check_resumable,
 )
-from helpers import agnews_sample, tiny_distilbert
+from helpers import SigtermAt, agnews_sample, tiny_distilbert
 
 
 def tiny_model(seed=0, dropout=0.1):
@@ -447,17 +447,6 @@ def test_save_only_model_still_loads_the_best_model_at_end(tmp_path, agnews, tok
     best_step = min(evals, key=evals.get)
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
-
-
-class SigtermAt(TrainerCallback):
-    """Sends this process SIGTERM at the end of step ``step`` (a preempted job's notice)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @pytest.mark.parametrize("save_steps", [4, 3], ids=["checkpoint-written-on-sigterm", "save-step-already-wrote-it"])
