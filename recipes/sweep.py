@@ -73,6 +73,9 @@ def parse(argv=None):
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
+    # the grid sets compression at every point: random-k is checked at its largest
+    if getattr(grid_flags, "compressor", None) == "randomk":
+        parser.set_defaults(compression=max(grid_flags.comps))
     set_grid_help(parser)
     add_grid_flags(parser)
     parser.add_check(check_grid)
@@ -162,6 +165,8 @@ def grid(sweep) -> list:
             changes["consensus_lr"] = grid_flags.consensus_lr_compressed
         if precision == "fp32":  # --kernel is for the 8-bit runs
             changes["quant_kernel"] = "auto"
+        if comp == 0:  # --compressor picks the entries a compressed point drops; this one sends them all
+            changes["compressor"] = "topk"
         runs.append(sweep.replace(**changes))
     return runs
 

@@ -315,11 +315,12 @@ def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, 
 
 
 def test_a_random_k_sweep_runs_its_uncompressed_points_too():
-    """--compressor randomk sparsifies the compressed points; the comp-0 points send every entry."""
+    """--compressor randomk sparsifies the compressed points; the comp-0 points send every entry (as
+    top-k at 0%: random-k without compression is refused)."""
     sweep = import_sweep()
     runs = sweep.grid(sweep.parse(["--compressor", "randomk", "--algorithms", "choco", "--precisions", "fp32",
                                    "--skews", "0", "--comps", "0", "99"]))
-    assert [(run.training.compression, run.training.compressor) for run in runs] == [(0.0, "randomk"),
+    assert [(run.training.compression, run.training.compressor) for run in runs] == [(0.0, "topk"),
                                                                                     (99.0, "randomk")]
 
 

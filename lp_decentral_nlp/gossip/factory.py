@@ -71,6 +71,9 @@ class GossipConfig:
         if qsgd and self.compression > 0:
             raise ValueError(f"compression={self.compression!r} is the percent top-k and random-k drop; QSGD's message "
                              "size is set by qsgd_levels: leave compression at 0 with compressor='qsgd'")
+        if self.compressor == "randomk" and self.compression == 0:
+            raise ValueError("compressor='randomk' chooses which entries compression > 0 drops, and compression=0 "
+                             "sends every entry: set compression > 0 or leave compressor at 'topk'")
         if not qsgd and self.qsgd_levels != GossipConfig.qsgd_levels:
             raise ValueError(f"qsgd_levels={self.qsgd_levels!r} applies to compressor='qsgd' only, got "
                              f"compressor={self.compressor!r}")
