@@ -1124,6 +1124,13 @@ def test_bf16_on_a_cpu_without_use_cpu_gets_transformers_answer_naming_use_cpu(t
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(qgm_beta=0.5), r"qgm_beta=0.5 is the quasi-global momentum's beta, and qgm=False: set qgm=True, or leave "
+                         r"qgm_beta at 0.9"),
+    (dict(lr_decay=0.5), r"lr_decay=0.5 is the factor at each of lr_milestones, and lr_milestones=None"),
+    (dict(gossip_timeout=5.0), r"gossip_timeout=5.0 is how long a process waits for its peers, and "
+                               r"backend='simulated' runs every node in this process"),
+    (dict(compressor="randomk"), r"compressor='randomk' chooses which entries compression > 0 drops, and "
+                                 r"compression=0 sends every entry"),
     (dict(optim="schedule_free_adamw"), r"optim='schedule_free_adamw' is not supported by DecentralizedTrainer \(a "
                                         r"schedule-free optimizer keeps a second weight sequence"),
     (dict(optim="lomo"), r"optim='lomo' is not supported by DecentralizedTrainer \(LOMO updates each weight inside "

@@ -137,6 +137,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                  f"dataloader_num_workers=0 starts none: set dataloader_num_workers > 0 or leave "
                                  f"{name} at its default")
         self._check_lr_milestones()
+        self._refuse_unused_settings()
         self._check_constant_schedule()
         plan = self.fault_plan
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
@@ -209,6 +210,20 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
             raise ValueError(f"lr_milestones needs lr_scheduler_type='constant' (the milestones are the schedule), "
                              f"got lr_scheduler_type={self.lr_scheduler_type!r}")
+
+    def _refuse_unused_settings(self):
+        """A decentralized setting another one switches off: refused rather than ignored."""
+        fields = type(self).__dataclass_fields__
+        unused = [("qgm_beta", not self.qgm, "the quasi-global momentum's beta, and qgm=False: set qgm=True"),
+                  ("lr_decay", self.lr_milestones is None, "the factor at each of lr_milestones, and lr_milestones=None: "
+                                                           "give lr_milestones"),
+                  ("gossip_timeout", self.backend == "simulated", "how long a process waits for its peers, and "
+                                                                  "backend='simulated' runs every node in this process: "
+                                                                  "use backend='distributed'")]
+        for name, off, why in unused:
+            if off and getattr(self, name) != fields[name].default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
+                                 f"{fields[name].default!r}")
 
     def _check_constant_schedule(self):
         """A constant schedule (transformers' ``constant``, or ``lr_milestones``' multi-step one)
