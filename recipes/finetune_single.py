@@ -105,7 +105,8 @@ def run(args) -> dict:
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
     from lp_decentral_nlp.commands import load_classifier, load_data, load_tokenizer, resolve_model
-    from lp_decentral_nlp.commands.run import set_threads
+    from lp_decentral_nlp.commands.run import exit_with_error, set_threads
+    from lp_decentral_nlp.quant import QuantModule
     from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
 
     out = pathlib.Path(args.output_dir)
@@ -122,9 +123,22 @@ def run(args) -> dict:
                                        max_eval_samples=args.max_eval_samples, seed=args.seed),
                      "ag_news", args.data_dir, PROG)
     model = load_classifier(model_path, list(AG_NEWS_LABELS), PROG)  # a head for other labels is refused
-    quant_config = None if args.full_precision else QuantConfig(kernel=args.kernel)
-    if quant_config is not None:
+    # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
+    made = [m.quant_config for m in model.modules() if isinstance(m, QuantModule)]
+    made_kernels = sorted({config.kernel for config in made})
+    if made and args.full_precision:
+        exit_with_error(PROG, f"{model_path} has 8-bit layers (an 8-bit checkpoint), and --full-precision trains in "
+                              "full precision: give the float model", "--full-precision")
+    if made and args.kernel != "auto" and made_kernels != [args.kernel]:
+        exit_with_error(PROG, f"{model_path} has 8-bit layers made with kernel {' and '.join(made_kernels)}: leave "
+                              "--kernel at auto or give the float model", "--kernel")
+    if made:
+        quant_config = made[0]
+    elif not args.full_precision:
+        quant_config = QuantConfig(kernel=args.kernel)
         quantize_model(model, quant_config)
+    else:
+        quant_config = None
 
     metric = accuracy_metric()
 

@@ -37,6 +37,19 @@ def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_c
     assert re.search(r"100%\|[^\n]*\| 2/2 \[", capsys.readouterr().err)  # transformers' training bar, 2 steps
     # what the docstring says reloads the 8-bit layers
     assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path / "run" / "model").modules())
+    # and trains on as it was made; --full-precision or another --kernel with it is one line, exit 2
+    capsys.readouterr()
+    saved = tmp_path / "run" / "model"
+    for flags, message in ((["--full-precision"], f"argument --full-precision: {saved} has 8-bit layers (an 8-bit "
+                                                  "checkpoint), and --full-precision trains in full precision"),
+                           (["--kernel", "int8"], f"argument --kernel: {saved} has 8-bit layers made with kernel "
+                                                  "auto: leave --kernel at auto")):
+        with pytest.raises(SystemExit) as exc:
+            load_recipe().main([*tiny_argv(saved, ag_news_csv, tmp_path / "refused"), *flags])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exc.value.code == 2 and err.startswith(f"finetune_single.py: error: {message}"), err
+    again = load_recipe().main(tiny_argv(saved, ag_news_csv, tmp_path / "again"))
+    assert again["precision"] == "8-bit" and again["quant_config"] == results["quant_config"]
 
 
 @pytest.mark.parametrize("argv, environment, message", [
