@@ -123,6 +123,10 @@ def test_defaults_resolve_per_precision_and_dataset():
     (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
     (["--groups", "16"], "needs at least 2 channels per group"),
     (["--groups", "0"], "argument --groups: groups must be an integer >= 1, got 0"),
+    (["--remove_unused_columns", "true"], "argument --remove_unused_columns: the image transform reads each sample's "
+                                          "'image' column"),
+    (["--lr_scheduler_type", "linear", "--lr_decay", "0.5"], "argument --lr_decay: lr_decay=0.5 is the factor at each "
+                                                             "of lr_milestones, and lr_milestones=None"),
 ])
 def test_bad_flags_exit_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

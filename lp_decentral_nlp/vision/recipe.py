@@ -146,6 +146,14 @@ def _check_network(parser, parsed) -> None:
             parser.error(f"argument {flag}: {problem}")
 
 
+def _check_columns(parser, parsed) -> None:
+    """``--remove_unused_columns true`` would drop the ``image`` column the transform reads (the
+    run failed at its first batch with a KeyError): refused like a bad flag."""
+    if parsed.training.remove_unused_columns:
+        parser.error(f"argument {parser.flag_of('remove_unused_columns')}: the image transform reads each sample's "
+                     "'image' column, which the network's forward does not take: leave it False")
+
+
 def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
     """The vision recipes' parser (``parse()`` builds and checks everything); bad flags exit with
     one line on stderr (status 2)."""
@@ -155,7 +163,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                                      "sized for a CPU run on digits).")
     parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
                           fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
-                          checks=(run_checks, _check_network), **kwargs)
+                          checks=(run_checks, _check_network, _check_columns), **kwargs)
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(
         run_name="<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>"))
     parser.set_help("resume_from_checkpoint", RESUME_HELP)
