@@ -233,6 +233,18 @@ def test_embeddings_true_warns_about_the_tables_it_cannot_quantize():
     assert type(model[0]) is ScaledEmbedding and type(model[1]) is QuantLinear
 
 
+@pytest.mark.parametrize("model, config, why", [
+    (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)), {},
+     "the model has no nn.Embedding"),
+    (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 2)), {"skip": ("0",)},
+     "each stays float for the reason given"),
+])
+def test_embeddings_true_that_quantizes_no_table_is_refused(model, config, why):
+    """As a skip or target pattern that matches nothing: the setting would have no effect."""
+    with pytest.raises(ValueError, match=r"QuantConfig\(embeddings=True\) quantizes no embedding table: " + why):
+        quantize_model(model(), QuantConfig(embeddings=True, **config))
+
+
 def test_an_embedding_with_max_norm_stays_float_with_the_reason():
     model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
     report = quantize_model(model, QuantConfig(embeddings=True), dry_run=True)

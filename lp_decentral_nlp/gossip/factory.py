@@ -39,11 +39,14 @@ class GossipConfig:
             ``"dpsgd"`` (uncompressed push-sum SGP).
         compression: percent of entries the sparsifier drops per tensor, ``0 <= compression < 100``
             (``99`` keeps 1%, SPEC 3); 0 sends every entry.
-        compressor: ``"topk"`` or ``"randomk"`` (the sparsifier when ``compression > 0``), or
+        compressor: ``"topk"`` or ``"randomk"`` (the sparsifier when ``compression > 0``; random-k
+            needs it), or
             ``"qsgd"`` (QSGD with ``qsgd_levels`` levels, whose size the levels set:
             ``compression`` stays 0).
         qsgd_levels: QSGD levels ``s`` in ``[1, 127]``, for ``compressor="qsgd"``.
-        low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads").
+        low_precision: 8-bit values on the wire (SPEC 3, "Low-precision payloads"); QSGD's codes
+            have at most 8 bits either way, so with ``compressor="qsgd"`` the messages are the same
+            (the trainer's ``low_precision`` still switches 8-bit training).
         consensus_lr: the consensus step ``gamma`` in ``(0, 1]``; None: :func:`default_consensus_lr`
             (``"dpsgd"`` mixes exactly: None or 1 only).
         seed: base seed of stochastic compressors and message loss.

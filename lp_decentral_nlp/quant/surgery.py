@@ -198,6 +198,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
     skip_used, target_used, not_float32, float_tables = set(), set(), [], []
+    tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
     for name, module in model.named_modules():
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
@@ -244,6 +245,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         if quantize:
             not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
                             if t.dtype != torch.float32]
+            tables_quantized = tables_quantized or switch == "embeddings"
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
@@ -255,6 +257,10 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     for p in (config.target or ()) if check_patterns else ():
         if p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
+    if check_patterns and config.embeddings and not tables_quantized and not float_tables:  # (subclasses: warned)
+        tables = [d for d in report.layers if d.type_name == "Embedding"]
+        report.problems.append("QuantConfig(embeddings=True) quantizes no embedding table: " + (
+            "each stays float for the reason given" if tables else "the model has no nn.Embedding"))
     if float_tables:
         report.warnings.append(
             f"QuantConfig(embeddings=True) leaves {len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: "
