@@ -250,8 +250,25 @@ ROWS = {
             "gradient_accumulation_steps=4 exceeds the batches per epoch of the smallest shard (1): lower it, the "
             "batch size or the number of nodes"),
     65: cli(["--straggler"], "argument --straggler: expected at least one argument"),
+    66: cli(["--compressor", "randomk"], "argument --compressor: compressor='randomk' chooses which entries "
+            "compression > 0 drops, and compression=0 sends every entry: set compression > 0 or leave compressor at "
+            "'topk'"),
+    67: cli(["--qgm_beta", "0.5"], "argument --qgm_beta: qgm_beta=0.5 is the quasi-global momentum's beta, and "
+            "qgm=False: set qgm=True, or leave qgm_beta at 0.9"),
+    68: cli(["--lr_decay", "0.5"], "argument --lr_decay: lr_decay=0.5 is the factor at each of lr_milestones, and "
+            "lr_milestones=None: give lr_milestones, or leave lr_decay at 0.1"),
+    69: cli(["--gossip_timeout", "5"], "argument --gossip_timeout: gossip_timeout=5.0 is how long a process waits "
+            "for its peers, and backend='simulated' runs every node in this process: use backend='distributed', or "
+            "leave gossip_timeout at 300.0"),
+    70: cli(["--optim", "lomo"], "argument --optim: optim='lomo' is not supported by DecentralizedTrainer (LOMO "
+            "updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip): use "
+            "adamw_torch, sgd or another optimizer that steps in optimizer.step()"),
+    71: cli(["--dataloader_persistent_workers"], "argument --dataloader_persistent_workers: "
+            "dataloader_persistent_workers=True is a setting of dataloader worker processes, and "
+            "dataloader_num_workers=0 starts none: set dataloader_num_workers > 0 or leave "
+            "dataloader_persistent_workers at its default"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, 65]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 72)]
 
 
 def docs_table() -> str:
