@@ -784,7 +784,7 @@ def test_bad_numbers_are_refused_naming_the_field(tmp_path, kwargs, field):
     (dict(fp16_full_eval=True), "fp16_full_eval"), (dict(eval_use_gather_object=True), "eval_use_gather_object"),
     (dict(save_on_each_node=True), "save_on_each_node"), (dict(average_tokens_across_devices=True),
                                                       "average_tokens_across_devices"),
-    (dict(dataloader_drop_last=True), "dataloader_drop_last"), (dict(use_liger_kernel=True), "use_liger_kernel"),
+    (dict(use_liger_kernel=True), "use_liger_kernel"),
     (dict(logging_nan_inf_filter=False), "logging_nan_inf_filter"),
 ])
 def test_settings_the_trainer_cannot_honour_are_refused_with_a_reason(tmp_path, kwargs, field):
@@ -1070,6 +1070,18 @@ def test_push_to_hub_uploads_the_averaged_model_and_its_card_as_trainer_does(tmp
             checkpoint_uploads[-1]["files"])
     else:
         assert checkpoint_uploads == []
+
+
+@pytest.mark.parametrize("drop_last, samples", [(False, 32), (True, 24)])
+def test_dataloader_drop_last_drops_the_last_partial_evaluation_batch(tmp_path, agnews_small, tokenizer, drop_last,
+                                                                       samples):
+    """As in Trainer: 32 evaluation samples in batches of 12 are 2 full batches and one of 8, which
+    dataloader_drop_last leaves out (training drops its last partial batch either way)."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, per_device_eval_batch_size=12,
+                          dataloader_drop_last=drop_last)
+    assert trainer.predict(agnews_small["test"]).predictions.shape == (samples, 4)
+    metrics = trainer.evaluate()
+    assert metrics["eval_samples_per_second"] == pytest.approx(samples / metrics["eval_runtime"], rel=0.05)
 
 
 @pytest.mark.parametrize("named", [False, True])

@@ -323,7 +323,8 @@ class EvaluationMixin:
         return self._plain_loader(test_dataset, "test")
 
     def _plain_loader(self, dataset, description: str) -> DataLoader:
-        return DataLoader(batch_size=self.args.per_device_eval_batch_size, **self._loader_options(dataset, description))
+        return DataLoader(batch_size=self.args.per_device_eval_batch_size, drop_last=self.args.dataloader_drop_last,
+                          **self._loader_options(dataset, description))
 
 
 def _prefixed(metrics: dict, prefix: str, suffix: str = "") -> dict:

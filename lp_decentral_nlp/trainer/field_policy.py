@@ -42,8 +42,8 @@ POLICY: dict[str, str] = {
     "dataloader_persistent_workers": HONOURED,
     "dataloader_prefetch_factor": HONOURED,
     "dataloader_multiprocessing_context": HONOURED,
-    "dataloader_drop_last": "refused: the training shards always drop their last partial batch (a node's epoch is "
-                            "whole batches); evaluation sees every sample",
+    "dataloader_drop_last": HONOURED + " (the evaluation and test loaders drop their last partial batch; the training "
+                            "shards always do: a node's epoch is whole batches)",
     "dataloader_in_order": "refused: each node's loader yields its shard in its epoch sampler's order",
     "train_sampling_strategy": "refused: each node shuffles its SPEC 6 shard with its own epoch sampler",
     "length_column_name": "refused: used only by length-grouped sampling, which train_sampling_strategy refuses",
