@@ -267,8 +267,11 @@ ROWS = {
             "dataloader_persistent_workers=True is a setting of dataloader worker processes, and "
             "dataloader_num_workers=0 starts none: set dataloader_num_workers > 0 or leave "
             "dataloader_persistent_workers at its default"),
+    72: cli(["--push_to_hub"], "argument --push_to_hub: the recipes write the trained model to <output-dir>/model and "
+            "the run's files beside it; upload that folder (hf upload <repo> <output-dir>/model), or train from Python "
+            "with DecentralizedTrainer(push_to_hub=True)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 72)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 73)]
 
 
 def docs_table() -> str:

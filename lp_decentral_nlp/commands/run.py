@@ -108,6 +108,10 @@ def run_checks(parser, parsed) -> None:
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
+    if parsed.training.push_to_hub:
+        parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
+                     "<output-dir>/model and the run's files beside it; upload that folder (hf upload <repo> "
+                     "<output-dir>/model), or train from Python with DecentralizedTrainer(push_to_hub=True)")
 
 
 def check_report_to(parser, training) -> None:
