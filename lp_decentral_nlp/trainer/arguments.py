@@ -25,17 +25,19 @@ BACKENDS = ("simulated", "distributed")
 _DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
+_NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
+_INSIDE_BACKWARD = "updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip"
+_NEEDS_TARGETS = "needs optim_target_modules, which is refused (not checked with gossip)"
 #: ``optim`` values whose optimizers step outside a node's ``optimizer.step()`` or keep weights gossip
 #: does not average, by name prefix, and why they are refused
 REFUSED_OPTIMIZERS = {
-    "lomo": "LOMO updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip",
-    "adalomo": "AdaLomo updates each weight inside backward, before the node's NaN/Inf check, clipping and gossip",
+    "lomo": f"LOMO {_INSIDE_BACKWARD}",
+    "adalomo": f"AdaLomo {_INSIDE_BACKWARD}",
     "schedule_free": "a schedule-free optimizer keeps a second weight sequence in its state, which gossip does not "
                      "average",
-    "galore": "GaLore needs optim_target_modules, which is refused (not checked with gossip)",
-    "apollo": "APOLLO needs optim_target_modules, which is refused (not checked with gossip)",
+    "galore": f"GaLore {_NEEDS_TARGETS}",
+    "apollo": f"APOLLO {_NEEDS_TARGETS}",
 }
-_NOT_DDP_WARNING = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
 # the numeric fields checked here, against lp_decentral_nlp.checks.NUMBER_FIELDS (the gossip fields are checked by
 # GossipConfig, drop_prob by FaultPlan, against the same table)
 NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",

@@ -103,8 +103,9 @@ class LocalStepMixin:
                 loss = loss + weight * micro_loss
             if j < len(micro_batches) - 1:
                 self._node_event("on_substep_end", k)
-        # unscale_ and update need a gradient to inspect: a node whose micro-batches all lacked labels has none
-        scaled = scaler is not None and any(p.grad is not None for p in node.parameters())
+        # unscale_ and update need a gradient to inspect: a node whose micro-batches all lacked labels
+        # (weight 0: no backward) has none
+        scaled = scaler is not None and any(weights)
         if scaled:
             scaler.unscale_(optimizer)
         outcome = self._finite_then_clip(k, loss, step, overflow_possible=scaled)
