@@ -357,6 +357,23 @@ def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights(undo
         assert torch.equal(model(input_ids=ids).logits, float_reference(input_ids=ids).logits)
 
 
+def test_models_sharing_a_config_object_stay_float(tmp_path):
+    """``Cls(config)`` keeps the object it is given: recording the quantization on it made every
+    model built from it (a float teacher beside an 8-bit student) reload 8-bit, and undoing the
+    student's surgery removed it from the teacher."""
+    config = DistilBertConfig(vocab_size=120, dim=32, hidden_dim=64, n_layers=2, n_heads=2, num_labels=4)
+    student, teacher = DistilBertForSequenceClassification(config), DistilBertForSequenceClassification(config)
+    quantize_model(student)
+    assert not hasattr(config, CONFIG_KEY) and not hasattr(teacher.config, CONFIG_KEY)
+    assert all(m.config is student.config for m in student.modules() if "config" in m.__dict__)  # one copy, shared
+    assert hasattr(student.distilbert.config, CONFIG_KEY)
+    teacher.save_pretrained(tmp_path)
+    assert quantized_names(DistilBertForSequenceClassification.from_pretrained(tmp_path)) == []
+    assert quantized_names(DistilBertForSequenceClassification(config)) == []
+    dequantize_model(student)
+    assert not hasattr(student.config, CONFIG_KEY)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

@@ -9,6 +9,7 @@ the transformers quantizer registered in ``hf_quantizer.py``.
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -155,10 +156,24 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
+        _own_config(owner)
         setattr(owner.config, CONFIG_KEY, hf_config)
         if hasattr(owner, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
             owner.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
     return model
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give `model` and its submodules a copy of the config object they hold, so recording the
+    quantization on it leaves other models built from the same object (``Cls(config)`` does not
+    copy it, ``from_pretrained``/``from_config`` do) float. Submodules holding a part of it
+    (``config.text_config``) get that part of the copy."""
+    copies: dict[int, object] = {}
+    copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in copies and copies[id(held)] is not held:
+            module.config = copies[id(held)]
 
 
 def _config_owner(model: nn.Module) -> nn.Module:
