@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, dequantize_model, quantize_model
@@ -87,6 +88,70 @@ def test_patterns_matching_nothing_are_errors(config, message):
         quantize_model(model, config)
     assert quantized_names(model) == []
     assert message in str(quantize_model(model, config, dry_run=True))  # the dry run reports it
+
+
+@pytest.mark.parametrize("target", [("q_lin", "classifier"), ("classifier",)])
+def test_a_target_pattern_meeting_only_skipped_layers_is_an_error(target):
+    """It counted as matched: ('q_lin', 'classifier') quantized the q_lin layers and said nothing of the
+    head, and ('classifier',) alone said "no layer to quantize", of a model full of Linear layers."""
+    model = tiny_distilbert()
+    with pytest.raises(ValueError, match=r"^quantize_model: target pattern 'classifier' matches only layers kept float "
+                                         r"\(e.g. 'classifier': matches skip pattern 'classifier'\) \(quantize_model"
+                                         r"\(model, config, dry_run=True\) gives every layer's decision\)$"):
+        quantize_model(model, QuantConfig(target=target))
+    assert quantized_names(model) == []
+    head = quantize_model(model, QuantConfig(target=target, skip=("pre_classifier",)))  # unskipped: it is quantized
+    assert isinstance(head.classifier, QuantLinear)
+
+
+@pytest.mark.parametrize("make_computed", [
+    lambda layer: prune.l1_unstructured(layer, "weight", amount=0.5),
+    lambda layer: prune.random_unstructured(layer, "bias", amount=0.5),
+    lambda layer: torch.nn.utils.weight_norm(layer),
+    lambda layer: torch.nn.utils.parametrizations.weight_norm(layer),
+], ids=["pruned weight", "pruned bias", "weight_norm", "parametrized"])
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_a_layer_whose_weight_a_hook_recomputes_stays_float_with_a_warning(make_computed):
+    """Pruned or weight-normed layers were swapped without their hook: the forward failed on a meta
+    tensor, and the undo left a meta weight that computed NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    make_computed(model[0])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        before = model(x)
+    with pytest.warns(UserWarning, match=r"^1 layer\(s\) the selection asks for stay fp32: 0 \(its (weight|bias) is "
+                                         r"(recomputed from .* before each forward \(pruning, weight_norm or spectral_norm\)"
+                                         r"|computed by a parametrization)"):
+        quantize_model(model)
+    assert not isinstance(model[0], QuantModule) and isinstance(model[2], QuantLinear)
+    dequantize_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # skipped, it is asked for by no one: nothing to warn about
+        quantize_model(dequantize_model(quantize_model(model, QuantConfig(skip=("0",)))), QuantConfig(target=("2",)))
+
+
+def test_the_hooks_of_a_swapped_layer_follow_it_both_ways():
+    """A hook registered on a layer was called before the swap and never after (nor after the undo)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    calls = []
+    handles = [model[0].register_forward_pre_hook(lambda module, args: calls.append(("pre", type(module).__name__))),
+               model[0].register_forward_hook(lambda module, args, out: calls.append(("fwd", type(module).__name__))),
+               model[2].register_full_backward_hook(lambda module, g_in, g_out: calls.append(("bwd", type(module).__name__)))]
+    quantize_model(model)
+    model(torch.randn(4, 8)).sum().backward()
+    assert calls == [("pre", "QuantLinear"), ("fwd", "QuantLinear"), ("bwd", "QuantLinear")]
+    calls.clear()
+    dequantize_model(model)
+    model(torch.randn(4, 8)).sum().backward()
+    assert calls == [("pre", "Linear"), ("fwd", "Linear"), ("bwd", "Linear")]
+    for handle in handles:  # the handles still reach them
+        handle.remove()
+    calls.clear()
+    quantize_model(model)(torch.randn(4, 8)).sum().backward()
+    assert calls == []
 
 
 def test_default_head_names_absent_from_a_model_are_not_errors():
@@ -218,8 +283,9 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def test_embeddings_true_warns_about_the_tables_it_cannot_quantize():
-    """QuantConfig(embeddings=True) quantized no table of Gemma or BART and said so only in the dry run."""
-    model = nn.Sequential(ScaledEmbedding(10, 8), nn.Linear(8, 8))
+    """QuantConfig(embeddings=True) quantized no table of Gemma or BART and said so only in the dry run;
+    when it quantizes no table at all it is refused, as when the model has no nn.Embedding."""
+    model = nn.Sequential(ScaledEmbedding(10, 8), nn.Embedding(10, 8), nn.Linear(8, 8))
     message = (r"QuantConfig\(embeddings=True\) leaves 1 embedding table\(s\) fp32: 0 \(ScaledEmbedding\): subclasses "
                r"of nn.Embedding, whose forward may do more than a lookup \(a scale, positions\), have no registered "
                r"8-bit replacement \(register_quant_layer\)")
@@ -230,7 +296,12 @@ def test_embeddings_true_warns_about_the_tables_it_cannot_quantize():
         quantize_model(copy.deepcopy(model))  # tables stay float by default: nothing to warn about
     with pytest.warns(UserWarning, match="^" + message + "$"):
         quantize_model(model, QuantConfig(embeddings=True))
-    assert type(model[0]) is ScaledEmbedding and type(model[1]) is QuantLinear
+    assert type(model[0]) is ScaledEmbedding and type(model[1]) is QuantEmbedding and type(model[2]) is QuantLinear
+    only_subclasses = nn.Sequential(ScaledEmbedding(10, 8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"quantizes no embedding table: it leaves 1 embedding table\(s\) fp32: 0 "
+                                         r"\(ScaledEmbedding\): subclasses"):
+        quantize_model(only_subclasses, QuantConfig(embeddings=True))
+    assert type(only_subclasses[1]) is nn.Linear
 
 
 @pytest.mark.parametrize("model, config, why", [

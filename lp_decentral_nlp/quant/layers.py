@@ -116,7 +116,17 @@ class QuantModule:
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        """Why `module` (of ``float_type``) cannot be swapped, for the dry-run report; None: it can."""
+        """Why `module` (of ``float_type``) cannot be swapped, for the dry-run report; None: it can.
+
+        A ``weight`` or ``bias`` that is no parameter of `module` itself is recomputed before each
+        forward from parameters of other names (``torch.nn.utils.prune``, the old-style
+        ``weight_norm``/``spectral_norm`` hooks): the 8-bit layer shares parameters, not the hook."""
+        own = dict(module.named_parameters(recurse=False))
+        computed = [name for name in ("weight", "bias") if getattr(module, name, None) is not None and name not in own]
+        if computed:
+            return (f"its {' and '.join(computed)} is recomputed from {', '.join(sorted(own))} before each forward (pruning, "
+                    "weight_norm or spectral_norm), which the 8-bit layer would not do: make it permanent first "
+                    "(torch.nn.utils.prune.remove, torch.nn.utils.remove_weight_norm)")
         return None
 
     @classmethod
@@ -415,6 +425,9 @@ class QuantEmbedding(QuantModule, nn.Embedding):
 
     @classmethod
     def unsupported(cls, module):
+        computed = super().unsupported(module)
+        if computed:
+            return computed
         if module.max_norm is not None:
             return f"max_norm={module.max_norm} renormalizes the table in place, which 8-bit lookups do not support"
         return None

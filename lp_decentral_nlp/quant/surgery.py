@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
@@ -116,10 +117,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     give it, under ``base_model_prefix``: ``target=("bert",)`` selects all of it, as in
     ``BertForSequenceClassification``, so a task checkpoint reloads as its base model too.
 
+    Swapped layers keep the forward and backward hooks registered on them. A layer whose weight
+    or bias a hook or parametrization recomputes (pruning, weight_norm, spectral_norm) stays float,
+    with a warning, as any layer the selection asks for but cannot swap. The quantization is
+    recorded on a copy of the model's config, so other models built from the same config object
+    stay float.
+
     Returns:
-        `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer,
-        when nothing would be quantized, or when `model` is already quantized (by us or by
-        another transformers quantization method).
+        `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer
+        or only layers kept float, when nothing would be quantized, or when `model` is already
+        quantized (by us or by another transformers quantization method).
     """
     return _quantize(model, config, dry_run, reloading=False)
 
@@ -148,7 +155,8 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     if dry_run:
         return report
     if report.problems:
-        raise ValueError("quantize_model: " + "; ".join(report.problems) + f"\n{report}")
+        raise ValueError("quantize_model: " + "; ".join(report.problems) + " (quantize_model(model, config, "
+                         "dry_run=True) gives every layer's decision)")
     for message in () if reloading else report.warnings:
         warnings.warn(message, stacklevel=3)
     selected = {id(model.get_submodule(name)) for name in report.quantized}
@@ -212,7 +220,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     # a transformers base model is also named under its prefix ("bert") in its task models
     prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
     head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
-    skip_used, target_used, not_float32, float_tables = set(), set(), [], []
+    skip_used, target_used, not_float32, float_tables, cannot = set(), set(), [], [], []
+    target_kept: dict[str, LayerDecision] = {}  # a target pattern's first layer kept float
     tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
     for name, module in model.named_modules():
         if not isinstance(module, supported):
@@ -237,10 +246,16 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         unsupported = quant_type.unsupported(module) if quant_type is not None else None
         if not switched_off:  # a pattern that only meets switched-off layers selects nothing
             skip_used.update(skips)
-            if quant_type is not None and targets:
-                target_used.update(targets)
+        met = targets if quant_type is not None and targets and not switched_off else ()
+        asked = not skips and module is not head and (targets is None or bool(targets))
         quantize = False
-        if quant_type is None:
+        if quant_type is None and parametrize.is_parametrized(module):
+            reason = (f"its {', '.join(module.parametrizations)} is computed by a parametrization (torch.nn.utils."
+                      "parametrize: weight_norm, spectral_norm, orthogonal, ...), which the 8-bit layer would not run: "
+                      "remove it first (parametrize.remove_parametrizations)")
+            if asked:
+                cannot.append(f"{name} ({reason})")
+        elif quant_type is None:
             reason = f"subclass of {module.__class__.__mro__[1].__name__} with no registered 8-bit replacement"
             if config.embeddings and isinstance(module, nn.Embedding) and not skips:
                 float_tables.append(f"{name} ({type(module).__name__})")
@@ -248,6 +263,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             reason = f"off by default (QuantConfig({switch}=True) quantizes it)"
         elif unsupported:
             reason = unsupported
+            if asked:
+                cannot.append(f"{name} ({reason})")
         elif skips:
             reason = f"matches skip pattern {skips[0]!r}"
         elif module is head:
@@ -257,6 +274,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         else:
             quantize = True
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
+            target_used.update(targets or ())
         if quantize:
             not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
                             if t.dtype != torch.float32]
@@ -264,23 +282,33 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
-        report.layers.append(LayerDecision(name, type(module).__name__, quantize, reason))
+        decision = LayerDecision(name, type(module).__name__, quantize, reason)
+        report.layers.append(decision)
+        for p in () if quantize else met:
+            target_kept.setdefault(p, decision)
 
     for p in (config.skip if check_patterns else ()):
         if p not in skip_used and p not in DEFAULT_SKIP:
             report.problems.append(f"skip pattern {p!r} matches no quantizable layer")
     for p in (config.target or ()) if check_patterns else ():
-        if p not in target_used:
+        if p in target_kept and p not in target_used:
+            kept = target_kept[p]
+            report.problems.append(f"target pattern {p!r} matches only layers kept float (e.g. {kept.name!r}: "
+                                   f"{kept.reason})")
+        elif p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
-    if check_patterns and config.embeddings and not tables_quantized and not float_tables:  # (subclasses: warned)
+    if cannot:
+        report.warnings.append(f"{len(cannot)} layer(s) the selection asks for stay fp32: {'; '.join(cannot)}")
+    subclass_tables = (f"{len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: subclasses of "
+                       "nn.Embedding, whose forward may do more than a lookup (a scale, positions), have no registered "
+                       "8-bit replacement (register_quant_layer)")
+    if check_patterns and config.embeddings and not tables_quantized:
         tables = [d for d in report.layers if d.type_name == "Embedding"]
         report.problems.append("QuantConfig(embeddings=True) quantizes no embedding table: " + (
+            "it leaves " + subclass_tables if float_tables else
             "each stays float for the reason given" if tables else "the model has no nn.Embedding"))
-    if float_tables:
-        report.warnings.append(
-            f"QuantConfig(embeddings=True) leaves {len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: "
-            "subclasses of nn.Embedding, whose forward may do more than a lookup (a scale, positions), have no "
-            "registered 8-bit replacement (register_quant_layer)")
+    elif float_tables:
+        report.warnings.append("QuantConfig(embeddings=True) leaves " + subclass_tables)
     if not_float32:
         layer, param, dtype = not_float32[0]
         report.problems.append(f"{len(not_float32)} parameters of the layers to quantize are not float32 (e.g. "
@@ -324,14 +352,24 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+# torch.nn.Module's registries of the hooks ``register_forward_pre_hook``, ``register_forward_hook``
+# and ``register_full_backward(_pre)_hook`` add to one module (the last: which kind its backward hooks are)
+_HOOK_REGISTRIES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
+
+
 def _replace(model: nn.Module, selected: set[int], build) -> None:
     """Replace each module whose id is in `selected` by ``build(module)``, under every name it has.
-    Every replacement is built before any is set: a build that raises leaves `model` as it was."""
+    Every replacement is built before any is set: a build that raises leaves `model` as it was.
+    The replacement takes over the module's forward and backward hooks (the same registries, so the
+    handles ``register_*_hook`` returned still remove them)."""
     named = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if id(module) in selected]
-    built: dict[int, nn.Module] = {}
-    for _, module in named:
-        if id(module) not in built:
-            built[id(module)] = build(module)
+    originals = {id(module): module for _, module in named}
+    built = {module_id: build(module) for module_id, module in originals.items()}
+    for module_id, module in originals.items():
+        for registry in _HOOK_REGISTRIES:
+            if registry in module.__dict__:
+                setattr(built[module_id], registry, module.__dict__[registry])
     for name, module in named:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, built[id(module)])
