@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from ..checks import Number, check_number
 from .kernels import kernel_names
 
-# Task heads of Hugging Face models (classification, question answering, MLM transforms and LM
-# heads). They stay full precision by default (SPEC 4); with all of these in `skip`, so does the
-# model's output embeddings module (`surgery.quantize_model`). These well-known names are applied
-# wherever they exist; any other `skip` pattern must match.
+# Task heads of Hugging Face models (classification, question answering, multiple choice, MLM
+# transforms, distillation and LM heads). They stay full precision by default (SPEC 4); while
+# "lm_head" is in `skip`, so does the model's output embeddings module, whatever its name
+# (`surgery.quantize_model`). These well-known names are applied wherever they exist; any other
+# `skip` pattern must match.
 DEFAULT_SKIP = ("classifier", "pre_classifier", "score", "lm_head", "qa_outputs", "classification_head", "cls",
                 "predictions", "vocab_transform", "vocab_projector", "generator_predictions", "generator_lm_head",
-                "discriminator_predictions")
+                "discriminator_predictions", "sequence_summary", "logits_proj", "multiple_choice_head",
+                "cls_classifier", "distillation_classifier", "classifier_distill")
 GRAD_GRANULARITIES = ("tensor", "sample")
 MIN_BITS, MAX_BITS = 2, 8
 
@@ -39,8 +41,11 @@ class QuantConfig:
             ``pre_classifier``, ``score``, ``lm_head``, ``qa_outputs``, ``classification_head``,
             ``cls`` (BERT's pre-training heads), ``predictions`` (ALBERT's MLM head),
             ``vocab_transform``, ``vocab_projector``, ELECTRA's
-            ``generator_predictions``, ``generator_lm_head``, ``discriminator_predictions``); while
-            ``skip`` holds all of them (the default, or ``DEFAULT_SKIP + (...)``) the module the
+            ``generator_predictions``, ``generator_lm_head``, ``discriminator_predictions``, the
+            sequence summaries of XLNet/XLM/ELECTRA's multiple choice ``sequence_summary`` and
+            ``logits_proj``, GPT-2's ``multiple_choice_head``, and the distilled vision models'
+            ``cls_classifier``, ``distillation_classifier``, ``classifier_distill``); while
+            ``skip`` holds ``"lm_head"`` (the default, or ``DEFAULT_SKIP + (...)``) the module the
             model's ``get_output_embeddings()`` returns (its LM head, whatever its name) stays full
             precision too. The default names need not exist in the model; any other pattern must
             match a layer.

@@ -25,6 +25,9 @@ from .kernels import describe_kernel
 from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantLinear, QuantModule
 
 CONFIG_KEY = "quantization_config"
+# quantize_model warns when more than this share of the weight elements it is asked to quantize
+# stays fp32 in modules of no registered type (e.g. the fused experts of a mixture of experts)
+FP32_WEIGHT_SHARE_WARNED = 0.1
 
 # Exact float module type -> 8-bit replacement class (subclasses are not dispatched: e.g.
 # nn.MultiheadAttention's out_proj is a Linear subclass whose forward is never called).
@@ -219,27 +222,27 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     report = QuantReport()
     # a transformers base model is also named under its prefix ("bert") in its task models
     prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
-    head = _output_embeddings(model) if set(DEFAULT_SKIP) <= set(config.skip) else None
+    head = _output_embeddings(model) if "lm_head" in config.skip else None
     skip_used, target_used, not_float32, float_tables, cannot = set(), set(), [], [], []
     target_kept: dict[str, LayerDecision] = {}  # a target pattern's first layer kept float
     tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
+    quantized_elements, fp32_weights = 0, []  # weight elements of the 8-bit layers; (name, type, elements) kept fp32
     for name, module in model.named_modules():
+        chain = _names(name, prefix)
+        skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
+        targets = None if config.target is None else [p for p in config.target if any(name_matches(p, n) for n in chain)]
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
                 report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
+                if not skips and (targets is None or targets):
+                    fp32_weights.append((name, type(module).__name__, _gemm_weight_elements(module)))
             elif next(module.parameters(recurse=False), None) is not None:
                 type_name = type(module).__name__
                 report.other_float[type_name] = report.other_float.get(type_name, 0) + 1
             continue
         if not name:
             continue
-        parts = name.split(".")
-        chain = [".".join(parts[: i + 1]) for i in range(len(parts))]  # the layer and its parents
-        if prefix:
-            chain += [prefix] + [f"{prefix}.{n}" for n in chain]
-        skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
-        targets = None if config.target is None else [p for p in config.target if any(name_matches(p, n) for n in chain)]
         quant_type = QUANT_LAYERS.get(type(module))
         switch = getattr(quant_type, "enabled_by", None)
         switched_off = switch is not None and not getattr(config, switch)
@@ -268,13 +271,14 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         elif skips:
             reason = f"matches skip pattern {skips[0]!r}"
         elif module is head:
-            reason = "the model's output embeddings (get_output_embeddings()), a head the default skip keeps float"
+            reason = "the model's output embeddings (get_output_embeddings()), kept float while skip holds 'lm_head'"
         elif targets is not None and not targets:
             reason = "matches no target pattern"
         else:
             quantize = True
             reason = "supported layer" if targets is None else f"matches target pattern {targets[0]!r}"
             target_used.update(targets or ())
+            quantized_elements += module.weight.numel()
         if quantize:
             not_float32 += [(name, p, t.dtype) for p, t in module.named_parameters(recurse=False)
                             if t.dtype != torch.float32]
@@ -297,6 +301,13 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
                                    f"{kept.reason})")
         elif p not in target_used:
             report.problems.append(f"target pattern {p!r} matches no quantizable layer")
+    fp32_elements = sum(n for _, _, n in fp32_weights)
+    if fp32_elements > FP32_WEIGHT_SHARE_WARNED * (fp32_elements + quantized_elements):
+        name, type_name, _ = max(fp32_weights, key=lambda w: w[2])
+        report.warnings.append(
+            f"{fp32_elements / (fp32_elements + quantized_elements):.0%} of the weights the selection asks for stay fp32 "
+            f"in modules of no registered 8-bit type (e.g. {name!r}, {type_name}: {len(fp32_weights)} module(s)); "
+            "quantize_model(model, config, dry_run=True) lists them")
     if cannot:
         report.warnings.append(f"{len(cannot)} layer(s) the selection asks for stay fp32: {'; '.join(cannot)}")
     subclass_tables = (f"{len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: subclasses of "
@@ -322,6 +333,20 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         else:
             report.problems.append(f"no layer to quantize (supported types: {kinds})")
     return report
+
+
+def _names(name: str, prefix: str) -> list[str]:
+    """The names a module called `name` answers to in patterns: its own and its parents', also under
+    a base model's `prefix` (see ``quantize_model``)."""
+    parts = name.split(".") if name else []
+    chain = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return chain + [prefix] + [f"{prefix}.{n}" for n in chain] if prefix else chain
+
+
+def _gemm_weight_elements(module: nn.Module) -> int:
+    """Elements of `module`'s own parameters of 2 or more dimensions that are GEMM operands (see
+    ``_unreplaced_weights``: not those of leading dim 1, added to the activations)."""
+    return sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] != 1)
 
 
 def _unreplaced_weights(module: nn.Module) -> str | None:
