@@ -270,8 +270,18 @@ ROWS = {
     72: cli(["--push_to_hub"], "argument --push_to_hub: the recipes write the trained model to <output-dir>/model and "
             "the run's files beside it; upload that folder (hf upload <repo> <output-dir>/model), or train from Python "
             "with DecentralizedTrainer(push_to_hub=True)"),
+    73: cli(["--prediction_loss_only"], "argument --prediction_loss_only: the recipes report the accuracy of the "
+            "averaged model and of each node, which needs the predictions; drop it"),
+    74: cli(["--label_names", "label"], "argument --label_names: the recipes name the label of their batches "
+            "themselves ('labels' for text, 'label' for images); drop it"),
+    75: Row("`--dataloader_drop_last`, a test split smaller than one evaluation batch", "exit 2",
+            "argument --dataloader_drop_last: the test split's 5 rows are fewer than one evaluation batch (32), so the "
+            "evaluation would drop them all and report no accuracy: give more test rows, or drop it"),
+    76: Row("`--model DIR`, DIR holding the config and weights but no tokenizer files", "exit 2",
+            "argument --model: DIR: its tokenizer has no vocabulary, only 5 special tokens (no tokenizer files such "
+            "as tokenizer.json or vocab.txt): save the tokenizer into the folder (tokenizer.save_pretrained)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 73)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75)]
 
 
 def docs_table() -> str:
@@ -551,6 +561,28 @@ def test_row62_a_data_dir_with_test_csv_and_no_train_csv(tmp_path, tiny_model_di
         main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path),
                                   "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[62].expected(tmp_path)
+
+
+def test_row75_drop_last_with_a_test_split_smaller_than_one_batch(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    """The run trained, then failed with KeyError 'eval_accuracy' and a "running" results.json."""
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-eval-samples", "5", "--max-length", "32", "--dataloader_drop_last", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[75].message
+    assert not (tmp_path / "run").exists()
+
+
+def test_row76_a_model_folder_without_tokenizer_files(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    """transformers built a tokenizer of the 5 special tokens: every word became [UNK], and the run
+    trained on nothing, exit 0."""
+    model_dir = copied_model(tiny_model_dir, tmp_path / "model")
+    for name in model_dir.iterdir():
+        if name.name not in ("config.json", "model.safetensors"):
+            name.unlink()
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[76].expected(model_dir)
 
 
 def copied_model(tiny_model_dir, folder):

@@ -45,6 +45,8 @@ def tiny_flags(model_dir, csv, out, *extra):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("my notes\n")  # the user's file: the model card went over it, then moved it
     # --kernel int8 is honoured for every layer; "auto" runs the tiny model's narrow layers simulated
     kernel = "int8" if recipe == "agnews_choco" else "auto"
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"),
@@ -79,7 +81,7 @@ def test_recipe_end_to_end(recipe, tiny_model_dir, ag_news_csv, tmp_path):
     assert f"- num_nodes: 4\n- topology: directed_ring\n- algorithm: {results['config']['algorithm']}\n" in card
     assert "- total_train_batch_size: 32\n" in card and "- decentralized\n" in card
     assert f"- Accuracy: {results['accuracy']:.4f}" in card and "Node 0" not in card
-    assert not (out / "README.md").exists()
+    assert (out / "README.md").read_text() == "my notes\n"
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) >= 4 and rows[0].startswith("step,")
     model = load_quantized(out / "model")  # the class the run saved: the classifier with its head

@@ -167,6 +167,13 @@ def test_image_folder_with_wrong_class_count(tmp_path):
         load_vision_dataset("cifar10", data_dir=tmp_path / "two")
 
 
+def test_an_image_folder_of_one_class_is_refused(tmp_path):
+    """It trained, and the recipe failed after training (KeyError 'eval_accuracy': one logit per image)."""
+    _write_image_folder(tmp_path / "one", {"train": 2, "test": 1}, ["cat"])
+    with pytest.raises(ValueError, match=r"the 'train' split has 1 class \(\['cat'\]\): classification needs at least 2$"):
+        load_vision_dataset("folder", data_dir=tmp_path / "one")
+
+
 def _hub_like_cifar100(rows=6):
     rng = np.random.default_rng(1)
     features = datasets.Features({

@@ -81,9 +81,10 @@ def _unreadable_model_errors() -> tuple:
 
 
 def load_tokenizer(model_path: str, max_length: int, prog: str):
-    """The tokenizer of `model_path`, after checking that its config loads and its model has at
-    least ``max_length`` positions; a problem exits with one line naming ``--model`` or
-    ``--max-length``."""
+    """The tokenizer of `model_path`, after checking that its config loads, that the tokenizer has
+    a vocabulary (transformers builds one of special tokens alone from a folder without tokenizer
+    files, which turns every word into the unknown token) and that the model has at least
+    ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -91,6 +92,10 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except _unreadable_model_errors() as err:
         exit_with_error(prog, f"{model_path}: cannot load its config or tokenizer ({error_summary(err)})", "--model")
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        exit_with_error(prog, f"{model_path}: its tokenizer has no vocabulary, only {len(tokenizer)} special tokens (no "
+                              "tokenizer files such as tokenizer.json or vocab.txt): save the tokenizer into the folder "
+                              "(tokenizer.save_pretrained)", "--model")
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and max_length > positions:
         exit_with_error(prog, f"{max_length} exceeds the {positions} positions of {model_path} "

@@ -108,6 +108,7 @@ def run_checks(parser, parsed) -> None:
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
+    check_accuracy_kept(parser, parsed.training)
     if parsed.training.push_to_hub:
         parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
                      "<output-dir>/model and the run's files beside it; upload that folder (hf upload <repo> "
@@ -143,6 +144,18 @@ def check_best_metric(parser, training) -> None:
         parser.error(f"argument {parser.flag_of('metric_for_best_model')}: {metric!r} is not a metric of the "
                      f"evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
                      f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
+
+
+def check_accuracy_kept(parser, training) -> None:
+    """Settings under which the evaluation would give no accuracy, which every recipe reports
+    (``results.json``): ``--prediction_loss_only`` (no predictions) and ``--label_names`` (the
+    recipes' batches name their label themselves: ``labels`` for text, ``label`` for images)."""
+    if training.prediction_loss_only:
+        parser.error(f"argument {parser.flag_of('prediction_loss_only')}: the recipes report the accuracy of the "
+                     "averaged model and of each node, which needs the predictions; drop it")
+    if training.label_names is not None:
+        parser.error(f"argument {parser.flag_of('label_names')}: the recipes name the label of their batches "
+                     "themselves ('labels' for text, 'label' for images); drop it")
 
 
 def environment_problem() -> str | None:
@@ -661,6 +674,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
     from ..trainer.checkpointing import list_checkpoints
+    from ..trainer.model_card import training_summary
 
     training = parsed.training
     out = training.output_dir
@@ -674,6 +688,10 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
                 os.rmdir(out)
         exit_with_error(prog, message, flag)
 
+    if training.dataloader_drop_last and len(data["test"]) < training.per_device_eval_batch_size:
+        refuse(f"the test split's {len(data['test'])} rows are fewer than one evaluation batch "
+               f"({training.per_device_eval_batch_size}), so the evaluation would drop them all and report no "
+               "accuracy: give more test rows, or drop it", parsed.flags["dataloader_drop_last"])
     csv_callback = MetricsCSVCallback(os.path.join(out, "metrics.csv"))
     try:  # the training set against the settings (a shard column it lacks, labels the model cannot predict, ...)
         trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"],
@@ -727,10 +745,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         _write_json(out, "kernels.json", layer_kernels)
     metrics = final_evaluation(trainer)
     trainer.save_model(os.path.join(out, "model"))
-    if card is not None:
-        trainer.create_model_card(**card)  # output_dir/README.md: the card belongs with the model
-        if trainer.state.is_world_process_zero:
-            os.replace(os.path.join(out, "README.md"), os.path.join(out, "model", "README.md"))
+    if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
+        pathlib.Path(out, "model", "README.md").write_text(training_summary(trainer, **card).to_model_card(),
+                                                           encoding="utf-8")
     n = training.num_nodes
     results = {
         "status": "done",

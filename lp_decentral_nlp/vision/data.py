@@ -324,6 +324,9 @@ def _standardise(raw: datasets.DatasetDict, name: str, spec: VisionDatasetSpec |
         if not isinstance(label, datasets.ClassLabel):
             raise TypeError(f"{where}: the label column must be a datasets.ClassLabel, got {label}; "
                             "cast it with ds.cast_column('label', datasets.ClassLabel(...))")
+        if label.num_classes < 2:
+            raise ValueError(f"{where}: the {split!r} split has {label.num_classes} class ({label.names}): "
+                             "classification needs at least 2")
         if spec is not None and label.num_classes != spec.num_classes:
             raise ValueError(f"{name} has {spec.num_classes} classes but the {split!r} split of the "
                              f"source{'' if source is None else ' ' + source} has {label.num_classes}: {label.names}")
