@@ -280,8 +280,20 @@ ROWS = {
     76: Row("`--model DIR`, DIR holding the config and weights but no tokenizer files", "exit 2",
             "argument --model: DIR: its tokenizer has no vocabulary, only 5 special tokens (no tokenizer files such "
             "as tokenizer.json or vocab.txt): save the tokenizer into the folder (tokenizer.save_pretrained)"),
+    77: cli(["--lr_scheduler_kwargs", '{"foo":1}'], "argument --lr_scheduler_kwargs: lr_scheduler_type='linear' with "
+            "lr_scheduler_kwargs={'foo': 1} gives no schedule (TypeError: get_linear_schedule_with_warmup() got an "
+            "unexpected keyword argument 'foo')"),
+    78: cli(["--lr_scheduler_kwargs", "cycles=2"], "argument --lr_scheduler_kwargs: expected a JSON object of the "
+            "schedule's arguments, e.g. '{\"num_cycles\": 2}', got 'cycles=2'"),
+    79: cli(["--lr_scheduler_type", "cosine_with_min_lr"], "argument --lr_scheduler_type: "
+            "lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={} gives no schedule (ValueError: One of "
+            "min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`)"),
+    80: cli(["--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs", '{"power":-1}'],
+            "argument --lr_scheduler_kwargs: lr_scheduler_type='polynomial' with lr_scheduler_kwargs={'power': -1} "
+            "gives no schedule (ZeroDivisionError: 0.0 cannot be raised to a negative power)",
+            " (it failed at the last step of training)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81)]
 
 
 def docs_table() -> str:

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import platform
@@ -109,6 +110,7 @@ def run_checks(parser, parsed) -> None:
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
     check_accuracy_kept(parser, parsed.training)
+    check_schedule(parser, parsed.training)
     if parsed.training.push_to_hub:
         parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
                      "<output-dir>/model and the run's files beside it; upload that folder (hf upload <repo> "
@@ -156,6 +158,36 @@ def check_accuracy_kept(parser, training) -> None:
     if training.label_names is not None:
         parser.error(f"argument {parser.flag_of('label_names')}: the recipes name the label of their batches "
                      "themselves ('labels' for text, 'label' for images); drop it")
+
+
+def check_schedule(parser, training, steps: int = 1000) -> None:
+    """``--lr_scheduler_type`` with its ``--lr_scheduler_kwargs``: a schedule transformers builds,
+    whose learning rate is a finite number at the first step, the end of warm-up and the last step
+    (tried now on a stand-in optimizer over ``max_steps`` or `steps` steps; the nodes build theirs
+    once training starts, and a bad ``power`` failed only at the last step)."""
+    import torch
+    from transformers import get_scheduler
+
+    if training.lr_milestones:  # the paper's step decay (MultiStepLR) replaces the schedule
+        return
+    kwargs = training.lr_scheduler_kwargs
+    flag = parser.flag_of("lr_scheduler_type" if kwargs is None else "lr_scheduler_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        parser.error(f"argument {flag}: expected a JSON object of the schedule's arguments, e.g. "
+                     f"'{{\"num_cycles\": 2}}', got {kwargs!r}")
+    name = getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)
+    steps = training.max_steps if training.max_steps > 0 else steps
+    warmup = training.get_warmup_steps(steps)
+    try:
+        scheduler = get_scheduler(name, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                  num_warmup_steps=warmup, num_training_steps=steps, scheduler_specific_kwargs=kwargs)
+        for step in (0, warmup, steps):
+            for factor in getattr(scheduler, "lr_lambdas", ()):
+                if not math.isfinite(factor(step)):
+                    raise ValueError(f"the learning rate at step {step} is {factor(step)} times learning_rate")
+    except (TypeError, ValueError, ArithmeticError) as err:
+        parser.error(f"argument {flag}: lr_scheduler_type={name!r} with lr_scheduler_kwargs={kwargs or {}} gives no "
+                     f"schedule ({error_summary(err)})")
 
 
 def environment_problem() -> str | None:
