@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import free_port
 
-from lp_decentral_nlp.commands import ALIASES, build_nlp_parser
+from lp_decentral_nlp.commands import ALIASES, build_nlp_parser, check_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,19 @@ def test_every_alias_is_listed_by_help_beside_its_transformers_spelling():
     text = build_nlp_parser("ag_news", "choco").format_help()
     for alias, target in ALIASES.items():
         assert f"  {alias}" in text and f", --{target}" in text, alias
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--include_num_input_tokens_seen", "non_padding"], "non_padding"),
+    (["--include_num_input_tokens_seen", "all"], "all"),
+    (["--include_num_input_tokens_seen"], "all"),
+    (["--include_num_input_tokens_seen", "false"], "no"),
+])
+def test_a_boolean_or_word_flag_takes_both(argv, expected):
+    """include_num_input_tokens_seen is `str | bool`: its words were refused as "expected a boolean",
+    although --help and transformers list them."""
+    assert build_nlp_parser("ag_news", "choco").parse(argv).training.include_num_input_tokens_seen == expected
+    check_flags("nlp", argv, prog="recipe")  # the check before torch is imported agrees
 
 
 def test_spec8_defaults_and_repeatable_fault_flags():

@@ -118,8 +118,19 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false, yes/no, 1/0), got {text!r}")
 
 
+def boolean_or_text(text: str) -> bool | str:
+    """argparse type of a field that takes a boolean or a word (``include_num_input_tokens_seen``:
+    ``all``, ``non_padding``, ``no`` or a boolean): a boolean spelling as :func:`boolean` reads it,
+    else the text."""
+    try:
+        return boolean(text)
+    except argparse.ArgumentTypeError:
+        return text
+
+
 #: how a flag's text is parsed, by kind (the kinds :class:`FlagType` and the flag table know)
-FLAG_KINDS = {"integer": integer, "finite_float": finite_float, "boolean": boolean, "str": str, "dict": dict}
+FLAG_KINDS = {"integer": integer, "finite_float": finite_float, "boolean": boolean, "boolean_or_text": boolean_or_text,
+              "str": str, "dict": dict}
 
 
 class FlagType:

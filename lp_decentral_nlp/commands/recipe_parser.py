@@ -33,6 +33,8 @@ FIELD_CHOICES = {
                         importlib.import_module("lp_decentral_nlp.vision.data").FOLDER),
     "arch": lambda: _values("lp_decentral_nlp.vision.models", "ARCHS"),
     "norm": lambda: ("auto", *_values("lp_decentral_nlp.vision.models", "NORMS")),  # auto: SPEC 5's pairing
+    # a boolean or a word (TrainingArguments: True means "all", False "no")
+    "include_num_input_tokens_seen": lambda: (True, False, "all", "non_padding", "no"),
 }
 # HfArgumentParser's types -> FlagType kinds (its Enum and Literal fields have a choice type of their own)
 _KINDS = {int: "integer", float: "finite_float", string_to_bool: "boolean", str: "str", dict: "dict"}
@@ -71,6 +73,8 @@ class _FieldAdder:
             kwargs.update(nargs="?", const=True)
         if getattr(kind, "__qualname__", "").startswith("make_choice_type_function"):  # an Enum or Literal field
             kwargs["type"] = FlagType("choice", dest, choices=kwargs["choices"])
+        elif kind is string_to_bool and any(isinstance(v, str) for v in self.allowed.get(dest, ())):
+            kwargs["type"] = FlagType("boolean_or_text", dest, self.allowed[dest])  # a `str | bool` field
         elif kind in _KINDS:
             kwargs["type"] = FlagType(_KINDS[kind], dest, self.allowed.get(dest))
         if kwargs.get("action") == "store_false":  # HfArgumentParser's --no_<field> of a field defaulting to True
