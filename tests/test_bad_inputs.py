@@ -20,7 +20,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Dis
 from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
 from lp_decentral_nlp.commands import build_nlp_parser, main
 from lp_decentral_nlp.commands.nlp import NLP_DEFAULTS
-from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from lp_decentral_nlp.trainer import CheckpointError, DecentralizedTrainer, DecentralizedTrainingArguments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -292,6 +292,9 @@ ROWS = {
             "argument --lr_scheduler_kwargs: lr_scheduler_type='polynomial' with lr_scheduler_kwargs={'power': -1} "
             "gives no schedule (ZeroDivisionError: 0.0 cannot be raised to a negative power)",
             " (it failed at the last step of training)"),
+    81: Row("resume a checkpoint at step 2 with `max_steps=1`", "CheckpointError at train()",
+            "cannot resume from DIR/checkpoint-2: it is at step 2, past this run's last step, 1 (max_steps, "
+            "num_train_epochs): train for more steps, or resume from an earlier checkpoint"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81)]
 
@@ -375,6 +378,14 @@ def test_row22_incomplete_checkpoint(capsys, run_dir, tmp_path):
 def test_row23_resume_with_another_number_of_nodes(capsys, run_dir):
     assert cli_error(["--resume-from-checkpoint", str(run_dir), "--batch-size", "8", "--nodes", "2"],
                      capsys) == ROWS[23].expected(run_dir)
+
+
+def test_row81_resume_past_the_last_step(tmp_path, data, run_dir):
+    """It trained nothing and reported the checkpoint's model as this run's (results: steps 2, max_steps 1)."""
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=1), train_dataset=data["train"])
+    with pytest.raises(CheckpointError) as exc:
+        trainer.train(resume_from_checkpoint=str(run_dir))
+    assert str(exc.value) == ROWS[81].expected(run_dir)
 
 
 def test_row63_resume_with_another_learning_rate(capsys, run_dir):

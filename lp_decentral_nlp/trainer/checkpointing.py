@@ -580,13 +580,13 @@ class CheckpointMixin:
         return {**resume_config(self.args), "train_samples": len(self.train_dataset),
                 "train_rows": rows_digest(self.train_dataset), "quant_config": quant_settings(self.nodes[0])}
 
-    def _load_checkpoint(self, path, steps_per_epoch: int) -> tuple[int, int]:
+    def _load_checkpoint(self, path, steps_per_epoch: int, max_steps: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
         batches_done)``. Every process reads and checks its nodes' files before any process restores
         anything, and the checkpoint is only read (the user's model and files are not modified).
         :class:`CheckpointError` naming the file or argument when the checkpoint does not fit, on
         every process of the run when one process's part does not."""
-        read = self._agreed(lambda: self._read_checkpoint(path, steps_per_epoch))
+        read = self._agreed(lambda: self._read_checkpoint(path, steps_per_epoch, max_steps))
         return self._agreed(lambda: self._restore_checkpoint(*read))
 
     def _agreed(self, step):
@@ -601,9 +601,9 @@ class CheckpointMixin:
             raise CheckpointError(errors[0])
         return result
 
-    def _read_checkpoint(self, path, steps_per_epoch: int) -> tuple:
+    def _read_checkpoint(self, path, steps_per_epoch: int, max_steps: int) -> tuple:
         """``(path, manifest, trainer_state, {node id: state})`` of the checkpoint at `path`, read and
-        checked against this run (ValueError naming the file or argument)."""
+        checked against this run of `max_steps` steps (ValueError naming the file or argument)."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset),
                                train_rows=rows_digest(self.train_dataset), quant_config=quant_settings(self.nodes[0]))
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
@@ -611,6 +611,10 @@ class CheckpointMixin:
         if data["steps_per_epoch"] != steps_per_epoch:
             raise ValueError(f"cannot resume from {path}: it has {data['steps_per_epoch']} steps per epoch, this run "
                              f"{steps_per_epoch} (a different training set or batch size)")
+        if manifest["global_step"] > max_steps:  # (Trainer trains nothing and reports the checkpoint's model)
+            raise ValueError(f"cannot resume from {path}: it is at step {manifest['global_step']}, past this run's last "
+                             f"step, {max_steps} (max_steps, num_train_epochs): train for more steps, or resume from "
+                             "an earlier checkpoint")
         state_file = path / "trainer_state.json"
         try:
             trainer_state = TrainerState.load_from_json(str(state_file))

@@ -334,7 +334,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
         if resume_from_checkpoint:
-            epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch)
+            epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch, max_steps)
         self._data_position = (epoch, done)
         self._mark_main_process()
         if resume_from_checkpoint:
