@@ -45,8 +45,9 @@ def add_grid_flags(parser) -> None:
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
                         help="precisions of the grid: fp32 or int8 (8-bit training and gossip) (default: both)")
     parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
-                        help="gamma of the runs with --comps > 0 (default: the trainer's default_consensus_lr, "
-                             "from the compressor, algorithm and graph); runs without compression keep gamma 1")
+                        help="gamma of the runs with --comps > 0 (default: --consensus_lr where given, else the "
+                             "trainer's default_consensus_lr, from the compressor, algorithm and graph); the runs "
+                             "without compression take --consensus_lr (default: 1)")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
 
@@ -66,10 +67,15 @@ def parse(argv=None):
     (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``). A bad flag or ``--help``
     is answered from the flag table before torch is imported."""
     description = __doc__.splitlines()[0]
-    check = flag_check_parser("nlp", description=description, fixed=("algorithm",))
+    check = flag_check_parser("nlp", description=description, fixed=("algorithm",), prog=PROG)
     set_grid_help(check)
     add_grid_flags(check)
-    grid_flags = check.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    grid_flags = check.parse_args(argv)
+    resume = check.flag_given("resume_from_checkpoint", argv)
+    if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
+        check.error(f"argument {resume}: each grid point is a run of its own: run the "
+                    "sweep again with the same --output-dir, which reuses the points it finished; drop it")
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))

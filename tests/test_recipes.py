@@ -262,6 +262,9 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
                                                            "with --comps > 0, and --comps holds none: drop one of them"),
     (["--compressor", "qsgd"], "argument --compressor: the grid's --comps are the percentages top-k and random-k drop; "
                                "QSGD's size is set by --qsgd_levels: sweep topk or randomk"),
+    # every point resumed from that run's checkpoint and reported its results as its own
+    (["--resume-from-checkpoint", "."], "argument --resume-from-checkpoint: each grid point is a run of its own: "
+     "run the sweep again with the same --output-dir, which reuses the points it finished; drop it"),
 ])
 def test_sweep_refuses_flags_no_grid_point_would_honour(argv, message, capsys):
     sweep = import_sweep()

@@ -201,6 +201,14 @@ class OneLineErrors:
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def flag_given(self, name: str, argv=None) -> str | None:
+        """The option that sets field ``name`` as ``argv`` (default: the command line a
+        :class:`~.recipe_parser.RecipeParser` is parsing) gives it (an alias such as
+        ``--full-precision`` included), else None."""
+        argv = getattr(self, "argv", None) if argv is None else argv
+        given = [option for action in self._actions if action.dest == name for option in options_given(action, argv)]
+        return given[0] if given else None
+
     def set_help(self, name: str, text: str) -> None:
         """Replace the help of the flags that set ``name`` (e.g. ``--low_precision`` and
         ``--full-precision``), for a program whose default or meaning differs from the field's

@@ -19,8 +19,7 @@ import re
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
-from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used,
-                    options_given)
+from .flags import ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used
 
 #: the text fields whose allowed values the flag types check: where those values are defined, by field name
 #: (the dataclasses holding the fields check the same values on construction)
@@ -141,13 +140,6 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
             if action.dest == name and action.option_strings:
                 return option_used(action, argv)
         return name
-
-    def flag_given(self, name: str, argv=None) -> str | None:
-        """The option that sets field ``name`` as ``argv`` (default: the command line being parsed)
-        gives it (an alias such as ``--full-precision`` included), else None."""
-        argv = self.argv if argv is None else argv
-        given = [option for action in self._actions if action.dest == name for option in options_given(action, argv)]
-        return given[0] if given else None
 
     def parse(self, argv=None) -> ParsedFlags:
         """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""
