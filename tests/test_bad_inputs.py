@@ -295,6 +295,8 @@ ROWS = {
     81: Row("resume a checkpoint at step 2 with `max_steps=1`", "CheckpointError at train()",
             "cannot resume from DIR/checkpoint-2: it is at step 2, past this run's last step, 1 (max_steps, "
             "num_train_epochs): train for more steps, or resume from an earlier checkpoint"),
+    82: Row("`RANK=5 WORLD_SIZE=2` (or a `RANK`, `LOCAL_RANK` without `WORLD_SIZE`)", "exit 2",
+            "environment variable RANK=5 must be below WORLD_SIZE=2, the processes of the launch"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81)]
 
@@ -690,6 +692,22 @@ def test_row58_unusable_environment_variables(capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert cli_error([], capsys, {"WORLD_SIZE": "4.0"}, monkeypatch) == (
         "environment variable WORLD_SIZE='4.0' must be a whole number >= 1")
+
+
+def test_row82_a_rank_the_launch_cannot_have(capsys, monkeypatch):
+    """RANK=5 of WORLD_SIZE=2 waited for peers until ddp_timeout (30 minutes); a stray LOCAL_RANK
+    (no launcher) got torch's 'MASTER_ADDR expected', a stray RANK=1 ran without its summary line."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli_error(["--backend", "distributed", "--nodes", "2"], capsys, {"WORLD_SIZE": "2", "RANK": "5"},
+                     monkeypatch) == ROWS[82].message
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "1")):
+        assert cli_error([], capsys, {name: value}, monkeypatch) == (
+            f"environment variable {name}={value} is set but WORLD_SIZE is not: a launcher sets both (torchrun "
+            "--nproc_per_node N); unset it")
+        monkeypatch.delenv(name)
 
 
 def test_row59_no_data_dir_while_the_hub_is_offline(tmp_path, tiny_model_dir, capsys, monkeypatch):

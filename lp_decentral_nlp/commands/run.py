@@ -192,12 +192,23 @@ def check_schedule(parser, training, steps: int = 1000) -> None:
 
 def environment_problem() -> str | None:
     """Why a launcher variable (rank, world size) or ``OMP_NUM_THREADS`` in the environment cannot be
-    used (not a whole number, or below 0 for a rank and 1 otherwise), or None."""
-    for names, low in ((RANK_VARIABLES, 0), (WORLD_SIZE_VARIABLES, 1), (("OMP_NUM_THREADS",), 1)):
+    used (not a whole number, or below 0 for a rank and 1 otherwise; a rank not below the world
+    size, where the process waited for peers that never come; a rank without a world size, left
+    from another launch: transformers takes ``LOCAL_RANK`` for a launch and asks for
+    ``MASTER_ADDR``), or None."""
+    for names, low in ((RANK_VARIABLES + ("LOCAL_RANK",), 0), (WORLD_SIZE_VARIABLES, 1), (("OMP_NUM_THREADS",), 1)):
         for name in names:
             value = os.environ.get(name)
             if value is not None and not (value.strip().isdigit() and int(value) >= low):
                 return f"environment variable {name}={value!r} must be a whole number >= {low}"
+    world = launched_world_size()
+    ranks = [(name, int(os.environ[name])) for name in (*RANK_VARIABLES, "LOCAL_RANK") if name in os.environ]
+    for name, rank in ranks:
+        if world is None and (rank > 0 or name == "LOCAL_RANK"):
+            return (f"environment variable {name}={rank} is set but WORLD_SIZE is not: a launcher sets both "
+                    "(torchrun --nproc_per_node N); unset it")
+        if world is not None and rank >= world:
+            return f"environment variable {name}={rank} must be below WORLD_SIZE={world}, the processes of the launch"
     return None
 
 
