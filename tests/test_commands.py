@@ -302,7 +302,7 @@ def test_the_memory_check_counts_float32_master_weights_in_an_8bit_run(capsys, m
     training = build_nlp_parser("ag_news", "choco").parse(["--nodes", "2", "--batch-size", "4"]).training
     monkeypatch.setattr(run, "available_memory_mb", lambda device: 0.001)
     with pytest.raises(SystemExit):
-        run.check_memory(model, training, (16,), "agnews_choco.py")
+        run.check_memory(model, training, (16,), "agnews_choco.py", "--max-length")
     per_node = float(capsys.readouterr().err.split(" x ")[1].split(" MB each")[0].replace(",", ""))
     float32_state = 4 * sum(p.numel() for p in model.parameters()) * (1 + 1 + 2) / 1e6  # weights, gradients, Adam
     assert float32_state < per_node < 1.5 * float32_state  # and the small 8-bit activations of 4 x 16 tokens
@@ -323,7 +323,7 @@ def test_the_memory_check_counts_what_activation_checkpointing_keeps(capsys, mon
     for flags in ([], ["--activation-checkpointing"]):
         training = build_nlp_parser("ag_news", "choco").parse(["--batch-size", "16", *flags]).training
         with pytest.raises(SystemExit):
-            run.check_memory(model, training, (128,), "agnews_choco.py")
+            run.check_memory(model, training, (128,), "agnews_choco.py", "--max-length")
         per_node[bool(flags)] = float(capsys.readouterr().err.split(" x ")[1].split(" MB each")[0].replace(",", ""))
     activations = {checkpointing: estimate_cost(model, (128,), 16, "int8", optimizer="adam",
                                                 activation_checkpointing=checkpointing).memory_breakdown_mb["train"][
@@ -348,7 +348,7 @@ def test_the_memory_check_counts_the_gossip_buffers_and_the_initial_model(capsys
     for nodes in ("2", "4"):
         training = build_nlp_parser("ag_news", "choco").parse(["--nodes", nodes, "--compression", "0"]).training
         with pytest.raises(SystemExit):
-            run.check_memory(model, training, (16,), "agnews_choco.py")
+            run.check_memory(model, training, (16,), "agnews_choco.py", "--max-length")
         line = capsys.readouterr().err
         shared[nodes] = float(line.split("; ")[1].split(" MB of gossip")[0].replace(",", ""))
     # the initial model, a public copy per node, two work vectors, 8-bit messages (a quarter of a model each)

@@ -234,6 +234,20 @@ def test_overwrite_output_dir_removes_the_previous_runs_checkpoints(tmp_path, ca
     assert json.loads((out / "results.json").read_text())["config"]["low_precision"] is False
 
 
+def test_a_run_larger_than_the_memory_names_the_image_size_flag(tmp_path, capsys, monkeypatch):
+    """It said "lower --nodes, --batch-size or --max-length", a flag the vision recipes do not have."""
+    from lp_decentral_nlp.commands import run
+    from lp_decentral_nlp.vision.recipe import main
+
+    monkeypatch.setattr(run, "available_memory_mb", lambda device: 1.0)
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--nodes", "2", "--batch-size", "8", "--image_size", "16", "--output-dir", str(tmp_path / "run")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "available on cpu: lower --nodes, --batch-size or --image_size, or run one node per process (--backend "
+        "distributed)")
+
+
 def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, monkeypatch):
     """Ctrl-C during training: one line naming the step and the checkpoint to resume from, exit
     status 130 (SIGINT's), results.json left "running"."""

@@ -216,7 +216,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
         check_model_precision(model, training)
     except ValueError as err:
         exit_with_error(prog, f"{model_path}: {err}", "--model")
-    check_memory(model, training, (recipe.max_length,), prog)
+    check_memory(model, training, (recipe.max_length,), prog, parsed.flags["max_length"])
     return model, data, tokenizer, model_path
 
 

@@ -499,8 +499,9 @@ def available_memory_mb(device) -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e6
 
 
-def check_memory(model, training, input_shape: tuple, prog: str) -> None:
-    """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has.
+def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str) -> None:
+    """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has
+    (naming `size_flag`, the flag that sets `input_shape`, among what to lower).
 
     The need is what this process will store: per node, its weights, gradients and optimizer state
     (float32 master weights in 8-bit training too) and the activations its layers save for
@@ -536,7 +537,7 @@ def check_memory(model, training, input_shape: tuple, prog: str) -> None:
         exit_with_error(prog, f"the run needs at least {need:,.0f} MB ({here} nodes in this process x "
                         f"{per_node:,.0f} MB each: weights, gradients and optimizer state, saved activations; "
                         f"{shared:,.0f} MB of gossip buffers and the initial model) but {available:,.0f} MB are "
-                        f"available on {training.device}: lower --nodes, --batch-size or --max-length, or run one "
+                        f"available on {training.device}: lower --nodes, --batch-size or {size_flag}, or run one "
                         "node per process (--backend distributed)")
 
 

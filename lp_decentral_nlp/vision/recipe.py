@@ -210,12 +210,12 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
                              classes=preprocessing["labels"], mean=preprocessing["mean"], std=preprocessing["std"])
     set_seed(training.seed)
     model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups, preprocessing)
-    problem = _image_size_problem(model.net, recipe, "--image-size")
+    problem = _image_size_problem(model.net, recipe, parsed.flags["image_size"])
     if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
-        exit_with_error(prog, problem, "--image-size")
+        exit_with_error(prog, problem, parsed.flags["image_size"])
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
     input_shape = (3, recipe.image_size, recipe.image_size)
-    check_memory(model, training, input_shape, prog)
+    check_memory(model, training, input_shape, prog, parsed.flags["image_size"])
     return train_and_report(parsed, model, data, model_used, input_shape, start, prog,
                             before_train=_milestones_of_the_run(parsed.values, training), on_interrupt=on_interrupt)
 
