@@ -297,8 +297,13 @@ ROWS = {
             "num_train_epochs): train for more steps, or resume from an earlier checkpoint"),
     82: Row("`RANK=5 WORLD_SIZE=2` (or a `RANK`, `LOCAL_RANK` without `WORLD_SIZE`)", "exit 2",
             "environment variable RANK=5 must be below WORLD_SIZE=2, the processes of the launch"),
+    83: cli(["--nodes", "1", "--comp", "99"], "argument --comp: compression=99.0 is a setting of the gossip, and "
+            "num_nodes=1 has no neighbour to send to: set num_nodes >= 2, or leave compression at 0.0",
+            " (also `--topology`, `--compressor`, `--consensus_lr`, `--drop-prob`, `--final-merge` ...)"),
+    84: cli(["--nodes", "1", "--skew", "0.9"], "argument --skew: skew=0.9 is how unevenly the training set is split "
+            "among the nodes, and num_nodes=1 holds all of it: set num_nodes >= 2, or leave skew at 0.0"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), 83, 84]
 
 
 def docs_table() -> str:

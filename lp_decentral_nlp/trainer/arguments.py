@@ -221,7 +221,13 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                                            "give lr_milestones"),
                   ("gossip_timeout", self.backend == "simulated", "how long a process waits for its peers, and "
                                                                   "backend='simulated' runs every node in this process: "
-                                                                  "use backend='distributed'")]
+                                                                  "use backend='distributed'"),
+                  ("skew", self.num_nodes == 1, "how unevenly the training set is split among the nodes, and "
+                                                "num_nodes=1 holds all of it: set num_nodes >= 2")]
+        unused += [(name, self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour to send to: "
+                                               "set num_nodes >= 2")
+                   for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr",
+                                "drop_prob", "final_merge")]
         for name, off, why in unused:
             if off and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
