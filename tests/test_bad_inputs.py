@@ -302,8 +302,13 @@ ROWS = {
             " (also `--topology`, `--compressor`, `--consensus_lr`, `--drop-prob`, `--final-merge` ...)"),
     84: cli(["--nodes", "1", "--skew", "0.9"], "argument --skew: skew=0.9 is how unevenly the training set is split "
             "among the nodes, and num_nodes=1 holds all of it: set num_nodes >= 2, or leave skew at 0.0"),
+    85: cli(["--include_for_metrics", "inputs"], "argument --include_for_metrics: a setting of compute_metrics, and "
+            "the recipes compute accuracy without one (from Python, DecentralizedTrainer(compute_metrics=...) takes "
+            "it); drop it", " (also `--batch_eval_metrics`, `--eval_do_concat_batches`)"),
+    86: cli(["--hub_model_id", "me/model"], "argument --hub_model_id: a setting of --push-to-hub, which the recipes "
+            "refuse; drop it", " (also the other `--hub_*` flags)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), 83, 84]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 87)]
 
 
 def docs_table() -> str:

@@ -85,9 +85,9 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
     # (False, None, []) only normalises to TrainingArguments' default ("no", "", []) are not
     assert config["learning_rate"] == 3e-5 and config["seed"] == 0 and config["algorithm"] == "choco"
     assert not {"include_num_input_tokens_seen", "include_for_metrics", "debug", "warmup_steps"} & config.keys()
-    given = parser.parse(["--include_num_input_tokens_seen", "true", "--include_for_metrics", "loss"])
+    given = parser.parse(["--include_num_input_tokens_seen", "true", "--debug", "underflow_overflow"])
     assert run_config(given)["include_num_input_tokens_seen"] is True
-    assert run_config(given)["include_for_metrics"] == ["loss"]
+    assert run_config(given)["debug"] == ["underflow_overflow"]
     # a setting away from the recipe's default is recorded even where it is TrainingArguments' default
     back_to_transformers = parser.parse(["--batch-size", "8", "--lr", "5e-5", "--weight_decay", "0",
                                          "--adam_beta2", "0.999", "--epochs", "3"])

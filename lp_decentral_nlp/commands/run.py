@@ -109,7 +109,7 @@ def run_checks(parser, parsed) -> None:
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
-    check_accuracy_kept(parser, parsed.training)
+    check_what_recipes_use(parser, parsed.training)
     check_schedule(parser, parsed.training)
     if parsed.training.push_to_hub:
         parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
@@ -148,16 +148,25 @@ def check_best_metric(parser, training) -> None:
                      f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
 
 
-def check_accuracy_kept(parser, training) -> None:
+def check_what_recipes_use(parser, training) -> None:
     """Settings under which the evaluation would give no accuracy, which every recipe reports
     (``results.json``): ``--prediction_loss_only`` (no predictions) and ``--label_names`` (the
-    recipes' batches name their label themselves: ``labels`` for text, ``label`` for images)."""
+    recipes' batches name their label themselves: ``labels`` for text, ``label`` for images); and
+    settings of what the recipes do not use: ``compute_metrics``, the hub."""
     if training.prediction_loss_only:
         parser.error(f"argument {parser.flag_of('prediction_loss_only')}: the recipes report the accuracy of the "
                      "averaged model and of each node, which needs the predictions; drop it")
     if training.label_names is not None:
         parser.error(f"argument {parser.flag_of('label_names')}: the recipes name the label of their batches "
                      "themselves ('labels' for text, 'label' for images); drop it")
+    for names, why in ((("include_for_metrics", "batch_eval_metrics", "eval_do_concat_batches"),
+                        "a setting of compute_metrics, and the recipes compute accuracy without one (from Python, "
+                        "DecentralizedTrainer(compute_metrics=...) takes it)"),
+                       (("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+                         "hub_revision"), f"a setting of {parser.flag_of('push_to_hub')}, which the recipes refuse")):
+        flag = next(filter(None, map(parser.flag_given, names)), None)
+        if flag is not None:
+            parser.error(f"argument {flag}: {why}; drop it")
 
 
 def check_schedule(parser, training, steps: int = 1000) -> None:
