@@ -200,10 +200,24 @@ def test_resume_from_checkpoint_true_is_the_output_dirs_newest_checkpoint(tmp_pa
     complete checkpoint the trainer picks), ``false`` starts afresh."""
     parser = build_nlp_parser("ag_news", "choco")
     run = tmp_path / "run"
-    assert flag_error(["--output_dir", str(run), "--resume_from_checkpoint", "True"], capsys) == (
-        f"argument --resume_from_checkpoint: path {str(run)!r} does not exist")
+    assert flag_error(["--output_dir", str(run), "--resume_from_checkpoint", "True"], capsys) == (  # (it named a
+        f"argument --resume_from_checkpoint: true resumes from the newest checkpoint in --output_dir {run}, which "
+        "does not exist")  # path the user had not typed)
     assert parser.parse(["--output_dir", str(run), "--resume_from_checkpoint", "false"]).training.resume_from_checkpoint \
         is None
+
+
+def test_overwrite_output_dir_does_not_remove_the_model_to_train(tmp_path, capsys, tiny_model_dir):
+    """--model run/model --output-dir run --overwrite_output_dir deleted the model it was asked to train."""
+    import shutil
+
+    (tmp_path / "run").mkdir()
+    shutil.copytree(tiny_model_dir, tmp_path / "run" / "model")
+    assert flag_error(["--model", str(tmp_path / "run" / "model"), "--output-dir", str(tmp_path / "run"),
+                       "--overwrite_output_dir"], capsys) == (
+        f"argument --model: {tmp_path / 'run' / 'model'} is the previous run's model in {tmp_path / 'run'}, which "
+        "--overwrite_output_dir removes before training: copy the model elsewhere, or write to another --output-dir")
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")

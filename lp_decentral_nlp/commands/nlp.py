@@ -19,7 +19,7 @@ from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RESUME_HELP, RunArguments, check_launcher,
                   check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline,
                   load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_summary,
-                  process_rank, run_checks, set_process_output, set_threads, train_and_report)
+                  process_rank, run_checks, run_outputs_in, set_process_output, set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -68,9 +68,21 @@ def model_flag_problem(model: str, needs_weights: bool = True) -> str | None:
 
 
 def check_model_flag(parser, parsed) -> None:
+    """``--model`` names a model (:func:`model_flag_problem`) that ``--overwrite_output_dir`` does not
+    remove (a ``model/`` or checkpoint of the previous run in ``--output-dir``)."""
     problem = model_flag_problem(parsed.recipe.model)
     if problem:
         parser.error(f"argument {parser.flag_of('model')}: {problem}")
+    out = parsed.training.output_dir
+    if parsed.values.get("overwrite_output_dir") and pathlib.Path(out).is_dir():
+        model = pathlib.Path(parsed.recipe.model).resolve()
+        for name in run_outputs_in(pathlib.Path(out)):
+            removed = pathlib.Path(out, name).resolve()
+            if model == removed or removed in model.parents:
+                where = "" if model == removed else "inside "
+                parser.error(f"argument {parser.flag_of('model')}: {parsed.recipe.model} is {where}the previous run's "
+                             f"{name} in {out}, which {parser.flag_of('overwrite_output_dir')} removes before "
+                             "training: copy the model elsewhere, or write to another --output-dir")
 
 
 # what loading a damaged or foreign model folder raises

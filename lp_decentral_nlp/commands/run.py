@@ -392,6 +392,9 @@ def check_resume(parser, training, values: dict) -> None:
 
     flag = parser.flag_of("resume_from_checkpoint")
     if not pathlib.Path(training.resume_from_checkpoint).exists():
+        if training.resume_from_checkpoint == training.output_dir:  # `true`: the output folder's newest checkpoint
+            parser.error(f"argument {flag}: true resumes from the newest checkpoint in {parser.flag_of('output_dir')} "
+                         f"{training.output_dir}, which does not exist")
         parser.error(f"argument {flag}: path {training.resume_from_checkpoint!r} does not exist")
     unresolved = ("lr_milestones",) if values.get("lr_milestone_fractions") and training.max_steps > 0 else ()
     try:
