@@ -234,7 +234,7 @@ def test_saved_dataset_without_train_split_or_unreadable(tmp_path):
     _expect(ValueError, r"has no 'train' split \(splits: \['validation'\]\)",
             lambda: load_task("ag_news", data_dir=folder), folder)
     broken = _write(tmp_path / "broken" / "dataset_dict.json", "{not json")
-    _expect(ValueError, "looks like a save_to_disk directory but cannot be loaded",
+    _expect(ValueError, "looks like a save_to_disk folder but cannot be loaded",
             lambda: load_task("ag_news", data_dir=broken.parent), broken.parent)
 
 
@@ -282,7 +282,8 @@ def test_saved_dataset_with_empty_labels_or_texts_or_an_empty_split(tmp_path):
     part = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
     empty_test = tmp_path / "empty_test"
     DatasetDict({"train": part, "test": part.select([])}).save_to_disk(empty_test)
-    _expect(ValueError, "looks like a save_to_disk directory but cannot be loaded",
+    _expect(ValueError, "is a save_to_disk folder with a split of no rows, which datasets saves without a data file "
+                        "and cannot read back: save it without the empty split",
             lambda: load_task("ag_news", data_dir=empty_test), empty_test)
 
 
@@ -578,6 +579,11 @@ def test_vision_saved_dataset_problems(tmp_path):
     _expect(ValueError, "holds a single saved Dataset", _load_vision(single), single)
     broken = _write(tmp_path / "broken" / "dataset_dict.json", "{not json").parent
     _expect(ValueError, "looks like a save_to_disk folder but cannot be loaded", _load_vision(broken), broken)
+    empty_test = tmp_path / "empty_test"  # (an IndexError traceback from datasets)
+    images = Dataset.from_dict({"image": good, "label": [0, 1]},
+                               features=Features({"image": datasets.Image(), "label": ClassLabel(num_classes=10)}))
+    DatasetDict(train=images, test=images.select([])).save_to_disk(empty_test)
+    _expect(ValueError, "is a save_to_disk folder with a split of no rows", _load_vision(empty_test), empty_test)
     ints = tmp_path / "ints"
     part = Dataset.from_dict({"image": [1, 2], "label": [0, 1]},
                              features=Features({"image": Value("int64"), "label": ClassLabel(num_classes=10)}))

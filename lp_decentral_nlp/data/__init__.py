@@ -2,6 +2,7 @@
 from pathlib import Path
 
 from .partition import skewed_partition
+from .saved import load_saved_dataset
 from .tasks import (AG_NEWS_LABELS, SENTLEN_BINS, SENTLEN_LABELS, TASKS, build_sentlen, check_enough_rows, load_task,
                     sentence_length_class)
 
@@ -23,6 +24,7 @@ __all__ = [
     "accuracy_metric",
     "build_sentlen",
     "check_enough_rows",
+    "load_saved_dataset",
     "load_task",
     "sentence_length_class",
     "skewed_partition",

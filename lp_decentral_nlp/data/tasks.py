@@ -18,10 +18,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-from datasets import (ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset,
-                      load_from_disk)
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset
 
 from ..checks import Number, check_field, check_number
+from .saved import load_saved_dataset
 
 AG_NEWS_HUB_ID = "ag_news"
 DEFAULT_MAX_LENGTH = 128  # tokens (load_task)
@@ -310,11 +310,7 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
     """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV.
     Read into memory: a memory-mapped one would get the cache files of its conversion and
     tokenization written beside its data, into the user's folder."""
-    try:
-        saved = load_from_disk(str(path), keep_in_memory=True)
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:  # IndexError: a split without rows
-        raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk directory but cannot be loaded "
-                         f"({err.__class__.__name__}: {err})") from None
+    saved = load_saved_dataset(path, keep_in_memory=True)
     parts = saved if isinstance(saved, DatasetDict) else DatasetDict({"data": saved})
     if isinstance(saved, DatasetDict) and "train" not in saved:
         raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")

@@ -38,6 +38,7 @@ import datasets
 from transformers.utils import logging
 
 from ..checks import NONNEGATIVE_INT, POSITIVE_INT, check_field, check_number
+from ..data import load_saved_dataset
 
 logger = logging.get_logger(__name__)
 
@@ -167,12 +168,7 @@ def _load_source(spec: VisionDatasetSpec | None, name: str,
         raise ValueError(f"data_dir {str(path)!r} holds a single saved Dataset: save a DatasetDict with 'train' and "
                          "'test' splits instead")
     if (path / "dataset_dict.json").exists():
-        try:
-            raw = datasets.load_from_disk(str(path))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"data_dir {str(path)!r} looks like a save_to_disk folder but cannot be loaded "
-                             f"({err.__class__.__name__}: {err})") from None
-        return _standardise(raw, name, spec, source=str(path), check_images=True)
+        return _standardise(load_saved_dataset(path), name, spec, source=str(path), check_images=True)
     return _standardise(_read_image_folder(path), name, spec, source=str(path))
 
 
