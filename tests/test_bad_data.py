@@ -316,6 +316,15 @@ def test_non_utf8_text(tmp_path, task, name, content, match):
     _expect(ValueError, f"{name}: not UTF-8 text \\({match}", lambda: load_task(task, data_dir=source), source)
 
 
+def test_a_gzip_file_is_named_as_such(tmp_path):
+    """It was "not UTF-8 text (line 1, byte 1: b'\\x8b')"."""
+    import gzip
+
+    source = _write(tmp_path / "data.csv", gzip.compress((HEADER + _rows(8)).encode()))
+    _expect(ValueError, "data.csv: gzip-compressed, not text: decompress it first \\(gunzip\\)",
+            lambda: load_task("ag_news", data_dir=source), source)
+
+
 def test_header_names_match_whatever_their_case(tmp_path):
     source = _write(tmp_path / "caps.csv", "Label,Title,DESCRIPTION\n" + _rows(40))
     assert load_task("ag_news", data_dir=source)["train"].features["label"].names[0] == "World"

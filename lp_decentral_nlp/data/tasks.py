@@ -188,6 +188,8 @@ def _read_text(file: Path) -> str:
         raw = file.read_bytes()
     except OSError as err:
         raise ValueError(f"{file}: cannot be read ({err.strerror or err})") from None
+    if raw.startswith(b"\x1f\x8b"):  # gzip's magic number
+        raise ValueError(f"{file}: gzip-compressed, not text: decompress it first (gunzip)")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
