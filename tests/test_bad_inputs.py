@@ -620,6 +620,23 @@ def test_row76_a_model_folder_without_tokenizer_files(tmp_path, tiny_model_dir, 
     assert one_line_error(exc, capsys) == ROWS[76].expected(model_dir)
 
 
+def test_a_validation_split_is_refused_alone_and_named_unused_beside_train(tmp_path, tiny_model_dir, capsys):
+    """A folder of validation.csv alone was trained on; beside train.csv it was read, checked and
+    never used, silently (the recipes evaluate on 'test', held out from train.csv)."""
+    (tmp_path / "validation.csv").write_bytes(agnews_rows(40))
+    flags = ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path), "--max-length", "16", "--nodes", "2",
+             "--batch-size", "4", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", flags)
+    assert one_line_error(exc, capsys) == (
+        f"argument --data-dir: data_dir {str(tmp_path)!r} holds validation.csv but no train.csv: validation.csv is the "
+        "validation split beside a train.csv, and its rows are never trained on; add train.csv or rename validation.csv")
+    (tmp_path / "train.csv").write_bytes(agnews_rows(80))
+    main("ag_news", "choco", flags)
+    assert (f"notice: {tmp_path}: the 'validation' (40 rows) split is not used: the recipes train on 'train' and "
+            "evaluate on 'test'") in capsys.readouterr().err
+
+
 def copied_model(tiny_model_dir, folder):
     shutil.copytree(tiny_model_dir, folder)
     return folder

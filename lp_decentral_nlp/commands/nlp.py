@@ -221,6 +221,10 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
                                        max_eval_samples=recipe.max_eval_samples, seed=training.seed),
                      recipe.task, recipe.data_dir, prog)
+    unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
+    if unused and process_rank() == 0:  # e.g. validation.csv, SentEval's "va" rows
+        print(f"notice: {recipe.data_dir or recipe.task}: the {', '.join(unused)} split is not used: the recipes train "
+              "on 'train' and evaluate on 'test'", file=sys.stderr)
     check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
     set_seed(training.seed)
     model = load_classifier(model_path, data["train"].features["label"].names, prog)

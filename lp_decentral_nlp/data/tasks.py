@@ -60,7 +60,7 @@ def load_task(
             * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
               the original layout (``label,title,description``, labels 1-4) or ``text,label``
               columns (labels 0-3); a directory with ``train.csv`` (and ``test.csv``,
-              ``validation.csv``, no other CSV) keeps those splits (``test.csv`` without ``train.csv`` is refused); or a directory written by ``DatasetDict.save_to_disk``
+              ``validation.csv``, no other CSV) keeps those splits (``test.csv`` or ``validation.csv`` without ``train.csv`` is refused); or a directory written by ``DatasetDict.save_to_disk``
               (``text`` strings, ``label`` integers 0-3, a ``train`` split).
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
@@ -228,9 +228,11 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
                              "(expected label,title,description CSVs or a save_to_disk directory, and for sentlen "
                              "also SentEval's sentence_length.txt)")
         by_name = {p.stem: p for p in csvs}
-        if "test" in by_name and "train" not in by_name:
-            raise ValueError(f"data_dir {str(path)!r} holds test.csv but no train.csv: test.csv is the test split "
-                             "beside a train.csv, and its rows are never trained on; add train.csv or rename test.csv")
+        held_out = [stem for stem in ("test", "validation") if stem in by_name]
+        if held_out and "train" not in by_name:
+            raise ValueError(f"data_dir {str(path)!r} holds {held_out[0]}.csv but no train.csv: {held_out[0]}.csv is "
+                             f"the {held_out[0]} split beside a train.csv, and its rows are never trained on; add "
+                             f"train.csv or rename {held_out[0]}.csv")
         if "train" in by_name:
             others = sorted(p.name for p in csvs if p.stem not in _CSV_SPLITS)
             if others:
