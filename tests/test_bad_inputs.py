@@ -307,8 +307,12 @@ ROWS = {
             "it); drop it", " (also `--batch_eval_metrics`, `--eval_do_concat_batches`)"),
     86: cli(["--hub_model_id", "me/model"], "argument --hub_model_id: a setting of --push-to-hub, which the recipes "
             "refuse; drop it", " (also the other `--hub_*` flags)"),
+    87: cli(["--optim", "sgd", "--optim_args", "momentum=0.9,moment=0.5"], "argument --optim_args: optim_args entry "
+            "'moment=0.5' is not read by optim='sgd' (transformers ignores it): drop it"),
+    88: cli(["--optim", "sgd", "--optim_args", "momentum=high"], "argument --optim_args: optim_args='momentum=high' for "
+            "optim='sgd': could not convert string to float: 'high'"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 87)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 89)]
 
 
 def docs_table() -> str:

@@ -3,6 +3,7 @@ with every check of its fields in one place (numeric ranges: :data:`lp_decentral
 the checks the recipes' flags make too)."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -162,10 +163,40 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if refused:
             raise ValueError(f"optim={optim!r} is not supported by DecentralizedTrainer ({refused}): use adamw_torch, "
                              f"sgd or another optimizer that steps in optimizer.step()")
+        self._refuse_ignored_optim_args(optim)
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:
             check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
+
+    def _refuse_ignored_optim_args(self, optim: str):
+        """An ``optim_args`` entry the optimizer does not read: transformers drops it silently (every
+        entry for ``adamw_torch`` and ``adafactor``; all but ``momentum``, ``dampening``,
+        ``weight_decay``, ``nesterov`` for ``sgd``). An entry is read when leaving it out changes the
+        optimizer's keyword arguments (``Trainer.get_optimizer_cls_and_kwargs``); a value that
+        does not parse is refused too."""
+        if not self.optim_args:
+            return
+        from transformers import Trainer
+
+        probe_model = torch.nn.Linear(1, 1)
+
+        def optimizer_kwargs(optim_args):
+            probe = copy.copy(self)
+            probe.optim_args = optim_args
+            return Trainer.get_optimizer_cls_and_kwargs(probe, probe_model)[1]
+
+        try:
+            given = optimizer_kwargs(self.optim_args)
+        except ImportError:  # the optimizer's package is not installed: the trainer says so when it builds it
+            return
+        except ValueError as err:
+            raise ValueError(f"optim_args={self.optim_args!r} for optim={optim!r}: {err}") from None
+        entries = [entry for entry in self.optim_args.replace(" ", "").split(",") if entry]
+        for entry in entries:
+            if optimizer_kwargs(",".join(e for e in entries if e != entry) or None) == given:
+                raise ValueError(f"optim_args entry {entry!r} is not read by optim={optim!r} (transformers ignores it): "
+                                 "drop it")
 
     @property
     def data_order_seed(self) -> int:
