@@ -311,8 +311,14 @@ ROWS = {
             "'moment=0.5' is not read by optim='sgd' (transformers ignores it): drop it"),
     88: cli(["--optim", "sgd", "--optim_args", "momentum=high"], "argument --optim_args: optim_args='momentum=high' for "
             "optim='sgd': could not convert string to float: 'high'"),
+    89: cli(["--eval_steps", "5", "--eval_strategy", "epoch"], "argument --eval_steps: eval_steps is the interval of "
+            "eval_strategy='steps', and --eval_strategy is 'epoch': drop one of them",
+            " (also `--save_steps`, `--logging_steps` with another strategy)"),
+    90: cli(["--metric_for_best_model", "accuracy"], "argument --metric_for_best_model: metric_for_best_model is a "
+            "setting of evaluation during training, and this run evaluates only at its end: give --eval-steps or "
+            "--eval-strategy, or drop it", " (also `--eval_delay`, `--load_best_model_at_end`, `--greater_is_better`)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 89)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 91)]
 
 
 def docs_table() -> str:

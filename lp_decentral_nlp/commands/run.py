@@ -111,6 +111,7 @@ def run_checks(parser, parsed) -> None:
     check_best_metric(parser, parsed.training)
     check_what_recipes_use(parser, parsed.training)
     check_schedule(parser, parsed.training)
+    check_strategy_settings(parser, parsed.training)
     if parsed.training.push_to_hub:
         parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
                      "<output-dir>/model and the run's files beside it; upload that folder (hf upload <repo> "
@@ -167,6 +168,28 @@ def check_what_recipes_use(parser, training) -> None:
         flag = next(filter(None, map(parser.flag_given, names)), None)
         if flag is not None:
             parser.error(f"argument {flag}: {why}; drop it")
+
+
+def check_strategy_settings(parser, training) -> None:
+    """A flag given that its strategy switches off (transformers ignores it): ``--eval_steps``,
+    ``--save_steps``, ``--logging_steps`` with a strategy other than ``steps``, and the settings of
+    evaluation during training (``--eval_delay``, ``--load_best_model_at_end``,
+    ``--metric_for_best_model``, ``--greater_is_better``) in a run that evaluates only at its end."""
+    def strategy(name: str) -> str:
+        return str(getattr(getattr(training, name), "value", getattr(training, name)))
+
+    for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy"),
+                        ("logging_steps", "logging_strategy")):
+        flag = parser.flag_given(steps)
+        if flag is not None and strategy(name) != "steps":
+            parser.error(f"argument {flag}: {steps} is the interval of {name}='steps', and {parser.flag_of(name)} is "
+                         f"{strategy(name)!r}: drop one of them")
+    for name in ("eval_delay", "load_best_model_at_end", "metric_for_best_model", "greater_is_better"):
+        flag = parser.flag_given(name)
+        if flag is not None and strategy("eval_strategy") == "no":
+            parser.error(f"argument {flag}: {name} is a setting of evaluation during training, and this run evaluates "
+                         f"only at its end: give {parser.flag_of('eval_steps')} or {parser.flag_of('eval_strategy')}, "
+                         "or drop it")
 
 
 def check_schedule(parser, training, steps: int = 1000) -> None:
