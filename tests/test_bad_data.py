@@ -5,6 +5,7 @@ file (or argument) and what is allowed, that the error is raised by this package
 from datasets, pandas or PIL), and that the user's file is left byte for byte as it was.
 """
 import hashlib
+import os
 import pathlib
 
 import datasets
@@ -314,6 +315,15 @@ def test_senteval_labels(tmp_path, label, match):
 def test_non_utf8_text(tmp_path, task, name, content, match):
     source = _write(tmp_path / name, content)
     _expect(ValueError, f"{name}: not UTF-8 text \\({match}", lambda: load_task(task, data_dir=source), source)
+
+
+def test_a_pipe_is_named_as_such(tmp_path):
+    """A named pipe (or bash's <(...)) was "holds no CSV file and no saved dataset", as if a folder."""
+    pipe = tmp_path / "data.csv"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"is neither a file nor a directory \(a pipe, socket or device\): save the "
+                                         r"data to a file and pass its path$"):
+        load_task("ag_news", data_dir=pipe)
 
 
 def test_a_gzip_file_is_named_as_such(tmp_path):

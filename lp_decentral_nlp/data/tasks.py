@@ -103,6 +103,9 @@ def load_task(
                          "tokenizer or leave max_length out")
     if data_dir is not None and not Path(data_dir).exists():
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist")
+    if data_dir is not None and not (Path(data_dir).is_file() or Path(data_dir).is_dir()):
+        raise ValueError(f"data_dir {str(data_dir)!r} is neither a file nor a directory (a pipe, socket or device): "
+                         "save the data to a file and pass its path")
 
     if name == "ag_news":
         ds = _load_ag_news(data_dir, eval_fraction, seed)
