@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
-from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model
+from lp_decentral_nlp.quant import QuantConfig, QuantConv2d, kernel_report, quantize_model
 from lp_decentral_nlp.quant.kernels import (
     AUTO_MIN_CONV_CHANNELS,
     AUTO_MIN_CONV_MACS,
@@ -211,13 +211,21 @@ def test_fallback_per_layer_with_reason():
     reasons = {d.name: d.reason for d in report.layers}
     assert "kernel simulated (int8 falls back: grouped Conv2d (groups=2) has no int8 kernel)" in reasons["0"]
     assert reasons["2"].endswith("kernel int8")
-    quantize_model(model, QuantConfig(kernel="int8"))
+    # the grouped Conv2d runs simulated, the Linear int8; the kernel asked for says why it is not run, where
+    # it was asked for (it said so at the first forward, attributed to torch's code)
+    with pytest.warns(UserWarning, match=r"^QuantConfig\(kernel='int8'\) cannot run 1 layer\(s\) \(e.g. '0'\): grouped "
+                                         r"Conv2d \(groups=2\) has no int8 kernel; they run the simulated kernel") as told:
+        quantize_model(model, QuantConfig(kernel="int8"))
+    assert told[0].filename == __file__
     assert kernel_report(model) == {"0": "simulated", "2": "int8"}
-    # the grouped Conv2d runs simulated, the Linear int8; the kernel asked for says why it is not run
-    with pytest.warns(UserWarning, match=r"QuantConfig\(kernel='int8'\) cannot run every layer: grouped Conv2d "
-                                         r"\(groups=2\) has no int8 kernel; those layers run the simulated kernel"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: not again at the forward
         model(torch.randn(2, 4, 8, 8)).sum().backward()
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
+    # a layer made by hand (no quantize_model) says it at its first forward
+    layer = nn.Sequential(QuantConv2d.from_float(nn.Conv2d(4, 4, 3, groups=2), QuantConfig(kernel="int8")))
+    with pytest.warns(UserWarning, match=r"QuantConfig\(kernel='int8'\) cannot run every layer: grouped Conv2d"):
+        layer(torch.randn(2, 4, 8, 8))
     auto = quantize_model(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), QuantConfig(kernel="auto"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # under auto a fallback is the rule, not a setting left unused

@@ -60,8 +60,8 @@ class QuantConfig:
             ``"simulated"`` (float fake quantization, the paper's method), ``"int8"`` (int8
             GEMMs), ``"int8_bf16"`` (int8 GEMMs and a bfloat16 weight-gradient GEMM) or another
             registered kernel. A layer the kernel cannot run falls back to ``"simulated"``;
-            ``quantize_model(..., dry_run=True)`` says why and ``kernel_report(model)`` names the
-            kernel each layer runs.
+            ``quantize_model`` warns why (one warning per reason), its ``dry_run=True`` report says
+            it per layer, and ``kernel_report(model)`` names the kernel each layer ran.
         embeddings: also quantize ``nn.Embedding`` tables (SPEC 4 keeps them full precision by
             default): the rows a forward looks up are put on the table's 8-bit grid (per-tensor
             min/max, nearest rounding, straight-through estimator), see ``layers.QuantEmbedding``.

@@ -252,6 +252,12 @@ class QuantGemmLayer(ActivationQuantizer):
     gemm_type: type  # the gemm.py class of this layer type (kernels decide support from it)
     _warned_fallback: str | None = None  # the reason this layer last warned it cannot run its configured kernel
 
+    def fallback_told(self) -> None:
+        """``quantize_model`` has warned why this layer cannot run its configured kernel (on its
+        weight's device and shape): its forward warns only of another reason (a call shape, or a
+        move to another device)."""
+        self._warned_fallback = self._resolve_kernel(None, None)[1]
+
     @outside_compiled_graphs
     def _quant_gemm(self, x: torch.Tensor, gemm: Gemm) -> torch.Tensor:
         """Run `gemm` through ``QuantGemmFunction`` in the master-weight dtype (autocast off), with

@@ -21,8 +21,8 @@ from transformers.pytorch_utils import Conv1D
 
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
 from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
-from .kernels import describe_kernel
-from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantLinear, QuantModule
+from .kernels import AUTO, describe_kernel, resolve_kernel
+from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantGemmLayer, QuantLinear, QuantModule
 
 CONFIG_KEY = "quantization_config"
 # quantize_model warns when more than this share of the weight elements it is asked to quantize
@@ -164,6 +164,11 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
         warnings.warn(message, stacklevel=3)
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
+    if not reloading:  # the plan's warnings said why layers fall back from a named kernel: not again at a forward
+        for name in report.quantized:
+            layer = model.get_submodule(name)
+            if isinstance(layer, QuantGemmLayer):
+                layer.fallback_told()
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
@@ -227,6 +232,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     target_kept: dict[str, LayerDecision] = {}  # a target pattern's first layer kept float
     tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
     quantized_elements, fp32_weights = 0, []  # weight elements of the 8-bit layers; (name, type, elements) kept fp32
+    fallbacks: dict[str, list[str]] = {}  # why a kernel named in the config cannot run a layer -> those layers
     for name, module in model.named_modules():
         chain = _names(name, prefix)
         skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
@@ -285,7 +291,11 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             tables_quantized = tables_quantized or switch == "embeddings"
         gemm_type = getattr(quant_type, "gemm_type", None)
         if quantize and gemm_type is not None:
-            reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, getattr(module, "groups", 1))
+            groups = getattr(module, "groups", 1)
+            reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, groups)
+            fallback = resolve_kernel(config.kernel, gemm_type, module.weight, groups)[1]
+            if fallback is not None and config.kernel != AUTO:
+                fallbacks.setdefault(fallback, []).append(name)
         decision = LayerDecision(name, type(module).__name__, quantize, reason)
         report.layers.append(decision)
         for p in () if quantize else met:
@@ -308,6 +318,10 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             f"{fp32_elements / (fp32_elements + quantized_elements):.0%} of the weights the selection asks for stay fp32 "
             f"in modules of no registered 8-bit type (e.g. {name!r}, {type_name}: {len(fp32_weights)} module(s)); "
             "quantize_model(model, config, dry_run=True) lists them")
+    for fallback, names in fallbacks.items():
+        report.warnings.append(f"QuantConfig(kernel={config.kernel!r}) cannot run {len(names)} layer(s) (e.g. "
+                               f"{names[0]!r}): {fallback}; they run the simulated kernel (kernel_report(model) "
+                               "names the kernel of each)")
     if cannot:
         report.warnings.append(f"{len(cannot)} layer(s) the selection asks for stay fp32: {'; '.join(cannot)}")
     subclass_tables = (f"{len(float_tables)} embedding table(s) fp32: {', '.join(float_tables)}: subclasses of "
