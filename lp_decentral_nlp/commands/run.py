@@ -753,7 +753,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
                            TrainingKernelsCallback)
     from ..trainer.checkpointing import list_checkpoints
-    from ..trainer.model_card import training_summary
+    from ..trainer.model_card import write_model_card
 
     training = parsed.training
     out = training.output_dir
@@ -825,8 +825,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     metrics = final_evaluation(trainer)
     trainer.save_model(os.path.join(out, "model"))
     if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
-        pathlib.Path(out, "model", "README.md").write_text(training_summary(trainer, **card).to_model_card(),
-                                                           encoding="utf-8")
+        write_model_card(trainer, os.path.join(out, "model"), **card)
     n = training.num_nodes
     results = {
         "status": "done",

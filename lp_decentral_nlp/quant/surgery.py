@@ -162,13 +162,15 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
                          "dry_run=True) gives every layer's decision)")
     for message in () if reloading else report.warnings:
         warnings.warn(message, stacklevel=3)
+
+    def build(module: nn.Module) -> nn.Module:
+        layer = QUANT_LAYERS[type(module)].from_float(module, config)
+        if not reloading and isinstance(layer, QuantGemmLayer):  # the plan's warnings said why it falls back
+            layer.fallback_told()  # from a named kernel: not again at its first forward
+        return layer
+
     selected = {id(model.get_submodule(name)) for name in report.quantized}
-    _replace(model, selected, lambda m: QUANT_LAYERS[type(m)].from_float(m, config))
-    if not reloading:  # the plan's warnings said why layers fall back from a named kernel: not again at a forward
-        for name in report.quantized:
-            layer = model.get_submodule(name)
-            if isinstance(layer, QuantGemmLayer):
-                layer.fallback_told()
+    _replace(model, selected, build)
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
@@ -233,15 +235,21 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
     quantized_elements, fp32_weights = 0, []  # weight elements of the 8-bit layers; (name, type, elements) kept fp32
     fallbacks: dict[str, list[str]] = {}  # why a kernel named in the config cannot run a layer -> those layers
-    for name, module in model.named_modules():
+
+    def patterns(name: str) -> tuple[list[str], list[str] | None, bool]:
+        """The skip and target patterns the module called `name` matches (targets None: no target
+        list), and whether the selection asks for it (no skip, and a target if there are any)."""
         chain = _names(name, prefix)
         skips = [p for p in config.skip if any(name_matches(p, n) for n in chain)]
         targets = None if config.target is None else [p for p in config.target if any(name_matches(p, n) for n in chain)]
+        return skips, targets, not skips and (targets is None or bool(targets))
+
+    for name, module in model.named_modules():
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
                 report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
-                if not skips and (targets is None or targets):
+                if patterns(name)[2]:
                     fp32_weights.append((name, type(module).__name__, _gemm_weight_elements(module)))
             elif next(module.parameters(recurse=False), None) is not None:
                 type_name = type(module).__name__
@@ -249,6 +257,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             continue
         if not name:
             continue
+        skips, targets, selected = patterns(name)
         quant_type = QUANT_LAYERS.get(type(module))
         switch = getattr(quant_type, "enabled_by", None)
         switched_off = switch is not None and not getattr(config, switch)
@@ -256,7 +265,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         if not switched_off:  # a pattern that only meets switched-off layers selects nothing
             skip_used.update(skips)
         met = targets if quant_type is not None and targets and not switched_off else ()
-        asked = not skips and module is not head and (targets is None or bool(targets))
+        asked = selected and module is not head
         quantize = False
         if quant_type is None and parametrize.is_parametrized(module):
             reason = (f"its {', '.join(module.parametrizations)} is computed by a parametrization (torch.nn.utils."
@@ -293,8 +302,9 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         if quantize and gemm_type is not None:
             groups = getattr(module, "groups", 1)
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, groups)
-            fallback = resolve_kernel(config.kernel, gemm_type, module.weight, groups)[1]
-            if fallback is not None and config.kernel != AUTO:
+            fallback = None if config.kernel == AUTO else resolve_kernel(config.kernel, gemm_type, module.weight,
+                                                                          groups)[1]
+            if fallback is not None:  # (under auto a fallback is the rule, not a setting left unused)
                 fallbacks.setdefault(fallback, []).append(name)
         decision = LayerDecision(name, type(module).__name__, quantize, reason)
         report.layers.append(decision)

@@ -4,6 +4,7 @@ evaluation figures left to the logs."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from transformers.modelcard import TrainingSummary
 
@@ -43,3 +44,11 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
         summary.eval_lines = [{k: v for k, v in line.items() if not _PER_NODE.search(k)}
                               for line in summary.eval_lines]
     return summary
+
+
+def write_model_card(trainer, folder, **card_fields) -> None:
+    """Write the :func:`training_summary` card of `trainer` to ``folder/README.md`` (creating
+    `folder`): ``output_dir`` for :meth:`DecentralizedTrainer.create_model_card`, the saved model's
+    folder for the recipes."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "README.md").write_text(training_summary(trainer, **card_fields).to_model_card(), encoding="utf-8")

@@ -55,7 +55,7 @@ from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
-from .model_card import training_summary
+from .model_card import write_model_card
 from .preemption import SigtermWatch
 from .node_data import NodeDataMixin, read_shard_labels
 from .node_group import NodeGroup
@@ -532,11 +532,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         evaluation results (the per-node ones stay in the logs). Arguments as in Trainer."""
         if not self.node_group.is_main:
             return
-        summary = training_summary(self, language=language, license=license, tags=tags, model_name=model_name,
-                                   finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
-                                   dataset=dataset, dataset_args=dataset_args)
-        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(self.args.output_dir) / "README.md").write_text(summary.to_model_card(), encoding="utf-8")
+        write_model_card(self, self.args.output_dir, language=language, license=license, tags=tags,
+                         model_name=model_name, finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                         dataset=dataset, dataset_args=dataset_args)
         if hasattr(self.model, "create_or_update_model_card"):  # a PEFT model adds its library and adapter
             self.model.create_or_update_model_card(self.args.output_dir)
 
