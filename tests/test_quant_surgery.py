@@ -440,6 +440,23 @@ def test_dequantize_gives_back_plain_layers_with_the_trained_master_weights(undo
         assert torch.equal(model(input_ids=ids).logits, float_reference(input_ids=ids).logits)
 
 
+def test_undoing_the_base_model_inside_a_quantized_task_model_is_refused():
+    """``dequantize_model(model.distilbert)`` removed the shared record while the quantizer and the
+    8-bit head stayed: a half-8-bit model whose config said float. It is refused, naming the fix;
+    undoing a plain block inside leaves the record, and the whole model undoes as usual."""
+    model = tiny_distilbert()
+    quantize_model(model, QuantConfig(skip=()))
+    with pytest.raises(ValueError, match="part of the model quantize_model was given.*call dequantize_model on that"):
+        dequantize_model(model.distilbert)
+    assert isinstance(model.distilbert.transformer.layer[0].attention.q_lin, QuantLinear), "nothing was swapped"
+    assert hasattr(model.config, CONFIG_KEY) and model.hf_quantizer is not None
+    dequantize_model(model.distilbert.transformer.layer[0])
+    assert type(model.distilbert.transformer.layer[0].attention.q_lin) is nn.Linear
+    assert hasattr(model.config, CONFIG_KEY)
+    dequantize_model(model)
+    assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
+
+
 def test_models_sharing_a_config_object_stay_float(tmp_path):
     """``Cls(config)`` keeps the object it is given: recording the quantization on it made every
     model built from it (a float teacher beside an 8-bit student) reload 8-bit, and undoing the

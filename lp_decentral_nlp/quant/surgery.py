@@ -210,13 +210,23 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     The activation-range buffers are dropped and ``config.quantization_config`` removed (with the
     transformers quantizer state of a model ``from_pretrained`` loaded 8-bit; ``model.dequantize()``
     does the same).
+
+    Raises:
+        ValueError: no 8-bit layer in ``model``, or ``model`` is a transformers model inside the one
+            :func:`quantize_model` was given (``model.bert`` of a quantized ``BertForSequenceClassification``):
+            the record and the quantizer belong to that one, whose other 8-bit layers would stay 8-bit
+            under a config saying float.
     """
     selected = {id(m) for m in model.modules() if isinstance(m, QuantModule)}
     if not selected:
         raise ValueError("dequantize_model: model has no quantized layers")
-    _replace(model, selected, lambda m: m.to_float())
     owner = _config_owner(model)
     quantizer = owner.__dict__.get("hf_quantizer")  # its own, not one a wrapper forwards
+    recorded = getattr(getattr(owner, "config", None), CONFIG_KEY, None)
+    if hasattr(owner, "dequantize") and isinstance(recorded, LpQuantizationConfig) and quantizer is None:
+        raise ValueError(f"dequantize_model: this {type(owner).__name__} is part of the model quantize_model was "
+                         "given, which holds the quantization record: call dequantize_model on that model")
+    _replace(model, selected, lambda m: m.to_float())
     if isinstance(quantizer, LpHfQuantizer):
         quantizer.remove_quantization_config(owner)
     elif isinstance(getattr(getattr(owner, "config", None), CONFIG_KEY, None), LpQuantizationConfig):
