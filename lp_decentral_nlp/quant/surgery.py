@@ -255,6 +255,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         return skips, targets, not skips and (targets is None or bool(targets))
 
     for name, module in model.named_modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # holds the originals of a parametrized weight: its layer's decision says why it stays fp32
         if not isinstance(module, supported):
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
