@@ -317,8 +317,11 @@ ROWS = {
     90: cli(["--metric_for_best_model", "accuracy"], "argument --metric_for_best_model: metric_for_best_model is a "
             "setting of evaluation during training, and this run evaluates only at its end: give --eval-steps or "
             "--eval-strategy, or drop it", " (also `--eval_delay`, `--load_best_model_at_end`, `--greater_is_better`)"),
+    91: cli(["--do_predict"], "argument --do_predict: what a training script runs, and a recipe always trains, then "
+            "evaluates the averaged model and each node on the test split (results.json); drop it",
+            " (also `--do_train`, `--do_eval`)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 91)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 92)]
 
 
 def docs_table() -> str:

@@ -153,7 +153,8 @@ def check_what_recipes_use(parser, training) -> None:
     """Settings under which the evaluation would give no accuracy, which every recipe reports
     (``results.json``): ``--prediction_loss_only`` (no predictions) and ``--label_names`` (the
     recipes' batches name their label themselves: ``labels`` for text, ``label`` for images); and
-    settings of what the recipes do not use: ``compute_metrics``, the hub."""
+    settings of what the recipes do not use: ``compute_metrics``, the hub, and the ``--do_*`` flags
+    of scripts (transformers' Trainer does not read them either)."""
     if training.prediction_loss_only:
         parser.error(f"argument {parser.flag_of('prediction_loss_only')}: the recipes report the accuracy of the "
                      "averaged model and of each node, which needs the predictions; drop it")
@@ -164,7 +165,10 @@ def check_what_recipes_use(parser, training) -> None:
                         "a setting of compute_metrics, and the recipes compute accuracy without one (from Python, "
                         "DecentralizedTrainer(compute_metrics=...) takes it)"),
                        (("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
-                         "hub_revision"), f"a setting of {parser.flag_of('push_to_hub')}, which the recipes refuse")):
+                         "hub_revision"), f"a setting of {parser.flag_of('push_to_hub')}, which the recipes refuse"),
+                       (("do_train", "do_eval", "do_predict"),
+                        "what a training script runs, and a recipe always trains, then evaluates the averaged model "
+                        "and each node on the test split (results.json)")):
         flag = next(filter(None, map(parser.flag_given, names)), None)
         if flag is not None:
             parser.error(f"argument {flag}: {why}; drop it")

@@ -1,5 +1,6 @@
 """How :class:`DecentralizedTrainer` treats every field of `TrainingArguments` and of
-:class:`DecentralizedTrainingArguments`: honoured, honoured per node, or refused (with the reason).
+:class:`DecentralizedTrainingArguments`: honoured, honoured per node, left to the script (the ``do_*`` fields, as in `Trainer`), or refused
+(with the reason).
 
 A refused field keeps its default; any other value is a ValueError at construction naming the
 field and the reason, so no setting is silently ignored. ``docs/trainer.md`` holds the table
@@ -13,6 +14,8 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 HONOURED = "honoured"
 PER_NODE = "honoured per node"
+#: fields `Trainer` does not read either: the script that builds the trainer does (the recipes refuse them)
+SCRIPT = "for the script that builds the trainer, which does not read it (nor does Trainer); the recipes refuse it"
 
 #: what the trainer does with each field; ``"refused: <why>"`` entries must keep their default
 POLICY: dict[str, str] = {
@@ -29,9 +32,9 @@ POLICY: dict[str, str] = {
     "full_determinism": HONOURED,
     "use_cpu": HONOURED,
     "local_rank": HONOURED,
-    "do_train": HONOURED,
-    "do_eval": HONOURED,
-    "do_predict": HONOURED,
+    "do_train": SCRIPT,
+    "do_eval": SCRIPT,
+    "do_predict": SCRIPT,
     "resume_from_checkpoint": HONOURED,
     "remove_unused_columns": HONOURED,
     "label_names": HONOURED,
