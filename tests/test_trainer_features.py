@@ -331,13 +331,18 @@ def test_gradient_accumulation_averages_over_every_label_of_the_accumulated_batc
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
-def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(tmp_path, tokenizer):
+class OwnGPT2(GPT2LMHeadModel):
+    """A user's subclass: the same loss as GPT-2's."""
+
+
+@pytest.mark.parametrize("model_class", [GPT2LMHeadModel, OwnGPT2])
+def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(model_class, tmp_path, tokenizer):
     """GPT-2 leaves ``loss_type`` unset, and Trainer's count of a batch's labels then includes each
-    row's first, which no prediction targets: its eval_loss read about 10% low. It is the mean
-    loss over the predicted tokens, as training computes it."""
+    row's first, which no prediction targets: its eval_loss read about 10% low (a subclass's still
+    did). It is the mean loss over the predicted tokens, as training computes it."""
     data = varied_length_rows(tokenizer, n=8)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+    model = model_class(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                        pad_token_id=tokenizer.pad_token_id))
     assert model.loss_type is None
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
@@ -376,6 +381,34 @@ def test_a_micro_batch_without_labels_adds_nothing_to_the_step(tmp_path, tokeniz
     for got, expected in zip(record.grads, want):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
     assert np.isfinite(trainer.state.log_history[0]["loss"])
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_node_whose_batch_has_no_label_takes_no_update(accumulation, tmp_path, tokenizer):
+    """Every micro-batch of a step all -100 (a prompt-masked LM row whose answer was cut off):
+    nothing to learn from, so the node keeps its weights and logs no loss for the step, as the
+    micro-batch rule above gives; the run stopped with a non-finite loss (the mean over no label
+    is NaN). A labelled row still trains."""
+    def run(labelled_rows, out):
+        data = varied_length_rows(tokenizer, n=4).map(
+            lambda row, i: {"labels": [t % 3 if i in labelled_rows else -100 for t in row["input_ids"]]},
+            with_indices=True)
+        torch.manual_seed(0)
+        model = DistilBertForTokenClassification(DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1,
+                                                                  n_heads=2, hidden_dim=32, num_labels=3))
+        trainer = DecentralizedTrainer(
+            model=model, args=targs(out, num_nodes=1, per_device_train_batch_size=1, max_steps=4 // accumulation,
+                                    gradient_accumulation_steps=accumulation, low_precision=True),
+            train_dataset=data, data_collator=DataCollatorForTokenClassification(tokenizer))
+        start = [p.detach().clone() for p in trainer.nodes[0].parameters()]
+        trainer.train()
+        moved = not all(torch.equal(a, b) for a, b in zip(start, trainer.nodes[0].parameters()))
+        return moved, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    moved, losses = run((), tmp_path / "none")
+    assert not moved and len(losses) == 4 // accumulation and np.isnan(losses).all()
+    moved, losses = run((3,), tmp_path / "one")
+    assert moved and np.isfinite(losses).sum() == 1  # the step holding row 3
 
 
 def test_compute_loss_func_gets_the_label_count_of_the_accumulated_batch(tmp_path, tokenizer):
@@ -649,6 +682,13 @@ def test_token_classification_with_a_labels_column_and_skew_zero(tmp_path):
                                          r"class id per sample: name a column of class ids with shard_column, or "
                                          r"use skew=0$"):
         DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, shard_column="labels"), train_dataset=data)
+    with pytest.raises(ValueError, match=r"name a column of class ids with shard_column \(or leave it unset: skew=0 "
+                                         r"splits at random\)$"):  # not "or use skew=0": it is
+        DecentralizedTrainer(model=model, args=targs(tmp_path, shard_column="labels"), train_dataset=data)
+    # the tags are checked whatever the shards are skewed on: they failed in the first step with a topic column
+    topics = tags.add_column("topic", [i % 4 for i in range(32)])
+    with pytest.raises(ValueError, match=r"^train_dataset: labels must be tag ids 0\.\.2 .* found 3 in row 0$"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, shard_column="topic"), train_dataset=topics)
 
 
 class TorchDigits(torch.utils.data.Dataset):

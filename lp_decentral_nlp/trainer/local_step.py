@@ -103,12 +103,16 @@ class LocalStepMixin:
                 loss = loss + weight * micro_loss
             if j < len(micro_batches) - 1:
                 self._node_event("on_substep_end", k)
-        # unscale_ and update need a gradient to inspect: a node whose micro-batches all lacked labels
-        # (weight 0: no backward) has none
+        # unscale_ and update need a gradient to inspect: a node whose micro-batches all lack labels
+        # (weight 0: no backward) has none, and nothing to learn: it takes no update this step
         scaled = scaler is not None and any(weights)
         if scaled:
             scaler.unscale_(optimizer)
-        outcome = self._finite_then_clip(k, loss, step, overflow_possible=scaled)
+        if any(weights):
+            outcome = self._finite_then_clip(k, loss, step, overflow_possible=scaled)
+        else:
+            outcome = "unlabelled"
+            logger.info(f"node {self.node_ids[k]}, step {step}: no label in its batch (all -100); no update")
         if outcome == "step":
             self._node_event("on_pre_optimizer_step", k)
             if qgm is None:
@@ -126,7 +130,7 @@ class LocalStepMixin:
             self._node_event("on_optimizer_step", k)
         elif outcome == "skip" and buffers is not None:  # an overflow's forward was finite: its statistics stand
             torch._foreach_copy_(list(node.buffers()), buffers)
-        if outcome != "skip":  # an overflow's loss is the node's true loss (the logs would read NaN without it)
+        if outcome in ("step", "overflow"):  # an overflow's loss is the node's true one (else the logs read NaN)
             self._loss_sum[k] += loss  # device-side adds: no host-to-device copy (a sync) per step
             self._loss_count[k] += 1
         if scaled:
@@ -258,8 +262,10 @@ class LocalStepMixin:
         that are not ``-100`` (of ``labels[..., 1:]`` for a causal LM, whose loss shifts them; of
         ``shift_labels`` when the collator gives them), so the node's loss is the mean over every
         label of the accumulated batch, the loss `Trainer` normalises by ``num_items_in_batch``.
-        Without countable labels each weighs ``1 / len(micro_batches)``; a micro-batch whose labels
-        are all ``-100`` weighs 0 and is not back-propagated (its mean loss is NaN).
+        Without a label tensor each weighs ``1 / len(micro_batches)``; a micro-batch whose labels
+        are all ``-100`` weighs 0 and is not back-propagated (its mean loss is NaN), and when all
+        do the node takes no update (:meth:`_local_step`). Labels are counted on the loader's
+        tensors, before they move to the device: no device sync.
 
         With ``compute_loss_func`` (or a subclass's ``loss_is_scaled_for_ga = True``) the loss is
         the function's, normalised by the ``num_items_in_batch`` it is given (Trainer's contract):
@@ -269,15 +275,14 @@ class LocalStepMixin:
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5
         if scaled is None:
             scaled = getattr(self, "compute_loss_func", None) is not None  # transformers >= 4.46
-        if k == 1 and not scaled:  # the usual step: nothing to count
-            return [1.0], None
         counts = [self._label_count(batch) for batch in micro_batches]
         total = None if None in counts else sum(counts)
         if scaled:
-            return [1.0] * k, None if total is None else torch.tensor(total, device=self.args.device)
-        if not total:
+            items = None if total is None else torch.tensor(total, device=self.args.device)
+            return [0.0 if total == 0 else 1.0] * k, items
+        if total is None:
             return [1.0 / k] * k, None
-        return [count / total for count in counts], None
+        return [count / total if total else 0.0 for count in counts], None
 
     def _label_count(self, batch) -> int | None:
         """Labels of ``batch`` a loss averages over (not ``-100``; see :meth:`_accumulation_weights`),

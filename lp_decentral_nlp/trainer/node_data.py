@@ -144,6 +144,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     ValueError naming the column or argument that is wrong."""
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
+    _check_tag_ids(dataset, num_labels)  # whatever the shards are skewed on
     first = dataset[0]
     columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
         (list(first) if isinstance(first, dict) else [])
@@ -160,7 +161,6 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
                      f"train_dataset has no 'label' or 'labels' column (columns: {columns})")
             raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and {found}: name "
                              "one with shard_column, or use skew=0")
-        _check_tag_ids(dataset, num_labels)
         return None
     if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
         values = dataset.with_format(None)[name]
@@ -171,8 +171,8 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     unhashable = next((v for v in values if not isinstance(v, Hashable)), None)
     if unhashable is not None:  # e.g. token classification's per-token labels
         raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {reprlib.repr(unhashable)}, "
-                         f"not one integer class id per sample: name a column of class ids with shard_column, "
-                         f"or use skew=0")
+                         "not one integer class id per sample: name a column of class ids with shard_column"
+                         + (", or use skew=0" if args.skew > 0 else " (or leave it unset: skew=0 splits at random)"))
     num_labels = num_labels if name in ("label", "labels") else None
     bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
     if bad:

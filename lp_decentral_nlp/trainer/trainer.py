@@ -237,9 +237,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._compile_kwargs = self._node_compile_kwargs()
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
-        # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low
+        # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low;
+        # a subclass of one (a user's own GPT2LMHeadModel) computes the same loss
         self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or (
-            type(model).__name__ in CAUSAL_LM_CLASSES and not getattr(model.config, "is_encoder_decoder", False))
+            any(cls.__name__ in CAUSAL_LM_CLASSES for cls in type(model).__mro__)
+            and not getattr(model.config, "is_encoder_decoder", False))
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         self._shard_labels, self.node_group = shard_labels, node_group
