@@ -82,7 +82,8 @@ POLICY: dict[str, str] = {
                            "noise is drawn in the node's RNG stream)",
     "use_liger_kernel": "refused: Liger kernels patch the model class, which the 8-bit surgery also replaces",
     "liger_kernel_config": "refused: use_liger_kernel is refused",
-    "use_cache": "refused: the nodes train without a key/value cache (the model config decides at evaluation)",
+    "use_cache": "refused: the nodes train without a key/value cache; as Trainer does, the model's config.use_cache "
+                 "is set to False, and saved so (generate() caches through its generation_config)",
     "torch_empty_cache_steps": HONOURED,
     # --- precision and devices ---------------------------------------------------------------
     "bf16": PER_NODE + " (each node's forward and loss under torch.autocast to bfloat16, in training and "
