@@ -473,6 +473,30 @@ def test_a_reloaded_image_classifier_predicts_pil_images_with_its_own_preprocess
         ImageClassifier("resnet20", 3, "evonorm").predict(images)
 
 
+def test_predict_refuses_what_it_cannot_convert_without_loss():
+    """A 16-bit image became all white (dark and bright alike) and got a class; a path, an array or
+    no image at all were AttributeErrors and torch's stack error; more classes than label names
+    was an IndexError at the first prediction of the missing one."""
+    import numpy as np
+    from PIL import Image
+
+    spec = {"labels": ["a", "b", "c"], "image_size": 8, "mean": [0.0] * 3, "std": [1.0] * 3}
+    model = ImageClassifier("resnet20", 3, "evonorm", preprocessing=spec)
+    dark = Image.fromarray(np.full((8, 8), 1000, dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"^images\[1\]: a 16-bit image \(PIL mode I;16\): the transforms take 8-bit "
+                                         r"images and would clip its values; convert it to 8 bits"):
+        model.predict([Image.new("RGB", (8, 8)), dark])
+    for bad, error, message in ((["img.png"], TypeError, r"^images\[0\] is a str: PIL images expected"),
+                                ([np.zeros((8, 8, 3))], TypeError, r"^images\[0\] is a ndarray: PIL images expected"),
+                                ([], ValueError, r"^images is empty")):
+        with pytest.raises(error, match=message):
+            model.predict(bad)
+    assert len(model.predict(Image.new("L", (9, 12)))) == 1  # one image alone, any 8-bit mode
+    with pytest.raises(ValueError, match=r"^preprocessing\['labels'\] names 2 classes and num_classes=3: give one "
+                                         r"name per class$"):
+        ImageClassifier("resnet20", 3, "evonorm", preprocessing={**spec, "labels": ["a", "b"]})
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_evaluation_keeps_a_nan_input_where_the_float_norm_does(kind):
     """A NaN became the lowest code of the running range: an 8-bit norm in evaluation gave finite

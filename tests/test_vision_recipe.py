@@ -39,6 +39,26 @@ def lr_args(tmp_path, **kw):
     return DecentralizedTrainingArguments(**{**base, **kw})
 
 
+def test_label_smoothing_smooths_a_model_without_a_config(tmp_path):
+    """transformers' Trainer reads ``model.config`` to set up label smoothing: an ImageClassifier
+    (no config) failed with an AttributeError. Its loss is the smoothed cross-entropy, and the
+    model is left as given."""
+    from lp_decentral_nlp.vision import ImageClassifier
+
+    torch.manual_seed(0)
+    model = ImageClassifier("resnet20", 4, "evonorm")
+    trainer = DecentralizedTrainer(model=model, args=lr_args(tmp_path, label_smoothing_factor=0.1, max_steps=1),
+                                   train_dataset=tiny_image_set())
+    assert not hasattr(model, "config") and not hasattr(trainer.nodes[0], "config")
+    batch = {"pixel_values": torch.randn(4, 3, 8, 8), "labels": torch.tensor([0, 1, 2, 3])}
+    node = trainer.nodes[0].eval()
+    with torch.no_grad():
+        logits = node(batch["pixel_values"]).logits
+        loss = trainer.compute_loss(node, dict(batch))
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=0.1))
+    trainer.train()
+
+
 def test_lr_milestones_multiply_the_lr_at_epoch_boundaries(tmp_path):
     # 16 samples, 2 nodes, batch 4: 2 steps per epoch, so milestones at epochs 1 and 2 are steps 2 and 4
     args = lr_args(tmp_path, lr_milestones=[1, 2], lr_decay=0.5, max_steps=5)
@@ -104,6 +124,9 @@ def test_defaults_resolve_per_precision_and_dataset():
     assert c.recipe.num_classes == 100
     d = parse_vision_args("choco", ["--lr_scheduler_type", "cosine"])  # another schedule: no default milestones
     assert d.training.lr_milestones is None and d.training.lr_scheduler_type == "cosine"
+    assert t.optim_args == "momentum=0.9,nesterov=True"  # SGD's, for --optim sgd only (AdamW was refused them)
+    assert parse_vision_args("choco", ["--optim", "adamw_torch"]).training.optim_args is None
+    assert parse_vision_args("choco", ["--optim_args", "momentum=0.5"]).training.optim_args == "momentum=0.5"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -246,6 +269,21 @@ def test_a_run_larger_than_the_memory_names_the_image_size_flag(tmp_path, capsys
     assert capsys.readouterr().err.rstrip().endswith(
         "available on cpu: lower --nodes, --batch-size or --image_size, or run one node per process (--backend "
         "distributed)")
+
+
+@pytest.mark.parametrize("argv", [["--arch", "resnet18", "--norm", "batchnorm", "--full-precision", "--batch-size", "1"],
+                                  ["--norm", "range_batchnorm", "--batch-size", "1", "--image-size", "1"]])
+def test_a_batch_the_model_cannot_train_on_is_one_line(argv, tmp_path, capsys):
+    """A BatchNorm given one value per channel failed in the memory check with a traceback."""
+    from lp_decentral_nlp.vision.recipe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--nodes", "2", "--max_steps", "1", "--output-dir", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert "error: argument --batch-size: ImageClassifier cannot train on a batch of 1 x (3, " in err
+    assert "more than 1 value per channel when training" in err and err.rstrip().endswith(
+        "; raise --batch-size or --image-size")
 
 
 def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, monkeypatch):

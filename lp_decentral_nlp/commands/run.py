@@ -540,7 +540,8 @@ def available_memory_mb(device) -> float:
 
 def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str) -> None:
     """Refuse, before the nodes are built, a run whose nodes need more memory than the machine has
-    (naming `size_flag`, the flag that sets `input_shape`, among what to lower).
+    (naming `size_flag`, the flag that sets `input_shape`, among what to lower), or whose model
+    cannot train on one batch of that shape (one line naming ``--batch-size``).
 
     The need is what this process will store: per node, its weights, gradients and optimizer state
     (float32 master weights in 8-bit training too) and the activations its layers save for
@@ -557,11 +558,17 @@ def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str)
     from ..trainer import NodeGroup, cost_optimizer
 
     optimizer = cost_optimizer(training, model)
-    report = estimate_cost(model, tuple(input_shape), training.per_device_train_batch_size,
-                           "int8" if training.low_precision else "fp32", optimizer=optimizer,
-                           # a model it cannot checkpoint is refused by the trainer, with its reason
-                           activation_checkpointing=True if training.activation_checkpointing
-                           and checkpointable_layers(model) else None)
+    batch = training.per_device_train_batch_size
+    try:
+        report = estimate_cost(model, tuple(input_shape), batch, "int8" if training.low_precision else "fp32",
+                               optimizer=optimizer,
+                               # a model it cannot checkpoint is refused by the trainer, with its reason
+                               activation_checkpointing=True if training.activation_checkpointing
+                               and checkpointable_layers(model) else None)
+    except ValueError as err:  # the model's own error, e.g. a BatchNorm given one value per channel
+        exit_with_error(prog, f"{type(model).__name__} cannot train on a batch of {batch} x {tuple(input_shape)}: "
+                              f"{str(err.__cause__ or err).splitlines()[0]}; raise --batch-size or {size_flag}",
+                        "--batch-size")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     per_node = (weights + trainable * (1 + OPTIMIZER_STATES[optimizer])) / MB \

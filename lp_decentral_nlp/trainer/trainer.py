@@ -29,6 +29,7 @@ import inspect
 import math
 import signal
 import time
+import types
 from pathlib import Path
 
 import safetensors.torch
@@ -121,6 +122,22 @@ def _class_count(model) -> int | None:
 
 #: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
 CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+@contextlib.contextmanager
+def _config_while_trainer_is_built(model, smoothing: bool):
+    """With label smoothing, transformers' ``Trainer.__init__`` reads ``model.config.problem_type``
+    (it turns smoothing off for multi-label classification) and fails on a model without a config
+    (:class:`~lp_decentral_nlp.vision.ImageClassifier`, any plain ``nn.Module``): such a model holds
+    an empty one inside (no problem type: the smoother applies), removed after."""
+    if not smoothing or getattr(model, "config", None) is not None:
+        yield
+        return
+    model.config = types.SimpleNamespace()
+    try:
+        yield
+    finally:
+        del model.config
 
 
 @contextlib.contextmanager
@@ -229,7 +246,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         sigterm_handler = signal.getsignal(signal.SIGTERM)
-        super().__init__(model=model, args=args, **kwargs)
+        with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
+            super().__init__(model=model, args=args, **kwargs)
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if sigterm_handler is None else sigterm_handler)

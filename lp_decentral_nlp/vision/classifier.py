@@ -43,7 +43,7 @@ class ImageClassifier(nn.Module):
 
     def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
                  preprocessing: dict | None = None):
-        _check_preprocessing(preprocessing)
+        _check_preprocessing(preprocessing, num_classes)
         super().__init__()
         self.net = build_vision_model(arch, num_classes, norm, groups)
         self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
@@ -58,8 +58,10 @@ class ImageClassifier(nn.Module):
     def preprocess(self, images) -> torch.Tensor:
         """``pixel_values`` ``(N, 3, S, S)`` float32 for a list of PIL images, made as the model's
         training inputs were (its ``preprocessing``: RGB, shorter side to S and centre crop, values
-        in [0, 1] normalised per channel). ValueError for a model without ``preprocessing``."""
-        from .data import VisionTransform
+        in [0, 1] normalised per channel). ValueError for a model without ``preprocessing`` or for
+        images the conversion would clip (16- and 32-bit ones, which training refuses too); TypeError
+        for anything but PIL images."""
+        from .data import VisionTransform, check_pil_images
 
         spec = self.vision_config["preprocessing"]
         if spec is None:
@@ -67,7 +69,7 @@ class ImageClassifier(nn.Module):
                              "lp_decentral_nlp.vision.VisionTransform and the normalisation it was trained with")
         transform = VisionTransform(spec["image_size"], spec["mean"], spec["std"], train=False)
         device = next(self.parameters()).device
-        return transform({"image": list(images)})["pixel_values"].to(device)
+        return transform({"image": check_pil_images(images)})["pixel_values"].to(device)
 
     @torch.no_grad()
     def predict(self, images) -> list[str]:
@@ -143,9 +145,10 @@ class ImageClassifier(nn.Module):
         return model.eval()
 
 
-def _check_preprocessing(preprocessing) -> None:
+def _check_preprocessing(preprocessing, num_classes) -> None:
     """ValueError unless ``preprocessing`` is None or ``{"labels": [str], "image_size": int >= 1,
-    "mean": [3 numbers], "std": [3 positive numbers]}`` (it is saved as JSON with the model)."""
+    "mean": [3 numbers], "std": [3 positive numbers]}`` (it is saved as JSON with the model), with
+    a name for each of the `num_classes` classes."""
     if preprocessing is None:
         return
     expected = "None or {'labels': [class names], 'image_size': int, 'mean': [3 numbers], 'std': [3 numbers > 0]}"
@@ -160,3 +163,6 @@ def _check_preprocessing(preprocessing) -> None:
               and all(v > 0 for v in numbers[3:]))
     if not ok:
         raise ValueError(f"preprocessing must be {expected}, got {preprocessing!r}")
+    if len(preprocessing["labels"]) != num_classes:
+        raise ValueError(f"preprocessing['labels'] names {len(preprocessing['labels'])} classes and num_classes="
+                         f"{num_classes}: give one name per class")

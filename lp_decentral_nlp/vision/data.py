@@ -205,8 +205,13 @@ def _check_image(image: str | bytes, where: str) -> None:
         message = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "from its bytes", str(err))  # no memory address
         raise ValueError(f"{where}: not a readable image ({err.__class__.__name__}: {message})") from None
     if mode in _WIDE_MODES:
-        raise ValueError(f"{where}: a {_WIDE_MODES[mode]} image (PIL mode {mode}): the transforms take 8-bit "
-                         "images and would clip its values; convert it to 8 bits, scaling to 0-255")
+        raise ValueError(f"{where}: {_wide_image(mode)}")
+
+
+def _wide_image(mode: str) -> str:
+    """Why an image of PIL mode ``mode`` (one of :data:`_WIDE_MODES`) is refused, and the fix."""
+    return (f"a {_WIDE_MODES[mode]} image (PIL mode {mode}): the transforms take 8-bit images and would clip its "
+            "values; convert it to 8 bits, scaling to 0-255")
 
 
 def _check_utf8_name(path: Path) -> None:
@@ -388,6 +393,23 @@ def load_vision_dataset(
             raise ValueError("digits is bundled with scikit-learn: data_dir must be None")
         return _load_digits(seed)
     return _load_source(spec, name, data_dir)
+
+
+def check_pil_images(images) -> list:
+    """``images`` as a non-empty list of 8-bit PIL images (what :class:`VisionTransform` converts
+    without loss): TypeError naming the first other object, ValueError for an empty list or a 16-
+    or 32-bit image (:data:`_WIDE_MODES`: the RGB conversion would clip it, as the loaders say)."""
+    from PIL import Image
+
+    images = [images] if isinstance(images, Image.Image) else list(images)
+    if not images:
+        raise ValueError("images is empty: give one PIL image or more")
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise TypeError(f"images[{i}] is a {type(image).__name__}: PIL images expected (PIL.Image.open(path))")
+        if image.mode in _WIDE_MODES:
+            raise ValueError(f"images[{i}]: {_wide_image(image.mode)}")
+    return images
 
 
 def _to_square_tensor(image, size: int) -> torch.Tensor:

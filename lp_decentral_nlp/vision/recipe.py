@@ -33,7 +33,8 @@ __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_v
 
 # SPEC 5: Range EvoNorm is the norm of 8-bit training, EvoNorm-S0 the one of fp32 training.
 DEFAULT_NORMS = {"int8": "range_evonorm", "fp32": "evonorm"}
-# SPEC 8: SGD with Nesterov momentum 0.9 (transformers' "sgd" optimizer reads these optim_args).
+# SPEC 8: SGD with Nesterov momentum 0.9 (transformers' "sgd" optimizer reads these optim_args; the
+# recipes set them for --optim sgd when --optim_args is not given: another optimizer reads none of them).
 SGD_OPTIM_ARGS = "momentum=0.9,nesterov=True"
 # Flipping a digit changes what it shows: with the CIFAR augmentation a single-node fp32 ResNet-20
 # (EvoNorm) reaches 30% test accuracy on digits after 5 epochs, 95% without it.
@@ -41,7 +42,7 @@ NO_AUGMENT_DATASETS = ("digits",)
 # SPEC 8: LR x0.1 at epochs 100 and 150 of 200, i.e. at these fractions of the run by default.
 DEFAULT_MILESTONE_FRACTIONS = (0.5, 0.75)
 # SPEC 8 (vision): SGD, Nesterov momentum 0.9, lr 0.1, weight decay 1e-4, multi-step schedule.
-VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_args=SGD_OPTIM_ARGS,
+VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_args=None,
                        lr_scheduler_type="constant", remove_unused_columns=False,  # the transform needs 'image'
                        per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
                        logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
@@ -93,9 +94,12 @@ class VisionArguments(RunArguments):
 
 
 def _derive(values: dict) -> None:
-    """Resolve ``--norm auto``, ``--image-size``, ``--augment`` and ``--lr-milestones`` (SPEC 5, 8)."""
+    """Resolve ``--norm auto``, ``--image-size``, ``--augment``, ``--lr-milestones`` and SGD's
+    ``--optim_args`` (SPEC 5, 8)."""
     from .data import VISION_DATASETS, vision_dataset_spec
 
+    if values["optim_args"] is None and str(values["optim"]) == "sgd":
+        values["optim_args"] = SGD_OPTIM_ARGS
     if values["norm"] == "auto":
         values["norm"] = DEFAULT_NORMS["int8" if values["low_precision"] else "fp32"]
     if values["dataset"] in VISION_DATASETS:
