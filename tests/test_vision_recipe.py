@@ -286,6 +286,19 @@ def test_a_batch_the_model_cannot_train_on_is_one_line(argv, tmp_path, capsys):
         "; raise --batch-size or --image-size")
 
 
+def test_a_diverging_run_stops_with_one_line(tmp_path, capsys):
+    """The NonFiniteError named node and step under a 24-line traceback."""
+    from lp_decentral_nlp.vision.recipe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--nodes", "2", "--max_steps", "10", "--lr", "10000", "--full-precision", "--norm", "batchnorm",
+                       "--disable_tqdm", "true", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert exc.value.code == 1 and "Traceback" not in err, err
+    assert ": error: NonFiniteError: node " in last and "--skip-nonfinite" in last, err
+
+
 def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, monkeypatch):
     """Ctrl-C during training: one line naming the step and the checkpoint to resume from, exit
     status 130 (SIGINT's), results.json left "running"."""

@@ -757,12 +757,15 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     the settings that need its shards (e.g.
     :meth:`~lp_decentral_nlp.trainer.DecentralizedTrainer.steps_per_epoch`); a ValueError it
     raises is the run's one-line error. Ctrl-C in training stops with one line naming the step and
-    how to go on: `on_interrupt`, or by default how to resume from the run's last checkpoint.
+    how to go on: `on_interrupt`, or by default how to resume from the run's last checkpoint. A
+    failure training names (a non-finite loss or gradient, a dead or silent peer) is one line too,
+    exit status 1.
     `card`: the model card's fields (``create_model_card``'s arguments) to write ``model/README.md``
     with, for a transformers model; None writes none."""
+    from ..gossip import GossipPeerError
     from ..quant import kernel_report
-    from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, OnTrainBeginCallback,
-                           TrainingKernelsCallback)
+    from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, NonFiniteError,
+                           OnTrainBeginCallback, TrainingKernelsCallback)
     from ..trainer.checkpointing import list_checkpoints
     from ..trainer.model_card import write_model_card
 
@@ -814,6 +817,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
         refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
+    except (NonFiniteError, GossipPeerError) as err:  # says what failed and what to do: no traceback to add
+        print(f"{prog}: error: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback (results.json stays "running")
         found = list_checkpoints(out)
         how = on_interrupt or (
