@@ -22,6 +22,13 @@ def flag_error(argv, capsys, task="ag_news"):
     return err.split(": error: ", 1)[1].rstrip("\n")
 
 
+def test_a_message_of_several_lines_from_transformers_is_one_line(capsys):
+    """TrainingArguments' own check of load_best_model_at_end spans three lines."""
+    message = flag_error(["--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "no",
+                          "--load_best_model_at_end"], capsys)
+    assert "requires the save and eval strategy to match" in message and "Save strategy: SaveStrategy.NO" in message
+
+
 def test_transformers_spelling_and_short_aliases_set_the_same_fields(tmp_path):
     spelled = build_nlp_parser("ag_news", "choco").parse([
         "--learning_rate", "1e-4", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",

@@ -199,6 +199,7 @@ class OneLineErrors:
             self.error(str(err) if action is None else f"argument {option_used(action, args)}: {err.message}")
 
     def error(self, message):
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # transformers' span lines
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def flag_given(self, name: str, argv=None) -> str | None:
