@@ -180,7 +180,8 @@ _VGG11_CONFIG = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 class VGG(nn.Module):
     """VGG: ``config`` of conv widths and ``"M"`` (2x2 max-pool), each conv followed by the
-    norm-activation; global average pool; Linear(last, hidden) - ReLU - Linear(hidden, classes).
+    norm-activation; global average pool; ``hidden``: Linear(last, hidden) - ReLU; ``classifier``:
+    Linear(hidden, classes), the head the 8-bit surgery keeps float by default (``DEFAULT_SKIP``).
 
     The input side must be at least ``2 ** (number of pools)`` (32 for VGG-11).
     """
@@ -197,9 +198,8 @@ class VGG(nn.Module):
         self.features = nn.Sequential(*layers)
         self.min_size = 2 ** config.count("M")
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.classifier = nn.Sequential(
-            nn.Linear(cin, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes)
-        )
+        self.hidden = nn.Sequential(nn.Linear(cin, hidden), nn.ReLU(inplace=True))
+        self.classifier = nn.Linear(hidden, num_classes)
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +207,7 @@ class VGG(nn.Module):
             raise ValueError(
                 f"VGG needs images of at least {self.min_size}x{self.min_size}, got {tuple(x.shape)}"
             )
-        return self.classifier(self.pool(self.features(x)).flatten(1))
+        return self.classifier(self.hidden(self.pool(self.features(x)).flatten(1)))
 
 
 class InvertedResidual(nn.Module):
