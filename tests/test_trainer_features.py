@@ -335,16 +335,24 @@ class OwnGPT2(GPT2LMHeadModel):
     """A user's subclass: the same loss as GPT-2's."""
 
 
-@pytest.mark.parametrize("model_class", [GPT2LMHeadModel, OwnGPT2])
-def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(model_class, tmp_path, tokenizer):
+def lora_wrapped(model):
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("model_class, wrap", [(GPT2LMHeadModel, None), (OwnGPT2, None), (GPT2LMHeadModel, lora_wrapped)],
+                         ids=["gpt2", "subclass", "peft"])
+def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(model_class, wrap, tmp_path, tokenizer):
     """GPT-2 leaves ``loss_type`` unset, and Trainer's count of a batch's labels then includes each
-    row's first, which no prediction targets: its eval_loss read about 10% low (a subclass's still
-    did). It is the mean loss over the predicted tokens, as training computes it."""
+    row's first, which no prediction targets: its eval_loss read about 10% low (a subclass's, or
+    one PEFT wraps, still did). It is the mean loss over the predicted tokens, as training computes
+    it. (The PEFT case runs where peft is installed; it is not a dependency.)"""
     data = varied_length_rows(tokenizer, n=8)
     torch.manual_seed(0)
     model = model_class(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                       pad_token_id=tokenizer.pad_token_id))
+                                   pad_token_id=tokenizer.pad_token_id))
     assert model.loss_type is None
+    model = model if wrap is None else wrap(model)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     trainer = DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=data, eval_dataset=data,
                                    data_collator=collator)

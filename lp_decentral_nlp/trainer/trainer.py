@@ -43,7 +43,7 @@ from transformers.integrations.neftune import activate_neftune, deactivate_neftu
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics, unwrap_peft_model
 from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
@@ -256,10 +256,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low;
-        # a subclass of one (a user's own GPT2LMHeadModel) computes the same loss
+        # a subclass of one (a user's own GPT2LMHeadModel) computes the same loss, as does one PEFT wraps
+        inspected = unwrap_peft_model(model)
         self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or (
-            any(cls.__name__ in CAUSAL_LM_CLASSES for cls in type(model).__mro__)
-            and not getattr(model.config, "is_encoder_decoder", False))
+            any(cls.__name__ in CAUSAL_LM_CLASSES for cls in type(inspected).__mro__)
+            and not getattr(inspected.config, "is_encoder_decoder", False))
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         self._shard_labels, self.node_group = shard_labels, node_group
