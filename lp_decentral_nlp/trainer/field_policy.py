@@ -1,6 +1,6 @@
 """How :class:`DecentralizedTrainer` treats every field of `TrainingArguments` and of
-:class:`DecentralizedTrainingArguments`: honoured, honoured per node, left to the script (the ``do_*`` fields, as in `Trainer`), or refused
-(with the reason).
+:class:`DecentralizedTrainingArguments`: honoured, honoured per node, left to the script (the
+``do_*`` fields, as in `Trainer`), or refused (with the reason).
 
 A refused field keeps its default; any other value is a ValueError at construction naming the
 field and the reason, so no setting is silently ignored. ``docs/trainer.md`` holds the table
