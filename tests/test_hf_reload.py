@@ -156,6 +156,31 @@ def test_a_float_checkpoint_quantizes_on_load_with_an_lp_quantization_config(tmp
     assert model.config.quantization_config.to_quant_config() == QuantConfig(bits=6, skip=("classifier", "pooler"))
 
 
+@pytest.mark.parametrize("kernel", ["int8", "int8_bf16"])
+def test_quantizing_on_load_with_a_named_kernel_judges_it_on_the_real_weights(kernel, tmp_path):
+    """transformers builds the model on the meta device before loading the weights: the surgery
+    judged the kernel there and warned that no layer could run it ("no int8 GEMM on device type
+    'meta'"), though every layer then ran it. The kernel is judged at the first call, on the
+    weights' device, and warned only if it really falls back there."""
+    from lp_decentral_nlp import kernel_report
+    from lp_decentral_nlp.quant.kernels import resolve_kernel
+    from lp_decentral_nlp.quant.gemm import LinearGemm
+
+    tiny_bert(100).save_pretrained(tmp_path)
+    with transformers_warnings() as records:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            tmp_path, quantization_config=LpQuantizationConfig(kernel=kernel))
+        model(input_ids=torch.randint(0, 100, (2, 8)))
+    layer = model.bert.encoder.layer[0].attention.self.query
+    fallback = resolve_kernel(kernel, LinearGemm, layer.weight)[1]
+    warned = [m for m in messages(records) if "cannot run" in m]
+    assert not any("meta" in m for m in warned), warned
+    assert set(kernel_report(model).values()) == ({"simulated"} if fallback else {kernel})
+    assert len(warned) == (1 if fallback else 0), warned
+    meta_built = quantize_model(tiny_bert(100).to("meta"), QuantConfig(kernel=kernel), dry_run=True)
+    assert f"kernel {kernel}, chosen on the weight's device at the first call" in str(meta_built)
+
+
 def test_reload_refuses_a_non_float32_dtype(tmp_path, tokenizer):
     model = quantize_model(tiny_bert(tokenizer.vocab_size))
     model.save_pretrained(tmp_path)

@@ -459,6 +459,21 @@ def test_undoing_the_base_model_inside_a_quantized_task_model_is_refused():
     assert quantized_names(model) == [] and not hasattr(model.config, CONFIG_KEY)
 
 
+def test_a_base_model_quantized_inside_its_task_model_saves_with_it(tmp_path):
+    """``quantize_model(model.distilbert)`` recorded the quantization on a copy of the config, so
+    the task model saved a float config and reloaded float (its ranges "unexpected keys")."""
+    torch.manual_seed(0)
+    model = tiny_distilbert()
+    quantize_model(model.distilbert)
+    assert model.distilbert.config is model.config and hasattr(model.config, CONFIG_KEY)
+    model.save_pretrained(tmp_path)
+    back = DistilBertForSequenceClassification.from_pretrained(tmp_path)
+    assert quantized_names(back) == quantized_names(model) != []
+    ids = torch.randint(0, 120, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, back.eval()(input_ids=ids).logits)
+
+
 def test_models_sharing_a_config_object_stay_float(tmp_path):
     """``Cls(config)`` keeps the object it is given: recording the quantization on it made every
     model built from it (a float teacher beside an 8-bit student) reload 8-bit, and undoing the

@@ -122,9 +122,9 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
 
     Swapped layers keep the forward and backward hooks registered on them. A layer whose weight
     or bias a hook or parametrization recomputes (pruning, weight_norm, spectral_norm) stays float,
-    with a warning, as any layer the selection asks for but cannot swap. The quantization is
-    recorded on a copy of the model's config, so other models built from the same config object
-    stay float.
+    with a warning, as any layer the selection asks for but cannot swap. A task model records the
+    quantization on a copy of its config, so other models built from the same config object stay
+    float; a base model records it on the config it shares with its task model, as above.
 
     Returns:
         `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer
@@ -165,8 +165,8 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
 
     def build(module: nn.Module) -> nn.Module:
         layer = QUANT_LAYERS[type(module)].from_float(module, config)
-        if not reloading and isinstance(layer, QuantGemmLayer):  # the plan's warnings said why it falls back
-            layer.fallback_told()  # from a named kernel: not again at its first forward
+        if not reloading and isinstance(layer, QuantGemmLayer) and not layer.weight.is_meta:
+            layer.fallback_told()  # the plan's warnings said why a named kernel falls back: not again at the first call
         return layer
 
     selected = {id(model.get_submodule(name)) for name in report.quantized}
@@ -174,7 +174,8 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
-        _own_config(owner)
+        if getattr(owner, "base_model", None) is not owner:  # a base model's config is its task model's too
+            _own_config(owner)
         setattr(owner.config, CONFIG_KEY, hf_config)
         if hasattr(owner, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
             owner.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
@@ -314,8 +315,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         if quantize and gemm_type is not None:
             groups = getattr(module, "groups", 1)
             reason += "; " + describe_kernel(config.kernel, gemm_type, module.weight, groups)
-            fallback = None if config.kernel == AUTO else resolve_kernel(config.kernel, gemm_type, module.weight,
-                                                                          groups)[1]
+            fallback = None if config.kernel == AUTO or module.weight.is_meta else resolve_kernel(
+                config.kernel, gemm_type, module.weight, groups)[1]  # meta: decided, and warned, at the first call
             if fallback is not None:  # (under auto a fallback is the rule, not a setting left unused)
                 fallbacks.setdefault(fallback, []).append(name)
         decision = LayerDecision(name, type(module).__name__, quantize, reason)

@@ -99,7 +99,11 @@ def resolve_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int
 
 def describe_kernel(name: str, gemm_type: type, weight: torch.Tensor, groups: int = 1) -> str:
     """What a dry run says about a layer's kernel before any call: ``"kernel <name>"``, why the
-    kernel asked for falls back, and for an ``"auto"`` int8 convolution the call size it needs."""
+    kernel asked for falls back, and for an ``"auto"`` int8 convolution the call size it needs. A
+    weight on the meta device (a model ``from_pretrained`` is building) has no device to decide on
+    yet: the kernel is chosen at the first call."""
+    if weight.is_meta:
+        return f"kernel {name}, chosen on the weight's device at the first call"
     kernel, fallback = resolve_kernel(name, gemm_type, weight, groups)
     text = f"kernel {kernel.name}" + (f" ({name} falls back: {fallback})" if fallback else "")
     if name == AUTO and gemm_type is Conv2dGemm and kernel.name != "simulated":
