@@ -37,6 +37,23 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _process_output_restored():
+    """A recipe run in this process (``main(...)``) sets process-wide output as a command does:
+    transformers' log level, and with ``--disable_tqdm`` no transformers or datasets progress bars.
+    Each test gets back what it started with, so a test of the bars sees the defaults whatever ran
+    before it (in another order under ``pytest -n``)."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    yield
+    hf_logging.set_verbosity(verbosity)
+    (hf_logging.enable_progress_bar if bars[0] else hf_logging.disable_progress_bar)()
+    (datasets.enable_progress_bars if bars[1] else datasets.disable_progress_bars)()
+
+
 @pytest.fixture
 def ag_news_csv():
     if not AG_NEWS_CSV.exists():
