@@ -86,6 +86,7 @@ def test_goals_are_checked_on_the_means_over_seeds(table6):
     assert goals[3]["detail"] == "1 series of two or more skews; rising: DS 99% skew 0 -> 0.9: +9.90"
 
 
+@pytest.mark.slow  # three recipe runs (~45 s): a benchmark script's record, not what users run
 def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
         table6, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):
     import record
