@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,12 +291,24 @@ def check_launcher(parser, values: dict) -> None:
 def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
     """Run this recipe again as ``nodes`` processes under ``torch.distributed.run`` (gloo on the CPU)
     and exit with its status: what ``accelerate launch --multi_gpu`` does, for the single process
-    accelerate's simple launcher starts on a machine without GPUs."""
+    accelerate's simple launcher starts on a machine without GPUs (it passes neither
+    ``--num_processes`` nor ``--main_process_port`` on: the count is ``--nodes``).
+
+    Ctrl-C reaches ``torch.distributed.run`` and its workers from the terminal as well; this process
+    waits for them to stop (the workers print how to resume) and says nothing itself. A SIGTERM to
+    this process (``kill``, ``timeout``) is passed on, so that no worker outlives it."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nodes}",
                sys.argv[0], *parser.argv]
-    print(f"{parser.prog}: accelerate launch started one process; starting {nodes} (one per node) with "
-          f"torch.distributed.run", file=sys.stderr)
-    sys.exit(subprocess.run(command).returncode)
+    print(f"{parser.prog}: accelerate launch without --multi_gpu started one process (it does not pass "
+          f"--num_processes on); starting --nodes {nodes} processes, one per node, with torch.distributed.run",
+          file=sys.stderr)
+    launched = subprocess.Popen(command)
+    signal.signal(signal.SIGTERM, lambda signum, frame: launched.send_signal(signal.SIGTERM))
+    while True:
+        try:
+            sys.exit(launched.wait())
+        except KeyboardInterrupt:
+            continue
 
 
 def folder_creation_problem(path: pathlib.Path) -> str | None:
