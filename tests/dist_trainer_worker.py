@@ -39,7 +39,7 @@ DYING_RANK = 2
 GOSSIP_TIMEOUT = 60.0  # seconds; a dead peer usually closes its connections at once
 CONFIG = dict(num_nodes=4, algorithm="choco", compression=90.0, drop_prob=0.1, per_device_train_batch_size=8,
               per_device_eval_batch_size=40, learning_rate=2e-3, max_steps=STEPS, logging_steps=2,
-              save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True, seed=1,
+              save_strategy="steps", save_steps=2, disable_tqdm=True, seed=1,
               gossip_timeout=GOSSIP_TIMEOUT, include_num_input_tokens_seen="non_padding")
 
 
@@ -54,6 +54,9 @@ def make_trainer(out_dir, backend: str, data_csv, minilm, **overrides) -> Decent
     config = {**CONFIG, **overrides}
     if backend == "simulated":  # no peer to wait for (refused there)
         config.pop("gossip_timeout")
+        config["use_cpu"] = True
+    # the distributed runs leave use_cpu out, as a user's script would: on a machine without an accelerator the
+    # arguments make the process group with gloo (the merge run has them make it)
     args = DecentralizedTrainingArguments(output_dir=str(out_dir), backend=backend, **config)
     return DecentralizedTrainer(model=DistilBertForSequenceClassification(cfg), args=args, train_dataset=data["train"],
                                 eval_dataset=data["test"], processing_class=tokenizer)
@@ -132,7 +135,8 @@ def merge(out_dir, data_csv, minilm):
 if __name__ == "__main__":
     mode, out, data_csv, minilm = sys.argv[1:5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if mode != "merge":  # the merge run leaves the process group to the arguments, as a user's script does
+        dist.init_process_group("gloo")
     if mode == "die":
         die(out, data_csv, minilm)
     elif mode == "merge":

@@ -320,8 +320,11 @@ ROWS = {
     91: cli(["--do_predict"], "argument --do_predict: what a training script runs, and a recipe always trains, then "
             "evaluates the averaged model and each node on the test split (results.json); drop it",
             " (also `--do_train`, `--do_eval`)"),
+    92: cli(["--ddp_timeout", "5"], "argument --ddp_timeout: ddp_timeout=5 is how long a process waits at a collective "
+            "over all processes, and backend='simulated' runs every node in this process: use "
+            "backend='distributed', or leave ddp_timeout at 1800"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 92)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93)]
 
 
 def docs_table() -> str:

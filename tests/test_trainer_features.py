@@ -1475,3 +1475,41 @@ def test_total_flos_counts_every_nodes_training_tokens(tmp_path):
     expected = 6 * tokens * model.num_parameters(exclude_embeddings=True)  # Trainer's estimate of a step's flos
     assert trainer.state.total_flos == expected
     assert trainer.state.log_history[-1]["total_flos"] == expected  # the end-of-training log, as Trainer's
+
+
+def test_the_simulated_backend_under_a_launcher_is_refused(monkeypatch):
+    """torchrun/accelerate started several processes for a script with backend='simulated': each
+    would run every node and write the same checkpoint and model files (one died mid-save)."""
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="backend='simulated' runs every node in one process, but the launcher "
+                                         "started 2 processes: set backend='distributed' and num_nodes=2"):
+        NodeGroup(2, "simulated")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert NodeGroup(2, "simulated").node_ids == [0, 1]
+
+
+def test_distributed_backend_outside_a_launcher_names_the_launch_and_accelerates_single_process(monkeypatch):
+    """A script run without a launcher, and one under `accelerate launch --num_processes N` on a
+    machine without GPUs, which starts one process unless --multi_gpu is given: the message says so."""
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group: launch with "
+                                           "torchrun --nproc_per_node 4"):
+        NodeGroup(4, "distributed")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    with pytest.raises(RuntimeError, match="accelerate launch on a machine without GPUs starts one process unless "
+                                           "--multi_gpu is given"):
+        NodeGroup(4, "distributed")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="a machine without an accelerator")
+def test_distributed_backend_takes_the_cpu_process_group_without_use_cpu(tmp_path):
+    """Without use_cpu, transformers made the launcher's process group without a backend on a CPU
+    machine (every rank saw world size 1) and the first gossip message failed; the distributed
+    backend sets use_cpu itself there (tests/dist_trainer_worker.py runs without it)."""
+    args = DecentralizedTrainingArguments(output_dir=str(tmp_path), backend="distributed", report_to="none")
+    assert args.use_cpu
+    assert not DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none").use_cpu

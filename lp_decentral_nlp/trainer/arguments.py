@@ -149,6 +149,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         # before TrainingArguments' own checks, which answer bf16=True on a CPU with "Your setup doesn't support bf16"
         refuse_unsupported(self)
+        if self.backend == "distributed" and not torch.accelerator.is_available():
+            # the CPU is what use_cpu=False picks here too; without the flag transformers makes the process group
+            # without a backend (each rank sees world size 1) and the first gossip message fails
+            self.use_cpu = True
         super().__post_init__()
         if self.mixed_precision not in ("no", "bf16", "fp16"):  # the launcher's setting (fp8)
             raise ValueError(f"mixed precision {self.mixed_precision} (ACCELERATE_MIXED_PRECISION={self.mixed_precision}, "
@@ -253,6 +257,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                   ("gossip_timeout", self.backend == "simulated", "how long a process waits for its peers, and "
                                                                   "backend='simulated' runs every node in this process: "
                                                                   "use backend='distributed'"),
+                  ("ddp_timeout", self.backend == "simulated", "how long a process waits at a collective over all "
+                                                               "processes, and backend='simulated' runs every node in "
+                                                               "this process: use backend='distributed'"),
                   ("skew", self.num_nodes == 1, "how unevenly the training set is split among the nodes, and "
                                                 "num_nodes=1 holds all of it: set num_nodes >= 2")]
         unused += [(name, self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour to send to: "

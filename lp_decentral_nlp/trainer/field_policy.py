@@ -30,7 +30,8 @@ POLICY: dict[str, str] = {
     "data_seed": HONOURED + " (when set, every node's shard, data order and batch seeds come from it instead of seed; "
                  "model initialisation, dropout and gossip randomness stay with seed)",
     "full_determinism": HONOURED,
-    "use_cpu": HONOURED,
+    "use_cpu": HONOURED + " (set by the distributed backend on a machine without an accelerator: the gloo process "
+                          "group it needs)",
     "local_rank": HONOURED,
     "do_train": SCRIPT,
     "do_eval": SCRIPT,
@@ -103,7 +104,7 @@ POLICY: dict[str, str] = {
     "ddp_backend": "refused: backend='distributed' uses the process group the launcher initialised",
     "ddp_timeout": HONOURED + " (the timeout of the process group these arguments create: it bounds the waits outside "
                    "the gossip step, evaluation, logging, checkpoints, final merge; gossip_timeout bounds the gossip "
-                   "step)",
+                   "step; refused with backend='simulated', which has no process group)",
     "fsdp": "refused: every node holds a whole model (no sharding)",
     "fsdp_config": "refused: every node holds a whole model (no sharding)",
     "deepspeed": "refused: every node holds a whole model and its own optimizer",

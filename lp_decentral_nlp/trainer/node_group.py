@@ -12,6 +12,7 @@ never branches on the backend itself.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -49,17 +50,33 @@ class NodeGroup:
         num_nodes: n, the number of graph nodes.
         backend: ``"simulated"`` or ``"distributed"``.
     Raises:
-        RuntimeError: ``backend="distributed"`` without an initialised process group.
-        ValueError: the process group's world size is not ``num_nodes``.
+        RuntimeError: ``backend="distributed"`` without an initialised process group, or with one
+            that has no backend for point-to-point messages.
+        ValueError: the process group's world size is not ``num_nodes``, or a launcher started
+            several processes for ``backend="simulated"`` (each would run every node and write the
+            same files).
     """
 
     def __init__(self, num_nodes: int, backend: str):
         self.num_nodes, self.backend = num_nodes, backend
         self.distributed = backend == "distributed"
+        initialized = dist.is_available() and dist.is_initialized()
+        if not self.distributed:
+            world = dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", "1"))
+            if world > 1:
+                raise ValueError(f"backend='simulated' runs every node in one process, but the launcher started "
+                                 f"{world} processes: set backend='distributed' and num_nodes={world}, or run "
+                                 f"the script without a launcher")
         if self.distributed:
-            if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError("backend='distributed' needs an initialised torch.distributed process group: "
-                                   "launch with torchrun/accelerate launch, one process per node")
+            if not initialized:
+                how = ("accelerate launch on a machine without GPUs starts one process unless --multi_gpu is given: "
+                       "add --multi_gpu, or " if "ACCELERATE_USE_CPU" in os.environ else "")
+                raise RuntimeError(f"backend='distributed' needs an initialised torch.distributed process group: "
+                                   f"{how}launch with torchrun --nproc_per_node {num_nodes}, one process per node")
+            if dist.get_backend() == "undefined":
+                raise RuntimeError("backend='distributed': the torch.distributed process group has no backend for "
+                                   "point-to-point messages (transformers made it without one): on a machine "
+                                   "without GPUs pass use_cpu=True (gloo)")
             if dist.get_world_size() != num_nodes:
                 raise ValueError(f"num_nodes={num_nodes} but the torch.distributed world size is "
                                  f"{dist.get_world_size()}: launch exactly one process per node")
