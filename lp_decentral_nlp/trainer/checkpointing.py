@@ -432,8 +432,10 @@ class CheckpointMixin:
     def _resume_hint(self) -> str:
         found = list_checkpoints(self.args.output_dir) if self.args.output_dir else []
         if not found:
-            return "No checkpoint was written yet (save_strategy='steps', --save-steps N writes them)"
-        return f"Resume from the last checkpoint with --resume-from-checkpoint {found[-1][1]}"
+            return ("No checkpoint was written yet (save_strategy='steps' with save_steps=N writes them; in a recipe, "
+                    "--save-steps N)")
+        return (f"Resume from the last checkpoint with resume_from_checkpoint={str(found[-1][1])!r} (in a recipe, "
+                f"--resume-from-checkpoint {found[-1][1]})")
 
     def _new_trainer_state(self) -> TrainerState:
         """A fresh `TrainerState` holding, as Trainer's does, the state of every callback that can
