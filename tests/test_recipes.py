@@ -170,7 +170,9 @@ def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny
     (step, checkpoint), = list_checkpoints(out)
     assert stderr.strip().splitlines()[-1] == (f"agnews_choco.py: stopped at step {step} on SIGTERM: resume with "
                                                f"--resume-from-checkpoint {checkpoint}")
-    assert json.loads((out / "results.json").read_text())["status"] == "running"
+    results = json.loads((out / "results.json").read_text())
+    assert (results["status"], results["step"], results["next"]) == (
+        "stopped", step, f"resume with --resume-from-checkpoint {checkpoint}")
 
 
 def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finished_runs(tiny_model_dir, ag_news_csv, tmp_path):

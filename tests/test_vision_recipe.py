@@ -297,11 +297,13 @@ def test_a_diverging_run_stops_with_one_line(tmp_path, capsys):
     last = err.splitlines()[-1]
     assert exc.value.code == 1 and "Traceback" not in err, err
     assert ": error: NonFiniteError: node " in last and "--skip-nonfinite" in last, err
+    results = json.loads((tmp_path / "run" / "results.json").read_text())  # not left "running"
+    assert results["status"] == "failed" and results["next"] == last.split(": error: ", 1)[1]
 
 
 def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, monkeypatch):
     """Ctrl-C during training: one line naming the step and the checkpoint to resume from, exit
-    status 130 (SIGINT's), results.json left "running"."""
+    status 130 (SIGINT's); results.json says "interrupted", the step and the same advice."""
     from lp_decentral_nlp.trainer import MetricsCSVCallback
     from lp_decentral_nlp.vision.recipe import main
 
@@ -320,7 +322,9 @@ def test_ctrl_c_says_how_to_continue_instead_of_a_traceback(tmp_path, capsys, mo
     assert exc.value.code == 130
     assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == (  # after the program name
         f"interrupted at step 3: resume from its last checkpoint with --resume-from-checkpoint {out / 'checkpoint-2'}")
-    assert json.loads((out / "results.json").read_text())["status"] == "running"
+    results = json.loads((out / "results.json").read_text())
+    assert (results["status"], results["step"]) == ("interrupted", 3)
+    assert results["next"] == f"resume from its last checkpoint with --resume-from-checkpoint {out / 'checkpoint-2'}"
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main("choco", ["--nodes", "2", "--batch-size", "8", "--max-steps", "4", "--logging_steps", "1",

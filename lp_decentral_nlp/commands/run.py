@@ -7,7 +7,9 @@ A run writes, under ``--output_dir`` (rank 0 only):
   consensus distance, the settings that differ from the defaults, the model used, versions, wall
   time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
   8-bit layers that trained with it}`` (empty for a full-precision run) (first with ``"status":
-  "running"``, without results and kernels, then ``"done"``);
+  "running"``, without results and kernels, then ``"done"``; a run that stops in training says
+  ``"failed"``, ``"interrupted"`` or ``"stopped"`` (SIGTERM) with the ``"step"`` and ``"next"``:
+  what to do);
 * ``cost_report.json`` -- the full SPEC 7 cost report, per layer;
 * ``kernels.json`` -- the GEMM kernel every 8-bit layer of a node's model ran in the last training
   step, by module name (:class:`lp_decentral_nlp.trainer.TrainingKernelsCallback`), written
@@ -813,6 +815,13 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(parsed), "consensus_lr_used": training.gamma}
     running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
+    began = []  # whether this run wrote its "running" results.json
+
+    def record_stop(status: str, how: str) -> None:
+        """``results.json`` of a run that stopped in training: ``status``, the step and ``how`` to go on."""
+        if began and trainer.state.is_world_process_zero:
+            _write_json(out, "results.json", {**running, "status": status, "step": trainer.state.global_step,
+                                              "next": how})
 
     def begin() -> None:
         """Once a checkpoint to resume from is accepted: ``--overwrite_output_dir`` clears the
@@ -824,6 +833,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
                       file=sys.stderr)
         _write_json(out, "cost_report.json", report)
         _write_json(out, "results.json", running)
+        began.append(True)
 
     trainer.add_callback(OnTrainBeginCallback(begin))
     try:
@@ -831,21 +841,25 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     except CheckpointError as err:
         refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
     except (NonFiniteError, GossipPeerError) as err:  # says what failed and what to do: no traceback to add
-        print(f"{prog}: error: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr)
+        message = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        record_stop("failed", message)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
-    except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback (results.json stays "running")
+    except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback
         found = list_checkpoints(out)
         how = on_interrupt or (
             f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
             if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them): run it again "
                           f"with {parsed.flags['overwrite_output_dir']}")
+        record_stop("interrupted", how)
         if trainer.state.is_world_process_zero:
             print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
         raise SystemExit(130) from None
     if trainer.stopped_by_sigterm:  # enable_jit_checkpoint: the checkpoint is written, nothing else is
+        how = f"resume with {parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}"
+        record_stop("stopped", how)
         if trainer.state.is_world_process_zero:
-            print(f"{prog}: stopped at step {trainer.state.global_step} on SIGTERM: resume with "
-                  f"{parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}", file=sys.stderr)
+            print(f"{prog}: stopped at step {trainer.state.global_step} on SIGTERM: {how}", file=sys.stderr)
         raise SystemExit(143)
     # what the training forwards ran (a run resumed at its last step took none: the layers' own report)
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
