@@ -815,7 +815,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(parsed), "consensus_lr_used": training.gamma}
     running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
-    began = []  # whether this run wrote its "running" results.json
+    began = False  # whether this run wrote its "running" results.json (a stop before that leaves the file alone)
 
     def record_stop(status: str, how: str) -> None:
         """``results.json`` of a run that stopped in training: ``status``, the step and ``how`` to go on."""
@@ -826,6 +826,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     def begin() -> None:
         """Once a checkpoint to resume from is accepted: ``--overwrite_output_dir`` clears the
         previous run's outputs, then the cost report and the "running" results are written."""
+        nonlocal began
         if parsed.values.get("overwrite_output_dir") and not continues_run_in(out, training.resume_from_checkpoint):
             removed = remove_run_outputs(out)
             if removed:
@@ -833,7 +834,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
                       file=sys.stderr)
         _write_json(out, "cost_report.json", report)
         _write_json(out, "results.json", running)
-        began.append(True)
+        began = True
 
     trainer.add_callback(OnTrainBeginCallback(begin))
     try:

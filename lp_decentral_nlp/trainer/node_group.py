@@ -67,7 +67,8 @@ class NodeGroup:
                 raise ValueError(f"backend='simulated' runs every node in one process, but the launcher started "
                                  f"{world} processes: set backend='distributed' and num_nodes={world}, or run "
                                  f"the script without a launcher")
-        if self.distributed:
+            self.node_ids = list(range(num_nodes))
+        else:
             if not initialized:
                 how = ("accelerate launch on a machine without GPUs starts one process unless --multi_gpu is given: "
                        "add --multi_gpu, or " if "ACCELERATE_USE_CPU" in os.environ else "")
@@ -81,8 +82,6 @@ class NodeGroup:
                 raise ValueError(f"num_nodes={num_nodes} but the torch.distributed world size is "
                                  f"{dist.get_world_size()}: launch exactly one process per node")
             self.node_ids = [dist.get_rank()]
-        else:
-            self.node_ids = list(range(num_nodes))
 
     @property
     def is_main(self) -> bool:
