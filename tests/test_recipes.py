@@ -151,6 +151,31 @@ def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_cs
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.distributed
+def test_distributed_recipe_leaves_the_process_group_it_joined(tiny_model_dir, ag_news_csv, tmp_path):
+    """A launched recipe destroys the process group its arguments joined once the run has ended: left
+    to interpreter shutdown, gloo can abort a finished rank (SIGABRT, "terminate called without an
+    active exception"), which fails the launch after every file was written. A group the caller
+    initialised before the run stays theirs."""
+    script = tmp_path / "launched.py"
+    script.write_text("import sys, torch.distributed as dist\n"
+                      "from lp_decentral_nlp.commands import recipe_main\n"
+                      "mine = sys.argv.pop(1) == 'mine'\n"
+                      "if mine:\n"
+                      "    dist.init_process_group('gloo')\n"
+                      "recipe_main('nlp', 'choco', task='ag_news', argv=sys.argv[1:])\n"
+                      "print('initialized after the run:', dist.is_initialized())\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for owner, initialized in (("recipe", False), ("mine", True)):
+        proc = subprocess.run([sys.executable, str(script), owner,
+                               *tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / owner, "--max-steps", "2",
+                                           "--backend", "distributed", "--nodes", "1")],
+                              capture_output=True, text=True, timeout=300, env={**env, "MASTER_PORT": free_port()})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"initialized after the run: {initialized}" in proc.stdout
+
+
 def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny_model_dir, ag_news_csv, tmp_path):
     """A preempted recipe (SIGTERM once training has begun) writes the step's checkpoint and ends
     with one line saying how to resume; results.json stays "running"."""

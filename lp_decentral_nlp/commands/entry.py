@@ -33,14 +33,24 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
                          + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
     check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
                 description=descriptions[task, algorithm])
+    import torch.distributed as dist
+
     from .run import stop_on_interrupt
 
+    launched_here = not (dist.is_available() and dist.is_initialized())
     with stop_on_interrupt(os.path.basename(sys.argv[0]), "the run did not finish: run it again (with "
                                                           "--overwrite_output_dir once its output folder holds files)"):
         if family == "vision":
             from ..vision.recipe import main as vision_main
 
-            return vision_main(algorithm, argv)
-        from .nlp import main as nlp_main
+            results = vision_main(algorithm, argv)
+        else:
+            from .nlp import main as nlp_main
 
-        return nlp_main(task, algorithm, argv)
+            results = nlp_main(task, algorithm, argv)
+    if launched_here and dist.is_available() and dist.is_initialized():
+        # the run's arguments joined the launcher's process group: leave it before the interpreter
+        # shuts down, where a gloo group can abort a finished process (SIGABRT, "terminate called
+        # without an active exception"; pytorch/pytorch#190489)
+        dist.destroy_process_group()
+    return results
