@@ -19,7 +19,8 @@ RECIPE_FAMILIES = ("nlp", "vision")
 def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list[str] | None = None) -> dict:
     """Run a recipe: ``family`` ``"nlp"`` (``task`` one of the NLP tasks, or None for a ``--task``
     flag) or ``"vision"`` (no ``task``), gossip ``algorithm``; ``argv`` default ``sys.argv[1:]``.
-    Returns the run's results (``results.json``)."""
+    Returns the run's results (``results.json``). Under a launcher, the process group the run's
+    arguments joined is destroyed once the run has ended; one initialised before the call is left."""
     from .flag_table import FLAG_TABLES
 
     if family not in RECIPE_FAMILIES:
@@ -37,7 +38,7 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
 
     from .run import stop_on_interrupt
 
-    launched_here = not (dist.is_available() and dist.is_initialized())
+    may_join = dist.is_available() and not dist.is_initialized()  # a group made before this call is the caller's
     with stop_on_interrupt(os.path.basename(sys.argv[0]), "the run did not finish: run it again (with "
                                                           "--overwrite_output_dir once its output folder holds files)"):
         if family == "vision":
@@ -48,7 +49,7 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
             from .nlp import main as nlp_main
 
             results = nlp_main(task, algorithm, argv)
-    if launched_here and dist.is_available() and dist.is_initialized():
+    if may_join and dist.is_initialized():
         # the run's arguments joined the launcher's process group: leave it before the interpreter
         # shuts down, where a gloo group can abort a finished process (SIGABRT, "terminate called
         # without an active exception"; pytorch/pytorch#190489)
