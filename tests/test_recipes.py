@@ -153,27 +153,41 @@ def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_cs
 
 @pytest.mark.distributed
 def test_distributed_recipe_leaves_the_process_group_it_joined(tiny_model_dir, ag_news_csv, tmp_path):
-    """A launched recipe destroys the process group its arguments joined once the run has ended: left
-    to interpreter shutdown, gloo can abort a finished rank (SIGABRT, "terminate called without an
-    active exception"), which fails the launch after every file was written. A group the caller
-    initialised before the run stays theirs."""
+    """A launched recipe destroys the process group its arguments joined once the run has finished,
+    been refused (exit 2) or stopped on SIGTERM (exit 143): left to interpreter shutdown, gloo can
+    abort the process (SIGABRT, "terminate called without an active exception"), which fails the
+    launch after every file was written. A group the caller initialised before the run stays theirs."""
     script = tmp_path / "launched.py"
     script.write_text("import sys, torch.distributed as dist\n"
                       "from lp_decentral_nlp.commands import recipe_main\n"
                       "mine = sys.argv.pop(1) == 'mine'\n"
                       "if mine:\n"
                       "    dist.init_process_group('gloo')\n"
-                      "recipe_main('nlp', 'choco', task='ag_news', argv=sys.argv[1:])\n"
-                      "print('initialized after the run:', dist.is_initialized())\n")
+                      "try:\n"
+                      "    recipe_main('nlp', 'choco', task='ag_news', argv=sys.argv[1:])\n"
+                      "finally:\n"
+                      "    print('initialized after the run:', dist.is_initialized())\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    for owner, initialized in (("recipe", False), ("mine", True)):
-        proc = subprocess.run([sys.executable, str(script), owner,
-                               *tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / owner, "--max-steps", "2",
-                                           "--backend", "distributed", "--nodes", "1")],
-                              capture_output=True, text=True, timeout=300, env={**env, "MASTER_PORT": free_port()})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"initialized after the run: {initialized}" in proc.stdout
+    for case, owner, extra, exit_code, initialized in (
+            ("finished", "recipe", (), 0, False), ("mine", "mine", (), 0, True),
+            ("refused", "recipe", ("--data-dir", tmp_path / "missing.csv"), 2, False),
+            ("sigterm", "recipe", ("--max-steps", "100000", "--enable_jit_checkpoint"), 143, False)):
+        out = tmp_path / case
+        proc = subprocess.Popen([sys.executable, str(script), owner,
+                                 *tiny_flags(tiny_model_dir, ag_news_csv, out, "--max-steps", "2", *extra,
+                                             "--backend", "distributed", "--nodes", "1")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "MASTER_PORT": free_port()})
+        if case == "sigterm":
+            deadline = time.monotonic() + 300
+            while not ((out / "metrics.csv").is_file() and len((out / "metrics.csv").read_text().splitlines()) > 2):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == exit_code, (case, stderr[-3000:])
+        assert f"initialized after the run: {initialized}" in stdout, case
 
 
 def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny_model_dir, ag_news_csv, tmp_path):

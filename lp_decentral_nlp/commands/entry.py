@@ -8,6 +8,7 @@ whose parser checks them again, and the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -20,7 +21,8 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
     """Run a recipe: ``family`` ``"nlp"`` (``task`` one of the NLP tasks, or None for a ``--task``
     flag) or ``"vision"`` (no ``task``), gossip ``algorithm``; ``argv`` default ``sys.argv[1:]``.
     Returns the run's results (``results.json``). Under a launcher, the process group the run's
-    arguments joined is destroyed once the run has ended; one initialised before the call is left."""
+    arguments joined is left as :func:`leaving_joined_process_group` says; one initialised before
+    the call stays the caller's."""
     from .flag_table import FLAG_TABLES
 
     if family not in RECIPE_FAMILIES:
@@ -34,24 +36,43 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
                          + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
     check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
                 description=descriptions[task, algorithm])
-    import torch.distributed as dist
-
     from .run import stop_on_interrupt
 
-    may_join = dist.is_available() and not dist.is_initialized()  # a group made before this call is the caller's
-    with stop_on_interrupt(os.path.basename(sys.argv[0]), "the run did not finish: run it again (with "
-                                                          "--overwrite_output_dir once its output folder holds files)"):
+    with leaving_joined_process_group(), stop_on_interrupt(
+            os.path.basename(sys.argv[0]),
+            "the run did not finish: run it again (with --overwrite_output_dir once its output folder holds files)"):
         if family == "vision":
             from ..vision.recipe import main as vision_main
 
-            results = vision_main(algorithm, argv)
-        else:
-            from .nlp import main as nlp_main
+            return vision_main(algorithm, argv)
+        from .nlp import main as nlp_main
 
-            results = nlp_main(task, algorithm, argv)
-    if may_join and dist.is_initialized():
-        # the run's arguments joined the launcher's process group: leave it before the interpreter
-        # shuts down, where a gloo group can abort a finished process (SIGABRT, "terminate called
-        # without an active exception"; pytorch/pytorch#190489)
-        dist.destroy_process_group()
-    return results
+        return nlp_main(task, algorithm, argv)
+
+
+# how a run may stop with its process group safe to destroy: finished, refused (nothing was sent)
+# or stopped on SIGTERM (every process checkpointed the same step, nothing is in flight)
+EXITS_THAT_LEAVE_THE_GROUP = (0, 2, 143)
+
+
+@contextlib.contextmanager
+def leaving_joined_process_group():
+    """Destroy the process group that the block joined (a launcher's, which the run's arguments
+    join) when the block ends with one of :data:`EXITS_THAT_LEAVE_THE_GROUP`, the interpreter's
+    shutdown being where a gloo group can abort a finished process (SIGABRT, "terminate called
+    without an active exception"; pytorch/pytorch#190489). A group initialised before the block is
+    left alone, and so is one after any other end (a failed gossip or Ctrl-C can leave a receive
+    pending, which destroying the group would wait for)."""
+    import torch.distributed as dist
+
+    may_join = dist.is_available() and not dist.is_initialized()
+    exit_code = None
+    try:
+        yield
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = stop.code
+        raise
+    finally:
+        if may_join and exit_code in EXITS_THAT_LEAVE_THE_GROUP and dist.is_initialized():
+            dist.destroy_process_group()
