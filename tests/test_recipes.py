@@ -152,6 +152,16 @@ def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_cs
 
 
 @pytest.mark.distributed
+def sigterm_once_training(proc, out, timeout: float = 300) -> None:
+    """Send SIGTERM to the recipe run `proc` once its ``out/metrics.csv`` holds two logged steps
+    (training has begun); fails if the run ends first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.csv").is_file() and len((out / "metrics.csv").read_text().splitlines()) > 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+
+
 def test_distributed_recipe_leaves_the_process_group_it_joined(tiny_model_dir, ag_news_csv, tmp_path):
     """A launched recipe destroys the process group its arguments joined once the run has finished,
     been refused (exit 2) or stopped on SIGTERM (exit 143): left to interpreter shutdown, gloo can
@@ -180,11 +190,7 @@ def test_distributed_recipe_leaves_the_process_group_it_joined(tiny_model_dir, a
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**env, "MASTER_PORT": free_port()})
         if case == "sigterm":
-            deadline = time.monotonic() + 300
-            while not ((out / "metrics.csv").is_file() and len((out / "metrics.csv").read_text().splitlines()) > 2):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
+            sigterm_once_training(proc, out)
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == exit_code, (case, stderr[-3000:])
         assert f"initialized after the run: {initialized}" in stdout, case
@@ -199,11 +205,7 @@ def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny
                                          "--enable_jit_checkpoint")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while not ((out / "metrics.csv").is_file() and len((out / "metrics.csv").read_text().splitlines()) > 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    sigterm_once_training(proc, out)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr[-3000:]
     (step, checkpoint), = list_checkpoints(out)
