@@ -323,6 +323,9 @@ ROWS = {
     92: cli(["--ddp_timeout", "5"], "argument --ddp_timeout: ddp_timeout=5 is how long a process waits at a collective "
             "over all processes, and backend='simulated' runs every node in this process: use "
             "backend='distributed', or leave ddp_timeout at 1800"),
+    93: Row("`--model DIR`, DIR's tokenizer without a padding token or an end-of-sequence token to pad with",
+            "exit 2", "argument --model: DIR: its tokenizer has no padding token and no end-of-sequence token to pad "
+            "with: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93)]
 
@@ -634,6 +637,22 @@ def test_row76_a_model_folder_without_tokenizer_files(tmp_path, tiny_model_dir, 
         main("ag_news", "choco", ["--model", str(model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
                                   "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[76].expected(model_dir)
+
+
+def test_row93_a_tokenizer_with_nothing_to_pad_with(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    """A tokenizer without a padding token pads with its end-of-sequence token; one without either
+    is refused before the data is read."""
+    from transformers import AutoTokenizer
+
+    model_dir = copied_model(tiny_model_dir, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(model_dir)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
+                                  "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == ROWS[93].expected(model_dir)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_validation_split_is_refused_alone_and_named_unused_beside_train(tmp_path, tiny_model_dir, capsys):

@@ -426,6 +426,31 @@ def test_cost_command_line_prices_a_folder_holding_only_a_config(tmp_path, capsy
         cost_main(["--model", str(tmp_path / "absent"), "--seq-len", "16"])
 
 
+def test_cost_command_line_prices_a_decoder_only_model_and_refuses_one_without_a_text_classifier(tmp_path, capsys):
+    """A GPT-2 or Llama config names no padding token, and its sequence classifier refused every
+    batch of more than one row; a ViT config, of which transformers builds no sequence classifier,
+    gave a traceback."""
+    from transformers import GPT2Config, LlamaConfig, ViTConfig
+
+    from lp_decentral_nlp.cost.__main__ import main as cost_main
+
+    for name, config in (("gpt2", GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2)),
+                         ("llama", LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1))):
+        assert config.pad_token_id is None
+        config.save_pretrained(tmp_path / name)
+        assert cost_main(["--model", str(tmp_path / name), "--seq-len", "16", "--batch-size", "4"]) == 0
+        assert capsys.readouterr().out.startswith(f"{tmp_path / name}: hardware cost per node")
+    ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=64).save_pretrained(tmp_path / "vit")
+    with pytest.raises(SystemExit) as exc:
+        cost_main(["--model", str(tmp_path / "vit")])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        f"python -m lp_decentral_nlp.cost: error: argument --model: {tmp_path / 'vit'}: transformers has no sequence "
+        "classifier of a ViTConfig, and --model prices the text classifiers the NLP recipes train (--arch prices the "
+        "vision recipes' CNNs)\n")
+
+
 def clear_launcher_env(monkeypatch):
     for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(var, raising=False)

@@ -124,6 +124,33 @@ def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
     assert exit_.value.code == 2  # as a bad flag: one line on stderr, status 2
 
 
+def test_a_decoder_only_model_whose_tokenizer_has_no_padding_token_trains(minilm_path, ag_news_csv, tmp_path, capsys):
+    """GPT-2, Llama and Mistral tokenizers ship without a padding token: the recipes refused every
+    such model, naming --batch-size. They pad with the end-of-sequence token, and the saved
+    classifier reads a padded row as the row alone."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.pad_token, tokenizer.eos_token = None, "[SEP]"
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+    results = main("ag_news", "choco", tiny_flags(folder, ag_news_csv, tmp_path / "run", "--nodes", "2"))
+    assert results["status"] == "done" and results["steps"] == 3
+    assert (f"notice: {folder}: its tokenizer has no padding token; the batches are padded with its end-of-sequence "
+            "token '[SEP]'") in capsys.readouterr().err
+    model = load_quantized(tmp_path / "run" / "model").eval()
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
+    assert model.config.pad_token_id == saved.pad_token_id == tokenizer.eos_token_id
+    padded = saved(["stocks fall sharply on wall street", "team wins"], padding=True, return_tensors="pt")
+    alone = saved(["team wins"], return_tensors="pt")
+    assert padded["attention_mask"][1].sum() < padded["attention_mask"].shape[1]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**padded).logits[1], model(**alone).logits[0])
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("extra", [[], ["--bf16"], ["--fp16", "--neftune_noise_alpha", "5"]],
                          ids=["8bit", "8bit-bf16-autocast", "8bit-fp16-autocast-loss-scaled-neftune"])

