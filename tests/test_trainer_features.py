@@ -1394,6 +1394,26 @@ def test_a_regression_head_gets_no_accuracy(tmp_path):
     assert np.isfinite(metrics["eval_loss"]) and not [key for key in metrics if "accuracy" in key]
 
 
+def test_an_encoder_decoder_classifier_gets_the_accuracy_of_its_logits(tmp_path, agnews_small, tokenizer):
+    """BART's and T5's classifiers return their encoder's states beside the logits: the evaluation
+    reported no accuracy for them, and a recipe run failed at its end (KeyError 'eval_accuracy')."""
+    from transformers import BartConfig, BartForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BartForSequenceClassification(BartConfig(
+        vocab_size=tokenizer.vocab_size, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_labels=4,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
+        decoder_start_token_id=tokenizer.sep_token_id))
+    trainer = DecentralizedTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=agnews_small["train"],
+                                   eval_dataset=agnews_small["test"], processing_class=tokenizer)
+    out = trainer.predict(agnews_small["test"])
+    assert isinstance(out.predictions, tuple)  # as Trainer: the logits, then the encoder's last states
+    expected = float((out.predictions[0].argmax(-1) == out.label_ids).mean())
+    assert out.metrics["test_accuracy"] == pytest.approx(expected)
+    assert {"eval_accuracy", "eval_accuracy_node_0"} <= set(trainer.evaluate())
+
+
 def test_predict_honours_prediction_loss_only(tmp_path, agnews_small, tokenizer):
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, prediction_loss_only=True)
     out = trainer.predict(agnews_small["test"])

@@ -153,7 +153,8 @@ class EvaluationMixin:
 
         Returns an `EvalLoopOutput` whose ``metrics`` (unprefixed) hold ``loss`` (mean over
         samples), ``accuracy`` (argmax of ``(batch, classes)`` logits, ``classes > 1``, against
-        ``(batch,)`` integer labels) when there is no ``compute_metrics``, and whatever
+        ``(batch,)`` integer labels; of an output tuple's first element, the logits, where the model
+        returns more, as T5's and BART's classifiers do) when there is no ``compute_metrics``, and whatever
         ``compute_metrics`` returns on all predictions, numpy values made Python numbers (with the
         model's main inputs as ``inputs`` and each sample's batch loss as ``losses`` where
         ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer); ``predictions`` and
@@ -188,9 +189,10 @@ class EvaluationMixin:
                 loss_samples += size
             if logits is None:
                 continue
-            if self.compute_metrics is None and labels is not None and torch.is_tensor(logits) and logits.dim() == 2 \
-                    and logits.shape[-1] > 1 and labels.dim() == 1 and not labels.is_floating_point():
-                correct += int((logits.argmax(-1) == labels).sum())
+            scores = logits[0] if isinstance(logits, (tuple, list)) and logits else logits
+            if self.compute_metrics is None and labels is not None and torch.is_tensor(scores) and scores.dim() == 2 \
+                    and scores.shape[-1] > 1 and labels.dim() == 1 and not labels.is_floating_point():
+                correct += int((scores.argmax(-1) == labels).sum())
                 classified += labels.shape[0]
             if keep:
                 if self.preprocess_logits_for_metrics is not None:
