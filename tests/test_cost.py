@@ -325,6 +325,27 @@ def test_quantized_model_priced_like_its_float_plan(config):
     assert layer(skip_pooler, "bert.pooler.dense").precision == "fp32"
 
 
+def test_the_traced_batch_holds_no_padding_token():
+    """The traced rows were zeros ending in the end-of-sequence token: a DeBERTa's padding token 0,
+    and a GPT-2's padding with its end-of-sequence token, so transformers warned that no attention
+    mask hid the padding of rows that were not padded."""
+    from transformers import (DebertaV2Config, DebertaV2ForSequenceClassification, GPT2Config,
+                              GPT2ForSequenceClassification)
+
+    for model in (DebertaV2ForSequenceClassification(DebertaV2Config(
+                      vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      pad_token_id=0, eos_token_id=2)),
+                  GPT2ForSequenceClassification(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2,
+                                                           pad_token_id=5, eos_token_id=5))):
+        traced = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: traced.append(kwargs["input_ids"]),
+                                        with_kwargs=True)
+        report = estimate_cost(model, (8,), 2)
+        assert report.walk_device == "cpu"  # values were read: a real run, whose inputs can be checked
+        real = [ids for ids in traced if ids.device.type == "cpu"]
+        assert real and not any((ids == model.config.pad_token_id).any() for ids in real)
+
+
 def test_gpt2_needs_real_values_and_falls_back_to_a_real_run():
     from transformers import GPT2Config, GPT2ForSequenceClassification
 

@@ -507,11 +507,11 @@ def _check_priced_bits(quant_config, what: str) -> None:
 
 def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
     """``make_inputs(device)`` for the walk: ``input_ids`` of shape ``(batch_size, seq_len)`` for a
-    token model (an encoder-decoder's decoder reads as many tokens), zeros ending in the config's
-    ``eos_token_id`` where it has one (BART's and T5's classification heads read the
-    end-of-sequence token's state and refuse a row without one) other than its ``pad_token_id``
-    (a row ending in the padding token reads as padded: a GPT-2 padding with its end-of-sequence
-    token warns that no attention mask hides it); zero floats of shape
+    token model (an encoder-decoder's decoder reads as many tokens), token 0 (1 where 0 is the
+    config's ``pad_token_id``) ending in the config's ``eos_token_id`` where it has one (BART's
+    and T5's classification heads read the end-of-sequence token's state and refuse a row without
+    one) other than its ``pad_token_id`` (a row holding the padding token reads as padded, and
+    transformers warns that no attention mask hides it); zero floats of shape
     ``(batch_size, *input_shape)`` otherwise. ValueError naming ``input_shape`` when a token model
     cannot take it."""
     try:
@@ -527,13 +527,13 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
             raise ValueError(f"input_shape={input_shape!r} exceeds the model's {positions} positions "
                              "(config.max_position_embeddings)")
         decoder = bool(getattr(config, "is_encoder_decoder", False))
+        pad = getattr(config, "pad_token_id", None)
         eos = getattr(config, "eos_token_id", None)
         eos = next(iter(eos), None) if isinstance(eos, (list, tuple)) else eos
-        eos = eos if isinstance(eos, int) and 0 <= eos < embeddings.num_embeddings \
-            and eos != getattr(config, "pad_token_id", None) else None
+        eos = eos if isinstance(eos, int) and 0 <= eos < embeddings.num_embeddings and eos != pad else None
 
         def token_inputs(device):
-            ids = torch.zeros((batch_size, *input_shape), dtype=torch.long, device=device)
+            ids = torch.full((batch_size, *input_shape), 1 if pad == 0 else 0, dtype=torch.long, device=device)
             if eos is not None:
                 ids[:, -1] = eos
             return (), ({"input_ids": ids, "decoder_input_ids": ids} if decoder else {"input_ids": ids})
