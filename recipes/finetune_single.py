@@ -144,6 +144,8 @@ def run(args) -> dict:
 
     def compute_metrics(eval_pred):
         logits, labels = eval_pred
+        if isinstance(logits, tuple):  # an encoder-decoder (BART, T5) returns its encoder's states too
+            logits = logits[0]
         return metric.compute(predictions=np.argmax(logits, axis=-1), references=labels)
 
     training_args = TrainingArguments(

@@ -35,6 +35,36 @@ class SigtermAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def saved_decoder_only_model(folder, minilm_path):
+    """Save to ``folder`` a tiny random GPT-2 language model with the MiniLM tokenizer made as a
+    GPT-2's is: an end-of-sequence token ([SEP]) and no padding token. Returns ``folder``."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.pad_token, tokenizer.eos_token = None, "[SEP]"
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+    return folder
+
+
+def saved_encoder_decoder_model(folder, minilm_path):
+    """Save to ``folder`` a tiny random BART (an encoder-decoder, whose classifier reads the
+    end-of-sequence token [SEP]) with the MiniLM tokenizer. Returns ``folder``."""
+    from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    BartForConditionalGeneration(BartConfig(
+        vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
+        decoder_start_token_id=tokenizer.sep_token_id, forced_eos_token_id=None)).save_pretrained(folder)
+    return folder
+
+
 def tiny_distilbert(seed=0, dropout=0.0, num_labels=4):
     """A 2-layer, dim-32 DistilBERT classifier over the uncased BERT vocabulary (random weights)."""
     torch.manual_seed(seed)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import saved_decoder_only_model, saved_encoder_decoder_model
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.quant import QuantModule
@@ -26,6 +27,15 @@ def load_recipe():
 def tiny_argv(model_dir, csv, out):
     return ["--model", str(model_dir), "--data-dir", str(csv), "--max-train-samples", "32", "--max-eval-samples", "16",
             "--max-length", "16", "--batch-size", "16", "--output-dir", str(out)]
+
+
+def test_decoder_only_and_encoder_decoder_models_train(minilm_path, ag_news_csv, tmp_path):
+    """A GPT-2 (no padding token) was refused naming --batch-size; a BART's evaluation, whose
+    predictions are a tuple (logits, the encoder's states), failed in the accuracy metric."""
+    for name, save in (("gpt2", saved_decoder_only_model), ("bart", saved_encoder_decoder_model)):
+        folder = save(tmp_path / name, minilm_path)
+        results = load_recipe().main(tiny_argv(folder, ag_news_csv, tmp_path / f"run_{name}"))
+        assert 0 <= results["accuracy"] <= 1 and results["precision"] == "8-bit", name
 
 
 def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import DistilBertForSequenceClassification
-from helpers import free_port
+from helpers import free_port, saved_decoder_only_model, saved_encoder_decoder_model
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.commands import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
@@ -128,27 +128,29 @@ def test_a_decoder_only_model_whose_tokenizer_has_no_padding_token_trains(minilm
     """GPT-2, Llama and Mistral tokenizers ship without a padding token: the recipes refused every
     such model, naming --batch-size. They pad with the end-of-sequence token, and the saved
     classifier reads a padded row as the row alone."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer
 
-    folder = tmp_path / "gpt2"
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
-    tokenizer.pad_token, tokenizer.eos_token = None, "[SEP]"
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+    folder = saved_decoder_only_model(tmp_path / "gpt2", minilm_path)
     results = main("ag_news", "choco", tiny_flags(folder, ag_news_csv, tmp_path / "run", "--nodes", "2"))
     assert results["status"] == "done" and results["steps"] == 3
     assert (f"notice: {folder}: its tokenizer has no padding token; the batches are padded with its end-of-sequence "
             "token '[SEP]'") in capsys.readouterr().err
     model = load_quantized(tmp_path / "run" / "model").eval()
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
-    assert model.config.pad_token_id == saved.pad_token_id == tokenizer.eos_token_id
+    assert model.config.pad_token_id == saved.pad_token_id == saved.eos_token_id
     padded = saved(["stocks fall sharply on wall street", "team wins"], padding=True, return_tensors="pt")
     alone = saved(["team wins"], return_tensors="pt")
     assert padded["attention_mask"][1].sum() < padded["attention_mask"].shape[1]
     with torch.no_grad():
         torch.testing.assert_close(model(**padded).logits[1], model(**alone).logits[0])
+
+
+def test_an_encoder_decoder_classifier_trains(minilm_path, ag_news_csv, tmp_path):
+    """BART's and T5's classifiers return the encoder's states beside the logits: the run failed
+    after training, with KeyError 'eval_accuracy'."""
+    folder = saved_encoder_decoder_model(tmp_path / "bart", minilm_path)
+    results = main("ag_news", "choco", tiny_flags(folder, ag_news_csv, tmp_path / "run", "--nodes", "2"))
+    assert results["status"] == "done" and 0 <= results["accuracy"] <= 1 and len(results["node_accuracy"]) == 2
 
 
 @pytest.mark.distributed
