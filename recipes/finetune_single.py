@@ -122,7 +122,8 @@ def run(args) -> dict:
                                        max_length=args.max_length, max_train_samples=args.max_train_samples,
                                        max_eval_samples=args.max_eval_samples, seed=args.seed),
                      "ag_news", args.data_dir, PROG)
-    model = load_classifier(model_path, list(AG_NEWS_LABELS), PROG, tokenizer.pad_token_id)  # a head for other labels is refused
+    # a head for other labels is refused
+    model = load_classifier(model_path, list(AG_NEWS_LABELS), PROG, tokenizer.pad_token_id)
     # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
     made = [m.quant_config for m in model.modules() if isinstance(m, QuantModule)]
     made_kernels = sorted({config.kernel for config in made})

@@ -435,8 +435,8 @@ def test_cost_command_line_prices_a_decoder_only_model_and_refuses_one_without_a
     from lp_decentral_nlp.cost.__main__ import main as cost_main
 
     for name, config in (("gpt2", GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2)),
-                         ("llama", LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                               num_attention_heads=2, num_key_value_heads=1))):
+                         ("llama", LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))):
         assert config.pad_token_id is None
         config.save_pretrained(tmp_path / name)
         assert cost_main(["--model", str(tmp_path / name), "--seq-len", "16", "--batch-size", "4"]) == 0
