@@ -139,6 +139,46 @@ def test_a_saved_class_label_keeps_its_names(tmp_path):
     assert ds["train"]["label"] == [0, 1, 2, 3]
 
 
+def test_the_text_task_takes_its_classes_from_the_users_labels(tmp_path):
+    """A text,label CSV of the user's own classes: AG News's loader refused string labels and trained
+    a binary CSV as a 4-class classifier named World/Sports/Business/Sci/Tech."""
+    _write_csv(tmp_path / "reviews.csv", ["Text", "label", "stars"],
+               [(f"review {i}", ("pos", "neg", "mixed")[i % 3], i) for i in range(30)])
+    ds = load_task("text", data_dir=tmp_path / "reviews.csv")
+    assert ds["train"].features["label"].names == ["mixed", "neg", "pos"]  # sorted, as run_glue.py's label_list
+    assert ds["train"].column_names == ["text", "label"] and len(ds["train"]) + len(ds["test"]) == 30
+    labels = {row["text"]: row["label"] for split in ds.values() for row in split}
+    assert ds["train"].features["label"].int2str(labels["review 4"]) == "neg"
+    # integers in numeric order, named as written (07 is 7); a class found only in test.csv is a class
+    (tmp_path / "ints").mkdir()
+    _write_csv(tmp_path / "ints" / "train.csv", ["text", "label"], [(f"t{i}", (10, 7, 2)[i % 3]) for i in range(9)])
+    _write_csv(tmp_path / "ints" / "test.csv", ["text", "label"], [("u", "07"), ("v", 30)])
+    ds = load_task("text", data_dir=tmp_path / "ints")
+    assert ds["train"].features["label"].names == ["2", "7", "10", "30"]
+    assert ds["test"]["label"] == [1, 3]
+    # a saved ClassLabel keeps its order; saved strings are sorted
+    names = ["positive", "negative"]
+    part = Dataset.from_dict({"text": ["a", "b"] * 4, "label": [0, 1] * 4},
+                             features=Features({"text": Value("string"), "label": ClassLabel(names=names)}))
+    DatasetDict({"train": part, "test": part}).save_to_disk(tmp_path / "saved")
+    assert load_task("text", data_dir=tmp_path / "saved")["train"].features["label"].names == names
+    Dataset.from_dict({"text": ["a", "b"] * 4, "label": names * 4}).save_to_disk(tmp_path / "strings")
+    ds = load_task("text", data_dir=tmp_path / "strings")
+    assert ds["train"].features["label"].names == ["negative", "positive"] and len(ds["test"]) == 2
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"^data_dir: the 'text' task trains on your own data: give a CSV file with text,label columns"),
+    ([("a", "x"), ("b", "x")], r"one.csv: every row has the label 'x', and a classifier needs two classes or more$"),
+    ([("a", "x"), ("b", " ")], r"one.csv:3: the label is empty; every row needs one$"),
+])
+def test_the_text_task_refuses_data_it_cannot_classify(content, message, tmp_path):
+    if content is not None:
+        _write_csv(tmp_path / "one.csv", ["text", "label"], content)
+    with pytest.raises(ValueError, match=message):
+        load_task("text", data_dir=None if content is None else tmp_path / "one.csv")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(data_dir=5), r"^data_dir must be a path \(str or os.PathLike\) or None, got int"),
     (dict(eval_fraction="0.2"), r"^eval_fraction must be a number in \(0, 1\), got '0.2'"),

@@ -124,6 +124,29 @@ def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
     assert exit_.value.code == 2  # as a bad flag: one line on stderr, status 2
 
 
+def test_the_text_recipe_trains_a_classifier_of_the_users_own_classes(tiny_model_dir, ag_news_csv, tmp_path):
+    """A text,label CSV of two classes named by strings: the AG News recipes refused the strings, and
+    trained integer labels as a 4-class AG News classifier."""
+    import csv
+
+    with open(ag_news_csv, newline="", encoding="utf-8") as fh:
+        rows = [(row["title"], "sports" if row["label"] == "2" else "other") for row in csv.DictReader(fh)]
+    data = tmp_path / "sports.csv"
+    with open(data, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([("text", "label"), *rows])
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "text_deepsqueeze.py"),
+                           *tiny_flags(tiny_model_dir, data, out, "--skew", "0.5")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "done" and results["config"]["task"] == "text"
+    assert results["config"]["algorithm"] == "deepsqueeze" and 0 <= results["accuracy"] <= 1
+    model = load_quantized(out / "model")
+    assert model.config.id2label == {0: "other", 1: "sports"}
+    assert "on the sports dataset" in (out / "model" / "README.md").read_text()  # the card names the data
+
+
 def test_a_decoder_only_model_whose_tokenizer_has_no_padding_token_trains(minilm_path, ag_news_csv, tmp_path, capsys):
     """GPT-2, Llama and Mistral tokenizers ship without a padding token: the recipes refused every
     such model, naming --batch-size. They pad with the end-of-sequence token, and the saved

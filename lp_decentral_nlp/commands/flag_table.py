@@ -1136,9 +1136,10 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'task',
   'action': 'store',
   'group': 'model, data and run',
-  'help': "Task, one of ('ag_news', 'sentlen'). (default: ag_news)",
+  'help': "Task, one of ('ag_news', 'sentlen', 'text') (text: your own text,label data, given by --data-dir). "
+          '(default: ag_news)',
   'type': 'str',
-  'allowed': ['ag_news', 'sentlen']},
+  'allowed': ['ag_news', 'sentlen', 'text']},
  {'options': ['--model'],
   'dest': 'model',
   'action': 'store',
@@ -1151,7 +1152,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'model, data and run',
   'help': "Local data: a CSV file or folder, or a saved dataset; for sentlen also SentEval's sentence_length.txt (or "
-          'its folder), or AG News data whose sentences it is built from; None: the hub (default: None)',
+          'its folder), or AG News data whose sentences it is built from; for text a text,label CSV whose distinct '
+          'labels are the classes; None: the hub (default: None)',
   'type': 'str'},
  {'options': ['--max_length', '--max-length'],
   'dest': 'max_length',
@@ -1301,7 +1303,13 @@ _TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every Trai
                           ('sentlen', 'choco'): 'Decentralized choco fine-tuning on sentlen (SPEC 8 defaults).',
                           ('sentlen', 'deepsqueeze'): 'Decentralized deepsqueeze fine-tuning on sentlen (SPEC 8 '
                                                       'defaults).',
-                          ('sentlen', 'dpsgd'): 'Decentralized dpsgd fine-tuning on sentlen (SPEC 8 defaults).'}},
+                          ('sentlen', 'dpsgd'): 'Decentralized dpsgd fine-tuning on sentlen (SPEC 8 defaults).',
+                          ('text', 'choco'): 'Decentralized choco fine-tuning on your own text,label data (--data-dir) '
+                                             '(SPEC 8 defaults).',
+                          ('text', 'deepsqueeze'): 'Decentralized deepsqueeze fine-tuning on your own text,label data '
+                                                   '(--data-dir) (SPEC 8 defaults).',
+                          ('text', 'dpsgd'): 'Decentralized dpsgd fine-tuning on your own text,label data (--data-dir) '
+                                             '(SPEC 8 defaults).'}},
  'vision': {'usage': '%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)',
             'groups': ['decentralized setting (SPEC 1-3, 6)', 'model, data and run', 'transformers TrainingArguments'],
             'flags': [154, 1, 2, 3, 155, 156, 6, 7, 157, 9, 10, 11, 158, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,

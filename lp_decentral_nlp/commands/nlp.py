@@ -31,13 +31,14 @@ NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_d
 class NLPArguments(RunArguments):
     """The NLP recipes' own options (the task is the recipe's)."""
 
-    task: str = field(default="ag_news", metadata={"help": f"Task, one of {TASKS}."})
+    task: str = field(default="ag_news", metadata={
+        "help": f"Task, one of {TASKS} (text: your own text,label data, given by --data-dir)."})
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "Hub id or local model folder (offline, the default falls back to the packaged all-MiniLM-L6-v2)"})
     data_dir: str | None = field(default=None, metadata={
         "help": "Local data: a CSV file or folder, or a saved dataset; for sentlen also SentEval's "
-                "sentence_length.txt (or its folder), or AG News data whose sentences it is built from; None: the "
-                "hub"})
+                "sentence_length.txt (or its folder), or AG News data whose sentences it is built from; for text a "
+                "text,label CSV whose distinct labels are the classes; None: the hub"})
     max_length: int = field(default=128, metadata={"help": "Max tokens per text"})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training texts"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many test texts"})
@@ -45,6 +46,9 @@ class NLPArguments(RunArguments):
     def __post_init__(self):
         super().__post_init__()
         check_choice("task", self.task, TASKS)
+        if self.task == "text" and self.data_dir is None:
+            raise ValueError("data_dir: the text task trains on your own data: give a CSV file with text,label "
+                             "columns, a folder of train.csv (and test.csv), or a saved dataset")
         if self.data_dir is not None and not pathlib.Path(self.data_dir).exists():
             raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
         check_fields(self, ("max_length", "max_train_samples", "max_eval_samples"))
@@ -170,8 +174,8 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     if task is not None and task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     fixed = {"algorithm": algorithm} if task is None else {"algorithm": algorithm, "task": task}
-    kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {task or 'a text task'} (SPEC 8 "
-                                     "defaults).")
+    on = {None: "a text task", "text": "your own text,label data (--data-dir)"}.get(task, task)
+    kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {on} (SPEC 8 defaults).")
     parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
                           fixed=fixed, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
@@ -255,7 +259,9 @@ def run_nlp(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     results. `on_interrupt`: what to do after Ctrl-C in training (:func:`train_and_report`)."""
     start = time.time()
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
-    card = {"dataset": parsed.recipe.task, "tags": ["decentralized", "lp_decentral_nlp"]}
+    recipe = parsed.recipe  # the card names the user's own data by its file or folder
+    dataset = pathlib.Path(recipe.data_dir).stem if recipe.task == "text" else recipe.task
+    card = {"dataset": dataset, "tags": ["decentralized", "lp_decentral_nlp"]}
     return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),
                             start, prog, on_interrupt=on_interrupt, card=card, processing_class=tokenizer)
 

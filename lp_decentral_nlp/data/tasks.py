@@ -1,12 +1,16 @@
 """Text-classification tasks as `datasets.DatasetDict`s with ``text``/``label`` columns.
 
-Two tasks of SPEC section 8:
+Two tasks of SPEC section 8, and the user's own:
 
 * ``"ag_news"`` -- AG News topic classification (4 classes: World, Sports, Business, Sci/Tech).
 * ``"sentlen"`` -- SentEval's sentence-length probing task (6 classes of token counts).
+* ``"text"`` -- any text classification: the user's ``text,label`` data, whose classes are its
+  distinct labels (integers in numeric order, else strings in sorted order, as transformers'
+  ``run_glue.py`` example orders its ``label_list``).
 
-Every loader reads the Hugging Face hub by default and a local path when ``data_dir`` is given,
-so the same code runs on a laptop with internet and on an offline cluster.
+The first two read the Hugging Face hub by default and a local path when ``data_dir`` is given,
+so the same code runs on a laptop with internet and on an offline cluster; ``"text"`` reads
+``data_dir``.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ _CSV_SPLITS = ("train", "test", "validation")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
 
-TASKS = ("ag_news", "sentlen")
+TASKS = ("ag_news", "sentlen", "text")
 
 
 def load_task(
@@ -54,8 +58,8 @@ def load_task(
     """Load a task as a ``DatasetDict`` with ``"train"`` and ``"test"`` splits.
 
     Args:
-        name: ``"ag_news"`` or ``"sentlen"``.
-        data_dir: ``None`` reads the hub. Otherwise a local source:
+        name: ``"ag_news"``, ``"sentlen"`` or ``"text"``.
+        data_dir: ``None`` reads the hub (not for ``"text"``). Otherwise a local source:
 
             * ``ag_news``: a UTF-8 CSV file or a directory of CSV files whose header line names
               the original layout (``label,title,description``, labels 1-4) or ``text,label``
@@ -65,6 +69,10 @@ def load_task(
             * ``sentlen``: SentEval's ``sentence_length.txt`` (or a directory holding it), or any
               AG News source above, whose sentences are then binned by length (see
               :func:`build_sentlen`). Without ``data_dir`` the sentences come from the hub's AG News.
+            * ``text``: as for ``ag_news``, with ``text,label`` columns whose labels are any
+              integers or strings (the classes: the distinct labels of all splits, integers in
+              numeric order, else strings in sorted order, at least two), or a saved dataset whose
+              ``label`` is a ``ClassLabel`` (kept as it is), integers or strings.
         tokenizer: a Hugging Face tokenizer. When given, ``input_ids``/``attention_mask`` are added
             through a cached ``datasets.map`` (truncated to ``max_length`` tokens, padded later by
             the collator) and ``text`` is dropped.
@@ -101,19 +109,22 @@ def load_task(
     if tokenizer is None and max_length != DEFAULT_MAX_LENGTH:
         raise ValueError(f"max_length={max_length} is where the tokenizer truncates, and no tokenizer was given: pass "
                          "tokenizer or leave max_length out")
+    if name == "text" and data_dir is None:
+        raise ValueError(f"data_dir: the 'text' task trains on your own data: give {_TEXT_SOURCES}")
     if data_dir is not None and not Path(data_dir).exists():
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist")
     if data_dir is not None and not (Path(data_dir).is_file() or Path(data_dir).is_dir()):
         raise ValueError(f"data_dir {str(data_dir)!r} is neither a file nor a directory (a pipe, socket or device): "
                          "save the data to a file and pass its path")
 
-    if name == "ag_news":
-        ds = _load_ag_news(data_dir, eval_fraction, seed)
+    if name in ("ag_news", "text"):
+        ds = _load_classification(name, data_dir, eval_fraction, seed)
     elif data_dir is not None and _senteval_file(Path(data_dir)) is not None:
         ds = _load_senteval(_senteval_file(Path(data_dir)))
     else:
         origin = "the hub's ag_news" if data_dir is None else f"data_dir {str(data_dir)!r}"
-        ds = build_sentlen(_load_ag_news(data_dir, eval_fraction, seed), eval_fraction, seed, origin=origin)
+        ds = build_sentlen(_load_classification("ag_news", data_dir, eval_fraction, seed), eval_fraction, seed,
+                           origin=origin)
 
     for split in list(ds):
         ds[split] = _subset(ds[split], limits["train" if split == "train" else "test"], seed)
@@ -204,20 +215,30 @@ def _read_text(file: Path) -> str:
     return text
 
 
-# --- AG News -----------------------------------------------------------------------------------
+# --- AG News and the user's text classification ------------------------------------------------
 
-# Column layouts of an AG News CSV and the number of the first class in each.
-_AG_NEWS_LAYOUTS = ((("label", "title", "description"), 1), (("text", "label"), 0))
-_AG_NEWS_LAYOUT_HINT = "a header line 'label,title,description' (labels 1-4) or 'text,label' (labels 0-3)"
+# Column layouts of a task's CSV files, each with the number of AG News's first class in it (None:
+# the labels are the user's own classes, any integers or strings).
+_CSV_LAYOUTS = {"ag_news": ((("label", "title", "description"), 1), (("text", "label"), 0)),
+                "text": ((("text", "label"), None),)}
+_CSV_COLUMNS = {"ag_news": "label,title,description (labels 1-4) or text,label (labels 0-3)", "text": "text,label"}
+# what a folder of the task's data holds
+_FOLDER_HOLDS = {"ag_news": "label,title,description CSVs or a save_to_disk directory, and for sentlen also SentEval's "
+                            "sentence_length.txt",
+                 "text": "text,label CSVs or a save_to_disk directory"}
+_TEXT_SOURCES = ("a CSV file with text,label columns, a folder of train.csv (and test.csv, validation.csv), or a "
+                 "DatasetDict.save_to_disk folder")
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
-def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
+def _load_classification(task: str, data_dir, eval_fraction: float, seed: int) -> DatasetDict:
+    """``task`` ``"ag_news"`` (the hub's where ``data_dir`` is None) or ``"text"`` from
+    ``data_dir``, as :func:`load_task` describes."""
     if data_dir is None:
         return load_dataset(AG_NEWS_HUB_ID)
     path = Path(data_dir)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-        return _load_saved_ag_news(path, eval_fraction, seed)
+        return _load_saved(task, path, eval_fraction, seed)
     if path.is_file():
         if path.suffix.lower() != ".csv":
             raise ValueError(f"data_dir {str(path)!r} is not a .csv file: the local sources are a CSV file, a "
@@ -228,8 +249,7 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
         csvs = sorted(p for p in path.glob("*.csv") if p.is_file())
         if not csvs:
             raise ValueError(f"data_dir {str(path)!r} holds no CSV file and no saved dataset "
-                             "(expected label,title,description CSVs or a save_to_disk directory, and for sentlen "
-                             "also SentEval's sentence_length.txt)")
+                             f"(expected {_FOLDER_HOLDS[task]})")
         by_name = {p.stem: p for p in csvs}
         held_out = [stem for stem in ("test", "validation") if stem in by_name]
         if held_out and "train" not in by_name:
@@ -244,8 +264,10 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
             files = {split: [by_name[split]] for split in _CSV_SPLITS if split in by_name}
         else:
             files = {"data": csvs}
-    ds = DatasetDict({split: concatenate_datasets([_read_ag_news_csv(f) for f in parts])
+    ds = DatasetDict({split: concatenate_datasets([_read_csv(f, task) for f in parts])
                       for split, parts in files.items()})
+    if task == "text":
+        ds = _encode_labels(ds, ", ".join(str(f) for parts in files.values() for f in parts))
     if "test" not in ds:
         split = "data" if "data" in ds else "train"
         held_out = _with_eval_split(ds.pop(split), eval_fraction, seed, ", ".join(str(f) for f in files[split]))
@@ -253,13 +275,14 @@ def _load_ag_news(data_dir, eval_fraction: float, seed: int) -> DatasetDict:
     return ds
 
 
-def _read_ag_news_csv(file: Path) -> Dataset:
-    """One AG News CSV file as ``text`` (str) and ``label`` (ClassLabel 0..3).
+def _read_csv(file: Path, task: str) -> Dataset:
+    """One CSV file of ``task`` as ``text`` (str) and ``label``: AG News's ClassLabel 0..3, or for
+    ``"text"`` the label as written (str, stripped; :func:`_encode_labels` makes the classes).
 
-    Either layout of :data:`_AG_NEWS_LAYOUTS`, with a header line (names in any case); other columns
-    are dropped; blank lines are skipped. Every problem (not UTF-8, empty, header only, missing or
-    repeated columns, rows of the wrong width, labels that are not integers or not classes) is a
-    ValueError naming the file and, for a row, its line.
+    A layout of :data:`_CSV_LAYOUTS`, with a header line (names in any case); other columns are
+    dropped; blank lines are skipped. Every problem (not UTF-8, empty, header only, missing or
+    repeated columns, rows of the wrong width, empty texts or labels, AG News labels that are not
+    integers or not classes) is a ValueError naming the file and, for a row, its line.
     """
     reader = csv.reader(io.StringIO(_read_text(file), newline=""))
     rows, line = [], 1
@@ -274,7 +297,7 @@ def _read_ag_news_csv(file: Path) -> Dataset:
         raise ValueError(f"{file}: every field is empty (no header line, no data rows)")
     names = [name.strip() for name in rows[0][1]]
     header = [name.lower() for name in names]  # column names match whatever their case
-    layouts = [(cols, first) for cols, first in _AG_NEWS_LAYOUTS if set(cols) <= set(header)]
+    layouts = [(cols, first) for cols, first in _CSV_LAYOUTS[task] if set(cols) <= set(header)]
     if len(layouts) > 1:
         raise ValueError(f"{file}: the header {names} has the columns of both layouts, label,title,description "
                          "(labels 1-4) and text,label (labels 0-3), so which texts and labels it means is unclear: "
@@ -282,9 +305,9 @@ def _read_ag_news_csv(file: Path) -> Dataset:
     layout = layouts[0] if layouts else None
     if layout is None:
         looks_like_data = bool(header) and _INTEGER.fullmatch(header[0]) is not None
-        raise ValueError(f"{file}: expected columns label,title,description (labels 1-4) or text,label (labels "
-                         f"0-3), found {names}" + ("; the first line looks like data: add " + _AG_NEWS_LAYOUT_HINT
-                                                    if looks_like_data else ""))
+        raise ValueError(f"{file}: expected columns {_CSV_COLUMNS[task]}, found {names}"
+                         + (f"; the first line looks like data: add a header line naming the columns "
+                            f"{_CSV_COLUMNS[task]}" if looks_like_data else ""))
     (columns, first), data = layout, rows[1:]
     repeated = sorted({c for c in columns if header.count(c) > 1})
     if repeated:
@@ -292,28 +315,50 @@ def _read_ag_news_csv(file: Path) -> Dataset:
     if not data:
         raise ValueError(f"{file}: has a header line but no data rows")
     where = {c: header.index(c) for c in columns}
-    allowed = f"{first}-{first + len(AG_NEWS_LABELS) - 1}"
+    allowed = None if first is None else f"{first}-{first + len(AG_NEWS_LABELS) - 1}"
     text, label = [], []
     for lineno, fields in data:
         if len(fields) != len(header):
             raise ValueError(f"{file}:{lineno}: {len(fields)} fields, but the header has {len(header)} "
                              f"({','.join(names)}); quote fields that contain commas")
         value = fields[where["label"]].strip()
-        if _INTEGER.fullmatch(value) is None:
+        if first is None:
+            if not value:
+                raise ValueError(f"{file}:{lineno}: the label is empty; every row needs one")
+            label.append(value)
+        elif _INTEGER.fullmatch(value) is None:
             raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; labels must be {allowed}")
-        if not first <= int(value) < first + len(AG_NEWS_LABELS):
+        elif not first <= int(value) < first + len(AG_NEWS_LABELS):
             raise ValueError(f"{file}:{lineno}: label {int(value)} is not a class; labels must be {allowed}")
-        label.append(int(value) - first)
+        else:
+            label.append(int(value) - first)
         parts = [fields[where[c]] for c in (("text",) if "text" in where else ("title", "description"))]
         if not any(part.strip() for part in parts):
             raise ValueError(f"{file}:{lineno}: no text ({' and '.join(c for c in where if c != 'label')} empty); "
                              "every row needs one")
         text.append(parts[0] if "text" in where else f"{_unescape(parts[0])}. {_unescape(parts[1])}")
-    features = Features({"text": Value("string"), "label": ClassLabel(names=list(AG_NEWS_LABELS))})
-    return Dataset.from_dict({"text": text, "label": label}, features=features)
+    classes = Value("string") if first is None else ClassLabel(names=list(AG_NEWS_LABELS))
+    return Dataset.from_dict({"text": text, "label": label}, features=Features({"text": Value("string"),
+                                                                                "label": classes}))
 
 
-def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetDict:
+def _encode_labels(ds: DatasetDict, source: str) -> DatasetDict:
+    """``ds`` with its string ``label`` made a ClassLabel over the distinct labels of all splits:
+    integers in numeric order (named as integers: ``"07"`` is ``"7"``), else strings in sorted order.
+    ValueError naming `source` when there is one class only."""
+    values = sorted({value for part in ds.values() for value in part["label"]})
+    numeric = all(_INTEGER.fullmatch(value) for value in values)
+    names = sorted({str(int(v)) for v in values}, key=int) if numeric else values
+    if len(names) < 2:
+        raise ValueError(f"{source}: every row has the label {names[0]!r}, and a classifier needs two classes or more")
+    index = {name: i for i, name in enumerate(names)}
+    features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
+    return DatasetDict({split: Dataset.from_dict(
+        {"text": part["text"], "label": [index[str(int(v)) if numeric else v] for v in part["label"]]},
+        features=features) for split, part in ds.items()})
+
+
+def _load_saved(task: str, path: Path, eval_fraction: float, seed: int) -> DatasetDict:
     """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV.
     Read into memory: a memory-mapped one would get the cache files of its conversion and
     tokenization written beside its data, into the user's folder."""
@@ -321,16 +366,23 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
     parts = saved if isinstance(saved, DatasetDict) else DatasetDict({"data": saved})
     if isinstance(saved, DatasetDict) and "train" not in saved:
         raise ValueError(f"saved dataset at {str(path)!r} has no 'train' split (splits: {list(saved)})")
-    parts = {split: _checked_saved_split(part, f"{path} [{split}]") for split, part in parts.items()}  # all, first
-    # a 4-class ClassLabel keeps its own names (the ids are the same); plain integers get AG News's
+    parts = {split: _checked_saved_split(part, f"{path} [{split}]", task)  # every split, then the first
+             for split, part in parts.items()}
+    # a ClassLabel keeps its own names (AG News: 4 of them, the ids the same); plain integers get
+    # AG News's names, or for "text" the classes of _encode_labels
     named = {split: part.features["label"].names for split, part in parts.items()
              if isinstance(part.features["label"], ClassLabel)}
     if len({tuple(n) for n in named.values()}) > 1:  # the same id would mean another class in another split
         raise ValueError(f"saved dataset at {str(path)!r}: its splits name the classes otherwise ("
                          + "; ".join(f"{split}: {n}" for split, n in named.items()) + "): give every split the same "
                          "ClassLabel names in the same order")
-    names = next(iter(named.values()), AG_NEWS_LABELS)
-    parts = DatasetDict({split: _as_class_label(part, names) for split, part in parts.items()})
+    if task == "text" and len(named) < len(parts):
+        parts = _encode_labels(DatasetDict({split: Dataset.from_dict(
+            {"text": part["text"], "label": [_label_name(part, value) for value in part["label"]]})
+            for split, part in parts.items()}), f"saved dataset at {str(path)!r}")
+    else:
+        names = next(iter(named.values()), AG_NEWS_LABELS)
+        parts = DatasetDict({split: _as_class_label(part, names) for split, part in parts.items()})
     if "test" in parts:
         return parts
     split = "data" if "data" in parts else "train"
@@ -338,9 +390,17 @@ def _load_saved_ag_news(path: Path, eval_fraction: float, seed: int) -> DatasetD
     return DatasetDict({**held_out, **parts})
 
 
-def _checked_saved_split(part: Dataset, source: str) -> Dataset:
-    """``text`` (strings) and ``label`` (integers 0..3 or a 4-class ClassLabel) of a saved split,
-    checked (ValueError naming `source`), not yet cast to the ClassLabel."""
+def _label_name(part: Dataset, value) -> str:
+    """A saved split's label ``value`` as :func:`_encode_labels` reads it: a ClassLabel's name, else
+    the value written out."""
+    feature = part.features["label"]
+    return feature.int2str(value) if isinstance(feature, ClassLabel) else str(value).strip()
+
+
+def _checked_saved_split(part: Dataset, source: str, task: str) -> Dataset:
+    """``text`` (strings) and ``label`` of a saved split, checked (ValueError naming `source`), not
+    yet cast to the ClassLabel: for AG News integers 0..3 or a 4-class ClassLabel, for ``"text"``
+    a ClassLabel, integers or strings."""
     missing = {"text", "label"} - set(part.column_names)
     if missing:
         raise ValueError(f"{source}: lacks column(s) {sorted(missing)}; expected 'text' and 'label', "
@@ -348,21 +408,26 @@ def _checked_saved_split(part: Dataset, source: str) -> Dataset:
     text, label = part.features["text"], part.features["label"]
     if not (isinstance(text, Value) and text.dtype in ("string", "large_string")):
         raise ValueError(f"{source}: column 'text' must hold strings, found {text}")
+    own = task == "text"  # the user's classes, not AG News's
     if isinstance(label, ClassLabel):
-        if label.num_classes != len(AG_NEWS_LABELS):
+        if label.num_classes != len(AG_NEWS_LABELS) and not own:
             raise ValueError(f"{source}: label has {label.num_classes} classes {label.names}; ag_news has "
                              f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
-    elif not (isinstance(label, Value) and re.fullmatch(r"u?int\d+", label.dtype)):
-        raise ValueError(f"{source}: column 'label' must hold integers 0-3 (or be a ClassLabel), found {label}")
+    elif not (isinstance(label, Value) and (re.fullmatch(r"u?int\d+", label.dtype)
+                                            or own and label.dtype in ("string", "large_string"))):
+        raise ValueError(f"{source}: column 'label' must hold " + ("integers or strings" if own else "integers 0-3")
+                         + f" (or be a ClassLabel), found {label}")
     if any(value is None or not value.strip() for value in part["text"]):
         raise ValueError(f"{source}: column 'text' has empty values (None or blank); every row needs a text")
     labels = part["label"]
-    if any(value is None for value in labels):
-        raise ValueError(f"{source}: column 'label' has empty (None) values; every row needs a label 0-3")
-    values = np.asarray(labels, dtype=np.int64)
-    bad = sorted(set(values[(values < 0) | (values >= len(AG_NEWS_LABELS))].tolist()))
-    if bad:
-        raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
+    if any(value is None or isinstance(value, str) and not value.strip() for value in labels):
+        raise ValueError(f"{source}: column 'label' has empty " + (
+            "(None or blank) values; every row needs a label" if own else "(None) values; every row needs a label 0-3"))
+    if not own:
+        values = np.asarray(labels, dtype=np.int64)
+        bad = sorted(set(values[(values < 0) | (values >= len(AG_NEWS_LABELS))].tolist()))
+        if bad:
+            raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
     if not len(part):
         raise ValueError(f"{source}: has no rows")
     return part.select_columns(["text", "label"])
