@@ -1,4 +1,4 @@
-"""Fine-tune one model on AG News with plain `transformers.Trainer`, 8-bit (default) or fp32.
+"""Fine-tune one model on AG News (or your own data, --task text) with plain `transformers.Trainer`, 8-bit or fp32.
 
 8-bit means the surgery of SPEC section 4 (`lp_decentral_nlp.quantize_model`): 8-bit weights and
 input activations, 8-bit stochastically rounded layer gradients, fp32 weight gradients and master
@@ -7,6 +7,7 @@ weights; the classification head stays full precision.
     python recipes/finetune_single.py --data-dir ../shared/data/ag_news/ag_news_6000.csv \
         --max-train-samples 3000 --max-eval-samples 1000 --max-length 64 --output-dir runs/8bit
     python recipes/finetune_single.py ... --full-precision --output-dir runs/fp32
+    python recipes/finetune_single.py --task text --data-dir reviews.csv --output-dir runs/reviews  # text,label
 
 Writes to ``--output-dir`` ``results.json`` (accuracy, configuration, the kernel each 8-bit layer
 trained with, wall time) and ``model/``, the fine-tuned model and its tokenizer. An 8-bit run's
@@ -40,9 +41,11 @@ def parse_args(argv=None):
     positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
+    p.add_argument("--task", choices=("ag_news", "text"), default="ag_news",
+                   help="ag_news, or text: your own text,label data (--data-dir), whose distinct labels are the classes")
     p.add_argument("--data-dir", type=existing_path, default=None,
-                   help="AG News: a CSV file (header label,title,description or text,label), a folder of CSV files or "
-                        "a DatasetDict.save_to_disk folder; omit to read the hub")
+                   help="a CSV file (AG News: header label,title,description or text,label; text: text,label), a folder "
+                        "of CSV files or a DatasetDict.save_to_disk folder; omit to read AG News from the hub")
     p.add_argument("--max-train-samples", type=positive_int, default=None,
                    help="train on a seeded random subset of this many rows (default: None, every row)")
     p.add_argument("--max-eval-samples", type=positive_int, default=None,
@@ -66,8 +69,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.data_dir is not None and pathlib.Path(args.data_dir).is_file() and \
             pathlib.Path(args.data_dir).suffix.lower() != ".csv":
-        p.error(f"argument --data-dir: {args.data_dir} is not a .csv file: AG News is read from a CSV file, a folder "
+        p.error(f"argument --data-dir: {args.data_dir} is not a .csv file: the data is read from a CSV file, a folder "
                 "of CSV files or a DatasetDict.save_to_disk folder")
+    if args.task == "text" and args.data_dir is None:
+        p.error("argument --data-dir: --task text trains on your own data: give a CSV file with text,label columns, a "
+                "folder of train.csv (and test.csv) or a saved dataset")
     threads = os.environ.get("OMP_NUM_THREADS")
     if args.threads is None and threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
         p.error(f"environment variable OMP_NUM_THREADS={threads!r} must be a whole number >= 1 (or pass --threads)")
@@ -107,7 +113,7 @@ def run(args) -> dict:
     from lp_decentral_nlp.commands import load_classifier, load_data, load_tokenizer, resolve_model
     from lp_decentral_nlp.commands.run import exit_with_error, set_threads
     from lp_decentral_nlp.quant import QuantModule
-    from lp_decentral_nlp.data import AG_NEWS_LABELS, accuracy_metric, load_task
+    from lp_decentral_nlp.data import accuracy_metric, load_task
 
     out = pathlib.Path(args.output_dir)
     start = time.perf_counter()
@@ -118,12 +124,12 @@ def run(args) -> dict:
     if notice:
         print(notice, file=sys.stderr)
     tokenizer = load_tokenizer(model_path, args.max_length, PROG)
-    data = load_data(lambda: load_task("ag_news", data_dir=args.data_dir, tokenizer=tokenizer,
+    data = load_data(lambda: load_task(args.task, data_dir=args.data_dir, tokenizer=tokenizer,
                                        max_length=args.max_length, max_train_samples=args.max_train_samples,
                                        max_eval_samples=args.max_eval_samples, seed=args.seed),
-                     "ag_news", args.data_dir, PROG)
+                     args.task, args.data_dir, PROG)
     # a head for other labels is refused
-    model = load_classifier(model_path, list(AG_NEWS_LABELS), PROG, tokenizer.pad_token_id)
+    model = load_classifier(model_path, data["train"].features["label"].names, PROG, tokenizer.pad_token_id)
     # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel
     made = [m.quant_config for m in model.modules() if isinstance(m, QuantModule)]
     made_kernels = sorted({config.kernel for config in made})

@@ -38,6 +38,20 @@ def test_decoder_only_and_encoder_decoder_models_train(minilm_path, ag_news_csv,
         assert 0 <= results["accuracy"] <= 1 and results["precision"] == "8-bit", name
 
 
+def test_task_text_trains_on_the_users_own_classes(tiny_model_dir, tmp_path, capsys):
+    """The single-model baseline of recipes/text_*.py: it read AG News only."""
+    data = tmp_path / "reviews.csv"
+    data.write_text("text,label\n" + "".join(f"review {i},{('bad', 'good')[i % 2]}\n" for i in range(40)))
+    results = load_recipe().main(["--task", "text", *tiny_argv(tiny_model_dir, data, tmp_path / "run")])
+    assert 0 <= results["accuracy"] <= 1
+    assert load_quantized(tmp_path / "run" / "model").config.id2label == {0: "bad", 1: "good"}
+    with pytest.raises(SystemExit) as exc:
+        load_recipe().main(["--task", "text", "--output-dir", str(tmp_path / "refused")])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "finetune_single.py: error: argument --data-dir: --task text trains on your own data: give a CSV file with "
+        "text,label columns, a folder of train.csv (and test.csv) or a saved dataset")
+
+
 def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # --threads wins over it
     torch.set_num_threads(2)
@@ -81,7 +95,7 @@ def test_data_dir_message_names_what_this_recipe_reads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         load_recipe().parse_args(["--data-dir", str(text), "--output-dir", str(tmp_path / "run")])
     assert exc.value.code == 2 and capsys.readouterr().err == (
-        f"finetune_single.py: error: argument --data-dir: {text} is not a .csv file: AG News is read from a CSV file, "
+        f"finetune_single.py: error: argument --data-dir: {text} is not a .csv file: the data is read from a CSV file, "
         "a folder of CSV files or a DatasetDict.save_to_disk folder\n")
 
 
