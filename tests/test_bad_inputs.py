@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from torch import nn
+from datasets import Value
 from helpers import agnews_sample
 from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig,
                           DistilBertForSequenceClassification, TrainingArguments)
@@ -326,6 +327,11 @@ ROWS = {
     93: Row("`--model DIR`, DIR's tokenizer without a padding token or an end-of-sequence token to pad with",
             "exit 2", "argument --model: DIR: its tokenizer has no padding token and no end-of-sequence token to pad "
             "with: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)"),
+    94: Row("float labels for a classifier (`label` 0.0, 1.0, ...)", "ValueError",
+            "train_dataset: labels must be class ids 0..3 (the model has num_labels=4), found [0.0, 1.0, 2.0, 3.0]"),
+    95: Row("evaluation or test labels the model cannot predict (a set of a dict `eval_dataset` at construction; "
+            "a set given to `evaluate()` or `predict()` there)", "ValueError",
+            "eval_dataset['shifted']: labels must be class ids 0..3 (the model has num_labels=4), found [4]"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93)]
 
@@ -447,6 +453,27 @@ def test_row25_labels_the_model_cannot_predict(tmp_path, data):
     with pytest.raises(ValueError) as err:
         DecentralizedTrainer(model=tiny_model(num_labels=2), args=targs(tmp_path), train_dataset=data["train"])
     assert str(err.value) == ROWS[25].message
+
+
+def test_rows94_95_labels_that_are_no_class_ids_fail_before_training_not_in_the_loss(tmp_path, data):
+    """Float labels (skew 0: no shards to build) reached the loss at the first step, which read them
+    as multi-label targets ("Target size ... must be the same as input size"); evaluation labels
+    were not checked at all, and an IndexError came at the first evaluation, after training."""
+    floats = data["train"].cast_column("label", Value("float32"))
+    with pytest.raises(ValueError) as err:
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=floats)
+    assert str(err.value) == ROWS[94].message
+    shifted = data["test"].cast_column("label", Value("int64")).map(lambda row: {"label": row["label"] + 1})
+    with pytest.raises(ValueError) as err:
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data["train"],
+                             eval_dataset={"plain": data["test"], "shifted": shifted})
+    assert str(err.value) == ROWS[95].message
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data["train"],
+                                   eval_dataset=data["test"])
+    for call, what in ((trainer.evaluate, "eval_dataset"), (trainer.predict, "test_dataset")):
+        with pytest.raises(ValueError) as err:
+            call(shifted)
+        assert str(err.value) == ROWS[95].message.replace("eval_dataset['shifted']", what)
 
 
 class NoLinear(nn.Module):

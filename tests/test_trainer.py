@@ -182,7 +182,7 @@ def test_skewed_shards_need_a_class_column_which_shard_column_names(tmp_path, ag
     floats = agnews_small["train"].cast_column("label", Value("float32"))  # a regression target, not class ids
     with pytest.raises(ValueError, match=r"skew=0.5 needs a column of class ids to skew the shards on, and its 'label' "
                                          r"column holds 2.0 \(float\), not one integer class id per sample"):
-        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=0.5), train_dataset=floats)
+        DecentralizedTrainer(model=tiny_model(num_labels=1), args=targs(tmp_path, skew=0.5), train_dataset=floats)
     with pytest.raises(ValueError, match="shard_column='topic' is not a column"):
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=0.5, shard_column="topic"), train_dataset=data)
     trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="target",

@@ -1414,6 +1414,17 @@ def test_an_encoder_decoder_classifier_gets_the_accuracy_of_its_logits(tmp_path,
     assert {"eval_accuracy", "eval_accuracy_node_0"} <= set(trainer.evaluate())
 
 
+def test_a_regression_head_trains_on_integer_targets(tmp_path):
+    """Integer targets (e.g. 1-5 stars) of a one-output regression head were refused as class ids
+    0..0 of a one-class classifier."""
+    ids = torch.randint(1, 50, (32, 6), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 0] % 5 + 1).tolist()})
+    trainer = DecentralizedTrainer(model=tiny_model(num_labels=1), train_dataset=data, eval_dataset=data,
+                                   args=targs(tmp_path, max_steps=1, per_device_train_batch_size=4))
+    trainer.train()
+    assert np.isfinite(trainer.evaluate()["eval_loss"])
+
+
 def test_predict_honours_prediction_loss_only(tmp_path, agnews_small, tokenizer):
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, prediction_loss_only=True)
     out = trainer.predict(agnews_small["test"])

@@ -20,6 +20,7 @@ from transformers.utils import logging
 
 from ..gossip import RandomK, TopK, gossiped_parameters
 from ..gossip.factory import build_compressor
+from .node_data import check_labels
 
 logger = logging.get_logger(__name__)
 
@@ -251,6 +252,8 @@ class EvaluationMixin:
         process, and ``..._gpu_...`` on a GPU) too.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):  # the trainer's were checked
+            check_labels(eval_dataset, self._num_classes, "eval_dataset")
         if isinstance(dataset, dict):
             metrics = {}
             for name, part in dataset.items():  # the trainer's own sets by name (their loaders may be kept)
@@ -286,6 +289,7 @@ class EvaluationMixin:
             ``..._accuracy`` or ``compute_metrics``'s keys, and Trainer's ``..._runtime`` in
             seconds, ``..._samples_per_second``, ``..._steps_per_second``).
         """
+        check_labels(test_dataset, self._num_classes, "test_dataset")
         self._memory_tracker.start()
         start = time.time()
         self._refresh_average_model()

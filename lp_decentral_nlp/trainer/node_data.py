@@ -144,7 +144,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     ValueError naming the column or argument that is wrong."""
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
-    _check_tag_ids(dataset, num_labels)  # whatever the shards are skewed on
+    check_labels(dataset, num_labels, "train_dataset")  # whatever the shards are skewed on
     first = dataset[0]
     columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
         (list(first) if isinstance(first, dict) else [])
@@ -173,7 +173,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
         raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {reprlib.repr(unhashable)}, "
                          "not one integer class id per sample: name a column of class ids with shard_column"
                          + (", or use skew=0" if args.skew > 0 else " (or leave it unset: skew=0 splits at random)"))
-    num_labels = num_labels if name in ("label", "labels") else None
+    num_labels = num_labels if name in ("label", "labels") and num_labels and num_labels > 1 else None
     bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
     if bad:
         allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
@@ -181,12 +181,34 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     return values
 
 
-def _check_tag_ids(dataset, num_labels: int | None) -> None:
+def check_labels(dataset, num_labels: int | None, what: str) -> None:
+    """The labels of a data set for a classifier of ``num_labels`` classes: one class id per sample
+    in ``label`` or ``labels`` (an integer in ``0..num_labels - 1``), or per token in ``labels`` (a
+    tag id or -100, ignored); ValueError naming `what` (``train_dataset``, ``eval_dataset``, ...),
+    the values found and the allowed ones, instead of an error deep in the loss at the first
+    training step or evaluation (a float, bool or string label reaches the loss too: transformers
+    reads a float as a multi-label target). Checked on a ``datasets.Dataset`` for a model of two
+    classes or more (one: a regression head, whose labels are numbers); lists of floats
+    (multi-label targets) are not class ids and pass."""
+    if not num_labels or num_labels < 2 or not isinstance(dataset, Dataset) or len(dataset) == 0:
+        return
+    _check_tag_ids(dataset, num_labels, what)
+    column = next((c for c in ("label", "labels") if c in dataset.column_names), None)
+    if column is None:
+        return
+    values = [v for v in dataset.with_format(None)[column] if not isinstance(v, (list, tuple))]
+    bad = sorted({v for v in values if not _is_class_id(v) or not 0 <= v < num_labels}, key=repr)
+    if bad:
+        raise ValueError(f"{what}: labels must be class ids 0..{num_labels - 1} (the model has num_labels="
+                         f"{num_labels}), found {bad[:5]}")
+
+
+def _check_tag_ids(dataset, num_labels: int, what: str) -> None:
     """Per-token labels (token classification: a list of tag ids per row in ``labels``) must be
-    ids of the model's ``num_labels`` tags or -100 (ignored); ValueError naming the first other
-    value and its row, instead of an IndexError in the first training step. Checked on a
+    ids of the model's ``num_labels`` tags or -100 (ignored); ValueError naming `what`, the first
+    other value and its row, instead of an IndexError in the first training step. Checked on a
     ``datasets.Dataset`` with integer lists (other labels are not tag ids)."""
-    if not num_labels or not isinstance(dataset, Dataset) or "labels" not in dataset.column_names:
+    if "labels" not in dataset.column_names:
         return
     column = dataset.with_format("arrow")["labels"]
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -196,7 +218,7 @@ def _check_tag_ids(dataset, num_labels: int | None) -> None:
     bad = pc.and_(pc.not_equal(values, -100), pc.or_(pc.less(values, 0), pc.greater_equal(values, num_labels)))
     if pc.any(bad).as_py():
         first = pc.indices_nonzero(bad)[0].as_py()
-        raise ValueError(f"train_dataset: labels must be tag ids 0..{num_labels - 1} (the model has "
+        raise ValueError(f"{what}: labels must be tag ids 0..{num_labels - 1} (the model has "
                          f"num_labels={num_labels}) or -100, found {values[first].as_py()} in row {rows[first].as_py()}")
 
 
