@@ -1414,6 +1414,13 @@ def test_an_encoder_decoder_classifier_gets_the_accuracy_of_its_logits(tmp_path,
     assert {"eval_accuracy", "eval_accuracy_node_0"} <= set(trainer.evaluate())
 
 
+def test_without_args_the_default_arguments_apply_as_in_trainer(tmp_path, agnews_small, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Trainer's default output_dir, tmp_trainer, is relative
+    trainer = DecentralizedTrainer(model=tiny_model(), train_dataset=agnews_small["train"])
+    assert isinstance(trainer.args, DecentralizedTrainingArguments) and trainer.args.output_dir == "tmp_trainer"
+    assert len(trainer.nodes) == trainer.args.num_nodes == 4
+
+
 def test_a_regression_head_trains_on_integer_targets(tmp_path):
     """Integer targets (e.g. 1-5 stars) of a one-output regression head were refused as class ids
     0..0 of a one-class classifier."""

@@ -204,6 +204,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
     """
 
     def __init__(self, model=None, args: DecentralizedTrainingArguments | None = None, *, quant_config=None, **kwargs):
+        if args is None:  # as Trainer: the default arguments, writing to tmp_trainer
+            args = DecentralizedTrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, DecentralizedTrainingArguments):
             raise TypeError(f"args must be DecentralizedTrainingArguments, got {type(args).__name__}")
         if model is None:
