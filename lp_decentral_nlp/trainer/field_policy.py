@@ -54,7 +54,8 @@ POLICY: dict[str, str] = {
     "ignore_data_skip": "refused: a resumed run continues at the checkpoint's exact batch (bit-identical resume)",
     "auto_find_batch_size": "refused: the batch size shapes the shards and the checkpoints of every node",
     # --- optimisation (each node has its own optimizer and schedule) ----------------------------
-    "learning_rate": PER_NODE,
+    "learning_rate": PER_NODE + " (in (0, 1e4]: 0, which Trainer accepts, would train nothing, and quasi-global "
+                                "momentum divides by it)",
     "lr_scheduler_type": PER_NODE + " (reduce_lr_on_plateau and greedy step after each evaluation during training on "
                                     "the averaged model's metric_for_best_model, as in Trainer)",
     "lr_scheduler_kwargs": PER_NODE + " (refused with a constant schedule, which takes none)",
