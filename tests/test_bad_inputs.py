@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from datasets import Value
-from helpers import agnews_sample
+from helpers import agnews_sample, saved_encoder_decoder_model
 from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DistilBertConfig,
                           DistilBertForSequenceClassification, TrainingArguments)
 
@@ -332,6 +332,9 @@ ROWS = {
     95: Row("evaluation or test labels the model cannot predict (a set of a dict `eval_dataset` at construction; "
             "a set given to `evaluate()` or `predict()` there)", "ValueError",
             "eval_dataset['shifted']: labels must be class ids 0..3 (the model has num_labels=4), found [4]"),
+    96: Row("`--model DIR`, DIR an encoder-decoder (BART, T5) whose tokenizer has no padding token", "exit 2",
+            "argument --model: DIR: its tokenizer has no padding token, and the end-of-sequence token cannot pad for "
+            "a bart classifier, which reads it: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93)]
 
@@ -666,19 +669,23 @@ def test_row76_a_model_folder_without_tokenizer_files(tmp_path, tiny_model_dir, 
     assert one_line_error(exc, capsys) == ROWS[76].expected(model_dir)
 
 
-def test_row93_a_tokenizer_with_nothing_to_pad_with(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+@pytest.mark.parametrize("number", [93, 96])
+def test_rows93_96_a_tokenizer_with_nothing_to_pad_with(number, tmp_path, tiny_model_dir, minilm_path, ag_news_csv,
+                                                        capsys):
     """A tokenizer without a padding token pads with its end-of-sequence token; one without either
-    is refused before the data is read."""
+    (93), or of an encoder-decoder, whose classifier reads that token (96), is refused before the
+    data is read."""
     from transformers import AutoTokenizer
 
-    model_dir = copied_model(tiny_model_dir, tmp_path / "model")
+    model_dir = (copied_model(tiny_model_dir, tmp_path / "model") if number == 93
+                 else saved_encoder_decoder_model(tmp_path / "model", minilm_path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = None
+    tokenizer.pad_token, tokenizer.eos_token = None, None if number == 93 else "[SEP]"
     tokenizer.save_pretrained(model_dir)
     with pytest.raises(SystemExit) as exc:
         main("ag_news", "choco", ["--model", str(model_dir), "--data-dir", str(ag_news_csv), "--max-train-samples",
                                   "160", "--max-length", "32", "--output-dir", str(tmp_path / "run")])
-    assert one_line_error(exc, capsys) == ROWS[93].expected(model_dir)
+    assert one_line_error(exc, capsys) == ROWS[number].expected(model_dir)
     assert not (tmp_path / "run").exists()
 
 

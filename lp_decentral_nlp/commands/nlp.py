@@ -102,7 +102,8 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
     files, which turns every word into the unknown token) and that the model has at least
     ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``.
     A tokenizer without a padding token (decoder-only models: GPT-2, Llama, Mistral) pads with its
-    end-of-sequence token, said in a notice on rank 0; one with neither is refused."""
+    end-of-sequence token, said in a notice on rank 0; one with neither, or of an encoder-decoder
+    (whose classifier reads the end-of-sequence tokens of a row), is refused."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -119,6 +120,10 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
         exit_with_error(prog, f"{max_length} exceeds the {positions} positions of {model_path} "
                               f"(max_position_embeddings): use at most {positions}", "--max-length")
     if tokenizer.pad_token is None:  # the batches are padded to their longest row
+        if getattr(config, "is_encoder_decoder", False):
+            exit_with_error(prog, f"{model_path}: its tokenizer has no padding token, and the end-of-sequence token "
+                                  f"cannot pad for a {config.model_type} classifier, which reads it: set one "
+                                  "(tokenizer.pad_token = ...; tokenizer.save_pretrained)", "--model")
         if tokenizer.eos_token is None:
             exit_with_error(prog, f"{model_path}: its tokenizer has no padding token and no end-of-sequence token to "
                                   "pad with: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)", "--model")
