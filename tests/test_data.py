@@ -171,6 +171,13 @@ def test_the_text_task_takes_its_classes_from_the_users_labels(tmp_path):
     (None, r"^data_dir: the 'text' task trains on your own data: give a CSV file with text,label columns"),
     ([("a", "x"), ("b", "x")], r"one.csv: every row has the label 'x', and a classifier needs two classes or more$"),
     ([("a", "x"), ("b", " ")], r"one.csv:3: the label is empty; every row needs one$"),
+    # a column of scores taken for classes: every row a class of its own
+    ([(f"t{i}", f"{i / 3:.2f}") for i in range(9)], r"one.csv: 9 distinct labels over 9 rows \(e.g. \['0.00', "
+                                                     r"'0.33', '0.67'\]\), fewer than two rows per class"),
+    # many classes, some of one row: the rare ones are named, not all 20
+    ([(f"t{i}", "c00" if i < 21 else f"c{i - 20:02d}") for i in range(40)],
+     r"one.csv: 40 rows are too few to hold out a stratified 0.2 as test \(20 labels present, per label \{'c01': 1, "
+     r"'c02': 1, 'c03': 1, 'c04': 1, 'c05': 1, 'c06': 1, 'c07': 1, 'c08': 1, '...': '12 more'\}\)"),
 ])
 def test_the_text_task_refuses_data_it_cannot_classify(content, message, tmp_path):
     if content is not None:

@@ -183,8 +183,12 @@ def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) 
     names = ds.features["label"].names
     rare = [names[c] for c in np.flatnonzero((counts > 0) & (counts < 2))]
     if rare or n_test < present or n_train < present:
+        per_label = dict(zip(names, counts.tolist()))
+        if len(per_label) > 8:  # e.g. a column of numbers or free text taken for classes: its rare labels
+            shown = rare[:8]
+            per_label = {**{name: per_label[name] for name in shown}, "...": f"{len(names) - len(shown)} more"}
         raise ValueError(f"{source}: {len(ds)} rows are too few to hold out a stratified {eval_fraction:g} as test "
-                         f"({present} labels present, per label {dict(zip(names, counts.tolist()))}): every label "
+                         f"({present} labels present, per label {per_label}): every label "
                          f"needs at least 2 rows and each part at least {present} rows; give more rows or provide "
                          "a test split")
     return ds.train_test_split(test_size=eval_fraction, stratify_by_column="label", seed=seed)
@@ -345,12 +349,18 @@ def _read_csv(file: Path, task: str) -> Dataset:
 def _encode_labels(ds: DatasetDict, source: str) -> DatasetDict:
     """``ds`` with its string ``label`` made a ClassLabel over the distinct labels of all splits:
     integers in numeric order (named as integers: ``"07"`` is ``"7"``), else strings in sorted order.
-    ValueError naming `source` when there is one class only."""
+    ValueError naming `source` when there is one class only, or fewer than two rows per class on
+    average (a column of scores or free text taken for classes)."""
     values = sorted({value for part in ds.values() for value in part["label"]})
     numeric = all(_INTEGER.fullmatch(value) for value in values)
     names = sorted({str(int(v)) for v in values}, key=int) if numeric else values
     if len(names) < 2:
         raise ValueError(f"{source}: every row has the label {names[0]!r}, and a classifier needs two classes or more")
+    rows = sum(len(part) for part in ds.values())
+    if 2 * len(names) > rows:
+        raise ValueError(f"{source}: {len(names)} distinct labels over {rows} rows (e.g. {names[:3]}), fewer than two "
+                         "rows per class: the label column should name classes, each with several rows (a score to "
+                         "predict needs a regression head, which the recipes do not train)")
     index = {name: i for i, name in enumerate(names)}
     features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
     return DatasetDict({split: Dataset.from_dict(
