@@ -184,8 +184,8 @@ def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) 
     rare = [names[c] for c in np.flatnonzero((counts > 0) & (counts < 2))]
     if rare or n_test < present or n_train < present:
         per_label = dict(zip(names, counts.tolist()))
-        if len(per_label) > 8:  # e.g. a column of numbers or free text taken for classes: its rare labels
-            shown = rare[:8]
+        if len(per_label) > 8:  # many classes: the rare ones first (those of one row), at most 8
+            shown = (rare or names)[:8]
             per_label = {**{name: per_label[name] for name in shown}, "...": f"{len(names) - len(shown)} more"}
         raise ValueError(f"{source}: {len(ds)} rows are too few to hold out a stratified {eval_fraction:g} as test "
                          f"({present} labels present, per label {per_label}): every label "
