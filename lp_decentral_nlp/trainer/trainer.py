@@ -244,10 +244,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.qgm:
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
         node_group = NodeGroup(args.num_nodes, args.backend)
-        shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, _class_count(model))
+        num_classes = _class_count(model)  # the bound of the labels of every data set (None: not a classifier)
+        shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, num_classes)
         eval_dataset = kwargs.get("eval_dataset")  # checked now, not at the first evaluation after training began
         for name, part in (eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]):
-            check_labels(part, _class_count(model), "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+            check_labels(part, num_classes, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         sigterm_handler = signal.getsignal(signal.SIGTERM)
@@ -269,7 +270,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         self._shard_labels, self.node_group = shard_labels, node_group
-        self._num_classes = _class_count(model)  # the bound of the labels of a set given to evaluate() or predict()
+        self._num_classes = num_classes  # for a set given to evaluate() or predict()
         self.node_ids = self.node_group.node_ids
         # SPEC 1: every node starts from the same weights (process 0's)
         self.node_group.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
