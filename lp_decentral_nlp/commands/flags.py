@@ -181,7 +181,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class OneLineErrors:
     """Mixin for argparse parsers: a bad flag is one line ``<prog>: error: <message>`` on stderr,
-    exit status 2 (no usage dump, no traceback). A bad value is told behind the spelling of the flag
+    exit status 2 (no usage dump, no traceback), under a launcher once per machine
+    (:func:`.run.leave_refusal_report_to_first_process`). A bad value is told behind the spelling of the flag
     the user wrote (``argument --lr: ...``, not every alias of it)."""
 
     def __init__(self, *args, **kwargs):
@@ -199,7 +200,10 @@ class OneLineErrors:
             self.error(str(err) if action is None else f"argument {option_used(action, args)}: {err.message}")
 
     def error(self, message):
+        from .run import leave_refusal_report_to_first_process  # the standard library only, as this module
+
         message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # transformers' span lines
+        leave_refusal_report_to_first_process()
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def flag_given(self, name: str, argv=None) -> str | None:

@@ -262,6 +262,29 @@ def launched_world_size() -> int | None:
     return None if world is None else int(world)
 
 
+# seconds a process of a launch other than the first of its machine waits before it reports a
+# refusal itself: torchrun stops the other processes within its monitor interval (0.1 s) of the
+# first process's exit, so the wait ends in a report only when the refusal was this process's own
+REFUSAL_REPORT_WAIT_S = 30.0
+
+
+def leave_refusal_report_to_first_process() -> None:
+    """Called by a process about to print a refusal and exit (status 2). Under a launcher every
+    process checks the same flags, files and environment, and would print the same line: the first
+    process of the machine (``LOCAL_RANK`` 0, else rank 0) prints it at once; any other waits,
+    silent, up to :data:`REFUSAL_REPORT_WAIT_S` seconds for the launcher to stop it once that
+    process has exited (SIGTERM ends the wait: its handler is reset to the default), then reports
+    the refusal itself. Returns at once without a launcher or with an unusable launcher variable
+    (:func:`environment_problem`, which each process reports)."""
+    if environment_problem() is not None or (launched_world_size() or 1) == 1:
+        return
+    if int(os.environ.get("LOCAL_RANK", process_rank())) == 0:
+        return
+    with contextlib.suppress(ValueError):  # signal handlers are set from the main thread only
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(REFUSAL_REPORT_WAIT_S)
+
+
 def check_launcher(parser, values: dict) -> None:
     """``--backend distributed`` needs one process per node from a launcher; one-line flag error otherwise.
     ``values``: the flag values by field name (checked before ``TrainingArguments`` joins a process group).
@@ -447,7 +470,9 @@ def check_resume(parser, training, values: dict) -> None:
 
 def exit_with_error(prog: str, message: str, flag: str | None = None) -> NoReturn:
     """Stop the run the way a bad flag does: ``<prog>: error: argument <flag>: <message>`` (without
-    ``flag``: ``<prog>: error: <message>``), one line on stderr, exit status 2."""
+    ``flag``: ``<prog>: error: <message>``), one line on stderr, exit status 2; under a launcher,
+    once per machine (:func:`leave_refusal_report_to_first_process`)."""
+    leave_refusal_report_to_first_process()
     print(f"{prog}: error: {'' if flag is None else f'argument {flag}: '}{message}", file=sys.stderr)
     sys.stderr.flush()
     raise SystemExit(2)
