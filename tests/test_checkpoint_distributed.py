@@ -44,6 +44,7 @@ def test_a_dead_peer_is_named_and_the_run_resumes_from_the_last_checkpoint(tmp_p
     assert named, reports
     rank, report = named[0]
     assert f"rank {rank}: gossip step 2:" in report["message"] and "rank 2" in report["message"]
+    assert "(in training step 3: the gossip engine counts its steps from 0)" in report["message"]
     # in the words of a Python script and of a recipe
     assert f"resume_from_checkpoint={str(died / 'checkpoint-2')!r} (in a recipe, --resume-from-checkpoint " \
            f"{died / 'checkpoint-2'})" in report["message"]

@@ -415,7 +415,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                     if self.control.should_training_stop:
                         break
             except GossipPeerError as exc:
-                raise type(exc)(f"{exc} [training step {self.state.global_step + 1}]. {self._resume_hint()}",
+                raise type(exc)(f"{exc} (in training step {self.state.global_step + 1}: the gossip engine counts its "
+                                f"steps from 0). {self._resume_hint()}",
                                 exc.peer) from exc
             finally:
                 self.gossip.close()  # the engine's worker threads; a later train() starts them again
