@@ -152,6 +152,15 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
+def check_data_dir_given(task: str, data_dir) -> None:
+    """ValueError ``"data_dir: the text task trains on your own data: give ..."`` (what it reads)
+    when ``task`` is ``"text"`` and ``data_dir`` is None: the one task without data of its own
+    (:func:`lp_decentral_nlp.data.load_task`, the recipes' ``--data-dir``)."""
+    if task == "text" and data_dir is None:
+        raise ValueError("data_dir: the text task trains on your own data: give a CSV file with text,label columns, "
+                         "a folder of train.csv (and test.csv, validation.csv), or a DatasetDict.save_to_disk folder")
+
+
 # Fault-injection entries (lp_decentral_nlp.gossip.faults), parsed here so that the recipes check
 # their --straggler / --leave values before torch is imported.
 def parse_straggler(text: str) -> tuple[int, float]:

@@ -26,6 +26,7 @@ import pathlib
 import sys
 import time
 
+from lp_decentral_nlp.checks import check_data_dir_given
 from lp_decentral_nlp.commands import (DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
                                        existing_path, ranged)
 
@@ -71,9 +72,10 @@ def parse_args(argv=None):
             pathlib.Path(args.data_dir).suffix.lower() != ".csv":
         p.error(f"argument --data-dir: {args.data_dir} is not a .csv file: the data is read from a CSV file, a folder "
                 "of CSV files or a DatasetDict.save_to_disk folder")
-    if args.task == "text" and args.data_dir is None:
-        p.error("argument --data-dir: --task text trains on your own data: give a CSV file with text,label columns, a "
-                "folder of train.csv (and test.csv) or a saved dataset")
+    try:
+        check_data_dir_given(args.task, args.data_dir)
+    except ValueError as err:
+        p.error(f"argument --data-dir: {str(err).removeprefix('data_dir: ')}")
     threads = os.environ.get("OMP_NUM_THREADS")
     if args.threads is None and threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
         p.error(f"environment variable OMP_NUM_THREADS={threads!r} must be a whole number >= 1 (or pass --threads)")

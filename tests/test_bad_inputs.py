@@ -843,6 +843,19 @@ def test_row82_a_rank_the_launch_cannot_have(capsys, monkeypatch):
         monkeypatch.delenv(name)
 
 
+def test_the_text_task_without_data_is_refused_in_the_same_words_by_the_library_and_the_recipes(capsys):
+    """The text task has no data of its own: load_task, the recipes and finetune_single.py said so
+    in three different wordings (two naming a shorter list of what is read)."""
+    from lp_decentral_nlp.data import load_task
+
+    with pytest.raises(ValueError) as err:
+        load_task("text")
+    with pytest.raises(SystemExit) as exc:
+        build_nlp_parser("text", "choco").parse([])
+    assert one_line_error(exc, capsys) == f"argument --data-dir: {str(err.value).removeprefix('data_dir: ')}"
+    assert str(err.value).startswith("data_dir: the text task trains on your own data: give a CSV file")
+
+
 def test_row59_no_data_dir_while_the_hub_is_offline(tmp_path, tiny_model_dir, capsys, monkeypatch):
     from lp_decentral_nlp.commands import run
 

@@ -168,7 +168,7 @@ def test_the_text_task_takes_its_classes_from_the_users_labels(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, r"^data_dir: the 'text' task trains on your own data: give a CSV file with text,label columns"),
+    (None, r"^data_dir: the text task trains on your own data: give a CSV file with text,label columns"),
     ([("a", "x"), ("b", "x")], r"one.csv: every row has the label 'x', and a classifier needs two classes or more$"),
     ([("a", "x"), ("b", " ")], r"one.csv:3: the label is empty; every row needs one$"),
     # a column of scores taken for classes: every row a class of its own

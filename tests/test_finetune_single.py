@@ -48,8 +48,8 @@ def test_task_text_trains_on_the_users_own_classes(tiny_model_dir, tmp_path, cap
     with pytest.raises(SystemExit) as exc:
         load_recipe().main(["--task", "text", "--output-dir", str(tmp_path / "refused")])
     assert exc.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
-        "finetune_single.py: error: argument --data-dir: --task text trains on your own data: give a CSV file with "
-        "text,label columns, a folder of train.csv (and test.csv) or a saved dataset")
+        "finetune_single.py: error: argument --data-dir: the text task trains on your own data: give a CSV file with "
+        "text,label columns, a folder of train.csv (and test.csv, validation.csv), or a DatasetDict.save_to_disk folder")
 
 
 def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):

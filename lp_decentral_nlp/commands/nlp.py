@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..checks import check_choice, check_fields
+from ..checks import check_choice, check_data_dir_given, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, RESUME_HELP, RunArguments, check_launcher,
@@ -46,9 +46,7 @@ class NLPArguments(RunArguments):
     def __post_init__(self):
         super().__post_init__()
         check_choice("task", self.task, TASKS)
-        if self.task == "text" and self.data_dir is None:
-            raise ValueError("data_dir: the text task trains on your own data: give a CSV file with text,label "
-                             "columns, a folder of train.csv (and test.csv), or a saved dataset")
+        check_data_dir_given(self.task, self.data_dir)
         if self.data_dir is not None and not pathlib.Path(self.data_dir).exists():
             raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
         check_fields(self, ("max_length", "max_train_samples", "max_eval_samples"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, concatenate_datasets, load_dataset
 
-from ..checks import Number, check_field, check_number
+from ..checks import Number, check_data_dir_given, check_field, check_number
 from .saved import load_saved_dataset
 
 AG_NEWS_HUB_ID = "ag_news"
@@ -109,8 +109,7 @@ def load_task(
     if tokenizer is None and max_length != DEFAULT_MAX_LENGTH:
         raise ValueError(f"max_length={max_length} is where the tokenizer truncates, and no tokenizer was given: pass "
                          "tokenizer or leave max_length out")
-    if name == "text" and data_dir is None:
-        raise ValueError(f"data_dir: the 'text' task trains on your own data: give {_TEXT_SOURCES}")
+    check_data_dir_given(name, data_dir)
     if data_dir is not None and not Path(data_dir).exists():
         raise FileNotFoundError(f"data_dir {str(data_dir)!r} does not exist")
     if data_dir is not None and not (Path(data_dir).is_file() or Path(data_dir).is_dir()):
@@ -230,8 +229,6 @@ _CSV_COLUMNS = {"ag_news": "label,title,description (labels 1-4) or text,label (
 _FOLDER_HOLDS = {"ag_news": "label,title,description CSVs or a save_to_disk directory, and for sentlen also SentEval's "
                             "sentence_length.txt",
                  "text": "text,label CSVs or a save_to_disk directory"}
-_TEXT_SOURCES = ("a CSV file with text,label columns, a folder of train.csv (and test.csv, validation.csv), or a "
-                 "DatasetDict.save_to_disk folder")
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
