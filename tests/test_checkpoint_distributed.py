@@ -124,6 +124,9 @@ def test_sigterm_to_one_rank_checkpoints_and_stops_every_rank_at_the_same_step(t
     assert proc.returncode == 0, proc.stderr[-5000:]
     reports = [json.loads((out / f"report-{rank}.json").read_text()) for rank in range(4)]
     assert reports == [{"step": 1, "stopped": True}] * 4
+    # the process that got the signal says so, and one (rank 0, which writes the shared files) where it stopped
+    assert proc.stderr.count("SIGTERM received") == 1 and proc.stderr.count("stopped at step 1 on SIGTERM") == 1, \
+        proc.stderr[-5000:]
     from lp_decentral_nlp.trainer import checkpointing as ckpt
 
     assert [step for step, _ in ckpt.list_checkpoints(out)] == [1]

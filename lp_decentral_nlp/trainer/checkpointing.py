@@ -508,11 +508,14 @@ class CheckpointMixin:
 
     def _checkpoint_and_stop(self) -> None:
         """SIGTERM under ``enable_jit_checkpoint``: a checkpoint at this step (unless the save
-        steps just wrote it), then the end of training (``stopped_by_sigterm``)."""
+        steps just wrote it), then the end of training (``stopped_by_sigterm``). The process that
+        writes the shared files says so (every process of a launch stops at this step)."""
         step = self.state.global_step
         if self._checkpoint_step != step:
             self._save_checkpoint(self.model, None)
-        logger.warning(f"stopped at step {step} on SIGTERM; resume from {checkpoint_dir(self.args.output_dir, step)}")
+        if self.state.is_world_process_zero:
+            logger.warning(f"stopped at step {step} on SIGTERM; resume from "
+                           f"{checkpoint_dir(self.args.output_dir, step)}")
         self.stopped_by_sigterm = True
         self.control.should_training_stop = True
 
