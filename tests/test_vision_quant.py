@@ -476,6 +476,33 @@ def test_a_reloaded_image_classifier_predicts_pil_images_with_its_own_preprocess
         ImageClassifier("resnet20", 3, "evonorm").predict(images)
 
 
+def test_predict_turns_a_phone_photo_upright_as_training_read_it(tmp_path):
+    """A JPEG whose EXIF orientation tag says "rotate" (a phone photo) was trained upright (the
+    datasets.Image decoder turns it) and predicted on its stored pixels, sideways."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from lp_decentral_nlp.vision import VisionTransform
+
+    stored = np.zeros((16, 32, 3), dtype=np.uint8)
+    stored[:, :16] = (250, 30, 30)  # left half red, right half blue: the rotation shows in the crop
+    stored[:, 16:] = (30, 30, 250)
+    exif = Image.Image.getexif(Image.new("RGB", (1, 1)))
+    exif[Image.ExifTags.Base.Orientation] = 6  # stored turned 90 degrees: show it rotated clockwise
+    Image.fromarray(stored).save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    spec = {"labels": ["a", "b"], "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
+    model = ImageClassifier("resnet20", 2, "evonorm", preprocessing=spec)
+    trained = datasets.Dataset.from_dict({"image": [str(tmp_path / "photo.jpg")]}).cast_column("image", datasets.Image())
+    expected = VisionTransform(8, spec["mean"], spec["std"], train=False)(
+        {"image": [trained[0]["image"]], "label": [0]})["pixel_values"]
+    photo = Image.open(tmp_path / "photo.jpg")
+    assert torch.equal(model.preprocess([photo]), expected)
+    assert photo.size == (32, 16)  # the image given is left as it was
+    sideways = VisionTransform(8, spec["mean"], spec["std"], train=False)({"image": [photo], "label": [0]})
+    assert not torch.equal(sideways["pixel_values"], expected)  # the tag matters for this image
+
+
 def test_predict_refuses_what_it_cannot_convert_without_loss():
     """A 16-bit image became all white (dark and bright alike) and got a class; a path, an array or
     no image at all were AttributeErrors and torch's stack error; more classes than label names

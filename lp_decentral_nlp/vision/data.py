@@ -397,9 +397,11 @@ def load_vision_dataset(
 
 def check_pil_images(images) -> list:
     """``images`` as a non-empty list of 8-bit PIL images (what :class:`VisionTransform` converts
-    without loss): TypeError naming the first other object, ValueError for an empty list or a 16-
-    or 32-bit image (:data:`_WIDE_MODES`: the RGB conversion would clip it, as the loaders say)."""
-    from PIL import Image
+    without loss), each turned upright as its EXIF orientation tag says (a phone photo), as
+    ``datasets.Image`` decodes the training images: TypeError naming the first other object,
+    ValueError for an empty list or a 16- or 32-bit image (:data:`_WIDE_MODES`: the RGB conversion
+    would clip it, as the loaders say). The images given are not modified."""
+    from PIL import Image, ImageOps
 
     images = [images] if isinstance(images, Image.Image) else list(images)
     if not images:
@@ -409,7 +411,8 @@ def check_pil_images(images) -> list:
             raise TypeError(f"images[{i}] is a {type(image).__name__}: PIL images expected (PIL.Image.open(path))")
         if image.mode in _WIDE_MODES:
             raise ValueError(f"images[{i}]: {_wide_image(image.mode)}")
-    return images
+    return [ImageOps.exif_transpose(image) if image.getexif().get(Image.ExifTags.Base.Orientation) is not None
+            else image for image in images]
 
 
 def _to_square_tensor(image, size: int) -> torch.Tensor:
