@@ -476,6 +476,18 @@ def test_a_reloaded_image_classifier_predicts_pil_images_with_its_own_preprocess
         ImageClassifier("resnet20", 3, "evonorm").predict(images)
 
 
+def test_load_quantized_of_an_image_classifier_folder_names_the_loader_to_use(tmp_path):
+    """A vision recipe's model folder given to load_quantized (the README's loader of the NLP
+    models) was transformers' 'Unrecognized model ... should have a model_type key'."""
+    from lp_decentral_nlp import load_quantized
+
+    quantize_model(ImageClassifier("resnet20", 2, "range_evonorm")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{tmp_path} has no config.json: it is not a transformers model's "
+                                         r"save_pretrained folder \(a vision recipe's model folder loads with "
+                                         r"lp_decentral_nlp.vision.ImageClassifier.from_pretrained\)$"):
+        load_quantized(tmp_path)
+
+
 def test_predict_turns_a_phone_photo_upright_as_training_read_it(tmp_path):
     """A JPEG whose EXIF orientation tag says "rotate" (a phone photo) was trained upright (the
     datasets.Image decoder turns it) and predicted on its stored pixels, sideways."""

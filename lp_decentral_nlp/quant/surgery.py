@@ -458,11 +458,16 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
             ``AutoConfig.from_pretrained``).
 
     Raises:
-        ValueError: no ``lp_decentral_nlp`` quantization_config in ``config.json``, a class to
-            name (above), or weights that cannot be read (naming `path`).
+        ValueError: a local folder without ``config.json``, no ``lp_decentral_nlp``
+            quantization_config in it, a class to name (above), or weights that cannot be read
+            (naming `path`).
     """
     import transformers
 
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json: it is not a transformers model's save_pretrained folder "
+                         "(a vision recipe's model folder loads with lp_decentral_nlp.vision.ImageClassifier."
+                         "from_pretrained)")
     location = {k: v for k, v in from_pretrained_kwargs.items() if k in _LOCATION_KWARGS}
     config = transformers.AutoConfig.from_pretrained(path, **location)
     saved = getattr(config, CONFIG_KEY, None)
