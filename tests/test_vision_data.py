@@ -1,6 +1,7 @@
 """Vision datasets (offline paths: digits, image folders, saved dirs, hub column mapping) and transforms."""
 import collections
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -149,8 +150,8 @@ def test_several_test_splits_warn_which_one_is_used(tmp_path, caplog):
         dsd = load_vision_dataset("imagenette", data_dir=tmp_path / "nette")
     assert dsd["test"].num_rows == 20
     assert [r.getMessage() for r in caplog.records] == [
-        f"data_dir {str(tmp_path / 'nette')!r}: evaluating on 'test'; 'val' also found, not used (the first of test, "
-        "testing, eval, evaluation, validation, valid, val, dev is the test split)"]
+        f"data_dir {str(tmp_path / 'nette')!r}: evaluating on 'test'; 'val' also found, not used (the first labelled "
+        "one of test, testing, eval, evaluation, validation, valid, val, dev is the test split)"]
     source = _hub_like_cifar100()
     datasets.DatasetDict(train=source["train"], validation=source["test"], dev=source["test"]).save_to_disk(
         tmp_path / "saved")
@@ -159,6 +160,37 @@ def test_several_test_splits_warn_which_one_is_used(tmp_path, caplog):
         load_vision_dataset("cifar100", data_dir=tmp_path / "saved")
     assert [r.getMessage().split(" (the first")[0] for r in caplog.records] == [
         f"cifar100 ({tmp_path / 'saved'}): evaluating on 'validation'; 'dev' also found, not used"]
+
+
+def test_an_unlabelled_test_folder_leaves_the_evaluation_to_a_labelled_val_folder(tmp_path, caplog):
+    """Kaggle's layout: train/<class>/, val/<class>/ and test/ of images without labels. The run was
+    refused ('a file outside a class folder'): the user's test/ had to be moved away."""
+    _write_image_folder(tmp_path / "kaggle", {"train": 2, "val": 1}, ["cat", "dog"])
+    (tmp_path / "kaggle" / "test").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "kaggle" / "test" / "img_001.png")
+    with caplog.at_level(logging.WARNING):
+        dsd = load_vision_dataset("folder", data_dir=tmp_path / "kaggle")
+    assert dsd["test"].num_rows == 2 and dsd["test"].features["label"].names == ["cat", "dog"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data_dir {str(tmp_path / 'kaggle')!r}: evaluating on 'val'; 'test' (images without class folders: "
+        "unlabelled) also found, not used (the first labelled one of test, testing, eval, evaluation, validation, "
+        "valid, val, dev is the test split)"]
+    shutil.rmtree(tmp_path / "kaggle" / "val")  # no labelled split to evaluate on: the unlabelled one is refused
+    with pytest.raises(ValueError, match=r"img_001.png: a file outside a class folder"):
+        load_vision_dataset("folder", data_dir=tmp_path / "kaggle")
+
+
+def test_a_broken_link_in_an_image_folder_is_named_as_one(tmp_path):
+    """A class folder linked to a folder that was moved was 'a file outside a class folder'."""
+    _write_image_folder(tmp_path / "pets", {"train": 2, "test": 1}, ["cat", "dog"])
+    (tmp_path / "pets" / "train" / "bird").symlink_to(tmp_path / "moved")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'pets' / 'train' / 'bird'}: a broken link \(to "
+                                         rf"'{tmp_path / 'moved'}', which does not exist\)$"):
+        load_vision_dataset("folder", data_dir=tmp_path / "pets")
+    (tmp_path / "pets" / "train" / "bird").unlink()
+    (tmp_path / "pets" / "train" / "cat" / "gone.png").symlink_to(tmp_path / "gone.png")
+    with pytest.raises(ValueError, match=r"cat/gone.png: a broken link"):
+        load_vision_dataset("folder", data_dir=tmp_path / "pets")
 
 
 def test_image_folder_with_wrong_class_count(tmp_path):

@@ -138,14 +138,20 @@ _TEST_FOLDERS = ("test", "testing", "eval", "evaluation", "validation", "valid",
 _FOLDER_LAYOUT = "train/<class>/<image>, test/ or val/<class>/<image>"
 
 
-def _test_split(names, where: str) -> str | None:
-    """The split of ``names`` evaluated on: the first of :data:`_TEST_FOLDERS` there (None if none),
-    with a warning naming the others found, which are not used."""
+def _test_split(names, where: str, labelled=lambda name: True) -> str | None:
+    """The split of ``names`` evaluated on: the first of :data:`_TEST_FOLDERS` there that is
+    ``labelled`` (an image folder tree's test/ of images without class folders, as Kaggle's, is
+    not: a labelled val/ is evaluated instead), else the first found (None if none), with a
+    warning naming the others found, which are not used."""
     found = [name for name in _TEST_FOLDERS if name in names]
+    unlabelled = [name for name in found if not labelled(name)]
+    chosen = next((name for name in found if name not in unlabelled), found[0] if found else None)
     if len(found) > 1:
-        logger.warning(f"{where}: evaluating on {found[0]!r}; {', '.join(map(repr, found[1:]))} also found, not used "
-                       f"(the first of {', '.join(_TEST_FOLDERS)} is the test split)")
-    return found[0] if found else None
+        others = ", ".join(f"{name!r}{' (images without class folders: unlabelled)' if name in unlabelled else ''}"
+                           for name in found if name != chosen)
+        logger.warning(f"{where}: evaluating on {chosen!r}; {others} also found, not used "
+                       f"(the first labelled one of {', '.join(_TEST_FOLDERS)} is the test split)")
+    return chosen
 
 
 def _load_source(spec: VisionDatasetSpec | None, name: str,
@@ -224,6 +230,12 @@ def _check_utf8_name(path: Path) -> None:
                          "as UTF-8 text)") from None
 
 
+def _check_link(path: Path) -> None:
+    """ValueError when ``path`` is a symbolic link to nothing (its target moved or was deleted)."""
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{path}: a broken link (to {os.readlink(path)!r}, which does not exist)")
+
+
 def _system_file(name: str) -> bool:
     """Whether a file of an image folder tree is the system's, not the user's: hidden (``.DS_Store``),
     or left by a file manager (Windows' ``Thumbs.db``, ``desktop.ini``)."""
@@ -242,7 +254,8 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
     """
     folders = {p.name: p for p in path.iterdir() if p.is_dir()}
     train_name = next((f for f in _TRAIN_FOLDERS if f in folders), None)
-    test_name = _test_split(folders, f"data_dir {str(path)!r}")
+    test_name = _test_split(folders, f"data_dir {str(path)!r}", labelled=lambda name: any(
+        p.is_dir() for p in folders[name].iterdir() if not _system_file(p.name)))
     if train_name is None or test_name is None:
         what = "train" if train_name is None else "test"
         raise ValueError(f"data_dir {str(path)!r} has no {what} folder (found {sorted(folders) or 'none'}): expected "
@@ -255,6 +268,7 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
             if _system_file(entry.name):
                 continue
             _check_utf8_name(entry)
+            _check_link(entry)
             if not entry.is_dir():
                 raise ValueError(f"{entry}: a file outside a class folder; images go in {folder}/<class>/")
             images = []
@@ -262,6 +276,7 @@ def _read_image_folder(path: Path) -> datasets.DatasetDict:
                 if _system_file(item.name):
                     continue
                 _check_utf8_name(item)
+                _check_link(item)
                 if item.is_dir():
                     raise ValueError(f"{item}: a folder inside class folder {entry.name!r}; images go directly in "
                                      f"{entry}/")
