@@ -139,8 +139,10 @@ def test_defaults_resolve_per_precision_and_dataset():
     (["--lr-milestones", "0"], "argument --lr-milestones: lr_milestones must be a non-empty, strictly increasing list "
                                "of epochs > 0"),
     (["--lr-milestones", "nan"], "expected a finite number, got 'nan'"),
-    (["--data-dir", "."], "argument --data-dir: digits is bundled with scikit-learn"),
-    (["--arch", "vgg11"], "argument --image-size: vgg11 needs images of at least 32x32, got 8 (pass --image-size 32)"),
+    (["--data-dir", "."], "argument --data-dir: digits is bundled with scikit-learn and takes no data_dir (your own "
+                          "images: add --dataset folder)"),
+    (["--arch", "vgg11"], "argument --image-size: vgg11 needs images of at least 32x32, got 8, the size of the digits "
+                          "images (pass --image-size 32)"),
     (["--arch", "vgg11", "--image-size", "16"], "argument --image-size: vgg11 needs images of at least 32x32, got 16 "
                                                 "(pass --image-size 32)"),
     (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
@@ -368,7 +370,8 @@ def test_own_images_train_with_their_classes_size_and_statistics(tmp_path, capsy
         main("choco", ["--dataset", "folder", "--data-dir", str(tree), "--arch", "vgg11", "--nodes", "2",
                        "--batch-size", "4", "--output-dir", str(tmp_path / "vgg")])
     assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
-        "argument --image-size: vgg11 needs images of at least 32x32, got 12 (pass --image-size 32)")
+        "argument --image-size: vgg11 needs images of at least 32x32, got 12, the median shorter side of the "
+        "training images (pass --image-size 32)")
     assert not (tmp_path / "vgg").exists()
 
 

@@ -5,6 +5,7 @@ transforms."""
 from .classifier import ImageClassifier
 from .data import (
     FOLDER,
+    MAX_MEASURED_IMAGE_SIZE,
     VISION_DATASETS,
     VisionDatasetSpec,
     VisionTransform,
@@ -28,7 +29,7 @@ from .norms import (
 from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, QuantRangeEvoNorm2d
 
 __all__ = [
-    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER",
+    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER", "MAX_MEASURED_IMAGE_SIZE",
     "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",

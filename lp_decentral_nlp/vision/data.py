@@ -488,10 +488,16 @@ class VisionTransform:
         return out
 
 
+#: the largest image side (pixels) :func:`folder_spec` measures by default: ImageNet's input side,
+#: which photos are resized to (a phone photo's 3000 px would cost a CNN 180 times the compute)
+MAX_MEASURED_IMAGE_SIZE = 224
+
+
 def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample: int = 512) -> VisionDatasetSpec:
     """The :class:`VisionDatasetSpec` of the user's own images (:data:`FOLDER`), from the data:
     the train split's classes; ``image_size`` (default: the median shorter side of `sample`
-    training images spread over the split, in pixels); the per-channel mean and std of those
+    training images spread over the split, in pixels, at most :data:`MAX_MEASURED_IMAGE_SIZE`,
+    with a warning when that is less than the median); the per-channel mean and std of those
     images in [0, 1] at that size (a std under 1e-3, a channel constant over the sample, counts
     1e-3)."""
     image_size = check_field("image_size", image_size)  # None: measured; 0 meant "measure" too, silently
@@ -499,7 +505,14 @@ def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample
     count = min(sample, len(train))
     indices = sorted({round(i * (len(train) - 1) / max(1, count - 1)) for i in range(count)})
     images = train.select(indices)["image"]
-    size = image_size if image_size is not None else int(np.median([min(im.size) for im in images]))
+    size = image_size
+    if size is None:
+        size = int(np.median([min(im.size) for im in images]))
+        if size > MAX_MEASURED_IMAGE_SIZE:
+            logger.warning(f"the training images' median shorter side is {size} px: they are resized to "
+                           f"{MAX_MEASURED_IMAGE_SIZE} px, the most image_size takes by default (give image_size, in "
+                           "a recipe --image-size, for more)")
+            size = MAX_MEASURED_IMAGE_SIZE
     x = torch.stack([_to_square_tensor(im, size) for im in images]).float().div_(255.0)
     mean, std = x.mean(dim=(0, 2, 3)), x.std(dim=(0, 2, 3)).clamp(min=1e-3)
     return VisionDatasetSpec(train.features["label"].num_classes, size, tuple(round(float(v), 4) for v in mean),

@@ -62,7 +62,7 @@ class VisionArguments(RunArguments):
                 "a copy of the named dataset, or with --dataset folder your own; not for digits"})
     image_size: int | None = field(default=None, metadata={
         "help": "Side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR; with "
-                "--dataset folder the median shorter side of the training images)"})
+                "--dataset folder the median shorter side of the training images, at most 224)"})
     augment: bool | None = field(default=None, metadata={
         "help": "Random crop + horizontal flip of training images (default: on, off for digits, whose classes are "
                 "not mirror-symmetric); --augment false turns it off"})
@@ -87,7 +87,8 @@ class VisionArguments(RunArguments):
             raise ValueError("data_dir: --dataset folder trains your own images: give their folder with --data-dir")
         if self.data_dir is not None:
             if self.dataset == "digits":
-                raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir")
+                raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir (your own "
+                                 "images: add --dataset folder)")
             if not pathlib.Path(self.data_dir).exists():
                 raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
         check_fields(self, ("image_size", "groups"))
@@ -130,10 +131,11 @@ def _milestones_of_the_run(values: dict, training):
     return resolve
 
 
-def _image_size_problem(net, recipe, flag: str) -> str | None:
-    """Why ``recipe.image_size`` is too small for ``net``, with the flag that fixes it, else None."""
+def _image_size_problem(net, recipe, flag: str, origin: str | None = None) -> str | None:
+    """Why ``recipe.image_size`` is too small for ``net``, with where the size came from when the
+    flag did not give it (``origin``) and the flag that fixes it, else None."""
     problem = image_size_problem(net, recipe.arch, recipe.image_size)
-    return problem and f"{problem} (pass {flag} {net.min_size})"
+    return problem and f"{problem}{f', {origin}' if origin else ''} (pass {flag} {net.min_size})"
 
 
 def _check_network(parser, parsed) -> None:
@@ -145,7 +147,8 @@ def _check_network(parser, parsed) -> None:
         parser.error(f"argument --groups/--norm: {err}")
     if recipe.image_size is not None:  # --dataset folder without --image-size: checked once measured
         flag = parser.flag_of("image_size")
-        problem = _image_size_problem(net, recipe, flag)
+        problem = _image_size_problem(net, recipe, flag, None if parser.flag_given("image_size") else
+                                      f"the size of the {recipe.dataset} images")
         if problem:
             parser.error(f"argument {flag}: {problem}")
 
@@ -202,6 +205,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
     # the user's images (--dataset folder) bring their classes, size and normalisation
     spec = folder_spec(raw, recipe.image_size) if recipe.dataset == FOLDER else vision_dataset_spec(recipe.dataset)
+    measured = spec.image_size if recipe.dataset == FOLDER and recipe.image_size is None else None
     recipe.num_classes, recipe.image_size = spec.num_classes, recipe.image_size or spec.image_size
     data = with_vision_transforms(raw, spec, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
@@ -214,7 +218,8 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
                              classes=preprocessing["labels"], mean=preprocessing["mean"], std=preprocessing["std"])
     set_seed(training.seed)
     model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups, preprocessing)
-    problem = _image_size_problem(model.net, recipe, parsed.flags["image_size"])
+    problem = _image_size_problem(model.net, recipe, parsed.flags["image_size"],
+                                  None if measured is None else "the median shorter side of the training images")
     if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
         exit_with_error(prog, problem, parsed.flags["image_size"])
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
