@@ -205,7 +205,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
     # the user's images (--dataset folder) bring their classes, size and normalisation
     spec = folder_spec(raw, recipe.image_size) if recipe.dataset == FOLDER else vision_dataset_spec(recipe.dataset)
-    measured = spec.image_size if recipe.dataset == FOLDER and recipe.image_size is None else None
+    size_measured = recipe.dataset == FOLDER and recipe.image_size is None
     recipe.num_classes, recipe.image_size = spec.num_classes, recipe.image_size or spec.image_size
     data = with_vision_transforms(raw, spec, recipe.image_size)
     if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
@@ -219,7 +219,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     set_seed(training.seed)
     model = ImageClassifier(recipe.arch, recipe.num_classes, recipe.norm, recipe.groups, preprocessing)
     problem = _image_size_problem(model.net, recipe, parsed.flags["image_size"],
-                                  None if measured is None else "the median shorter side of the training images")
+                                  "the median shorter side of the training images" if size_measured else None)
     if problem:  # --dataset folder: the measured size (a named dataset's was checked with the flags)
         exit_with_error(prog, problem, parsed.flags["image_size"])
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
