@@ -40,7 +40,7 @@ from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Ran
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
-from record import device_record_name, save_results
+from record import check_results_dir, device_record_name, save_results
 from timing import interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
@@ -206,6 +206,8 @@ def main(argv=None):
                    help="tiny models and images to check the script runs; prints, saves no results")
     add_default_malloc_flag(p)
     args = p.parse_args(argv)
+    if not args.smoke:  # a smoke run saves nothing
+        check_results_dir(p)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     malloc = malloc_as_trainer(args, device)

@@ -28,7 +28,7 @@ from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import save_results
+from record import check_results_dir, save_results
 
 POSITIVE = ranged(int, Range(1))
 SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
@@ -71,6 +71,7 @@ def main(argv=None):
     add_threads_flag(p, torch.get_num_threads(), "torch intra-op threads (default: torch's, here %(default)s)")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0, help="seeds the calibration's dropout")
     args = p.parse_args(argv)
+    check_results_dir(p)
     problem = args.model and model_flag_problem(args.model)
     if problem:
         p.error(f"argument --model: {problem}")

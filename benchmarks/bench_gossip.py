@@ -43,7 +43,7 @@ from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
 from lp_decentral_nlp.gossip.wire import Message, MessageLayout
-from record import save_results
+from record import check_results_dir, save_results
 
 NUM_NODES = 8
 
@@ -171,6 +171,7 @@ def main():
     add_threads_flag(parser, None, "torch intra-op threads (default: torch's)")
     add_default_malloc_flag(parser)
     args = parser.parse_args()
+    check_results_dir(parser)
     if args.skip_round:  # part 3's own flags would be ignored
         for flag, given in (("--rounds", args.rounds != 1), ("--round-config", args.round_config != ROUND_CONFIG)):
             if given:

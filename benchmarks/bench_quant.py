@@ -44,7 +44,7 @@ from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import device_record_name, save_results
+from record import check_results_dir, device_record_name, save_results
 from timing import interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
@@ -191,6 +191,7 @@ def main(argv=None):
     p.add_argument("--layer-sweep", action="store_true", help="time single Linear layers of several widths instead")
     add_default_malloc_flag(p)
     args = p.parse_args(argv)
+    check_results_dir(p)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     malloc = malloc_as_trainer(args, device)

@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 
-from record import device_record_name, save_results
+from record import check_results_dir, device_record_name, save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
@@ -105,6 +105,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=NONNEGATIVE, default=2, help="untimed first rounds (default %(default)s)")
     add_threads_flag(parser, None, "torch threads (default: the recipe's, OMP_NUM_THREADS or 1)")
     args = parser.parse_args(argv)
+    check_results_dir(parser)
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {args.data_dir} is not a file; give the AG News sample CSV")
     return args

@@ -67,7 +67,7 @@ from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
 from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
-from record import save_results
+from record import check_results_dir, save_results
 
 NUM_LABELS = 4
 POSITIVE, NONNEGATIVE = ranged(int, Range(1)), ranged(int, Range(0))
@@ -380,6 +380,7 @@ def main(argv=None):
     add_default_malloc_flag(p)
     p.add_argument("--_memory-child", dest="memory_child", choices=["fp32", "8-bit"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    check_results_dir(p)
     if len(set(args.precisions)) < len(args.precisions):
         p.error(f"argument --precisions: {args.precisions} repeats a precision: give each once")
     if args.kernel != AUTO and "8-bit" not in args.precisions:

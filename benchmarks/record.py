@@ -18,8 +18,28 @@ import sys
 
 #: the published records' folder, benchmarks/results/ (docs/benchmarks.md is rendered from it)
 PUBLISHED_DIR = pathlib.Path(__file__).resolve().parent / "results"
+#: the environment variable that sends the records of a trial run elsewhere
+RESULTS_DIR_VARIABLE = "LP_BENCHMARK_RESULTS_DIR"
 #: where the records go: benchmarks/results/, or the folder LP_BENCHMARK_RESULTS_DIR names
-RESULTS_DIR = pathlib.Path(os.environ.get("LP_BENCHMARK_RESULTS_DIR") or PUBLISHED_DIR)
+RESULTS_DIR = pathlib.Path(os.environ.get(RESULTS_DIR_VARIABLE) or PUBLISHED_DIR)
+
+
+def check_results_dir(parser, writing: bool = True) -> None:
+    """Refuse, as a bad flag (``parser.error``: one line, exit 2), before any work: an
+    ``LP_BENCHMARK_RESULTS_DIR`` set but empty (a trial run that would write over the published
+    records), and when ``writing``, a results folder that cannot be made or written (the record
+    is saved after the work)."""
+    given = os.environ.get(RESULTS_DIR_VARIABLE)
+    if given is not None and not given.strip():
+        parser.error(f"environment variable {RESULTS_DIR_VARIABLE} is empty: set it to a folder for a trial run, or "
+                     f"unset it to write the published records ({PUBLISHED_DIR})")
+    if writing:
+        from lp_decentral_nlp.commands import output_dir_problem
+
+        problem = output_dir_problem(str(RESULTS_DIR), overwrite=True)
+        if problem:
+            parser.error(f"cannot write the benchmark record: {problem}"
+                         + ("" if trial_run() else f" (set {RESULTS_DIR_VARIABLE} to a folder that can be written)"))
 
 
 def trial_run() -> bool:

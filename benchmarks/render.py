@@ -4,7 +4,8 @@
     python benchmarks/render.py --results-dir path/to/results --output path/to/benchmarks.md
 
 With ``LP_BENCHMARK_RESULTS_DIR`` set (a trial run, ``benchmarks/record.py``) the defaults are that
-folder's records and its ``benchmarks.md``: the published page stays as it is.
+folder's records and its ``benchmarks.md``; with ``--results-dir`` another folder, the page goes to
+that folder's ``benchmarks.md``: the published page stays as it is.
 
 Each results file is a record written by ``benchmarks/record.py``: a JSON object with
 ``benchmark`` (its name, a string), ``command``, ``date``, ``machine`` (an object) and ``results``
@@ -282,9 +283,13 @@ def main(argv=None) -> pathlib.Path:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR,
                         help="folder of the benchmark records, every *.json in it (default: %(default)s)")
-    parser.add_argument("--output", default=str(OUTPUT),
-                        help="the Markdown page to write, replaced if it exists (default: %(default)s)")
+    parser.add_argument("--output", help=f"the Markdown page to write, replaced if it exists (default: {OUTPUT} for "
+                                         "the default --results-dir, else benchmarks.md in --results-dir)")
     args = parser.parse_args(argv)
+    record.check_results_dir(parser, writing=False)
+    if args.output is None:  # another folder's records never replace the page of these
+        same = args.results_dir.resolve() == pathlib.Path(RESULTS_DIR).resolve()
+        args.output = str(OUTPUT if same else args.results_dir / "benchmarks.md")
     problem = output_file_problem(args.output)  # before any record is read
     if problem:
         parser.error(f"argument --output: {problem}" if not args.output.strip()

@@ -141,6 +141,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--limit-rows", type=ranged(int, Range(1)), default=None,
                         help="shrink: train on a seeded subset of this many rows and test on at most this many")
     args = parser.parse_args(argv)
+    record.check_results_dir(parser)
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {str(args.data_dir)!r} is not a file (the AG News CSV sample)")
     args.data_dir = args.data_dir.resolve()  # one spelling per file, so a finished cell is found reusable

@@ -127,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = build_parser()
     args = p.parse_args(argv)
+    record.check_results_dir(p)
     for run in args.runs:
         norm, _, precision = run.partition(":")
         if norm not in LABELS or precision not in ("fp32", "int8"):

@@ -160,3 +160,48 @@ def test_every_benchmark_flag_has_help(name, monkeypatch):
                     if not (action.help or "").strip()]
     assert not undocumented, f"{name}: flags without help: {undocumented}"
     built[0].format_help()  # and the help formats (a '%' in a help text must be '%%')
+
+
+def test_the_records_folder_is_checked_before_anything_is_measured(capsys, tmp_path, monkeypatch):
+    """An empty LP_BENCHMARK_RESULTS_DIR wrote over the published records; a folder the record cannot
+    go to was a traceback after all the measuring."""
+    import record
+
+    benchmark = load_benchmark("bench_quant")
+    monkeypatch.setenv("LP_BENCHMARK_RESULTS_DIR", "")
+    assert one_line_error(capsys, lambda: benchmark.main([])) == (
+        f"environment variable LP_BENCHMARK_RESULTS_DIR is empty: set it to a folder for a trial run, or unset it to "
+        f"write the published records ({record.PUBLISHED_DIR})")
+    monkeypatch.delenv("LP_BENCHMARK_RESULTS_DIR")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "file" / "results")
+    assert one_line_error(capsys, lambda: benchmark.main([])) == (
+        f"cannot write the benchmark record: {tmp_path / 'file' / 'results'} cannot be created ({tmp_path / 'file'} "
+        "is a file)")
+
+
+def test_a_prefix_of_a_flag_is_not_taken_for_it(capsys, tmp_path, monkeypatch):
+    """--batch 4 --batch-size 8 ran at batch 8: the prefix escaped the check of a flag given twice,
+    and one of the values was dropped in silence."""
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path)
+    assert one_line_error(capsys, lambda: load_benchmark("bench_simulator").main(
+        ["--compress", "50", "--compression", "60"])) == "unrecognized arguments: --compress 50"
+
+
+def test_render_of_another_folder_writes_that_folders_page(tmp_path, capsys):
+    """The README's `render.py --results-dir /tmp/trial` replaced docs/benchmarks.md with the trial's page."""
+    render = load_benchmark("render")
+    published = (REPO / "docs" / "benchmarks.md").read_bytes()
+    (tmp_path / "trial").mkdir()
+    (tmp_path / "trial" / "bench_x.json").write_text(json.dumps(
+        {"benchmark": "bench_x", "command": "python benchmarks/bench_x.py", "date": "2026-11-29",
+         "machine": {"cpu": "test"}, "results": {"speedup": 2.0}}))
+    assert render.main(["--results-dir", str(tmp_path / "trial")]) == tmp_path / "trial" / "benchmarks.md"
+    assert "speedup" in (tmp_path / "trial" / "benchmarks.md").read_text()
+    assert (REPO / "docs" / "benchmarks.md").read_bytes() == published
+    assert one_line_error(capsys, lambda: render.main(["--results-dir", str(tmp_path / "trial"), "--output",
+                                                       str(tmp_path / "new") + "/"])) == (
+        f"argument --output: cannot write {tmp_path / 'new'}/ (a folder name, ending in a path separator: name the "
+        "file)")

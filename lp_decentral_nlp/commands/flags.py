@@ -182,11 +182,14 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class OneLineErrors:
     """Mixin for argparse parsers: a bad flag is one line ``<prog>: error: <message>`` on stderr,
     exit status 2 (no usage dump, no traceback), under a launcher once per machine
-    (:func:`.run.leave_refusal_report_to_first_process`). A bad value is told behind the spelling of the flag
+    (:func:`.run.leave_refusal_report_to_first_process`). Flags are spelt in full (no prefixes), and
+    one given twice is refused. A bad value is told behind the spelling of the flag
     the user wrote (``argument --lr: ...``, not every alias of it)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("exit_on_error", False)  # parse_known_args below reports the error
+        # a prefix (--batch for --batch-size) would escape the check of a flag given twice
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -321,7 +324,7 @@ def flag_check_parser(family: str, *, fixed=(), description: str | None = None, 
     if family not in FLAG_TABLES:
         raise ValueError(f"family must be one of {tuple(FLAG_TABLES)}, got {family!r}")
     table = FLAG_TABLES[family]
-    parser = OneLineParser(prog=prog, usage=table["usage"], description=description, allow_abbrev=False)
+    parser = OneLineParser(prog=prog, usage=table["usage"], description=description)
     groups = {title: parser.add_argument_group(title) for title in table["groups"]}
     for flag in table["flags"]:
         if flag["dest"] in fixed:

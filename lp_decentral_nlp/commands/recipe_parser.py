@@ -109,7 +109,6 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         self._groups = None
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         kwargs.setdefault("usage", RECIPE_USAGE)
-        kwargs.setdefault("allow_abbrev", False)  # ~150 flags: a prefix must not silently pick one
         super().__init__((training_class, recipe_class), **kwargs)
         self.set_defaults(**(defaults or {}))
         self._derive, self._value_checks, self._checks = derive, list(value_checks), list(checks)

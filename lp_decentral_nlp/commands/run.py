@@ -395,15 +395,17 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
 
 
 def output_file_problem(path: str) -> str | None:
-    """Why a file cannot be written at ``path``, or None: an empty name, a folder, a folder that
-    cannot be made or written (:func:`output_dir_problem`), or a file that cannot be opened for
-    writing (tried without changing it: an existing file is opened to append nothing, a new one is
-    created and removed). For commands that write a file after long work: checked first."""
+    """Why a file cannot be written at ``path``, or None: an empty name, a folder (or a name ending
+    in a path separator, which names one), a folder that cannot be made or written
+    (:func:`output_dir_problem`), or a file that cannot be opened for writing (tried without
+    changing it: an existing file is opened to append nothing, a new one is created and removed). For commands that write a file after long work: checked first."""
     if not path.strip():
         return "the file name is empty"
     target = pathlib.Path(path)
     if target.is_dir():
         return "a folder"
+    if path.endswith(("/", os.sep)):
+        return "a folder name, ending in a path separator: name the file"
     problem = output_dir_problem(str(target.parent), overwrite=True)
     if problem or not target.parent.is_dir():  # a folder that can be created takes a new file
         return problem
