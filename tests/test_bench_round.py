@@ -34,6 +34,8 @@ def test_record(bench_round, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch)
     assert saved == json.loads(json.dumps(results))
     assert all(len(rounds) == 4 and min(rounds) > 0 for rounds in results["per_round_s"].values())
     assert results["met"] is (results["ratio_8bit_over_fp32"] <= results["goal"] == 0.6)
+    # the model and data trained on (a record named the --model given, which falls back when offline)
+    assert (results["settings"]["model"], results["settings"]["data"]) == (str(tiny_model_dir), str(ag_news_csv))
     assert len(results["ratio_per_repeat"]) == 2 and results["kernels_8bit"] == {"simulated": 12}  # 2 layers x 6 Linear
     assert results["ratio_8bit_over_fp32"] == pytest.approx(
         sorted(results["ratio_per_repeat"])[0] / 2 + sorted(results["ratio_per_repeat"])[1] / 2)
