@@ -44,6 +44,7 @@ from record import check_results_dir, device_record_name, save_results
 from timing import interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
+SEQ_LEN = ranged(int, Range(1, DistilBertConfig().max_position_embeddings))  # the model's positions
 GOALS = {  # result key -> largest ratio to fp32 that meets issue 23's goal
     "distilbert.time_ratio.default": 0.5,
     "distilbert.time_ratio.simulated": 1.05,
@@ -195,7 +196,7 @@ def main(argv=None):
                    help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
                         "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
-    p.add_argument("--seq-len", type=POSITIVE, default=128, help="DistilBERT sequence length (default %(default)s)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=128, help="DistilBERT sequence length (at most DistilBERT's 512 positions; default %(default)s)")
     p.add_argument("--image-batch-size", type=POSITIVE, default=32,
                    help="batch of the vision steps: ResNet-20, VGG-11 and the conv sweep (default %(default)s)")
     add_device_flag(p)

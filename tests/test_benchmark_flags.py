@@ -28,6 +28,10 @@ def one_line_error(capsys, call) -> str:
     ("bench_simulator", ["--precisions", "fp32", "--kernel", "int8"],
      "argument --kernel: the kernel of the 8-bit nodes, and --precisions holds no 8-bit: drop one of them"),
     ("bench_simulator", ["--precisions", "fp32", "fp32"], "argument --precisions: ['fp32', 'fp32'] repeats a precision"),
+    ("bench_8bit", ["--seq-len", "513"], "argument --seq-len: must be in [1, 512], got 513"),  # was a traceback
+    ("bench_quant", ["--seq-len", "513"], "argument --seq-len: must be in [1, 512], got 513"),
+    ("bench_simulator", ["--seq-len", "513"], "argument --seq-len: must be in [1, 512], got 513"),
+    ("bench_simulator", ["--nodes", "1"], "argument --nodes: must be in [2, inf), got 1"),  # a traceback after loading
     ("bench_export", ["--samples", "5"], "argument --samples: must be in [6, inf), got 5"),
     ("bench_export", ["--model", "/no/such/model"], "argument --model: /no/such/model does not exist"),
     ("bench_export", ["--seed", str(2**64)], "argument --seed: must be in [0, 4294967295]"),
