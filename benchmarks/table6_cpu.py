@@ -117,7 +117,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
-    parser.add_argument("--output-dir", type=pathlib.Path, default=None,
+    parser.add_argument("--output-dir", default=None,
                         help="one folder per run under it (default runs/table6_cpu, or runs/table6_cpu_shrunk "
                              "with --max-steps or --limit-rows)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
@@ -130,7 +130,7 @@ def parse(argv=None) -> argparse.Namespace:
                         help="run only the cells whose id matches one of these shell patterns; ids are "
                              "TASK/COLUMN/skewS/compC/seedN, e.g. 'ag_news/LP-Choco/skew0.5/comp99/seed1' or "
                              "'sentlen/*/skew0/*'; a pattern that names no seed selects every seed of --seeds")
-    parser.add_argument("--seeds", nargs="+", type=ranged(int, Range(0)), default=[0], metavar="SEED",
+    parser.add_argument("--seeds", nargs="+", type=ranged(int, Range(0, 2**32 - 1)), default=[0], metavar="SEED",
                         help="run every selected cell once per seed (the recipe's --seed, which also deals the "
                              "shards); the table reports the mean and range over them (default: 0)")
     parser.add_argument("--finished-only", action="store_true",
@@ -174,6 +174,10 @@ def parse(argv=None) -> argparse.Namespace:
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
     if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
         args.output_dir = REPO / "runs" / args.name
+    problem = output_dir_problem(str(args.output_dir), overwrite=True)  # said as this program's, not a cell's recipe
+    if problem:
+        parser.error(f"argument --output-dir: {problem}")
+    args.output_dir = pathlib.Path(args.output_dir)
     if args.docs_dir is None and args.name != "table6_cpu":  # a shrunk table is no docs page
         args.docs_dir = args.output_dir
     elif args.docs_dir is None:  # a trial run's (LP_BENCHMARK_RESULTS_DIR) goes with its record

@@ -209,7 +209,12 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
     (["--cells", "agnews/*"], "argument --cells: ['agnews/*'] match no cell; ids look like 'ag_news/DS/skew0/comp0/seed0'"),
     (["--cells", "ag_news/DS/skew0/comp0/seed1"], "seeds [0] from --seeds)"),
     (["--seeds", "1", "1"], "argument --seeds: [1, 1] repeats a seed"),
-    (["--seeds", "-1"], "argument --seeds: must be in [0, inf), got -1"),
+    (["--seeds", "-1"], "argument --seeds: must be in [0, 4294967295], got -1"),
+    # these were the first cell's recipe's errors (recipes/agnews_choco.py: error: argument --seed / --output-dir),
+    # and an empty --output-dir wrote the runs into the current folder
+    (["--seeds", str(2**40)], "table6_cpu.py: error: argument --seeds: must be in [0, 4294967295], got 1099511627776"),
+    (["--output-dir", "/proc/no/runs"], "table6_cpu.py: error: argument --output-dir: /proc/no/runs cannot be created"),
+    (["--output-dir", ""], "table6_cpu.py: error: argument --output-dir: the folder name is empty"),
     (["--limit-rows", "63"], "argument --limit-rows: 63 training rows cannot give each of 4 nodes one batch of 16: "
                              "at least 64 rows"),
     (["--jobs", "0"], "table6_cpu.py: error: argument --jobs: must be in [1, inf), got 0"),
