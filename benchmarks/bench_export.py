@@ -88,6 +88,11 @@ def main(argv=None):
         p.error(f"argument --model: {path}: cannot load its tokenizer and weights ({error_summary(err)})")
     data = load_data(lambda: load_task("ag_news", args.data, max_eval_samples=args.samples), "ag_news", args.data,
                      p.prog)
+    if args.samples is not None and len(data["test"]) < args.samples:
+        p.error(f"argument --samples: {args.data} holds {len(data['test'])} held-out texts, fewer than {args.samples}")
+    if args.calibration_batches * BATCH > len(data["train"]):
+        p.error(f"argument --calibration-batches: {args.data} holds {len(data['train'])} training texts, "
+                f"{len(data['train']) // BATCH} batches of {BATCH}, fewer than {args.calibration_batches}")
     texts, labels = data["test"]["text"], torch.tensor(data["test"]["label"])
     calibration = data["train"]["text"][: args.calibration_batches * BATCH]
 

@@ -209,3 +209,22 @@ def test_render_of_another_folder_writes_that_folders_page(tmp_path, capsys):
                                                        str(tmp_path / "new") + "/"])) == (
         f"argument --output: cannot write {tmp_path / 'new'}/ (a folder name, ending in a path separator: name the "
         "file)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--samples", "100000"], "argument --samples: {csv} holds 1200 held-out texts, fewer than 100000"),
+    (["--calibration-batches", "1000"], "argument --calibration-batches: {csv} holds 4800 training texts, 75 batches "
+                                        "of 64, fewer than 1000"),
+])
+def test_bench_export_refuses_more_texts_than_the_data_holds(flags, message, ag_news_csv, capsys, tmp_path, monkeypatch):
+    """It ran on the 1,200 held-out and 4,800 training texts there were and recorded those counts,
+    the flags' values dropped in silence."""
+    benchmark = load_benchmark("bench_export")
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--data-dir", str(ag_news_csv), *flags])
+    err = capsys.readouterr().err  # after the weights' loading bar
+    assert exc.value.code == 2 and err.count(": error: ") == 1 and "Traceback" not in err, err
+    assert err.rstrip("\n").rsplit("\n", 1)[-1].split(": error: ", 1)[1] == message.format(csv=ag_news_csv)
