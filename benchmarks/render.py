@@ -31,6 +31,7 @@ percentages.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
@@ -279,9 +280,16 @@ def render(results_dir: pathlib.Path = RESULTS_DIR) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def folder_name(text: str) -> pathlib.Path:
+    """argparse type of ``--results-dir``: a non-empty name (``pathlib.Path("")`` is the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the folder name is empty")
+    return pathlib.Path(text)
+
+
 def main(argv=None) -> pathlib.Path:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR,
+    parser.add_argument("--results-dir", type=folder_name, default=RESULTS_DIR,
                         help="folder of the benchmark records, every *.json in it (default: %(default)s)")
     parser.add_argument("--output", help=f"the Markdown page to write, replaced if it exists (default: {OUTPUT} for "
                                          "the default --results-dir, else benchmarks.md in --results-dir)")

@@ -57,7 +57,8 @@ def test_every_benchmark_takes_threads_up_to_the_cores_as_the_recipes_do(name, c
     assert one_line_error(capsys, call) == f"argument --threads: must be in [1, {os.cpu_count() or 1}], got {too_many}"
 
 
-@pytest.mark.parametrize("argv", [["--skip-round", "--rounds", "3"], ["--skip-round", "--round-config", "SGP (fp32, exact)"]])
+@pytest.mark.parametrize("argv", [["--skip-round", "--rounds", "3"], ["--skip-round", "--round-config", "SGP (fp32, exact)"],
+                                  ["--skip-round", "--rounds", "1"]])  # the default given: it passed, unheard
 def test_bench_gossip_refuses_part_3_settings_with_skip_round(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_gossip.py", *argv])
     benchmark = load_benchmark("bench_gossip")
@@ -205,6 +206,8 @@ def test_render_of_another_folder_writes_that_folders_page(tmp_path, capsys):
     assert render.main(["--results-dir", str(tmp_path / "trial")]) == tmp_path / "trial" / "benchmarks.md"
     assert "speedup" in (tmp_path / "trial" / "benchmarks.md").read_text()
     assert (REPO / "docs" / "benchmarks.md").read_bytes() == published
+    assert one_line_error(capsys, lambda: render.main(["--results-dir", ""])) == (  # it read the current folder
+        "argument --results-dir: the folder name is empty")
     assert one_line_error(capsys, lambda: render.main(["--results-dir", str(tmp_path / "trial"), "--output",
                                                        str(tmp_path / "new") + "/"])) == (
         f"argument --output: cannot write {tmp_path / 'new'}/ (a folder name, ending in a path separator: name the "

@@ -46,10 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                    help="optimizer state per parameter: sgd 0 tensors, momentum 1, adam 2, sgd_qgm 2, adam_qgm 3 "
                         "(default momentum for --arch, adam for --model)")
-    p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco")
+    p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco",
+                   help="gossip algorithm, whose messages and memory are counted (choco)")
     p.add_argument("--topology", default="directed_ring",
                    help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")
-    p.add_argument("--num-nodes", type=integer, default=4)
+    p.add_argument("--num-nodes", type=integer, default=4, help="peer nodes of the graph (4)")
     p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
     p.add_argument("--compressor", choices=("topk", "randomk", "qsgd"), default="topk",
