@@ -27,6 +27,7 @@ import sys
 
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
+from lp_decentral_nlp.commands.run import environment_problem
 
 PROG = "sweep.py"
 SWEEP_OUTPUT_DIR_HELP = ("Folder of the grid: one folder per point, sweep.json, sweep.md and sweep.png "
@@ -72,6 +73,9 @@ def parse(argv=None):
     add_grid_flags(check)
     argv = sys.argv[1:] if argv is None else argv
     grid_flags = check.parse_args(argv)
+    problem = environment_problem()  # as check_flags: OpenMP reads OMP_NUM_THREADS as torch loads, and complains
+    if problem:
+        check.error(problem)
     resume = check.flag_given("resume_from_checkpoint", argv)
     if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
         check.error(f"argument {resume}: each grid point is a run of its own: run the "

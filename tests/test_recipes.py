@@ -309,6 +309,15 @@ def import_sweep():
     return sweep
 
 
+def test_sweep_refuses_an_unusable_thread_variable_in_one_line():
+    """OMP_NUM_THREADS=abc: libgomp's complaint (and a blank line) came before the sweep's error, as
+    torch was imported before the check the recipes make first."""
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "sweep.py")], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "abc"}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == (
+        "sweep.py: error: environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1\n")
+
+
 def test_sweep_rejects_bad_jobs(capsys):
     sweep = import_sweep()
     with pytest.raises(SystemExit):
