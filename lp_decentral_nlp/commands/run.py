@@ -398,7 +398,8 @@ def output_file_problem(path: str) -> str | None:
     """Why a file cannot be written at ``path``, or None: an empty name, a folder (or a name ending
     in a path separator, which names one), a folder that cannot be made or written
     (:func:`output_dir_problem`), or a file that cannot be opened for writing (tried without
-    changing it: an existing file is opened to append nothing, a new one is created and removed). For commands that write a file after long work: checked first."""
+    changing it: an existing file is opened to append nothing, a new one is created and removed).
+    For commands that write a file after long work: checked first."""
     if not path.strip():
         return "the file name is empty"
     target = pathlib.Path(path)

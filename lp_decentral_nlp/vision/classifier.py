@@ -58,9 +58,9 @@ class ImageClassifier(nn.Module):
     def preprocess(self, images) -> torch.Tensor:
         """``pixel_values`` ``(N, 3, S, S)`` float32 for a list of PIL images, made as the model's
         training inputs were (its ``preprocessing``: upright as the EXIF orientation says, RGB,
-        shorter side to S and centre crop, values in [0, 1] normalised per channel). ValueError for a model without ``preprocessing`` or for
-        images the conversion would clip (16- and 32-bit ones, which training refuses too); TypeError
-        for anything but PIL images."""
+        shorter side to S and centre crop, values in [0, 1] normalised per channel). ValueError for
+        a model without ``preprocessing`` or for images the conversion would clip (16- and 32-bit
+        ones, which training refuses too); TypeError for anything but PIL images."""
         from .data import VisionTransform, check_pil_images
 
         spec = self.vision_config["preprocessing"]
