@@ -196,7 +196,8 @@ def main(argv=None):
                    help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
                         "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
-    p.add_argument("--seq-len", type=SEQ_LEN, default=128, help="DistilBERT sequence length (at most DistilBERT's 512 positions; default %(default)s)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=128,
+                   help="DistilBERT sequence length (at most DistilBERT's 512 positions; default %(default)s)")
     p.add_argument("--image-batch-size", type=POSITIVE, default=32,
                    help="batch of the vision steps: ResNet-20, VGG-11 and the conv sweep (default %(default)s)")
     add_device_flag(p)

@@ -161,7 +161,8 @@ ROUND_CONFIG = "Choco TopK(1%, 8-bit values)"  # part 3's default: the headline 
 
 def main():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", type=ranged(int, Range(1)), default=2, help="passes over the configurations in parts 1-2 (default 2)")
+    parser.add_argument("--passes", type=ranged(int, Range(1)), default=2,
+                        help="passes over the configurations in parts 1-2 (default 2)")
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3 (default 1)")
     parser.add_argument("--round-config", default=ROUND_CONFIG, choices=list(CONFIGS), metavar="CONFIG",
                         help=(f"the gossip configuration of part 3's training round, one of part 1's "

@@ -185,7 +185,8 @@ def main(argv=None):
                    help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
                         "passes (numba) and fills the allocator's caches")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="sequences per step (default %(default)s)")
-    p.add_argument("--seq-len", type=SEQ_LEN, default=128, help="tokens per sequence (at most DistilBERT's 512 positions; default %(default)s)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=128,
+                   help="tokens per sequence (at most DistilBERT's 512 positions; default %(default)s)")
     add_device_flag(p)
     add_threads_flag(p, torch.get_num_threads(),
                      "torch intra-op threads (torch.set_num_threads; default: torch's, here %(default)s)")

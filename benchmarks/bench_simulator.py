@@ -357,11 +357,13 @@ def memory_child(args, precision):
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--nodes", type=ranged(int, Range(2)), default=4,
-                   help="simulated nodes in the round, at least 2: a node gossips with its neighbours (default %(default)s)")
+                   help="simulated nodes in the round, at least 2: a node gossips with its neighbours "
+                        "(default %(default)s)")
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed rounds per precision (default %(default)s)")
     p.add_argument("--warmup", type=NONNEGATIVE, default=1, help="untimed rounds per precision first")
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="per node")
-    p.add_argument("--seq-len", type=SEQ_LEN, default=128, help="tokens per sequence (at most DistilBERT's 512 positions; default %(default)s)")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=128,
+                   help="tokens per sequence (at most DistilBERT's 512 positions; default %(default)s)")
     add_threads_flag(p, torch.get_num_threads(), "torch.set_num_threads (default: torch's, here %(default)s)")
     p.add_argument("--kernel", default=AUTO, choices=(AUTO, *(name for name in kernel_names() if name != AUTO)),
                    help="QuantConfig.kernel of the 8-bit nodes (default %(default)s, the library's)")
