@@ -98,7 +98,7 @@ def test_the_record_folder_is_checked_before_any_run(comparison, tmp_path, monke
     with pytest.raises(SystemExit) as exc:
         comparison.parse_args(outputs(tmp_path))
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and "cannot write the record" in err, err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "cannot write the benchmark record" in err, err
 
 
 def test_the_defaults_are_the_published_comparison(tmp_path, monkeypatch, capsys):

@@ -1250,7 +1250,7 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'model, data and run',
   'help': "Side of the square input in pixels (default: the dataset's, 8 for digits, 32 for CIFAR; with --dataset "
-          'folder the median shorter side of the training images)',
+          'folder the median shorter side of the training images, at most 224)',
   'type': 'integer'},
  {'options': ['--augment'],
   'dest': 'augment',
