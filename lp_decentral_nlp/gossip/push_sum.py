@@ -82,9 +82,9 @@ import numpy as np
 import torch
 
 from ..checks import NUMBER_FIELDS, check_field, check_number
-from .compressors import QSGD, Compressor, Identity, RandomK
+from .compressors import Compressor, Identity
 from .faults import FaultPlan
-from .step_size import default_consensus_lr
+from .step_size import contraction_fix, default_consensus_lr
 from .topology import Topology
 from .transport import SimulatedTransport
 from .wire import Message, MessageLayout
@@ -160,9 +160,8 @@ class PushSumGossip:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a Compressor (Identity, TopK, RandomK, QSGD, Quantize), "
                             f"got {type(compressor).__name__}")
-        if (isinstance(compressor, QSGD) and not compressor.scaled) or (isinstance(compressor, RandomK)
-                                                                        and compressor.unbiased):
-            fix = "QSGD(levels, scaled=True) (QSGD's docstring)" if isinstance(compressor, QSGD) else "RandomK(keep)"
+        fix = contraction_fix(compressor)
+        if fix is not None:
             raise ValueError(f"{type(self).__name__} needs a contraction, and {compressor!r} is none: its compression "
                              f"error grows with the models and they diverge whatever gamma; use {fix}")
         if faults is not None and not isinstance(faults, FaultPlan):
