@@ -92,3 +92,30 @@ def test_while_every_weight_is_1_no_written_models_are_kept():
     gossip = ChocoSGD(make_topology("directed_ring", 4), TopK(0.5), gamma=0.5)
     gossip.step([[torch.randn(s) for s in SHAPES] for _ in range(4)])
     assert torch.equal(gossip.weights, torch.ones(4)) and "written" not in gossip.state_dict()
+
+
+@pytest.mark.parametrize("algorithm", [ChocoSGD, DeepSqueeze])
+def test_tensors_that_cannot_take_their_own_update_are_refused_before_anything_is_written(algorithm):
+    """A tensor listed twice in a node (a tied weight from state_dict()) took every update twice: both
+    algorithms diverged 1e44-fold in 200 steps, silently. An inference tensor or an expand() view
+    failed with torch's RuntimeError in the middle of the step, after other nodes were written."""
+    topo = make_topology("ring", 4)
+    shared = [torch.randn(6, dtype=torch.float64) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"^nodes\[0\]\[0\] and nodes\[0\]\[1\] share memory \(a tied weight listed "
+                                         r"twice\?\)"):
+        algorithm(topo).step([[t, t] for t in shared])
+    with torch.inference_mode():
+        frozen = torch.randn(6, dtype=torch.float64)
+    for bad, message in ((frozen, r"^nodes\[3\]\[0\] is an inference tensor"),
+                         (torch.randn(1, dtype=torch.float64).expand(6), r"^nodes\[3\]\[0\] is a view that holds one "
+                                                                         r"entry at several places")):
+        nodes = [[torch.randn(6, dtype=torch.float64)] for _ in range(3)] + [[bad]]
+        before = [node[0].clone() for node in nodes]
+        with pytest.raises(ValueError, match=message):
+            algorithm(topo).step(nodes)
+        assert all(torch.equal(node[0], b) for node, b in zip(nodes, before))  # nothing was written
+    matrix = torch.randn(4, 6, dtype=torch.float64)  # rows of one matrix, one per node; halves of one tensor in a node
+    halves = torch.randn(12, dtype=torch.float64)
+    algorithm(topo).step([[matrix[0]], [matrix[1]], [matrix[2]], [matrix[3]]])
+    algorithm(topo).step([[halves[:6], torch.randn(6, dtype=torch.float64)]] +
+                         [[torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)] for _ in range(3)])

@@ -664,6 +664,8 @@ class PushSumGossip:
             if layout != reference:
                 raise self._layout_error(k, layout, reference, layouts)
         if not self._ready:
+            for k, params in enumerate(nodes):
+                _check_writable(k, params)
             dtypes, devices = {d for _, d, _ in reference}, {v for _, _, v in reference}
             if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
                 raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
@@ -780,6 +782,33 @@ def _tensor_layout(k: int, params) -> list[tuple[tuple[int, ...], torch.dtype, t
     except AttributeError:
         j, bad = next((j, p) for j, p in enumerate(params) if not isinstance(p, torch.Tensor))
         raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(bad).__name__} at [{j}]") from None
+
+
+def _check_writable(k: int, params) -> None:
+    """ValueError unless every tensor of ``nodes[k]`` can be updated in place on its own: not an
+    inference tensor, no entry seen twice (a stride-0 view, e.g. ``expand``), and no memory shared
+    with another tensor of the node (a tied weight listed twice would take every update twice).
+    Checked at the first step, before anything is written."""
+    spans = []
+    for j, p in enumerate(params):
+        if p.is_inference():
+            raise ValueError(f"nodes[{k}][{j}] is an inference tensor (made under torch.inference_mode), which "
+                             "cannot be updated in place: give the parameters themselves")
+        if p.numel() == 0:
+            continue
+        if any(stride == 0 and size > 1 for size, stride in zip(p.shape, p.stride())):
+            raise ValueError(f"nodes[{k}][{j}] is a view that holds one entry at several places (stride 0, e.g. "
+                             "expand()), which cannot be updated in place: give the parameters themselves")
+        start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
+        reach = 1 + sum((size - 1) * abs(stride) for size, stride in zip(p.shape, p.stride()))  # entries spanned
+        end = start + reach * p.element_size()
+        spans.append((start, end, j))
+    spans.sort()
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"nodes[{k}][{min(i, j)}] and nodes[{k}][{max(i, j)}] share memory (a tied weight listed "
+                             "twice?): each would take every update, so give each tensor once "
+                             "(model.parameters() lists a tied one once)")
 
 
 def gossiped_parameters(model: torch.nn.Module) -> ParamList:
