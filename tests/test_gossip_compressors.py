@@ -327,6 +327,18 @@ def test_qsgd_is_unbiased_on_its_levels_with_packed_codes():
     assert roundtrip(QSGD(127), x)[1].nbytes == 500 + 4
 
 
+@pytest.mark.parametrize("scale", [1e19, 1e-23])
+def test_qsgd_sends_entries_whose_float32_squares_overflow_or_underflow(scale):
+    """The norm was a float32 sum of squares: entries near 1e19 gave a NaN/Inf message from finite
+    values, entries near 1e-23 a zero one (nothing sent)."""
+    torch.manual_seed(0)
+    x = torch.randn(16) * scale
+    out, _ = roundtrip(QSGD(4), x)
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+    norm = torch.linalg.vector_norm(x, dtype=torch.float64).float()
+    torch.testing.assert_close(out / norm * 4, (out / norm * 4).round(), atol=1e-4, rtol=0)  # on its levels
+
+
 def test_scaled_qsgd_divides_by_one_plus_omega():
     x = torch.randn(400)
     plain, _ = roundtrip(QSGD(2), x, seed=1)

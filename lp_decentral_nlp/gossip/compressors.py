@@ -175,7 +175,9 @@ class QSGD(Compressor):
 
     def encode(self, x, out, work, generator):
         s = self.levels
-        norm = torch.linalg.vector_norm(x)
+        # in float64: a float32 sum of squares overflows from entries near 1e19 (the message was
+        # NaN/Inf) and underflows below 1e-19 (a zero message: nothing was sent)
+        norm = torch.linalg.vector_norm(x, dtype=torch.float64)
         per_unit = torch.where(norm > 0, s / norm, torch.zeros_like(norm))
         # floor(y + u), u ~ U[0, 1), rounds y = s * x / ||x|| stochastically and unbiasedly.
         work.uniform_(generator=generator)
