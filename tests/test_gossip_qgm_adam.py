@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lp_decentral_nlp.gossip import QuasiGlobalAdam
+from lp_decentral_nlp.gossip import QuasiGlobalAdam, QuasiGlobalMomentum
 
 SHAPES = [(3, 4), (5,)]
 
@@ -118,3 +118,26 @@ def test_gradients_of_the_wrong_kind_are_refused_before_any_state_changes():
     assert all(torch.equal(a, b) for k in ("exp_avg", "exp_avg_sq") for x, y in zip(after[k], before[k])
                for a, b in zip(x, y))
     assert torch.equal(nodes[0][0], torch.ones(4))
+
+
+@pytest.mark.parametrize("cls", [QuasiGlobalMomentum, QuasiGlobalAdam])
+def test_nodes_the_momentum_cannot_hold_are_refused_at_construction(cls):
+    """Nodes of different shapes and an empty node were accepted; integer tensors failed at the first
+    end_iteration (a dtype cast error) and a list of numbers with zeros_like's TypeError."""
+    for nodes, error, message in (
+            ([[torch.zeros(3)], [torch.zeros(4)]], ValueError, r"^nodes\[1\] holds tensors of shapes \[\(4,\)\], "
+                                                               r"nodes\[0\] of \[\(3,\)\]: every node must hold"),
+            ([[torch.zeros(3, dtype=torch.long)]], TypeError, r"^nodes\[0\]\[0\] must be a floating-point tensor, got "
+                                                              r"a torch.int64 tensor$"),
+            ([[1.0]], TypeError, r"^nodes\[0\]\[0\] must be a floating-point tensor, got float$"),
+            ([[torch.zeros(3)], []], TypeError, r"^nodes must be a non-empty list of non-empty parameter lists")):
+        with pytest.raises(error, match=message):
+            cls(nodes)
+
+
+def test_quasi_global_momentum_refuses_to_skip_a_node_it_does_not_hold():
+    """skip=[7] of one local node was ignored in silence."""
+    qgm = QuasiGlobalMomentum([[torch.zeros(3)], [torch.zeros(3)]])
+    qgm.begin_iteration()
+    with pytest.raises(ValueError, match=r"^node must be a local node index in \[0, 1\], got 7$"):
+        qgm.end_iteration(0.1, skip=[7])
