@@ -35,8 +35,15 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
     """``TrainingSummary.from_trainer(trainer, **card_fields)`` (the fields of
     ``Trainer.create_model_card``) with :func:`decentralized_hyperparameters` added
     (``train_batch_size`` stays the batch of one node) and the averaged model's evaluation
-    results only."""
+    results only. A model without a transformers ``config`` (an ``ImageClassifier``) is trained
+    from scratch unless ``finetuned_from`` says otherwise (``from_trainer`` reads the config's
+    name)."""
+    from_scratch = getattr(trainer.model, "config", None) is None and card_fields.get("finetuned_from") is None
+    if from_scratch:
+        card_fields = {**card_fields, "finetuned_from": ""}  # not None: from_trainer skips the config
     summary = TrainingSummary.from_trainer(trainer, **card_fields)
+    if from_scratch:
+        summary.finetuned_from = None
     summary.hyperparameters.update(decentralized_hyperparameters(trainer.args))
     if summary.eval_results is not None:  # None before any evaluation
         summary.eval_results = {k: v for k, v in summary.eval_results.items() if not _PER_NODE.search(k)}

@@ -4,6 +4,7 @@ whose batches are read under seeds of their own (:class:`~.rng.EpochBatchSampler
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import reprlib
 from collections.abc import Hashable
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset
+from transformers.trainer_utils import unwrap_peft_model
 from torch.utils.data import DataLoader
 
 from ..data import skewed_partition
@@ -179,6 +181,23 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
         allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
         raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
     return values
+
+
+def check_transform_columns(dataset, model, args, what: str) -> None:
+    """ValueError when ``dataset`` makes its samples with a transform (``with_transform``,
+    ``set_transform``: e.g. the vision images' :func:`~lp_decentral_nlp.vision.with_vision_transforms`)
+    and ``remove_unused_columns`` would drop, before the transform runs, columns the model's
+    ``forward`` does not take (the transform reads them: a KeyError at the first batch, as in
+    Trainer). ``what`` names the argument."""
+    if not args.remove_unused_columns or not isinstance(dataset, Dataset) or dataset.format["type"] != "custom":
+        return
+    forward = unwrap_peft_model(model).forward
+    takes = set(inspect.signature(forward).parameters) | {"label", "label_ids", *(args.label_names or ())}
+    dropped = [column for column in dataset.column_names if column not in takes]
+    if dropped:
+        raise ValueError(f"{what} makes its samples with a transform (with_transform/set_transform), and "
+                         f"remove_unused_columns=True would drop {dropped} before it runs ({type(model).__name__}"
+                         ".forward does not take them): pass remove_unused_columns=False")
 
 
 def check_labels(dataset, num_labels: int | None, what: str) -> None:

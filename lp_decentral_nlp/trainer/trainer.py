@@ -58,7 +58,7 @@ from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
 from .model_card import write_model_card
 from .preemption import SigtermWatch
-from .node_data import NodeDataMixin, check_labels, read_shard_labels
+from .node_data import NodeDataMixin, check_labels, check_transform_columns, read_shard_labels
 from .node_group import NodeGroup
 from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
 from .rng import NodeRNG
@@ -111,13 +111,15 @@ UNCALLED_TRAINER_METHODS = {
 
 
 def _class_count(model) -> int | None:
-    """The number of classes ``model`` predicts (``config.num_labels``), or None for a model whose
-    labels are not class ids of its own head: one with output embeddings (a language model,
-    whose ``num_labels`` is an unused config default) or without a config."""
+    """The number of classes ``model`` predicts (``config.num_labels``, or the model's own
+    ``num_labels``: an ``ImageClassifier``'s), or None for a model whose labels are not class ids
+    of its own head: one with output embeddings (a language model, whose ``num_labels`` is an
+    unused config default) or with neither."""
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     if get_output_embeddings is not None and get_output_embeddings() is not None:
         return None
-    return getattr(getattr(model, "config", None), "num_labels", None)
+    config = getattr(model, "config", None)
+    return getattr(model, "num_labels", None) if config is None else getattr(config, "num_labels", None)
 
 
 #: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
@@ -246,9 +248,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         node_group = NodeGroup(args.num_nodes, args.backend)
         num_classes = _class_count(model)  # the bound of the labels of every data set (None: not a classifier)
         shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, num_classes)
+        check_transform_columns(train_dataset, model, args, "train_dataset")
         eval_dataset = kwargs.get("eval_dataset")  # checked now, not at the first evaluation after training began
         for name, part in (eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]):
-            check_labels(part, num_classes, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+            what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+            check_labels(part, num_classes, what)
+            check_transform_columns(part, model, args, what)
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         sigterm_handler = signal.getsignal(signal.SIGTERM)

@@ -10,6 +10,7 @@ was saved).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -41,13 +42,22 @@ class ImageClassifier(nn.Module):
         vision_config: the dict above, written by :meth:`save_pretrained`.
     """
 
+    #: the forward's input, as transformers models name theirs (Trainer's ``include_for_metrics``)
+    main_input_name = "pixel_values"
+
     def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
                  preprocessing: dict | None = None):
         _check_preprocessing(preprocessing, num_classes)
         super().__init__()
         self.net = build_vision_model(arch, num_classes, norm, groups)
         self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
-                              "preprocessing": preprocessing}
+                              "preprocessing": copy.deepcopy(preprocessing)}  # the caller's dict stays theirs
+
+    @property
+    def num_labels(self) -> int:
+        """The classes the model predicts (``num_classes``), named as a transformers classifier's
+        ``config.num_labels``: the trainer checks the labels against it."""
+        return self.vision_config["num_classes"]
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
         """Logits ``(N, num_classes)``; with ``labels`` ``(N,)`` int64 also the mean cross-entropy."""
@@ -68,8 +78,8 @@ class ImageClassifier(nn.Module):
             raise ValueError("this model records no preprocessing (built without it): make its inputs with "
                              "lp_decentral_nlp.vision.VisionTransform and the normalisation it was trained with")
         transform = VisionTransform(spec["image_size"], spec["mean"], spec["std"], train=False)
-        device = next(self.parameters()).device
-        return transform({"image": check_pil_images(images)})["pixel_values"].to(device)
+        weight = next(self.parameters())  # the model's device and float type (a float64 or bf16 copy too)
+        return transform({"image": check_pil_images(images)})["pixel_values"].to(weight.device, weight.dtype)
 
     @torch.no_grad()
     def predict(self, images) -> list[str]:

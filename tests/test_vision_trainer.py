@@ -1,0 +1,76 @@
+"""The vision path as a Python script trains it: DecentralizedTrainer on an ImageClassifier with
+the digits images (bundled, offline), 2 simulated nodes."""
+import pytest
+import torch
+from PIL import Image
+
+from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
+from lp_decentral_nlp.vision import ImageClassifier, load_vision_dataset, with_vision_transforms
+
+PREPROCESSING = {"labels": [str(i) for i in range(10)], "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return with_vision_transforms(load_vision_dataset("digits"), "digits")
+
+
+def arguments(tmp_path, **fields):
+    return DecentralizedTrainingArguments(output_dir=str(tmp_path), num_nodes=2, max_steps=2,
+                                          per_device_train_batch_size=8, use_cpu=True, report_to=[], **fields)
+
+
+def test_the_images_transform_needs_its_columns_kept(digits, tmp_path):
+    """The default remove_unused_columns dropped the 'image' column the transform reads: a KeyError
+    at the first batch of train(), after the model was quantized in place."""
+    model = ImageClassifier("resnet20", 10, "range_evonorm")
+    with pytest.raises(ValueError, match=r"^train_dataset makes its samples with a transform \(with_transform/"
+                                         r"set_transform\), and remove_unused_columns=True would drop \['image'\] "
+                                         r"before it runs \(ImageClassifier.forward does not take them\): pass "
+                                         r"remove_unused_columns=False$"):
+        DecentralizedTrainer(model=model, args=arguments(tmp_path), train_dataset=digits["train"])
+    assert not any(type(m).__name__.startswith("Quant") for m in model.modules())  # refused before the surgery
+    with pytest.raises(ValueError, match=r"^eval_dataset makes its samples with a transform"):
+        DecentralizedTrainer(model=model, args=arguments(tmp_path), eval_dataset=digits["test"])
+
+
+def test_labels_beyond_the_image_classifiers_classes_are_refused_at_construction(digits, tmp_path):
+    """ImageClassifier(num_classes=5) on the 10 digits trained until torch's IndexError ('Target 8 is
+    out of bounds')."""
+    with pytest.raises(ValueError, match=r"^train_dataset: labels must be class ids 0..4 \(the model has "
+                                         r"num_labels=5\), found \[5, 6, 7, 8, 9\]$"):
+        DecentralizedTrainer(model=ImageClassifier("resnet20", 5), args=arguments(tmp_path, remove_unused_columns=False),
+                             train_dataset=digits["train"])
+
+
+def test_a_trained_image_classifier_reports_its_inputs_writes_a_card_and_predicts(digits, tmp_path):
+    """create_model_card() was an AttributeError (no config); include_for_metrics=['inputs'] looked for
+    'input_ids'; the preprocessing dict stayed the caller's object, so changing it changed the model."""
+    preprocessing = {**PREPROCESSING, "labels": list(PREPROCESSING["labels"])}
+    model = ImageClassifier("resnet20", 10, "range_evonorm", preprocessing=preprocessing)
+    preprocessing["labels"][0] = "changed"
+    assert model.vision_config["preprocessing"]["labels"][0] == "0"
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.inputs.shape)
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    trainer = DecentralizedTrainer(model=model, args=arguments(tmp_path, remove_unused_columns=False,
+                                                               include_for_metrics=["inputs"]),
+                                   train_dataset=digits["train"], eval_dataset=digits["test"], compute_metrics=metrics)
+    trainer.train()
+    assert 0 <= trainer.evaluate()["eval_accuracy"] <= 1 and seen[-1] == (360, 3, 8, 8)
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "trained from scratch" in card and "num_nodes: 2" in card
+
+
+def test_predict_feeds_a_float_model_in_its_own_float_type():
+    """A float64 (or bfloat16) copy of a float model failed in predict(): 'expected scalar type Float
+    but found Double'."""
+    model = ImageClassifier("resnet20", 10, "evonorm", preprocessing=PREPROCESSING)
+    images = [Image.new("RGB", (8, 8), (30 * i, 90, 200)) for i in range(3)]
+    assert model.preprocess(images).dtype == torch.float32
+    wide = model.to(torch.float64)
+    assert wide.preprocess(images).dtype == torch.float64 and len(wide.predict(images)) == 3
