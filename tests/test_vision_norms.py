@@ -511,3 +511,21 @@ def test_an_integer_input_is_refused(make):
     """RangeBatchNorm2d gave integer zeros for an int64 batch, RangeEvoNorm2d a NotImplementedError."""
     with pytest.raises(TypeError, match=r"expects a floating-point input, got torch.int64"):
         make()(torch.ones(2, 8, 4, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_torch_compile_of_the_float_range_evonorm_equals_eager(channels_last):
+    """The paper's norm in fp32 failed under torch.compile (numba's TypingError 'min(float32,
+    array(float32, 0d, C))': the kernel constants, traced by Dynamo, reached numba as 0-d arrays),
+    so did torch_compile=True with low_precision=False."""
+    torch.manual_seed(0)
+    norm = RangeEvoNorm2d(16)
+    x = torch.randn(4, 16, 8, 8)
+    x = (x.contiguous(memory_format=torch.channels_last) if channels_last else x).requires_grad_()
+    eager = norm(x)
+    eager.square().sum().backward()
+    grad, x.grad = x.grad.clone(), None
+    compiled = torch.compile(norm)(x)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(x.grad, grad)

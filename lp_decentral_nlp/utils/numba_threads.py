@@ -11,6 +11,7 @@ the parallel one on torch's thread count, which is set back after the call if nu
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import numba
@@ -74,3 +75,16 @@ def _run(kernels: tuple, numel: int, *args):
 
 
 _run_outside_graph = torch.compiler.disable(_run)
+
+
+def eager_under_compile(fn):
+    """``fn`` run eagerly, outside the graph (a graph break), when called while ``torch.compile``
+    traces: for a function that builds the numpy arguments of numba kernels, whose numpy scalars
+    Dynamo would trace into 0-d arrays the kernels cannot type. Eager calls go straight to ``fn``."""
+    outside = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return outside(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    return call

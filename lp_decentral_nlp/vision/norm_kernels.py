@@ -47,7 +47,7 @@ import torch
 
 from ..quant.fused import per_row_array
 from ..utils.layout import is_channels_last, memory_order
-from ..utils.numba_threads import compile_serial_and_parallel, run_kernel
+from ..utils.numba_threads import compile_serial_and_parallel, eager_under_compile, run_kernel
 
 # autograd's hardsigmoid_backward multiplies by 1/6 as a float32 constant, also for float64
 _ONE_SIXTH = np.float32(1.0 / 6.0)
@@ -398,6 +398,7 @@ def _channels_last(t: torch.Tensor) -> np.ndarray:
     return memory_order(t.detach()).numpy().reshape(t.shape[0], -1)
 
 
+@eager_under_compile
 def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, v: torch.Tensor | None,
                           groups: int, eps: float, scale: float) -> torch.Tensor:
     """``y`` of Range EvoNorm (module docstring) for a float32/float64 CPU ``x`` (N, C, H, W),
@@ -418,6 +419,7 @@ def range_evonorm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return y
 
 
+@eager_under_compile
 def range_evonorm_backward(x: torch.Tensor, grad_for_input: torch.Tensor | None,
                            grad_for_params: torch.Tensor | None, weight: torch.Tensor, v: torch.Tensor | None,
                            groups: int, eps: float, scale: float, x_scale: torch.Tensor | None = None,
