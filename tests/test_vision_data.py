@@ -327,3 +327,25 @@ def test_folder_spec_measures_photos_at_most_at_imagenet_size(caplog):
     with caplog.at_level(logging.WARNING):
         assert folder_spec(dsd, 260).image_size == 260  # asked for: no cap, no warning
     assert not caplog.records
+
+
+def test_the_data_helpers_name_a_wrong_argument():
+    """with_vision_transforms(dsd['train']) and folder_spec(dsd['train']) said "Column 'train' doesn't
+    exist", a DatasetDict without 'test' was a KeyError, its other splits were dropped in silence, and
+    folder_spec(sample=0) was 'cannot convert float NaN to integer'."""
+    from lp_decentral_nlp.vision import folder_spec
+
+    dsd = load_vision_dataset("digits")
+    with pytest.raises(TypeError, match=r"^dsd must be a DatasetDict with the splits \['train', 'test'\] "
+                                        r"\(load_vision_dataset's\), got Dataset$"):
+        with_vision_transforms(dsd["train"], "digits")
+    with pytest.raises(TypeError, match=r"^dsd must be a DatasetDict with the splits \['train'\]"):
+        folder_spec(dsd["train"])
+    with pytest.raises(ValueError, match=r"^dsd has the splits \['train', 'validation'\], and \['test'\] missing"):
+        with_vision_transforms(datasets.DatasetDict(train=dsd["train"], validation=dsd["test"]), "digits")
+    kept = with_vision_transforms(datasets.DatasetDict(train=dsd["train"], test=dsd["test"], validation=dsd["test"]),
+                                  "digits")
+    assert list(kept) == ["train", "test", "validation"]
+    assert torch.equal(kept["validation"][:2]["pixel_values"], kept["test"][:2]["pixel_values"])  # evaluation's
+    with pytest.raises(ValueError, match=r"^sample must be an integer >= 1, got 0"):
+        folder_spec(dsd, sample=0)

@@ -501,6 +501,8 @@ def folder_spec(dsd: datasets.DatasetDict, image_size: int | None = None, sample
     images in [0, 1] at that size (a std under 1e-3, a channel constant over the sample, counts
     1e-3)."""
     image_size = check_field("image_size", image_size)  # None: measured; 0 meant "measure" too, silently
+    sample = check_number("sample", sample, POSITIVE_INT)
+    _check_splits(dsd, ("train",), "dsd")
     train = dsd["train"]
     count = min(sample, len(train))
     indices = sorted({round(i * (len(train) - 1) / max(1, count - 1)) for i in range(count)})
@@ -531,8 +533,21 @@ def vision_transform(dataset: str | VisionDatasetSpec, train: bool, image_size: 
 def with_vision_transforms(dsd: datasets.DatasetDict, dataset: str | VisionDatasetSpec,
                            image_size: int | None = None) -> datasets.DatasetDict:
     """``dsd`` with ``dataset``'s (:func:`vision_transform`) training transform on ``"train"`` and
-    evaluation one on ``"test"``."""
+    the evaluation one on ``"test"`` and any other split (TypeError unless ``dsd`` is a
+    ``DatasetDict``; ValueError without those two splits)."""
+    _check_splits(dsd, ("train", "test"), "dsd")
     return datasets.DatasetDict({
-        split: dsd[split].with_transform(vision_transform(dataset, split == "train", image_size))
-        for split in ("train", "test")
+        split: part.with_transform(vision_transform(dataset, split == "train", image_size))
+        for split, part in dsd.items()
     })
+
+
+def _check_splits(dsd, needed: tuple[str, ...], what: str) -> None:
+    """TypeError unless ``dsd`` is a ``DatasetDict``; ValueError naming the splits it has when one
+    of ``needed`` is missing."""
+    if not isinstance(dsd, datasets.DatasetDict):
+        raise TypeError(f"{what} must be a DatasetDict with the splits {list(needed)} (load_vision_dataset's), got "
+                        f"{type(dsd).__name__}")
+    missing = [split for split in needed if split not in dsd]
+    if missing:
+        raise ValueError(f"{what} has the splits {list(dsd)}, and {missing} missing: it needs {list(needed)}")
