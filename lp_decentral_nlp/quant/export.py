@@ -35,8 +35,10 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
     is a ``QuantEmbedding``) stays fp32 under every key: the float module read the fp32 tensor and
     the quantized layer quantizes it per tensor at each forward, so ``load_state_dict`` of
     :func:`dequantize_int8_state_dict`'s output (which writes every key into the one shared
-    parameter) gives back the exported model's outputs up to fp32 rounding (the same codes; a
-    weight moves by about one ulp at most, see the module docstring), whatever the key order.
+    parameter) gives back the exported model's weight codes, whatever the key order; a weight
+    moves by about one ulp at most (the module docstring), which can flip an 8-bit activation code
+    downstream where a value sits on a rounding boundary, so the outputs agree closely but not to
+    fp32 rounding (an 8-bit ResNet-20's logits within about 1e-2).
 
     Args:
         model: a model after :func:`quantize_model`.
