@@ -74,3 +74,18 @@ def test_predict_feeds_a_float_model_in_its_own_float_type():
     assert model.preprocess(images).dtype == torch.float32
     wide = model.to(torch.float64)
     assert wide.preprocess(images).dtype == torch.float64 and len(wide.predict(images)) == 3
+
+
+def test_preprocessing_takes_numpy_numbers_and_refuses_nan_and_repeated_names():
+    """NumPy numbers (a mean computed with numpy) were refused with the generic message, though numbers
+    here as everywhere in the library; a NaN mean and two classes of one name were accepted."""
+    import numpy as np
+
+    spec = {"labels": ["a", "b"], "image_size": np.int64(8), "mean": list(np.full(3, 0.5, np.float32)),
+            "std": [0.25] * 3}
+    saved = ImageClassifier("resnet20", 2, preprocessing=spec).vision_config["preprocessing"]
+    assert saved == {"labels": ["a", "b"], "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
+    assert type(saved["image_size"]) is int and all(type(v) is float for v in saved["mean"])
+    for bad in ({**spec, "labels": ["a", "a"]}, {**spec, "mean": [float("nan")] * 3}):
+        with pytest.raises(ValueError, match=r"^preprocessing must be None or \{'labels': \[distinct class names\]"):
+            ImageClassifier("resnet20", 2, preprocessing=bad)

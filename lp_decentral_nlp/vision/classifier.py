@@ -10,8 +10,9 @@ was saved).
 """
 from __future__ import annotations
 
-import copy
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import ImageClassifierOutput
 
+from ..checks import plain_number
 from ..quant import QuantConfig, QuantModule, quantize_model
 from .models import build_vision_model
 
@@ -47,11 +49,11 @@ class ImageClassifier(nn.Module):
 
     def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
                  preprocessing: dict | None = None):
-        _check_preprocessing(preprocessing, num_classes)
+        preprocessing = _checked_preprocessing(preprocessing, num_classes)
         super().__init__()
         self.net = build_vision_model(arch, num_classes, norm, groups)
         self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
-                              "preprocessing": copy.deepcopy(preprocessing)}  # the caller's dict stays theirs
+                              "preprocessing": preprocessing}
 
     @property
     def num_labels(self) -> int:
@@ -155,24 +157,30 @@ class ImageClassifier(nn.Module):
         return model.eval()
 
 
-def _check_preprocessing(preprocessing, num_classes) -> None:
-    """ValueError unless ``preprocessing`` is None or ``{"labels": [str], "image_size": int >= 1,
-    "mean": [3 numbers], "std": [3 positive numbers]}`` (it is saved as JSON with the model), with
+def _checked_preprocessing(preprocessing, num_classes) -> dict | None:
+    """A copy of ``preprocessing`` (the caller's dict stays theirs), NumPy numbers as Python's;
+    ValueError unless it is None or ``{"labels": [distinct str], "image_size": int >= 1, "mean":
+    [3 finite numbers], "std": [3 finite numbers > 0]}`` (it is saved as JSON with the model), with
     a name for each of the `num_classes` classes."""
     if preprocessing is None:
-        return
-    expected = "None or {'labels': [class names], 'image_size': int, 'mean': [3 numbers], 'std': [3 numbers > 0]}"
+        return None
+    expected = ("None or {'labels': [distinct class names], 'image_size': int, 'mean': [3 finite numbers], "
+                "'std': [3 finite numbers > 0]}")
     ok = isinstance(preprocessing, dict) and set(preprocessing) == {"labels", "image_size", "mean", "std"}
     if ok:
         labels, size, mean, std = (preprocessing[k] for k in ("labels", "image_size", "mean", "std"))
         triples = all(isinstance(t, (list, tuple)) and len(t) == 3 for t in (mean, std))
-        numbers = [*mean, *std] if triples else []
+        values = [*mean, *std] if triples else []
         ok = (isinstance(labels, (list, tuple)) and all(isinstance(name, str) for name in labels)
-              and isinstance(size, int) and not isinstance(size, bool) and size >= 1
-              and triples and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
-              and all(v > 0 for v in numbers[3:]))
+              and len(set(labels)) == len(labels)
+              and isinstance(size, numbers.Integral) and not isinstance(size, bool) and size >= 1
+              and triples and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                                  for v in values)
+              and all(v > 0 for v in values[3:]))
     if not ok:
         raise ValueError(f"preprocessing must be {expected}, got {preprocessing!r}")
     if len(preprocessing["labels"]) != num_classes:
         raise ValueError(f"preprocessing['labels'] names {len(preprocessing['labels'])} classes and num_classes="
                          f"{num_classes}: give one name per class")
+    return {"labels": list(labels), "image_size": int(size), "mean": [plain_number(v) for v in mean],
+            "std": [plain_number(v) for v in std]}
