@@ -89,3 +89,17 @@ def test_preprocessing_takes_numpy_numbers_and_refuses_nan_and_repeated_names():
     for bad in ({**spec, "labels": ["a", "a"]}, {**spec, "mean": [float("nan")] * 3}):
         with pytest.raises(ValueError, match=r"^preprocessing must be None or \{'labels': \[distinct class names\]"):
             ImageClassifier("resnet20", 2, preprocessing=bad)
+
+
+def test_the_readmes_vision_script_runs(tmp_path, monkeypatch):
+    """The README's Python example of the vision path, shortened to two steps."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    script, = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "ImageClassifier(" in block]
+    assert "num_train_epochs=20" in script
+    monkeypatch.chdir(tmp_path)  # its output_dir is relative
+    namespace = {}
+    exec(script.replace("num_train_epochs=20", "max_steps=2"), namespace)
+    assert namespace["trainer"].state.global_step == 2 and (tmp_path / "runs" / "digits").is_dir()
