@@ -1,5 +1,7 @@
 """The vision path as a Python script trains it: DecentralizedTrainer on an ImageClassifier with
 the digits images (bundled, offline), 2 simulated nodes."""
+import re
+
 import pytest
 import torch
 from PIL import Image
@@ -103,3 +105,16 @@ def test_the_readmes_vision_script_runs(tmp_path, monkeypatch):
     namespace = {}
     exec(script.replace("num_train_epochs=20", "max_steps=2"), namespace)
     assert namespace["trainer"].state.global_step == 2 and (tmp_path / "runs" / "digits").is_dir()
+
+
+def test_forward_names_pixel_values_it_cannot_take():
+    """uint8 images, an (N, H, W, 3) array's layout and one-channel images failed in the first
+    convolution with torch's messages."""
+    model = ImageClassifier("resnet20", 10, "range_evonorm")
+    for bad, got in ((torch.zeros(2, 3, 8, 8, dtype=torch.uint8), "torch.uint8 of shape (2, 3, 8, 8)"),
+                     (torch.zeros(2, 8, 8, 3), "torch.float32 of shape (2, 8, 8, 3)"),
+                     (torch.zeros(2, 1, 8, 8), "torch.float32 of shape (2, 1, 8, 8)")):
+        with pytest.raises(ValueError, match=rf"^pixel_values must be a floating-point \(N, 3, H, W\) tensor \(RGB, as "
+                                             rf"preprocess\(\) and VisionTransform make it\), got {re.escape(got)}$"):
+            model(bad)
+    assert model(torch.zeros(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)).logits.shape == (2, 10)

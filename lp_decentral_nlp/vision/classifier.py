@@ -62,7 +62,16 @@ class ImageClassifier(nn.Module):
         return self.vision_config["num_classes"]
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> ImageClassifierOutput:
-        """Logits ``(N, num_classes)``; with ``labels`` ``(N,)`` int64 also the mean cross-entropy."""
+        """Logits ``(N, num_classes)``; with ``labels`` ``(N,)`` int64 also the mean cross-entropy.
+        ValueError unless ``pixel_values`` is a floating-point ``(N, 3, H, W)`` tensor (what
+        :meth:`preprocess` and :class:`~.data.VisionTransform` make: uint8, channels-last-shaped
+        ``(N, H, W, 3)`` or one-channel images failed in the first convolution)."""
+        if not (isinstance(pixel_values, torch.Tensor) and pixel_values.is_floating_point()
+                and pixel_values.dim() == 4 and pixel_values.shape[1] == 3):
+            got = (f"{pixel_values.dtype} of shape {tuple(pixel_values.shape)}" if isinstance(pixel_values, torch.Tensor)
+                   else type(pixel_values).__name__)
+            raise ValueError(f"pixel_values must be a floating-point (N, 3, H, W) tensor (RGB, as preprocess() and "
+                             f"VisionTransform make it), got {got}")
         logits = self.net(pixel_values)
         loss = None if labels is None else F.cross_entropy(logits, labels)
         return ImageClassifierOutput(loss=loss, logits=logits)
