@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset
-from transformers.trainer_utils import unwrap_peft_model
 from torch.utils.data import DataLoader
+from transformers.trainer_utils import unwrap_peft_model
 
 from ..data import skewed_partition
 from .rng import EpochBatchSampler, EpochSampler, node_seed, seeded_host_rngs

@@ -45,21 +45,28 @@ def _build_named(kernel, build: str):
     return named
 
 
+def eager_under_compile(fn):
+    """``fn`` run eagerly, outside the graph (a graph break), when called while ``torch.compile``
+    traces: Dynamo cannot trace numba's dispatcher (whose first call in a process compiles or loads
+    the kernel), and would trace the numpy scalars of a kernel's arguments into 0-d arrays the
+    kernel cannot type. Eager calls go straight to ``fn`` (the disabled wrapper costs microseconds
+    per call)."""
+    outside = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return outside(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+
+    return call
+
+
+@eager_under_compile
 def run_kernel(kernels: tuple, numel: int, *args):
     """Call the serial or the parallel build of ``kernels`` (:func:`compile_serial_and_parallel`)
     on ``args`` for work over `numel` elements: parallel only with at least
     ``PARALLEL_MIN_ELEMENTS`` elements and more than one torch thread, then on as many threads as
     torch's intra-op pool (at most ``NUMBA_NUM_THREADS``), leaving torch's thread count as it was.
-
-    Under ``torch.compile`` the call runs outside the compiled graph (a graph break): Dynamo cannot
-    trace numba's dispatcher, whose first call in a process compiles or loads the kernel. Eager
-    calls skip that wrapper (it costs microseconds per call)."""
-    if torch.compiler.is_compiling():
-        return _run_outside_graph(kernels, numel, *args)
-    return _run(kernels, numel, *args)
-
-
-def _run(kernels: tuple, numel: int, *args):
+    Under ``torch.compile`` it runs outside the compiled graph (:func:`eager_under_compile`)."""
     if numel < PARALLEL_MIN_ELEMENTS:
         return kernels[0](*args)
     torch_threads = torch.get_num_threads()
@@ -72,19 +79,3 @@ def _run(kernels: tuple, numel: int, *args):
     finally:
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
-
-
-_run_outside_graph = torch.compiler.disable(_run)
-
-
-def eager_under_compile(fn):
-    """``fn`` run eagerly, outside the graph (a graph break), when called while ``torch.compile``
-    traces: for a function that builds the numpy arguments of numba kernels, whose numpy scalars
-    Dynamo would trace into 0-d arrays the kernels cannot type. Eager calls go straight to ``fn``."""
-    outside = torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return outside(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
-
-    return call
