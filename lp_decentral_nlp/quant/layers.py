@@ -21,6 +21,7 @@ from .functional import fake_quantize, grad_range, mean_sample_range, tensor_ran
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm, conv_output_hw
 from .kernels import AUTO, Kernel, resolve_kernel
 from ..utils.layout import dense_like
+from ..utils.numba_threads import eager_under_compile
 
 
 def outside_compiled_graphs(forward):
@@ -30,8 +31,9 @@ def outside_compiled_graphs(forward):
     The layers' CPU kernels are numba functions Dynamo cannot trace. Traced around them, each call
     broke several times and Dynamo compiled the pieces between the breaks once per weight shape
     until its recompile limit, so a compiled 8-bit model ran slower than an uncompiled one
-    (docs/design.md)."""
-    return torch.compiler.disable(forward)
+    (docs/design.md). The kernels' own mechanism (``utils.numba_threads.eager_under_compile``):
+    eager calls skip the ``disable`` wrapper."""
+    return eager_under_compile(forward)
 
 
 class QuantGemmFunction(torch.autograd.Function):
