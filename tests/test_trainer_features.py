@@ -219,6 +219,18 @@ def test_a_dict_eval_dataset_gives_one_prefix_per_set(tmp_path, agnews_small, to
     assert whole["eval_loss"] == pytest.approx((metrics["eval_first_loss"] + metrics["eval_second_loss"]) / 2)
 
 
+def test_label_names_that_name_no_key_of_the_evaluation_batches_are_refused(tmp_path, agnews_small, tokenizer):
+    # the collator renames the column "label" to "labels": label_names=["label"] matched nothing, and
+    # evaluate() (as Trainer's) reported no loss and no accuracy without a word
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, label_names=["label"])
+    with pytest.raises(ValueError, match=r"^label_names=\['label'\]: the evaluation batches hold no 'label' "
+                                         r"\(their keys: \['attention_mask', 'input_ids', 'labels'\]\)"):
+        trainer.evaluate()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, label_names=["labels"])
+    assert {"eval_loss", "eval_accuracy"} <= set(trainer.evaluate())
+    assert trainer.predict(agnews_small["test"].remove_columns("label")).label_ids is None  # unlabelled: predictions
+
+
 def test_a_best_metric_that_names_no_set_of_a_dict_eval_dataset_is_refused_before_training(tmp_path, agnews_small,
                                                                                             tokenizer):
     sets = {"first": agnews_small["test"].select(range(16)), "second": agnews_small["test"].select(range(16, 32))}

@@ -148,7 +148,8 @@ class EvaluationMixin:
                            f"drifting apart; lower consensus_lr (--consensus-lr, now {self.args.gamma:g})")
 
     @torch.no_grad()
-    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool) -> EvalLoopOutput:
+    def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool,
+                   labelled: bool = False) -> EvalLoopOutput:
         """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch, then the callbacks'
         ``on_prediction_step``).
 
@@ -166,6 +167,8 @@ class EvaluationMixin:
         ``compute_metrics`` gets each batch's tensors instead and ``compute_result=True`` at the
         last batch, whose return is the metrics. ``num_samples``: the samples seen (a loader
         without a length, e.g. over an iterable dataset, counts them as it goes). All as in Trainer.
+        ``labelled`` (evaluation): ValueError at the first batch when it lacks a key the user's
+        ``label_names`` names (Trainer then computes no loss and no metrics, without a word).
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
@@ -181,6 +184,8 @@ class EvaluationMixin:
                        disable=self.args.disable_tqdm or not self.state.is_world_process_zero)
         for step, (batch, last) in enumerate(_flag_last(batches), 1):
             batch = self._prepare_inputs(batch)
+            if labelled and step == 1:
+                self._check_label_names(batch)
             size = find_batch_size(batch)
             seen += size
             loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
@@ -228,6 +233,16 @@ class EvaluationMixin:
             predictions, label_ids = None, None
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=seen)
 
+    def _check_label_names(self, batch) -> None:
+        """ValueError when ``batch`` (a dict of an evaluation batch's tensors) lacks a key of the
+        ``label_names`` the user set; their default (None: the model's label arguments) passes."""
+        names = self.label_names if self.args.label_names is not None else []  # as Trainer: set at construction
+        missing = [name for name in names if name not in batch]
+        if missing:
+            raise ValueError(f"label_names={list(names)}: the evaluation batches hold no {missing[0]!r} (their keys: "
+                             f"{sorted(batch)}), so evaluate() would report no loss and no metrics; name the "
+                             f"batches' label keys, or leave label_names unset for the model's own")
+
     def _speed_metrics(self, prefix: str, start: float, num_samples: int) -> dict[str, float]:
         """Trainer's ``{prefix}_runtime`` (seconds since ``start``), ``{prefix}_samples_per_second``
         and ``{prefix}_steps_per_second`` for one pass over ``num_samples`` evaluation samples."""
@@ -265,7 +280,8 @@ class EvaluationMixin:
         dataloader = self.get_eval_dataloader(eval_dataset)  # None or a name: the trainer's set
         p = metric_key_prefix
         metrics = {f"{p}_consensus_distance": self.consensus_distance()}  # also refreshes self.model
-        averaged = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False)
+        averaged = self._run_model(self.model, dataloader, "eval: average", ignore_keys, keep_outputs=False,
+                                   labelled=True)
         metrics.update(_prefixed(averaged.metrics, p))
         local = [self._run_model(node, dataloader, f"eval: node {i}", ignore_keys, keep_outputs=False).metrics
                  for i, node in zip(self.node_ids, self.nodes)]
