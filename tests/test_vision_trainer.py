@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
-from lp_decentral_nlp.vision import ImageClassifier, load_vision_dataset, with_vision_transforms
+from lp_decentral_nlp.vision import ImageClassifier, load_vision_dataset, vision_transform, with_vision_transforms
 
 PREPROCESSING = {"labels": [str(i) for i in range(10)], "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
 
@@ -34,6 +34,29 @@ def test_the_images_transform_needs_its_columns_kept(digits, tmp_path):
     assert not any(type(m).__name__.startswith("Quant") for m in model.modules())  # refused before the surgery
     with pytest.raises(ValueError, match=r"^eval_dataset makes its samples with a transform"):
         DecentralizedTrainer(model=model, args=arguments(tmp_path), eval_dataset=digits["test"])
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_images_without_a_transform_are_refused_at_construction(remove_unused_columns, tmp_path):
+    """Images as loaded (PIL, no transform) trained until forward's TypeError ("missing 1 required
+    positional argument: 'pixel_values'") at the first step; a collator that makes them passes."""
+    raw = load_vision_dataset("digits")
+    model = ImageClassifier("resnet20", 10)
+    args = arguments(tmp_path, remove_unused_columns=remove_unused_columns)
+    for what, given in (("train_dataset", {"train_dataset": raw["train"]}), ("eval_dataset", {"eval_dataset": raw["test"]})):
+        with pytest.raises(ValueError, match=rf"^{what} has no column 'pixel_values', which ImageClassifier.forward "
+                                             r"requires \(columns: \['image', 'label'\]\): make it with a transform"):
+            DecentralizedTrainer(model=model, args=args, **given)
+    if remove_unused_columns:
+        return
+    make = vision_transform("digits", train=True)  # the transform, as a collator
+
+    def collate(rows):
+        batch = make({"image": [row["image"] for row in rows], "label": [row["label"] for row in rows]})
+        return {"pixel_values": batch["pixel_values"], "labels": batch["label"]}
+    trainer = DecentralizedTrainer(model=model, args=args, train_dataset=raw["train"], data_collator=collate)
+    trainer.train()
+    assert trainer.state.global_step == 2
 
 
 def test_labels_beyond_the_image_classifiers_classes_are_refused_at_construction(digits, tmp_path):

@@ -183,21 +183,39 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     return values
 
 
-def check_transform_columns(dataset, model, args, what: str) -> None:
-    """ValueError when ``dataset`` makes its samples with a transform (``with_transform``,
-    ``set_transform``: e.g. the vision images' :func:`~lp_decentral_nlp.vision.with_vision_transforms`)
-    and ``remove_unused_columns`` would drop, before the transform runs, columns the model's
-    ``forward`` does not take (the transform reads them: a KeyError at the first batch, as in
-    Trainer). ``what`` names the argument."""
-    if not args.remove_unused_columns or not isinstance(dataset, Dataset) or dataset.format["type"] != "custom":
+def check_columns(dataset, model, args, what: str, collator_given: bool) -> None:
+    """ValueError, before training, when the batches of ``dataset`` (a ``datasets.Dataset``) cannot
+    hold what the model's ``forward`` needs; ``what`` names the argument:
+
+    - it makes its samples with a transform (``with_transform``, ``set_transform``: e.g. the vision
+      images' :func:`~lp_decentral_nlp.vision.with_vision_transforms`) and ``remove_unused_columns``
+      would drop, before the transform runs, columns ``forward`` does not take (the transform reads
+      them: a KeyError at the first batch, as in Trainer);
+    - it has no transform, the user passed no ``data_collator`` (``collator_given``), and it lacks
+      an argument ``forward`` requires (one without a default, e.g. `ImageClassifier`'s
+      ``pixel_values`` beside a column of PIL images), which Trainer's default collators do not
+      make (they pad, and rename ``label``/``label_ids`` to ``labels``): a TypeError in
+      ``forward`` at the first step, as in Trainer."""
+    if not isinstance(dataset, Dataset):
         return
-    forward = unwrap_peft_model(model).forward
-    takes = set(inspect.signature(forward).parameters) | {"label", "label_ids", *(args.label_names or ())}
-    dropped = [column for column in dataset.column_names if column not in takes]
-    if dropped:
-        raise ValueError(f"{what} makes its samples with a transform (with_transform/set_transform), and "
-                         f"remove_unused_columns=True would drop {dropped} before it runs ({type(model).__name__}"
-                         ".forward does not take them): pass remove_unused_columns=False")
+    parameters = inspect.signature(unwrap_peft_model(model).forward).parameters
+    takes = set(parameters) | {"label", "label_ids", *(args.label_names or ())}
+    if dataset.format["type"] == "custom":
+        dropped = [column for column in dataset.column_names if column not in takes]
+        if args.remove_unused_columns and dropped:
+            raise ValueError(f"{what} makes its samples with a transform (with_transform/set_transform), and "
+                             f"remove_unused_columns=True would drop {dropped} before it runs ({type(model).__name__}"
+                             ".forward does not take them): pass remove_unused_columns=False")
+        return
+    batch_keys = set(dataset.column_names)
+    if batch_keys & {"label", "label_ids"}:  # the collators rename them
+        batch_keys.add("labels")
+    required = [name for name, p in parameters.items() if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in batch_keys]
+    if required and not collator_given:
+        raise ValueError(f"{what} has no column {required[0]!r}, which {type(model).__name__}.forward requires "
+                         f"(columns: {dataset.column_names}): make it with a transform (with_transform; for images "
+                         "lp_decentral_nlp.vision.with_vision_transforms), or pass a data_collator that makes it")
 
 
 def check_labels(dataset, num_labels: int | None, what: str) -> None:

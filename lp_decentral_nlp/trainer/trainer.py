@@ -58,7 +58,7 @@ from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
 from .model_card import write_model_card
 from .preemption import SigtermWatch
-from .node_data import NodeDataMixin, check_labels, check_transform_columns, read_shard_labels
+from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels
 from .node_group import NodeGroup
 from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
 from .rng import NodeRNG
@@ -248,12 +248,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         node_group = NodeGroup(args.num_nodes, args.backend)
         num_classes = _class_count(model)  # the bound of the labels of every data set (None: not a classifier)
         shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, num_classes)
-        check_transform_columns(train_dataset, model, args, "train_dataset")
+        collator_given = kwargs.get("data_collator") is not None
+        check_columns(train_dataset, model, args, "train_dataset", collator_given)
         eval_dataset = kwargs.get("eval_dataset")  # checked now, not at the first evaluation after training began
         for name, part in (eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]):
             what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
             check_labels(part, num_classes, what)
-            check_transform_columns(part, model, args, what)
+            check_columns(part, model, args, what, collator_given)
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         sigterm_handler = signal.getsignal(signal.SIGTERM)
