@@ -451,7 +451,7 @@ def test_save_only_model_still_loads_the_best_model_at_end(tmp_path, agnews, tok
 
 @pytest.mark.parametrize("save_steps", [4, 3], ids=["checkpoint-written-on-sigterm", "save-step-already-wrote-it"])
 def test_sigterm_with_enable_jit_checkpoint_checkpoints_the_step_and_stops_resumably(tmp_path, agnews, tokenizer,
-                                                                                     save_steps):
+                                                                                     save_steps, caplog):
     """SIGTERM no longer ends the process mid-step: the step ends, a checkpoint is written (or the
     save steps' one at that step kept), training stops, and the run resumes from it to the result
     of a run never stopped; the previous SIGTERM handler is back afterwards."""
@@ -465,6 +465,7 @@ def test_sigterm_with_enable_jit_checkpoint_checkpoints_the_step_and_stops_resum
     assert not [cb for cb in stopped.callback_handler.callbacks if type(cb).__name__ == "JITCheckpointCallback"]
     stopped.train()
     assert stopped.stopped_by_sigterm and stopped.state.global_step == 3
+    assert f"stopped at step 3 on SIGTERM; resume from {tmp_path / 'stopped' / 'checkpoint-3'}" in caplog.text
     assert signal.getsignal(signal.SIGTERM) is before
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "stopped")] == [3]
     straight, m_straight = run(tmp_path / "straight", agnews, tokenizer, **kw)

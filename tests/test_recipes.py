@@ -277,6 +277,7 @@ def test_sigterm_with_enable_jit_checkpoint_exits_143_naming_the_checkpoint(tiny
     (step, checkpoint), = list_checkpoints(out)
     assert stderr.strip().splitlines()[-1] == (f"agnews_choco.py: stopped at step {step} on SIGTERM: resume with "
                                                f"--resume-from-checkpoint {checkpoint}")
+    assert stderr.count(f"stopped at step {step}") == 1  # the library's warning said it too, in other words
     results = json.loads((out / "results.json").read_text())
     assert (results["status"], results["step"], results["next"]) == (
         "stopped", step, f"resume with --resume-from-checkpoint {checkpoint}")

@@ -513,7 +513,7 @@ class CheckpointMixin:
         step = self.state.global_step
         if self._checkpoint_step != step:
             self._save_checkpoint(self.model, None)
-        if self.state.is_world_process_zero:
+        if self.state.is_world_process_zero and self.log_sigterm_stop:
             logger.warning(f"stopped at step {step} on SIGTERM; resume from "
                            f"{checkpoint_dir(self.args.output_dir, step)}")
         self.stopped_by_sigterm = True

@@ -202,8 +202,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
     (``torch.amp.GradScaler`` per node with float16 mixed precision, else None).
     ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend. ``stopped_by_sigterm``:
     whether the last ``train()`` ended early on SIGTERM (``enable_jit_checkpoint``), after writing
-    a checkpoint at its last step.
+    a checkpoint at its last step. ``log_sigterm_stop`` (class attribute, True): whether that stop
+    is logged as a warning naming the checkpoint to resume from (the recipes set it False on their
+    trainer and print a line naming their flag instead).
     """
+
+    log_sigterm_stop = True
 
     def __init__(self, model=None, args: DecentralizedTrainingArguments | None = None, *, quant_config=None, **kwargs):
         if args is None:  # as Trainer: the default arguments, writing to tmp_trainer
