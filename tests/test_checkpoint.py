@@ -168,6 +168,10 @@ def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, agn
     straight, _ = run(tmp_path / "straight", agnews, tokenizer, **kw)
     for a, b in zip(straight.nodes, resumed.nodes):
         assert same(a.state_dict(), b.state_dict())
+    # resumed in its own folder, into a shorter run: the next checkpoint written there removes the
+    # crashed save's folder (it stayed for good when the run never saved at step 4 again)
+    run(tmp_path, agnews, tokenizer, resume=True, **{**kw, "max_steps": 3, "save_steps": 3})
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
 
 
 def test_a_save_at_an_existing_step_replaces_it_and_rotation_keeps_the_newest(tmp_path):

@@ -4,8 +4,8 @@ A checkpoint of a decentralized run is the directory ``output_dir/checkpoint-<st
 are written into ``output_dir/checkpoint-<step>.partial/`` (each one to a ``.tmp`` name, flushed,
 fsynced and renamed), and the directory is renamed to ``checkpoint-<step>`` only once every file
 is complete. A crash at any point therefore leaves every earlier checkpoint untouched and at most
-a ``.partial`` directory, which :func:`list_checkpoints` ignores and the next save at that step
-replaces. The manifest (:data:`MANIFEST`) is written last and lists the node files; a directory
+a ``.partial`` directory, which :func:`list_checkpoints` ignores and the next checkpoint the
+output folder gets removes. The manifest (:data:`MANIFEST`) is written last and lists the node files; a directory
 is *complete* when the manifest and every file it lists are there.
 
 Nested state (optimizer and scheduler state dicts, RNG states, ...) is split by
@@ -46,6 +46,7 @@ MANIFEST = "decentralized_state.json"
 FORMAT = "lp_decentral_nlp.decentralized_checkpoint"
 VERSION = 1
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_UNFINISHED_DIR = re.compile(r"^checkpoint-\d+\.(partial|replaced)$")  # left by a crash in a save or a commit
 _STATE_KEY = "state"  # safetensors metadata entry holding the JSON skeleton
 _MANIFEST_KEYS = ("global_step", "data", "config", "logging", "files")
 
@@ -196,7 +197,9 @@ def prepare_staging(output_dir, step: int) -> Path:
 
 def commit(output_dir, step: int) -> Path:
     """Rename the complete staging directory to ``checkpoint-<step>`` (replacing an older one at
-    the same step) and return its path."""
+    the same step), remove what a crashed save or commit left in ``output_dir`` (other
+    ``checkpoint-<n>.partial`` / ``.replaced`` directories: a run writes one checkpoint at a time)
+    and return its path."""
     staging, final = staging_dir(output_dir, step), checkpoint_dir(output_dir, step)
     if not is_complete(staging):
         raise RuntimeError(f"{staging} is not complete: refusing to publish it as {final.name}")
@@ -211,6 +214,9 @@ def commit(output_dir, step: int) -> Path:
     else:
         os.replace(staging, final)
     _fsync_dir(final.parent)
+    for stale in final.parent.iterdir():
+        if _UNFINISHED_DIR.match(stale.name) and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
     return final
 
 
