@@ -168,10 +168,26 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError(f"optim={optim!r} is not supported by DecentralizedTrainer ({refused}): use adamw_torch, "
                              f"sgd or another optimizer that steps in optimizer.step()")
         self._refuse_ignored_optim_args(optim)
+        self._check_qgm_beta()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:
             check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
+
+    def _check_qgm_beta(self):
+        """:func:`qgm_beta_problem` of ``optim``'s optimizer (``optimizer_cls_and_kwargs``, which the
+        trainer takes, is checked there)."""
+        if not self.qgm or self.qgm_beta == type(self).__dataclass_fields__["qgm_beta"].default:
+            return
+        from transformers import Trainer
+
+        try:
+            optimizer_cls = Trainer.get_optimizer_cls_and_kwargs(self, torch.nn.Linear(1, 1))[0]
+        except ImportError:  # the optimizer's package is not installed: the trainer says so when it builds it
+            return
+        problem = qgm_beta_problem(self, optimizer_cls)
+        if problem:
+            raise ValueError(problem)
 
     def _refuse_ignored_optim_args(self, optim: str):
         """An ``optim_args`` entry the optimizer does not read: transformers drops it silently (every
@@ -311,3 +327,14 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def gamma(self) -> float:
         """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
         return self.gossip_config.gamma
+
+
+def qgm_beta_problem(args: DecentralizedTrainingArguments, optimizer_cls) -> str | None:
+    """Why ``args.qgm_beta`` cannot apply to ``optimizer_cls``, or None: it is the factor of SGD's
+    quasi-global momentum buffer (SPEC 2), and with Adam/AdamW (``torch.optim.Adam`` and
+    subclasses) the quasi-global first moment uses ``adam_beta1``, so it must keep its default."""
+    default = DecentralizedTrainingArguments.qgm_beta
+    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam) and args.qgm_beta != default:
+        return (f"qgm_beta={args.qgm_beta} applies to SGD; with {optimizer_cls.__name__} the quasi-global first moment "
+                f"uses adam_beta1 ({args.adam_beta1}): set adam_beta1 instead and leave qgm_beta at {default}")
+    return None

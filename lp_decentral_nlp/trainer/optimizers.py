@@ -16,7 +16,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .. import gossip as gossip_lib
-from .arguments import DecentralizedTrainingArguments
+from .arguments import DecentralizedTrainingArguments, qgm_beta_problem
 
 logger = logging.get_logger(__name__)
 
@@ -35,10 +35,9 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
     if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, (torch.optim.SGD, torch.optim.Adam)):
         raise ValueError(f"qgm=True needs an SGD or Adam/AdamW optimizer (QGM replaces its momentum), got {where} "
                          f"({name}): use optim='adamw_torch' or 'sgd', or qgm=False")
-    default_beta = DecentralizedTrainingArguments.qgm_beta
-    if issubclass(optimizer_cls, torch.optim.Adam) and args.qgm_beta != default_beta:
-        raise ValueError(f"qgm_beta={args.qgm_beta} applies to SGD; with {name} the quasi-global first moment uses "
-                         f"adam_beta1 ({args.adam_beta1}): set adam_beta1 instead and leave qgm_beta at {default_beta}")
+    problem = qgm_beta_problem(args, optimizer_cls)
+    if problem:
+        raise ValueError(problem)
 
 
 def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None) -> str:
