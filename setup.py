@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["lp_decentral_nlp", "lp_decentral_nlp.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # A range that the local CPU build torch==2.13.0 satisfies (install it first); only 2.13 is tested.
+        # A range that the local CPU build torch==2.13.0 satisfies (install it first); only 2.13 (CPU) is tested in CI.
         "torch>=2.2",
         # The oldest releases the test suite passes with (docs/design.md, "Dependency versions").
         "transformers>=5.23",

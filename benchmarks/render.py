@@ -60,6 +60,7 @@ BENCHMARKS = {
         "gradients stay fp32 GEMMs (the step less two thirds of those GEMMs). `conv_sweep`: one 3x3 Conv2d per "
         "width and input size (`w@s`, batch 32, with its forward multiply-adds; simulated and int8 against fp32), "
         "the data behind `kernel=\"auto\"`'s thresholds for convolutions (16 channels, 2**26 multiply-adds)."),
+    "bench_8bit_cuda": None,  # below: bench_8bit's, and what its default ran
     "bench_quant": (
         "8-bit training step",
         "Time and peak tensor memory of one training step (forward, backward, fused AdamW) of a "
@@ -85,6 +86,7 @@ BENCHMARKS = {
         "ratio of their median round times, the kernel the 8-bit layers ran, and `fp32_weight_gradient_floor`: "
         "from one profiled fp32 round, as for `bench_8bit`, the ratio below which no 8-bit round can go while its "
         "weight gradients stay fp32 GEMMs."),
+    "bench_round_cuda": None,  # below: bench_round's, and what its 8-bit round ran
     "bench_simulator": (
         "Simulated decentralized round",
         "A `DecentralizedTrainer` round of n simulated nodes (local steps, NaN check, gossip) against n plain "
@@ -103,6 +105,14 @@ BENCHMARKS = {
         "consensus distance. The file name carries the skew; the accuracy over training is plotted in "
         "[vision_norm_comparison.png](vision_norm_comparison.png)."),
 }
+#: the CUDA records were measured while ``auto`` still chose int8 on CUDA (it runs the simulated
+#: kernel off the CPU since): what their "default" ran, said beside bench_8bit's and bench_round's text
+_BEFORE_AUTO_ON_CUDA = (" On CUDA this record predates `auto` running the simulated kernel there: its {what} ran the "
+                        "int8 kernel (`torch._int_mm`, see `kernels`), which is not today's CUDA default{today}.")
+BENCHMARKS["bench_8bit_cuda"] = (BENCHMARKS["bench_8bit"][0], BENCHMARKS["bench_8bit"][1] + _BEFORE_AUTO_ON_CUDA.format(
+    what="`default` model", today=" (that is its `simulated` column)"))
+BENCHMARKS["bench_round_cuda"] = (BENCHMARKS["bench_round"][0], BENCHMARKS["bench_round"][1] + _BEFORE_AUTO_ON_CUDA.format(
+    what="8-bit round", today="; the simulated kernel's round on CUDA is not measured"))
 
 _UNITS = (("_gb_s", "GB/s"), ("_mib", "MiB"), ("_bytes", "bytes"), ("_s", "s"))
 
