@@ -65,7 +65,7 @@ def _process_output_restored():
 @pytest.fixture
 def ag_news_csv():
     if not AG_NEWS_CSV.exists():
-        pytest.skip(f"real AG News sample not found at {AG_NEWS_CSV} (set LPDN_SHARED)")
+        pytest.skip(f"real AG News sample not found at {AG_NEWS_CSV} (set LPDN_SHARED to the folder holding data/ag_news/)")
     return AG_NEWS_CSV
 
 
