@@ -96,6 +96,17 @@ def test_running_range_uses_pytorch_momentum_convention():
     assert rmin.item() == pytest.approx(0.9 * -2.0 + 0.1 * -1.0)
     assert rmax.item() == pytest.approx(0.9 * 4.0 + 0.1 * 6.0)
     assert n.item() == 2
+    update_running_range(rmin, rmax, n, torch.tensor(float("nan")), torch.tensor(6.0), 0.1)
+    assert n.item() == 2 and rmin.item() == pytest.approx(0.9 * -2.0 + 0.1 * -1.0)  # a NaN batch is left out
+
+
+def test_running_range_on_a_device_reads_no_value_back():
+    """Off the CPU the update is device ops only (a CPU range is read on the host, a device's would
+    wait for it): meta tensors, whose values cannot be read, run it."""
+    rmin, rmax, n = (torch.zeros((), device="meta", dtype=dtype) for dtype in (torch.float32, torch.float32, torch.long))
+    update_running_range(rmin, rmax, n, torch.zeros((), device="meta"), torch.ones((), device="meta"), 0.1)
+    with pytest.raises(RuntimeError, match="meta"):
+        rmin.item()  # what the CPU path does, refused here
 
 
 def test_stochastic_rounding_of_a_strided_tensor_uses_every_element_once():
