@@ -37,8 +37,10 @@ POLICY: dict[str, str] = {
     "do_eval": SCRIPT,
     "do_predict": SCRIPT,
     "resume_from_checkpoint": HONOURED,
-    "remove_unused_columns": HONOURED,
-    "label_names": HONOURED,
+    "remove_unused_columns": HONOURED + " (a dataset with a transform it would cut the columns of, or one lacking an "
+                                        "argument the model's forward requires, is refused at construction)",
+    "label_names": HONOURED + " (evaluate() refuses names its batches lack: Trainer would report no loss and no "
+                              "metrics)",
     "dataloader_num_workers": HONOURED + " (each batch is read and collated under a seed of its own, so random "
                                          "transforms draw the same numbers with any number of workers and after a "
                                          "resume)",
