@@ -146,6 +146,13 @@ def check_fields(obj, names) -> None:
             object.__setattr__(obj, name, plain)
 
 
+def check_flag(name: str, value) -> None:
+    """ValueError ``"<name> must be True or False, got <value!r>"`` unless ``value`` is a bool: a
+    string such as ``"no"`` or ``"false"`` is truthy and would switch the setting on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_choice(name: str, value, allowed) -> None:
     """ValueError ``"<name> must be one of <allowed>, got <value!r>"`` unless ``value in allowed``."""
     if value not in allowed:

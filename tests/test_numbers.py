@@ -15,7 +15,8 @@ from lp_decentral_nlp.gossip import QSGD, ChocoSGD, GossipConfig, Identity, TopK
 from lp_decentral_nlp.quant import QuantConfig
 from lp_decentral_nlp.trainer import DecentralizedTrainingArguments
 from lp_decentral_nlp.utils.cpu_malloc import MAX_MMAP_THRESHOLD, keep_freed_memory
-from lp_decentral_nlp.vision import norm_act, resnet20
+from lp_decentral_nlp import quantize_model
+from lp_decentral_nlp.vision import EvoNormS0, norm_act, resnet20, vision_transform
 
 
 def _plain(value, kind):
@@ -89,3 +90,20 @@ def test_check_number_returns_python_numbers():
     assert check_number("x", None, Number(optional=True)) is None
     with pytest.raises(ValueError, match=r"^x must be a number >= 0, got None"):
         check_number("x", None, Number(low=0))
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda v: DecentralizedTrainingArguments(output_dir="unused", final_merge=v), "final_merge"),
+    (lambda v: DecentralizedTrainingArguments(output_dir="unused", qgm=v), "qgm"),
+    (lambda v: DecentralizedTrainingArguments(output_dir="unused", skip_nonfinite=v), "skip_nonfinite"),
+    (lambda v: DecentralizedTrainingArguments(output_dir="unused", tune_cpu_malloc=v), "tune_cpu_malloc"),
+    (lambda v: vision_transform("digits", train=v), "train"),
+    (lambda v: EvoNormS0(8, apply_act=v), "apply_act"),
+    (lambda v: quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), dry_run=v), "dry_run"),
+])
+def test_a_switch_takes_only_true_or_false(build, name):
+    """A string switch is truthy: final_merge="no" merged, tune_cpu_malloc="false" tuned the
+    allocator, train="no" augmented, dry_run="no" changed nothing and returned the report."""
+    for value in ("no", 1, np.bool_(False)):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False, got "):
+            build(value)

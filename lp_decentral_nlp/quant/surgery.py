@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
+from ..checks import check_flag
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
 from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
 from .kernels import AUTO, describe_kernel, resolve_kernel
@@ -143,6 +144,7 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     config = QuantConfig() if config is None else config
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    check_flag("dry_run", dry_run)
     already = [n for n, m in model.named_modules() if isinstance(m, QuantModule)]
     if already:
         raise ValueError(f"model is already quantized ({len(already)} 8-bit layers, e.g. {already[0]!r}); "

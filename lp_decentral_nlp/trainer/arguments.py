@@ -15,7 +15,7 @@ from transformers import TrainingArguments, training_args
 from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import Number, check_choice, check_fields, parse_absence, parse_straggler, plain_number
+from ..checks import Number, check_choice, check_fields, check_flag, parse_absence, parse_straggler, plain_number
 from ..gossip.factory import COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
@@ -127,6 +127,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_fields(self, NUMBER_SETTINGS)
+        for name in ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc"):
+            check_flag(name, getattr(self, name))  # low_precision: GossipConfig's check
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         check_choice("quant_kernel", self.quant_kernel, kernel_names())
         if not self.low_precision and self.quant_kernel != AUTO:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import datasets
 from transformers.utils import logging
 
-from ..checks import NONNEGATIVE_INT, POSITIVE_INT, check_field, check_number
+from ..checks import NONNEGATIVE_INT, POSITIVE_INT, check_field, check_flag, check_number
 from ..data import load_saved_dataset
 
 logger = logging.get_logger(__name__)
@@ -459,6 +459,7 @@ class VisionTransform:
     def __init__(self, image_size: int, mean, std, train: bool, padding: int = 0):
         image_size = check_number("image_size", image_size, POSITIVE_INT)
         padding = check_number("padding", padding, NONNEGATIVE_INT)
+        check_flag("train", train)
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"mean and std must hold 3 values (RGB), std > 0; got {mean}, {std}")
         self.image_size, self.train, self.padding = image_size, train, padding

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..checks import POSITIVE_INT, Number, check_number
+from ..checks import POSITIVE_INT, Number, check_flag, check_number
 from ..utils.layout import dense_like
 
 __all__ = [
@@ -297,6 +297,7 @@ class _GroupNormAct(nn.Module):
         super().__init__()
         num_channels, groups = _checked_channels_groups(num_channels, groups)
         _check_eps(eps)
+        check_flag("apply_act", apply_act)
         self.num_channels, self.groups, self.eps, self.apply_act = num_channels, groups, eps, apply_act
         self.weight = nn.Parameter(torch.ones(num_channels))
         self.bias = nn.Parameter(torch.zeros(num_channels))
