@@ -321,6 +321,10 @@ def test_quantized_model_priced_like_its_float_plan(config):
         assert table.inference.fp32_mults == 2 * rows
     with pytest.raises(ValueError, match="already quantized"):
         estimate_cost(quantized, (8,), 2, "int8", quant_config=QuantConfig())
+    # the default precision priced the 8-bit layers as float layers, with quantized_mac_share 0
+    with pytest.raises(ValueError, match=r"^precision='fp32' prices every layer in fp32, and the model has \d+ 8-bit "
+                                         r"layers \(quantize_model\): use precision='int8'"):
+        estimate_cost(quantized, (8,), 2)
     skip_pooler = estimate_cost(model, (8,), 2, "int8", quant_config=QuantConfig(skip=("classifier", "pooler")))
     assert layer(skip_pooler, "bert.pooler.dense").precision == "fp32"
 

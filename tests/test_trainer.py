@@ -144,6 +144,14 @@ def test_a_model_without_trainable_parameters_is_refused(tmp_path, agnews_small,
                              processing_class=tokenizer)
 
 
+def test_the_cost_report_names_a_bad_input_shape(tmp_path, agnews_small, tokenizer):
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=agnews_small["train"],
+                                   processing_class=tokenizer)
+    assert trainer.cost_report((16,)).precision == "int8"
+    with pytest.raises(ValueError, match=r"^input_shape must be a non-empty tuple of positive ints, got 16$"):
+        trainer.cost_report(16)  # was "TypeError: 'int' object is not iterable"
+
+
 @pytest.mark.parametrize("kwargs, word", [
     (dict(num_nodes=0), "num_nodes"), (dict(compression=100.0), "compression"), (dict(skew=1.5), "skew"),
     (dict(algorithm="gossip"), "algorithm"), (dict(backend="mpi"), "backend"), (dict(topology="star"), "topology"),

@@ -228,7 +228,8 @@ def estimate_cost(
             ``"int8"`` (default ``QuantConfig()``: what ``quantize_model`` would swap, every
             Linear/Conv1D/Conv2d but the heads, and with ``lp_decentral_nlp.vision`` imported its
             EvoNorm-S0 / Range norms; ``embeddings=True`` adds the embeddings). A model already
-            passed through ``quantize_model`` uses its own 8-bit layers instead.
+            passed through ``quantize_model`` uses its own 8-bit layers instead (and is refused
+            with ``"fp32"``, which would price them as float layers).
         optimizer: ``"sgd"`` (no state), ``"momentum"`` (1 buffer, SGD/Nesterov), ``"adam"`` (2),
             ``"sgd_qgm"`` (2) or ``"adam_qgm"`` (3): quasi-global momentum's model snapshot on top
             (``OPTIMIZER_STATES``; ``lp_decentral_nlp.trainer.cost_optimizer`` names a run's).
@@ -266,6 +267,13 @@ def estimate_cost(
     if precision == "fp32" and quant_config is not None:
         raise ValueError("quant_config selects the 8-bit layers of precision='int8'; precision='fp32' prices every "
                          "layer in fp32: drop quant_config or use precision='int8'")
+    if precision == "fp32":
+        from lp_decentral_nlp.quant import QuantModule
+
+        own = sum(isinstance(m, QuantModule) for m in model.modules())
+        if own:
+            raise ValueError(f"precision='fp32' prices every layer in fp32, and the model has {own} 8-bit layers "
+                             "(quantize_model): use precision='int8' to price them, or estimate the float model")
     shape = tuple(input_shape) if isinstance(input_shape, (tuple, list, torch.Size)) else ()
     if not shape or not all(POSITIVE_INT.admits(s) for s in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")

@@ -540,7 +540,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs)
         bs = self.args.per_device_train_batch_size
         samples_per_node = min(len(s) for s in self._checked_shards())  # an epoch: the smallest shard's batches
-        return estimate_cost(self.nodes[0], tuple(input_shape), bs,
+        return estimate_cost(self.nodes[0], input_shape, bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
                              gossip=self.gossip, samples_per_node=samples_per_node)
 
