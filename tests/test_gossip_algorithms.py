@@ -383,6 +383,9 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         with pytest.raises(ValueError, match=r"^nodes\[1\] holds tensors of shapes \[\(3,\)\], nodes\[0\] of "
                                              r"\[\(2,\)\]: every node must hold the same model$"):
             summary([[torch.zeros(2)], [torch.zeros(3)]])
+        with pytest.raises(ValueError, match=r"^nodes\[0\] holds torch.int64 tensors: the average of a model "
+                                             r"needs floating-point parameters$"):  # was "result type Float can't be cast"
+            summary([[torch.zeros(2, dtype=torch.long)]] * 2)
         with pytest.raises(ValueError, match=r"^nodes must hold at least one node's parameter list, got Tensor$"):
             summary(torch.zeros(2, 3))
     gossip = SGP(ring)
@@ -596,6 +599,9 @@ def test_a_refused_step_changes_nothing_and_the_corrected_call_runs(make):
         gossip.step(wrong_first)
     with pytest.raises(TypeError, match=r"^nodes\[2\] must be a non-empty list of tensors, got str at \[1\]"):
         gossip.step(make_nodes(3)[:2] + [[torch.zeros(12, 10), "b"]])
+    # a NumPy array has a shape, a dtype and a device: it reached "'Float64DType' object has no attribute"
+    with pytest.raises(TypeError, match=r"^nodes\[0\] must be a non-empty list of tensors, got ndarray at \[0\]"):
+        gossip.step([[p.numpy() for p in params] for params in make_nodes(3)])
     reference = make(topo)
     nodes, same = make_nodes(3), make_nodes(3)
     gossip.step(nodes), reference.step(same)  # the corrected call runs, as on a fresh object

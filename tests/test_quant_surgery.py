@@ -9,8 +9,9 @@ from torch import nn
 from torch.nn.utils import prune
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp import QuantConfig, dequantize_model, quantize_model
-from lp_decentral_nlp.quant import DEFAULT_SKIP, QUANT_LAYERS, QuantEmbedding, QuantLinear, QuantModule, register_quant_layer
+from lp_decentral_nlp import QuantConfig, dequantize_model, export_int8_state_dict, kernel_report, quantize_model
+from lp_decentral_nlp.quant import (DEFAULT_SKIP, QUANT_LAYERS, QuantEmbedding, QuantLinear, QuantModule,
+                                    dequantize_int8_state_dict, register_quant_layer)
 from lp_decentral_nlp.quant.surgery import CONFIG_KEY
 
 LINEAR_NAMES = ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2")
@@ -567,3 +568,13 @@ def test_default_keeps_every_task_head_float(arch):
         name = next(n for n, m in model.named_modules() if m is head)
         assert name in quantize_model(model, QuantConfig(skip=DEFAULT_SKIP + ("nothing",)), dry_run=True).skipped
         assert name in quantize_model(model, QuantConfig(skip=()), dry_run=True).quantized
+
+
+@pytest.mark.parametrize("call", [dequantize_model, kernel_report, export_int8_state_dict],
+                         ids=["dequantize_model", "kernel_report", "export_int8_state_dict"])
+def test_the_functions_that_walk_a_model_name_a_non_module(call):
+    """They failed on .modules() ("'str' object has no attribute 'modules'"), as quantize_model did not."""
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got str$"):
+        call("model")
+    with pytest.raises(TypeError, match=r"^state_dict must be a mapping of names to tensors"):
+        dequantize_int8_state_dict([1, 2])

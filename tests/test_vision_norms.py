@@ -248,6 +248,11 @@ def test_argument_errors():
         EvoNormS0(4, eps=0.0)
     with pytest.raises(ValueError, match="momentum"):
         RangeBatchNorm2d(4, momentum=1.5)
+    # a string was "'<' not supported between instances of 'float' and 'str'"
+    with pytest.raises(ValueError, match=r"^momentum must be a number in \(0, 1\], got '0.1'$"):
+        RangeBatchNorm2d(4, momentum="0.1")
+    with pytest.raises(ValueError, match=r"^eps must be a number > 0, got '1e-5'$"):
+        EvoNormS0(4, eps="1e-5")
     with pytest.raises(ValueError, match="num_features"):
         RangeBatchNorm2d(0)
     with pytest.raises(ValueError, match=r"\(N, 4, H, W\)"):

@@ -777,11 +777,10 @@ def _tensor_layout(k: int, params) -> list[tuple[tuple[int, ...], torch.dtype, t
     if not isinstance(params, (list, tuple)) or not params:
         got = "an empty list" if isinstance(params, (list, tuple)) else type(params).__name__
         raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {got}")
-    try:
-        return [(tuple(p.shape), p.dtype, p.device) for p in params]
-    except AttributeError:
-        j, bad = next((j, p) for j, p in enumerate(params) if not isinstance(p, torch.Tensor))
-        raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(bad).__name__} at [{j}]") from None
+    bad = next(((j, p) for j, p in enumerate(params) if not isinstance(p, torch.Tensor)), None)
+    if bad is not None:  # a NumPy array has a shape, a dtype and a device too
+        raise TypeError(f"nodes[{k}] must be a non-empty list of tensors, got {type(bad[1]).__name__} at [{bad[0]}]")
+    return [(tuple(p.shape), p.dtype, p.device) for p in params]
 
 
 def _check_writable(k: int, params) -> None:
@@ -821,7 +820,7 @@ def gossiped_parameters(model: torch.nn.Module) -> ParamList:
 
 def average_model(nodes: list[ParamList]) -> ParamList:
     """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors. ``nodes``: one
-    non-empty list of tensors per node, the same shapes on every node."""
+    non-empty list of floating-point tensors per node, the same shapes on every node."""
     if not isinstance(nodes, (list, tuple)) or not nodes:
         got = "none" if isinstance(nodes, (list, tuple)) else type(nodes).__name__
         raise ValueError(f"nodes must hold at least one node's parameter list, got {got}")
@@ -830,6 +829,10 @@ def average_model(nodes: list[ParamList]) -> ParamList:
         if (not isinstance(params, (list, tuple)) or not params
                 or not all(isinstance(p, torch.Tensor) for p in params)):
             raise ValueError(f"nodes[{k}] must be a non-empty list of tensors")
+        integral = next((p.dtype for p in params if not p.is_floating_point()), None)
+        if integral is not None:
+            raise ValueError(f"nodes[{k}] holds {integral} tensors: the average of a model needs floating-point "
+                             "parameters")
         if shapes is None:
             shapes = [tuple(p.shape) for p in params]
         elif [tuple(p.shape) for p in params] != shapes:

@@ -12,13 +12,14 @@ norms, heads kept full precision, activation-range buffers) is copied as is.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from .functional import quantize_codes, tensor_range
 from .hf_quantizer import ACTIVATION_RANGE_KEYS
-from .layers import QuantEmbedding, QuantGemmLayer, QuantModule
+from .layers import QuantEmbedding, QuantGemmLayer, QuantModule, check_module
 
 SCALE_SUFFIX, OFFSET_SUFFIX = "_scale", "_offset"
 EMBEDDING_BITS = 8
@@ -52,6 +53,7 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
             instead of ~1.9x. (Tables quantized in training, ``QuantConfig(embeddings=True)``, are
             quantized layers and exported with their own codes either way.)
     """
+    check_module(model)
     if not isinstance(embeddings, bool):
         raise TypeError(f"embeddings must be a bool, got {embeddings!r}")
     exact = {f"{n}.weight": (m.quant_config.bits, tensor_range) for n, m in model.named_modules()
@@ -109,6 +111,9 @@ def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor],
     """
     if not isinstance(activation_ranges, bool):
         raise TypeError(f"activation_ranges must be a bool, got {activation_ranges!r}")
+    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
+        raise TypeError(f"state_dict must be a mapping of names to tensors (export_int8_state_dict's output), got "
+                        f"{type(state_dict).__name__}")
     coded = {k for k, v in state_dict.items() if v.dtype == torch.int8 and k + SCALE_SUFFIX in state_dict}
     extras = {k + s for k in coded for s in (SCALE_SUFFIX, OFFSET_SUFFIX)}
     if not activation_ranges:

@@ -308,6 +308,13 @@ class QuantGemmLayer(ActivationQuantizer):
         return f"{super().extra_repr()}, bits={c.bits}, grad_bits={c.grad_bits}, kernel={c.kernel}"
 
 
+def check_module(model, what: str = "model") -> None:
+    """TypeError ``"<what> must be a torch.nn.Module, got <type>"`` unless `model` is one: the
+    functions that walk a model's layers say so instead of failing on ``.modules()``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what} must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def kernel_report(model: nn.Module) -> dict[str, str]:
     """``{module name: kernel name}`` for every 8-bit GEMM layer of `model`: the kernel its last
     forward ran, or for a layer not called yet the one ``resolve_kernel`` picks from the layer's
@@ -315,6 +322,7 @@ def kernel_report(model: nn.Module) -> dict[str, str]:
     a convolution call's size, so a convolution's calls may run another kernel (and an evaluation
     at another batch size another than training's: ``trainer.TrainingKernelsCallback`` keeps the
     training steps'). Empty when nothing is quantized."""
+    check_module(model)
     return {name: getattr(module, "last_kernel", None) or module.kernel().name
             for name, module in model.named_modules() if isinstance(module, QuantGemmLayer)}
 

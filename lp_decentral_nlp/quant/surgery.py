@@ -23,7 +23,7 @@ from ..checks import check_flag
 from .config import DEFAULT_SKIP, QuantConfig, name_matches
 from .hf_quantizer import QUANT_METHOD, LpHfQuantizer, LpQuantizationConfig
 from .kernels import AUTO, describe_kernel, resolve_kernel
-from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantGemmLayer, QuantLinear, QuantModule
+from .layers import QuantConv1D, QuantConv2d, QuantEmbedding, QuantGemmLayer, QuantLinear, QuantModule, check_module
 
 CONFIG_KEY = "quantization_config"
 # quantize_model warns when more than this share of the weight elements it is asked to quantize
@@ -139,8 +139,7 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     """:func:`quantize_model`; ``reloading`` (``from_pretrained`` of a saved 8-bit model) allows
     patterns matching nothing and does not warn: both were checked and said on the model saved
     (which may be of another class: a task checkpoint loaded as its base model lacks its head)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module(model)
     config = QuantConfig() if config is None else config
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
@@ -220,6 +219,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
             the record and the quantizer belong to that one, whose other 8-bit layers would stay 8-bit
             under a config saying float.
     """
+    check_module(model)
     selected = {id(m) for m in model.modules() if isinstance(m, QuantModule)}
     if not selected:
         raise ValueError("dequantize_model: model has no quantized layers")

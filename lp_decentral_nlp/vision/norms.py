@@ -72,9 +72,8 @@ def _checked_channels_groups(num_channels: int, groups: int) -> tuple[int, int]:
     return num_channels, groups
 
 
-def _check_eps(eps: float) -> None:
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+#: a norm's eps (added to the variance) and running-statistics momentum (PyTorch's convention)
+EPS, MOMENTUM = Number(low=0, low_open=True), Number(low=0, high=1, low_open=True, optional=True)
 
 
 def _check_input(x: torch.Tensor, num_channels: int, layer: str) -> None:
@@ -296,7 +295,7 @@ class _GroupNormAct(nn.Module):
     def __init__(self, num_channels: int, groups: int, eps: float, apply_act: bool):
         super().__init__()
         num_channels, groups = _checked_channels_groups(num_channels, groups)
-        _check_eps(eps)
+        eps = check_number("eps", eps, EPS)
         check_flag("apply_act", apply_act)
         self.num_channels, self.groups, self.eps, self.apply_act = num_channels, groups, eps, apply_act
         self.weight = nn.Parameter(torch.ones(num_channels))
@@ -361,9 +360,7 @@ class RangeBatchNorm2d(nn.Module):
     def __init__(self, num_features: int, momentum: float | None = 0.1, eps: float = 1e-5):
         super().__init__()
         num_features = check_number("num_features", num_features, POSITIVE_INT)
-        _check_eps(eps)
-        if momentum is not None and not 0.0 < momentum <= 1.0:
-            raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")
+        eps, momentum = check_number("eps", eps, EPS), check_number("momentum", momentum, MOMENTUM)
         self.num_features, self.momentum, self.eps = num_features, momentum, eps
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
