@@ -2,6 +2,7 @@
 import contextlib
 import json
 import logging
+import re
 import warnings
 
 import pytest
@@ -271,3 +272,16 @@ def test_a_half_precision_checkpoint_quantized_on_load_is_told_which_dtype_to_pa
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path, quantization_config=LpQuantizationConfig(),
                                                                dtype=torch.float32)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("typo", ["{tmp}/modle", "./no/such/run/model", "runs/ag_news/modle"])
+def test_a_local_path_that_does_not_exist_is_named(typo, tmp_path):
+    """A mistyped folder was transformers' "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'": a path with more than one '/', or starting with '/', '.' or '~', is no
+    hub id."""
+    from lp_decentral_nlp import load_quantized
+
+    path = typo.format(tmp=tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(path)}: no such folder \(a hub id is 'name' or "
+                                                r"'namespace/name'\)$"):
+        load_quantized(path)

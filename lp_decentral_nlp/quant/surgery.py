@@ -460,12 +460,19 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
             ``AutoConfig.from_pretrained``).
 
     Raises:
+        FileNotFoundError: `path` is a local path (absolute, ``./``, ``../``, ``~`` or more than
+            one ``/``: no hub id) that does not exist (transformers would read it as a malformed
+            repo id).
         ValueError: a local folder without ``config.json``, no ``lp_decentral_nlp``
             quantization_config in it, a class to name (above), or weights that cannot be read
             (naming `path`).
     """
     import transformers
 
+    text = os.fspath(path)
+    local = os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1 or (os.sep != "/" and os.sep in text)
+    if local and not os.path.exists(os.path.expanduser(text)):
+        raise FileNotFoundError(f"{text}: no such folder (a hub id is 'name' or 'namespace/name')")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} has no config.json: it is not a transformers model's save_pretrained folder "
                          "(a vision recipe's model folder loads with lp_decentral_nlp.vision.ImageClassifier."
