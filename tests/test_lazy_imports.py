@@ -69,6 +69,9 @@ def test_public_names_import_their_subpackage_on_first_use():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         lp_decentral_nlp.no_such_name  # noqa: B018
     assert set(lp_decentral_nlp.__all__) <= set(dir(lp_decentral_nlp))
+    # what __init__ imported to work is not listed (dir showed annotations, importlib, sys, lazy_namespace)
+    assert not {"annotations", "importlib", "sys", "lazy_namespace"} & set(dir(lp_decentral_nlp))
+    assert "lazy_namespace" not in dir(lp_decentral_nlp.quant) and "Path" not in dir(lp_decentral_nlp.data)
 
 
 @pytest.fixture(scope="module")

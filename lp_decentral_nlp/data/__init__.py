@@ -1,12 +1,12 @@
 """Tasks, skewed (non-IID) shards and the offline accuracy metric."""
-from pathlib import Path
+from pathlib import Path as _Path
 
 from .partition import skewed_partition
 from .saved import load_saved_dataset
 from .tasks import (AG_NEWS_LABELS, SENTLEN_BINS, SENTLEN_LABELS, TASKS, build_sentlen, check_enough_rows, load_task,
                     sentence_length_class)
 
-_ACCURACY_SCRIPT = Path(__file__).with_name("accuracy.py")
+_ACCURACY_SCRIPT = _Path(__file__).with_name("accuracy.py")
 
 
 def accuracy_metric():

@@ -4,6 +4,7 @@ lines' flag check then import neither torch nor transformers (docs/design.md, "L
 from __future__ import annotations
 
 import importlib
+import types
 
 
 def lazy_namespace(package: str, exports: dict[str, str], subpackages=()):
@@ -15,7 +16,9 @@ def lazy_namespace(package: str, exports: dict[str, str], subpackages=()):
             anything imported them.
 
     The name is imported from its submodule on first access and then cached in the package's
-    namespace; any other name is an AttributeError, as for a module without laziness.
+    namespace; any other name is an AttributeError, as for a module without laziness. ``dir()``
+    lists the public names, the subpackages, the dunders and what the package itself defines, not
+    what its ``__init__`` imported to work (``sys``, ``lazy_namespace``, ``Path``).
     """
     namespace = importlib.import_module(package).__dict__
 
@@ -29,7 +32,11 @@ def lazy_namespace(package: str, exports: dict[str, str], subpackages=()):
         namespace[name] = value
         return value
 
+    def own(name: str, value) -> bool:
+        return name.startswith("__") or (not name.startswith("_") and not isinstance(value, types.ModuleType)
+                                         and getattr(value, "__module__", None) == package)
+
     def __dir__():
-        return sorted({*namespace, *exports, *subpackages})
+        return sorted({*(name for name, value in namespace.items() if own(name, value)), *exports, *subpackages})
 
     return __getattr__, __dir__
