@@ -198,15 +198,16 @@ class QSGD(Compressor):
 
 
 class _Sparsifier(Compressor):
-    """Keeps ``k = ceil(keep * numel)`` entries of each tensor; sends their values and indices.
-
-    Args:
-        keep: fraction of entries kept, in (0, 1] (``--comp 99`` is ``keep=0.01``).
-        value_bits: None sends values in the model's float type; 8 sends them as uint8 with a
-            per-tensor fp32 scale and zero point (affine, like :class:`Quantize`).
-    """
+    """Keeps ``k = ceil(keep * numel)`` entries of each tensor; sends their values and indices."""
 
     def __init__(self, keep: float, value_bits: int | None = None):
+        """
+        Args:
+            keep: fraction of entries kept, in (0, 1] (``--comp 99``, the trainer's
+                ``compression=99`` percent dropped, is ``keep=0.01``).
+            value_bits: None sends values in the model's float type; 8 sends them as uint8 with a
+                per-tensor fp32 scale and zero point (affine, like :class:`Quantize`).
+        """
         keep = check_number("keep", keep, Number(low=0, low_open=True, high=1, what="a fraction"))
         if value_bits is not None and (isinstance(value_bits, bool) or not isinstance(value_bits, numbers.Integral)
                                        or value_bits != 8):
@@ -299,6 +300,14 @@ class RandomK(_Sparsifier):
     stochastic = True
 
     def __init__(self, keep: float, unbiased: bool = False, value_bits: int | None = None):
+        """
+        Args:
+            keep: fraction of entries kept, in (0, 1] (``keep=0.01`` keeps 1%).
+            unbiased: scale the kept values by ``numel / k`` (no contraction: Choco-SGD and
+                Deep-Squeeze refuse it).
+            value_bits: None (the model's float type) or 8 (uint8 values, per-tensor scale and
+                zero point), as :class:`TopK`.
+        """
         super().__init__(keep, value_bits)
         if not isinstance(unbiased, bool):
             raise TypeError(f"unbiased must be a bool, got {unbiased!r}")

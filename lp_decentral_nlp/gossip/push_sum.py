@@ -325,7 +325,8 @@ class PushSumGossip:
         """The algorithm state as tensors (shared with the live state: save or clone them).
 
         Keys: ``"step"`` (0-dim int64), ``"node_ids"`` (int64 ``(m,)``), ``"weights"`` (``(m,)``,
-        row ``r`` for node ``node_ids[r]``), ``"config"`` (str), and after the first step, per
+        row ``r`` for node ``node_ids[r]``), ``"config"`` (str), ``"topology"`` (str: the graph and
+        its matrices' fingerprint, which :meth:`load_state_dict` compares), and after the first step, per
         state name, the buffer (``(rows, P + 1)``, column ``P`` the push-sum coordinate) and
         ``"<name>_nodes"`` (int64 ``(rows,)``: the node each row belongs to). Once some push-sum
         weight has left 1 also ``"written"`` (``(m, P)``, the parameters' dtype: the models ``z_i``

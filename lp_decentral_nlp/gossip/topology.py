@@ -28,13 +28,18 @@ _STOCHASTIC_ATOL = 1e-6
 class Topology:
     """A (possibly time-varying) directed graph with its push-sum mixing matrices.
 
-    Build one with :func:`make_topology` or :meth:`Topology.from_matrix`. Immutable.
+    Build one with :func:`make_topology` or :meth:`Topology.from_matrix`. Immutable: its
+    attributes are read-only (a graph a gossip engine holds must not change under it).
 
     Attributes:
         num_nodes: ``n``.
         period: number of distinct matrices; step ``t`` uses ``W(t mod period)``.
         name: a short description (``"directed_ring"``, ``"torus(4x4)"``, ``"custom"``...).
     """
+
+    num_nodes = property(lambda self: self._num_nodes, doc="``n``, the number of nodes.")
+    period = property(lambda self: len(self._mats), doc="Distinct matrices; step ``t`` uses ``W(t mod period)``.")
+    name = property(lambda self: self._name, doc="A short description (``\"directed_ring\"``, ``\"custom\"``...).")
 
     def __init__(self, matrices: Sequence, name: str = "custom"):
         if not isinstance(name, str):
@@ -56,10 +61,7 @@ class Topology:
                 )
             _check_mixing_matrix(m, f"matrices[{t}]")
         _check_strongly_connected(mats)
-        self._mats = mats
-        self.num_nodes = n
-        self.period = len(mats)
-        self.name = name
+        self._mats, self._num_nodes, self._name = mats, n, name
         # Neighbour lists per phase, computed once: the gossip hot path only reads them.
         self._out = [[_nonzero_others(m[:, i], i) for i in range(n)] for m in mats]
         self._in = [[_nonzero_others(m[i, :], i) for i in range(n)] for m in mats]
