@@ -545,6 +545,16 @@ def test_save_total_limit_1_keeps_the_newest_checkpoint_until_the_run_ends(tmp_p
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
+def test_the_logged_learning_rate_is_the_one_the_step_ran_at(tmp_path, agnews_small, tokenizer):
+    """As Trainer's (read before the schedule steps): it was the next step's, so the first step logged
+    less than learning_rate and every linear run ended at 0."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=4, lr_scheduler_type="linear",
+                          logging_steps=1)
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
 def test_reduce_lr_on_plateau_steps_every_node_on_the_evaluated_metric(tmp_path, agnews_small, tokenizer):
     # the score worsens at every evaluation (ReduceLROnPlateau minimises by default): with patience 0
     # each evaluation after the first halves every node's LR, and the steps between do not touch it

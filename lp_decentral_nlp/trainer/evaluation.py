@@ -95,7 +95,9 @@ class EvaluationMixin:
         loss = float(node_losses.nanmean())  # NaN when no node took a step in the window
         self.store_flos()
         if log:
-            logs = {"loss": loss, "learning_rate": self.node_schedulers[0].get_last_lr()[0]}
+            # as Trainer: the rate the step ran at, read before its schedule stepped
+            lr = self._step_lr if self._step_lr is not None else self.node_schedulers[0].get_last_lr()[0]
+            logs = {"loss": loss, "learning_rate": lr}
             logs.update({f"loss_node_{i}": float(v) for i, v in enumerate(node_losses)})
             grad_norms = self.node_group.gather(self._grad_norm)
             logs["grad_norm"] = float(grad_norms.nanmean())  # mean over the nodes of their last step's norm

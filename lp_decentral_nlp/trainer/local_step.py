@@ -46,7 +46,7 @@ class LocalStepMixin:
         t = self.state.global_step
         self._average_is_current = False  # the nodes move: self.model is no longer their average
         absent = self.fault_plan.absent(t) if self.fault_plan else frozenset()
-        lr = self.node_optimizers[0].param_groups[0]["lr"]
+        lr = self._step_lr = self.node_optimizers[0].param_groups[0]["lr"]
         qgm = self.qgm if self.qgm is not None and lr > 0 else None
         if qgm is not None:
             qgm.begin_iteration()

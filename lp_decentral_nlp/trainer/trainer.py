@@ -299,6 +299,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.overflow_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self._eval_loaders = {}  # get_eval_dataloader's, by set name, kept with dataloader_persistent_workers
         self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
+        self._step_lr = None  # the LR node 0's last step ran at, which the logs report (Trainer's: before the update)
         self._flos_per_token = None  # Trainer's flos of one token of the main input (floating_point_ops)
         plan = args.fault_plan
         self.fault_plan = plan if plan.active else None
