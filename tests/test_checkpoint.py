@@ -509,3 +509,19 @@ def test_a_checkpoint_recording_bf16_as_a_flag_still_resumes_and_refuses(tmp_pat
                                                                 **PRECISION_FLAGS["fp16"]), train_dataset=agnews["train"])
     with pytest.raises(ValueError, match=rf"mixed_precision='{'bf16' if saved_bf16 else 'no'}' \(this run: 'fp16'\)"):
         other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+
+def test_metrics_csv_appends_rows_and_widens_its_header_when_a_column_arrives(tmp_path):
+    """The file was written whole at every log (a long run's logging grew quadratically); rows
+    are appended now, and a new column (an evaluation's) rewrites it once with every row."""
+    from transformers import TrainerState
+
+    path = tmp_path / "metrics.csv"
+    callback, state = MetricsCSVCallback(str(path)), TrainerState()
+    logs = [{"loss": 1.0}, {"loss": 0.5}, {"eval_loss": 0.7}, {"loss": 0.25}, {"eval_loss": 0.6, "loss": 0.2}]
+    for step, entry in enumerate(logs, 1):
+        state.global_step = step
+        callback.on_log(None, state, None, logs=entry)
+    with open(path) as fh:
+        assert list(csv.reader(fh)) == [["step", "eval_loss", "loss"], ["1", "", "1.0"], ["2", "", "0.5"],
+                                        ["3", "0.7", ""], ["4", "", "0.25"], ["5", "0.6", "0.2"]]

@@ -11,11 +11,14 @@ from transformers import TrainerCallback
 class MetricsCSVCallback(TrainerCallback):
     """Append every logged dict as a row of a CSV file: one column per metric, ``step`` first and the
     others in alphabetical order, so that a run resumed from a checkpoint (whose log history
-    ``TrainerState`` stores with sorted keys) writes the columns of the uninterrupted run."""
+    ``TrainerState`` stores with sorted keys) writes the columns of the uninterrupted run. A row
+    is appended; the file is written whole only when a row brings a new column (the first few
+    logs of a run, evaluations), so a long run's logging stays a constant cost per row."""
 
     def __init__(self, path: str):
         self.path = path
         self.rows: list[dict] = []
+        self.columns: list[str] | None = None  # the header of the file on disk (None: not written yet)
 
     def on_train_begin(self, args, state, control, **kwargs):
         """A resumed run starts from the rows logged before its checkpoint (``state.log_history``)."""
@@ -25,11 +28,16 @@ class MetricsCSVCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or logs is None:
             return
-        self.rows.append({"step": state.global_step, **logs})
-        columns = ["step", *sorted({k for row in self.rows for k in row} - {"step"})]
+        row = {"step": state.global_step, **logs}
+        self.rows.append(row)
+        if self.columns is not None and set(row) <= set(self.columns):
+            with open(self.path, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=self.columns).writerow(row)
+            return
+        self.columns = ["step", *sorted({k for r in self.rows for k in r} - {"step"})]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=columns)
+            writer = csv.DictWriter(fh, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(self.rows)
 
