@@ -520,3 +520,29 @@ def test_a_recipe_with_disable_tqdm_draws_no_bar_from_the_start(disable_tqdm, tm
     finally:
         datasets.enable_progress_bars()
         hf_logging.enable_progress_bar()
+
+
+def test_the_results_config_builds_its_probe_arguments_without_a_word_at_info():
+    """The probes that tell a default from a setting (training_default) were built without an
+    output_dir: at --log_level info transformers said "No output directory specified, defaulting to
+    'trainer_output'" six times, as if the user's --output-dir had been ignored."""
+    import logging
+
+    import transformers
+
+    from lp_decentral_nlp.commands import run
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    training_logger = logging.getLogger("transformers.training_args")
+    verbosity = transformers.logging.get_verbosity()
+    training_logger.addHandler(handler)
+    transformers.logging.set_verbosity_info()
+    try:
+        run._default_training.cache_clear()
+        assert run.training_default("include_num_input_tokens_seen", False)  # a probe: False is the default "no"
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        training_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []

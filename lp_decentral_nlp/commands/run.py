@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -718,12 +719,26 @@ def _training_fields() -> dict:
     return {f.name: f for f in dataclasses.fields(DecentralizedTrainingArguments) if f.init}
 
 
+def _probe_training(**fields):
+    """``DecentralizedTrainingArguments(**fields)`` built only to read how it normalises `fields`:
+    with an ``output_dir`` and without transformers' info lines about it (at ``--log_level info`` a
+    probe said "No output directory specified" and "setting up devices" as if the run's own
+    arguments had been built again)."""
+    from ..trainer import DecentralizedTrainingArguments
+
+    training_logger = logging.getLogger("transformers.training_args")
+    level = training_logger.level
+    training_logger.setLevel(logging.WARNING)
+    try:
+        return DecentralizedTrainingArguments(**{"output_dir": "unused", **fields})
+    finally:
+        training_logger.setLevel(level)
+
+
 @functools.cache
 def _default_training():
     """``DecentralizedTrainingArguments()``: the defaults as its ``__post_init__`` normalises them."""
-    from ..trainer import DecentralizedTrainingArguments
-
-    return DecentralizedTrainingArguments()
+    return _probe_training()
 
 
 def _as_json(config: dict) -> dict:
@@ -736,8 +751,6 @@ def training_default(name: str, value) -> bool:
     :class:`DecentralizedTrainingArguments`' default for the field `name` (False for a name that is
     no field). A value in another type than the default's counts by what the field normalises it to
     (``include_num_input_tokens_seen=False`` is the default ``"no"``, ``debug=None`` the default ``""``)."""
-    from ..trainer import DecentralizedTrainingArguments
-
     spec = _training_fields().get(name)
     if spec is None:
         return False
@@ -747,7 +760,7 @@ def training_default(name: str, value) -> bool:
     if default is dataclasses.MISSING or type(value) is type(default):
         return False
     try:
-        return getattr(DecentralizedTrainingArguments(**{name: value}), name) == getattr(_default_training(), name)
+        return getattr(_probe_training(**{name: value}), name) == getattr(_default_training(), name)
     except (TypeError, ValueError):
         return False
 
