@@ -141,3 +141,13 @@ def test_forward_names_pixel_values_it_cannot_take():
                                              rf"preprocess\(\) and VisionTransform make it\), got {re.escape(got)}$"):
             model(bad)
     assert model(torch.zeros(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)).logits.shape == (2, 10)
+
+
+def test_counting_non_padding_tokens_of_images_is_refused_at_construction(digits, tmp_path):
+    """It failed at the first training step (after the recipe had written its cost report and a
+    "running" results.json), with a traceback from the vision recipe."""
+    args = arguments(tmp_path, remove_unused_columns=False, include_num_input_tokens_seen="non_padding")
+    with pytest.raises(ValueError, match=r"^include_num_input_tokens_seen='non_padding' counts the input tokens that "
+                                         r"are not padding, and the model's main input pixel_values \(images\) has no "
+                                         r"padding: use 'all'"):
+        DecentralizedTrainer(model=ImageClassifier("resnet20", 10), args=args, train_dataset=digits["train"])

@@ -235,6 +235,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args.neftune_noise_alpha is not None and _input_embeddings(model) is None:
             raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the model's input "
                              f"embeddings, and {type(model).__name__} has none (get_input_embeddings()): leave it None")
+        images = getattr(model, "main_input_name", None) == "pixel_values"
+        if args.include_num_input_tokens_seen == "non_padding" and images:
+            raise ValueError("include_num_input_tokens_seen='non_padding' counts the input tokens that are not "
+                             "padding, and the model's main input pixel_values (images) has no padding: use 'all' "
+                             "(every pixel value) or 'no'")
         if args.activation_checkpointing and not hasattr(model, "activation_checkpointing_enable"):
             raise ValueError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
