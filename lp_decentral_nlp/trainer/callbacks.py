@@ -51,6 +51,9 @@ class TrainingKernelsCallback(TrainerCallback):
     kernel of each layer's last forward, an evaluation's if one came after the last step, or for
     a layer never called a prediction from its shape; under ``kernel="auto"`` a convolution picks
     its kernel per call from the call's size, so neither need be the training kernel.
+
+    `model`: the model whose forwards train; under :class:`DecentralizedTrainer` a node,
+    ``trainer.nodes[0]`` (``trainer.model``, the average, runs no training forward).
     """
 
     def __init__(self, model):
