@@ -37,6 +37,7 @@ class CommunicationCost:
     bytes_per_epoch: float | None
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-serialisable dict."""
         return asdict(self)
 
 

@@ -87,14 +87,17 @@ class PricedOps:
 
     @property
     def adds(self) -> int:
+        """Additions at either precision."""
         return self.fp32_adds + self.int8_adds
 
     @property
     def mults(self) -> int:
+        """Multiplications at either precision."""
         return self.fp32_mults + self.int8_mults
 
     @property
     def energy_pj(self) -> float:
+        """Energy in picojoules at the 45 nm prices of SPEC 7 (:data:`ENERGY_PJ`)."""
         fp, i8 = ENERGY_PJ["fp32"], ENERGY_PJ["int8"]
         return (self.fp32_adds * fp["add"] + self.fp32_mults * fp["mult"]
                 + self.int8_adds * i8["add"] + self.int8_mults * i8["mult"])
@@ -104,10 +107,13 @@ class PricedOps:
 
     @staticmethod
     def of(fp32: Ops = Ops(), int8: Ops = Ops()) -> "PricedOps":
+        """The counts of `fp32` and `int8` operations, each at its precision."""
         return PricedOps(fp32.adds, fp32.mults, int8.adds, int8.mults)
 
 
 class TrainInference(NamedTuple):
+    """One figure for a training iteration and for an inference pass (the report's units)."""
+
     train: float
     inference: float
 

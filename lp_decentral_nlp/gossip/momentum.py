@@ -88,9 +88,11 @@ class QuasiGlobalMomentum:
         return self._momentum
 
     def state_dict(self) -> dict:
+        """``beta`` and the buffers ``m`` per local node (lists of live tensors)."""
         return {"beta": self.beta, "momentum": [list(m) for m in self._momentum]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s buffers; ValueError when its ``beta`` is another."""
         if state_dict["beta"] != self.beta:
             raise ValueError(f"state_dict has beta={state_dict['beta']}, this object beta={self.beta}")
         with torch.no_grad():
@@ -232,6 +234,8 @@ class QuasiGlobalAdam:
         return self._exp_avg_sq
 
     def state_dict(self) -> dict:
+        """The settings (``betas``, ``eps``, ``weight_decay``) and, per local node, its step count
+        and moments ``exp_avg``/``exp_avg_sq`` (lists of live tensors)."""
         return {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay, "steps": list(self._steps),
                 "exp_avg": [list(m) for m in self._exp_avg], "exp_avg_sq": [list(v) for v in self._exp_avg_sq]}
 
@@ -252,6 +256,7 @@ class QuasiGlobalAdam:
         self._steps[node] = int(state["steps"])
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s moments and steps; ValueError when a setting differs."""
         for key in ("betas", "eps", "weight_decay"):
             saved = state_dict[key]
             saved = tuple(saved) if key == "betas" else list(saved) if key == "weight_decay" else saved

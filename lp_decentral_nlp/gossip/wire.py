@@ -70,6 +70,7 @@ class MessageLayout:
         return ";".join(f"{f.segment}:{f.name}:{str(f.dtype)}:{f.count}" for f in self.fields)
 
     def fingerprint(self) -> int:
+        """A 63-bit hash of :meth:`signature` (ranks compare it before the first exchange)."""
         return int.from_bytes(hashlib.sha256(self.signature().encode()).digest()[:8], "little") >> 1
 
 

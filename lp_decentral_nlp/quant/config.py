@@ -105,6 +105,7 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
+        """The config :meth:`to_dict` gave; ValueError naming any key that is no field."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

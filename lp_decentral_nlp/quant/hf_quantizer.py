@@ -63,6 +63,7 @@ class LpQuantizationConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_quant_config(cls, config: QuantConfig) -> "LpQuantizationConfig":
+        """The transformers quantization config (``quantization_config``) holding `config`'s fields."""
         if not isinstance(config, QuantConfig):
             raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
         return cls(**config.to_dict())

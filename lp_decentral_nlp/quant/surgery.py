@@ -80,10 +80,12 @@ class QuantReport:
 
     @property
     def quantized(self) -> list[str]:
+        """Names of the layers swapped (or to swap) for 8-bit ones."""
         return [d.name for d in self.layers if d.quantize]
 
     @property
     def skipped(self) -> list[str]:
+        """Names of the layers of a registered type that stay float (why: in ``layers``)."""
         return [d.name for d in self.layers if not d.quantize]
 
     def __str__(self) -> str:
@@ -470,7 +472,8 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
     import transformers
 
     text = os.fspath(path)
-    local = os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1 or (os.sep != "/" and os.sep in text)
+    local = (os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
+             or (os.sep != "/" and os.sep in text))
     if local and not os.path.exists(os.path.expanduser(text)):
         raise FileNotFoundError(f"{text}: no such folder (a hub id is 'name' or 'namespace/name')")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):

@@ -26,6 +26,7 @@ class MetricsCSVCallback(TrainerCallback):
             self.rows = [{"step": h["step"], **{k: v for k, v in h.items() if k != "step"}} for h in state.log_history]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add ``logs`` as a row (the main process writes the file)."""
         if not state.is_world_process_zero or logs is None:
             return
         row = {"step": state.global_step, **logs}
@@ -61,6 +62,7 @@ class TrainingKernelsCallback(TrainerCallback):
         self.kernels: dict[str, str] | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Read the kernels the step's forwards ran."""
         from ..quant import kernel_report
 
         self.kernels = kernel_report(self.model)

@@ -94,6 +94,7 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def epoch_seed(self) -> int:
+        """The seed of this epoch's order: a pure function of ``(seed, epoch)``."""
         return (self.seed * 6364136223846793005 + 1442695040888963407 * (self.epoch + 1)) % (2**63 - 1)
 
     def __iter__(self):
