@@ -225,7 +225,8 @@ ROWS = {
             "argument --output-dir: /proc/run cannot be created (FileNotFoundError: No such file or directory)"),
     55: cli(["--report_to", "foo"], "argument --report_to: 'foo' is not a logging integration; choose from "
             "['azure_ml', 'clearml', 'codecarbon', 'comet_ml', 'dagshub', 'dvclive', 'flyte', 'kubeflow', 'mlflow', "
-            "'neptune', 'swanlab', 'tensorboard', 'trackio', 'wandb'] or 'none'"),
+            "'neptune', 'swanlab', 'tensorboard', 'trackio', 'wandb'], 'all' or 'none' (several, apart: --report_to "
+            "tensorboard wandb)"),
     56: cli(["--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a metric of the "
             "evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
             "bytes_sent_node_<i> for a node i in 0..3"),
@@ -337,8 +338,11 @@ ROWS = {
             "a bart classifier, which reads it: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)"),
     97: cli(["--qgm", "--qgm_beta", "0.5"], "argument --qgm_beta: qgm_beta=0.5 applies to SGD; with AdamW the "
             "quasi-global first moment uses adam_beta1 (0.9): set adam_beta1 instead and leave qgm_beta at 0.9"),
+    98: cli(["--no_logging_nan_inf_filter"], "argument --no_logging_nan_inf_filter: logging_nan_inf_filter=False is "
+            "not supported by DecentralizedTrainer (must stay True: a non-finite loss never enters the logged loss (the "
+            "run stops naming the node, or skips it with skip_nonfinite)); leave it at True"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98]
 
 
 def docs_table() -> str:

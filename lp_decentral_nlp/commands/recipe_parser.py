@@ -19,7 +19,8 @@ import re
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
-from .flags import ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used
+from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used,
+                    options_given)
 
 #: the text fields whose allowed values the flag types check: where those values are defined, by field name
 #: (the dataclasses holding the fields check the same values on construction)
@@ -133,12 +134,11 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
 
     def flag_of(self, name: str, argv=None) -> str:
         """The flag of field ``name`` as the user wrote it in ``argv`` (default: the command line being
-        parsed), else its first spelling."""
+        parsed; a field's negated flag, ``--no_<name>``, too), else its first spelling."""
         argv = self.argv if argv is None else argv
-        for action in self._actions:
-            if action.dest == name and action.option_strings:
-                return option_used(action, argv)
-        return name
+        actions = [action for action in self._actions if action.dest == name and action.option_strings]
+        given = next((options_given(action, argv)[0] for action in actions if options_given(action, argv)), None)
+        return given or (option_used(actions[0], argv) if actions else name)
 
     def parse(self, argv=None) -> ParsedFlags:
         """Parse ``argv`` (default ``sys.argv[1:]``) and build the dataclasses; a bad flag exits (status 2)."""

@@ -132,8 +132,9 @@ def check_report_to(parser, training) -> None:
     installed = get_available_reporting_integrations()
     for name in training.report_to or ():
         if name not in INTEGRATION_TO_CALLBACK:
-            parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not a logging integration; choose from "
-                         f"{sorted(INTEGRATION_TO_CALLBACK)} or 'none'")
+            flag = parser.flag_of("report_to")
+            parser.error(f"argument {flag}: {name!r} is not a logging integration; choose from "
+                         f"{sorted(INTEGRATION_TO_CALLBACK)}, 'all' or 'none' (several, apart: {flag} tensorboard wandb)")
         if name not in installed:
             parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not installed here: install its "
                          f"package, or use 'none'")
