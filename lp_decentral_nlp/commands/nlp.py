@@ -9,7 +9,6 @@ the short aliases of :data:`~lp_decentral_nlp.commands.flags.ALIASES` (``--nodes
 from __future__ import annotations
 
 import pathlib
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RESUME_HELP, RunArguments,
                   check_launcher, check_memory, check_training_rows, derive_run_values, error_summary,
                   exit_with_error, hub_offline, load_data, model_folder_problem, model_label_mismatch,
-                  packaged_model_path, print_summary, process_rank, run_checks, run_outputs_in, set_process_output,
+                  packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
                   set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
@@ -127,9 +126,8 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
             exit_with_error(prog, f"{model_path}: its tokenizer has no padding token and no end-of-sequence token to "
                                   "pad with: set one (tokenizer.pad_token = ...; tokenizer.save_pretrained)", "--model")
         tokenizer.pad_token = tokenizer.eos_token
-        if process_rank() == 0:
-            print(f"notice: {model_path}: its tokenizer has no padding token; the batches are padded with its "
-                  f"end-of-sequence token {tokenizer.eos_token!r}", file=sys.stderr)
+        print_notice(f"notice: {model_path}: its tokenizer has no padding token; the batches are padded with its "
+                     f"end-of-sequence token {tokenizer.eos_token!r}")
     return tokenizer
 
 
@@ -161,11 +159,11 @@ def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
         model.config.pad_token_id = pad_token_id
     new = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
     unused = list(loading["unexpected_keys"])
-    if (new or unused) and process_rank() == 0:
+    if new or unused:
         parts = [f"{len(names)} {what} ({', '.join(sorted(names)[:4])}{', ...' if len(names) > 4 else ''})"
                  for what, names in (("weights newly initialised", new), ("checkpoint weights unused", unused))
                  if names]
-        print(f"notice: {model_path}: {'; '.join(parts)}; the task has {len(labels)} labels", file=sys.stderr)
+        print_notice(f"notice: {model_path}: {'; '.join(parts)}; the task has {len(labels)} labels")
     return model
 
 
@@ -244,17 +242,17 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
     model_path, notice = resolve_model(recipe.model, prog)
-    if notice and process_rank() == 0:
-        print(notice, file=sys.stderr)
+    if notice:
+        print_notice(notice)
     tokenizer = load_tokenizer(model_path, recipe.max_length, prog)
     data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
                                        max_eval_samples=recipe.max_eval_samples, seed=training.seed),
                      recipe.task, recipe.data_dir, prog)
     unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
-    if unused and process_rank() == 0:  # e.g. validation.csv, SentEval's "va" rows
-        print(f"notice: {recipe.data_dir or recipe.task}: the {', '.join(unused)} split is not used: the recipes train "
-              "on 'train' and evaluate on 'test'", file=sys.stderr)
+    if unused:  # e.g. validation.csv, SentEval's "va" rows
+        print_notice(f"notice: {recipe.data_dir or recipe.task}: the {', '.join(unused)} split is not used: the "
+                     "recipes train on 'train' and evaluate on 'test'")
     check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
     set_seed(training.seed)
     model = load_classifier(model_path, data["train"].features["label"].names, prog, tokenizer.pad_token_id)

@@ -260,6 +260,16 @@ def process_rank() -> int:
     return int(next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0"))
 
 
+def print_notice(message: str) -> None:
+    """`message` (``"notice: ..."``) on stderr, printed by the first process and not under
+    ``--log_level error``/``critical`` (the transformers verbosity :func:`set_process_output` set:
+    notices are warnings' level)."""
+    import transformers
+
+    if process_rank() == 0 and transformers.logging.get_verbosity() <= logging.WARNING:
+        print(message, file=sys.stderr)
+
+
 def launched_world_size() -> int | None:
     """Processes the launcher started (None: no launcher)."""
     world = next((os.environ[v] for v in WORLD_SIZE_VARIABLES if v in os.environ), None)
