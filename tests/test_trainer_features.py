@@ -545,6 +545,24 @@ def test_save_total_limit_1_keeps_the_newest_checkpoint_until_the_run_ends(tmp_p
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
+def test_log_level_info_shows_the_run_summary_and_the_packages_info_lines(tmp_path, agnews_small, tokenizer, caplog):
+    """The package's loggers were not under log_level: their info lines (a resume, the best model's
+    load) never printed, and there was no summary of the run as Trainer's "Running training"."""
+    quiet = trainer_for(tmp_path / "quiet", agnews_small, tokenizer)  # log_level "passive": warnings
+    quiet.train()
+    assert "Running decentralized training" not in caplog.text
+    trainer = trainer_for(tmp_path / "info", agnews_small, tokenizer, log_level="info", save_strategy="steps",
+                          save_steps=1)
+    trainer.train()
+    assert "***** Running decentralized training *****\n  Nodes = 4 (simulated backend; directed_ring graph, " \
+           "choco," in caplog.text
+    assert "  Total optimization steps = 2 (from step 0)" in caplog.text
+    resumed = trainer_for(tmp_path / "info", agnews_small, tokenizer, log_level="info", save_strategy="steps",
+                          save_steps=1, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "info" / "checkpoint-2"))
+    assert "resumed from " in caplog.text and "(from step 2)" in caplog.text
+
+
 def test_the_logged_learning_rate_is_the_one_the_step_ran_at(tmp_path, agnews_small, tokenizer):
     """As Trainer's (read before the schedule steps): it was the next step's, so the first step logged
     less than learning_rate and every linear run ended at 0."""

@@ -164,6 +164,20 @@ def test_bad_flags_exit_with_one_line(argv, message, capsys):
 # -- end to end -------------------------------------------------------------------------------------
 
 
+def test_log_level_info_prints_the_run_summary_once_on_stderr(tmp_path):
+    """The package's info lines never printed on a command line (Python's last resort prints
+    warnings only); they print once, without the probes' transformers lines about output_dir."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "vision_choco.py"), "--nodes", "2", "--max-steps", "1",
+         "--batch-size", "8", "--log_level", "info", "--disable_tqdm", "--output-dir", str(tmp_path / "run")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("***** Running decentralized training *****") == 1
+    assert "  Total optimization steps = 1 (from step 0)" in proc.stderr
+    assert "No output directory specified" not in proc.stderr
+
+
 def test_digits_recipe_end_to_end(tmp_path):
     """A few 8-bit Choco steps on digits in a subprocess: results.json contract, metrics, the model."""
     out = tmp_path / "run"

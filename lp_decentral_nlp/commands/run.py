@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from ..checks import check_fields
+from ..utils.logs import set_verbosity
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -575,6 +576,7 @@ def set_process_output(training) -> None:
     import transformers
 
     transformers.logging.set_verbosity(training.get_process_log_level())
+    set_verbosity(training.get_process_log_level())  # the package's own loggers (utils.logs)
     if training.disable_tqdm or process_rank() != 0:
         datasets.disable_progress_bars()
         transformers.logging.disable_progress_bar()

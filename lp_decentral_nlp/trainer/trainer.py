@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import math
 import signal
 import time
@@ -52,6 +53,7 @@ from ..gossip.transport import GossipPeerError
 from ..quant import QuantConfig, QuantModule, quantize_model
 from ..quant.kernels import AUTO
 from ..utils.cpu_malloc import tune_process_for_training
+from ..utils.logs import set_verbosity
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
@@ -62,6 +64,8 @@ from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_la
 from .node_group import NodeGroup
 from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
 from .rng import NodeRNG
+
+logger = hf_logging.get_logger(__name__)
 
 
 def check_model_precision(model, args: DecentralizedTrainingArguments, quant_config=None) -> None:
@@ -269,6 +273,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
+        set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if sigterm_handler is None else sigterm_handler)
@@ -391,6 +396,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         start, first_step = time.time(), self.state.global_step
         # Trainer's: its training logs' train_tokens_per_second count this call's tokens over its time
         self._train_start, self._initial_num_input_tokens_seen = start, self.state.num_input_tokens_seen
+        self._log_run_summary(steps_per_epoch)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate(ignore_keys=ignore_keys_for_eval)
@@ -459,6 +465,24 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def _log_run_summary(self, steps_per_epoch: int) -> None:
+        """Trainer's "Running training" summary at info level (``log_level="info"``), with the
+        decentralized setting: the nodes, their shards, the steps and the batch over all nodes."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        args, state, shards = self.args, self.state, [len(shard) for shard in self._shards()]
+        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        logger.info("\n".join([
+            "***** Running decentralized training *****",
+            f"  Nodes = {args.num_nodes} ({args.backend} backend; {self.gossip.topology.name} graph, {args.algorithm}, "
+            f"compression {args.compression:g}%, consensus step {args.gamma:g})",
+            f"  Examples per node = {min(shards):,} to {max(shards):,} (label skew {args.skew:g})",
+            f"  Num Epochs = {state.num_train_epochs:,} ({steps_per_epoch:,} optimization steps each)",
+            f"  Batch size per node = {batch:,} ({args.per_device_train_batch_size:,} x "
+            f"{args.gradient_accumulation_steps} accumulated); over all nodes = {batch * args.num_nodes:,}",
+            f"  Total optimization steps = {state.max_steps:,} (from step {state.global_step:,})",
+            f"  Precision = {'8-bit (SPEC 4)' if args.low_precision else 'float32'}"]))
 
     def get_train_dataloader(self):
         """Refused: there is no one training loader; each node has its own over its shard (`node_dataloaders`)."""
