@@ -563,6 +563,14 @@ def test_log_level_info_shows_the_run_summary_and_the_packages_info_lines(tmp_pa
     assert "resumed from " in caplog.text and "(from step 2)" in caplog.text
 
 
+def test_log_metrics_shows_a_small_consensus_distance(tmp_path, agnews_small, tokenizer, capsys):
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    trainer.log_metrics("eval", {"eval_consensus_distance": 2.674e-13, "eval_loss": 0.51234567})
+    shown = capsys.readouterr().out
+    assert "eval_consensus_distance = 2.674e-13" in shown  # was 0.0 (four decimals)
+    assert "eval_loss               =    0.5123" in shown
+
+
 def test_the_logged_learning_rate_is_the_one_the_step_ran_at(tmp_path, agnews_small, tokenizer):
     """As Trainer's (read before the schedule steps): it was the next step's, so the first step logged
     less than learning_rate and every linear run ended at 0."""

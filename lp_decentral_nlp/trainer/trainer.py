@@ -526,6 +526,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         raise NotImplementedError("hyperparameter_search needs model_init, which DecentralizedTrainer refuses (it builds "
                                   "its nodes from model): run one trainer per trial instead")
 
+    def log_metrics(self, split, metrics) -> None:
+        """Trainer's table of `metrics`, with consensus distances in four significant digits:
+        transformers rounds floats to four decimals, and a converging run's ``1e-13`` read 0.0."""
+        shown = {key: f"{value:.4g}" if key.endswith("consensus_distance") and isinstance(value, float) else value
+                 for key, value in metrics.items()}
+        super().log_metrics(split, shown)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`Trainer.log`, after adding the tokens the nodes read since the last log to
         ``state.num_input_tokens_seen`` (summed over the processes) when
