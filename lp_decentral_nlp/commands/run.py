@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from ..checks import check_fields
-from ..utils.logs import set_verbosity
+from ..utils.logs import LIBRARY, set_verbosity
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -263,11 +263,9 @@ def process_rank() -> int:
 
 def print_notice(message: str) -> None:
     """`message` (``"notice: ..."``) on stderr, printed by the first process and not under
-    ``--log_level error``/``critical`` (the transformers verbosity :func:`set_process_output` set:
-    notices are warnings' level)."""
-    import transformers
-
-    if process_rank() == 0 and transformers.logging.get_verbosity() <= logging.WARNING:
+    ``--log_level error``/``critical``: notices are warnings' level, read from the package's
+    loggers (``utils.logs``, which :func:`set_process_output` sets from ``--log_level``)."""
+    if process_rank() == 0 and logging.getLogger(LIBRARY).isEnabledFor(logging.WARNING):
         print(message, file=sys.stderr)
 
 
