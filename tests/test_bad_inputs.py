@@ -271,7 +271,7 @@ ROWS = {
             "dataloader_persistent_workers at its default"),
     72: cli(["--push_to_hub"], "argument --push_to_hub: the recipes write the trained model to <output-dir>/model and "
             "the run's files beside it; upload that folder (hf upload <repo> <output-dir>/model), or train from Python "
-            "with DecentralizedTrainer(push_to_hub=True)"),
+            "with DecentralizedTrainer(push_to_hub=True); drop it"),
     73: cli(["--prediction_loss_only"], "argument --prediction_loss_only: the recipes report the accuracy of the "
             "averaged model and of each node, which needs the predictions; drop it"),
     74: cli(["--label_names", "label"], "argument --label_names: the recipes name the label of their batches "
@@ -307,7 +307,7 @@ ROWS = {
     85: cli(["--include_for_metrics", "inputs"], "argument --include_for_metrics: a setting of compute_metrics, and "
             "the recipes compute accuracy without one (from Python, DecentralizedTrainer(compute_metrics=...) takes "
             "it); drop it", " (also `--batch_eval_metrics`, `--eval_do_concat_batches`)"),
-    86: cli(["--hub_model_id", "me/model"], "argument --hub_model_id: a setting of --push-to-hub, which the recipes "
+    86: cli(["--hub_model_id", "me/model"], "argument --hub_model_id: a setting of --push_to_hub, which the recipes "
             "refuse; drop it", " (also the other `--hub_*` flags)"),
     87: cli(["--optim", "sgd", "--optim_args", "momentum=0.9,moment=0.5"], "argument --optim_args: optim_args entry "
             "'moment=0.5' is not read by optim='sgd' (transformers ignores it): drop it"),

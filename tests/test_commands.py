@@ -10,6 +10,7 @@ import pytest
 from helpers import free_port
 
 from lp_decentral_nlp.commands import ALIASES, build_nlp_parser, check_flags
+from lp_decentral_nlp.vision.recipe import build_vision_parser
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,6 +56,36 @@ def test_every_alias_is_listed_by_help_beside_its_transformers_spelling():
     text = build_nlp_parser("ag_news", "choco").format_help()
     for alias, target in ALIASES.items():
         assert f"  {alias}" in text and f", --{target}" in text, alias
+
+
+# a value other than the default for the refused flags that take one a plain "1" does not give
+REFUSED_FLAG_VALUES = {"deepspeed": "ds.json", "fsdp": "full_shard", "accelerator_config": '{"split_batches": true}',
+                       "parallelism_config": '{"dp_replicate_size": 2}', "fsdp_config": '{"min_num_params": 1}',
+                       "liger_kernel_config": '{"rope": true}', "label_names": "label", "include_for_metrics": "inputs"}
+
+
+@pytest.mark.parametrize("build", [lambda: build_nlp_parser("ag_news", "choco"), lambda: build_vision_parser("choco")],
+                         ids=["nlp", "vision"])
+def test_help_lists_the_refused_flags_apart_and_each_is_refused_with_the_reason_shown(build, capsys):
+    """--help used to list --fsdp, --deepspeed, --push_to_hub ... among the flags that work (and
+    --liger_kernel_config, --parallelism_config took no value at all); their group now gives each
+    one's reason, and giving one (any value but its default) is that error."""
+    group = next(g for g in build()._action_groups if g.title.startswith("refused"))
+    assert {"fsdp", "deepspeed", "push_to_hub", "hub_model_id", "do_train", "logging_nan_inf_filter",
+            "label_names"} <= {action.dest for action in group._group_actions}
+    for action in group._group_actions:
+        option = action.option_strings[0]
+        if action.nargs == "?" and action.default is True:
+            continue  # its --no_<name> flag is tried
+        value = ([] if option.startswith("--no_") or action.nargs == "?" else
+                 [REFUSED_FLAG_VALUES.get(action.dest) or next((c for c in action.choices or () if c != action.default),
+                                                              "1")])
+        with pytest.raises(SystemExit) as exc:
+            build().parse([option, *value])
+        message = capsys.readouterr().err.split(": error: ", 1)[1]
+        assert exc.value.code == 2 and message.count("\n") == 1, (option, message)
+        assert message.startswith(f"argument {option}: "), (option, message)
+        assert " ".join(action.help.split(" (default:")[0].split()) in message, (option, message)
 
 
 @pytest.mark.parametrize("argv, expected", [

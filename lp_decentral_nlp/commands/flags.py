@@ -130,7 +130,7 @@ def boolean_or_text(text: str) -> bool | str:
 
 #: how a flag's text is parsed, by kind (the kinds :class:`FlagType` and the flag table know)
 FLAG_KINDS = {"integer": integer, "finite_float": finite_float, "boolean": boolean, "boolean_or_text": boolean_or_text,
-              "str": str, "dict": dict}
+              "str": str}
 
 
 class FlagType:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_data_dir_given, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RESUME_HELP, RunArguments,
-                  check_launcher, check_memory, check_training_rows, derive_run_values, error_summary,
+from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RESUME_HELP,
+                  RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values, error_summary,
                   exit_with_error, hub_offline, load_data, model_folder_problem, model_label_mismatch,
                   packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
                   set_threads, train_and_report)
@@ -179,7 +179,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     on = {None: "a text task", "text": "your own text,label data (--data-dir)"}.get(task, task)
     kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {on} (SPEC 8 defaults).")
     parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
-                          fixed=fixed, derive=_derive, value_checks=(check_launcher,),
+                          fixed=fixed, refused=RECIPE_REFUSALS, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name="<task>_<algorithm>_skew<skew>_comp<compression>"))
     parser.set_help("resume_from_checkpoint", RESUME_HELP)

@@ -37,7 +37,7 @@ FIELD_CHOICES = {
     "include_num_input_tokens_seen": lambda: (True, False, "all", "non_padding", "no"),
 }
 # HfArgumentParser's types -> FlagType kinds (its Enum and Literal fields have a choice type of their own)
-_KINDS = {int: "integer", float: "finite_float", string_to_bool: "boolean", str: "str", dict: "dict"}
+_KINDS = {int: "integer", float: "finite_float", string_to_bool: "boolean", str: "str"}
 
 
 def _values(module: str, name: str) -> tuple:
@@ -57,10 +57,11 @@ class _FieldAdder:
     """What :class:`RecipeParser` hands to ``HfArgumentParser._parse_dataclass_field`` instead of
     the parser: adds the field's option with its aliases, a :class:`~.flags.FlagType` (strict
     numbers and booleans, the field's range and allowed values), repeatable list flags
-    (``--straggler a --straggler b``), and leaves out the fields the recipe fixes."""
+    (``--straggler a --straggler b``), and leaves out the fields the recipe fixes. ``refusal``: the
+    help of every option of a refused field (the reason it is refused), else None."""
 
-    def __init__(self, target, allowed: dict, fixed: dict):
-        self.target, self.allowed, self.fixed = target, allowed, fixed
+    def __init__(self, target, allowed: dict, fixed: dict, refusal: str | None = None):
+        self.target, self.allowed, self.fixed, self.refusal = target, allowed, fixed, refusal
 
     def add_argument(self, *option_strings, **kwargs):
         dest = kwargs.setdefault("dest", option_strings[0].lstrip("-"))
@@ -82,6 +83,12 @@ class _FieldAdder:
         if kwargs.get("nargs") == "+":  # list fields: the flag repeats, or lists several values; alone it
             # is an error, but where an empty list means something (--lr_milestones alone: a constant LR)
             kwargs.update(nargs="*" if dest in EMPTY_LIST_MEANS_SOMETHING else "+", action="extend")
+        if self.refusal is not None:
+            kwargs["help"] = self.refusal
+            if kwargs.get("type") is not None and not isinstance(kwargs["type"], FlagType):
+                # transformers' own type (ParallelismConfig, dict[str, bool]) parses no text: any given value
+                # reaches the refusal with its reason
+                kwargs["type"] = FlagType("str", dest)
         return self.target.add_argument(*aliases, *(s for s in option_strings if s not in aliases), **kwargs)
 
 
@@ -95,6 +102,9 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         recipe_class: the recipe's own dataclass (e.g. :class:`~lp_decentral_nlp.commands.nlp.NLPArguments`).
         defaults: the recipe's defaults (shown by ``--help``), by field name.
         fixed: fields the recipe sets and that are not flags (e.g. ``{"algorithm": "choco"}``).
+        refused: fields the recipe refuses, by name, with the reason (its ``checks`` refuse them);
+            ``--help`` lists them, and the fields ``DecentralizedTrainer`` refuses
+            (:data:`~lp_decentral_nlp.trainer.field_policy.POLICY`), apart, each with its reason.
         derive: ``derive(values)`` completes the values of the flags (by field name) before the
             dataclasses are built, e.g. an output folder named after the run.
         value_checks: ``check(parser, values)`` run on the flag values before the dataclasses are
@@ -102,9 +112,13 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         checks: ``check(parser, parsed)`` run after building, calling ``parser.error`` on bad input.
     """
 
-    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, derive=None, value_checks=(),
-                 checks=(), **kwargs):
+    def __init__(self, training_class, recipe_class, *, defaults=None, fixed=None, refused=None, derive=None,
+                 value_checks=(), checks=(), **kwargs):
+        from ..trainer.field_policy import POLICY
+
         self._fixed = dict(fixed or {})
+        self._refused = {**{name: treatment.removeprefix("refused: ") for name, treatment in POLICY.items()
+                            if treatment.startswith("refused")}, **(refused or {})}
         self._allowed = field_choices()
         self._recipe_fields = {f.name for f in dataclasses.fields(recipe_class)}
         self._groups = None
@@ -123,10 +137,15 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         if self._groups is None:  # created in the order --help lists them
             self._groups = {"decentralized": self.add_argument_group("decentralized setting (SPEC 1-3, 6)"),
                             "recipe": self.add_argument_group("model, data and run"),
-                            "transformers": self.add_argument_group("transformers TrainingArguments")}
-        kind = ("recipe" if field.name in self._recipe_fields else "transformers"
-                if field.name in {f.name for f in dataclasses.fields(TrainingArguments)} else "decentralized")
-        HfArgumentParser._parse_dataclass_field(_FieldAdder(self._groups[kind], self._allowed, self._fixed), field)
+                            "transformers": self.add_argument_group("transformers TrainingArguments"),
+                            "refused": self.add_argument_group(
+                                "refused (transformers TrainingArguments these runs do not take: a value other "
+                                "than the default is an error giving the reason shown)")}
+        kind = ("refused" if field.name in self._refused else "recipe" if field.name in self._recipe_fields
+                else "transformers" if field.name in {f.name for f in dataclasses.fields(TrainingArguments)}
+                else "decentralized")
+        adder = _FieldAdder(self._groups[kind], self._allowed, self._fixed, self._refused.get(field.name))
+        HfArgumentParser._parse_dataclass_field(adder, field)
 
     def add_check(self, check) -> None:
         """Run ``check(parser, parsed)`` after every :meth:`parse`."""

@@ -119,10 +119,6 @@ def run_checks(parser, parsed) -> None:
     check_what_recipes_use(parser, parsed.training)
     check_schedule(parser, parsed.training)
     check_strategy_settings(parser, parsed.training)
-    if parsed.training.push_to_hub:
-        parser.error(f"argument {parser.flag_of('push_to_hub')}: the recipes write the trained model to "
-                     "<output-dir>/model and the run's files beside it; upload that folder (hf upload <repo> "
-                     "<output-dir>/model), or train from Python with DecentralizedTrainer(push_to_hub=True)")
 
 
 def check_report_to(parser, training) -> None:
@@ -157,29 +153,37 @@ def check_best_metric(parser, training) -> None:
                      f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
 
 
+#: the ``TrainingArguments`` fields the recipes refuse (``DecentralizedTrainer`` takes them from
+#: Python), with the reason: a value other than the default is a flag error (:func:`check_what_recipes_use`);
+#: ``--help`` lists them apart, with the reason
+RECIPE_REFUSALS: dict[str, str] = {
+    "push_to_hub": ("the recipes write the trained model to <output-dir>/model and the run's files beside it; "
+                    "upload that folder (hf upload <repo> <output-dir>/model), or train from Python with "
+                    "DecentralizedTrainer(push_to_hub=True)"),
+    **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+                     "hub_revision"), "a setting of --push_to_hub, which the recipes refuse"),
+    # the evaluation would give no accuracy, which every recipe reports (results.json)
+    "prediction_loss_only": "the recipes report the accuracy of the averaged model and of each node, which needs "
+                            "the predictions",
+    "label_names": "the recipes name the label of their batches themselves ('labels' for text, 'label' for images)",
+    **dict.fromkeys(("include_for_metrics", "batch_eval_metrics", "eval_do_concat_batches"),
+                    "a setting of compute_metrics, and the recipes compute accuracy without one (from Python, "
+                    "DecentralizedTrainer(compute_metrics=...) takes it)"),
+    # what scripts read (transformers' Trainer does not either)
+    **dict.fromkeys(("do_train", "do_eval", "do_predict"),
+                    "what a training script runs, and a recipe always trains, then evaluates the averaged model and "
+                    "each node on the test split (results.json)"),
+}
+
+
 def check_what_recipes_use(parser, training) -> None:
-    """Settings under which the evaluation would give no accuracy, which every recipe reports
-    (``results.json``): ``--prediction_loss_only`` (no predictions) and ``--label_names`` (the
-    recipes' batches name their label themselves: ``labels`` for text, ``label`` for images); and
-    settings of what the recipes do not use: ``compute_metrics``, the hub, and the ``--do_*`` flags
-    of scripts (transformers' Trainer does not read them either)."""
-    if training.prediction_loss_only:
-        parser.error(f"argument {parser.flag_of('prediction_loss_only')}: the recipes report the accuracy of the "
-                     "averaged model and of each node, which needs the predictions; drop it")
-    if training.label_names is not None:
-        parser.error(f"argument {parser.flag_of('label_names')}: the recipes name the label of their batches "
-                     "themselves ('labels' for text, 'label' for images); drop it")
-    for names, why in ((("include_for_metrics", "batch_eval_metrics", "eval_do_concat_batches"),
-                        "a setting of compute_metrics, and the recipes compute accuracy without one (from Python, "
-                        "DecentralizedTrainer(compute_metrics=...) takes it)"),
-                       (("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
-                         "hub_revision"), f"a setting of {parser.flag_of('push_to_hub')}, which the recipes refuse"),
-                       (("do_train", "do_eval", "do_predict"),
-                        "what a training script runs, and a recipe always trains, then evaluates the averaged model "
-                        "and each node on the test split (results.json)")):
-        flag = next(filter(None, map(parser.flag_given, names)), None)
-        if flag is not None:
-            parser.error(f"argument {flag}: {why}; drop it")
+    """A flag of :data:`RECIPE_REFUSALS` given a value other than its field's default: a flag error
+    giving the reason (``TrainingArguments`` itself sets ``do_eval`` under an evaluation strategy)."""
+    from ..trainer.field_policy import is_default
+
+    for name, why in RECIPE_REFUSALS.items():
+        if parser.flag_given(name) is not None and not is_default(training, name):
+            parser.error(f"argument {parser.flag_of(name)}: {why}; drop it")
 
 
 def check_strategy_settings(parser, training) -> None:

@@ -172,18 +172,22 @@ def refuse_unsupported(args) -> None:
     """ValueError naming the first refused field of ``args`` that differs from its default."""
     for f in dataclasses.fields(args):
         reason = POLICY.get(f.name, "")
-        if not (f.init and reason.startswith("refused")):
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if not _is_default(getattr(args, f.name), default):
+        if f.init and reason.startswith("refused") and not is_default(args, f.name):
             raise ValueError(f"{f.name}={getattr(args, f.name)!r} is not supported by DecentralizedTrainer "
-                             f"({reason.removeprefix('refused: ')}); leave it at {default!r}")
+                             f"({reason.removeprefix('refused: ')}); leave it at {field_default(args, f.name)!r}")
 
 
-def _is_default(value, default) -> bool:
-    """Whether ``value`` is ``default`` or the form `TrainingArguments.__post_init__` gives an unset
-    default (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an ``AcceleratorConfig()``), so
-    a copy of processed arguments (``dataclasses.replace``) passes too."""
+def field_default(args, name: str):
+    """The default of field ``name`` of the dataclass ``args`` (its class or an instance)."""
+    f = next(f for f in dataclasses.fields(args) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def is_default(args, name: str) -> bool:
+    """Whether field ``name`` of ``args`` holds its default or the form `TrainingArguments.__post_init__`
+    gives an unset default (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an
+    ``AcceleratorConfig()``), so a copy of processed arguments (``dataclasses.replace``) passes too."""
+    value, default = getattr(args, name), field_default(args, name)
     if value == default:
         return True
     if default in (None, "") and value in (None, "", [], {}):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
-from ..commands.run import (OUTPUT_DIR_HELP, RESUME_HELP, RunArguments, check_launcher, check_memory,
+from ..commands.run import (OUTPUT_DIR_HELP, RECIPE_REFUSALS, RESUME_HELP, RunArguments, check_launcher, check_memory,
                             check_training_rows, derive_run_values, exit_with_error, load_data, print_summary,
                             run_checks, set_process_output, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model, image_size_problem
@@ -169,7 +169,8 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
     kwargs.setdefault("description", f"Decentralized {algorithm} training of a CNN (SPEC 8 optimizer; defaults "
                                      "sized for a CPU run on digits).")
     parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
-                          fixed={"algorithm": algorithm}, derive=_derive, value_checks=(check_launcher,),
+                          fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
+                          derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, _check_network, _check_columns), **kwargs)
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(
         run_name="<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>"))
