@@ -1116,6 +1116,33 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
     assert "Node" not in card
 
 
+def test_model_card_of_a_model_from_a_local_folder_is_not_trained_from_scratch(tmp_path, agnews_small, tokenizer):
+    """Trainer's card calls a model loaded from a local folder "trained from scratch": the card names
+    the folder, or the base model the folder's own card names (a checkpoint Trainer or a recipe wrote)."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path / "checkpoints" / "my-bert"
+    tiny_model().save_pretrained(folder)
+
+    def card_after_training(out):
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+        trainer = DecentralizedTrainer(model=model, args=targs(out, max_steps=1), train_dataset=agnews_small["train"],
+                                       processing_class=tokenizer)
+        trainer.train()
+        trainer.create_model_card()
+        return (out / "README.md").read_text()
+
+    card = card_after_training(tmp_path / "a")
+    assert "This model is a fine-tuned version of the local checkpoint `checkpoints/my-bert` on " in card
+    assert "from scratch" not in card and "base_model" not in card
+    (folder / "README.md").write_text("---\nbase_model: google-bert/bert-base-uncased\nlicense: mit\n---\n# notes\n")
+    card = card_after_training(tmp_path / "b")
+    assert "base_model: google-bert/bert-base-uncased\n" in card and "local checkpoint" not in card
+    assert "This model is a fine-tuned version of [google-bert/bert-base-uncased](" in card
+    (folder / "README.md").write_text("---\nbase_model: [a, b\n---\n")  # metadata that does not parse
+    assert "the local checkpoint `checkpoints/my-bert`" in card_after_training(tmp_path / "c")
+
+
 class FakeHub:
     """``transformers.trainer.hf_api()`` offline: records the repos created and the folders uploaded
     (their file names at upload time)."""

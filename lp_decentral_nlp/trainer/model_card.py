@@ -31,13 +31,40 @@ def decentralized_hyperparameters(args) -> dict:
     return settings
 
 
+def local_checkpoint(model) -> Path | None:
+    """The local folder `model` was loaded from (its config's ``_name_or_path``), else None (a hub
+    id, a model built from a config, a model without a transformers config)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "")
+    return Path(name) if name and Path(name).is_dir() else None
+
+
+def base_model_of(folder: Path) -> str | None:
+    """The one ``base_model`` the model card ``folder/README.md`` names in its metadata (a card this
+    library or ``Trainer`` wrote for a fine-tuned hub model), else None (no card, no such entry,
+    several, or a card whose metadata does not parse)."""
+    import yaml
+    from huggingface_hub import metadata_load
+
+    try:
+        metadata = metadata_load(folder / "README.md") if (folder / "README.md").is_file() else None
+    except (ValueError, OSError, yaml.YAMLError):
+        return None
+    base = (metadata or {}).get("base_model")
+    base = base[0] if isinstance(base, list) and len(base) == 1 else base
+    return base if isinstance(base, str) and base else None
+
+
 def training_summary(trainer, **card_fields) -> TrainingSummary:
     """``TrainingSummary.from_trainer(trainer, **card_fields)`` (the fields of
     ``Trainer.create_model_card``) with :func:`decentralized_hyperparameters` added
     (``train_batch_size`` stays the batch of one node) and the averaged model's evaluation
     results only. A model without a transformers ``config`` (an ``ImageClassifier``) is trained
     from scratch unless ``finetuned_from`` says otherwise (``from_trainer`` reads the config's
-    name)."""
+    name); a model loaded from a local folder (which ``from_trainer`` also takes for training from
+    scratch) is a fine-tuned version of the base model its folder's card names, if one."""
+    folder = local_checkpoint(trainer.model)
+    if card_fields.get("finetuned_from") is None and folder is not None and base_model_of(folder) is not None:
+        card_fields = {**card_fields, "finetuned_from": base_model_of(folder)}
     from_scratch = getattr(trainer.model, "config", None) is None and card_fields.get("finetuned_from") is None
     if from_scratch:
         card_fields = {**card_fields, "finetuned_from": ""}  # not None: from_trainer skips the config
@@ -56,6 +83,14 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
 def write_model_card(trainer, folder, **card_fields) -> None:
     """Write the :func:`training_summary` card of `trainer` to ``folder/README.md`` (creating
     `folder`): ``output_dir`` for :meth:`DecentralizedTrainer.create_model_card`, the saved model's
-    folder for the recipes."""
+    folder for the recipes. A model from a local folder whose card names no base model is "a
+    fine-tuned version of the local checkpoint `<parent>/<folder>`", not "trained from scratch"."""
+    summary = training_summary(trainer, **card_fields)
+    text = summary.to_model_card()
+    checkpoint = local_checkpoint(trainer.model)
+    if summary.finetuned_from is None and checkpoint is not None:
+        text = text.replace("This model was trained from scratch on ",
+                            "This model is a fine-tuned version of the local checkpoint "
+                            f"`{'/'.join(checkpoint.resolve().parts[-2:])}` on ", 1)
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / "README.md").write_text(training_summary(trainer, **card_fields).to_model_card(), encoding="utf-8")
+    (Path(folder) / "README.md").write_text(text, encoding="utf-8")
