@@ -381,12 +381,12 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         with pytest.raises(ValueError, match=r"^nodes\[0\] must be a non-empty list of tensors$"):
             summary([[]])
         with pytest.raises(ValueError, match=r"^nodes\[1\] holds tensors of shapes \[\(3,\)\], nodes\[0\] of "
-                                             r"\[\(2,\)\]: every node must hold the same model$"):
+                                             r"\[\(2,\)\]: every node must hold the same model, in the same order$"):
             summary([[torch.zeros(2)], [torch.zeros(3)]])
-        with pytest.raises(ValueError, match=r"^nodes\[0\] holds torch.int64 tensors: the average of a model "
-                                             r"needs floating-point parameters$"):  # was "result type Float can't be cast"
+        with pytest.raises(TypeError, match=r"^nodes\[0\]\[0\] must be a floating-point tensor, got a torch.int64 "
+                                            r"tensor$"):  # was "result type Float can't be cast"
             summary([[torch.zeros(2, dtype=torch.long)]] * 2)
-        with pytest.raises(ValueError, match=r"^nodes must hold at least one node's parameter list, got Tensor$"):
+        with pytest.raises(TypeError, match=r"^nodes must be a list of parameter lists \(one per node\), got Tensor$"):
             summary(torch.zeros(2, 3))
     gossip = SGP(ring)
     with pytest.raises(ValueError, match="list of 3 parameter lists"):

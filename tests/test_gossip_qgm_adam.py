@@ -130,7 +130,8 @@ def test_nodes_the_momentum_cannot_hold_are_refused_at_construction(cls):
             ([[torch.zeros(3, dtype=torch.long)]], TypeError, r"^nodes\[0\]\[0\] must be a floating-point tensor, got "
                                                               r"a torch.int64 tensor$"),
             ([[1.0]], TypeError, r"^nodes\[0\]\[0\] must be a floating-point tensor, got float$"),
-            ([[torch.zeros(3)], []], TypeError, r"^nodes must be a non-empty list of non-empty parameter lists")):
+            ([[torch.zeros(3)], []], ValueError, r"^nodes\[1\] must be a non-empty list of tensors$"),
+            ([], ValueError, r"^nodes must hold at least one node's parameter list, got none$")):
         with pytest.raises(error, match=message):
             cls(nodes)
 

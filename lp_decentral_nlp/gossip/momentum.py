@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import NUMBER_FIELDS, Number, check_number
+from .push_sum import check_node_params
 
 ParamList = list[torch.Tensor]
 #: the allowed learning rate of an iteration, and of a beta of the moments (Adam's betas, QGM's beta)
@@ -44,7 +45,7 @@ class QuasiGlobalMomentum:
 
     def __init__(self, nodes: list[ParamList], beta: float = 0.9):
         beta = check_number("beta", beta, _BETA)
-        _check_nodes(nodes)
+        check_node_params(nodes)
         self.beta = float(beta)
         self._nodes = [list(params) for params in nodes]
         self._momentum = [[torch.zeros_like(p) for p in params] for params in self._nodes]
@@ -146,7 +147,7 @@ class QuasiGlobalAdam:
 
     def __init__(self, nodes: list[ParamList], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | list[float] = 0.0):
-        _check_nodes(nodes)
+        check_node_params(nodes)
         if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_BETA.admits(b) for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         eps = check_number("eps", eps, Number(low=0, low_open=True))
@@ -281,23 +282,6 @@ def _check_grads(grads, params: list[torch.Tensor]) -> None:
         if not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.shape != p.shape:
             got = type(g).__name__ if not isinstance(g, torch.Tensor) else f"{g.dtype} of shape {tuple(g.shape)}"
             raise ValueError(f"grads[{i}] must be a floating-point tensor of shape {tuple(p.shape)}, got {got}")
-
-
-def _check_nodes(nodes) -> None:
-    """TypeError unless ``nodes`` is a non-empty list of non-empty lists of floating-point tensors;
-    ValueError unless every node's tensors have node 0's shapes (the same model on every node)."""
-    if not isinstance(nodes, (list, tuple)) or not nodes or not all(isinstance(p, (list, tuple)) and p for p in nodes):
-        raise TypeError("nodes must be a non-empty list of non-empty parameter lists (one per local node)")
-    for k, params in enumerate(nodes):
-        for j, p in enumerate(params):
-            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-                got = type(p).__name__ if not isinstance(p, torch.Tensor) else f"a {p.dtype} tensor"
-                raise TypeError(f"nodes[{k}][{j}] must be a floating-point tensor, got {got}")
-        shapes = [tuple(p.shape) for p in params]
-        if shapes != [tuple(p.shape) for p in nodes[0]]:
-            raise ValueError(f"nodes[{k}] holds tensors of shapes {shapes}, nodes[0] of "
-                             f"{[tuple(p.shape) for p in nodes[0]]}: every node must hold the same model, in the "
-                             "same order")
 
 
 def _checked_node(node, count: int) -> int:

@@ -819,26 +819,34 @@ def gossiped_parameters(model: torch.nn.Module) -> ParamList:
     return [p.detach() for p in model.parameters() if p.requires_grad]
 
 
+def check_node_params(nodes) -> None:
+    """That ``nodes`` holds one model per node: a non-empty list (or tuple) of non-empty lists of
+    floating-point tensors (TypeError for a wrong type, ValueError for an empty list), every node's
+    of node 0's shapes, in the same order (ValueError)."""
+    if not isinstance(nodes, (list, tuple)):
+        raise TypeError(f"nodes must be a list of parameter lists (one per node), got {type(nodes).__name__}")
+    if not nodes:
+        raise ValueError("nodes must hold at least one node's parameter list, got none")
+    for k, params in enumerate(nodes):
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"nodes[{k}] must be a list of tensors, got {type(params).__name__}")
+        if not params:
+            raise ValueError(f"nodes[{k}] must be a non-empty list of tensors")
+        for j, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                got = f"a {p.dtype} tensor" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"nodes[{k}][{j}] must be a floating-point tensor, got {got}")
+        shapes, expected = [tuple(p.shape) for p in params], [tuple(p.shape) for p in nodes[0]]
+        if shapes != expected:
+            raise ValueError(f"nodes[{k}] holds tensors of shapes {shapes}, nodes[0] of {expected}: every node must "
+                             "hold the same model, in the same order")
+
+
 def average_model(nodes: list[ParamList]) -> ParamList:
     """``mean_i z_i`` per tensor (SPEC 1's evaluation model), as new tensors. ``nodes``: one
-    non-empty list of floating-point tensors per node, the same shapes on every node."""
-    if not isinstance(nodes, (list, tuple)) or not nodes:
-        got = "none" if isinstance(nodes, (list, tuple)) else type(nodes).__name__
-        raise ValueError(f"nodes must hold at least one node's parameter list, got {got}")
-    shapes = None
-    for k, params in enumerate(nodes):
-        if (not isinstance(params, (list, tuple)) or not params
-                or not all(isinstance(p, torch.Tensor) for p in params)):
-            raise ValueError(f"nodes[{k}] must be a non-empty list of tensors")
-        integral = next((p.dtype for p in params if not p.is_floating_point()), None)
-        if integral is not None:
-            raise ValueError(f"nodes[{k}] holds {integral} tensors: the average of a model needs floating-point "
-                             "parameters")
-        if shapes is None:
-            shapes = [tuple(p.shape) for p in params]
-        elif [tuple(p.shape) for p in params] != shapes:
-            raise ValueError(f"nodes[{k}] holds tensors of shapes {[tuple(p.shape) for p in params]}, nodes[0] of "
-                             f"{shapes}: every node must hold the same model")
+    non-empty list of floating-point tensors per node, the same shapes on every node
+    (:func:`check_node_params`)."""
+    check_node_params(nodes)
     avg = [p.detach().clone() for p in nodes[0]]
     for params in nodes[1:]:
         torch._foreach_add_(avg, [p.detach() for p in params])
