@@ -131,8 +131,8 @@ def parse(argv=None) -> argparse.Namespace:
                              "TASK/COLUMN/skewS/compC/seedN, e.g. 'ag_news/LP-Choco/skew0.5/comp99/seed1' or "
                              "'sentlen/*/skew0/*'; a pattern that names no seed selects every seed of --seeds")
     parser.add_argument("--seeds", nargs="+", type=ranged(int, Range(0, 2**32 - 1)), default=[0], metavar="SEED",
-                        help="run every selected cell once per seed (the recipe's --seed, which also deals the "
-                             "shards); the table reports the mean and range over them (default: 0)")
+                        help="run every selected cell once per seed (the recipe's --seed, which also draws the "
+                             "held-out rows and deals the shards); the table reports the mean and range over them (default: 0)")
     parser.add_argument("--finished-only", action="store_true",
                         help="run nothing: render the table from the runs finished under --output-dir with "
                              "these settings (e.g. while the grid runs elsewhere)")
@@ -477,7 +477,8 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
                 "this run's other flags and no `--cells` runs them and reuses these). ")
              + ("" if all(r["seeds"] == [0] for r in rows) else
                 f"Seeds {', '.join(map(str, sorted({s for r in rows for s in r['seeds']})))} (`--seeds`) where run: "
-                "a cell with several is the mean over them, its range in brackets. ")
+                "a cell with several is the mean over them, its range in brackets (a seed draws the held-out rows too, "
+                "as well as the node shards, the new head and the batches). ")
              + f"Every figure and the command of every cell: `{json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}`.",
              ""]
     for task in TASKS:
