@@ -509,3 +509,19 @@ def test_sweep_help_says_which_recipe_flags_the_grid_sets(capsys):
                              ("--full-precision, --no_low_precision, --no-low-precision", "--precisions")):
         assert f"{flags} set by the grid at every point: give {grid_flag} instead" in text
     assert "Degree of label skew" not in text and "they are removed when training starts" not in text
+
+
+def test_data_seed_fixes_the_held_out_rows_across_seeds(tiny_model_dir, ag_news_csv, tmp_path):
+    """--data_seed seeded the shards and batches only: the held-out test rows and the row subsets
+    followed --seed, so runs of several seeds were evaluated on different rows."""
+    from lp_decentral_nlp.commands import build_nlp_parser
+    from lp_decentral_nlp.commands.nlp import prepare_nlp_run
+
+    def rows(*seeds):
+        parsed = build_nlp_parser(None, "choco").parse([*tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run"),
+                                                        "--task", "ag_news", *seeds])
+        data = prepare_nlp_run(parsed)[1]
+        return [tuple(ids) for ids in data["test"]["input_ids"]], [tuple(ids) for ids in data["train"]["input_ids"]]
+
+    assert rows("--seed", "1", "--data_seed", "7") == rows("--seed", "2", "--data_seed", "7") == rows("--seed", "7")
+    assert rows("--seed", "1")[0] != rows("--seed", "2")[0]

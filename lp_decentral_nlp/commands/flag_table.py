@@ -683,13 +683,16 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'seed',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'Random seed that will be set at the beginning of training. (default: 0)',
+  'help': 'Random seed of the run: the held-out test rows (of data without a test split), row subsets, the node shards '
+          "and batches (these four unless --data_seed), model initialisation, dropout and the gossip's randomness "
+          '(default: 0)',
   'type': 'integer'},
  {'options': ['--data_seed', '--data-seed'],
   'dest': 'data_seed',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'Random seed to be used with data samplers. If not set, uses the same seed as `seed`. (default: None)',
+  'help': 'When set, the seed of the data instead of --seed: the held-out test rows, row subsets, the node shards and '
+          'batches; runs of several --seed then share their test rows (default: --seed)',
   'type': 'integer'},
  {'options': ['--use_cpu', '--use-cpu'],
   'dest': 'use_cpu',

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_data_dir_given, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (DEFAULT_MODEL, OUTPUT_DIR_HELP, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RESUME_HELP,
-                  RunArguments, check_launcher, check_memory, check_training_rows, derive_run_values, error_summary,
-                  exit_with_error, hub_offline, load_data, model_folder_problem, model_label_mismatch,
-                  packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
-                  set_threads, train_and_report)
+from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RunArguments, check_launcher,
+                  check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline,
+                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_notice,
+                  print_summary, run_checks, run_outputs_in, set_process_output, set_run_help, set_threads,
+                  train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -181,8 +181,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
                           fixed=fixed, refused=RECIPE_REFUSALS, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
-    parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name="<task>_<algorithm>_skew<skew>_comp<compression>"))
-    parser.set_help("resume_from_checkpoint", RESUME_HELP)
+    set_run_help(parser, "<task>_<algorithm>_skew<skew>_comp<compression>")
     return parser
 
 
@@ -247,7 +246,8 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     tokenizer = load_tokenizer(model_path, recipe.max_length, prog)
     data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
-                                       max_eval_samples=recipe.max_eval_samples, seed=training.seed),
+                                       max_eval_samples=recipe.max_eval_samples,
+                                       seed=training.data_order_seed),
                      recipe.task, recipe.data_dir, prog)
     unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
     if unused:  # e.g. validation.csv, SentEval's "va" rows

@@ -222,8 +222,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
 
     @property
     def data_order_seed(self) -> int:
-        """The seed of every node's SPEC 6 shard, shuffling order and batch seeds: ``data_seed``
-        when set (as Trainer seeds its samplers), else ``seed``."""
+        """The seed of every node's SPEC 6 shard, shuffling order and batch seeds (and, in the
+        recipes, of the held-out test rows and row subsets): ``data_seed`` when set (as Trainer
+        seeds its samplers), else ``seed``."""
         return self.seed if self.data_seed is None else self.data_seed
 
     @property

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
-from ..commands.run import (OUTPUT_DIR_HELP, RECIPE_REFUSALS, RESUME_HELP, RunArguments, check_launcher, check_memory,
-                            check_training_rows, derive_run_values, exit_with_error, load_data, print_summary,
-                            run_checks, set_process_output, set_threads, train_and_report)
+from ..commands.run import (RECIPE_REFUSALS, RunArguments, check_launcher, check_memory, check_training_rows,
+                            derive_run_values, exit_with_error, load_data, print_summary, run_checks,
+                            set_process_output, set_run_help, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model, image_size_problem
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -172,9 +172,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                           fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
                           derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, _check_network, _check_columns), **kwargs)
-    parser.set_help("output_dir", OUTPUT_DIR_HELP.format(
-        run_name="<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>"))
-    parser.set_help("resume_from_checkpoint", RESUME_HELP)
+    set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>")
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
     parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
                     f"flag alone: a constant LR (default: at {fractions} of the run, of --epochs or of --max_steps "
@@ -201,7 +199,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     start = time.time()
     parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
-    raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.seed),
+    raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.data_order_seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
     # the user's images (--dataset folder) bring their classes, size and normalisation
