@@ -1116,6 +1116,20 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
     assert "Node" not in card
 
 
+def test_a_construction_trainer_refuses_leaves_the_users_model_float(tmp_path, agnews_small, tokenizer):
+    """Trainer.__init__'s own refusals (here: an evaluation schedule without an eval_dataset) came after
+    the 8-bit surgery: the user's model was left 8-bit, and the retry in full precision refused it."""
+    model = tiny_model()
+    layers = {name: type(module) for name, module in model.named_modules()}
+    with pytest.raises(ValueError, match="eval_dataset"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, low_precision=True, eval_strategy="steps", eval_steps=1),
+                             train_dataset=agnews_small["train"], processing_class=tokenizer)
+    assert {name: type(module) for name, module in model.named_modules()} == layers
+    assert getattr(model.config, "quantization_config", None) is None
+    DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"],
+                         processing_class=tokenizer)  # full precision (targs' default) takes it
+
+
 def test_model_card_of_a_model_from_a_local_folder_is_not_trained_from_scratch(tmp_path, agnews_small, tokenizer):
     """Trainer's card calls a model loaded from a local folder "trained from scratch": the card names
     the folder, or the base model the folder's own card names (a checkpoint Trainer or a recipe wrote)."""

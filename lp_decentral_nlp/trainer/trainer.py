@@ -255,7 +255,10 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
                              f"{type(train_dataset).__name__}")
         _check_best_metric_names_a_set(args, kwargs.get("eval_dataset"))
-        # everything that can refuse the inputs runs before the surgery changes the user's model
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
+        # everything that can refuse the inputs (Trainer's own checks included) runs before the surgery
+        # changes the user's model
         if args.qgm:
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
         node_group = NodeGroup(args.num_nodes, args.backend)
@@ -268,11 +271,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
             check_labels(part, num_classes, what)
             check_columns(part, model, args, what, collator_given)
-        if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
-            quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
+        if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
+            quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)
@@ -287,8 +290,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or (
             any(cls.__name__ in CAUSAL_LM_CLASSES for cls in type(inspected).__mro__)
             and not getattr(inspected.config, "is_encoder_decoder", False))
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         self._shard_labels, self.node_group = shard_labels, node_group
         self._num_classes = num_classes  # for a set given to evaluate() or predict()
         self.node_ids = self.node_group.node_ids
