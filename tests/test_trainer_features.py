@@ -2,6 +2,7 @@
 gradient accumulation, best-model tracking and early stopping, dict eval sets, predict, tasks
 without class labels, plain torch datasets, gradient checkpointing, the final merge, the drift
 guard, and refuses what it cannot honour. Tiny random models, a few steps, public API only."""
+import collections
 import concurrent.futures
 import copy
 import logging
@@ -1114,6 +1115,27 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
                  "mixed_precision_training: Native AMP (bf16 autocast per node)", f"Loss: {metrics['eval_loss']:.4f}"):
         assert f"- {line}\n" in card, line
     assert "Node" not in card
+
+
+def test_a_transform_that_renames_label_to_labels_trains_with_skewed_shards(tmp_path, agnews_small, tokenizer):
+    """A with_transform making ``labels`` from the stored ``label`` (the usual idiom) was a KeyError
+    'label' at construction: the shard labels' column was looked up in a transformed row."""
+    def to_labels(batch):
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["label"]}
+
+    def node_classes(train):
+        trainer = trainer_for(tmp_path, {"train": train, "test": agnews_small["test"]}, tokenizer, skew=1.0,
+                              max_steps=1, remove_unused_columns=False)
+        return trainer, [collections.Counter(int(label) for batch in loader for label in batch["labels"])
+                         for loader in trainer.node_dataloaders()]
+
+    train = agnews_small["train"].with_transform(to_labels)
+    trainer, classes = node_classes(train)
+    assert classes == node_classes(agnews_small["train"])[1]  # skewed on the stored labels, as without the transform
+    assert [counts.most_common(1)[0][0] for counts in classes] != [classes[0].most_common(1)[0][0]] * 4
+    trainer.train()
+    with pytest.raises(ValueError, match=r"^train_dataset makes its samples with a transform .* pass remove_unused_columns=False$"):
+        trainer_for(tmp_path, {"train": train, "test": agnews_small["test"]}, tokenizer, skew=0.5)
 
 
 def test_a_construction_trainer_refuses_leaves_the_users_model_float(tmp_path, agnews_small, tokenizer):

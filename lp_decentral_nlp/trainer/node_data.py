@@ -147,7 +147,9 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
     check_labels(dataset, num_labels, "train_dataset")  # whatever the shards are skewed on
-    first = dataset[0]
+    # the stored rows: no formatting transform (e.g. image decoding, or with_transform's label -> labels)
+    stored = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
+    first = stored[0]
     columns = list(dataset.column_names) if hasattr(dataset, "column_names") else \
         (list(first) if isinstance(first, dict) else [])
     name = args.shard_column
@@ -164,10 +166,7 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
             raise ValueError(f"skew={args.skew} needs a column of class ids to skew the shards on, and {found}: name "
                              "one with shard_column, or use skew=0")
         return None
-    if hasattr(dataset, "with_format"):  # no formatting transform (e.g. image decoding) on every row
-        values = dataset.with_format(None)[name]
-    else:
-        values = [dataset[i][name] for i in range(len(dataset))]
+    values = stored[name] if hasattr(dataset, "with_format") else [dataset[i][name] for i in range(len(dataset))]
     values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
     what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
     unhashable = next((v for v in values if not isinstance(v, Hashable)), None)
