@@ -1649,8 +1649,9 @@ def test_distributed_backend_outside_a_launcher_names_the_launch_and_accelerates
                                            "torchrun --nproc_per_node 4"):
         NodeGroup(4, "distributed")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-    with pytest.raises(RuntimeError, match="accelerate launch on a machine without GPUs starts one process unless "
-                                           "--multi_gpu is given"):
+    with pytest.raises(RuntimeError, match="accelerate launch on a machine without GPUs, or with --cpu, starts one "
+                                           "process unless --multi_gpu is given: add --multi_gpu and drop --cpu if "
+                                           "given"):
         NodeGroup(4, "distributed")
 
 

@@ -70,8 +70,10 @@ class NodeGroup:
             self.node_ids = list(range(num_nodes))
         else:
             if not initialized:
-                how = ("accelerate launch on a machine without GPUs starts one process unless --multi_gpu is given: "
-                       "add --multi_gpu, or " if "ACCELERATE_USE_CPU" in os.environ else "")
+                how = ("accelerate launch on a machine without GPUs, or with --cpu, starts one process unless "
+                       "--multi_gpu is given: add --multi_gpu and drop --cpu if given (accelerate refuses the two "
+                       "together; without a GPU the nodes run on the CPU over gloo), or "
+                       if "ACCELERATE_USE_CPU" in os.environ else "")
                 raise RuntimeError(f"backend='distributed' needs an initialised torch.distributed process group: "
                                    f"{how}launch with torchrun --nproc_per_node {num_nodes}, one process per node")
             if dist.get_backend() == "undefined":
