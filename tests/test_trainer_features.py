@@ -1117,6 +1117,22 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
     assert "Node" not in card
 
 
+def test_the_best_model_by_consensus_distance_is_the_least_divergent(tmp_path, agnews_small, tokenizer):
+    """greater_is_better unset followed Trainer's rule (greater unless the name ends in "loss"): the
+    "best" checkpoint by consensus_distance was the most divergent one, by loss_node_<i> the worst."""
+    for metric, greater in (("consensus_distance", False), ("eval_loss_node_1", False), ("bytes_sent_node_0", False),
+                            ("accuracy_node_0", True), ("loss", False)):
+        assert targs(tmp_path, metric_for_best_model=metric).greater_is_better is greater, metric
+    assert targs(tmp_path, metric_for_best_model="consensus_distance", greater_is_better=True).greater_is_better
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=3, eval_strategy="steps", eval_steps=1,
+                          save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                          metric_for_best_model="consensus_distance")
+    trainer.train()
+    distances = [log["eval_consensus_distance"] for log in trainer.state.log_history if "eval_consensus_distance" in log]
+    assert len(distances) == 3 and len(set(distances)) == 3
+    assert trainer.state.best_metric == min(distances)
+
+
 def test_a_transform_that_renames_label_to_labels_trains_with_skewed_shards(tmp_path, agnews_small, tokenizer):
     """A with_transform making ``labels`` from the stored ``label`` (the usual idiom) was a KeyError
     'label' at construction: the shard labels' column was looked up in a transformed row."""

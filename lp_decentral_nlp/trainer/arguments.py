@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -23,6 +24,9 @@ from ..quant.kernels import AUTO, kernel_names
 from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
+#: the evaluation metrics of this trainer that are better lower, though their names do not end in
+#: "loss" (Trainer's rule for an unset greater_is_better)
+LOWER_IS_BETTER = re.compile(r"(eval_)?(consensus_distance|loss_node_\d+|bytes_sent_node_\d+)")
 _DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
@@ -151,6 +155,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         # before TrainingArguments' own checks, which answer bf16=True on a CPU with "Your setup doesn't support bf16"
         refuse_unsupported(self)
+        if (self.greater_is_better is None and isinstance(self.metric_for_best_model, str)
+                and LOWER_IS_BETTER.fullmatch(self.metric_for_best_model)):
+            self.greater_is_better = False  # Trainer's rule would keep the most divergent, or the worst node's, model
         if self.backend == "distributed" and not torch.accelerator.is_available():
             # the CPU is what use_cpu=False picks here too; without the flag transformers makes the process group
             # without a backend (each rank sees world size 1) and the first gossip message fails

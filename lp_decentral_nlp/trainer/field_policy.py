@@ -144,7 +144,8 @@ POLICY: dict[str, str] = {
     "include_for_metrics": HONOURED,
     "batch_eval_metrics": HONOURED,
     "metric_for_best_model": HONOURED,
-    "greater_is_better": HONOURED,
+    "greater_is_better": HONOURED + " (unset: False for consensus_distance, loss_node_<i> and bytes_sent_node_<i> too, "
+                         "which Trainer's rule, greater is better unless the name ends in 'loss', would maximise)",
     "load_best_model_at_end": HONOURED,
     # --- saving ------------------------------------------------------------------------------
     "save_strategy": HONOURED,
