@@ -4,9 +4,9 @@
     torchrun --nproc_per_node 4 recipes/text_deepsqueeze.py --data-dir reviews.csv --backend distributed
 
 --data-dir: a CSV file with text,label columns (the labels, integers or strings, are the classes), a
-folder of train.csv (and test.csv, validation.csv), or a DatasetDict.save_to_disk folder. `--help`
-lists every flag; results land in --output-dir (results.json, cost_report.json, kernels.json,
-metrics.csv, model/).
+folder of train.csv (and test.csv, else validation.csv, as the test split), or a
+DatasetDict.save_to_disk folder. `--help` lists every flag; results land in --output-dir
+(results.json, cost_report.json, kernels.json, metrics.csv, model/).
 """
 from lp_decentral_nlp.commands import recipe_main
 

@@ -138,13 +138,21 @@ def test_folder_with_unexpected_csv_next_to_train(tmp_path):
             tmp_path)
 
 
-def test_a_folder_keeps_its_validation_csv_as_a_saved_dataset_keeps_its_split(tmp_path):
-    """validation.csv beside train.csv was refused, while a saved DatasetDict's validation split was kept."""
+def test_a_validation_split_is_the_test_split_of_a_source_without_one(tmp_path):
+    """validation.csv beside train.csv was refused, then kept unused while 20% of train.csv was held
+    out as test; as run_glue.py, the evaluation is on the validation split when there is no test
+    split, and eval_fraction, which then holds nothing out, is refused."""
     _write(tmp_path / "train.csv", HEADER + _rows(40))
     _write(tmp_path / "validation.csv", HEADER + _rows(8))
-    ds = load_task("ag_news", data_dir=str(tmp_path))
-    assert sorted(ds) == ["test", "train", "validation"] and len(ds["validation"]) == 8
-    assert len(ds["train"]) + len(ds["test"]) == 40
+    assert {split: len(part) for split, part in load_task("ag_news", data_dir=str(tmp_path)).items()} == {
+        "train": 40, "test": 8}
+    with pytest.raises(ValueError, match=r"^eval_fraction=0.5 is the share held out of a source without test rows, "
+                                         r"and .*train.csv has its 'validation' split: leave eval_fraction out$"):
+        load_task("ag_news", data_dir=tmp_path, eval_fraction=0.5)
+    saved = tmp_path / "saved"
+    DatasetDict(train=Dataset.from_dict({"text": ["a", "b"] * 4, "label": [0, 1] * 4}),
+                validation=Dataset.from_dict({"text": ["c", "d"], "label": [1, 0]})).save_to_disk(saved)
+    assert {split: len(part) for split, part in load_task("text", data_dir=saved).items()} == {"train": 8, "test": 2}
     _write(tmp_path / "test.csv", HEADER + _rows(12))
     assert {split: len(part) for split, part in load_task("ag_news", data_dir=tmp_path).items()} == {
         "train": 40, "test": 12, "validation": 8}
@@ -195,7 +203,7 @@ def test_a_bad_saved_split_is_refused_before_any_split_is_converted(tmp_path, ca
     good = Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
     DatasetDict(train=good, test=Dataset.from_dict({"text": ["a"], "label": [9]})).save_to_disk(folder)
     capfd.readouterr()
-    _expect(ValueError, r"saved \[test\]: labels must be 0-3, found \[9\]", lambda: load_task("ag_news", data_dir=folder),
+    _expect(ValueError, r"saved \[test\]: labels must be 0-3 \(AG News's classes\), found \[9\]$", lambda: load_task("ag_news", data_dir=folder),
             folder)
     assert capfd.readouterr().err == ""
 
@@ -290,7 +298,7 @@ def test_saved_dataset_with_empty_labels_or_texts_or_an_empty_split(tmp_path):
 
 def test_saved_dataset_labels_out_of_range(tmp_path):
     folder = _saved(tmp_path, {"text": ["a", "b", "c"], "label": [0, 7, -2]})
-    _expect(ValueError, r"labels must be 0-3, found \[-2, 7\]", lambda: load_task("ag_news", data_dir=folder), folder)
+    _expect(ValueError, r"labels must be 0-3 \(AG News's classes\), found \[-2, 7\]$", lambda: load_task("ag_news", data_dir=folder), folder)
 
 
 @pytest.mark.parametrize("label, match", [

@@ -745,6 +745,7 @@ def test_a_validation_split_is_refused_alone_and_named_unused_beside_train(tmp_p
         f"argument --data-dir: data_dir {str(tmp_path)!r} holds validation.csv but no train.csv: validation.csv is the "
         "validation split beside a train.csv, and its rows are never trained on; add train.csv or rename validation.csv")
     (tmp_path / "train.csv").write_bytes(agnews_rows(80))
+    (tmp_path / "test.csv").write_bytes(agnews_rows(16))  # without it, validation.csv is the test split
     main("ag_news", "choco", flags)
     assert (f"notice: {tmp_path}: the 'validation' (40 rows) split is not used: the recipes train on 'train' and "
             "evaluate on 'test'") in capsys.readouterr().err

@@ -167,6 +167,48 @@ def test_the_text_task_takes_its_classes_from_the_users_labels(tmp_path):
     assert ds["train"].features["label"].names == ["negative", "positive"] and len(ds["test"]) == 2
 
 
+def test_the_text_tasks_labels_mean_one_class_whatever_their_spelling_or_split(tmp_path):
+    """'1' and '1.0' (a spreadsheet's float column) were two classes; a saved test split of plain
+    integers beside a train ClassLabel got classes of its own (no test row could be right); a
+    ClassLabel's -1 (GLUE's unlabelled test rows) became a class."""
+    _write_csv(tmp_path / "mixed.csv", ["text", "label"], [(f"t{i}", ("1", "2.0", "3", "1.00", "+2")[i % 5])
+                                                           for i in range(20)])
+    ds = load_task("text", data_dir=tmp_path / "mixed.csv")
+    assert ds["train"].features["label"].names == ["1", "2", "3"]
+    names = ["w", "s", "b", "t"]
+    train = Dataset.from_dict({"text": ["a", "b", "c", "d"] * 2, "label": [0, 1, 2, 3] * 2},
+                              features=Features({"text": Value("string"), "label": ClassLabel(names=names)}))
+    DatasetDict(train=train, test=Dataset.from_dict({"text": ["x", "y"], "label": [3, 0]})).save_to_disk(tmp_path / "a")
+    ds = load_task("text", data_dir=tmp_path / "a")
+    assert ds["test"].features["label"].names == names and ds["test"]["label"] == [3, 0]
+    DatasetDict(train=train, test=Dataset.from_dict({"text": ["x"], "label": [4]})).save_to_disk(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"b \[test\]: labels must be 0-3 \(ids of the ClassLabel \['w', 's', 'b', "
+                                         r"'t'\] of split 'train'\), found \[4\]$"):
+        load_task("text", data_dir=tmp_path / "b")
+    unlabelled = Dataset.from_dict({"text": ["x", "y"], "label": [-1, -1]},
+                                   features=Features({"text": Value("string"), "label": ClassLabel(names=names)}))
+    DatasetDict(train=train, test=unlabelled).save_to_disk(tmp_path / "glue")
+    with pytest.raises(ValueError, match=r"glue \[test\]: labels must be 0-3 \(ids of its ClassLabel .*\), found "
+                                         r"\[-1\]; -1 marks unlabelled rows \(2 here, as in GLUE's test splits\), which "
+                                         r"cannot be trained or evaluated on: drop that split or label its rows$"):
+        load_task("text", data_dir=tmp_path / "glue")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("reviews.tsv", "text\tlabel\na\tx\n", r"is not a .csv file \(tab-separated: save it with commas\): the local "
+                                           r"sources are a text,label CSV file"),
+    ("reviews.jsonl", '{"text": "a"}\n', r"is not a .csv file \(datasets reads it: load_dataset\('json' or 'parquet'"),
+    ("semi.csv", "text;label\na;x\n", r"found \['text;label'\]; the header is one column of names separated by "
+                                      r"semicolons: save the file with commas$"),
+    ("news.csv", "label,title,description\n1,a,b\n", r"expected columns text,label, found \['label', 'title', "
+                                                      r"'description'\]; name the column of texts 'text'"),
+])
+def test_the_text_tasks_file_errors_say_what_to_do(name, content, message, tmp_path):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_task("text", data_dir=tmp_path / name)
+
+
 @pytest.mark.parametrize("content, message", [
     (None, r"^data_dir: the text task trains on your own data: give a CSV file with text,label columns"),
     ([("a", "x"), ("b", "x")], r"one.csv: every row has the label 'x', and a classifier needs two classes or more$"),
@@ -189,7 +231,6 @@ def test_the_text_task_refuses_data_it_cannot_classify(content, message, tmp_pat
 @pytest.mark.parametrize("kwargs, message", [
     (dict(data_dir=5), r"^data_dir must be a path \(str or os.PathLike\) or None, got int"),
     (dict(eval_fraction="0.2"), r"^eval_fraction must be a number in \(0, 1\), got '0.2'"),
-    (dict(eval_fraction=None), r"^eval_fraction must be a number in \(0, 1\), got None"),
     (dict(tokenizer=42), r"^tokenizer must be a Hugging Face tokenizer \(callable\) or None, got int"),
 ])
 def test_load_task_refuses_arguments_of_the_wrong_kind_in_one_line(kwargs, message):
@@ -199,6 +240,8 @@ def test_load_task_refuses_arguments_of_the_wrong_kind_in_one_line(kwargs, messa
     if "eval_fraction" in kwargs:
         with pytest.raises(ValueError, match=message):
             build_sentlen(None, **kwargs)
+    with pytest.raises(ValueError, match=r"^eval_fraction must be a number in \(0, 1\), got None"):
+        build_sentlen(None, eval_fraction=None)  # load_task's None: the default, where it applies
 
 
 def test_max_length_without_a_tokenizer_is_refused(tmp_path):

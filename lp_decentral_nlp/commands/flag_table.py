@@ -1183,7 +1183,7 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'group': 'model, data and run',
   'help': "Local data: a CSV file or folder, or a saved dataset; for sentlen also SentEval's sentence_length.txt (or "
           'its folder), or AG News data whose sentences it is built from; for text a text,label CSV whose distinct '
-          'labels are the classes; None: the hub (default: None)',
+          'labels are the classes; None: the hub (not for text) (default: None)',
   'type': 'str'},
  {'options': ['--max_length', '--max-length'],
   'dest': 'max_length',

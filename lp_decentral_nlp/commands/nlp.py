@@ -38,7 +38,7 @@ class NLPArguments(RunArguments):
     data_dir: str | None = field(default=None, metadata={
         "help": "Local data: a CSV file or folder, or a saved dataset; for sentlen also SentEval's "
                 "sentence_length.txt (or its folder), or AG News data whose sentences it is built from; for text a "
-                "text,label CSV whose distinct labels are the classes; None: the hub"})
+                "text,label CSV whose distinct labels are the classes; None: the hub (not for text)"})
     max_length: int = field(default=128, metadata={"help": "Max tokens per text"})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training texts"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many test texts"})

@@ -35,8 +35,9 @@ SENTLEN_BINS = ((5, 8), (9, 12), (13, 16), (17, 20), (21, 25), (26, 28))
 SENTLEN_LABELS = tuple(f"{lo}-{hi}" for lo, hi in SENTLEN_BINS)
 SENTEVAL_FILE = "sentence_length.txt"
 _SENTEVAL_SPLITS = {"tr": "train", "va": "validation", "te": "test"}
-#: the share of a source held out as its test split
+#: the share of a source held out as its test split: its range, and the default
 _EVAL_FRACTION = Number(low=0, high=1, low_open=True, high_open=True)
+_DEFAULT_EVAL_FRACTION = 0.2
 # the splits a folder of CSV files keeps, by file stem (train.csv required), as a saved DatasetDict's
 _CSV_SPLITS = ("train", "test", "validation")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -50,7 +51,7 @@ def load_task(
     data_dir: str | os.PathLike | None = None,
     tokenizer=None,
     max_length: int = DEFAULT_MAX_LENGTH,
-    eval_fraction: float = 0.2,
+    eval_fraction: float | None = None,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
     seed: int = 0,
@@ -77,14 +78,18 @@ def load_task(
             through a cached ``datasets.map`` (truncated to ``max_length`` tokens, padded later by
             the collator) and ``text`` is dropped.
         max_length: longest tokenised sequence, in tokens (with a tokenizer only).
-        eval_fraction: share of the data held out, stratified by label and seeded, when the source
-            has no test split (0 < eval_fraction < 1).
+        eval_fraction: share of the data held out as ``test``, stratified by label and seeded,
+            when the source has neither a test nor a validation split (0 < eval_fraction < 1;
+            default 0.2); refused for a source that has one. Sentlen built from AG News data
+            always holds it out (its sentences are pooled).
         max_train_samples, max_eval_samples: keep a seeded random subset of that many rows.
         seed: seed of the held-out split and of the subsets.
 
     Returns:
-        ``DatasetDict`` with ``train`` and ``test`` (and ``validation`` where the source has one);
-        ``label`` is a ``ClassLabel`` with values ``0..K-1``.
+        ``DatasetDict`` with ``train`` and ``test``: the source's test split, else its validation
+        split (as transformers' ``run_glue.py`` evaluates on it), else ``eval_fraction`` of its
+        rows; a validation split beside a test split stays ``validation``. ``label`` is a
+        ``ClassLabel`` with values ``0..K-1``.
 
     Raises:
         FileNotFoundError: ``data_dir`` does not exist.
@@ -96,7 +101,8 @@ def load_task(
     """
     if name not in TASKS:
         raise ValueError(f"name must be one of {TASKS}, got {name!r}")
-    eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
+    if eval_fraction is not None:
+        eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
     data_dir = None if data_dir is None else os.path.expanduser(data_dir)
@@ -120,10 +126,11 @@ def load_task(
         ds = _load_classification(name, data_dir, eval_fraction, seed)
     elif data_dir is not None and _senteval_file(Path(data_dir)) is not None:
         ds = _load_senteval(_senteval_file(Path(data_dir)))
+        _check_no_eval_fraction(eval_fraction, str(_senteval_file(Path(data_dir))), "its 'te' rows")
     else:
         origin = "the hub's ag_news" if data_dir is None else f"data_dir {str(data_dir)!r}"
-        ds = build_sentlen(_load_classification("ag_news", data_dir, eval_fraction, seed), eval_fraction, seed,
-                           origin=origin)
+        fraction = _DEFAULT_EVAL_FRACTION if eval_fraction is None else eval_fraction
+        ds = build_sentlen(_load_classification("ag_news", data_dir, None, seed), fraction, seed, origin=origin)
 
     for split in list(ds):
         ds[split] = _subset(ds[split], limits["train" if split == "train" else "test"], seed)
@@ -169,6 +176,28 @@ def check_enough_rows(num_rows: int, num_nodes: int, batch_size: int, source: st
                          "or the number of nodes")
 
 
+def _with_test_split(ds: DatasetDict, eval_fraction: float | None, seed: int, source: str) -> DatasetDict:
+    """``ds`` (a source's splits: ``data`` or ``train``, maybe ``test`` and ``validation``) with a
+    ``test`` split: its own, else its validation split, else :func:`_with_eval_split` of
+    ``eval_fraction`` (default 0.2) of the rows (``source``: where they came from, for its errors).
+    An ``eval_fraction`` given for a source with a test or validation split is a ValueError."""
+    held = next((split for split in ("test", "validation") if split in ds), None)
+    split = "data" if "data" in ds else "train"
+    others = {name: part for name, part in ds.items() if name not in (split, held)}  # e.g. IMDB's "unsupervised"
+    if held is not None:
+        _check_no_eval_fraction(eval_fraction, source, f"its {held!r} split")
+        return DatasetDict({"train": ds[split], "test": ds[held], **others})
+    fraction = _DEFAULT_EVAL_FRACTION if eval_fraction is None else eval_fraction
+    return DatasetDict({**_with_eval_split(ds[split], fraction, seed, source), **others})
+
+
+def _check_no_eval_fraction(eval_fraction: float | None, source: str, held: str) -> None:
+    """ValueError when ``eval_fraction`` was given for ``source``, whose test rows are ``held``."""
+    if eval_fraction is not None:
+        raise ValueError(f"eval_fraction={eval_fraction:g} is the share held out of a source without test rows, and "
+                         f"{source} has {held}: leave eval_fraction out")
+
+
 def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) -> DatasetDict:
     """Carve a stratified, seeded held-out ``test`` split from a single split.
 
@@ -189,7 +218,7 @@ def _with_eval_split(ds: Dataset, eval_fraction: float, seed: int, source: str) 
         raise ValueError(f"{source}: {len(ds)} rows are too few to hold out a stratified {eval_fraction:g} as test "
                          f"({present} labels present, per label {per_label}): every label "
                          f"needs at least 2 rows and each part at least {present} rows; give more rows or provide "
-                         "a test split")
+                         "a test split (test.csv beside train.csv, or a 'test' split in a saved DatasetDict)")
     return ds.train_test_split(test_size=eval_fraction, stratify_by_column="label", seed=seed)
 
 
@@ -229,22 +258,32 @@ _CSV_COLUMNS = {"ag_news": "label,title,description (labels 1-4) or text,label (
 _FOLDER_HOLDS = {"ag_news": "label,title,description CSVs or a save_to_disk directory, and for sentlen also SentEval's "
                             "sentence_length.txt",
                  "text": "text,label CSVs or a save_to_disk directory"}
+# the local sources of a task
+_SOURCES = {"ag_news": "a CSV file, a directory of CSV files, a DatasetDict.save_to_disk directory, and for sentlen "
+                       "also SentEval's sentence_length.txt",
+            "text": "a text,label CSV file, a directory of such CSV files (train.csv, test.csv, validation.csv) or a "
+                    "save_to_disk directory"}
 _INTEGER = re.compile(r"[+-]?\d+")
+# a user's label written as an integer, or as a decimal with a zero fraction ("1.0", as a spreadsheet or
+# pandas' float column writes it): the class of that integer
+_INTEGRAL = re.compile(r"([+-]?\d+)(?:\.0*)?")
 
 
-def _load_classification(task: str, data_dir, eval_fraction: float, seed: int) -> DatasetDict:
+def _load_classification(task: str, data_dir, eval_fraction: float | None, seed: int) -> DatasetDict:
     """``task`` ``"ag_news"`` (the hub's where ``data_dir`` is None) or ``"text"`` from
     ``data_dir``, as :func:`load_task` describes."""
     if data_dir is None:
-        return load_dataset(AG_NEWS_HUB_ID)
+        return _with_test_split(load_dataset(AG_NEWS_HUB_ID), eval_fraction, seed, "the hub's ag_news")
     path = Path(data_dir)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         return _load_saved(task, path, eval_fraction, seed)
     if path.is_file():
         if path.suffix.lower() != ".csv":
-            raise ValueError(f"data_dir {str(path)!r} is not a .csv file: the local sources are a CSV file, a "
-                             "directory of CSV files, a DatasetDict.save_to_disk directory, and for sentlen also "
-                             "SentEval's sentence_length.txt")
+            convert = (" (datasets reads it: load_dataset('json' or 'parquet', data_files=...) then save_to_disk a "
+                       "folder)" if path.suffix.lower() in (".json", ".jsonl", ".parquet") else
+                       " (tab-separated: save it with commas)" if path.suffix.lower() == ".tsv" else "")
+            raise ValueError(f"data_dir {str(path)!r} is not a .csv file{convert}: the local sources are "
+                             f"{_SOURCES[task]}")
         files = {"data": [path]}
     else:
         csvs = sorted(p for p in path.glob("*.csv") if p.is_file())
@@ -269,11 +308,8 @@ def _load_classification(task: str, data_dir, eval_fraction: float, seed: int) -
                       for split, parts in files.items()})
     if task == "text":
         ds = _encode_labels(ds, ", ".join(str(f) for parts in files.values() for f in parts))
-    if "test" not in ds:
-        split = "data" if "data" in ds else "train"
-        held_out = _with_eval_split(ds.pop(split), eval_fraction, seed, ", ".join(str(f) for f in files[split]))
-        ds = DatasetDict({**held_out, **ds})  # a validation.csv stays its own split
-    return ds
+    split = "data" if "data" in ds else "train"
+    return _with_test_split(ds, eval_fraction, seed, ", ".join(str(f) for f in files[split]))
 
 
 def _read_csv(file: Path, task: str) -> Dataset:
@@ -306,9 +342,15 @@ def _read_csv(file: Path, task: str) -> Dataset:
     layout = layouts[0] if layouts else None
     if layout is None:
         looks_like_data = bool(header) and _INTEGER.fullmatch(header[0]) is not None
+        other_separator = next((name for sep, name in (("\t", "tabs"), (";", "semicolons"))
+                                if len(header) == 1 and sep in header[0]), None)
         raise ValueError(f"{file}: expected columns {_CSV_COLUMNS[task]}, found {names}"
                          + (f"; the first line looks like data: add a header line naming the columns "
-                            f"{_CSV_COLUMNS[task]}" if looks_like_data else ""))
+                            f"{_CSV_COLUMNS[task]}" if looks_like_data else
+                            f"; the header is one column of names separated by {other_separator}: save the file "
+                            "with commas" if other_separator else
+                            "; name the column of texts 'text' (join several into it)" if task == "text"
+                            and "label" in header else ""))
     (columns, first), data = layout, rows[1:]
     repeated = sorted({c for c in columns if header.count(c) > 1})
     if repeated:
@@ -345,12 +387,12 @@ def _read_csv(file: Path, task: str) -> Dataset:
 
 def _encode_labels(ds: DatasetDict, source: str) -> DatasetDict:
     """``ds`` with its string ``label`` made a ClassLabel over the distinct labels of all splits:
-    integers in numeric order (named as integers: ``"07"`` is ``"7"``), else strings in sorted order.
-    ValueError naming `source` when there is one class only, or fewer than two rows per class on
-    average (a column of scores or free text taken for classes)."""
+    integers in numeric order (named as integers: ``"07"`` and ``"7.0"`` are ``"7"``), else strings in
+    sorted order. ValueError naming `source` when there is one class only, or fewer than two rows per
+    class on average (a column of scores or free text taken for classes)."""
     values = sorted({value for part in ds.values() for value in part["label"]})
-    numeric = all(_INTEGER.fullmatch(value) for value in values)
-    names = sorted({str(int(v)) for v in values}, key=int) if numeric else values
+    numeric = all(_INTEGRAL.fullmatch(value) for value in values)
+    names = sorted({_integer_name(v) for v in values}, key=int) if numeric else values
     if len(names) < 2:
         raise ValueError(f"{source}: every row has the label {names[0]!r}, and a classifier needs two classes or more")
     rows = sum(len(part) for part in ds.values())
@@ -361,11 +403,16 @@ def _encode_labels(ds: DatasetDict, source: str) -> DatasetDict:
     index = {name: i for i, name in enumerate(names)}
     features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
     return DatasetDict({split: Dataset.from_dict(
-        {"text": part["text"], "label": [index[str(int(v)) if numeric else v] for v in part["label"]]},
+        {"text": part["text"], "label": [index[_integer_name(v) if numeric else v] for v in part["label"]]},
         features=features) for split, part in ds.items()})
 
 
-def _load_saved(task: str, path: Path, eval_fraction: float, seed: int) -> DatasetDict:
+def _integer_name(value: str) -> str:
+    """The class name of an :data:`_INTEGRAL` label: the integer written plainly ("07", "+7", "7.0": "7")."""
+    return str(int(_INTEGRAL.fullmatch(value).group(1)))
+
+
+def _load_saved(task: str, path: Path, eval_fraction: float | None, seed: int) -> DatasetDict:
     """A ``save_to_disk`` directory (Dataset or DatasetDict with ``train``) checked like a CSV.
     Read into memory: a memory-mapped one would get the cache files of its conversion and
     tokenization written beside its data, into the user's folder."""
@@ -383,18 +430,21 @@ def _load_saved(task: str, path: Path, eval_fraction: float, seed: int) -> Datas
         raise ValueError(f"saved dataset at {str(path)!r}: its splits name the classes otherwise ("
                          + "; ".join(f"{split}: {n}" for split, n in named.items()) + "): give every split the same "
                          "ClassLabel names in the same order")
-    if task == "text" and len(named) < len(parts):
+    classes = next(iter(named.values()), None)
+    plain = [split for split in parts if split not in named]
+    if task == "text" and classes is not None and plain and all(
+            _is_integer(parts[split].features["label"]) for split in plain):
+        for split in plain:  # integer ids of the ClassLabel the other splits name
+            _check_class_ids(parts[split]["label"], len(classes), f"{path} [{split}]",
+                             f"ids of the ClassLabel {list(classes)} of split {next(iter(named))!r}")
+        parts = DatasetDict({split: _as_class_label(part, classes) for split, part in parts.items()})
+    elif task == "text" and plain:
         parts = _encode_labels(DatasetDict({split: Dataset.from_dict(
             {"text": part["text"], "label": [_label_name(part, value) for value in part["label"]]})
             for split, part in parts.items()}), f"saved dataset at {str(path)!r}")
     else:
-        names = next(iter(named.values()), AG_NEWS_LABELS)
-        parts = DatasetDict({split: _as_class_label(part, names) for split, part in parts.items()})
-    if "test" in parts:
-        return parts
-    split = "data" if "data" in parts else "train"
-    held_out = _with_eval_split(parts.pop(split), eval_fraction, seed, f"saved dataset at {str(path)!r}")
-    return DatasetDict({**held_out, **parts})
+        parts = DatasetDict({split: _as_class_label(part, classes or AG_NEWS_LABELS) for split, part in parts.items()})
+    return _with_test_split(parts, eval_fraction, seed, f"saved dataset at {str(path)!r}")
 
 
 def _label_name(part: Dataset, value) -> str:
@@ -420,8 +470,7 @@ def _checked_saved_split(part: Dataset, source: str, task: str) -> Dataset:
         if label.num_classes != len(AG_NEWS_LABELS) and not own:
             raise ValueError(f"{source}: label has {label.num_classes} classes {label.names}; ag_news has "
                              f"{len(AG_NEWS_LABELS)}: {list(AG_NEWS_LABELS)}")
-    elif not (isinstance(label, Value) and (re.fullmatch(r"u?int\d+", label.dtype)
-                                            or own and label.dtype in ("string", "large_string"))):
+    elif not (_is_integer(label) or own and isinstance(label, Value) and label.dtype in ("string", "large_string")):
         raise ValueError(f"{source}: column 'label' must hold " + ("integers or strings" if own else "integers 0-3")
                          + f" (or be a ClassLabel), found {label}")
     if any(value is None or not value.strip() for value in part["text"]):
@@ -430,14 +479,30 @@ def _checked_saved_split(part: Dataset, source: str, task: str) -> Dataset:
     if any(value is None or isinstance(value, str) and not value.strip() for value in labels):
         raise ValueError(f"{source}: column 'label' has empty " + (
             "(None or blank) values; every row needs a label" if own else "(None) values; every row needs a label 0-3"))
-    if not own:
-        values = np.asarray(labels, dtype=np.int64)
-        bad = sorted(set(values[(values < 0) | (values >= len(AG_NEWS_LABELS))].tolist()))
-        if bad:
-            raise ValueError(f"{source}: labels must be 0-{len(AG_NEWS_LABELS) - 1}, found {bad}")
+    if isinstance(label, ClassLabel) or not own:  # the user's own integers are any classes
+        count = label.num_classes if isinstance(label, ClassLabel) else len(AG_NEWS_LABELS)
+        _check_class_ids(labels, count, source, f"ids of its ClassLabel {label.names}" if isinstance(label, ClassLabel)
+                         else "AG News's classes")
     if not len(part):
         raise ValueError(f"{source}: has no rows")
     return part.select_columns(["text", "label"])
+
+
+def _is_integer(feature) -> bool:
+    """Whether a ``label`` feature is a plain integer ``Value`` (not a ClassLabel)."""
+    return isinstance(feature, Value) and re.fullmatch(r"u?int\d+", feature.dtype) is not None
+
+
+def _check_class_ids(labels, count: int, source: str, what: str) -> None:
+    """ValueError naming `source` unless every label is a class id ``0..count-1`` (``what`` they are
+    ids of); -1 is named as what it marks: unlabelled rows (GLUE's test splits)."""
+    values = np.asarray(labels, dtype=np.int64)
+    bad = sorted(set(values[(values < 0) | (values >= count)].tolist()))
+    if bad:
+        unlabelled = (f"; -1 marks unlabelled rows ({int((values == -1).sum())} here, as in GLUE's test splits), "
+                      "which cannot be trained or evaluated on: drop that split or label its rows"
+                      if -1 in bad else "")
+        raise ValueError(f"{source}: labels must be 0-{count - 1} ({what}), found {bad[:5]}{unlabelled}")
 
 
 def _unescape(text: str) -> str:
