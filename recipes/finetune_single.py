@@ -112,10 +112,10 @@ def run(args) -> dict:
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
-    from lp_decentral_nlp.commands import load_classifier, load_data, load_tokenizer, resolve_model
+    from lp_decentral_nlp.commands import load_classifier, load_task_data, load_tokenizer, resolve_model
     from lp_decentral_nlp.commands.run import exit_with_error, set_threads
     from lp_decentral_nlp.quant import QuantModule
-    from lp_decentral_nlp.data import accuracy_metric, load_task
+    from lp_decentral_nlp.data import accuracy_metric
 
     out = pathlib.Path(args.output_dir)
     start = time.perf_counter()
@@ -126,10 +126,7 @@ def run(args) -> dict:
     if notice:
         print(notice, file=sys.stderr)
     tokenizer = load_tokenizer(model_path, args.max_length, PROG)
-    data = load_data(lambda: load_task(args.task, data_dir=args.data_dir, tokenizer=tokenizer,
-                                       max_length=args.max_length, max_train_samples=args.max_train_samples,
-                                       max_eval_samples=args.max_eval_samples, seed=args.seed),
-                     args.task, args.data_dir, PROG)
+    data = load_task_data(args, tokenizer, args.seed, PROG)
     # a head for other labels is refused
     model = load_classifier(model_path, data["train"].features["label"].names, PROG, tokenizer.pad_token_id)
     # an 8-bit checkpoint trains as it was made: not in full precision, nor with another kernel

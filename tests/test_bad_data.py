@@ -158,6 +158,17 @@ def test_a_validation_split_is_the_test_split_of_a_source_without_one(tmp_path):
         "train": 40, "test": 12, "validation": 8}
 
 
+def test_load_saved_dataset_names_a_missing_path_and_a_file(tmp_path):
+    """Both were "looks like a save_to_disk folder but cannot be loaded (FileNotFoundError: ...)"."""
+    from lp_decentral_nlp.data import load_saved_dataset
+
+    with pytest.raises(FileNotFoundError, match=r"^data_dir '.*no-such' does not exist$"):
+        load_saved_dataset(tmp_path / "no-such")
+    csv_file = _write(tmp_path / "reviews.csv", "text,label\na,b\n")
+    _expect(ValueError, r"^data_dir '.*reviews.csv' is a file, not a save_to_disk folder \(a folder holding "
+            r"dataset_dict.json or state.json\)$", lambda: load_saved_dataset(csv_file), csv_file)
+
+
 def test_data_dir_may_start_with_a_tilde(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     _write(tmp_path / "news.csv", HEADER + _rows(40))

@@ -2,6 +2,7 @@
 rows exit with status 2 and one line on stderr (``<prog>: error: <message>``); library rows raise
 ValueError/TypeError with the message. :data:`ROWS` is the table: the tests assert its messages and
 ``test_docs_table_is_this_table`` that docs/bad_inputs.md shows exactly these rows."""
+import json
 import os
 import pathlib
 import re
@@ -872,3 +873,46 @@ def test_row59_no_data_dir_while_the_hub_is_offline(tmp_path, tiny_model_dir, ca
         main("ag_news", "choco", ["--model", str(tiny_model_dir), "--max-length", "32", "--output-dir",
                                   str(tmp_path / "run")])
     assert one_line_error(exc, capsys) == ROWS[59].message
+
+
+def test_a_tokenizer_larger_than_the_models_embeddings_is_refused(tmp_path, minilm_path, ag_news_csv, capsys):
+    """A folder of a 1,000-token model beside the MiniLM's 30,522-token tokenizer trained until
+    "IndexError: index out of range in self" in the first step, leaving a "running" results.json."""
+    folder = tmp_path / "small-vocab"
+    config = DistilBertConfig(vocab_size=1000, dim=32, n_layers=1, n_heads=2, hidden_dim=37, max_position_embeddings=64)
+    DistilBertForSequenceClassification(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(folder)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(folder), "--data-dir", str(ag_news_csv), "--max-length", "16",
+                                  "--max-train-samples", "64", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == (
+        f"argument --model: {folder}: its tokenizer has 30522 tokens, and the model's input embeddings hold 1000 "
+        "(config.vocab_size): ids from 1000 on would fail in the first step; save the model's own tokenizer into the "
+        "folder, or resize the embeddings (model.resize_token_embeddings(len(tokenizer)); save_pretrained)")
+
+
+def test_classes_only_the_test_split_holds_are_named(tmp_path, tiny_model_dir, capsys):
+    """A test split with classes the training split lacks (a -1 of unlabelled rows saved as an integer,
+    or a subset by --max-train-samples) gave an accuracy bounded below 1 without a word."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("text,label\n" + "".join(f"t{i},{'ab'[i % 2]}\n" for i in range(32)))
+    (tmp_path / "data" / "test.csv").write_text("text,label\n" + "".join(f"u{i},{'abc'[i % 3]}\n" for i in range(9)))
+    main("text", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"), "--max-length", "16",
+                           "--nodes", "2", "--batch-size", "4", "--max-steps", "1", "--output-dir", str(tmp_path / "run")])
+    assert (f"notice: {tmp_path / 'data'}: the test split has classes the training split lacks: 'c' (3 rows); no node "
+            "learns them, so their rows count as errors") in capsys.readouterr().err
+
+
+def test_a_run_that_fails_in_training_records_it(tmp_path, tiny_model_dir, ag_news_csv, monkeypatch, capsys):
+    """Only NonFiniteError and GossipPeerError were recorded: any other failure left results.json
+    "running" for good."""
+    def failing_loss(*args, **kwargs):
+        raise RuntimeError("the loss\nfailed")
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", failing_loss)
+    with pytest.raises(RuntimeError, match="the loss"):
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16",
+                                  "--max-train-samples", "64", "--nodes", "2", "--batch-size", "4", "--max-steps", "2",
+                                  "--output-dir", str(tmp_path / "run")])
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (results["status"], results["step"], results["next"]) == ("failed", 0, "RuntimeError: the loss failed")

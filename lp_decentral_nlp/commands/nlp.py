@@ -8,6 +8,7 @@ the short aliases of :data:`~lp_decentral_nlp.commands.flags.ALIASES` (``--nodes
 """
 from __future__ import annotations
 
+import collections
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -97,8 +98,8 @@ def _unreadable_model_errors() -> tuple:
 def load_tokenizer(model_path: str, max_length: int, prog: str):
     """The tokenizer of `model_path`, after checking that its config loads, that the tokenizer has
     a vocabulary (transformers builds one of special tokens alone from a folder without tokenizer
-    files, which turns every word into the unknown token) and that the model has at least
-    ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``.
+    files, which turns every word into the unknown token) no larger than the model's embedding
+    table, and that the model has at least ``max_length`` positions; a problem exits with one line naming ``--model`` or ``--max-length``.
     A tokenizer without a padding token (decoder-only models: GPT-2, Llama, Mistral) pads with its
     end-of-sequence token, said in a notice on rank 0; one with neither, or of an encoder-decoder
     (whose classifier reads the end-of-sequence tokens of a row), is refused."""
@@ -113,6 +114,12 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
         exit_with_error(prog, f"{model_path}: its tokenizer has no vocabulary, only {len(tokenizer)} special tokens (no "
                               "tokenizer files such as tokenizer.json or vocab.txt): save the tokenizer into the folder "
                               "(tokenizer.save_pretrained)", "--model")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        exit_with_error(prog, f"{model_path}: its tokenizer has {len(tokenizer)} tokens, and the model's input "
+                              f"embeddings hold {vocab} (config.vocab_size): ids from {vocab} on would fail in the first "
+                              "step; save the model's own tokenizer into the folder, or resize the embeddings "
+                              "(model.resize_token_embeddings(len(tokenizer)); save_pretrained)", "--model")
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and max_length > positions:
         exit_with_error(prog, f"{max_length} exceeds the {positions} positions of {model_path} "
@@ -129,6 +136,33 @@ def load_tokenizer(model_path: str, max_length: int, prog: str):
         print_notice(f"notice: {model_path}: its tokenizer has no padding token; the batches are padded with its "
                      f"end-of-sequence token {tokenizer.eos_token!r}")
     return tokenizer
+
+
+def load_task_data(recipe, tokenizer, seed: int, prog: str):
+    """``load_task`` of the recipe's task, ``--data-dir``, ``--max-length`` and ``--max-*-samples``
+    (``recipe``: an object with those fields), its errors told as flag errors (:func:`load_data`),
+    with a notice on rank 0 of the splits not used (beside ``train`` and ``test``: a validation
+    split, SentEval's "va" rows) and of the classes only the test split holds (no node can learn
+    them: their rows count as errors)."""
+    from ..data import load_task
+
+    data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
+                                       max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
+                                       max_eval_samples=recipe.max_eval_samples, seed=seed),
+                     recipe.task, recipe.data_dir, prog)
+    source = recipe.data_dir or recipe.task
+    unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
+    if unused:
+        print_notice(f"notice: {source}: the {', '.join(unused)} split is not used: the recipes train on 'train' and "
+                     "evaluate on 'test'")
+    names = data["train"].features["label"].names
+    trained = set(data["train"]["label"])
+    unseen = collections.Counter(label for label in data["test"]["label"] if label not in trained)
+    if unseen:
+        classes = ", ".join(f"{names[label]!r} ({count} rows)" for label, count in sorted(unseen.items()))
+        print_notice(f"notice: {source}: the test split has classes the training split lacks: {classes}; no node "
+                     "learns them, so their rows count as errors")
+    return data
 
 
 def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
@@ -234,7 +268,6 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     exits with one line naming the flag. Returns ``(model, data, tokenizer, model_path)``."""
     from transformers import set_seed
 
-    from ..data import load_task
     from ..trainer import check_model_precision
 
     training, recipe = parsed.training, parsed.recipe
@@ -244,15 +277,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     if notice:
         print_notice(notice)
     tokenizer = load_tokenizer(model_path, recipe.max_length, prog)
-    data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
-                                       max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
-                                       max_eval_samples=recipe.max_eval_samples,
-                                       seed=training.data_order_seed),
-                     recipe.task, recipe.data_dir, prog)
-    unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
-    if unused:  # e.g. validation.csv, SentEval's "va" rows
-        print_notice(f"notice: {recipe.data_dir or recipe.task}: the {', '.join(unused)} split is not used: the "
-                     "recipes train on 'train' and evaluate on 'test'")
+    data = load_task_data(recipe, tokenizer, training.data_order_seed, prog)
     check_training_rows(prog, training, len(data["train"]), recipe.data_dir, recipe.task, recipe.max_train_samples)
     set_seed(training.seed)
     model = load_classifier(model_path, data["train"].features["label"].names, prog, tokenizer.pad_token_id)

@@ -931,6 +931,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         if trainer.state.is_world_process_zero:
             print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as err:  # a bug or a foreign failure: results.json says so, the traceback follows
+        record_stop("failed", f"{type(err).__name__}: {' '.join(str(err).split())[:500]}")
+        raise
     if trainer.stopped_by_sigterm:  # enable_jit_checkpoint: the checkpoint is written, nothing else is
         how = f"resume with {parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}"
         record_stop("stopped", how)

@@ -7,9 +7,14 @@ import datasets
 
 
 def load_saved_dataset(path: str | Path, keep_in_memory: bool = False):
-    """``datasets.load_from_disk(path)``; ValueError naming `path` when it cannot be read. A split
-    saved without rows has no data file, which ``load_from_disk`` fails on (an IndexError): the
-    error says so."""
+    """``datasets.load_from_disk(path)``; FileNotFoundError when `path` does not exist, ValueError
+    naming `path` when it is not a folder or cannot be read. A split saved without rows has no data
+    file, which ``load_from_disk`` fails on (an IndexError): the error says so."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"data_dir {str(path)!r} does not exist")
+    if not Path(path).is_dir():
+        raise ValueError(f"data_dir {str(path)!r} is a file, not a save_to_disk folder (a folder holding "
+                         "dataset_dict.json or state.json)")
     try:
         return datasets.load_from_disk(str(path), keep_in_memory=keep_in_memory)
     except IndexError:
