@@ -19,7 +19,6 @@ stopped ones start afresh.
 """
 import concurrent.futures
 import itertools
-import json
 import multiprocessing
 import os
 import shutil
@@ -27,7 +26,7 @@ import sys
 
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
-from lp_decentral_nlp.commands.run import environment_problem
+from lp_decentral_nlp.commands.run import environment_problem, write_json
 
 PROG = "sweep.py"
 SWEEP_OUTPUT_DIR_HELP = ("Folder of the grid: one folder per point, sweep.json, sweep.md and sweep.png "
@@ -324,8 +323,7 @@ def main(argv=None):
         rows = run_grid(sweep)
     out = sweep.training.output_dir
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "sweep.json"), "w") as fh:
-        json.dump(rows, fh, indent=2)
+    write_json(out, "sweep.json", rows)
     table = markdown_table(rows)
     with open(os.path.join(out, "sweep.md"), "w") as fh:
         fh.write(table)

@@ -577,3 +577,14 @@ def test_the_results_config_builds_its_probe_arguments_without_a_word_at_info():
         transformers.logging.set_verbosity(verbosity)
         training_logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == []
+
+
+def test_run_files_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
+    """A diverged run's results.json held NaN, which JSON readers (JavaScript, jq) reject or misread."""
+    from lp_decentral_nlp.commands.run import write_json
+
+    write_json(tmp_path / "out", "results.json", {"loss": float("nan"), "node_loss": [1.5, float("inf")],
+                                                  "config": {"lr": 1e-4, "path": pathlib.Path("a")}})
+    text = (tmp_path / "out" / "results.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"loss": None, "node_loss": [1.5, None], "config": {"lr": 1e-4, "path": "a"}}

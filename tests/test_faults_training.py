@@ -127,6 +127,16 @@ def test_a_node_that_leaves_is_frozen_and_rejoins(tmp_path):
     assert seen[20][2] == 20 - 7 and seen[13][4] > seen[12][4]
 
 
+def test_train_loss_is_the_mean_over_the_steps_that_had_a_loss(tmp_path):
+    """Steps in which every node was away (or skipped) added 0 to the sum that train_loss divides by
+    every step: with all nodes away for 2 of 4 steps it read half the logged losses."""
+    trainer = digits_trainer(tmp_path, absences=[f"{i}:0:2" for i in range(4)], max_steps=4, logging_steps=1)
+    output = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert math.isnan(losses[0]) and math.isnan(losses[1]) and all(math.isfinite(v) for v in losses[2:])
+    assert output.training_loss == pytest.approx(sum(losses[2:]) / 2, rel=1e-6)
+
+
 def test_a_node_absent_from_the_start_gets_no_schedule_order_warning(tmp_path):
     """Its LR schedule counts the global step from iteration 0, before its first optimizer.step():
     by design, so torch's warning about that order (and about a skipped first LR) is not shown."""

@@ -895,7 +895,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     def record_stop(status: str, how: str) -> None:
         """``results.json`` of a run that stopped in training: ``status``, the step and ``how`` to go on."""
         if began and trainer.state.is_world_process_zero:
-            _write_json(out, "results.json", {**running, "status": status, "step": trainer.state.global_step,
+            write_json(out, "results.json", {**running, "status": status, "step": trainer.state.global_step,
                                               "next": how})
 
     def begin() -> None:
@@ -907,8 +907,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
             if removed:
                 print(f"{prog}: --overwrite_output_dir: removed the previous run's {', '.join(removed)} from {out}",
                       file=sys.stderr)
-        _write_json(out, "cost_report.json", report)
-        _write_json(out, "results.json", running)
+        write_json(out, "cost_report.json", report)
+        write_json(out, "results.json", running)
         began = True
 
     trainer.add_callback(OnTrainBeginCallback(begin))
@@ -944,7 +944,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     layer_kernels = kernels_callback.kernels or kernel_report(trainer.nodes[0])
     kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
-        _write_json(out, "kernels.json", layer_kernels)
+        write_json(out, "kernels.json", layer_kernels)
     metrics = final_evaluation(trainer)
     trainer.save_model(os.path.join(out, "model"))
     if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
@@ -966,14 +966,26 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         "kernels": kernels,
     }
     if trainer.state.is_world_process_zero:
-        _write_json(out, "results.json", results)
+        write_json(out, "results.json", results)
     return results
 
 
-def _write_json(folder: str, name: str, content: dict) -> None:
+def write_json(folder: str, name: str, content) -> None:
+    """``folder/name`` (``folder`` created) holding ``content`` as strict JSON: a NaN or infinite
+    float (a diverged run's loss) is ``null``, which every JSON reader reads (Python's ``NaN`` is
+    not JSON); other objects are their ``str``."""
+    def strict(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: strict(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [strict(item) for item in value]
+        return value
+
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, name), "w") as fh:
-        json.dump(content, fh, indent=2, default=str)
+        json.dump(strict(content), fh, indent=2, default=str, allow_nan=False)
 
 
 def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:

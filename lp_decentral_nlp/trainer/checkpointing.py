@@ -500,7 +500,8 @@ class CheckpointMixin:
                 # batches_done: optimizer steps taken in the epoch (micro-batches / gradient_accumulation_steps)
                 "data": {"epoch": epoch, "batches_done": done, "steps_per_epoch": self._steps_per_epoch},
                 "config": self._resume_config(),
-                "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss},
+                "logging": {"last_logged": self._last_logged, "total_loss": self._total_loss,
+                            "loss_steps": self._loss_steps},
                 "backend": self.args.backend, "model_only": self.args.save_only_model,
                 "files": [node_file(i) for i in range(self.args.num_nodes)] + ["trainer_state.json"],
             })
@@ -655,6 +656,8 @@ class CheckpointMixin:
         self._load_callback_state()  # Trainer's: the callbacks' states, if restore_callback_states_from_checkpoint
         self._last_logged = manifest["logging"]["last_logged"]
         self._total_loss = manifest["logging"]["total_loss"]
+        # a checkpoint written before the count was kept counted every logged step
+        self._loss_steps = manifest["logging"].get("loss_steps", self._last_logged)
         self._data_position = (data["epoch"], data["batches_done"])
         logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
         return self._data_position

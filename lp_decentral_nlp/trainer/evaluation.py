@@ -76,8 +76,10 @@ class EvaluationMixin:
         for node in self.nodes:
             torch._foreach_copy_(self._float_state(node), averaged)
 
-    def _log_train(self, log: bool = True) -> float:
-        """Log the mean loss of each node since the last log; returns the loss summed over those steps.
+    def _log_train(self, log: bool = True) -> None:
+        """Log the mean loss of each node since the last log, and add the window to the run's
+        ``train_loss`` (its loss times its steps, and its steps; a window without a finite loss,
+        every node absent or skipped, adds neither).
 
         A node that took no step in the window (absent, or every step skipped) logs NaN; the
         overall ``loss`` is the mean over the nodes that did. ``grad_norm_node_{i}``: node ``i``'s
@@ -113,7 +115,9 @@ class EvaluationMixin:
             logs["consensus_distance"] = self.consensus_distance()
             self._watch_drift(logs["consensus_distance"])
             self.log(logs, start_time=self._train_start)  # Trainer's token speed with include_num_input_tokens_seen
-        return loss * steps if math.isfinite(loss) else 0.0
+        if math.isfinite(loss):
+            self._total_loss += loss * steps
+            self._loss_steps += steps
 
     def drift_warmup_steps(self) -> int:
         """Optimizer steps the drift guard waits beyond the first epoch: ``ceil(1 / keep)`` with a

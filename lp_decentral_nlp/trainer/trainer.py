@@ -380,7 +380,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._input_tokens, self.current_flos = 0, 0.0  # this process's, not yet in self.state
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
         self._grad_norm = torch.full((len(self.nodes),), torch.nan, device=args.device)  # last step's, per local node
-        self._last_logged, self._total_loss = 0, 0.0
+        # the steps of the windows with a finite loss, and their loss summed over those steps (train_loss)
+        self._last_logged, self._total_loss, self._loss_steps = 0, 0.0, 0
         self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
         if resume_from_checkpoint:
@@ -446,7 +447,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 for node, hook in zip(self.nodes, neftune):
                     deactivate_neftune(node, hook)
         if self._last_logged < self.state.global_step:  # the last window's loss, logged unless logging is off
-            self._total_loss += self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
+            self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_nodes(self.state.best_model_checkpoint)
         self._finish_current_push()  # Trainer's: a checkpoint upload (push_to_hub) still running ends first
@@ -455,7 +456,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self.merge_nodes()
         self._refresh_average_model()
         self.is_in_train = False
-        train_loss = self._total_loss / max(self.state.global_step, 1)
+        # as Trainer's, the mean over the steps, here those with a loss (NaN if none had: every node away or skipped)
+        train_loss = self._total_loss / self._loss_steps if self._loss_steps else math.nan
         steps_run = self.state.global_step - first_step  # by this call (a resumed run's earlier steps excluded)
         # over all nodes
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_nodes
@@ -546,7 +548,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         """As `Trainer`'s: log, evaluate (stepping metric-driven LR schedules and tracking the best
         ``metric_for_best_model`` in ``state.best_metric``), then save (only a new best under ``save_strategy="best"``)."""
         if self.control.should_log:
-            self._total_loss += self._log_train()
+            self._log_train()
         if self.control.should_evaluate:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
             self._step_schedules_on_metric(metrics)
