@@ -271,9 +271,11 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
     first = tmp_path / "a" / "checkpoint-2"
     resumed = main("ag_news", "choco", tiny_flags(model_dir, ag_news_csv, tmp_path / "b", *flags,
                                                   "--resume-from-checkpoint", str(first)))
-    for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps"):
+    for key in ("accuracy", "node_accuracy", "bytes_sent_per_node", "consensus_distance", "steps",
+                "lost_messages_per_node", "absent_steps_per_node", "nonfinite_skips_per_node"):
         assert straight[key] == resumed[key], key
     assert straight["bytes_sent_per_node"][3] < straight["bytes_sent_per_node"][0]  # node 3 was away for 2 steps
+    assert straight["absent_steps_per_node"] == [0, 0, 0, 2] and straight["lost_messages_per_node"][2] >= 2
     assert straight["config"]["absences"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
     assert len(a) > 2 and a == b and list(a[0]) == list(b[0])  # the same columns in the same order

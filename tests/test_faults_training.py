@@ -127,6 +127,28 @@ def test_a_node_that_leaves_is_frozen_and_rejoins(tmp_path):
     assert seen[20][2] == 20 - 7 and seen[13][4] > seen[12][4]
 
 
+def test_the_faults_a_run_met_are_counted_logged_and_on_its_card(tmp_path):
+    """Lost messages and absent steps were computed every step and thrown away: nothing in the logs,
+    results or model card said a run had lost half its messages."""
+    trainer = digits_trainer(tmp_path, drop_prob=0.3, absences=["2:3:8"], stragglers=["1:0"], max_steps=12,
+                             logging_steps=4, skip_nonfinite=True)
+    trainer.train()
+    plan, topology = trainer.args.fault_plan, trainer.gossip.topology
+    lost = [sum(1 for t in range(12) if i not in plan.absent(t) for sender, _ in plan.lost_edges(t, topology)
+                if sender == i) for i in range(4)]
+    counts = trainer.fault_counts()
+    assert counts == {"lost_messages": lost, "absent_steps": [0, 0, 5, 0], "nonfinite_skips": [0, 0, 0, 0]}
+    assert sum(lost) > 0
+    last = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert [last[f"lost_messages_node_{i}"] for i in range(4)] == lost and last["absent_steps_node_2"] == 5
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    for line in ("message_drop_prob: 0.3", "stragglers: node 1 waits 0 s per send",
+                 "absences: node 2 away for iterations 3 to 7", "skip_nonfinite: True"):
+        assert f"- {line}\n" in card, line
+    assert digits_trainer(tmp_path).fault_counts() == {}  # no faults, no counts
+
+
 def test_train_loss_is_the_mean_over_the_steps_that_had_a_loss(tmp_path):
     """Steps in which every node was away (or skipped) added 0 to the sum that train_loss divides by
     every step: with all nodes away for 2 of 4 steps it read half the logged losses."""

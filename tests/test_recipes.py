@@ -202,8 +202,9 @@ def test_an_encoder_decoder_classifier_trains(minilm_path, ag_news_csv, tmp_path
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--fp16", "--neftune_noise_alpha", "5"]],
-                         ids=["8bit", "8bit-bf16-autocast", "8bit-fp16-autocast-loss-scaled-neftune"])
+@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--fp16", "--neftune_noise_alpha", "5"],
+                                   ["--drop-prob", "0.3", "--leave", "1:1:3"]],
+                         ids=["8bit", "8bit-bf16-autocast", "8bit-fp16-autocast-loss-scaled-neftune", "8bit-faults"])
 def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_csv, tmp_path):
     """4 processes over gloo, one node each, give the simulation's results (8-bit, top-1% Choco; also
     with the float layers under bfloat16 autocast, and under float16 autocast with a loss scaler per
@@ -220,6 +221,8 @@ def test_torchrun_distributed_equals_simulated(extra, tiny_model_dir, ag_news_cs
     sim = json.loads((sim_out / "results.json").read_text())
     dst = json.loads((dist_out / "results.json").read_text())
     assert dst["bytes_sent_per_node"] == sim["bytes_sent_per_node"]
+    for counts in ("lost_messages_per_node", "absent_steps_per_node", "overflow_skips_per_node"):
+        assert dst.get(counts) == sim.get(counts), counts  # each present with the setting it counts
     assert dst["accuracy"] == pytest.approx(sim["accuracy"], abs=1 / 48)
     assert dst["consensus_distance"] == pytest.approx(sim["consensus_distance"], rel=1e-3)
     a, b = load_file(sim_out / "model" / "model.safetensors"), load_file(dist_out / "model" / "model.safetensors")

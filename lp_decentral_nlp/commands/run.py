@@ -4,7 +4,9 @@ built (launcher, output folder, model folder, memory), the thread default, and t
 A run writes, under ``--output_dir`` (rank 0 only):
 
 * ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
-  consensus distance, the settings that differ from the defaults, the model used, versions, wall
+  consensus distance, the per-node counts of the faults and skips in use (``lost_messages_per_node``,
+  ``absent_steps_per_node``, ``nonfinite_skips_per_node``, ``overflow_skips_per_node``: see
+  ``DecentralizedTrainer.fault_counts``), the settings that differ from the defaults, the model used, versions, wall
   time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
   8-bit layers that trained with it}`` (empty for a full-precision run) (first with ``"status":
   "running"``, without results and kernels, then ``"done"``; a run that stops in training says
@@ -957,6 +959,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
         "bytes_sent_per_node": [metrics[f"eval_bytes_sent_node_{i}"] for i in range(n)],
         "consensus_distance": metrics["eval_consensus_distance"],
+        # lost_messages_per_node, absent_steps_per_node, nonfinite_skips_per_node, ... of the settings in use
+        **{f"{name}_per_node": counts for name, counts in trainer.fault_counts().items()},
         "steps": trainer.state.global_step,
         "config": config,
         "model_used": model_used,

@@ -546,7 +546,8 @@ class CheckpointMixin:
             "qgm": self._qgm_node_state(k),
             "scaler": self.node_scalers[k].state_dict() if self.node_scalers is not None else None,
             "counters": {"bytes_sent": int(self.bytes_sent[k]), "nonfinite_skips": int(self.nonfinite_skips[k]),
-                         "overflow_skips": int(self.overflow_skips[k]),
+                         "overflow_skips": int(self.overflow_skips[k]), "lost_messages": int(self.lost_messages[k]),
+                         "absent_steps": int(self.absent_steps[k]),
                          "loss_sum": self._loss_sum[k], "loss_count": int(self._loss_count[k]),
                          "grad_norm": self._grad_norm[k]},
         }
@@ -689,7 +690,9 @@ class CheckpointMixin:
             counters = state["counters"]
             self.bytes_sent[k] = counters["bytes_sent"]
             self.nonfinite_skips[k] = counters["nonfinite_skips"]
-            self.overflow_skips[k] = counters.get("overflow_skips", 0)  # older checkpoints have none
+            self.overflow_skips[k] = counters.get("overflow_skips", 0)  # older checkpoints have none of these
+            self.lost_messages[k] = counters.get("lost_messages", 0)
+            self.absent_steps[k] = counters.get("absent_steps", 0)
             self._loss_sum[k] = counters["loss_sum"]
             self._loss_count[k] = counters["loss_count"]
             self._grad_norm[k] = counters.get("grad_norm", torch.nan)  # older checkpoints have none

@@ -63,6 +63,20 @@ class EvaluationMixin:
             local[k] = sum(torch.linalg.vector_norm(d, dtype=torch.float64) ** 2 for d in diffs)
         return float(self.node_group.gather(local).mean())
 
+    def fault_counts(self) -> dict[str, list[int]]:
+        """What the injected faults and the non-finite guard did so far, per node over all nodes
+        (in the distributed backend a collective: call it on every rank), for the settings in
+        use: ``lost_messages`` (messages a node sent that were lost: dropped under ``drop_prob``,
+        or to a neighbour away under ``absences``), ``absent_steps`` (steps a node was away),
+        ``nonfinite_skips`` (``skip_nonfinite``) and ``overflow_skips`` (float16 steps the loss
+        scaler skipped)."""
+        plan, args = self.args.fault_plan, self.args
+        counters = {"lost_messages": (self.lost_messages, plan.drop_prob > 0 or bool(plan.absences)),
+                    "absent_steps": (self.absent_steps, bool(plan.absences)),
+                    "nonfinite_skips": (self.nonfinite_skips, args.skip_nonfinite),
+                    "overflow_skips": (self.overflow_skips, args.mixed_precision == "fp16")}
+        return {name: [int(v) for v in self.node_group.gather(values)]
+                for name, (values, used) in counters.items() if used}
 
 
     @torch.no_grad()
@@ -106,12 +120,8 @@ class EvaluationMixin:
             logs.update({f"grad_norm_node_{i}": float(v) for i, v in enumerate(grad_norms)})
             self._grad_norm.fill_(torch.nan)  # a node that takes no step before the next log logs NaN
             logs.update({f"bytes_sent_node_{i}": int(v) for i, v in enumerate(self.node_group.gather(self.bytes_sent))})
-            if self.args.skip_nonfinite:
-                skips = self.node_group.gather(self.nonfinite_skips)
-                logs.update({f"nonfinite_skips_node_{i}": int(v) for i, v in enumerate(skips)})
-            if self.args.mixed_precision == "fp16":
-                overflows = self.node_group.gather(self.overflow_skips)
-                logs.update({f"overflow_skips_node_{i}": int(v) for i, v in enumerate(overflows)})
+            for name, counts in self.fault_counts().items():
+                logs.update({f"{name}_node_{i}": count for i, count in enumerate(counts)})
             logs["consensus_distance"] = self.consensus_distance()
             self._watch_drift(logs["consensus_distance"])
             self.log(logs, start_time=self._train_start)  # Trainer's token speed with include_num_input_tokens_seen

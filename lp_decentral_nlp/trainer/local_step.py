@@ -62,6 +62,12 @@ class LocalStepMixin:
                 scheduler.step()
         stats = self.gossip.step(self.node_params)
         self.bytes_sent += torch.as_tensor(stats.bytes_sent, dtype=torch.int64)
+        if self.fault_plan is not None:  # an absent node sent nothing; a present one's lost messages count
+            for k, i in enumerate(self.node_ids):
+                if i in absent:
+                    self.absent_steps[k] += 1
+                else:
+                    self.lost_messages[k] += sum(1 for sender, _ in stats.lost_edges if sender == i)
         if isinstance(qgm, QuasiGlobalAdam):  # updates the nodes that stepped
             qgm.end_iteration(lr)
         elif qgm is not None:  # an absent node's momentum does not move either

@@ -22,9 +22,25 @@ _SIGNIFICANT = "Consensus Distance"
 _DESCRIPTION_PLACEHOLDER = "\n## Model description\n\nMore information needed\n"
 
 
+def fault_settings(args) -> dict:
+    """The injected faults and the non-finite guard of ``args`` that are on, by card name
+    (``absences``' iterations count from 0: iteration t is logged as step t + 1)."""
+    plan, settings = args.fault_plan, {}
+    if plan.drop_prob:
+        settings["message_drop_prob"] = plan.drop_prob
+    if plan.stragglers:
+        settings["stragglers"] = ", ".join(f"node {node} waits {seconds:g} s per send" for node, seconds in plan.stragglers)
+    if plan.absences:
+        settings["absences"] = ", ".join(f"node {node} away for iterations {start} to {end - 1}"
+                                         for node, start, end in plan.absences)
+    if args.skip_nonfinite:
+        settings["skip_nonfinite"] = True
+    return settings
+
+
 def decentralized_hyperparameters(args) -> dict:
-    """The setting of SPEC 1-3 and 6 as model-card hyperparameters, and the batch over every node
-    (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`)."""
+    """The setting of SPEC 1-3 and 6 as model-card hyperparameters, the batch over every node and
+    the :func:`fault_settings` in use (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`)."""
     config = args.gossip_config
     settings = {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
                 "compressor": repr(build_compressor(config)), "consensus_step_size": args.gamma,
@@ -36,7 +52,7 @@ def decentralized_hyperparameters(args) -> dict:
         settings["mixed_precision_training"] = f"Native AMP ({args.mixed_precision} autocast per node)"
     if args.final_merge:
         settings["final_merge"] = True
-    return settings
+    return {**settings, **fault_settings(args)}
 
 
 def local_checkpoint(model) -> Path | None:

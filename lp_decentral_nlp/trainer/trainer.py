@@ -58,7 +58,7 @@ from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .local_step import LocalStepMixin
-from .model_card import write_model_card
+from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
 from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels
 from .node_group import NodeGroup
@@ -201,7 +201,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     Attributes (per local node, aligned with ``node_ids``): ``nodes`` (the models z_i),
     ``bytes_sent`` (int64, bytes put on the wire), ``nonfinite_skips`` (int64, steps skipped under
-    ``skip_nonfinite``), ``overflow_skips`` (int64, float16 steps skipped by the loss scaler), and
+    ``skip_nonfinite``), ``overflow_skips`` (int64, float16 steps skipped by the loss scaler),
+    ``lost_messages`` and ``absent_steps`` (int64, under the fault plan: :meth:`fault_counts`), and
     after ``train()`` starts, ``node_optimizers``, ``node_schedulers`` and ``node_scalers``
     (``torch.amp.GradScaler`` per node with float16 mixed precision, else None).
     ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend. ``stopped_by_sigterm``:
@@ -308,6 +309,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.overflow_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self.lost_messages = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self.absent_steps = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self._eval_loaders = {}  # get_eval_dataloader's, by set name, kept with dataloader_persistent_workers
         self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
         self._step_lr = None  # the LR node 0's last step ran at, which the logs report (Trainer's: before the update)
@@ -485,7 +488,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             f"  Batch size per node = {batch:,} ({args.per_device_train_batch_size:,} x "
             f"{args.gradient_accumulation_steps} accumulated); over all nodes = {batch * args.num_nodes:,}",
             f"  Total optimization steps = {state.max_steps:,} (from step {state.global_step:,})",
-            f"  Precision = {'8-bit (SPEC 4)' if args.low_precision else 'float32'}"]))
+            f"  Precision = {'8-bit (SPEC 4)' if args.low_precision else 'float32'}",
+            *([f"  Faults = {'; '.join(f'{k} {v}' for k, v in fault_settings(args).items())}"]
+              if fault_settings(args) else [])]))
 
     def get_train_dataloader(self):
         """Refused: there is no one training loader; each node has its own over its shard (`node_dataloaders`)."""
