@@ -149,6 +149,23 @@ def test_the_faults_a_run_met_are_counted_logged_and_on_its_card(tmp_path):
     assert digits_trainer(tmp_path).fault_counts() == {}  # no faults, no counts
 
 
+def test_resuming_under_other_faults_names_the_default_consensus_step_it_changes(tmp_path):
+    """Resuming with another drop_prob was refused as "written with consensus_lr=0.35 (this run:
+    0.25)", naming an argument the user never set."""
+    first = digits_trainer(tmp_path / "a", drop_prob=0.3, consensus_lr=None, max_steps=4, save_strategy="steps",
+                           save_steps=2)
+    first.train()
+    saved = first.args.gamma
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    with pytest.raises(ValueError, match=rf"consensus_lr={saved!r} \(this run's default: .*; it follows the compression, "
+                                         rf"graph and drop_prob: pass consensus_lr={saved!r} to resume under other "
+                                         r"faults\)"):
+        digits_trainer(tmp_path / "b", drop_prob=0.5, consensus_lr=None, max_steps=4).train(
+            resume_from_checkpoint=str(checkpoint))
+    digits_trainer(tmp_path / "c", drop_prob=0.5, consensus_lr=saved, max_steps=4).train(
+        resume_from_checkpoint=str(checkpoint))
+
+
 def test_train_loss_is_the_mean_over_the_steps_that_had_a_loss(tmp_path):
     """Steps in which every node was away (or skipped) added 0 to the sum that train_loss divides by
     every step: with all nodes away for 2 of 4 steps it read half the logged losses."""

@@ -423,8 +423,15 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
     saved = {**_RESUME_DEFAULTS, **saved}
     if "bf16" in saved:  # written before fp16: a flag for bf16 autocast
         saved["mixed_precision"] = "bf16" if saved.pop("bf16") else "no"
-    diffs = ["other training rows (another data file, tokenizer or max length)" if key == "train_rows"
-             else f"{key}={saved.get(key)!r} (this run: {value!r})" for key, value in now.items()
+    def differs(key, value) -> str:
+        if key == "train_rows":
+            return "other training rows (another data file, tokenizer or max length)"
+        if key == "consensus_lr" and args.consensus_lr is None:  # the default follows other settings
+            return (f"consensus_lr={saved.get(key)!r} (this run's default: {value!r}; it follows the compression, "
+                    f"graph and drop_prob: pass consensus_lr={saved.get(key)!r} to resume under other faults)")
+        return f"{key}={saved.get(key)!r} (this run: {value!r})"
+
+    diffs = [differs(key, value) for key, value in now.items()
              if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED)]
     if diffs:
         raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
