@@ -916,3 +916,15 @@ def test_a_run_that_fails_in_training_records_it(tmp_path, tiny_model_dir, ag_ne
                                   "--output-dir", str(tmp_path / "run")])
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (results["status"], results["step"], results["next"]) == ("failed", 0, "RuntimeError: the loss failed")
+
+
+def test_an_absence_after_the_run_is_a_flag_error(tmp_path, tiny_model_dir, ag_news_csv, capsys):
+    """--leave 1:100:200 on a 4-step run trained as if it was not given."""
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16",
+                                  "--max-train-samples", "64", "--batch-size", "4", "--max-steps", "4", "--leave",
+                                  "1:100:200", "--output-dir", str(tmp_path / "run")])
+    assert one_line_error(exc, capsys) == (
+        "argument --leave: node 1 away for iterations 100 to 199, and the run has 4 steps (iterations 0 to 3): it "
+        "would change nothing; drop it or move it into the run")
+    assert not (tmp_path / "run").exists()

@@ -2,6 +2,7 @@
 on the real scikit-learn digits with a small 8-bit MLP: --drop-prob 0.1 still converges and keeps
 the push-sum mass; a node that leaves is frozen and rejoins; NaN stops the run naming node and
 step, or is skipped without reaching the other nodes."""
+import logging
 import math
 import warnings
 
@@ -166,11 +167,22 @@ def test_resuming_under_other_faults_names_the_default_consensus_step_it_changes
         resume_from_checkpoint=str(checkpoint))
 
 
-def test_train_loss_is_the_mean_over_the_steps_that_had_a_loss(tmp_path):
+def test_an_absence_after_the_run_is_refused(tmp_path):
+    """--leave 1:100:200 on a 4-step run was accepted and changed nothing."""
+    with pytest.raises(ValueError, match=r"^absences: node 1 away for iterations 100 to 199, and the run has 4 steps "
+                                         r"\(iterations 0 to 3\): it would change nothing; drop it or move it into the "
+                                         r"run$"):
+        digits_trainer(tmp_path, absences=["1:100:200"], max_steps=4).train()
+
+
+def test_train_loss_is_the_mean_over_the_steps_that_had_a_loss(tmp_path, caplog):
     """Steps in which every node was away (or skipped) added 0 to the sum that train_loss divides by
     every step: with all nodes away for 2 of 4 steps it read half the logged losses."""
     trainer = digits_trainer(tmp_path, absences=[f"{i}:0:2" for i in range(4)], max_steps=4, logging_steps=1)
-    output = trainer.train()
+    with caplog.at_level(logging.WARNING, logger="lp_decentral_nlp"):
+        output = trainer.train()
+    assert ("absences: every node is away at 2 of the 4 iterations (from iteration 0 to 1): they train and gossip "
+            "nothing, while the LR schedules advance") in caplog.text
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert math.isnan(losses[0]) and math.isnan(losses[1]) and all(math.isfinite(v) for v in losses[2:])
     assert output.training_loss == pytest.approx(sum(losses[2:]) / 2, rel=1e-6)

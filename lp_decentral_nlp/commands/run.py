@@ -881,6 +881,10 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         trainer = DecentralizedTrainer(model=model, args=training, train_dataset=data["train"],
                                        eval_dataset=data["test"], callbacks=[csv_callback], **trainer_kwargs)
         trainer.steps_per_epoch()  # the smallest shard fills a batch and an accumulated step
+        try:
+            trainer.check_absences()
+        except ValueError as err:
+            refuse(str(err).removeprefix("absences: "), parsed.flags["absences"])
         trainer.log_sigterm_stop = False  # the line after train() says it, naming the resume flag
         if before_train is not None:
             before_train(trainer)

@@ -356,8 +356,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.cpu_malloc_tuned = tune_process_for_training(args.device, args.tune_cpu_malloc)
         loaders = self.node_dataloaders()
         steps_per_epoch = self.steps_per_epoch()
-        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+        max_steps = self.total_steps()
         num_epochs = math.ceil(max_steps / steps_per_epoch)
+        self.check_absences()
         made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
@@ -471,6 +472,33 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def total_steps(self) -> int:
+        """Optimizer steps ``train()`` runs in all: ``max_steps`` if set, else ``num_train_epochs``
+        of :meth:`steps_per_epoch`."""
+        args = self.args
+        return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.steps_per_epoch())
+
+    def check_absences(self) -> None:
+        """ValueError for an absence (``absences``) that starts after the run's last iteration (it
+        would change nothing); a warning when every node is away at once (those iterations train
+        and gossip nothing while the LR schedules advance), given once. ``train()`` checks it first."""
+        plan = self.fault_plan
+        if plan is None:
+            return
+        max_steps = self.total_steps()
+        late = next(((node, start, end) for node, start, end in plan.absences if start >= max_steps), None)
+        if late is not None:
+            raise ValueError(f"absences: node {late[0]} away for iterations {late[1]} to {late[2] - 1}, and the run has "
+                             f"{max_steps} steps (iterations 0 to {max_steps - 1}): it would change nothing; drop it "
+                             "or move it into the run")
+        away_0 = (t for node, start, end in plan.absences if node == 0 for t in range(start, min(end, max_steps)))
+        everyone = sorted(t for t in away_0 if len(plan.absent(t)) == self.args.num_nodes)
+        if everyone and getattr(self, "_told_everyone_away", None) != max_steps:  # once per run length
+            self._told_everyone_away = max_steps
+            logger.warning(f"absences: every node is away at {len(everyone)} of the {max_steps} iterations (from "
+                           f"iteration {everyone[0]} to {everyone[-1]}): they train and gossip nothing, while the LR "
+                           "schedules advance")
 
     def _log_run_summary(self, steps_per_epoch: int) -> None:
         """Trainer's "Running training" summary at info level (``log_level="info"``), with the
