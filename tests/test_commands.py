@@ -191,6 +191,9 @@ def test_results_config_records_a_whole_number_of_steps_as_typed():
     (["--max-train-samples", "0"], "argument --max-train-samples: max_train_samples must be an integer >= 1, got 0"),
     (["--threads", "0"], "argument --threads: threads must be an integer in [1, "),
     (["--kernel", "fast"], "argument --kernel: quant_kernel must be one of ("),
+    # argparse took a value starting with a minus for an unknown flag ("expected at least one argument")
+    (["--leave", "-1:0:2"], "argument --leave: absences: expected NODE:START:END with NODE >= 0"),
+    (["--straggler", "1:1", "-2:1"], "argument --straggler: stragglers: expected NODE:SECONDS with NODE >= 0"),
 ])
 def test_numbers_that_mean_nothing_are_refused_naming_the_flag(argv, expected, capsys):
     assert expected in flag_error(argv, capsys)

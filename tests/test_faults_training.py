@@ -167,6 +167,23 @@ def test_resuming_under_other_faults_names_the_default_consensus_step_it_changes
         resume_from_checkpoint=str(checkpoint))
 
 
+def test_a_timeout_on_an_injected_straggler_says_so(tmp_path):
+    """A straggler waiting 0.999 s under gossip_timeout=1 passed the arguments' check and timed out
+    at the first step with "rank 1 never answered (is it running, alive, ...)"."""
+    from lp_decentral_nlp.gossip import GossipTimeoutError
+
+    trainer = digits_trainer(tmp_path, stragglers=["1:0.001"], max_steps=2)
+
+    def timed_out(nodes):
+        raise GossipTimeoutError("rank 0: gossip step 0: timed out after 1 s receiving from rank 1", 1)
+
+    trainer.gossip.step = timed_out
+    with pytest.raises(GossipTimeoutError, match=r"receiving from rank 1 \(rank 1 is an injected straggler: it waits "
+                                                 r"0.001 s before each send, which with the rest of its step exceeds "
+                                                 r"gossip_timeout=300 s: raise gossip_timeout\) \(in training step 1"):
+        trainer.train()
+
+
 def test_an_absence_after_the_run_is_refused(tmp_path):
     """--leave 1:100:200 on a 4-step run was accepted and changed nothing."""
     with pytest.raises(ValueError, match=r"^absences: node 1 away for iterations 100 to 199, and the run has 4 steps "

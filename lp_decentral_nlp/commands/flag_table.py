@@ -1086,15 +1086,17 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'stragglers',
   'action': 'extend',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Fault injection: 'NODE:SECONDS' entries; that node sleeps SECONDS before each send. (default: None)",
+  'help': "Fault injection: 'NODE:SECONDS' entries (from Python also (node, seconds) pairs); that node sleeps SECONDS "
+          'before each send. (default: None)',
   'type': 'str',
   'nargs': '+'},
  {'options': ['--leave', '--absences'],
   'dest': 'absences',
   'action': 'extend',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Fault injection: 'NODE:START:END' entries; the node leaves for iterations START..END-1 (no local step, no "
-          'messages) and rejoins. (default: None)',
+  'help': "Fault injection: 'NODE:START:END' entries (from Python also (node, start, end) triples); the node leaves "
+          'for iterations START..END-1 (no local step, no messages) and rejoins; iterations count from 0, iteration t '
+          'is logged as step t + 1. (default: None)',
   'type': 'str',
   'nargs': '+'},
  {'options': ['--skip_nonfinite', '--skip-nonfinite'],

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 from typing import NamedTuple
 
@@ -191,6 +192,9 @@ class OneLineErrors:
         # a prefix (--batch for --batch-size) would escape the check of a flag given twice
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # a value starting with a minus and a digit is a value, not an unknown flag: --leave -1:0:2 is
+        # refused for its node (argparse took -1:0:2 for an option: "expected at least one argument")
+        self._negative_number_matcher = re.compile(r"^-\d[\d.:eE+-]*$")
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)

@@ -16,7 +16,7 @@ from transformers import TrainingArguments, training_args
 from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import Number, check_choice, check_fields, check_flag, parse_absence, parse_straggler, plain_number
+from ..checks import Number, check_choice, check_fields, check_flag, plain_number
 from ..gossip.factory import COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
@@ -106,10 +106,12 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": "Fault injection: probability in [0, 1) that a gossip message is lost (seeded per step and edge; "
                 "the push-sum mass stays exact under the rules of lp_decentral_nlp.gossip.faults)."})
     stragglers: list[str] | None = field(default=None, metadata={
-        "help": "Fault injection: 'NODE:SECONDS' entries; that node sleeps SECONDS before each send."})
+        "help": "Fault injection: 'NODE:SECONDS' entries (from Python also (node, seconds) pairs); that node sleeps "
+                "SECONDS before each send."})
     absences: list[str] | None = field(default=None, metadata={
-        "help": "Fault injection: 'NODE:START:END' entries; the node leaves for iterations START..END-1 (no local "
-                "step, no messages) and rejoins."})
+        "help": "Fault injection: 'NODE:START:END' entries (from Python also (node, start, end) triples); the node "
+                "leaves for iterations START..END-1 (no local step, no messages) and rejoins; iterations count from 0, "
+                "iteration t is logged as step t + 1."})
     skip_nonfinite: bool = field(default=False, metadata={
         "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
                 "stopping the run."})
@@ -248,17 +250,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def fault_plan(self) -> FaultPlan:
         """The :class:`~lp_decentral_nlp.gossip.faults.FaultPlan` of ``drop_prob``, ``stragglers`` and
         ``absences`` (seeded with ``seed``); ValueError naming the argument that is wrong."""
-        def parsed(name, parse, entries):
-            if entries is not None and (isinstance(entries, str) or not isinstance(entries, (list, tuple))):
-                raise ValueError(f"{name} must be a list of strings, got {entries!r}")
-            try:
-                return tuple(parse(e) for e in entries or ())
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-
-        plan = FaultPlan(drop_prob=self.drop_prob, seed=self.seed,
-                         stragglers=parsed("stragglers", parse_straggler, self.stragglers),
-                         absences=parsed("absences", parse_absence, self.absences))
+        plan = FaultPlan(drop_prob=self.drop_prob, seed=self.seed,  # entries: strings or tuples, as FaultPlan's
+                         stragglers=() if self.stragglers is None else self.stragglers,
+                         absences=() if self.absences is None else self.absences)
         plan.check_nodes(self.num_nodes)
         return plan
 

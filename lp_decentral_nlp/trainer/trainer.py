@@ -49,7 +49,7 @@ from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
 from ..gossip.push_sum import gossiped_parameters
-from ..gossip.transport import GossipPeerError
+from ..gossip.transport import GossipPeerError, GossipTimeoutError
 from ..quant import QuantConfig, QuantModule, quantize_model
 from ..quant.kernels import AUTO
 from ..utils.cpu_malloc import tune_process_for_training
@@ -443,6 +443,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                     if self.control.should_training_stop:
                         break
             except GossipPeerError as exc:
+                delay = dict(self.fault_plan.stragglers).get(exc.peer) if self.fault_plan else None
+                if isinstance(exc, GossipTimeoutError) and delay:  # the fault injected, not a failure
+                    exc = type(exc)(f"{exc} (rank {exc.peer} is an injected straggler: it waits {delay:g} s before each "
+                                    f"send, which with the rest of its step exceeds gossip_timeout="
+                                    f"{args.gossip_timeout:g} s: raise gossip_timeout)", exc.peer)
                 raise type(exc)(f"{exc} (in training step {self.state.global_step + 1}: the gossip engine counts its "
                                 f"steps from 0). {self._resume_hint()}",
                                 exc.peer) from exc
