@@ -80,6 +80,17 @@ def test_layer_is_its_float_type_and_shares_master_weights(kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
+def test_an_integer_input_is_refused_as_the_float_layer_refuses_it(kind):
+    """It was cast to float32 and quantized as if it were activations."""
+    f, q, x = make_layer(kind)
+    with pytest.raises(RuntimeError):
+        f(x.long())
+    with pytest.raises(TypeError, match=r"with weight \(.*\): expected a floating-point input, got torch.int64"):
+        q(x.long())
+    assert q(x.double()).dtype == torch.float32  # another float dtype has the same 8-bit codes: cast
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d"])
 def test_forward_uses_8bit_weights_and_activations(kind):
     f, q, x = make_layer(kind)
     x_q, w_q = quantized_operands(q, x)

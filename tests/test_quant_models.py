@@ -189,6 +189,8 @@ def test_load_quantized_asks_for_the_class_of_a_custom_model(tmp_path):
     with pytest.raises(ValueError, match=r"names the class 'CustomClassifier', which transformers does not define "
                                          r"\(your own model class, or remote code\): pass it as auto_class"):
         load_quantized(tmp_path)
+    with pytest.raises(TypeError, match=r"^auto_class must be a transformers model class .*, got 'CustomClassifier'$"):
+        load_quantized(tmp_path, auto_class="CustomClassifier")  # was "'str' object has no attribute 'from_pretrained'"
     loaded = load_quantized(tmp_path, auto_class=CustomClassifier)
     inputs = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():

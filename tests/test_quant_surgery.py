@@ -79,13 +79,20 @@ def test_skip_wins_over_target_and_parent_names_select_children():
     "config, message",
     [
         (QuantConfig(skip=("classifer",)), "skip pattern 'classifer' matches no quantizable layer"),
-        (QuantConfig(skip=("classifier", "embeddings")), "skip pattern 'embeddings' matches no quantizable layer"),
+        # the tables are kept float anyway (embeddings=False): the pattern has no effect, and the message says why
+        (QuantConfig(skip=("classifier", "embeddings")), "skip pattern 'embeddings' matches only layers kept float "
+         "without it (e.g. 'distilbert.embeddings.word_embeddings': off by default, QuantConfig(embeddings=True) "
+         "quantizes it): drop it"),
         (QuantConfig(target=("q_lin", "query")), "target pattern 'query' matches no quantizable layer"),
+        # it read "matches no quantizable layer", not pointing to the switch
+        (QuantConfig(target=("q_lin", "word_embeddings")), "target pattern 'word_embeddings' matches only layers kept "
+         "float (e.g. 'distilbert.embeddings.word_embeddings': off by default (QuantConfig(embeddings=True) quantizes "
+         "it))"),
     ],
 )
 def test_patterns_matching_nothing_are_errors(config, message):
     model = tiny_distilbert()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         quantize_model(model, config)
     assert quantized_names(model) == []
     assert message in str(quantize_model(model, config, dry_run=True))  # the dry run reports it
@@ -286,7 +293,7 @@ def test_embeddings_are_quantized_only_when_asked_and_the_swap_undoes():
     model = quantize_model(tiny_distilbert(), QuantConfig(embeddings=True, skip=("classifier", "word_embeddings")))
     assert type(model.distilbert.embeddings.word_embeddings) is nn.Embedding
     assert type(model.distilbert.embeddings.position_embeddings) is QuantEmbedding
-    with pytest.raises(ValueError, match="skip pattern 'word_embeddings' matches no quantizable layer"):
+    with pytest.raises(ValueError, match="skip pattern 'word_embeddings' matches only layers kept float without it"):
         quantize_model(tiny_distilbert(), QuantConfig(skip=("word_embeddings",)))
 
 
@@ -323,7 +330,7 @@ def test_embeddings_true_warns_about_the_tables_it_cannot_quantize():
     (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)), {},
      "the model has no nn.Embedding"),
     (lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 2)), {"skip": ("0",)},
-     "each stays float for the reason given"),
+     r"each stays float \(e.g. '0': matches skip pattern '0'\)"),  # it promised a reason it did not give
 ])
 def test_embeddings_true_that_quantizes_no_table_is_refused(model, config, why):
     """As a skip or target pattern that matches nothing: the setting would have no effect."""
@@ -578,3 +585,6 @@ def test_the_functions_that_walk_a_model_name_a_non_module(call):
         call("model")
     with pytest.raises(TypeError, match=r"^state_dict must be a mapping of names to tensors"):
         dequantize_int8_state_dict([1, 2])
+    with pytest.raises(TypeError, match=r"^state_dict must map names to tensors \(export_int8_state_dict's output\), "
+                                        r"and 'a' holds a int$"):  # it said "must be a mapping ..., got dict"
+        dequantize_int8_state_dict({"a": 1})

@@ -111,9 +111,13 @@ def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor],
     """
     if not isinstance(activation_ranges, bool):
         raise TypeError(f"activation_ranges must be a bool, got {activation_ranges!r}")
-    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
+    if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors (export_int8_state_dict's output), got "
                         f"{type(state_dict).__name__}")
+    other = next(((k, v) for k, v in state_dict.items() if not torch.is_tensor(v)), None)
+    if other is not None:
+        raise TypeError(f"state_dict must map names to tensors (export_int8_state_dict's output), and "
+                        f"{other[0]!r} holds a {type(other[1]).__name__}")
     coded = {k for k, v in state_dict.items() if v.dtype == torch.int8 and k + SCALE_SUFFIX in state_dict}
     extras = {k + s for k in coded for s in (SCALE_SUFFIX, OFFSET_SUFFIX)}
     if not activation_ranges:

@@ -268,8 +268,14 @@ class QuantGemmLayer(ActivationQuantizer):
 
         An empty input (no elements, e.g. a batch of 0 samples) has nothing to quantize: it runs
         the float GEMM (``gemm.forward``: the float layer's empty output, zero weight and bias
-        gradients) and leaves the running activation range alone."""
+        gradients) and leaves the running activation range alone. A floating-point input of
+        another dtype (autocast's bf16/fp16) is cast, since its 8-bit codes are the same; an integer
+        or bool one is refused, as the float layer refuses it."""
         self.check_master_weights()
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} with weight {tuple(self.weight.shape)}: expected a floating-point "
+                            f"input, got {x.dtype} (as the float layer refuses it: token ids go through an embedding "
+                            "first)")
         with _autocast_disabled(x.device.type):
             x = x.to(self.weight.dtype)
             if x.numel() == 0:

@@ -114,7 +114,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
             parent, so the config it records is the task model's: ``from_pretrained`` of the saved
             task model applies it to the whole model, head included. To quantize part of a model
             you will save, pass the whole model and select the part with ``target`` (e.g.
-            ``QuantConfig(target=("bert",))``), which reloads as it was saved.
+            ``QuantConfig(target=("bert",))``), which reloads as it was saved. For the same reason a
+            base model records it on the config object it holds, which any other model built from
+            that object shares (``BertModel(config)`` does not copy it; a task model records it on a
+            copy): build the others from ``copy.deepcopy(config)`` or with ``from_config``.
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
@@ -246,6 +249,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
     prefix = getattr(model, "base_model_prefix", "") if getattr(model, "base_model", None) is model else ""
     head = _output_embeddings(model) if "lm_head" in config.skip else None
     skip_used, target_used, not_float32, float_tables, cannot = set(), set(), [], [], []
+    skip_switched = {}  # skip pattern -> (a layer it met, the switch that keeps that layer float anyway)
     target_kept: dict[str, LayerDecision] = {}  # a target pattern's first layer kept float
     tables_quantized = False  # an embedding table selected (QuantConfig(embeddings=True))
     quantized_elements, fp32_weights = 0, []  # weight elements of the 8-bit layers; (name, type, elements) kept fp32
@@ -281,7 +285,9 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         unsupported = quant_type.unsupported(module) if quant_type is not None else None
         if not switched_off:  # a pattern that only meets switched-off layers selects nothing
             skip_used.update(skips)
-        met = targets if quant_type is not None and targets and not switched_off else ()
+        elif skips:
+            skip_switched.setdefault(skips[0], (name, switch))
+        met = targets if quant_type is not None and targets else ()
         asked = selected and module is not head
         quantize = False
         if quant_type is None and parametrize.is_parametrized(module):
@@ -329,7 +335,11 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             target_kept.setdefault(p, decision)
 
     for p in (config.skip if check_patterns else ()):
-        if p not in skip_used and p not in DEFAULT_SKIP:
+        if p not in skip_used and p in skip_switched and p not in DEFAULT_SKIP:
+            name, switch = skip_switched[p]
+            report.problems.append(f"skip pattern {p!r} matches only layers kept float without it (e.g. {name!r}: off "
+                                   f"by default, QuantConfig({switch}=True) quantizes it): drop it")
+        elif p not in skip_used and p not in DEFAULT_SKIP:
             report.problems.append(f"skip pattern {p!r} matches no quantizable layer")
     for p in (config.target or ()) if check_patterns else ():
         if p in target_kept and p not in target_used:
@@ -358,7 +368,8 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
         tables = [d for d in report.layers if d.type_name == "Embedding"]
         report.problems.append("QuantConfig(embeddings=True) quantizes no embedding table: " + (
             "it leaves " + subclass_tables if float_tables else
-            "each stays float for the reason given" if tables else "the model has no nn.Embedding"))
+            f"each stays float (e.g. {tables[0].name!r}: {tables[0].reason})" if tables else
+            "the model has no nn.Embedding"))
     elif float_tables:
         report.warnings.append("QuantConfig(embeddings=True) leaves " + subclass_tables)
     if not_float32:
@@ -488,6 +499,9 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
         raise ValueError(f"config.json of {path} has no quantization_config with quant_method {QUANT_METHOD!r} "
                          f"(found {method!r}): it was not saved from a quantize_model model; load it with "
                          "from_pretrained and call quantize_model")
+    if auto_class is not None and not callable(getattr(auto_class, "from_pretrained", None)):
+        raise TypeError(f"auto_class must be a transformers model class (e.g. AutoModelForSequenceClassification or "
+                        f"your PreTrainedModel subclass), got {auto_class!r}")
     if auto_class is None:
         saved_as = (getattr(config, "architectures", None) or ["AutoModel"])[0]
         auto_class = getattr(transformers, saved_as, None)
