@@ -92,15 +92,31 @@ def parse(argv=None):
 
 
 # what may differ between a finished grid point and this sweep without changing its results: the
-# grid's own flags (the whole grid is in every run's config) and how the run is executed
-NOT_RESULT_SETTINGS = {"overwrite_output_dir", "threads", "consensus_lr_used"}
+# grid's own flags (the whole grid is in every run's config), how the run is executed, where its
+# folder is (a copied sweep), and what it prints and logs
+NOT_RESULT_SETTINGS = {"overwrite_output_dir", "threads", "consensus_lr_used", "output_dir", "logging_strategy",
+                       "logging_steps", "logging_first_step", "log_level", "log_level_replica", "log_on_each_node",
+                       "disable_tqdm", "report_to", "run_name", "project", "include_num_input_tokens_seen",
+                       "skip_memory_metrics"}
+# and, unless the best checkpoint is loaded at the end, when it evaluates and saves checkpoints
+EVALUATION_SETTINGS = {"eval_strategy", "eval_steps", "eval_delay", "save_strategy", "save_steps", "save_total_limit",
+                       "enable_jit_checkpoint"}
 
 
 def settings_differing(results: dict, run) -> list[str]:
     """The settings in which a finished grid point's ``results.json`` (``results["config"]``) differs
     from what this sweep would run there, ``"name=saved (this sweep: value)"``; empty if none."""
-    return commands.config_differences(results["config"], run, NOT_RESULT_SETTINGS | set(vars(run.extras)),
-                                       "this sweep")
+    ignored = NOT_RESULT_SETTINGS | set(vars(run.extras))
+    if not run.training.load_best_model_at_end:
+        ignored |= EVALUATION_SETTINGS
+    return commands.config_differences(results["config"], run, ignored, "this sweep")
+
+
+def number(value: float) -> str:
+    """A grid value as folder names, the table and the plot write it: short (``0.9``, ``99``), but
+    every digit where the short form would round it (two values one folder, ``99.99999`` read ``100``)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 # recipe flags the grid sets at every point, by field name: -> the grid flag that does
@@ -169,7 +185,7 @@ def grid(sweep) -> list:
                                                               grid_flags.skews, grid_flags.comps):
         changes = dict(algorithm=algorithm, low_precision=precision == "int8", skew=skew, compression=comp,
                        output_dir=os.path.join(sweep.values["output_dir"],
-                                               f"{algorithm}_{precision}_skew{skew:g}_comp{comp:g}"))
+                                               f"{algorithm}_{precision}_skew{number(skew)}_comp{number(comp)}"))
         if comp > 0 and grid_flags.consensus_lr_compressed is not None:
             changes["consensus_lr"] = grid_flags.consensus_lr_compressed
         if precision == "fp32":  # --kernel is for the 8-bit runs
@@ -201,7 +217,7 @@ def run_logged(run, prog: str = "", on_interrupt: str = AFTER_INTERRUPT) -> dict
 
 def describe(run) -> str:
     t = run.training
-    return f"{t.algorithm} {'int8' if t.low_precision else 'fp32'} skew={t.skew:g} comp={t.compression:g}"
+    return f"{t.algorithm} {'int8' if t.low_precision else 'fp32'} skew={number(t.skew)} comp={number(t.compression)}"
 
 
 def remove_log_only_folders(folders) -> None:
@@ -290,7 +306,7 @@ def markdown_table(rows) -> str:
     for skew, comp in sorted({(r["skew"], r["comp"]) for r in rows}):
         cells = [accuracy_text(by_cell[(a, lp, skew, comp)]) if (a, lp, skew, comp) in by_cell else "-"
                  for a, lp, _ in cols]
-        lines.append(f"| {skew:g} | {comp:g}% | " + " | ".join(cells) + " |")
+        lines.append(f"| {number(skew)} | {number(comp)}% | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -307,7 +323,7 @@ def plot(rows, path):
         group = list(group)
         name = {"choco": "Choco", "deepsqueeze": "DS"}[algorithm]
         ax.plot([r["skew"] for r in group], [100 * r["accuracy"] for r in group], marker="o",
-                linestyle="--" if lp else "-", label=f"{'LP-' if lp else ''}{name}, comp {comp:g}%")
+                linestyle="--" if lp else "-", label=f"{'LP-' if lp else ''}{name}, comp {number(comp)}%")
     ax.set_xlabel("skew")
     ax.set_ylabel("accuracy of the averaged model (%)")
     ax.set_title("Accuracy vs skew (fp32 solid, 8-bit dashed)")

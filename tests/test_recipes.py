@@ -354,6 +354,16 @@ def test_sweep_rejects_bad_jobs(capsys):
     assert "argument --jobs: must be in [1, inf), got 0" in capsys.readouterr().err
 
 
+def test_sweep_grid_values_that_round_alike_get_folders_and_rows_of_their_own(tmp_path):
+    """0.1234561 and 0.1234562 ran into one folder, skew0.123456, the second over the first; 99.99999
+    was named comp100."""
+    sweep = import_sweep()
+    runs = sweep.grid(sweep.parse(["--algorithms", "choco", "--precisions", "fp32", "--skews", "0.1234561", "0.1234562",
+                                   "0.9", "--comps", "99.99999", "--output-dir", str(tmp_path)]))
+    assert [os.path.basename(run.training.output_dir) for run in runs] == [
+        "choco_fp32_skew0.1234561_comp99.99999", "choco_fp32_skew0.1234562_comp99.99999", "choco_fp32_skew0.9_comp99.99999"]
+
+
 def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     from lp_decentral_nlp import commands
 
@@ -370,6 +380,17 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     # the same settings, other grid flags and thread count: the point is reused as it is
     again = sweep.grid(sweep.parse([*flags, "--jobs", "2", "--threads", "2"]))[0]
     assert sweep.settings_differing(commands.finished_results(again.training.output_dir), again) == []
+    # nor by what it prints, logs, when it evaluates and saves: they were refused, though the results are the same
+    shown = sweep.grid(sweep.parse([*flags, "--disable_tqdm", "true", "--log_level", "error", "--logging_steps", "1",
+                                    "--eval_steps", "1", "--save-steps", "1", "--report_to", "none"]))[0]
+    assert sweep.settings_differing(finished, shown) == []
+    # with the best checkpoint loaded at the end, when it evaluates changes the results
+    with pytest.raises(SystemExit):
+        sweep.parse([*flags, "--eval_steps", "1", "--save-steps", "1", "--load_best_model_at_end"])
+    assert capsys.readouterr().err.strip().endswith(
+        "(eval_steps=None (this sweep: 1), eval_strategy='no' (this sweep: 'steps'), load_best_model_at_end=False "
+        "(this sweep: True), save_steps=None (this sweep: 1), save_strategy='no' (this sweep: 'steps')): pass "
+        "--overwrite_output_dir to run it again, or choose another --output-dir")
     # another learning rate: refused, naming the folder and the difference, and the results are kept
     with pytest.raises(SystemExit) as exc:
         sweep.parse([*flags, "--lr", "0.5"])

@@ -1033,9 +1033,12 @@ def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this
     """The settings in which a finished run's ``results.json`` config (`saved_config`) differs from
     what the parsed flags `parsed` (:meth:`RecipeParser.parse`) would run, as
     ``"name=saved (<this>: value)"``, except the names in `ignored` (:func:`changed_settings`);
-    empty if none."""
+    empty if none. A setting the saved config does not record is shown at its default, as the
+    finished run had it."""
     saved, wanted = _as_json(saved_config), _as_json(run_config(parsed))
-    return [_difference(key, saved.get(key), wanted.get(key), this) for key in changed_settings(saved, wanted, ignored)]
+    defaults = _as_json(parsed.defaults)
+    return [_difference(key, saved.get(key, defaults.get(key)), wanted.get(key), this)
+            for key in changed_settings(saved, wanted, ignored)]
 
 
 def _difference(key: str, saved, wanted, this: str) -> str:
