@@ -217,3 +217,14 @@ def test_averaged_8bit_model_evaluates_with_its_running_ranges(tmp_path, agnews_
         together = trainer.model(**batch).logits[:1]
         alone = trainer.model(**{k: v[:1] for k, v in batch.items()}).logits
     torch.testing.assert_close(alone, together, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cost_reports_epoch_gossips_once_per_optimizer_step(tmp_path, agnews_small, tokenizer):
+    """Under gradient accumulation the report counted an epoch's micro-batches as gossip steps:
+    twice the traffic an epoch sends with gradient_accumulation_steps=2."""
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, gradient_accumulation_steps=2),
+                                   train_dataset=agnews_small["train"], processing_class=tokenizer)
+    communication = trainer.cost_report((16,)).communication
+    assert communication.iterations_per_epoch == trainer.steps_per_epoch() == 256 // 4 // 8 // 2
+    trainer.train()  # 3 steps
+    assert trainer.bytes_sent.tolist() == [3 * communication.bytes_per_epoch / trainer.steps_per_epoch()] * 4

@@ -604,6 +604,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def cost_report(self, input_shape):
         """SPEC 7 cost of one iteration of one node of this run (compute, energy, memory, gossip bytes).
+        Compute, energy and memory are those of one batch of ``per_device_train_batch_size``
+        (``gradient_accumulation_steps`` of them make an optimizer step); the traffic per epoch is
+        that of the :meth:`steps_per_epoch` gossip steps, one per optimizer step.
 
         Args:
             input_shape: one sample's shape without the batch dimension: ``(seq_len,)`` for token
@@ -617,7 +620,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
         optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs)
         bs = self.args.per_device_train_batch_size
-        samples_per_node = min(len(s) for s in self._checked_shards())  # an epoch: the smallest shard's batches
+        # an epoch gossips once per optimizer step: its samples are read in those steps' batches
+        samples_per_node = self.steps_per_epoch() * bs
         return estimate_cost(self.nodes[0], input_shape, bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
                              gossip=self.gossip, samples_per_node=samples_per_node)
