@@ -1,5 +1,6 @@
 """The recipes end to end on a tiny model and the real AG News sample; bad flags; the model fallback;
 and the distributed backend (torchrun, 4 processes, gloo) against the simulation."""
+import csv
 import json
 import os
 import pathlib
@@ -551,3 +552,16 @@ def test_data_seed_fixes_the_held_out_rows_across_seeds(tiny_model_dir, ag_news_
 
     assert rows("--seed", "1", "--data_seed", "7") == rows("--seed", "2", "--data_seed", "7") == rows("--seed", "7")
     assert rows("--seed", "1")[0] != rows("--seed", "2")[0]
+
+
+def test_results_of_a_run_that_loads_its_best_model_name_that_model(tiny_model_dir, ag_news_csv, tmp_path):
+    """results.json gave the best step's accuracy beside the last step's "steps", saying neither."""
+    results = main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run", "--eval_steps", "1",
+                                                  "--save-steps", "1", "--load_best_model_at_end",
+                                                  "--metric_for_best_model", "loss"))
+    with open(tmp_path / "run" / "metrics.csv", newline="") as fh:
+        evaluations = [row for row in csv.DictReader(fh) if row.get("eval_loss")][:3]
+    best = min(evaluations, key=lambda row: float(row["eval_loss"]))
+    assert results["best_model"] == {"step": int(best["step"]), "checkpoint": str(tmp_path / "run" / f"checkpoint-{best['step']}"),
+                                     "loss": pytest.approx(float(best["eval_loss"]))}
+    assert results["loss"] == pytest.approx(float(best["eval_loss"])) and results["steps"] == 3

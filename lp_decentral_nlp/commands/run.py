@@ -6,8 +6,10 @@ A run writes, under ``--output_dir`` (rank 0 only):
 * ``results.json`` -- accuracy of the averaged model, per-node accuracy, bytes sent per node,
   consensus distance, the per-node counts of the faults and skips in use (``lost_messages_per_node``,
   ``absent_steps_per_node``, ``nonfinite_skips_per_node``, ``overflow_skips_per_node``: see
-  ``DecentralizedTrainer.fault_counts``), the settings that differ from the defaults, the model used, versions, wall
-  time, the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
+  ``DecentralizedTrainer.fault_counts``), with ``--load_best_model_at_end`` the ``"best_model"``
+  the evaluation figures are of (its step, checkpoint and metric; ``"steps"`` and the bytes are
+  the run's last step's), the settings that differ from the defaults, the model used, versions, wall
+  time (of this invocation: a resumed run's counts from its resume), the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
   8-bit layers that trained with it}`` (empty for a full-precision run) (first with ``"status":
   "running"``, without results and kernels, then ``"done"``; a run that stops in training says
   ``"failed"``, ``"interrupted"`` or ``"stopped"`` (SIGTERM) with the ``"step"`` and ``"next"``:
@@ -16,7 +18,9 @@ A run writes, under ``--output_dir`` (rank 0 only):
 * ``kernels.json`` -- the GEMM kernel every 8-bit layer of a node's model ran in the last training
   step, by module name (:class:`lp_decentral_nlp.trainer.TrainingKernelsCallback`), written
   after training;
-* ``metrics.csv`` -- one row per logging/evaluation step;
+* ``metrics.csv`` -- one row per logging step (``loss``, ...) and per evaluation (``eval_*``), a
+  last row of the training summary (``train_loss``, ``train_runtime``, ...), and after a final merge
+  or the best model's load, the final evaluation: a second ``eval_*`` row at the last step;
 * ``model/`` -- the averaged model: fp32 master weights, and for an 8-bit run the 8-bit layers'
   settings and activation ranges (``from_pretrained`` rebuilds them once ``lp_decentral_nlp`` is
   imported; :func:`lp_decentral_nlp.load_quantized` returns the classifier it holds);
@@ -966,6 +970,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         # lost_messages_per_node, absent_steps_per_node, nonfinite_skips_per_node, ... of the settings in use
         **{f"{name}_per_node": counts for name, counts in trainer.fault_counts().items()},
         "steps": trainer.state.global_step,
+        **({"best_model": {"step": trainer.state.best_global_step, "checkpoint": trainer.state.best_model_checkpoint,
+                           training.metric_for_best_model: trainer.state.best_metric}}
+           if training.load_best_model_at_end and trainer.state.best_model_checkpoint else {}),
         "config": config,
         "model_used": model_used,
         "versions": versions(),
