@@ -207,7 +207,11 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert lrs == pytest.approx([0.1, 0.1, 0.01, 0.001])
     assert results["config"]["lr_milestone_fractions"] == [0.5, 0.75]
 
-    # the saved averaged model is the 8-bit model that was evaluated
+    # the saved averaged model is the 8-bit model that was evaluated, with a card (there was none)
+    card = (out / "model" / "README.md").read_text()
+    assert "This model was trained from scratch on the digits dataset." in card and "- image-classification\n" in card
+    assert "in 8-bit: weights, activations and layer gradients" in card
+    assert "`ImageClassifier.from_pretrained(path)` loads it." in card
     model = ImageClassifier.from_pretrained(out / "model")
     assert not model.training  # as transformers' from_pretrained: a forward leaves ranges and statistics alone
     preprocessing = model.vision_config["preprocessing"]

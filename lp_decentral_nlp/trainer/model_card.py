@@ -119,12 +119,16 @@ def model_description(trainer) -> str:
     args = trainer.args
     text = (f"The averaged model of {args.num_nodes} nodes trained by decentralized {args.algorithm} with "
             "lp_decentral_nlp (hyperparameters below)")
+    transformers_model = hasattr(getattr(trainer.model, "config", None), "to_json_string")
+    own_loader = (f" `{type(trainer.model).__name__}.from_pretrained(path)` loads it."
+                  if not transformers_model and callable(getattr(trainer.model, "from_pretrained", None)) else "")
     if not any(isinstance(m, QuantModule) for m in trainer.model.modules()):
         return text + ", in float32." + (" `from_pretrained` loads it as any transformers model."
-                                         if hasattr(getattr(trainer.model, "config", None), "to_json_string") else "")
+                                         if transformers_model else own_loader)
     text += (", in 8-bit: weights, activations and layer gradients on an 8-bit grid, the fp32 master weights and "
              "activation ranges saved.")
-    if hasattr(getattr(trainer.model, "config", None), "to_json_string"):
+    text += own_loader
+    if transformers_model:
         text += (" Load it with lp_decentral_nlp installed: `lp_decentral_nlp.load_quantized(path)`, or "
                  "`import lp_decentral_nlp` before `from_pretrained` (which registers the 8-bit quantization; "
                  "transformers alone loads the float master weights, with a warning of an unknown quantization "

@@ -224,8 +224,11 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     model_used = f"{recipe.arch} ({recipe.norm}, {recipe.num_classes} classes, random init)"
     input_shape = (3, recipe.image_size, recipe.image_size)
     check_memory(model, training, input_shape, prog, parsed.flags["image_size"])
+    # the card names the user's images by their folder
+    dataset = pathlib.Path(recipe.data_dir).name if recipe.dataset == FOLDER else recipe.dataset
     return train_and_report(parsed, model, data, model_used, input_shape, start, prog,
-                            before_train=_milestones_of_the_run(parsed.values, training), on_interrupt=on_interrupt)
+                            before_train=_milestones_of_the_run(parsed.values, training), on_interrupt=on_interrupt,
+                            card={"dataset": dataset, "tags": ["image-classification"]})
 
 
 def main(algorithm: str, argv: list[str] | None = None, on_interrupt: str | None = None) -> dict:
