@@ -591,3 +591,16 @@ def test_run_files_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
     text = (tmp_path / "out" / "results.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"loss": None, "node_loss": [1.5, None], "config": {"lr": 1e-4, "path": "a"}}
+
+
+def test_an_integration_not_installed_is_named_with_its_package(capsys):
+    """It said "install its package" without naming it."""
+    from transformers.integrations.integration_utils import get_available_reporting_integrations
+
+    missing = next((name for name in ("comet_ml", "wandb", "tensorboard") if name not in
+                    get_available_reporting_integrations()), None)
+    if missing is None:
+        pytest.skip("every integration tried is installed")
+    package = {"comet_ml": "comet-ml"}.get(missing, missing)
+    assert flag_error(["--report_to", missing], capsys) == (
+        f"argument --report_to: {missing!r} is not installed here: install it (pip install {package}), or use 'none'")

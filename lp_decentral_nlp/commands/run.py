@@ -155,8 +155,9 @@ def check_report_to(parser, training) -> None:
             parser.error(f"argument {flag}: {name!r} is not a logging integration; choose from "
                          f"{sorted(INTEGRATION_TO_CALLBACK)}, 'all' or 'none' (several, apart: {flag} tensorboard wandb)")
         if name not in installed:
-            parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not installed here: install its "
-                         f"package, or use 'none'")
+            package = {"azure_ml": "azureml-core", "flyte": "flytekit"}.get(name, name.replace("_", "-"))
+            parser.error(f"argument {parser.flag_of('report_to')}: {name!r} is not installed here: install it (pip "
+                         f"install {package}), or use 'none'")
 
 
 def check_best_metric(parser, training) -> None:

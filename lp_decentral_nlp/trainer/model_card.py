@@ -43,13 +43,18 @@ def decentralized_hyperparameters(args) -> dict:
     the :func:`fault_settings` in use (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`)."""
     config = args.gossip_config
     settings = {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
-                "compressor": repr(build_compressor(config)), "consensus_step_size": args.gamma,
+                # the default step is computed: 0.04000000000000001 reads 0.04
+                "compressor": repr(build_compressor(config)), "consensus_step_size": float(f"{args.gamma:.6g}"),
                 "precision": "8-bit (weights, activations, layer gradients)" if args.low_precision else "float32",
                 "quasi_global_momentum": args.qgm, "label_skew": args.skew,
                 "total_train_batch_size": (args.per_device_train_batch_size * args.gradient_accumulation_steps
                                            * args.num_nodes)}
     if args.mixed_precision != "no":
         settings["mixed_precision_training"] = f"Native AMP ({args.mixed_precision} autocast per node)"
+    if args.low_precision:
+        settings["quant_kernel"] = args.quant_kernel
+    if args.data_seed is not None:
+        settings["data_seed"] = args.data_seed
     if args.final_merge:
         settings["final_merge"] = True
     return {**settings, **fault_settings(args)}
