@@ -627,14 +627,15 @@ def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str)
     (naming `size_flag`, the flag that sets `input_shape`, among what to lower), or whose model
     cannot train on one batch of that shape (one line naming ``--batch-size``).
 
-    The need is what this process will store: per node, its weights, gradients and optimizer state
-    (float32 master weights in 8-bit training too) and the activations its layers save for
-    backward (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`: 8-bit codes in 8-bit
-    layers; with ``activation_checkpointing``, what the checkpointed layers keep), times the nodes
-    this process holds (all of them with ``backend="simulated"``, one with ``"distributed"``); plus
-    the model the nodes are copied from and the gossip's buffers
-    (:meth:`lp_decentral_nlp.gossip.PushSumGossip.memory_bytes`). Transient work space is not
-    counted: the need is a lower bound.
+    The need is what this process will store: per node, its weights and optimizer state (float32
+    master weights in 8-bit training too), times the nodes this process holds (all of them with
+    ``backend="simulated"``, one with ``"distributed"``); once, the gradients and the activations
+    the layers save for backward (SPEC 7's count, :func:`lp_decentral_nlp.cost.estimate_cost`:
+    8-bit codes in 8-bit layers; with ``activation_checkpointing``, what the checkpointed layers
+    keep), since the nodes step one after another and each node's gradients are freed after its
+    update; plus the model the nodes are copied from and the gossip's buffers
+    (:meth:`lp_decentral_nlp.gossip.PushSumGossip.memory_bytes`). Transient work space and the
+    interpreter are not counted: the need is a lower bound.
     """
     from ..cost import OPTIMIZER_STATES, checkpointable_layers, estimate_cost
     from ..cost.conventions import MB  # the report's memory unit in its default convention
@@ -655,18 +656,19 @@ def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str)
                         "--batch-size")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    per_node = (weights + trainable * (1 + OPTIMIZER_STATES[optimizer])) / MB \
-        + report.memory_breakdown_mb["train"]["activations"]
+    per_node = (weights + trainable * OPTIMIZER_STATES[optimizer]) / MB
+    working = trainable / MB + report.memory_breakdown_mb["train"]["activations"]  # one node's at a time
     available = available_memory_mb(training.device)  # sets up the process group of a launch
     group = NodeGroup(training.num_nodes, training.backend)
     gossip = build_gossip(training.gossip_config, group.transport(training.gossip_timeout))
     shared = (weights + gossip.memory_bytes(gossiped_parameters(model))) / MB
     here = len(group.node_ids)
-    need = per_node * here + shared
+    need = per_node * here + working + shared
     if need > available:
         exit_with_error(prog, f"the run needs at least {need:,.0f} MB ({here} nodes in this process x "
-                        f"{per_node:,.0f} MB each: weights, gradients and optimizer state, saved activations; "
-                        f"{shared:,.0f} MB of gossip buffers and the initial model) but {available:,.0f} MB are "
+                        f"{per_node:,.0f} MB each of weights and optimizer state; {working:,.0f} MB of one node's "
+                        f"gradients and saved activations; {shared:,.0f} MB of gossip buffers and the initial "
+                        f"model) but {available:,.0f} MB are "
                         f"available on {training.device}: lower --nodes, --batch-size or {size_flag}, or run one "
                         "node per process (--backend distributed)")
 
