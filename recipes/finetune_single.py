@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive_int, default=16,
                    help="training batch size (evaluation: twice this)")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
-                   help="random seed of the run (transformers.set_seed: subsets, head initialisation, batch order)")
+                   help="random seed of the run (transformers.set_seed: the held-out test rows of data without a test "
+                        "split, subsets, head initialisation, batch order)")
     p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
     p.add_argument("--kernel", default="auto",
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-from lp_decentral_nlp.data import check_enough_rows, load_task, skewed_partition
+from lp_decentral_nlp.data import AG_NEWS_LABELS, check_enough_rows, load_task, skewed_partition
 
 HEADER = "label,title,description\n"
 
@@ -147,7 +147,7 @@ def test_a_validation_split_is_the_test_split_of_a_source_without_one(tmp_path):
     assert {split: len(part) for split, part in load_task("ag_news", data_dir=str(tmp_path)).items()} == {
         "train": 40, "test": 8}
     with pytest.raises(ValueError, match=r"^eval_fraction=0.5 is the share held out of a source without test rows, "
-                                         r"and .*train.csv has its 'validation' split: leave eval_fraction out$"):
+                                         r"and data_dir '.*' has its 'validation' split: leave eval_fraction out$"):
         load_task("ag_news", data_dir=tmp_path, eval_fraction=0.5)
     saved = tmp_path / "saved"
     DatasetDict(train=Dataset.from_dict({"text": ["a", "b"] * 4, "label": [0, 1] * 4}),
@@ -282,6 +282,7 @@ def test_senteval_needs_train_and_test_rows(tmp_path):
     ("original", "-1", "label -1 is not a class; labels must be 1-4"),
     ("original", "World", "label 'World' is not an integer; labels must be 1-4"),
     ("original", "1.5", "label '1.5' is not an integer; labels must be 1-4"),
+    ("original", "5.0", "label 5 is not a class; labels must be 1-4"),  # an integer written as a float is that integer
     ("original", "", "label '' is not an integer; labels must be 1-4"),
     ("text", "4", "label 4 is not a class; labels must be 0-3"),
     ("text", "sports", "label 'sports' is not an integer; labels must be 0-3"),
@@ -290,6 +291,13 @@ def test_ag_news_labels(tmp_path, layout, value, match):
     header, bad = (HEADER, f"{value},Odd title,Odd text\n") if layout == "original" else ("text,label\n", f"Odd,{value}\n")
     source = _write(tmp_path / "labels.csv", header + _rows(5, layout) + bad)
     _expect(ValueError, f"labels.csv:7: {match}", lambda: load_task("ag_news", data_dir=source), source)
+
+
+def test_ag_news_labels_written_as_floats_are_their_integers(tmp_path):
+    """A spreadsheet's 2.0 was refused as "not an integer" in the AG News task, read as 2 in the text task."""
+    source = _write(tmp_path / "floats.csv", HEADER + "".join(f"{i % 4 + 1}.0,Title {i},Text {i}.\n" for i in range(40)))
+    assert load_task("ag_news", data_dir=source)["train"].features["label"].names == list(AG_NEWS_LABELS)
+    assert sorted(set(load_task("ag_news", data_dir=source)["train"]["label"])) == [0, 1, 2, 3]
 
 
 def test_saved_dataset_with_empty_labels_or_texts_or_an_empty_split(tmp_path):

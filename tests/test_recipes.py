@@ -169,6 +169,9 @@ def test_the_text_recipe_trains_a_classifier_of_the_users_own_classes(tiny_model
     assert results["config"]["algorithm"] == "deepsqueeze" and 0 <= results["accuracy"] <= 1
     model = load_quantized(out / "model")
     assert model.config.id2label == {0: "other", 1: "sports"}
+    with pytest.raises(ValueError, match=rf"^{out} has no config.json but its model/ folder has: a recipe's run folder\? "
+                                         rf"load {out / 'model'}$"):
+        load_quantized(out)
     card = (out / "model" / "README.md").read_text()  # the card names the data and the model's folder
     assert f"a fine-tuned version of the local checkpoint `{tiny_model_dir.parent.name}/{tiny_model_dir.name}` on " \
            "the sports dataset" in card

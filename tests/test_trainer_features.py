@@ -1124,7 +1124,8 @@ def test_the_best_model_by_consensus_distance_is_the_least_divergent(tmp_path, a
     """greater_is_better unset followed Trainer's rule (greater unless the name ends in "loss"): the
     "best" checkpoint by consensus_distance was the most divergent one, by loss_node_<i> the worst."""
     for metric, greater in (("consensus_distance", False), ("eval_loss_node_1", False), ("bytes_sent_node_0", False),
-                            ("accuracy_node_0", True), ("loss", False)):
+                            ("accuracy_node_0", True), ("loss", False), ("val_consensus_distance", False),
+                            ("eval_val_bytes_sent_node_1", False), ("val_accuracy_node_0", True)):
         assert targs(tmp_path, metric_for_best_model=metric).greater_is_better is greater, metric
     assert targs(tmp_path, metric_for_best_model="consensus_distance", greater_is_better=True).greater_is_better
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=3, eval_strategy="steps", eval_steps=1,

@@ -683,16 +683,16 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'seed',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'Random seed of the run: the held-out test rows (of data without a test split), row subsets, the node shards '
-          "and batches (these four unless --data_seed), model initialisation, dropout and the gossip's randomness "
-          '(default: 0)',
+  'help': 'Random seed of the run: the held-out test rows (of data without a test split), the --max-*-samples subsets, '
+          "the node shards and batches (these unless --data_seed), model initialisation, dropout and the gossip's "
+          'randomness (default: 0)',
   'type': 'integer'},
  {'options': ['--data_seed', '--data-seed'],
   'dest': 'data_seed',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'When set, the seed of the data instead of --seed: the held-out test rows, row subsets, the node shards and '
-          'batches; runs of several --seed then share their test rows (default: --seed)',
+  'help': 'When set, the seed of the data instead of --seed: the held-out test rows, the --max-*-samples subsets, the '
+          'node shards and batches; runs of several --seed then share their test rows (default: --seed)',
   'type': 'integer'},
  {'options': ['--use_cpu', '--use-cpu'],
   'dest': 'use_cpu',
@@ -1239,6 +1239,20 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'help': 'The exponential decay rate for the second moment estimates (variance) in Adam-based optimizers. (default: '
           '0.999)',
   'type': 'finite_float'},
+ {'options': ['--seed'],
+  'dest': 'seed',
+  'action': 'store',
+  'group': 'transformers TrainingArguments',
+  'help': 'Random seed of the run: the held-out test rows (of data without a test split), the node shards and batches '
+          "(these unless --data_seed), model initialisation, dropout and the gossip's randomness (default: 0)",
+  'type': 'integer'},
+ {'options': ['--data_seed', '--data-seed'],
+  'dest': 'data_seed',
+  'action': 'store',
+  'group': 'transformers TrainingArguments',
+  'help': 'When set, the seed of the data instead of --seed: the held-out test rows, the node shards and batches; runs '
+          'of several --seed then share their test rows (default: --seed)',
+  'type': 'integer'},
  {'options': ['--remove_unused_columns', '--remove-unused-columns'],
   'dest': 'remove_unused_columns',
   'action': 'store',
@@ -1315,7 +1329,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'help': 'Groups of groupnorm/evonorm/range_evonorm (default: 2)',
   'type': 'integer'}]
 
-_TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)',
+_TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every TrainingArguments flag is parsed, those under '
+                  "'refused' only at their default)",
          'groups': ['decentralized setting (SPEC 1-3, 6)', 'model, data and run', 'transformers TrainingArguments',
                     'refused (transformers TrainingArguments these runs do not take: a value other than the default is '
                     'an error giving the reason shown)'],
@@ -1344,17 +1359,18 @@ _TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every Trai
                                                    '(--data-dir) (SPEC 8 defaults).',
                           ('text', 'dpsgd'): 'Decentralized dpsgd fine-tuning on your own text,label data (--data-dir) '
                                              '(SPEC 8 defaults).'}},
- 'vision': {'usage': '%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)',
+ 'vision': {'usage': '%(prog)s [options]   (--help lists them; every TrainingArguments flag is parsed, those under '
+                     "'refused' only at their default)",
             'groups': ['decentralized setting (SPEC 1-3, 6)', 'model, data and run', 'transformers TrainingArguments',
                        'refused (transformers TrainingArguments these runs do not take: a value other than the default '
                        'is an error giving the reason shown)'],
             'flags': [154, 1, 2, 3, 155, 156, 6, 7, 157, 9, 10, 11, 158, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,
                       25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
                       49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72,
-                      73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96,
-                      97, 98, 159, 160, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116,
-                      117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 161, 135,
-                      136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 162, 163, 164, 165, 166, 167, 168],
+                      73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 159, 160, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96,
+                      97, 98, 161, 162, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116,
+                      117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 163, 135,
+                      136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 164, 165, 166, 167, 168, 169, 170],
             'descriptions': {(None, 'choco'): 'Decentralized choco training of a CNN (SPEC 8 optimizer; defaults sized '
                                               'for a CPU run on digits).',
                              (None, 'deepsqueeze'): 'Decentralized deepsqueeze training of a CNN (SPEC 8 optimizer; '

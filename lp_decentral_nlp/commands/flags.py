@@ -47,7 +47,8 @@ ALIASES = {
 }
 
 #: the recipes' usage line
-RECIPE_USAGE = "%(prog)s [options]   (--help lists them; every TrainingArguments flag is accepted)"
+RECIPE_USAGE = ("%(prog)s [options]   (--help lists them; every TrainingArguments flag is parsed, those under "
+                "'refused' only at their default)")
 
 
 class Range(NamedTuple):

@@ -215,7 +215,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
                           fixed=fixed, refused=RECIPE_REFUSALS, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
-    set_run_help(parser, "<task>_<algorithm>_skew<skew>_comp<compression>")
+    set_run_help(parser, "<task>_<algorithm>_skew<skew>_comp<compression>", row_subsets=True)
     return parser
 
 

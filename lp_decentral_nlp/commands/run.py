@@ -90,21 +90,21 @@ RESUME_HELP = ("Continue an interrupted run from a checkpoint-<step> folder, fro
                "checkpoint), or with true from the newest checkpoint of --output_dir (Trainer's "
                "resume_from_checkpoint=True); the run's other flags must be those it was started with")
 #: the recipes' ``--seed`` and ``--data_seed`` helps (transformers' say "beginning of training" and "data samplers")
-SEED_HELPS = {"seed": "Random seed of the run: the held-out test rows (of data without a test split), row subsets, "
-                      "the node shards and batches (these four unless --data_seed), model initialisation, dropout and "
-                      "the gossip's randomness",
-              "data_seed": "When set, the seed of the data instead of --seed: the held-out test rows, row subsets, the "
-                           "node shards and batches; runs of several --seed then share their test rows (default: "
-                           "--seed)"}
+SEED_HELPS = {"seed": "Random seed of the run: the held-out test rows (of data without a test split){subsets}, the "
+                      "node shards and batches (these unless --data_seed), model initialisation, dropout and the "
+                      "gossip's randomness",
+              "data_seed": "When set, the seed of the data instead of --seed: the held-out test rows{subsets}, the node "
+                           "shards and batches; runs of several --seed then share their test rows (default: --seed)"}
 
 
-def set_run_help(parser, run_name: str) -> None:
+def set_run_help(parser, run_name: str, row_subsets: bool) -> None:
     """The helps of the flags every recipe reads its own way: ``--output_dir`` (its default names
-    the run by ``run_name``, a pattern), ``--resume_from_checkpoint``, ``--seed``, ``--data_seed``."""
+    the run by ``run_name``, a pattern), ``--resume_from_checkpoint``, ``--seed``, ``--data_seed``
+    (``row_subsets``: whether the recipe has ``--max-*-samples``, which the seeds draw too)."""
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name=run_name))
     parser.set_help("resume_from_checkpoint", RESUME_HELP)
     for name, text in SEED_HELPS.items():
-        parser.set_help(name, text)
+        parser.set_help(name, text.format(subsets=", the --max-*-samples subsets" if row_subsets else ""))
 
 
 def derive_run_values(values: dict, run_name: str) -> None:

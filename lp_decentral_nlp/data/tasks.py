@@ -309,7 +309,9 @@ def _load_classification(task: str, data_dir, eval_fraction: float | None, seed:
     if task == "text":
         ds = _encode_labels(ds, ", ".join(str(f) for parts in files.values() for f in parts))
     split = "data" if "data" in ds else "train"
-    return _with_test_split(ds, eval_fraction, seed, ", ".join(str(f) for f in files[split]))
+    held = "test" in ds or "validation" in ds  # then the message is of the folder holding them
+    return _with_test_split(ds, eval_fraction, seed, f"data_dir {str(path)!r}" if held else
+                            ", ".join(str(f) for f in files[split]))
 
 
 def _read_csv(file: Path, task: str) -> Dataset:
@@ -369,12 +371,13 @@ def _read_csv(file: Path, task: str) -> Dataset:
             if not value:
                 raise ValueError(f"{file}:{lineno}: the label is empty; every row needs one")
             label.append(value)
-        elif _INTEGER.fullmatch(value) is None:
+        elif _INTEGRAL.fullmatch(value) is None:  # "2.0" is 2, as in the text task
             raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; labels must be {allowed}")
-        elif not first <= int(value) < first + len(AG_NEWS_LABELS):
-            raise ValueError(f"{file}:{lineno}: label {int(value)} is not a class; labels must be {allowed}")
+        elif not first <= int(_integer_name(value)) < first + len(AG_NEWS_LABELS):
+            raise ValueError(f"{file}:{lineno}: label {int(_integer_name(value))} is not a class; labels must be "
+                             f"{allowed}")
         else:
-            label.append(int(value) - first)
+            label.append(int(_integer_name(value)) - first)
         parts = [fields[where[c]] for c in (("text",) if "text" in where else ("title", "description"))]
         if not any(part.strip() for part in parts):
             raise ValueError(f"{file}:{lineno}: no text ({' and '.join(c for c in where if c != 'label')} empty); "

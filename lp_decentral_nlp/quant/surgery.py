@@ -487,6 +487,9 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
              or (os.sep != "/" and os.sep in text))
     if local and not os.path.exists(os.path.expanduser(text)):
         raise FileNotFoundError(f"{text}: no such folder (a hub id is 'name' or 'namespace/name')")
+    if os.path.isfile(os.path.join(path, "model", "config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json but its model/ folder has: a recipe's run folder? load "
+                         f"{os.path.join(path, 'model')}")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} has no config.json: it is not a transformers model's save_pretrained folder "
                          "(a vision recipe's model folder loads with lp_decentral_nlp.vision.ImageClassifier."

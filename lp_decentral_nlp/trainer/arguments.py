@@ -25,8 +25,9 @@ from .field_policy import refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
 #: the evaluation metrics of this trainer that are better lower, though their names do not end in
-#: "loss" (Trainer's rule for an unset greater_is_better)
-LOWER_IS_BETTER = re.compile(r"(eval_)?(consensus_distance|loss_node_\d+|bytes_sent_node_\d+)")
+#: "loss" (Trainer's rule for an unset greater_is_better): with or without ``eval_`` and the name of
+#: an eval_dataset dict's set (``val_consensus_distance``)
+LOWER_IS_BETTER = re.compile(r"(eval_)?(\w+_)?(consensus_distance|loss_node_\d+|bytes_sent_node_\d+)")
 _DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply

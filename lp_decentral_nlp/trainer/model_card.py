@@ -125,7 +125,9 @@ def model_description(trainer) -> str:
     text = (f"The averaged model of {args.num_nodes} nodes trained by decentralized {args.algorithm} with "
             "lp_decentral_nlp (hyperparameters below)")
     transformers_model = hasattr(getattr(trainer.model, "config", None), "to_json_string")
-    own_loader = (f" `{type(trainer.model).__name__}.from_pretrained(path)` loads it."
+    cls = type(trainer.model)  # the public path of the library's classes (lp_decentral_nlp.vision.ImageClassifier)
+    where = ".".join(cls.__module__.split(".")[:2]) if cls.__module__.startswith("lp_decentral_nlp.") else cls.__module__
+    own_loader = (f" `{where}.{cls.__name__}.from_pretrained(path)` loads it."
                   if not transformers_model and callable(getattr(trainer.model, "from_pretrained", None)) else "")
     if not any(isinstance(m, QuantModule) for m in trainer.model.modules()):
         return text + ", in float32." + (" `from_pretrained` loads it as any transformers model."

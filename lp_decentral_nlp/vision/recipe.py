@@ -172,7 +172,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                           fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
                           derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, _check_network, _check_columns), **kwargs)
-    set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>")
+    set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>", row_subsets=False)
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
     parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
                     f"flag alone: a constant LR (default: at {fractions} of the run, of --epochs or of --max_steps "
