@@ -197,7 +197,8 @@ def recipe_argv(args: argparse.Namespace, cell: dict) -> list[str]:
             "--output-dir", str(args.output_dir / cell_folder(cell)), "--overwrite_output_dir",
             "--threads", str(threads), "--seed", str(cell["seed"]),
             "--skew", f"{cell['skew']:g}", "--comp", f"{cell['comp']:g}"]
-    argv += [token for key, value in SETTINGS.items() for token in (f"--{key.replace('_', '-')}", str(value))]
+    argv += [token for key, value in SETTINGS.items() if not (key == "epochs" and args.max_steps is not None)
+             for token in (f"--{key.replace('_', '-')}", str(value))]  # --max-steps sets the length instead
     if not cell["low_precision"]:
         argv.append("--full-precision")
     if args.max_steps is not None:

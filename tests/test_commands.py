@@ -194,6 +194,9 @@ def test_results_config_records_a_whole_number_of_steps_as_typed():
     # argparse took a value starting with a minus for an unknown flag ("expected at least one argument")
     (["--leave", "-1:0:2"], "argument --leave: absences: expected NODE:START:END with NODE >= 0"),
     (["--straggler", "1:1", "-2:1"], "argument --straggler: stragglers: expected NODE:SECONDS with NODE >= 0"),
+    # transformers' max_steps overrides the epochs given with it, said only at --log_level info
+    (["--epochs", "1", "--max_steps", "6"], "argument --epochs: the run's length is --max_steps 6 steps, which "
+                                            "overrides the epochs: drop one of them"),
 ])
 def test_numbers_that_mean_nothing_are_refused_naming_the_flag(argv, expected, capsys):
     assert expected in flag_error(argv, capsys)

@@ -229,6 +229,10 @@ def check_strategy_settings(parser, training) -> None:
             parser.error(f"argument {flag}: {name} is a setting of evaluation during training, and this run evaluates "
                          f"only at its end: give {parser.flag_of('eval_steps')} or {parser.flag_of('eval_strategy')}, "
                          "or drop it")
+    epochs = parser.flag_given("num_train_epochs")
+    if epochs is not None and training.max_steps > 0:  # transformers: max_steps overrides num_train_epochs
+        parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {training.max_steps} "
+                     "steps, which overrides the epochs: drop one of them")
 
 
 def check_schedule(parser, training, steps: int = 1000) -> None:
