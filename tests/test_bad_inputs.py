@@ -935,3 +935,26 @@ def test_an_absence_after_the_run_is_a_flag_error(tmp_path, tiny_model_dir, ag_n
         "argument --leave: node 1 away for iterations 100 to 199, and the run has 4 steps (iterations 0 to 3): it "
         "would change nothing; drop it or move it into the run")
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_after_training_records_the_run_as_interrupted(tmp_path, tiny_model_dir, ag_news_csv, monkeypatch,
+                                                              capsys):
+    """Ctrl-C in the final evaluation left results.json "running" and said "the run did not finish: run
+    it again", though training had ended (and a checkpoint at its last step resumes straight to it)."""
+    from lp_decentral_nlp.commands import run
+
+    def interrupted(trainer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "final_evaluation", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16",
+                                  "--max-train-samples", "64", "--nodes", "2", "--batch-size", "4", "--max-steps", "2",
+                                  "--save-steps", "2", "--output-dir", str(tmp_path / "run")])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[1] == (
+        "interrupted after training ended at step 2, before its final evaluation and model were "
+        f"written: resume from its last checkpoint with --resume-from-checkpoint {tmp_path / 'run' / 'checkpoint-2'}")
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (results["status"], results["step"]) == ("interrupted", 2)
+    assert results["next"].endswith(str(tmp_path / "run" / "checkpoint-2"))

@@ -928,6 +928,18 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         write_json(out, "results.json", running)
         began = True
 
+    def stop_interrupted(when: str) -> NoReturn:
+        """After Ctrl-C: ``results.json`` "interrupted", one line saying ``when`` and how to go on, exit 130."""
+        found = list_checkpoints(out)
+        how = on_interrupt or (
+            f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
+            if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them): run it again "
+                          f"with {parsed.flags['overwrite_output_dir']}")
+        record_stop("interrupted", how)
+        if trainer.state.is_world_process_zero:
+            print(f"{prog}: {when}: {how}", file=sys.stderr)
+        raise SystemExit(130) from None
+
     trainer.add_callback(OnTrainBeginCallback(begin))
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
@@ -939,15 +951,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         print(f"{prog}: error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback
-        found = list_checkpoints(out)
-        how = on_interrupt or (
-            f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
-            if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them): run it again "
-                          f"with {parsed.flags['overwrite_output_dir']}")
-        record_stop("interrupted", how)
-        if trainer.state.is_world_process_zero:
-            print(f"{prog}: interrupted at step {trainer.state.global_step}: {how}", file=sys.stderr)
-        raise SystemExit(130) from None
+        stop_interrupted(f"interrupted at step {trainer.state.global_step}")
     except Exception as err:  # a bug or a foreign failure: results.json says so, the traceback follows
         record_stop("failed", f"{type(err).__name__}: {' '.join(str(err).split())[:500]}")
         raise
@@ -962,10 +966,14 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     kernels = dict(collections.Counter(layer_kernels.values()))
     if trainer.state.is_world_process_zero:
         write_json(out, "kernels.json", layer_kernels)
-    metrics = final_evaluation(trainer)
-    trainer.save_model(os.path.join(out, "model"))
-    if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
-        write_model_card(trainer, os.path.join(out, "model"), **card)
+    try:
+        metrics = final_evaluation(trainer)
+        trainer.save_model(os.path.join(out, "model"))
+        if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
+            write_model_card(trainer, os.path.join(out, "model"), **card)
+    except KeyboardInterrupt:  # training ended; its final evaluation or model was not written
+        stop_interrupted(f"interrupted after training ended at step {trainer.state.global_step}, before its final "
+                         "evaluation and model were written")
     n = training.num_nodes
     results = {
         "status": "done",
