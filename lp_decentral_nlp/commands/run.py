@@ -921,9 +921,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         nonlocal began
         if parsed.values.get("overwrite_output_dir") and not continues_run_in(out, training.resume_from_checkpoint):
             removed = remove_run_outputs(out)
-            if removed:
-                print(f"{prog}: --overwrite_output_dir: removed the previous run's {', '.join(removed)} from {out}",
-                      file=sys.stderr)
+            if removed:  # a notice: quiet under --log_level error, as the others
+                print_notice(f"notice: {parsed.flags['overwrite_output_dir']} removed the previous run's "
+                             f"{', '.join(removed)} from {out}")
         write_json(out, "cost_report.json", report)
         write_json(out, "results.json", running)
         began = True
