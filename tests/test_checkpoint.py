@@ -276,6 +276,8 @@ def test_cli_save_steps_and_resume_from_checkpoint(tmp_path, minilm_path, ag_new
         assert straight[key] == resumed[key], key
     assert straight["bytes_sent_per_node"][3] < straight["bytes_sent_per_node"][0]  # node 3 was away for 2 steps
     assert straight["absent_steps_per_node"] == [0, 0, 0, 2] and straight["lost_messages_per_node"][2] >= 2
+    # which checkpoint the resumed run continued from (it recorded only the flag as typed)
+    assert resumed["resumed_from"] == {"checkpoint": str(first), "step": 2} and "resumed_from" not in straight
     assert straight["config"]["absences"] == ["3:1:3"] and straight["config"]["skip_nonfinite"]
     a, b = csv_rows(tmp_path / "a" / "metrics.csv"), csv_rows(tmp_path / "b" / "metrics.csv")
     assert len(a) > 2 and a == b and list(a[0]) == list(b[0])  # the same columns in the same order

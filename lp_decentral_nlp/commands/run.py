@@ -8,8 +8,9 @@ A run writes, under ``--output_dir`` (rank 0 only):
   ``absent_steps_per_node``, ``nonfinite_skips_per_node``, ``overflow_skips_per_node``: see
   ``DecentralizedTrainer.fault_counts``), with ``--load_best_model_at_end`` the ``"best_model"``
   the evaluation figures are of (its step, checkpoint and metric; ``"steps"`` and the bytes are
-  the run's last step's), the settings that differ from the defaults, the model used, versions, wall
-  time (of this invocation: a resumed run's counts from its resume), the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
+  the run's last step's), ``"resumed_from"`` (the checkpoint and step a resumed run continued from),
+  the settings that differ from the defaults, the model used, versions, wall time (of this
+  invocation: a resumed run's counts from its resume), the SPEC 7 cost summary of one node, and ``"kernels"``, ``{kernel name: number of
   8-bit layers that trained with it}`` (empty for a full-precision run) (first with ``"status":
   "running"``, without results and kernels, then ``"done"``; a run that stops in training says
   ``"failed"``, ``"interrupted"`` or ``"stopped"`` (SIGTERM) with the ``"step"`` and ``"next"``:
@@ -985,6 +986,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         # lost_messages_per_node, absent_steps_per_node, nonfinite_skips_per_node, ... of the settings in use
         **{f"{name}_per_node": counts for name, counts in trainer.fault_counts().items()},
         "steps": trainer.state.global_step,
+        **({"resumed_from": {"checkpoint": trainer.resumed_from[0], "step": trainer.resumed_from[1]}}
+           if trainer.resumed_from else {}),
         **({"best_model": {"step": trainer.state.best_global_step, "checkpoint": trainer.state.best_model_checkpoint,
                            training.metric_for_best_model: trainer.state.best_metric}}
            if training.load_best_model_at_end and trainer.state.best_model_checkpoint else {}),

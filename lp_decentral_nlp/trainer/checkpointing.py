@@ -667,6 +667,7 @@ class CheckpointMixin:
         # a checkpoint written before the count was kept counted every logged step
         self._loss_steps = manifest["logging"].get("loss_steps", self._last_logged)
         self._data_position = (data["epoch"], data["batches_done"])
+        self.resumed_from = (str(path), step)
         logger.info(f"resumed from {path} at step {step} (epoch {data['epoch']}, batch {data['batches_done']})")
         return self._data_position
 

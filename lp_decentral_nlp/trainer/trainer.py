@@ -205,8 +205,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
     ``lost_messages`` and ``absent_steps`` (int64, under the fault plan: :meth:`fault_counts`), and
     after ``train()`` starts, ``node_optimizers``, ``node_schedulers`` and ``node_scalers``
     (``torch.amp.GradScaler`` per node with float16 mixed precision, else None).
-    ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend. ``stopped_by_sigterm``:
-    whether the last ``train()`` ended early on SIGTERM (``enable_jit_checkpoint``), after writing
+    ``node_group`` (:class:`~.node_group.NodeGroup`) holds the backend. ``resumed_from``: the
+    checkpoint folder and step the last ``train()`` resumed from (``(path, step)``), else None.
+    ``stopped_by_sigterm``: whether the last ``train()`` ended early on SIGTERM (``enable_jit_checkpoint``), after writing
     a checkpoint at its last step. ``log_sigterm_stop`` (class attribute, True): whether that stop
     is logged as a warning naming the checkpoint to resume from (the recipes set it False on their
     trainer and print a line naming their flag instead).
@@ -317,6 +318,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._flos_per_token = None  # Trainer's flos of one token of the main input (floating_point_ops)
         plan = args.fault_plan
         self.fault_plan = plan if plan.active else None
+        self.resumed_from = None  # (checkpoint folder, step) once train() resumes
         self._rng = NodeRNG(args.seed, self.node_ids)
         self._mark_main_process()
 
@@ -388,6 +390,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._last_logged, self._total_loss, self._loss_steps = 0, 0.0, 0
         self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
+        self.resumed_from = None
         if resume_from_checkpoint:
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch, max_steps)
         self._data_position = (epoch, done)
