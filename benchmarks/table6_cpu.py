@@ -1,7 +1,8 @@
 """Table 6 (the paper's NLP table) at CPU scale: SPEC section 8's NLP grid on the packaged MiniLM.
 
     python benchmarks/table6_cpu.py --jobs 2            # the whole grid: 48 runs, hours on a CPU
-    python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' --max-steps 5 --limit-rows 256
+    LP_BENCHMARK_RESULTS_DIR=/tmp/trial python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' \
+        --max-steps 5 --limit-rows 256
 
 Every cell is one run of the NLP recipe (``lp_decentral_nlp.commands.run_nlp``): the packaged
 all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds out a stratified
@@ -32,7 +33,8 @@ adds them to the table instead of replacing it.
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
 ``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead
 (its runs, table and plot under ``runs/table6_cpu_shrunk`` by default, apart from the real grid's
-and from ``docs/``).
+and from ``docs/``), a trial run whose record goes to ``LP_BENCHMARK_RESULTS_DIR`` (refused
+without it: the published records are Table 6's).
 """
 from __future__ import annotations
 
@@ -172,6 +174,10 @@ def parse(argv=None) -> argparse.Namespace:
     args.fingerprints = {"data_fingerprint": fingerprint(args.data_dir),
                          "model_fingerprint": fingerprint(args.model) if local_model else None}
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
+    if args.name == "table6_cpu_shrunk" and not record.trial_run():  # the published folder holds Table 6 only
+        parser.error(f"argument {'--max-steps' if args.max_steps is not None else '--limit-rows'}: a shrunk run is "
+                     f"not Table 6, and its record would join the published ones in {record.PUBLISHED_DIR}: set "
+                     f"{record.RESULTS_DIR_VARIABLE} to a folder for this trial run")
     if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
         args.output_dir = REPO / "runs" / args.name
     problem = output_dir_problem(str(args.output_dir), overwrite=True)  # said as this program's, not a cell's recipe
@@ -460,6 +466,15 @@ def check_goals(rows: list[dict]) -> list[dict]:
     return goals
 
 
+def model_named(model) -> str:
+    """How the page names the model the cells fine-tuned: the packaged all-MiniLM-L6-v2, else as given."""
+    try:
+        packaged = pathlib.Path(model).resolve() == pathlib.Path(packaged_model_path()).resolve()
+    except ImportError:
+        packaged = False
+    return "Packaged all-MiniLM-L6-v2" if packaged else f"`{model}`"
+
+
 def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: pathlib.Path) -> str:
     """The Markdown page: settings, one table per task (rows skew/compression, columns as the
     paper's; mean over seeds with their range where a cell has several), the goals checked, the
@@ -467,7 +482,7 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
     rows = summarise(cells)
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in SETTINGS.items())
     lines = [f"# Table 6 at CPU scale ({args.name})", "",
-             f"Packaged all-MiniLM-L6-v2 on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
+             f"{model_named(args.model)} on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
              "Adam betas (0.9, 0.9); the trainer's default consensus step (docs/consensus_step.md). "
              "Accuracy (%) of the averaged model on the test split. "
              + ("" if args.name == "table6_cpu" else

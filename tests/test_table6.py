@@ -120,6 +120,7 @@ def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
 
     table = (tmp_path / "docs" / "table6_cpu_shrunk.md").read_text()
     assert "**Shrunk run, not Table 6:** max steps 1, limit rows 64" in table
+    assert table.split("\n")[2].startswith(f"`{tiny_model_dir}` on `ag_news_6000.csv`")  # it said the packaged MiniLM
     low, high = sorted(100 * c["accuracy"] for c in cells[:2])
     assert f"| 0 | 99% | {100 * mean:.2f} ({low:.2f}-{high:.2f}, 2 seeds) |" in table.split("## sentlen")[0]
     assert f"| 0 | 0% | {100 * cells[2]['accuracy']:.2f} |" in table.split("## sentlen")[1]
@@ -251,8 +252,11 @@ def test_missing_data_file(table6, tmp_path, capsys):
     assert "argument --data-dir:" in capsys.readouterr().err
 
 
-def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_csv):
+def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_csv, tmp_path, monkeypatch):
+    import record
+
     real = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m"])
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")  # a shrunk run is a trial run
     shrunk = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--max-steps", "5"])
     assert (real.output_dir.name, shrunk.output_dir.name) == ("table6_cpu", "table6_cpu_shrunk")
     assert real.output_dir.parent == shrunk.output_dir.parent
@@ -290,3 +294,17 @@ def test_a_trial_run_writes_its_table_and_plot_beside_its_record(table6, ag_news
     assert table6.parse(argv).docs_dir == table6.REPO / "docs"
     monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")
     assert table6.parse(argv).docs_dir == tmp_path / "trial"
+
+
+def test_a_shrunk_run_is_refused_without_a_trial_folder(table6, ag_news_csv, tmp_path, monkeypatch, capsys):
+    """The docstring's own quick check (--max-steps 5 --limit-rows 256) wrote table6_cpu_shrunk.json
+    among the published records, which render.py then put into docs/benchmarks.md."""
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", record.PUBLISHED_DIR)
+    with pytest.raises(SystemExit) as exc:
+        table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path / "runs"),
+                      "--max-steps", "5"])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        f"argument --max-steps: a shrunk run is not Table 6, and its record would join the published ones in "
+        f"{record.PUBLISHED_DIR}: set LP_BENCHMARK_RESULTS_DIR to a folder for this trial run")
