@@ -569,3 +569,12 @@ def test_results_of_a_run_that_loads_its_best_model_name_that_model(tiny_model_d
     assert results["best_model"] == {"step": int(best["step"]), "checkpoint": str(tmp_path / "run" / f"checkpoint-{best['step']}"),
                                      "loss": pytest.approx(float(best["eval_loss"]))}
     assert results["loss"] == pytest.approx(float(best["eval_loss"])) and results["steps"] == 3
+
+
+def test_sentlen_says_when_max_length_cuts_the_length_its_labels_are(tiny_model_dir, ag_news_csv, tmp_path, capsys):
+    """A Sentlen row truncated by --max-length loses its class (its length), silently."""
+    main("sentlen", "choco", tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run", "--max-length", 8,
+                                        "--max-steps", 1, "--nodes", 2))
+    notice = next(line for line in capsys.readouterr().err.splitlines() if "sentlen rows" in line)
+    assert re.fullmatch(r"notice: --max-length 8 truncates \d+ of the \d+ sentlen rows, whose length is their label: "
+                        r"raise it to keep their classes learnable", notice)

@@ -142,15 +142,22 @@ def load_task_data(recipe, tokenizer, seed: int, prog: str):
     """``load_task`` of the recipe's task, ``--data-dir``, ``--max-length`` and ``--max-*-samples``
     (``recipe``: an object with those fields), its errors told as flag errors (:func:`load_data`),
     with a notice on rank 0 of the splits not used (beside ``train`` and ``test``: a validation
-    split, SentEval's "va" rows) and of the classes only the test split holds (no node can learn
-    them: their rows count as errors)."""
+    split, SentEval's "va" rows), of the classes only the test split holds (no node can learn
+    them: their rows count as errors), and of Sentlen rows ``--max-length`` truncates."""
     from ..data import load_task
 
+    what = "ag_news (which sentlen is built from)" if recipe.task == "sentlen" else recipe.task
     data = load_data(lambda: load_task(recipe.task, data_dir=recipe.data_dir, tokenizer=tokenizer,
                                        max_length=recipe.max_length, max_train_samples=recipe.max_train_samples,
                                        max_eval_samples=recipe.max_eval_samples, seed=seed),
-                     recipe.task, recipe.data_dir, prog)
+                     what, recipe.data_dir, prog)
     source = recipe.data_dir or recipe.task
+    if recipe.task == "sentlen":  # its label is the sentence's length, which truncation cuts
+        rows = [ids for split in ("train", "test") for ids in data[split]["input_ids"]]
+        cut = sum(len(ids) >= recipe.max_length for ids in rows)
+        if cut:
+            print_notice(f"notice: --max-length {recipe.max_length} truncates {cut} of the {len(rows)} sentlen rows, "
+                         "whose length is their label: raise it to keep their classes learnable")
     unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
     if unused:
         print_notice(f"notice: {source}: the {', '.join(unused)} split is not used: the recipes train on 'train' and "
