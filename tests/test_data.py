@@ -297,6 +297,8 @@ def test_senteval_file_is_parsed(tmp_path):
     ds = load_task("sentlen", data_dir=tmp_path)
     assert set(ds) == {"train", "validation", "test"}
     assert len(ds["train"]) == 12 and ds["train"].features["label"].names[0] == "5-8"
+    (tmp_path / "probe.TSV").write_text("".join(lines))  # it was "not a .csv file (tab-separated: save it with commas)"
+    assert len(load_task("sentlen", data_dir=tmp_path / "probe.TSV")["train"]) == 12
     (tmp_path / "bad.txt").write_text("tr\tseven\tx\n")
     with pytest.raises(ValueError, match="bad.txt:1"):
         load_task("sentlen", data_dir=tmp_path / "bad.txt")

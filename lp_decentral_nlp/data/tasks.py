@@ -521,7 +521,9 @@ def _as_class_label(ds: Dataset, names) -> Dataset:
 
 
 def _senteval_file(path: Path) -> Path | None:
-    if path.is_file() and path.suffix == ".txt":
+    """SentEval's tab-separated probing file: ``path`` itself (a .txt or .tsv file, any case), or the
+    ``sentence_length.txt`` in the folder ``path``; else None."""
+    if path.is_file() and path.suffix.lower() in (".txt", ".tsv"):
         return path
     candidate = path / SENTEVAL_FILE
     return candidate if candidate.is_file() else None
