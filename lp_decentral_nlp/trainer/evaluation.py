@@ -70,11 +70,12 @@ class EvaluationMixin:
         or to a neighbour away under ``absences``), ``absent_steps`` (steps a node was away),
         ``nonfinite_skips`` (``skip_nonfinite``) and ``overflow_skips`` (float16 steps the loss
         scaler skipped)."""
-        plan, args = self.args.fault_plan, self.args
-        counters = {"lost_messages": (self.lost_messages, plan.drop_prob > 0 or bool(plan.absences)),
-                    "absent_steps": (self.absent_steps, bool(plan.absences)),
-                    "nonfinite_skips": (self.nonfinite_skips, args.skip_nonfinite),
-                    "overflow_skips": (self.overflow_skips, args.mixed_precision == "fp16")}
+        plan = self.fault_plan  # None without faults
+        drops, absences = (plan.drop_prob > 0, bool(plan.absences)) if plan is not None else (False, False)
+        counters = {"lost_messages": (self.lost_messages, drops or absences),
+                    "absent_steps": (self.absent_steps, absences),
+                    "nonfinite_skips": (self.nonfinite_skips, self.args.skip_nonfinite),
+                    "overflow_skips": (self.overflow_skips, self.args.mixed_precision == "fp16")}
         return {name: [int(v) for v in self.node_group.gather(values)]
                 for name, (values, used) in counters.items() if used}
 

@@ -92,8 +92,9 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
     name); a model loaded from a local folder (which ``from_trainer`` also takes for training from
     scratch) is a fine-tuned version of the base model its folder's card names, if one."""
     folder = local_checkpoint(trainer.model)
-    if card_fields.get("finetuned_from") is None and folder is not None and base_model_of(folder) is not None:
-        card_fields = {**card_fields, "finetuned_from": base_model_of(folder)}
+    base = base_model_of(folder) if card_fields.get("finetuned_from") is None and folder is not None else None
+    if base is not None:
+        card_fields = {**card_fields, "finetuned_from": base}
     from_scratch = getattr(trainer.model, "config", None) is None and card_fields.get("finetuned_from") is None
     if from_scratch:
         card_fields = {**card_fields, "finetuned_from": ""}  # not None: from_trainer skips the config

@@ -487,10 +487,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         args = self.args
         return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.steps_per_epoch())
 
-    def check_absences(self) -> None:
+    def check_absences(self, warn: bool = True) -> None:
         """ValueError for an absence (``absences``) that starts after the run's last iteration (it
-        would change nothing); a warning when every node is away at once (those iterations train
-        and gossip nothing while the LR schedules advance), given once. ``train()`` checks it first."""
+        would change nothing); with `warn`, a warning when every node is away at once (those
+        iterations train and gossip nothing while the LR schedules advance). ``train()`` checks it
+        first (a caller that checked earlier refuses without warning: ``warn=False``)."""
         plan = self.fault_plan
         if plan is None:
             return
@@ -502,8 +503,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              "or move it into the run")
         away_0 = (t for node, start, end in plan.absences if node == 0 for t in range(start, min(end, max_steps)))
         everyone = sorted(t for t in away_0 if len(plan.absent(t)) == self.args.num_nodes)
-        if everyone and getattr(self, "_told_everyone_away", None) != max_steps:  # once per run length
-            self._told_everyone_away = max_steps
+        if everyone and warn:
             logger.warning(f"absences: every node is away at {len(everyone)} of the {max_steps} iterations (from "
                            f"iteration {everyone[0]} to {everyone[-1]}): they train and gossip nothing, while the LR "
                            "schedules advance")
@@ -514,6 +514,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if not logger.isEnabledFor(logging.INFO):
             return
         args, state, shards = self.args, self.state, [len(shard) for shard in self._shards()]
+        faults = fault_settings(args)
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
         logger.info("\n".join([
             "***** Running decentralized training *****",
@@ -525,8 +526,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             f"{args.gradient_accumulation_steps} accumulated); over all nodes = {batch * args.num_nodes:,}",
             f"  Total optimization steps = {state.max_steps:,} (from step {state.global_step:,})",
             f"  Precision = {'8-bit (SPEC 4)' if args.low_precision else 'float32'}",
-            *([f"  Faults = {'; '.join(f'{k} {v}' for k, v in fault_settings(args).items())}"]
-              if fault_settings(args) else [])]))
+            *([f"  Faults = {'; '.join(f'{k} {v}' for k, v in faults.items())}"] if faults else [])]))
 
     def get_train_dataloader(self):
         """Refused: there is no one training loader; each node has its own over its shard (`node_dataloaders`)."""
