@@ -569,7 +569,7 @@ def sentence_length_class(sentence: str) -> int | None:
     return None
 
 
-def build_sentlen(source: DatasetDict, eval_fraction: float = 0.2, seed: int = 0,
+def build_sentlen(source: DatasetDict, eval_fraction: float = _DEFAULT_EVAL_FRACTION, seed: int = 0,
                   origin: str = "the source") -> DatasetDict:
     """Build the Sentlen task from the sentences of another text dataset.
 
