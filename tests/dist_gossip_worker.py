@@ -102,6 +102,18 @@ def failures(out_dir: str) -> None:
         gossip.step([initial_params(rank)])
     except ValueError as exc:
         report["preflight"] = str(exc)
+    # Rank 2 with another gamma, parameter dtype, or shapes of the same sizes: the setting is named.
+    ring = make_topology("ring", 3)
+    mismatches = {"gamma": (ChocoSGD, {"gamma": 0.3 if rank < 2 else 0.4}, torch.float32, False),
+                  "dtype": (SGP, {}, torch.float32 if rank < 2 else torch.bfloat16, False),
+                  "shapes": (SGP, {}, torch.float32, rank == 2)}
+    for case, (algorithm, kwargs, dtype, transposed) in mismatches.items():
+        params = [p.to(dtype).t().contiguous() if transposed and p.dim() == 2 else p.to(dtype)
+                  for p in initial_params(rank)]
+        try:
+            algorithm(ring, transport=TorchDistributedTransport(timeout=30), **kwargs).step([params])
+        except ValueError as exc:
+            report[f"preflight_{case}"] = str(exc)
 
     # A silent peer: one good step together on the directed ring 0 -> 1 -> 2 -> 0, then only
     # rank 0 calls step() again and waits for rank 2.

@@ -389,8 +389,13 @@ def test_bad_inputs_are_rejected_with_clear_errors():
         with pytest.raises(TypeError, match=r"^nodes must be a list of parameter lists \(one per node\), got Tensor$"):
             summary(torch.zeros(2, 3))
     gossip = SGP(ring)
-    with pytest.raises(ValueError, match="list of 3 parameter lists"):
+    with pytest.raises(ValueError, match=r"list of 3 parameter lists \(one per simulated node\), got list of length 2$"):
         gossip.step(make_nodes(2))
+    with pytest.MonkeyPatch.context() as env:  # one rank of a launcher's 3 that forgot the transport
+        env.setenv("WORLD_SIZE", "3")
+        with pytest.raises(ValueError, match=r"got list of length 1; under a launcher, one node per process: build "
+                                             r"the gossip with transport=TorchDistributedTransport\(\)$"):
+            gossip.step(make_nodes(1))
     bad = make_nodes(3)
     bad[1][0] = torch.randn(5)
     with pytest.raises(ValueError, match="shapes"):

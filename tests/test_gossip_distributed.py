@@ -81,6 +81,11 @@ def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp
     assert "rank 0: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[0]["preflight"]
     assert "rank 1: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[1]["preflight"]
     assert "rank 2: pre-flight check before step 0 failed: rank 0 disagrees on the topology" in r[2]["preflight"]
+    # a setting that differs is named with this rank's value (the shapes hold as many elements)
+    assert "rank 2 disagrees on the gamma (this rank's gamma: 0.3)" in r[0]["preflight_gamma"]
+    assert "rank 0 disagrees on the gamma (this rank's gamma: 0.4)" in r[2]["preflight_gamma"]
+    assert "rank 2 disagrees on the parameter dtype (this rank's parameter dtype: torch.float32)" in r[1]["preflight_dtype"]
+    assert "rank 2 disagrees on the parameter shapes" in r[0]["preflight_shapes"]
     # a peer that stops gossiping: a timeout naming it, not a hang
     assert "rank 0: gossip step 1: timed out after 5 s receiving from rank 2" in r[0]["timeout"]
     assert r[0]["timeout_peer"] == 2 and r[0]["waited_s"] < 60

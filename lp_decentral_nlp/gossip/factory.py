@@ -31,7 +31,8 @@ class GossipConfig:
     """What decides the gossip of a run (SPEC 1-3); checked on construction (ValueError naming the field).
 
     Attributes:
-        num_nodes: number of peer nodes ``n >= 1``.
+        num_nodes: number of peer nodes ``n >= 1``; with one node the gossip settings below (and
+            ``faults``' ``drop_prob``) must stay at their defaults, since nothing is sent.
         topology: one of ``TOPOLOGIES`` (``directed_ring``, ``ring``, ``torus``, ``exponential``,
             ``complete``).
         torus_rows: rows of a torus (must divide ``num_nodes``); None: the most square shape.
@@ -101,6 +102,20 @@ class GossipConfig:
                              "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
         if self.faults is not None:
             self.faults.check_nodes(self.num_nodes)
+        if self.num_nodes == 1:
+            self._refuse_gossip_settings_of_one_node()
+
+    def _refuse_gossip_settings_of_one_node(self):
+        """A single node sends nothing: a gossip setting other than its default is refused, not ignored."""
+        fields = type(self).__dataclass_fields__
+        given = [(name, getattr(self, name), fields[name].default)
+                 for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr")]
+        if self.faults is not None:
+            given.append(("drop_prob", self.faults.drop_prob, 0.0))
+        for name, value, default in given:
+            if value != default:
+                raise ValueError(f"{name}={value!r} is a setting of the gossip, and num_nodes=1 has no neighbour to "
+                                 f"send to: set num_nodes >= 2, or leave {name} at {default!r}")
 
     @property
     def gamma(self) -> float:

@@ -73,7 +73,7 @@ Its message ``C(x~_i - x^_i)`` is encoded from the two operands where the codec 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -546,6 +546,13 @@ class PushSumGossip:
     def _config(self) -> str:
         return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
 
+    def _rank_settings(self) -> dict[str, str]:
+        """What every rank must build alike, by name (the distributed pre-flight check compares
+        them and names the one that differs)."""
+        return {"algorithm": type(self).__name__, "compressor": repr(self.compressor), "gamma": repr(self.gamma),
+                "seed": repr(self.seed), "fault plan": repr(self.faults), "parameter dtype": str(self._param_dtype),
+                "parameter shapes": repr([tuple(s) for s in self._shapes])}
+
     def _mixed_sum(self, contributions, self_shift: float) -> None:
         """``self._flat = sum_j W_kj q_j - self_shift * q_k`` (the own message comes first)."""
         self._flat.zero_()
@@ -655,8 +662,11 @@ class PushSumGossip:
         m = len(self._node_ids)
         if not isinstance(nodes, (list, tuple)) or len(nodes) != m:
             where = "one per simulated node" if m > 1 else "[my_params] for this rank"
+            launched = m > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1
             raise ValueError(f"nodes must be a list of {m} parameter lists ({where}), "
-                             f"got {type(nodes).__name__} of length {len(nodes) if hasattr(nodes, '__len__') else '?'}")
+                             f"got {type(nodes).__name__} of length {len(nodes) if hasattr(nodes, '__len__') else '?'}"
+                             + ("; under a launcher, one node per process: build the gossip with "
+                                "transport=TorchDistributedTransport()" if launched else ""))
         # every node is checked, in one pass over its tensors, before anything is set up or written
         # (a refused call changes nothing); after the first step a step compares one list per node
         layouts = [_tensor_layout(k, params) for k, params in enumerate(nodes)]
@@ -730,9 +740,7 @@ class PushSumGossip:
         self._state_views = {name: [[buf[r, o:o + n].view(s) for o, n, s in self._param_slices]
                                     for r in range(buf.shape[0])] for name, buf in self._state.items()}
         self._w = self._w.to(device=dev, dtype=dt)
-        config = f"{self._config()};{dt};{self._layout.signature()};{self.faults!r}"
-        fingerprint = int.from_bytes(hashlib.sha256(config.encode()).digest()[:8], "little") >> 1
-        self.transport.prepare(self.topology, self._layout, dev, self._step, fingerprint)
+        self.transport.prepare(self.topology, self._layout, dev, self._step, self._rank_settings())
         self._ready = True
 
 

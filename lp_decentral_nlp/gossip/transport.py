@@ -3,14 +3,16 @@
 Both transports expose the same three calls used by the push-sum core in :mod:`.push_sum`:
 
 - ``node_ids(num_nodes)``: which graph nodes this process runs (all of them, or ``[rank]``);
-- ``prepare(topology, layout, device, start_step, config_fingerprint)``: once, before the first
-  step (the distributed transport's pre-flight check lives here);
+- ``prepare(topology, layout, device, start_step, settings)``: once, before the first step, with
+  what every rank must build alike (``{"gamma": "0.5", ...}``; the distributed transport's
+  pre-flight check compares them);
 - ``exchange(step, outgoing)``: hand every local node's message to its out-neighbours and return,
   for every local node, the ``(sender, message)`` pairs from its in-neighbours at ``step``,
   sorted by sender.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from datetime import timedelta
 
@@ -53,7 +55,7 @@ class SimulatedTransport:
         return list(range(num_nodes))
 
     def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
-                start_step: int, config_fingerprint: int) -> None:
+                start_step: int, settings: dict[str, str]) -> None:
         self._topology = topology
 
     def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
@@ -80,8 +82,10 @@ class TorchDistributedTransport:
     period of the graph: each rank sends its out-neighbours (rank, destination, step, number of
     nodes, message size, topology fingerprint, algorithm/compressor/shapes fingerprint) and
     checks what its in-neighbours sent, so different graphs, models, compressors or step counters
-    on different ranks raise a ``ValueError`` naming the peer instead of deadlocking or silently
-    mixing garbage.
+    on different ranks raise a ``ValueError`` naming the peer and what differs instead of
+    deadlocking or silently mixing garbage. The algorithm's settings (algorithm, compressor,
+    gamma, seed, fault plan, parameter dtype and shapes) travel as one hash each, so the error
+    names the setting and shows this rank's value.
 
     Every wait is bounded by ``timeout`` seconds; a peer that never answers raises
     :class:`GossipTimeoutError` naming it. On NCCL, waiting with a timeout blocks the host thread
@@ -96,7 +100,7 @@ class TorchDistributedTransport:
 
     _MAGIC = 0x6C70646E  # "lpdn"
     _HANDSHAKE = ("magic", "sender rank", "receiver rank", "step", "number of nodes", "message bytes",
-                  "topology fingerprint", "algorithm/compressor/parameter-shape fingerprint")
+                  "topology")
 
     def __init__(self, timeout: float = 300.0, group=None):
         self.timeout = float(check_number("timeout", timeout, NUMBER_FIELDS["gossip_timeout"]))
@@ -114,7 +118,7 @@ class TorchDistributedTransport:
         return [self._rank]
 
     def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
-                start_step: int, config_fingerprint: int) -> None:
+                start_step: int, settings: dict[str, str]) -> None:
         backend = str(dist.get_backend(self.group))
         needed = "nccl" if device.type == "cuda" else "gloo"
         if needed not in backend:
@@ -123,7 +127,7 @@ class TorchDistributedTransport:
         self._topology = topology
         self._device = device
         self._slots = [Message(layout, device) for _ in range(_most_in_neighbors(topology, self._rank))]
-        self._preflight(topology, layout.nbytes, start_step, config_fingerprint)
+        self._preflight(topology, layout.nbytes, start_step, settings)
 
     def memory_bytes(self, topology: Topology, layout: MessageLayout, node_ids: list[int]) -> int:
         """Bytes of receive buffers: one message per in-neighbour of this rank (``node_ids[0]``),
@@ -196,27 +200,36 @@ class TorchDistributedTransport:
                                       f"exited?): {exc}", j) from exc
         return works
 
-    def _preflight(self, topology: Topology, nbytes: int, start_step: int, config_fingerprint: int) -> None:
+    def _preflight(self, topology: Topology, nbytes: int, start_step: int, settings: dict[str, str]) -> None:
         me = self._rank
+        fields = self._HANDSHAKE + tuple(settings)
+        hashes = [int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "little") >> 1
+                  for value in settings.values()]
         for step in range(start_step, start_step + topology.period):
             outs = topology.out_neighbors(me, step)
             ins = topology.in_neighbors(me, step)
 
             def card(sender, receiver):
-                return [self._MAGIC, sender, receiver, step, topology.num_nodes, nbytes,
-                        topology.fingerprint(), config_fingerprint]
+                return [self._MAGIC, sender, receiver, step, topology.num_nodes, nbytes, topology.fingerprint(), *hashes]
 
             sends = [torch.tensor(card(me, j), dtype=torch.int64, device=self._device) for j in outs]
-            recvs = [torch.zeros(len(self._HANDSHAKE), dtype=torch.int64, device=self._device) for _ in ins]
+            recvs = [torch.zeros(len(fields), dtype=torch.int64, device=self._device) for _ in ins]
             self._transfer(sends, outs, recvs, ins, f"pre-flight check before step {step}")
             for j, buf in zip(ins, recvs):
                 got, expected = buf.tolist(), card(j, me)
-                for field, g, e in zip(self._HANDSHAKE, got, expected):
+                for field, g, e in zip(fields, got, expected):
                     if g != e:
+                        if field in settings:
+                            value = settings[field]
+                            shown = f"this rank's {field}: {value if len(value) <= 120 else value[:117] + '...'}"
+                        elif field == "topology":
+                            shown = f"this rank's is {topology!r}; the peer's edges or mixing weights differ"
+                        else:
+                            shown = f"it sent {g}, this rank expects {e}"
                         raise ValueError(
                             f"rank {me}: pre-flight check before step {step} failed: rank {j} disagrees on the "
-                            f"{field} (it sent {g}, this rank expects {e}); every rank must build the same "
-                            "topology, algorithm, compressor and model, and resume from the same step")
+                            f"{field} ({shown}); every rank must build the same topology, algorithm, compressor "
+                            "and model, and resume from the same step")
 
     def __repr__(self):
         return f"TorchDistributedTransport(timeout={self.timeout:g})"

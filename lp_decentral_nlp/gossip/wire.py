@@ -10,7 +10,6 @@ is exactly the sum of its fields' sizes, and that length is what ``bytes_sent`` 
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -64,14 +63,6 @@ class MessageLayout:
         for f, off in zip(self.fields, self.offsets):
             out[f.segment][f.name] = buffer[off:off + f.nbytes].view(f.dtype)
         return out
-
-    def signature(self) -> str:
-        """A stable text description of the layout (hashed into the distributed pre-flight check)."""
-        return ";".join(f"{f.segment}:{f.name}:{str(f.dtype)}:{f.count}" for f in self.fields)
-
-    def fingerprint(self) -> int:
-        """A 63-bit hash of :meth:`signature` (ranks compare it before the first exchange)."""
-        return int.from_bytes(hashlib.sha256(self.signature().encode()).digest()[:8], "little") >> 1
 
 
 class Message:

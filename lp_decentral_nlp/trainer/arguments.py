@@ -283,10 +283,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                                                "this process: use backend='distributed'"),
                   ("skew", self.num_nodes == 1, "how unevenly the training set is split among the nodes, and "
                                                 "num_nodes=1 holds all of it: set num_nodes >= 2")]
-        unused += [(name, self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour to send to: "
-                                               "set num_nodes >= 2")
-                   for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr",
-                                "drop_prob", "final_merge")]
+        # the gossip's own settings with num_nodes=1: GossipConfig's check
+        unused.append(("final_merge", self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour "
+                                                           "to send to: set num_nodes >= 2"))
         for name, off, why in unused:
             if off and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
