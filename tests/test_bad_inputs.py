@@ -166,7 +166,8 @@ ROWS = {
             "per_device_train_batch_size=64 exceeds the smallest shard (24 samples): lower the batch size or the "
             "number of nodes"),
     30: Row("plain `TrainingArguments`", "TypeError",
-            "args must be DecentralizedTrainingArguments, got TrainingArguments"),
+            "args must be DecentralizedTrainingArguments, got TrainingArguments: it takes TrainingArguments' fields and "
+            "the decentralized ones (num_nodes, skew, algorithm ...)"),
     31: Row('`stragglers=["9:1.0"]` with 4 nodes', "ValueError", "stragglers: node 9 does not exist (nodes are 0..3)"),
     32: Row("resume a Choco checkpoint as Deep-Squeeze", "ValueError at `train()`",
             "resume_from_checkpoint: cannot resume from DIR/checkpoint-2: it was written with algorithm='choco' (this "

@@ -34,11 +34,12 @@ def test_transformers_spelling_and_short_aliases_set_the_same_fields(tmp_path):
     spelled = build_nlp_parser("ag_news", "choco").parse([
         "--learning_rate", "1e-4", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
         "--num_nodes", "2", "--compression", "90", "--gradient_accumulation_steps", "2",
-        "--report_to", "none", "--quant_kernel", "simulated", "--final_merge", "--shard_column", "topic",
+        "--report_to", "none", "--quant_kernel", "simulated", "--final_merge", "--skew", "0.5", "--shard_column", "topic",
         "--output_dir", str(tmp_path / "a")]).training
     short = build_nlp_parser("ag_news", "choco").parse([
         "--lr", "1e-4", "--batch-size", "8", "--epochs", "2", "--nodes", "2", "--comp", "90",
-        "--gradient-accumulation-steps", "2", "--kernel", "simulated", "--final-merge", "--shard-column", "topic",
+        "--gradient-accumulation-steps", "2", "--kernel", "simulated", "--final-merge", "--skew", "0.5",
+        "--shard-column", "topic",
         "--output-dir", str(tmp_path / "a")]).training
     for name in ("learning_rate", "per_device_train_batch_size", "num_train_epochs", "num_nodes", "compression",
                  "low_precision", "gradient_accumulation_steps", "report_to", "quant_kernel", "final_merge",

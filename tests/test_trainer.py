@@ -197,6 +197,19 @@ def test_skewed_shards_need_a_class_column_which_shard_column_names(tmp_path, ag
                                                                   remove_unused_columns=False), train_dataset=data)
     shard_classes = [{data[j]["target"] for j in loader.dataset.indices} for loader in trainer.node_dataloaders()]
     assert all(len(c) <= 2 for c in shard_classes)  # skewed on the named column
+    # a column of category names skews as its ids in sorted order would (it was refused as "not class ids")
+    names = data.map(lambda row: {"topic": ["World", "Sports", "Business", "Sci/Tech"][row["target"]]})
+    by_name = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="topic"),
+                                   train_dataset=names)
+    assert [loader.dataset.indices for loader in by_name.node_dataloaders()] == \
+        [loader.dataset.indices for loader in DecentralizedTrainer(
+            model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="target", remove_unused_columns=False),
+            train_dataset=names.map(lambda row: {"target": ["Business", "Sci/Tech", "Sports", "World"].index(
+                row["topic"])})).node_dataloaders()]
+    with pytest.raises(ValueError, match=r"^train_dataset: shard_column 'topic' must be integer class ids >= 0 or "
+                                         r"category names \(strings\), found \[-1\]$"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="topic"),
+                             train_dataset=data.map(lambda row: {"topic": -1}))
     # skew 0 needs no class column: random shards of every sample
     trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=data)
     assert sorted(j for loader in trainer.node_dataloaders() for j in loader.dataset.indices) == list(range(len(data)))

@@ -18,8 +18,9 @@ from datasets import Dataset
 from helpers import agnews_sample
 from helpers import tiny_distilbert as tiny_model
 from transformers import (
-    AutoModelForSequenceClassification, DataCollatorForLanguageModeling, DataCollatorForTokenClassification,
-    DistilBertConfig, DistilBertForTokenClassification, EarlyStoppingCallback, GPT2Config, GPT2LMHeadModel,
+    AutoModelForSequenceClassification, BertConfig, BertForMaskedLM, BertForMultipleChoice, BertForQuestionAnswering,
+    DataCollatorForLanguageModeling, DataCollatorForTokenClassification, DistilBertConfig,
+    DistilBertForTokenClassification, EarlyStoppingCallback, GPT2Config, GPT2LMHeadModel, Seq2SeqTrainingArguments,
     TrainerCallback,
 )
 
@@ -739,9 +740,9 @@ def test_token_classification_with_a_labels_column_and_skew_zero(tmp_path):
                                          r"class id per sample: name a column of class ids with shard_column, or "
                                          r"use skew=0$"):
         DecentralizedTrainer(model=model, args=targs(tmp_path, skew=0.5, shard_column="labels"), train_dataset=data)
-    with pytest.raises(ValueError, match=r"name a column of class ids with shard_column \(or leave it unset: skew=0 "
-                                         r"splits at random\)$"):  # not "or use skew=0": it is
-        DecentralizedTrainer(model=model, args=targs(tmp_path, shard_column="labels"), train_dataset=data)
+    with pytest.raises(ValueError, match=r"^shard_column='labels' is the column skew > 0 skews the shards on, and "
+                                         r"skew=0 splits at random: set skew > 0, or leave shard_column at None$"):
+        targs(tmp_path, shard_column="labels")  # was accepted, and did nothing
     # the tags are checked whatever the shards are skewed on: they failed in the first step with a topic column
     topics = tags.add_column("topic", [i % 4 for i in range(32)])
     with pytest.raises(ValueError, match=r"^train_dataset: labels must be tag ids 0\.\.2 .* found 3 in row 0$"):
@@ -1585,8 +1586,8 @@ def test_a_language_models_label_column_is_not_bounded_by_its_unused_num_labels(
                                        pad_token_id=tokenizer.pad_token_id))
     assert model.config.num_labels == 2
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    for skew in (0.0, 0.5):  # skewing an LM's shards on a topic column is allowed
-        args = targs(tmp_path, skew=skew, shard_column="label", per_device_train_batch_size=4)
+    for skew, column in ((0.0, None), (0.5, "label")):  # skewing an LM's shards on a topic column is allowed
+        args = targs(tmp_path, skew=skew, shard_column=column, per_device_train_batch_size=4)
         DecentralizedTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
     with pytest.raises(ValueError, match=r"labels must be class ids 0\.\.1 \(the model has num_labels=2\)"):
         DecentralizedTrainer(model=tiny_model(num_labels=2), args=targs(tmp_path), train_dataset=data)
@@ -1683,3 +1684,68 @@ def test_distributed_backend_takes_the_cpu_process_group_without_use_cpu(tmp_pat
     args = DecentralizedTrainingArguments(output_dir=str(tmp_path), backend="distributed", report_to="none")
     assert args.use_cpu
     assert not DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none").use_cpu
+
+
+TINY_BERT = dict(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                 max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_question_answering_evaluates_its_loss_without_compute_metrics(tmp_path):
+    """Two label columns (start and end positions) come back from prediction_step as a tuple: the
+    evaluation gives the loss and no accuracy (it was AttributeError: 'tuple' object has no
+    attribute 'dim'), as Trainer."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 60, (32, 8))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "start_positions": (ids[:, 0] % 4).tolist(),
+                              "end_positions": (ids[:, 0] % 4 + 2).tolist()})
+    trainer = DecentralizedTrainer(model=BertForQuestionAnswering(BertConfig(**TINY_BERT)), eval_dataset=data,
+                                   args=targs(tmp_path, num_nodes=2, per_device_train_batch_size=4), train_dataset=data)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert np.isfinite(metrics["eval_loss"]) and np.isfinite(metrics["eval_loss_node_1"])
+    assert not [key for key in metrics if "accuracy" in key]
+    output = trainer.predict(data)
+    assert [array.shape for array in output.predictions] == [(32, 8), (32, 8)]
+    assert [array.tolist() for array in output.label_ids] == [data["start_positions"], data["end_positions"]]
+
+
+def test_a_multiple_choice_models_labels_index_the_choices_not_its_unused_num_labels(tmp_path):
+    """Four choices per row, num_labels left at its default 2: labels 0..3 were refused as
+    "labels must be class ids 0..1"; they train, and the accuracy is over the choices."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 60, (32, 4, 6))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "label": (ids[:, 0, 0] % 4).tolist()})
+    model = BertForMultipleChoice(BertConfig(**TINY_BERT))
+    assert model.config.num_labels == 2
+    trainer = DecentralizedTrainer(model=model, args=targs(tmp_path, num_nodes=2, skew=0.5, per_device_train_batch_size=4),
+                                   train_dataset=data, eval_dataset=data)
+    trainer.train()
+    metrics = trainer.evaluate()
+    logits = trainer.predict(data).predictions
+    assert logits.shape == (32, 4)
+    assert metrics["eval_accuracy"] == pytest.approx(float((logits.argmax(-1) == np.array(data["label"])).mean()))
+
+
+def test_a_random_collator_gives_the_averaged_model_and_every_node_the_same_evaluation_batches(tmp_path, tokenizer):
+    """Masked LM: every node equal to the average before training, so every model's loss is the
+    same on the same masks (the masks were drawn afresh for each model: 6.927 vs 6.913 and
+    6.945), at every evaluation; the evaluation leaves torch's generator as it found it."""
+    text = [f"the {w} sat on the {v} mat" for w in ("cat", "dog", "bird", "fox") for v in ("red", "big")] * 4
+    data = Dataset.from_dict(dict(tokenizer(text, truncation=True, max_length=12)))
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size}))
+    trainer = DecentralizedTrainer(model=model, args=targs(tmp_path, num_nodes=2), eval_dataset=data,
+                                   train_dataset=data, data_collator=DataCollatorForLanguageModeling(tokenizer))
+    state = torch.get_rng_state()
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert first["eval_consensus_distance"] == 0
+    assert first["eval_loss"] == first["eval_loss_node_0"] == first["eval_loss_node_1"] == second["eval_loss"]
+
+
+def test_seq2seq_training_arguments_are_refused_with_what_to_do_instead(tmp_path):
+    model = BertForMaskedLM(BertConfig(**TINY_BERT))
+    with pytest.raises(TypeError, match=r"^args must be DecentralizedTrainingArguments, got Seq2SeqTrainingArguments; "
+                                        r"generation in evaluation \(predict_with_generate, .* is not supported: .*"
+                                        r"generate with trainer.model.generate\(\) afterwards$"):
+        DecentralizedTrainer(model=model, args=Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True))

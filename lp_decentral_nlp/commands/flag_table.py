@@ -1112,8 +1112,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'shard_column',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Column of class ids the shards are skewed on (SPEC 6). Default: 'label', else 'labels' when it holds one "
-          'class id per sample. Needed when skew > 0; with skew = 0 a dataset without one is split at random. '
+  'help': "Column of class ids (or category names) the shards are skewed on when skew > 0 (SPEC 6). Default: 'label', "
+          "else 'labels' when it holds one class id per sample. With skew = 0 the shards are random: leave it unset. "
           '(default: None)',
   'type': 'str'},
  {'options': ['--final-merge', '--final_merge'],

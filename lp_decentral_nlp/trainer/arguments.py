@@ -117,8 +117,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": "On a NaN/Inf loss or gradient, skip that node's update for the step (and count it) instead of "
                 "stopping the run."})
     shard_column: str | None = field(default=None, metadata={
-        "help": "Column of class ids the shards are skewed on (SPEC 6). Default: 'label', else 'labels' when it holds "
-                "one class id per sample. Needed when skew > 0; with skew = 0 a dataset without one is split at random."})
+        "help": "Column of class ids (or category names) the shards are skewed on when skew > 0 (SPEC 6). Default: "
+                "'label', else 'labels' when it holds one class id per sample. With skew = 0 the shards are random: "
+                "leave it unset."})
     final_merge: bool = field(default=False, metadata={
         "help": "Skew-Compensated Sparse-Push final merge (SPEC 2a): after the last step every node's model becomes "
                 "the exact average of all nodes' de-biased models."})
@@ -282,7 +283,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                                                "processes, and backend='simulated' runs every node in "
                                                                "this process: use backend='distributed'"),
                   ("skew", self.num_nodes == 1, "how unevenly the training set is split among the nodes, and "
-                                                "num_nodes=1 holds all of it: set num_nodes >= 2")]
+                                                "num_nodes=1 holds all of it: set num_nodes >= 2"),
+                  ("shard_column", self.skew == 0, "the column skew > 0 skews the shards on, and skew=0 splits at "
+                                                   "random: set skew > 0")]
         # the gossip's own settings with num_nodes=1: GossipConfig's check
         unused.append(("final_merge", self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour "
                                                            "to send to: set num_nodes >= 2"))

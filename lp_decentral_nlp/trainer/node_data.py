@@ -141,7 +141,8 @@ class NodeDataMixin:
 def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None:
     """The class id of every training sample that the SPEC 6 shards are skewed on, read from
     ``args.shard_column`` (default: ``label``, else ``labels`` when it holds one class id per
-    sample); None when there is no such column (then ``skew`` must be 0: random shards).
+    sample; a ``shard_column`` of category names gives their ids in sorted order); None when there
+    is no such column (then ``skew`` must be 0: random shards).
     ``num_labels``: the model's number of classes, the bound of the ``label``/``labels`` ids.
     ValueError naming the column or argument that is wrong."""
     if len(dataset) == 0:
@@ -169,6 +170,9 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     values = stored[name] if hasattr(dataset, "with_format") else [dataset[i][name] for i in range(len(dataset))]
     values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
     what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+    if what != "labels" and values and all(isinstance(v, str) for v in values):  # category names: ids in sorted order
+        ids = {category: i for i, category in enumerate(sorted(set(values)))}
+        return [ids[v] for v in values]
     unhashable = next((v for v in values if not isinstance(v, Hashable)), None)
     if unhashable is not None:  # e.g. token classification's per-token labels
         raise ValueError(f"train_dataset: {what} holds {type(unhashable).__name__}s such as {reprlib.repr(unhashable)}, "
@@ -177,8 +181,9 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     num_labels = num_labels if name in ("label", "labels") and num_labels and num_labels > 1 else None
     bad = sorted({v for v in values if not _is_class_id(v) or v < 0 or (num_labels and v >= num_labels)}, key=repr)
     if bad:
-        allowed = f"0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels else "integers >= 0"
-        raise ValueError(f"train_dataset: {what} must be class ids {allowed}, found {bad[:5]}")
+        allowed = (f"class ids 0..{num_labels - 1} (the model has num_labels={num_labels})" if num_labels
+                   else "integer class ids >= 0" + ("" if what == "labels" else " or category names (strings)"))
+        raise ValueError(f"train_dataset: {what} must be {allowed}, found {bad[:5]}")
     return values
 
 

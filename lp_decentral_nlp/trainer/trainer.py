@@ -38,11 +38,11 @@ import torch
 from accelerate.utils import DynamoBackend
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import IterableDataset
-from transformers import Trainer
+from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics, unwrap_peft_model
 from transformers.utils import logging as hf_logging
@@ -114,20 +114,36 @@ UNCALLED_TRAINER_METHODS = {
 }
 
 
+#: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
+CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+#: the multiple-choice classes (``AutoModelForMultipleChoice``'s)
+MULTIPLE_CHOICE_CLASSES = frozenset(MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES.values())
+
+
+def _arguments_advice(args) -> str:
+    """What to do instead of passing ``args``, transformers' own arguments, to DecentralizedTrainer."""
+    if isinstance(args, Seq2SeqTrainingArguments):
+        return ("; generation in evaluation (predict_with_generate, generation_max_length ...) is not supported: "
+                "train a sequence-to-sequence model with DecentralizedTrainingArguments (evaluate() scores the "
+                "teacher-forced loss) and generate with trainer.model.generate() afterwards")
+    if isinstance(args, TrainingArguments):
+        return ": it takes TrainingArguments' fields and the decentralized ones (num_nodes, skew, algorithm ...)"
+    return ""
+
+
 def _class_count(model) -> int | None:
     """The number of classes ``model`` predicts (``config.num_labels``, or the model's own
     ``num_labels``: an ``ImageClassifier``'s), or None for a model whose labels are not class ids
     of its own head: one with output embeddings (a language model, whose ``num_labels`` is an
-    unused config default) or with neither."""
+    unused config default), a multiple-choice model (its labels index the choices of each row,
+    however many the data holds) or one with neither."""
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     if get_output_embeddings is not None and get_output_embeddings() is not None:
         return None
+    if any(cls.__name__ in MULTIPLE_CHOICE_CLASSES for cls in type(unwrap_peft_model(model)).__mro__):
+        return None
     config = getattr(model, "config", None)
     return getattr(model, "num_labels", None) if config is None else getattr(config, "num_labels", None)
-
-
-#: the causal-LM classes (``AutoModelForCausalLM``'s), whose losses shift the labels by one
-CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 @contextlib.contextmanager
@@ -219,7 +235,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if args is None:  # as Trainer: the default arguments, writing to tmp_trainer
             args = DecentralizedTrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, DecentralizedTrainingArguments):
-            raise TypeError(f"args must be DecentralizedTrainingArguments, got {type(args).__name__}")
+            raise TypeError(f"args must be DecentralizedTrainingArguments, got {type(args).__name__}"
+                            + _arguments_advice(args))
         if model is None:
             raise ValueError("model is required (model_init is not supported by DecentralizedTrainer)")
         if kwargs.get("model_init") is not None:
