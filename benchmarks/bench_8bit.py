@@ -36,11 +36,11 @@ import torch
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from bench_quant import malloc_as_trainer, peak_step_memory, train_step, trainer_adamw
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
-from record import check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, save_results
 from timing import interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
@@ -190,7 +190,7 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8,
 
 
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
     p.add_argument("--warmup", type=POSITIVE, default=1,
                    help="untimed steps per variant first, at least one: the first step compiles or loads the fused "

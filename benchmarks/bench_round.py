@@ -40,11 +40,11 @@ import statistics
 import tempfile
 import time
 
-from record import check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
+from lp_decentral_nlp.commands import (Range, add_threads_flag,
                                        build_nlp_parser, packaged_model_path, prepare_nlp_run, ranged)
 
 HEADLINE = ["--skew", "0.9", "--comp", "99"]
@@ -97,7 +97,7 @@ def round_profiler(profiled_round: int):
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA, help="the AG News CSV (default %(default)s)")
     parser.add_argument("--model", default=None, help="hub id or model folder (default: the packaged "
                                                       "all-MiniLM-L6-v2)")

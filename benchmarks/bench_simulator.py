@@ -56,18 +56,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from datasets import Dataset
 from transformers import DistilBertConfig, DistilBertForSequenceClassification, TrainerCallback
 
 from lp_decentral_nlp import QuantConfig
+from lp_decentral_nlp.quant import kernel_report
 from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
-from lp_decentral_nlp.commands import (DefaultsHelpFormatter, OneLineParser, Range, add_default_malloc_flag,
+from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
-from record import check_results_dir, save_results
+from record import benchmark_parser, check_results_dir, save_results
 
 NUM_LABELS = 4
 POSITIVE, NONNEGATIVE = ranged(int, Range(1)), ranged(int, Range(0))
@@ -315,9 +316,16 @@ def measure_time(args, precision):
                 ratio=statistics.median(ratios), ratio_quartiles=(quartiles[0], quartiles[2]),
                 ratio_interval=median_interval(ratios), own_work_ratio=statistics.median(own_work_ratios),
                 sections=sections, plain_sections=plain_sections,
-                kernel=args.kernel if precision == "8-bit" else "-",
+                kernel=ran_kernels(args.kernel, trainer.nodes[0]) if precision == "8-bit" else "-",
                 distinct_s=statistics.median(distinct_s) if distinct_s else None,
                 distinct_ratio=statistics.median(d / p for d, p in zip(distinct_s, plain_s)) if distinct_s else None)
+
+
+def ran_kernels(asked: str, model) -> str:
+    """The ``--kernel`` asked for and what the 8-bit layers of ``model`` ran, e.g.
+    ``"auto: 36 int8, 1 simulated"`` (``kernel_report``)."""
+    counts = Counter(kernel_report(model).values())
+    return f"{asked}: " + ", ".join(f"{n} {kernel}" for kernel, n in counts.most_common())
 
 
 def measure_memory(args, precision) -> dict:
@@ -355,7 +363,7 @@ def memory_child(args, precision):
 
 
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--nodes", type=ranged(int, Range(2)), default=4,
                    help="simulated nodes in the round, at least 2: a node gossips with its neighbours "
                         "(default %(default)s)")

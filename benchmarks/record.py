@@ -8,6 +8,7 @@ A trial run that must leave the records alone writes elsewhere:
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -38,14 +39,34 @@ def check_results_dir(parser, writing: bool = True) -> None:
 
         problem = output_dir_problem(str(RESULTS_DIR), overwrite=True)
         if problem:
-            parser.error(f"cannot write the benchmark record: {problem}"
-                         + ("" if trial_run() else f" (set {RESULTS_DIR_VARIABLE} to a folder that can be written)"))
+            parser.error(f"cannot write the benchmark record in {RESULTS_DIR_VARIABLE}: {problem}" if trial_run()
+                         else f"cannot write the benchmark record: {problem} (set {RESULTS_DIR_VARIABLE} to a folder "
+                              "that can be written)")
+
+
+def benchmark_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """A benchmark's command line: one-line errors (``OneLineParser``), its whole module docstring
+    ``doc`` as the ``--help`` text (what it measures and in which units, how long it takes, what it
+    writes; reST literals shown plain) and each flag's default."""
+    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser
+
+    class DocstringHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    return OneLineParser(description=doc.replace("``", ""), formatter_class=DocstringHelpFormatter, **kwargs)
 
 
 def trial_run() -> bool:
     """Whether this is a trial run: ``LP_BENCHMARK_RESULTS_DIR`` sends the records elsewhere than the
     published folder, and a benchmark's docs page or plot then goes there too, by default."""
     return RESULTS_DIR.resolve() != PUBLISHED_DIR.resolve()
+
+
+def runs_dir(name: str) -> pathlib.Path:
+    """Where a benchmark that trains keeps its runs' folders by default: ``runs/<name>`` of this
+    checkout, or in a trial run (:func:`trial_run`) ``runs/<name>`` of the trial's folder, so a trial
+    never writes over the published runs."""
+    return (RESULTS_DIR if trial_run() else PUBLISHED_DIR.parent.parent) / "runs" / name
 
 
 def output_path(published: pathlib.Path) -> pathlib.Path:

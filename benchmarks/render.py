@@ -5,7 +5,8 @@
 
 With ``LP_BENCHMARK_RESULTS_DIR`` set (a trial run, ``benchmarks/record.py``) the defaults are that
 folder's records and its ``benchmarks.md``; with ``--results-dir`` another folder, the page goes to
-that folder's ``benchmarks.md``: the published page stays as it is.
+that folder's ``benchmarks.md``: the published page stays as it is (the published records,
+``--results-dir benchmarks/results``, render to the published page, never into their folder).
 
 Each results file is a record written by ``benchmarks/record.py``: a JSON object with
 ``benchmark`` (its name, a string), ``command``, ``date``, ``machine`` (an object) and ``results``
@@ -38,7 +39,7 @@ import pathlib
 import statistics
 
 import record
-from lp_decentral_nlp.commands import OneLineParser, output_file_problem
+from lp_decentral_nlp.commands import output_file_problem
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = record.RESULTS_DIR  # benchmarks/results/, or a trial's folder
@@ -104,13 +105,21 @@ BENCHMARKS = {
         "Range EvoNorm in 8-bit and fp32): test accuracy of the averaged model, mean node accuracy and "
         "consensus distance. The file name carries the skew; the accuracy over training is plotted in "
         "[vision_norm_comparison.png](vision_norm_comparison.png)."),
+    "table6_cpu": (
+        "Table 6 at CPU scale: the NLP grid",
+        "The paper's NLP table (task x skew x compression x DS / LP-DS / Choco / LP-Choco) at CPU scale, "
+        "[table6_cpu.md](table6_cpu.md) laid out like the paper: each cell's accuracy of the averaged model, "
+        "per-node accuracy, consensus distance, bytes sent and wall time. Cells are added by the runs that "
+        "finish, so the command above is the last invocation (which may have run a few cells); each cell's own "
+        "command is in its `command`."),
 }
 #: the CUDA records were measured while ``auto`` still chose int8 on CUDA (it runs the simulated
 #: kernel off the CPU since): what their "default" ran, said beside bench_8bit's and bench_round's text
 _BEFORE_AUTO_ON_CUDA = (" On CUDA this record predates `auto` running the simulated kernel there: its {what} ran the "
                         "int8 kernel (`torch._int_mm`, see `kernels`), which is not today's CUDA default{today}.")
 BENCHMARKS["bench_8bit_cuda"] = (BENCHMARKS["bench_8bit"][0], BENCHMARKS["bench_8bit"][1] + _BEFORE_AUTO_ON_CUDA.format(
-    what="`default` model", today=" (that is its `simulated` column)"))
+    what="`default` DistilBERT", today=" (that is its `simulated` column; the convolutional networks' `default` "
+                                       "ran the simulated kernel, as their `kernels` say)"))
 BENCHMARKS["bench_round_cuda"] = (BENCHMARKS["bench_round"][0], BENCHMARKS["bench_round"][1] + _BEFORE_AUTO_ON_CUDA.format(
     what="8-bit round", today="; the simulated kernel's round on CUDA is not measured"))
 
@@ -297,17 +306,28 @@ def folder_name(text: str) -> pathlib.Path:
     return pathlib.Path(text)
 
 
+def default_output(results_dir: pathlib.Path) -> pathlib.Path:
+    """The page the records in ``results_dir`` render to without ``--output``: the default folder's
+    page (``OUTPUT``), the published page for the published records, else ``benchmarks.md`` in
+    ``results_dir``: another folder's records never replace the page of these, and a page never
+    goes among the published records."""
+    folder = results_dir.resolve()
+    if folder == pathlib.Path(RESULTS_DIR).resolve():
+        return OUTPUT
+    return ROOT / "docs" / "benchmarks.md" if folder == record.PUBLISHED_DIR.resolve() else results_dir / "benchmarks.md"
+
+
 def main(argv=None) -> pathlib.Path:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser = record.benchmark_parser(__doc__)
     parser.add_argument("--results-dir", type=folder_name, default=RESULTS_DIR,
                         help="folder of the benchmark records, every *.json in it (default: %(default)s)")
     parser.add_argument("--output", help=f"the Markdown page to write, replaced if it exists (default: {OUTPUT} for "
-                                         "the default --results-dir, else benchmarks.md in --results-dir)")
+                                         "the default --results-dir, docs/benchmarks.md for the published records, "
+                                         "else benchmarks.md in --results-dir)")
     args = parser.parse_args(argv)
     record.check_results_dir(parser, writing=False)
-    if args.output is None:  # another folder's records never replace the page of these
-        same = args.results_dir.resolve() == pathlib.Path(RESULTS_DIR).resolve()
-        args.output = str(OUTPUT if same else args.results_dir / "benchmarks.md")
+    if args.output is None:
+        args.output = str(default_output(args.results_dir))
     problem = output_file_problem(args.output)  # before any record is read
     if problem:
         parser.error(f"argument --output: {problem}" if not args.output.strip()

@@ -59,7 +59,7 @@ sys.path[:0] = [str(HERE), str(REPO / "recipes")]
 import record  # noqa: E402
 from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
-from lp_decentral_nlp.commands import (OneLineParser, ParsedFlags, Range, build_nlp_parser,  # noqa: E402
+from lp_decentral_nlp.commands import (ParsedFlags, Range, build_nlp_parser,  # noqa: E402
                                       changed_settings, finished_results, is_packaged_model, model_flag_problem,
                                       output_dir_problem, packaged_model_path, ranged, run_config, stop_on_interrupt)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
@@ -115,21 +115,22 @@ def cell_folder(cell: dict) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = OneLineParser(prog="table6_cpu.py", description=__doc__.splitlines()[0])
+    parser = record.benchmark_parser(__doc__, prog="table6_cpu.py")
     parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
     parser.add_argument("--output-dir", default=None,
                         help="one folder per run under it (default runs/table6_cpu, or runs/table6_cpu_shrunk "
-                             "with --max-steps or --limit-rows)")
+                             "with --max-steps or --limit-rows; with LP_BENCHMARK_RESULTS_DIR, a trial run, under "
+                             "that folder)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
-                        help="where the Markdown table and the plot go (default docs/, or --output-dir with "
-                             "--max-steps or --limit-rows: a shrunk table is no docs page; with "
-                             "LP_BENCHMARK_RESULTS_DIR, a trial run, that folder)")
+                        help="where the Markdown table and the plot go (default docs/; with "
+                             "LP_BENCHMARK_RESULTS_DIR, a trial run, that folder; with --max-steps or --limit-rows "
+                             "--output-dir: a shrunk table is no docs page)")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="cells run at once, each in its own process with cores/jobs threads (default 1)")
     parser.add_argument("--cells", nargs="+", default=None, metavar="PATTERN",
-                        help="run only the cells whose id matches one of these shell patterns; ids are "
+                        help="run only the cells whose id matches one of these shell patterns (default: every cell); ids are "
                              "TASK/COLUMN/skewS/compC/seedN, e.g. 'ag_news/LP-Choco/skew0.5/comp99/seed1' or "
                              "'sentlen/*/skew0/*'; a pattern that names no seed selects every seed of --seeds")
     parser.add_argument("--seeds", nargs="+", type=ranged(int, Range(0, 2**32 - 1)), default=[0], metavar="SEED",
@@ -139,9 +140,10 @@ def parse(argv=None) -> argparse.Namespace:
                         help="run nothing: render the table from the runs finished under --output-dir with "
                              "these settings (e.g. while the grid runs elsewhere)")
     parser.add_argument("--max-steps", type=ranged(int, Range(1)), default=None,
-                        help="shrink: stop every run after this many steps (instead of 3 epochs)")
+                        help="shrink: stop every run after this many steps (default: none, 3 epochs)")
     parser.add_argument("--limit-rows", type=ranged(int, Range(1)), default=None,
-                        help="shrink: train on a seeded subset of this many rows and test on at most this many")
+                        help="shrink: train on a seeded subset of this many rows and test on at most this many (default: "
+                             "none, every row)")
     args = parser.parse_args(argv)
     record.check_results_dir(parser)
     if not args.data_dir.is_file():
@@ -178,8 +180,15 @@ def parse(argv=None) -> argparse.Namespace:
         parser.error(f"argument {'--max-steps' if args.max_steps is not None else '--limit-rows'}: a shrunk run is "
                      f"not Table 6, and its record would join the published ones in {record.PUBLISHED_DIR}: set "
                      f"{record.RESULTS_DIR_VARIABLE} to a folder for this trial run")
-    if args.output_dir is None:  # a shrunk run must not write over the real grid's finished runs
-        args.output_dir = REPO / "runs" / args.name
+    if args.name == "table6_cpu" and not record.trial_run():
+        published = recorded_runs(args)
+        for flag, key, what in (("--data-dir", "data_fingerprint", "data file"), ("--model", "model_fingerprint", "model")):
+            if published.cells and published.fingerprints.get(key) not in (None, args.fingerprints[key]):
+                parser.error(f"argument {flag}: the published Table 6 ({len(published.cells)} runs) ran on another "
+                             f"{what} than {getattr(args, flag[2:].replace('-', '_'))}, and this run's record would "
+                             f"replace it: set {record.RESULTS_DIR_VARIABLE} to a folder for this trial run")
+    if args.output_dir is None:  # a shrunk or trial run must not write over the real grid's finished runs
+        args.output_dir = record.runs_dir(args.name)
     problem = output_dir_problem(str(args.output_dir), overwrite=True)  # said as this program's, not a cell's recipe
     if problem:
         parser.error(f"argument --output-dir: {problem}")

@@ -57,9 +57,9 @@ def _recipe_choices(dest: str) -> list[str]:
 
 
 def build_parser():
-    from lp_decentral_nlp.commands import DefaultsHelpFormatter, OneLineParser, Range, existing_path, ranged
+    from lp_decentral_nlp.commands import Range, existing_path, ranged
 
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    p = record.benchmark_parser(__doc__, prog=PROG)
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
                    help=f"norm:precision pairs, each run once (norm in {', '.join(LABELS)}; precision fp32 or int8)")
     p.add_argument("--dataset", default="digits", choices=[d for d in _recipe_choices("dataset") if d != "folder"],
@@ -84,8 +84,10 @@ def build_parser():
                    help="evaluate (and log) every N steps: the points of the accuracy curve")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
                    help="random seed of every run (shards, initial weights, batches)")
-    p.add_argument("--output-dir", default=os.path.join("runs", "vision_norm_comparison"),
-                   help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md")
+    p.add_argument("--output-dir", default=None,
+                   help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md (default: "
+                        "runs/vision_norm_comparison of this repository; with LP_BENCHMARK_RESULTS_DIR, a trial run, "
+                        "under that folder)")
     p.add_argument("--plot", default=None,
                    help="PNG file of the accuracy curves (default: docs/vision_norm_comparison.png of this "
                         "repository, which only the published comparison may write: every default run and setting; "
@@ -159,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if problem:
         p.error(f"cannot write the record {record_path(args)} ({problem}): set LP_BENCHMARK_RESULTS_DIR to a "
                 "folder that can be written")
+    if args.output_dir is None:
+        args.output_dir = str(record.runs_dir("vision_norm_comparison"))
     problem = output_dir_problem(args.output_dir, overwrite=True)
     if problem:
         p.error(f"argument --output-dir: {problem}")

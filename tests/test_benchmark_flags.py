@@ -179,10 +179,10 @@ def test_the_records_folder_is_checked_before_anything_is_measured(capsys, tmp_p
         f"write the published records ({record.PUBLISHED_DIR})")
     monkeypatch.delenv("LP_BENCHMARK_RESULTS_DIR")
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "file" / "results")
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "file" / "results")  # a trial's folder: the variable named
     assert one_line_error(capsys, lambda: benchmark.main([])) == (
-        f"cannot write the benchmark record: {tmp_path / 'file' / 'results'} cannot be created ({tmp_path / 'file'} "
-        "is a file)")
+        f"cannot write the benchmark record in LP_BENCHMARK_RESULTS_DIR: {tmp_path / 'file' / 'results'} cannot be "
+        f"created ({tmp_path / 'file'} is a file)")
 
 
 def test_a_prefix_of_a_flag_is_not_taken_for_it(capsys, tmp_path, monkeypatch):

@@ -185,3 +185,13 @@ def test_a_trial_run_renders_its_own_folder_into_its_own_page(results_dir, tmp_p
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"wrote {results_dir / 'benchmarks.md'}\n"
     assert (results_dir / "benchmarks.md").read_text() == render.render(results_dir)
+
+
+def test_a_trial_run_renders_the_published_records_to_the_published_page_not_among_them(tmp_path, monkeypatch):
+    """With LP_BENCHMARK_RESULTS_DIR set, --results-dir benchmarks/results wrote
+    benchmarks/results/benchmarks.md, among the records."""
+    monkeypatch.setattr(render, "RESULTS_DIR", tmp_path / "trial")
+    monkeypatch.setattr(render, "OUTPUT", tmp_path / "trial" / "benchmarks.md")
+    assert render.default_output(REPO / "benchmarks" / "results") == REPO / "docs" / "benchmarks.md"
+    assert render.default_output(tmp_path / "trial") == tmp_path / "trial" / "benchmarks.md"
+    assert render.default_output(tmp_path / "other") == tmp_path / "other" / "benchmarks.md"

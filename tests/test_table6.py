@@ -13,6 +13,14 @@ def table6():
     return load_benchmark("table6_cpu")
 
 
+@pytest.fixture(autouse=True)
+def trial_folder(table6, tmp_path, monkeypatch):
+    """Every test a trial run (LP_BENCHMARK_RESULTS_DIR) unless it sets the published folder itself."""
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")
+
+
 def test_grid_is_the_papers(table6):
     cells = table6.all_cells()
     assert len(cells) == 2 * 3 * 2 * 4 and len({c["id"] for c in cells}) == 48
@@ -255,13 +263,16 @@ def test_missing_data_file(table6, tmp_path, capsys):
 def test_a_shrunk_grid_keeps_its_runs_apart_from_the_real_one(table6, ag_news_csv, tmp_path, monkeypatch):
     import record
 
-    real = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m"])
+    monkeypatch.setattr(record, "RESULTS_DIR", record.PUBLISHED_DIR)
+    real = table6.parse(["--data-dir", str(ag_news_csv)])  # the published table's data and model
     monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")  # a shrunk run is a trial run
+    trial = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m"])
     shrunk = table6.parse(["--data-dir", str(ag_news_csv), "--model", "m", "--max-steps", "5"])
-    assert (real.output_dir.name, shrunk.output_dir.name) == ("table6_cpu", "table6_cpu_shrunk")
-    assert real.output_dir.parent == shrunk.output_dir.parent
-    # a shrunk table is no docs page: it goes with its runs
-    assert real.docs_dir.name == "docs" and shrunk.docs_dir == shrunk.output_dir
+    assert (real.output_dir, real.docs_dir) == (table6.REPO / "runs" / "table6_cpu", table6.REPO / "docs")
+    # a trial's runs go with its record (they wrote over the real grid's runs), a shrunk table with its runs
+    assert (trial.output_dir, shrunk.output_dir) == (tmp_path / "trial" / "runs" / "table6_cpu",
+                                                     tmp_path / "trial" / "runs" / "table6_cpu_shrunk")
+    assert shrunk.docs_dir == shrunk.output_dir
 
 
 def test_ctrl_c_stops_the_grid_with_its_own_advice(table6, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):
@@ -289,7 +300,7 @@ def test_a_trial_run_writes_its_table_and_plot_beside_its_record(table6, ag_news
     but the table and plot replaced docs/table6_cpu.md and .png, citing the trial's record."""
     import record
 
-    argv = ["--data-dir", str(ag_news_csv), "--model", "m", "--output-dir", str(tmp_path / "runs")]
+    argv = ["--data-dir", str(ag_news_csv), "--output-dir", str(tmp_path / "runs")]
     monkeypatch.setattr(record, "RESULTS_DIR", record.PUBLISHED_DIR)
     assert table6.parse(argv).docs_dir == table6.REPO / "docs"
     monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")
@@ -308,3 +319,25 @@ def test_a_shrunk_run_is_refused_without_a_trial_folder(table6, ag_news_csv, tmp
     assert exc.value.code == 2 and capsys.readouterr().err.strip().endswith(
         f"argument --max-steps: a shrunk run is not Table 6, and its record would join the published ones in "
         f"{record.PUBLISHED_DIR}: set LP_BENCHMARK_RESULTS_DIR to a folder for this trial run")
+
+
+def test_a_run_on_other_data_or_another_model_does_not_replace_the_published_table(
+        table6, ag_news_csv, tmp_path, monkeypatch, capsys):
+    """The published record's cells ran on the sample and the packaged model: a run on another data
+    file was left out of them all and wrote a table of its one cell over Table 6."""
+    import record
+
+    monkeypatch.setattr(record, "RESULTS_DIR", record.PUBLISHED_DIR)
+    cells = len(json.loads((record.PUBLISHED_DIR / "table6_cpu.json").read_text())["results"]["cells"])
+    other = tmp_path / "other.csv"
+    other.write_text("".join(ag_news_csv.read_text().splitlines(keepends=True)[:401]))
+    for flags, message in (
+            (["--data-dir", str(other)], f"argument --data-dir: the published Table 6 ({cells} runs) ran on another "
+                                         f"data file than {other}, and this run's record would replace it: set "
+                                         f"LP_BENCHMARK_RESULTS_DIR to a folder for this trial run"),
+            (["--data-dir", str(ag_news_csv), "--model", "some/hub-model"], "argument --model: the published Table 6")):
+        with pytest.raises(SystemExit) as exc:
+            table6.parse([*flags, "--output-dir", str(tmp_path / "runs")])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(record, "RESULTS_DIR", tmp_path / "trial")
+    assert table6.parse(["--data-dir", str(other), "--output-dir", str(tmp_path / "runs")]).data_dir == other

@@ -172,11 +172,12 @@ class FlagType:
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default, as :class:`argparse.ArgumentDefaultsHelpFormatter`
-    shows it, except where the help already says what the default is (``(default: ...)``):
-    there the value argparse holds (often ``None``, resolved later) would contradict it."""
+    shows it, except where the help already says what the default is (``(default: ...)``,
+    ``(default 8)``, ``...; default: none``): there the value argparse holds (often ``None``,
+    resolved later) would contradict it."""
 
     def _get_help_string(self, action):
-        if action.help and "(default:" in action.help:
+        if action.help and re.search(r"[(;]\s*default\b", action.help):
             return action.help
         return super()._get_help_string(action)
 
