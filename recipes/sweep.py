@@ -21,7 +21,9 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
+import re
 import shutil
+import signal
 import sys
 
 from lp_decentral_nlp import commands
@@ -200,19 +202,26 @@ def grid(sweep) -> list:
 AFTER_INTERRUPT = "run the sweep again: its finished points are reused, the stopped ones start afresh"
 
 
+def quiet_on_interrupt() -> None:
+    """A worker process's start: Ctrl-C before its run (starting up, waiting for a point) ends it
+    quietly, with no traceback of the pool's internals; :func:`run_logged` hands Ctrl-C back to
+    the run, which stops with its results saved."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
 def run_logged(run, prog: str = "", on_interrupt: str = AFTER_INTERRUPT) -> dict:
-    """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``."""
+    """One grid point in a worker process, everything it prints (Python, C, progress bars) in ``run.log``:
+    the worker's output stays there until its next point (a progress bar a failed run left open is
+    closed later, and wrote over the sweep's own lines)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.makedirs(run.training.output_dir, exist_ok=True)
+    sys.stdout.flush(), sys.stderr.flush()
     with open(os.path.join(run.training.output_dir, "run.log"), "w") as log:
-        sys.stdout.flush(), sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-        try:
-            return commands.run_nlp(run, prog, on_interrupt=on_interrupt)
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
+    try:
+        return commands.run_nlp(run, prog, on_interrupt=on_interrupt)
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
 
 
 def describe(run) -> str:
@@ -231,11 +240,12 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
                 on_interrupt: str = AFTER_INTERRUPT) -> dict[int, dict]:
     """Run ``runs[i]`` (:meth:`RecipeParser.parse` results) for every ``i`` in ``todo``: one after
     the other in this process when ``jobs == 1``, else ``jobs`` at a time in fresh (spawned)
-    processes, each printing into its output folder's ``run.log``. Prints ``[k/n] name: accuracy``
-    after each (``names[i]``; ``progs[i]``: the recipe named in its errors; `on_interrupt`: what a
-    run stopped by Ctrl-C advises). Returns ``{i: results}``;
-    a failed run cancels the rest and raises RuntimeError naming it and its log, or for a bad
-    input found by the run (exit status 2) prints its one-line error and exits 2."""
+    processes, each printing into its output folder's ``run.log``. Prints ``[k/n] name: running``
+    before each run in this process and ``[k/n] name: accuracy`` after each (``names[i]``;
+    ``progs[i]``: the recipe named in its errors; `on_interrupt`: what a run stopped by Ctrl-C
+    advises). Returns ``{i: results}``. A run that stops (an error, a bad input, Ctrl-C) stops the
+    others: Ctrl-C runs no point not yet started, and a failed run in a worker is told as its own
+    one-line error (the last line of its ``run.log``) naming the point, with its exit status."""
     progs = progs or [""] * len(runs)
     results = {}
 
@@ -244,31 +254,59 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
 
     if jobs == 1:
         for done, i in enumerate(todo, 1):
+            print(f"[{done}/{len(todo)}] {names[i]}: running", file=sys.stderr)
             results[i] = commands.run_nlp(runs[i], progs[i], on_interrupt=on_interrupt)
             report(done, i)
     elif todo:
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
         new_folders = [runs[i].training.output_dir for i in todo if not os.path.exists(runs[i].training.output_dir)]
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = {pool.submit(run_logged, runs[i], progs[i], on_interrupt): i for i in todo}
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                i = futures[future]
-                try:
-                    results[i] = future.result()
-                except BaseException as err:
-                    for other in futures:
-                        other.cancel()
-                    log = os.path.join(runs[i].training.output_dir, "run.log")
-                    if isinstance(err, SystemExit) and err.code == 2:  # a bad input: its one line ends the log
-                        with open(log) as fh:
-                            print(f"{fh.read().strip().splitlines()[-1].split(chr(13))[-1]} [{names[i]}]",
-                                  file=sys.stderr)
+        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=quiet_on_interrupt)
+        waiting, running = iter(todo), {}
+
+        def start_next() -> None:  # one point per free worker: the pool queues none that a stop could not drop
+            i = next(waiting, None)
+            if i is not None:
+                running[pool.submit(run_logged, runs[i], progs[i], on_interrupt)] = i
+
+        try:
+            for _ in range(jobs):
+                start_next()
+            while running:
+                finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    i = running.pop(future)
+                    try:
+                        results[i] = future.result()
+                    except BaseException as err:
                         pool.shutdown(wait=True, cancel_futures=True)
-                        remove_log_only_folders(new_folders)
-                        raise SystemExit(2) from None
-                    raise RuntimeError(f"{names[i]} failed: {err!r}; its log: {log}") from err
-                report(done, i)
+                        stop = worker_failure(err, os.path.join(runs[i].training.output_dir, "run.log"), names[i],
+                                              progs[i])
+                        if stop.code == 2:  # a bad input: nothing ran
+                            remove_log_only_folders(new_folders)
+                        raise stop from None
+                    report(len(results), i)
+                    start_next()
+        finally:  # Ctrl-C here: no other point starts, the running ones stop (they got it too)
+            pool.shutdown(wait=True, cancel_futures=True)
     return results
+
+
+def worker_failure(err: BaseException, log: str, name: str, prog: str) -> SystemExit:
+    """The exit of a sweep whose grid point ``name`` failed in a worker with ``err``: its one-line
+    error (the last line of the point's ``run.log`` that ``prog`` wrote) printed with the point's
+    name, the exit status the run gave (1 for an exception that reached the worker, which the log
+    then holds whole)."""
+    code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
+    try:
+        with open(log) as fh:  # (the line may follow a progress bar's, which has no newline)
+            said = re.findall(rf"{re.escape(prog)}: (?:error|interrupted)\b[^\r\n]*", fh.read())
+    except OSError:
+        said = []
+    last = said[-1] if said else ""
+    if not isinstance(err, SystemExit) or not last:
+        last = f"{prog}: error: {type(err).__name__}: {err} (its log: {log})"
+    print(f"{last} [{name}]", file=sys.stderr)
+    return SystemExit(code)
 
 
 def run_grid(sweep) -> list[dict]:
@@ -334,16 +372,16 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    sweep = parse(argv)
-    with commands.stop_on_interrupt(PROG, AFTER_INTERRUPT):
+    with commands.stop_on_interrupt(PROG, AFTER_INTERRUPT):  # from the flags' check (it imports torch) to the plot
+        sweep = parse(argv)
         rows = run_grid(sweep)
-    out = sweep.training.output_dir
-    os.makedirs(out, exist_ok=True)
-    write_json(out, "sweep.json", rows)
-    table = markdown_table(rows)
-    with open(os.path.join(out, "sweep.md"), "w") as fh:
-        fh.write(table)
-    plot(rows, os.path.join(out, "sweep.png"))
+        out = sweep.training.output_dir
+        os.makedirs(out, exist_ok=True)
+        write_json(out, "sweep.json", rows)
+        table = markdown_table(rows)
+        with open(os.path.join(out, "sweep.md"), "w") as fh:
+            fh.write(table)
+        plot(rows, os.path.join(out, "sweep.png"))
     print(table)
 
 

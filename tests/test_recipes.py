@@ -478,6 +478,40 @@ def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, 
     assert not (tmp_path / "sweep").exists() or list((tmp_path / "sweep").iterdir()) == []  # no point's folder left
 
 
+def test_sweep_with_jobs_tells_a_failed_run_in_one_line_naming_its_point(tmp_path, tiny_model_dir, ag_news_csv):
+    """It raised a RuntimeError chained to the worker's traceback (four of them), the cause only in run.log."""
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "sweep.py"),
+                           *tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "sweep", "--max-steps", 6),
+                           "--lr", "10000", "--optim", "sgd", "--algorithms", "choco", "--precisions", "fp32",
+                           "--skews", "0", "--comps", "0", "50", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(r"sweep.py: error: NonFiniteError: node \d, step \d: non-finite loss .* \[choco fp32 skew=0 "
+                        r"comp=(0|50)\]", proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
+
+
+def test_ctrl_c_stops_a_sweep_with_jobs_at_once(tmp_path, tiny_model_dir, ag_news_csv):
+    """The points not started yet ran to the end before the sweep stopped (the pool's queue was
+    not cancelled, and each worker had one queued)."""
+    out = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "sweep.py"),
+                             *tiny_flags(tiny_model_dir, ag_news_csv, out, "--max-steps", 100000),
+                             "--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "50", "90",
+                             "95", "--jobs", "2"], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    started = [out / f"choco_fp32_skew0_comp{c}" / "results.json" for c in (0, 50)]
+    deadline = time.monotonic() + 300
+    while not all(p.is_file() for p in started) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the whole process group
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == (
+        "sweep.py: interrupted: run the sweep again: its finished points are reused, the stopped ones start afresh"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["choco_fp32_skew0_comp0", "choco_fp32_skew0_comp50"]
+    assert [json.loads(p.read_text())["status"] for p in started] == ["interrupted", "interrupted"]
+
+
 def test_a_random_k_sweep_runs_its_uncompressed_points_too():
     """--compressor randomk sparsifies the compressed points; the comp-0 points send every entry (as
     top-k at 0%: random-k without compression is refused)."""
