@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pathlib
 import sys
 import time
@@ -64,10 +63,11 @@ def parse_args(argv=None):
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     add_threads_flag(p, None, "torch intra-op threads (default: OMP_NUM_THREADS if set, else 1, as the "
                               "decentralized recipes: docs/design.md)")
-    p.add_argument("--output-dir", required=True,
+    p.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
                    help="folder of results.json and model/ (default: none: it is required)")
     p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
-                   help="write over the results of another run in --output-dir")
+                   help="write over the results of another run in --output-dir (its results.json, model/, "
+                        "checkpoints ... are removed first; other files stay)")
     args = p.parse_args(argv)
     if args.data_dir is not None and pathlib.Path(args.data_dir).is_file() and \
             pathlib.Path(args.data_dir).suffix.lower() != ".csv":
@@ -77,9 +77,11 @@ def parse_args(argv=None):
         check_data_dir_given(args.task, args.data_dir)
     except ValueError as err:
         p.error(f"argument --data-dir: {str(err).removeprefix('data_dir: ')}")
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if args.threads is None and threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
-        p.error(f"environment variable OMP_NUM_THREADS={threads!r} must be a whole number >= 1 (or pass --threads)")
+    from lp_decentral_nlp.commands.run import environment_problem
+
+    problem = environment_problem()  # OpenMP reads OMP_NUM_THREADS as torch loads (and complains), --threads or not
+    if problem:
+        p.error(problem)
     if args.kernel != "auto":  # the registry imports torch: only for a kernel named on the command line
         from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
 
@@ -114,7 +116,7 @@ def run(args) -> dict:
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
     from lp_decentral_nlp.commands import load_classifier, load_task_data, load_tokenizer, resolve_model
-    from lp_decentral_nlp.commands.run import exit_with_error, set_threads
+    from lp_decentral_nlp.commands.run import exit_with_error, print_notice, remove_run_outputs, set_threads
     from lp_decentral_nlp.quant import QuantModule
     from lp_decentral_nlp.data import accuracy_metric
 
@@ -162,6 +164,9 @@ def run(args) -> dict:
         seed=args.seed, data_seed=args.seed, eval_strategy="no", save_strategy="no", logging_steps=20,
         report_to="none", disable_tqdm=False, dataloader_pin_memory=torch.cuda.is_available(),
     )
+    removed = remove_run_outputs(str(out)) if args.overwrite_output_dir and out.is_dir() else []
+    if removed:  # the model card, weights and results of another run must not stay beside this one's
+        print_notice(f"notice: --overwrite-output-dir removed the previous run's {', '.join(removed)} from {out}")
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
                       compute_metrics=compute_metrics)
@@ -178,7 +183,6 @@ def run(args) -> dict:
         "train_samples": len(data["train"]),
         "eval_samples": len(data["test"]),
         "train_runtime_s": train.metrics["train_runtime"],
-        "wall_time_s": time.perf_counter() - start,
         "quant_config": None if quant_config is None else quant_config.to_dict(),
         "kernels": dict(collections.Counter(layer_kernels.values())),  # kernel: 8-bit layers that trained with it
         "layer_kernels": layer_kernels,
@@ -186,6 +190,7 @@ def run(args) -> dict:
         "args": vars(args),
     }
     trainer.save_model(str(out / "model"))
+    results["wall_time_s"] = time.perf_counter() - start  # loading, training, evaluation and saving
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
     return results

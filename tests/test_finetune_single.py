@@ -79,6 +79,9 @@ def test_progress_bar_threads_and_the_saved_8bit_model(tiny_model_dir, ag_news_c
 @pytest.mark.parametrize("argv, environment, message", [
     (["--threads", "0"], {}, "argument --threads: must be in [1, "),
     ([], {"OMP_NUM_THREADS": "abc"}, "environment variable OMP_NUM_THREADS='abc' must be a whole number >= 1"),
+    # OpenMP reads the variable as torch loads, whatever --threads says (it advised --threads, then libgomp warned)
+    (["--threads", "1"], {"OMP_NUM_THREADS": "abc"}, "environment variable OMP_NUM_THREADS='abc' must be a whole "
+                                                     "number >= 1\n"),
 ])
 def test_bad_thread_settings_are_one_line(argv, environment, message, tmp_path, monkeypatch, capsys):
     for name, value in environment.items():
@@ -87,6 +90,24 @@ def test_bad_thread_settings_are_one_line(argv, environment, message, tmp_path, 
         load_recipe().parse_args([*argv, "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"finetune_single.py: error: {message}"), err
+
+
+def test_overwrite_output_dir_removes_the_previous_runs_outputs(tiny_model_dir, ag_news_csv, tmp_path, capsys):
+    """A --full-precision run over an 8-bit one's folder kept the 8-bit run's model card, kernels and
+    checkpoints beside the new weights; files the user put there stay. --output_dir is also accepted."""
+    out = tmp_path / "run"
+    load_recipe().main(tiny_argv(tiny_model_dir, ag_news_csv, out))
+    (out / "model" / "README.md").write_text("an 8-bit run's card")
+    (out / "checkpoint-7").mkdir()
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    argv = [a if a != "--output-dir" else "--output_dir" for a in tiny_argv(tiny_model_dir, ag_news_csv, out)]
+    results = load_recipe().main([*argv, "--full-precision", "--overwrite_output_dir"])
+    assert results["precision"] == "fp32" and results["wall_time_s"] > results["train_runtime_s"]
+    assert "notice: --overwrite-output-dir removed the previous run's checkpoint-7, model, results.json from" \
+        in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["model", "notes.txt", "results.json"]
+    assert not (out / "model" / "README.md").exists() or "8-bit run" not in (out / "model" / "README.md").read_text()
 
 
 def test_data_dir_message_names_what_this_recipe_reads(tmp_path, capsys):
