@@ -62,6 +62,12 @@ def set_grid_help(parser) -> None:
         parser.set_help(name, f"set by the grid at every point: give {grid_flag} instead")
     parser.set_help("overwrite_output_dir", "run again the grid points whose folders hold results of other settings "
                                             "(points finished with these settings are reused) (default: False)")
+    parser.set_help("resume_from_checkpoint", f"refused: {NO_RESUME}")
+
+
+#: why a sweep takes no --resume_from_checkpoint
+NO_RESUME = ("each grid point is a run of its own: run the sweep again with the same --output-dir, which reuses the "
+             "points it finished")
 
 
 def parse(argv=None):
@@ -69,7 +75,8 @@ def parse(argv=None):
     (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``). A bad flag or ``--help``
     is answered from the flag table before torch is imported."""
     description = __doc__.splitlines()[0]
-    check = flag_check_parser("nlp", description=description, fixed=("algorithm",), prog=PROG)
+    check = flag_check_parser("nlp", description=description, prog=PROG,
+                              fixed={"algorithm": "the grid sets it at every point: give --algorithms instead"})
     set_grid_help(check)
     add_grid_flags(check)
     argv = sys.argv[1:] if argv is None else argv
@@ -79,8 +86,7 @@ def parse(argv=None):
         check.error(problem)
     resume = check.flag_given("resume_from_checkpoint", argv)
     if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
-        check.error(f"argument {resume}: each grid point is a run of its own: run the "
-                    "sweep again with the same --output-dir, which reuses the points it finished; drop it")
+        check.error(f"argument {resume}: {NO_RESUME}; drop it")
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
@@ -133,6 +139,12 @@ def check_grid_flags(parser, sweep) -> None:
         flag = parser.flag_given(name)
         if flag is not None:
             parser.error(f"argument {flag}: the grid sets it at every point: give {grid_flag} instead")
+    if sweep.training.num_nodes == 1:  # one node sends nothing and holds all the data: said in the grid's flags
+        for grid_flag, values in (("--comps", grid_flags.comps), ("--skews", grid_flags.skews)):
+            if any(values):
+                parser.error(f"argument {parser.flag_of('num_nodes')}: one node has no neighbour to gossip with and "
+                             f"holds all the data, and {grid_flag} {' '.join(map(number, values))} holds values "
+                             f"above 0: set {parser.flag_of('num_nodes')} >= 2, or give {grid_flag} 0")
     for grid_flag, values in (("--skews", grid_flags.skews), ("--comps", grid_flags.comps),
                               ("--algorithms", grid_flags.algorithms), ("--precisions", grid_flags.precisions)):
         repeated = sorted({v for v in values if values.count(v) > 1}, key=str)

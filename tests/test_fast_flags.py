@@ -13,6 +13,7 @@ from test_bad_inputs import CLI_ROWS, ROWS
 
 from lp_decentral_nlp.checks import NUMBER_FIELDS
 from lp_decentral_nlp.commands import build_nlp_parser, check_flags, recipe_main
+from lp_decentral_nlp.commands.flags import fixed_field_reasons
 from lp_decentral_nlp.commands.flag_table import FLAG_TABLES
 from lp_decentral_nlp.commands.nlp import NLPArguments
 from lp_decentral_nlp.commands.recipe_parser import FLAG_TABLE_PATH, render_flag_table
@@ -41,7 +42,7 @@ def outcome(call, capsys):
 
 
 def fast_nlp(argv, task="ag_news", algorithm="choco"):
-    fixed = ("algorithm",) if task is None else ("algorithm", "task")
+    fixed = fixed_field_reasons(PROG, {"algorithm": algorithm, **({"task": task} if task else {})})
     return lambda: check_flags("nlp", argv, fixed=fixed, prog=PROG,
                                description=FLAG_TABLES["nlp"]["descriptions"][task, algorithm])
 
@@ -86,9 +87,23 @@ def test_help_is_the_parsers_help(task, algorithm, capsys):
     assert "(default: 3e-05)" in " ".join(out.split())
 
 
+def test_the_flag_of_a_field_the_recipe_sets_is_refused_naming_the_recipe_to_run(capsys):
+    """--algorithm and a recipe's --task were "unrecognized arguments"."""
+    assert outcome(fast_nlp(["--algorithm", "deepsqueeze"]), capsys) == (
+        2, "", "recipe.py: error: argument --algorithm: recipe.py runs choco: run the deepsqueeze recipe for "
+               "deepsqueeze\n")
+    assert outcome(fast_nlp(["--task=sentlen"]), capsys)[2] == (
+        "recipe.py: error: argument --task: recipe.py trains the ag_news task: each task has its recipes "
+        "(recipes/agnews_*.py, sentlen_*.py, and text_*.py for your own data)\n")
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "agnews_choco.py"), "--algorithm", "deepsqueeze"],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "agnews_choco.py: error: argument --algorithm: agnews_choco.py runs "
+                                                 "choco: run agnews_deepsqueeze.py for deepsqueeze\n")
+
+
 def test_vision_flags_and_help_are_the_vision_parsers(capsys):
     def fast(argv):
-        return lambda: check_flags("vision", argv, fixed=("algorithm",), prog=PROG,
+        return lambda: check_flags("vision", argv, fixed=fixed_field_reasons(PROG, {"algorithm": "deepsqueeze"}), prog=PROG,
                                    description=FLAG_TABLES["vision"]["descriptions"][None, "deepsqueeze"])
 
     code, out, _ = outcome(fast(["--help"]), capsys)
@@ -122,7 +137,7 @@ def test_the_flag_and_the_dataclass_give_the_same_range_error(name, tmp_path, ca
     value = out_of_range(NUMBER_FIELDS[name])
     with pytest.raises(ValueError) as err:
         build_with(name, value, tmp_path)
-    fixed = ("algorithm",) if family == "vision" else ("algorithm", "task")
+    fixed = fixed_field_reasons(PROG, {"algorithm": "choco", **({} if family == "vision" else {"task": "ag_news"})})
     description = FLAG_TABLES[family]["descriptions"][None if family == "vision" else "ag_news", "choco"]
     code, _, message = outcome(lambda: check_flags(family, [f"--{name}", str(value)], fixed=fixed, prog=PROG,
                                                    description=description), capsys)

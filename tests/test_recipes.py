@@ -512,6 +512,29 @@ def test_ctrl_c_stops_a_sweep_with_jobs_at_once(tmp_path, tiny_model_dir, ag_new
     assert [json.loads(p.read_text())["status"] for p in started] == ["interrupted", "interrupted"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--algorithm", "choco"], "argument --algorithm: the grid sets it at every point: give --algorithms instead"),
+    # they named fields the sweep does not take ("leave compression at 0.0") and no flag
+    (["--nodes", "1"], "argument --nodes: one node has no neighbour to gossip with and holds all the data, and "
+                       "--comps 0 99 holds values above 0: set --nodes >= 2, or give --comps 0"),
+    (["--nodes", "1", "--comps", "0"], "argument --nodes: one node has no neighbour to gossip with and holds all the "
+                                       "data, and --skews 0 0.9 holds values above 0: set --nodes >= 2, or give "
+                                       "--skews 0"),
+])
+def test_sweep_refuses_flags_in_its_own_terms(argv, message, tmp_path, capsys):
+    sweep = import_sweep()
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse([*argv, "--output-dir", str(tmp_path)])
+    assert exc.value.code == 2 and capsys.readouterr().err == f"sweep.py: error: {message}\n"
+
+
+def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
+    with pytest.raises(SystemExit):
+        import_sweep().parse(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--resume-from-checkpoint RESUME_FROM_CHECKPOINT refused: each grid point is a run of its own" in help_text
+
+
 def test_a_random_k_sweep_runs_its_uncompressed_points_too():
     """--compressor randomk sparsifies the compressed points; the comp-0 points send every entry (as
     top-k at 0%: random-k without compression is refused)."""

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 
-from .flags import check_flags
+from .flags import check_flags, fixed_field_reasons
 
 RECIPE_FAMILIES = ("nlp", "vision")
 
@@ -34,8 +34,9 @@ def recipe_main(family: str, algorithm: str, task: str | None = None, argv: list
         known = sorted({t for t, _ in descriptions if t is not None}) if family == "nlp" else []
         raise ValueError(f"algorithm must be one of {sorted({a for _, a in descriptions})}"
                          + (f" and task one of {known} or None" if known else "") + f", got {algorithm!r}, {task!r}")
-    check_flags(family, argv, fixed=("algorithm",) if task is None else ("algorithm", "task"),
-                description=descriptions[task, algorithm])
+    fixed = {"algorithm": algorithm} if task is None else {"algorithm": algorithm, "task": task}
+    prog = os.path.basename(sys.argv[0])
+    check_flags(family, argv, fixed=fixed_field_reasons(prog, fixed), description=descriptions[task, algorithm])
     from .run import stop_on_interrupt
 
     with leaving_joined_process_group(), stop_on_interrupt(

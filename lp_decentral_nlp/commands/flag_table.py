@@ -1004,7 +1004,7 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
   'help': 'Consensus step size gamma in (0, 1]; default: from the compressor, the algorithm, the graph and the message '
-          'loss (lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md). (default: None)',
+          'loss (lp_decentral_nlp.gossip.default_consensus_lr, docs/consensus_step.md).',
   'type': 'finite_float'},
  {'options': ['--skew'],
   'dest': 'skew',

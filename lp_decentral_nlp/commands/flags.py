@@ -293,7 +293,7 @@ class ParsedFlags(NamedTuple):
         return ParsedFlags(*built, self.extras, values, self.defaults, self.flags)
 
 
-def check_flags(family: str, argv=None, *, fixed=(), description: str | None = None, prog: str | None = None):
+def check_flags(family: str, argv=None, *, fixed: dict[str, str] | None = None, description: str | None = None, prog: str | None = None):
     """Check a recipe's command line against the flag table, without importing torch or transformers:
     ``flag_check_parser(family, ...).parse_args(argv)``.
 
@@ -307,7 +307,8 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
     Args:
         family: ``"nlp"`` or ``"vision"`` (:data:`.flag_table.FLAG_TABLES`).
         argv: the arguments (default ``sys.argv[1:]``).
-        fixed: fields the recipe sets, which are not flags (e.g. ``("algorithm", "task")``).
+        fixed: ``{field: reason}`` of the fields the recipe sets itself, which are not flags (e.g.
+            ``algorithm``): given anyway, each is refused with its reason.
         description: the recipe's description, shown by ``--help``.
         prog: the program name (default: argparse's, the script's file name).
     """
@@ -321,7 +322,34 @@ def check_flags(family: str, argv=None, *, fixed=(), description: str | None = N
     return parsed
 
 
-def flag_check_parser(family: str, *, fixed=(), description: str | None = None, prog: str | None = None):
+def fixed_field_reasons(prog: str, fixed: dict[str, str]) -> dict[str, str]:
+    """Why the recipe ``prog`` refuses the flag of each field it sets itself, by field (``fixed``:
+    their values, e.g. ``{"algorithm": "choco", "task": "ag_news"}``): it runs that one, another
+    is another recipe's."""
+    reasons = {name: f"{prog} sets it to {value!r}" for name, value in fixed.items()}
+    algorithm = fixed.get("algorithm")
+    if algorithm in ("choco", "deepsqueeze"):
+        other = "deepsqueeze" if algorithm == "choco" else "choco"
+        sibling = prog.replace(algorithm, other) if algorithm in prog else f"the {other} recipe"
+        reasons["algorithm"] = f"{prog} runs {algorithm}: run {sibling} for {other}"
+    if "task" in fixed:
+        reasons["task"] = (f"{prog} trains the {fixed['task']} task: each task has its recipes (recipes/agnews_*.py, "
+                           "sentlen_*.py, and text_*.py for your own data)")
+    return reasons
+
+
+class FixedFieldFlag(argparse.Action):
+    """The flag of a field the command sets itself: refused, one line naming it, whatever its value."""
+
+    def __init__(self, option_strings, dest, reason: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"argument {option_string}: {self.reason}")
+
+
+def flag_check_parser(family: str, *, fixed: dict[str, str] | None = None, description: str | None = None, prog: str | None = None):
     """The torch-free parser :func:`check_flags` runs: every flag of the ``family``'s table (all
     defaults suppressed, so it returns only the flags given). A command with flags of its own
     (``recipes/sweep.py``) adds them to it before parsing. Arguments as for :func:`check_flags`."""
@@ -332,8 +360,12 @@ def flag_check_parser(family: str, *, fixed=(), description: str | None = None, 
     table = FLAG_TABLES[family]
     parser = OneLineParser(prog=prog, usage=table["usage"], description=description)
     groups = {title: parser.add_argument_group(title) for title in table["groups"]}
+    reasons = fixed or {}
+    for name, reason in reasons.items():  # (the table may list no flag for a field every recipe sets)
+        options = next((flag["options"] for flag in table["flags"] if flag["dest"] == name), [f"--{name}"])
+        parser.add_argument(*options, dest=name, action=FixedFieldFlag, reason=reason, default=argparse.SUPPRESS)
     for flag in table["flags"]:
-        if flag["dest"] in fixed:
+        if flag["dest"] in reasons:
             continue
         kwargs = {key: flag[key] for key in ("dest", "help", "action", "nargs", "const", "choices", "metavar",
                                               "required") if key in flag}

@@ -19,8 +19,8 @@ import re
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
-from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FlagType, OneLineErrors, ParsedFlags, option_used,
-                    options_given)
+from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FixedFieldFlag, FlagType, OneLineErrors, ParsedFlags, option_used,
+                    options_given, fixed_field_reasons)
 
 #: the text fields whose allowed values the flag types check: where those values are defined, by field name
 #: (the dataclasses holding the fields check the same values on construction)
@@ -65,8 +65,9 @@ class _FieldAdder:
 
     def add_argument(self, *option_strings, **kwargs):
         dest = kwargs.setdefault("dest", option_strings[0].lstrip("-"))
-        if dest in self.fixed:
-            return None
+        if dest in self.fixed:  # refused, with the reason (:func:`~.flags.fixed_field_reasons`)
+            return self.target.add_argument(*option_strings, dest=dest, action=FixedFieldFlag, reason=self.fixed[dest],
+                                            default=argparse.SUPPRESS)
         names = {s.lstrip("-") for s in option_strings}
         aliases = [alias for alias, target in ALIASES.items() if target in names]
         kind = kwargs.get("type")
@@ -144,7 +145,8 @@ class RecipeParser(OneLineErrors, HfArgumentParser):
         kind = ("refused" if field.name in self._refused else "recipe" if field.name in self._recipe_fields
                 else "transformers" if field.name in {f.name for f in dataclasses.fields(TrainingArguments)}
                 else "decentralized")
-        adder = _FieldAdder(self._groups[kind], self._allowed, self._fixed, self._refused.get(field.name))
+        adder = _FieldAdder(self._groups[kind], self._allowed, fixed_field_reasons(self.prog, self._fixed),
+                            self._refused.get(field.name))
         HfArgumentParser._parse_dataclass_field(adder, field)
 
     def add_check(self, check) -> None:
@@ -207,6 +209,8 @@ def flag_table(parser: RecipeParser) -> dict:
     groups = {id(action): group.title for group in parser._action_groups for action in group._group_actions}
     flags = []
     for action in parser._actions:
+        if isinstance(action, FixedFieldFlag):  # the check's parser refuses them from its own ``fixed``
+            continue
         name = action_names[type(action)]
         if name == "help":
             continue
