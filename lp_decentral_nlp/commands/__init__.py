@@ -26,7 +26,7 @@ _EXPORTS = {
     **dict.fromkeys(("NLPArguments", "build_nlp_parser", "load_classifier", "load_task_data", "load_tokenizer", "main",
                      "model_flag_problem", "prepare_nlp_run", "resolve_model", "run_nlp"), ".nlp"),
     **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "changed_settings", "config_differences", "finished_results",
-                     "is_packaged_model", "load_data", "output_dir_problem", "output_file_problem", "packaged_model_path", "run_config", "saved_head_labels", "stop_on_interrupt",
+                     "is_packaged_model", "load_data", "output_dir_problem", "output_file_problem", "packaged_model_path", "run_config", "saved_head_labels", "source_fingerprint", "source_fingerprints", "stop_on_interrupt",
                      "train_and_report"), ".run"),
 }
 __all__ = list(_EXPORTS)

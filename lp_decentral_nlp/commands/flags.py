@@ -293,7 +293,8 @@ class ParsedFlags(NamedTuple):
         return ParsedFlags(*built, self.extras, values, self.defaults, self.flags)
 
 
-def check_flags(family: str, argv=None, *, fixed: dict[str, str] | None = None, description: str | None = None, prog: str | None = None):
+def check_flags(family: str, argv=None, *, fixed: dict[str, str] | None = None, description: str | None = None,
+                prog: str | None = None):
     """Check a recipe's command line against the flag table, without importing torch or transformers:
     ``flag_check_parser(family, ...).parse_args(argv)``.
 
@@ -349,7 +350,8 @@ class FixedFieldFlag(argparse.Action):
         parser.error(f"argument {option_string}: {self.reason}")
 
 
-def flag_check_parser(family: str, *, fixed: dict[str, str] | None = None, description: str | None = None, prog: str | None = None):
+def flag_check_parser(family: str, *, fixed: dict[str, str] | None = None, description: str | None = None,
+                      prog: str | None = None):
     """The torch-free parser :func:`check_flags` runs: every flag of the ``family``'s table (all
     defaults suppressed, so it returns only the flags given). A command with flags of its own
     (``recipes/sweep.py``) adds them to it before parsing. Arguments as for :func:`check_flags`."""

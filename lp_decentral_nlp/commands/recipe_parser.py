@@ -19,8 +19,8 @@ import re
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
-from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FixedFieldFlag, FlagType, OneLineErrors, ParsedFlags, option_used,
-                    options_given, fixed_field_reasons)
+from .flags import (ALIASES, RECIPE_USAGE, DefaultsHelpFormatter, FixedFieldFlag, FlagType, OneLineErrors,
+                    ParsedFlags, option_used, options_given, fixed_field_reasons)
 
 #: the text fields whose allowed values the flag types check: where those values are defined, by field name
 #: (the dataclasses holding the fields check the same values on construction)

@@ -818,6 +818,33 @@ def training_default(name: str, value) -> bool:
         return False
 
 
+def source_fingerprint(path) -> str | None:
+    """What a local data file or folder, or model folder, holds wherever it lies: a SHA-256 (16 hex
+    digits) of a file's bytes, or of a folder's file names and sizes and its JSON files' bytes (the
+    weights by size: reading them costs seconds); None for what is no local path (a hub id)."""
+    import hashlib
+
+    path = pathlib.Path(path) if path is not None else None
+    if path is None or not path.exists():
+        return None
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    else:
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{f.relative_to(path).as_posix()}:{f.stat().st_size}\n".encode())
+            if f.suffix == ".json":
+                digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def source_fingerprints(parsed, model_used: str) -> dict[str, str | None]:
+    """``{"data": ..., "model": ...}``: :func:`source_fingerprint` of the run's ``--data-dir`` and of
+    the model it loaded (``model_used``), as ``results.json`` records them: a run reused as finished
+    (``recipes/sweep.py``) must have read the same rows and weights, not only the same paths."""
+    return {"data": source_fingerprint(parsed.values.get("data_dir")), "model": source_fingerprint(model_used)}
+
+
 def run_config(parsed) -> dict:
     """The settings of a run for ``results.json``, from its :meth:`RecipeParser.parse` flags: the
     recipe's options, the decentralized setting (:data:`ALWAYS_IN_CONFIG`) and every training
@@ -915,7 +942,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(parsed), "consensus_lr_used": training.gamma}
-    running = {"status": "running", "config": config, "model_used": model_used, "cost": cost}
+    running = {"status": "running", "config": config, "model_used": model_used,
+               "fingerprints": source_fingerprints(parsed, model_used), "cost": cost}
     began = False  # whether this run wrote its "running" results.json (a stop before that leaves the file alone)
 
     def record_stop(status: str, how: str) -> None:
@@ -1001,6 +1029,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
            if training.load_best_model_at_end and trainer.state.best_model_checkpoint else {}),
         "config": config,
         "model_used": model_used,
+        "fingerprints": running["fingerprints"],
         "versions": versions(),
         "wall_time_s": time.time() - start,
         "cost": cost,

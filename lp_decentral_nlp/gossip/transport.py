@@ -80,7 +80,7 @@ class TorchDistributedTransport:
 
     Before the first step, :meth:`prepare` runs a pre-flight handshake over every edge of one
     period of the graph: each rank sends its out-neighbours (rank, destination, step, number of
-    nodes, message size, topology fingerprint, algorithm/compressor/shapes fingerprint) and
+    nodes, message size, topology fingerprint, one hash per setting of the algorithm) and
     checks what its in-neighbours sent, so different graphs, models, compressors or step counters
     on different ranks raise a ``ValueError`` naming the peer and what differs instead of
     deadlocking or silently mixing garbage. The algorithm's settings (algorithm, compressor,

@@ -201,9 +201,10 @@ class EvaluationMixin:
         loss_sum, loss_samples, seen, correct, classified = 0.0, 0, 0, 0, 0
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
-        with seeded_host_rngs(self.args.data_order_seed):  # every model sees the same random batches
-            batches = tqdm(dataloader, desc=desc, leave=False,  # one process draws them (rank 0); (it starts
-                           disable=self.args.disable_tqdm or not self.state.is_world_process_zero)  # an iterator)
+        # every model sees the same random batches; the bar (drawn by rank 0) starts an iterator too: inside
+        with seeded_host_rngs(self.args.data_order_seed):
+            batches = tqdm(dataloader, desc=desc, leave=False,
+                           disable=self.args.disable_tqdm or not self.state.is_world_process_zero)
             for step, (batch, last) in enumerate(_flag_last(batches), 1):
                 batch = self._prepare_inputs(batch)
                 if labelled and step == 1:

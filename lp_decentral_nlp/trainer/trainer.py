@@ -42,7 +42,8 @@ from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES)
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics, unwrap_peft_model
 from transformers.utils import logging as hf_logging
