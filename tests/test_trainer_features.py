@@ -1749,3 +1749,26 @@ def test_seq2seq_training_arguments_are_refused_with_what_to_do_instead(tmp_path
                                         r"generation in evaluation \(predict_with_generate, .* is not supported: .*"
                                         r"generate with trainer.model.generate\(\) afterwards$"):
         DecentralizedTrainer(model=model, args=Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True))
+
+
+@pytest.mark.parametrize("num_labels, problem_type, what", [
+    (1, None, r"a regression head \(one output\), whose targets are numbers"),
+    (4, "multi_label_classification", r"a multi-label classifier \(problem_type='multi_label_classification'\)"),
+])
+def test_label_smoothing_is_refused_where_there_is_no_class_target(num_labels, problem_type, what, tmp_path):
+    """A regression head failed in the first step inside Trainer's smoother (index 1 is out of
+    bounds); a multi-label one trained unsmoothed after a warning."""
+    model = tiny_model(num_labels=num_labels)
+    model.config.problem_type = problem_type
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8, "labels": [[0.0] * num_labels if num_labels > 1 else 0.5]
+                              * 8})
+    with pytest.raises(ValueError, match=rf"^label_smoothing_factor=0.1 smooths one class target per sample, and the "
+                                         rf"model is {what}.*: leave label_smoothing_factor at 0$"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path, label_smoothing_factor=0.1), train_dataset=rows)
+
+
+@pytest.mark.parametrize("schedule", ["reduce_lr_on_plateau", "greedy"])
+def test_warmup_is_refused_with_a_schedule_that_has_none(schedule, tmp_path):
+    """transformers builds these before it reads the warm-up: the LR was the full one from step 1."""
+    with pytest.raises(ValueError, match=rf"^warmup_steps=3 has no effect with lr_scheduler_type='{schedule}'"):
+        targs(tmp_path, lr_scheduler_type=schedule, warmup_steps=3, eval_strategy="steps", eval_steps=1)

@@ -155,6 +155,10 @@ def test_sgd_keeps_the_momentum_buffer_added_to_the_gradient(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(optim="adafactor"), r"qgm=True needs an SGD or Adam/AdamW optimizer .*optim='adafactor' \(Adafactor\)"),
     (dict(qgm_beta=0.5), r"qgm_beta=0.5 applies to SGD; with AdamW the quasi-global first moment uses adam_beta1"),
+    # QGM sets SGD's own momentum to 0: momentum=0.5 and Nesterov were dropped without a word
+    (dict(optim="sgd", optim_args="momentum=0.5,nesterov=True"),
+     r"^qgm=True replaces SGD's momentum with the quasi-global one \(qgm_beta=0.9\), and optim='sgd' asks for "
+     r"momentum=0.5, nesterov=True: drop them \(optim_args\) and set qgm_beta for the momentum$"),
 ])
 def test_an_optimizer_qgm_cannot_serve_is_refused_at_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -126,6 +126,7 @@ def test_defaults_resolve_per_precision_and_dataset():
     assert d.training.lr_milestones is None and d.training.lr_scheduler_type == "cosine"
     assert t.optim_args == "momentum=0.9,nesterov=True"  # SGD's, for --optim sgd only (AdamW was refused them)
     assert parse_vision_args("choco", ["--optim", "adamw_torch"]).training.optim_args is None
+    assert parse_vision_args("choco", ["--qgm"]).training.optim_args is None  # QGM is the momentum
     assert parse_vision_args("choco", ["--optim_args", "momentum=0.5"]).training.optim_args == "momentum=0.5"
 
 

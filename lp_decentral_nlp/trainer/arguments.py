@@ -296,8 +296,14 @@ class DecentralizedTrainingArguments(TrainingArguments):
 
     def _check_constant_schedule(self):
         """A constant schedule (transformers' ``constant``, or ``lr_milestones``' multi-step one)
-        takes no warm-up and no scheduler options: refused rather than ignored."""
-        if SchedulerType(self.lr_scheduler_type) != SchedulerType.CONSTANT:
+        takes no warm-up and no scheduler options, and one that steps after evaluations
+        (``reduce_lr_on_plateau``, ``greedy``) no warm-up: refused rather than ignored."""
+        kind = SchedulerType(self.lr_scheduler_type)
+        if kind in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY) and self.warmup_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} has no effect with lr_scheduler_type={kind.value!r}, "
+                             "which changes the learning rate after evaluations from the first step on (transformers "
+                             "gives it no warm-up): leave warmup_steps at 0")
+        if kind != SchedulerType.CONSTANT:
             return
         if self.lr_milestones:
             schedule, instead = "lr_milestones (a multi-step schedule)", "leave warmup_steps at 0"

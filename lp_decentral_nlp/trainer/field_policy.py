@@ -36,7 +36,8 @@ POLICY: dict[str, str] = {
     "do_train": SCRIPT,
     "do_eval": SCRIPT,
     "do_predict": SCRIPT,
-    "resume_from_checkpoint": HONOURED,
+    "resume_from_checkpoint": HONOURED + " (unlike Trainer, which leaves it to scripts: train() called without its "
+                                         "own resume_from_checkpoint resumes from this one)",
     "remove_unused_columns": HONOURED + " (a dataset with a transform it would cut the columns of, or one lacking an "
                                         "argument the model's forward requires, is refused at construction)",
     "label_names": HONOURED + " (evaluate() refuses names its batches lack: Trainer would report no loss and no "
@@ -61,7 +62,8 @@ POLICY: dict[str, str] = {
     "lr_scheduler_type": PER_NODE + " (reduce_lr_on_plateau and greedy step after each evaluation during training on "
                                     "the averaged model's metric_for_best_model, as in Trainer)",
     "lr_scheduler_kwargs": PER_NODE + " (refused with a constant schedule, which takes none)",
-    "warmup_steps": PER_NODE + " (refused with a constant schedule, which has no warm-up)",
+    "warmup_steps": PER_NODE + " (refused with a constant schedule and with reduce_lr_on_plateau or greedy, which "
+                               "have no warm-up)",
     "optim": PER_NODE + " (LOMO, AdaLomo, schedule-free, GaLore and APOLLO are refused: they update inside backward, "
              "keep weights gossip does not average, or need optim_target_modules)",
     "optim_args": PER_NODE,
@@ -71,7 +73,8 @@ POLICY: dict[str, str] = {
     "adam_beta2": PER_NODE,
     "adam_epsilon": PER_NODE,
     "max_grad_norm": PER_NODE + " (default 0: no clipping, as the paper trains; Trainer's default is 1.0)",
-    "label_smoothing_factor": PER_NODE,
+    "label_smoothing_factor": PER_NODE + " (refused for a regression or multi-label head, whose targets are not one "
+                                         "class per sample)",
     "average_tokens_across_devices": "refused: a node's loss is normalised over its own (accumulated) batch; "
                                      "gradients and token counts never cross nodes",
     "activation_checkpointing": PER_NODE + " (in 8-bit too: the recomputed forward leaves the activation ranges "

@@ -25,16 +25,22 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
     """Refuse, at construction, an optimizer that quasi-global momentum cannot serve (SPEC 2): QGM
     replaces the momentum of SGD or the first moment of Adam/AdamW (``torch.optim.SGD``,
     ``torch.optim.Adam`` and subclasses); ``qgm_beta`` is the SGD buffer's factor, so with Adam
-    (whose first moment uses ``adam_beta1``) it must keep its default."""
+    (whose first moment uses ``adam_beta1``) it must keep its default, and SGD's own momentum,
+    Nesterov or dampening (``optim_args``), which QGM would drop, are refused."""
     if optimizer_cls_and_kwargs is not None:
-        optimizer_cls, where = optimizer_cls_and_kwargs[0], "optimizer_cls_and_kwargs"
+        (optimizer_cls, kwargs), where = optimizer_cls_and_kwargs, "optimizer_cls_and_kwargs"
     else:
         optim = getattr(args.optim, "value", args.optim)
-        optimizer_cls, where = Trainer.get_optimizer_cls_and_kwargs(args, model)[0], f"optim={optim!r}"
+        (optimizer_cls, kwargs), where = Trainer.get_optimizer_cls_and_kwargs(args, model), f"optim={optim!r}"
     name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
     if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, (torch.optim.SGD, torch.optim.Adam)):
         raise ValueError(f"qgm=True needs an SGD or Adam/AdamW optimizer (QGM replaces its momentum), got {where} "
                          f"({name}): use optim='adamw_torch' or 'sgd', or qgm=False")
+    own = {key: kwargs[key] for key in ("momentum", "nesterov", "dampening") if kwargs.get(key)}
+    if issubclass(optimizer_cls, torch.optim.SGD) and own:  # QGM sets SGD's momentum to 0: these would be dropped
+        raise ValueError(f"qgm=True replaces SGD's momentum with the quasi-global one (qgm_beta={args.qgm_beta}), and "
+                         f"{where} asks for {', '.join(f'{k}={v}' for k, v in own.items())}: drop "
+                         f"{'them' if len(own) > 1 else 'it'} (optim_args) and set qgm_beta for the momentum")
     problem = qgm_beta_problem(args, optimizer_cls)
     if problem:
         raise ValueError(problem)

@@ -147,6 +147,23 @@ def _class_count(model) -> int | None:
     return getattr(model, "num_labels", None) if config is None else getattr(config, "num_labels", None)
 
 
+def _check_label_smoothing(args: DecentralizedTrainingArguments, model, num_classes: int | None) -> None:
+    """``label_smoothing_factor`` smooths one class target per sample: refused for a regression head
+    (one output: Trainer's smoother fails in the first step with an index error) and a multi-label
+    one (Trainer turns it off with a warning)."""
+    if not args.label_smoothing_factor:
+        return
+    problem_type = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem_type == "multi_label_classification":
+        what = "a multi-label classifier (problem_type='multi_label_classification'), whose targets are multi-hot"
+    elif problem_type == "regression" or num_classes == 1:
+        what = "a regression head (one output), whose targets are numbers"
+    else:
+        return
+    raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} smooths one class target per sample, and "
+                     f"the model is {what}: leave label_smoothing_factor at 0")
+
+
 @contextlib.contextmanager
 def _config_while_trainer_is_built(model, smoothing: bool):
     """With label smoothing, transformers' ``Trainer.__init__`` reads ``model.config.problem_type``
@@ -283,6 +300,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
         node_group = NodeGroup(args.num_nodes, args.backend)
         num_classes = _class_count(model)  # the bound of the labels of every data set (None: not a classifier)
+        _check_label_smoothing(args, model, num_classes)
         shard_labels = None if train_dataset is None else read_shard_labels(train_dataset, args, num_classes)
         collator_given = kwargs.get("data_collator") is not None
         check_columns(train_dataset, model, args, "train_dataset", collator_given)

@@ -99,7 +99,7 @@ def _derive(values: dict) -> None:
     ``--optim_args`` (SPEC 5, 8)."""
     from .data import VISION_DATASETS, vision_dataset_spec
 
-    if values["optim_args"] is None and str(values["optim"]) == "sgd":
+    if values["optim_args"] is None and str(values["optim"]) == "sgd" and not values["qgm"]:  # QGM is the momentum
         values["optim_args"] = SGD_OPTIM_ARGS
     if values["norm"] == "auto":
         values["norm"] = DEFAULT_NORMS["int8" if values["low_precision"] else "fp32"]
