@@ -1772,3 +1772,10 @@ def test_warmup_is_refused_with_a_schedule_that_has_none(schedule, tmp_path):
     """transformers builds these before it reads the warm-up: the LR was the full one from step 1."""
     with pytest.raises(ValueError, match=rf"^warmup_steps=3 has no effect with lr_scheduler_type='{schedule}'"):
         targs(tmp_path, lr_scheduler_type=schedule, warmup_steps=3, eval_strategy="steps", eval_steps=1)
+
+
+def test_a_schedule_that_cannot_be_built_is_refused_when_the_arguments_are(tmp_path):
+    """From Python it was TypeError at train(), not naming the field (the recipes checked it)."""
+    with pytest.raises(ValueError, match=r"^lr_scheduler_kwargs: lr_scheduler_type='linear' with lr_scheduler_kwargs="
+                                         r"\{'foo': 1\} gives no schedule \(TypeError: .*unexpected keyword argument"):
+        targs(tmp_path, lr_scheduler_kwargs={"foo": 1})

@@ -140,7 +140,6 @@ def run_checks(parser, parsed) -> None:
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
     check_what_recipes_use(parser, parsed.training)
-    check_schedule(parser, parsed.training)
     check_strategy_settings(parser, parsed.training)
 
 
@@ -234,36 +233,6 @@ def check_strategy_settings(parser, training) -> None:
     if epochs is not None and training.max_steps > 0:  # transformers: max_steps overrides num_train_epochs
         parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {training.max_steps} "
                      "steps, which overrides the epochs: drop one of them")
-
-
-def check_schedule(parser, training, steps: int = 1000) -> None:
-    """``--lr_scheduler_type`` with its ``--lr_scheduler_kwargs``: a schedule transformers builds,
-    whose learning rate is a finite number at the first step, the end of warm-up and the last step
-    (tried now on a stand-in optimizer over ``max_steps`` or `steps` steps; the nodes build theirs
-    once training starts, and a bad ``power`` failed only at the last step)."""
-    import torch
-    from transformers import get_scheduler
-
-    if training.lr_milestones:  # the paper's step decay (MultiStepLR) replaces the schedule
-        return
-    kwargs = training.lr_scheduler_kwargs
-    flag = parser.flag_of("lr_scheduler_type" if kwargs is None else "lr_scheduler_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        parser.error(f"argument {flag}: expected a JSON object of the schedule's arguments, e.g. "
-                     f"'{{\"num_cycles\": 2}}', got {kwargs!r}")
-    name = getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)
-    steps = training.max_steps if training.max_steps > 0 else steps
-    warmup = training.get_warmup_steps(steps)
-    try:
-        scheduler = get_scheduler(name, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
-                                  num_warmup_steps=warmup, num_training_steps=steps, scheduler_specific_kwargs=kwargs)
-        for step in (0, warmup, steps):
-            for factor in getattr(scheduler, "lr_lambdas", ()):
-                if not math.isfinite(factor(step)):
-                    raise ValueError(f"the learning rate at step {step} is {factor(step)} times learning_rate")
-    except (TypeError, ValueError, ArithmeticError) as err:
-        parser.error(f"argument {flag}: lr_scheduler_type={name!r} with lr_scheduler_kwargs={kwargs or {}} gives no "
-                     f"schedule ({error_summary(err)})")
 
 
 def environment_problem() -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -182,10 +183,42 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"sgd or another optimizer that steps in optimizer.step()")
         self._refuse_ignored_optim_args(optim)
         self._check_qgm_beta()
+        self._check_schedule_builds()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
         check_choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("all", "non_padding", "no"))
         for extra in self.include_for_metrics:
             check_choice("include_for_metrics entries", extra, ("inputs", "loss"))
+
+    def _check_schedule_builds(self, steps: int = 1000):
+        """``lr_scheduler_type`` with its ``lr_scheduler_kwargs``: a schedule transformers builds,
+        whose learning rate is a finite number at the first step, the end of warm-up and the last
+        step (tried now on a stand-in optimizer over ``max_steps`` or ``steps`` steps: the nodes
+        build theirs once training starts, and a bad ``power`` failed only at the last step).
+        ValueError ``"<field>: ..."`` naming the field given (the kwargs where there are any)."""
+        if self.lr_milestones:  # the paper's step decay (MultiStepLR) replaces the schedule
+            return
+        from transformers import get_scheduler
+
+        kwargs = self.lr_scheduler_kwargs
+        field_name = "lr_scheduler_type" if not kwargs else "lr_scheduler_kwargs"
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"lr_scheduler_kwargs: expected a JSON object of the schedule's arguments, e.g. "
+                             f"'{{\"num_cycles\": 2}}', got {kwargs!r}")
+        name = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        steps = self.max_steps if self.max_steps > 0 else steps
+        warmup = self.get_warmup_steps(steps)
+        try:
+            scheduler = get_scheduler(name, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                      num_warmup_steps=warmup, num_training_steps=steps,
+                                      scheduler_specific_kwargs=kwargs)
+            for step in (0, warmup, steps):
+                for factor in getattr(scheduler, "lr_lambdas", ()):
+                    if not math.isfinite(factor(step)):
+                        raise ValueError(f"the learning rate at step {step} is {factor(step)} times learning_rate")
+        except (TypeError, ValueError, ArithmeticError) as err:
+            reason = (str(err).strip().splitlines() or [""])[0]  # some span lines
+            raise ValueError(f"{field_name}: lr_scheduler_type={name!r} with lr_scheduler_kwargs={kwargs or {}} gives "
+                             f"no schedule ({type(err).__name__}: {reason})") from None
 
     def _check_qgm_beta(self):
         """:func:`qgm_beta_problem` of ``optim``'s optimizer (``optimizer_cls_and_kwargs``, which the
