@@ -11,7 +11,7 @@
 
 For each: step time (the variants' steps interleaved, median of ``--repeats``; on the CPU also the
 process CPU time, which other jobs disturb far less), bytes autograd holds for backward after one
-forward (``quant.saved_tensor_bytes``, parameters included as the issue counts them; goals: 8-bit
+forward (``quant.saved_tensor_bytes``, parameters included as the goals count them; goals: 8-bit
 <= 0.35x fp32), the same without the parameters' storages (what the forward pass allocates for
 backward: a float layer's saved weight is the parameter itself) and the peak tensor memory of a
 whole step (``bench_quant.peak_step_memory``), plus the kernel each 8-bit layer ran

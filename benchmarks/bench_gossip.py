@@ -1,4 +1,4 @@
-"""Gossip engine speed for DistilBERT-sized models on 8 simulated nodes (issue 3).
+"""Gossip engine speed for DistilBERT-sized models on 8 simulated nodes.
 
     python benchmarks/bench_gossip.py --threads 1     # about 3 minutes on a 2-core CPU
     python benchmarks/bench_gossip.py --passes 3 --rounds 2

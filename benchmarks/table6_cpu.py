@@ -1,8 +1,7 @@
 """Table 6 (the paper's NLP table) at CPU scale: SPEC section 8's NLP grid on the packaged MiniLM.
 
     python benchmarks/table6_cpu.py --jobs 2            # the whole grid: 48 runs, hours on a CPU
-    LP_BENCHMARK_RESULTS_DIR=/tmp/trial python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' \
-        --max-steps 5 --limit-rows 256
+    LP_BENCHMARK_RESULTS_DIR=/tmp/trial python benchmarks/table6_cpu.py --cells 'ag_news/*/skew0/comp0' --max-steps 5
 
 Every cell is one run of the NLP recipe (``lp_decentral_nlp.commands.run_nlp``): the packaged
 all-MiniLM-L6-v2 fine-tuned on the 6,000-row AG News sample (the loader holds out a stratified
@@ -18,7 +17,7 @@ shards anew). A cell run with several seeds is reported as the mean over them wi
 Writes ``benchmarks/results/table6_cpu.json`` (``record.save_results``: every cell's accuracy of the
 averaged model, per-node accuracy, consensus distance, bytes sent per node, wall time and the
 recipe command that reproduces it), ``docs/table6_cpu.md`` (the table, laid out like the paper's)
-and ``docs/table6_cpu.png`` (accuracy vs skew), both with the issue's goals for the table checked
+and ``docs/table6_cpu.png`` (accuracy vs skew), both with the project's goals for the table checked
 against the cells run (``check_goals``). Each run keeps its folder under ``--output-dir``. A run is
 finished, and reused instead of run again, when its folder's ``results.json`` finished with the same
 settings, or when the JSON written before records it with the same settings (its recipe command,
@@ -32,7 +31,7 @@ adds them to the table instead of replacing it.
 
 ``--max-steps``, ``--limit-rows`` and ``--cells`` shrink the grid for a quick check; a run with
 ``--max-steps`` or ``--limit-rows`` is not Table 6 and is written as ``table6_cpu_shrunk`` instead
-(its runs, table and plot under ``runs/table6_cpu_shrunk`` by default, apart from the real grid's
+(its runs, table and plot under the trial folder's ``runs/table6_cpu_shrunk`` by default, apart from the real grid's
 and from ``docs/``), a trial run whose record goes to ``LP_BENCHMARK_RESULTS_DIR`` (refused
 without it: the published records are Table 6's).
 """
@@ -120,9 +119,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
     parser.add_argument("--output-dir", default=None,
-                        help="one folder per run under it (default runs/table6_cpu, or runs/table6_cpu_shrunk "
-                             "with --max-steps or --limit-rows; with LP_BENCHMARK_RESULTS_DIR, a trial run, under "
-                             "that folder)")
+                        help="one folder per run under it (default: runs/table6_cpu of this repository; with "
+                             "LP_BENCHMARK_RESULTS_DIR, a trial run, runs/table6_cpu or, with --max-steps or "
+                             "--limit-rows, runs/table6_cpu_shrunk under that folder)")
     parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
                         help="where the Markdown table and the plot go (default docs/; with "
                              "LP_BENCHMARK_RESULTS_DIR, a trial run, that folder; with --max-steps or --limit-rows "

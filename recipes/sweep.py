@@ -51,7 +51,7 @@ def add_grid_flags(parser) -> None:
     parser.add_argument("--consensus-lr-compressed", type=ranged(float, Range(0, 1, low_open=True)), default=None,
                         help="gamma of the runs with --comps > 0 (default: --consensus_lr where given, else the "
                              "trainer's default_consensus_lr, from the compressor, algorithm and graph); the runs "
-                             "without compression take --consensus_lr (default: 1)")
+                             "without compression take --consensus_lr, or 1 without it")
     parser.add_argument("--jobs", type=ranged(int, Range(1)), default=1,
                         help="grid points run at once, each in its own process (default: 1, in this process)")
 

@@ -177,6 +177,9 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
     parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
                     f"flag alone: a constant LR (default: at {fractions} of the run, of --epochs or of --max_steps "
                     "when given, with --lr_scheduler_type constant)")
+    parser.set_help("optim_args", f"Keyword arguments of the optimizer, 'name=value,...' (default: {SGD_OPTIM_ARGS} "
+                                  "with --optim sgd, as SPEC 8 trains; none with --qgm, whose quasi-global momentum "
+                                  "replaces SGD's)")
     return parser
 
 
