@@ -926,6 +926,27 @@ def test_a_run_that_fails_in_training_records_it(tmp_path, tiny_model_dir, ag_ne
     assert (results["status"], results["step"], results["next"]) == ("failed", 0, "RuntimeError: the loss failed")
 
 
+def test_a_full_disk_is_one_line_naming_the_output_folder(tmp_path, tiny_model_dir, ag_news_csv, monkeypatch, capsys):
+    """The final save on a full disk was safetensors' traceback (os error 28)."""
+    import errno
+
+    from lp_decentral_nlp.trainer import DecentralizedTrainer
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DecentralizedTrainer, "save_model", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16",
+                                  "--max-train-samples", "64", "--nodes", "2", "--batch-size", "4", "--max-steps", "2",
+                                  "--output-dir", str(out)])
+    assert exc.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f": error: argument --output-dir: no space left on the disk of {out} while writing the model at step 2: free "
+        "space or choose another folder")
+    assert json.loads((out / "results.json").read_text())["status"] == "failed"
+
+
 def test_an_absence_after_the_run_is_a_flag_error(tmp_path, tiny_model_dir, ag_news_csv, capsys):
     """--leave 1:100:200 on a 4-step run trained as if it was not given."""
     with pytest.raises(SystemExit) as exc:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -946,6 +947,20 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
             print(f"{prog}: {when}: {how}", file=sys.stderr)
         raise SystemExit(130) from None
 
+    def stop_if_out_of_space(err: BaseException, writing: str) -> None:
+        """A write that failed for want of disk space (a checkpoint, the model): one line naming the
+        output folder, exit status 1, instead of the library's traceback."""
+        if not (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) \
+                and "No space left on device" not in str(err):  # (safetensors' own error says it so)
+            return
+        with contextlib.suppress(OSError):  # the disk may not take results.json either
+            record_stop("failed", f"no space left on the disk writing {writing}")
+        if trainer.state.is_world_process_zero:
+            print(f"{prog}: error: argument {parsed.flags['output_dir']}: no space left on the disk of {out} while "
+                  f"writing {writing} at step {trainer.state.global_step}: free space or choose another folder",
+                  file=sys.stderr)
+        raise SystemExit(1) from None
+
     trainer.add_callback(OnTrainBeginCallback(begin))
     try:
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
@@ -959,6 +974,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     except KeyboardInterrupt:  # Ctrl-C: how to continue, not a traceback
         stop_interrupted(f"interrupted at step {trainer.state.global_step}")
     except Exception as err:  # a bug or a foreign failure: results.json says so, the traceback follows
+        stop_if_out_of_space(err, "a checkpoint")
         record_stop("failed", f"{type(err).__name__}: {' '.join(str(err).split())[:500]}")
         raise
     if trainer.stopped_by_sigterm:  # enable_jit_checkpoint: the checkpoint is written, nothing else is
@@ -980,6 +996,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     except KeyboardInterrupt:  # training ended; its final evaluation or model was not written
         stop_interrupted(f"interrupted after training ended at step {trainer.state.global_step}, before its final "
                          "evaluation and model were written")
+    except Exception as err:
+        stop_if_out_of_space(err, "the model")
+        raise
     n = training.num_nodes
     results = {
         "status": "done",
