@@ -65,6 +65,7 @@ def set_grid_help(parser) -> None:
     parser.set_help("overwrite_output_dir", "run again the grid points whose folders hold results of other settings "
                                             "(points finished with these settings are reused) (default: False)")
     parser.set_help("resume_from_checkpoint", f"refused: {NO_RESUME}")
+    parser.set_help("enable_jit_checkpoint", "refused: a stopped grid point starts afresh when the sweep runs again")
 
 
 #: why a sweep takes no --resume_from_checkpoint
@@ -89,6 +90,10 @@ def parse(argv=None):
     resume = check.flag_given("resume_from_checkpoint", argv)
     if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
         check.error(f"argument {resume}: {NO_RESUME}; drop it")
+    jit = check.flag_given("enable_jit_checkpoint", argv)
+    if jit is not None:  # its checkpoint would be removed when the sweep runs the point again
+        check.error(f"argument {jit}: a stopped grid point starts afresh when the sweep runs again, so the "
+                    "checkpoint SIGTERM writes would not be resumed: drop it")
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
@@ -357,6 +362,10 @@ def run_grid(sweep) -> list[dict]:
     if results:
         print(f"{len(results)} of {len(runs)} grid points finished before with these settings: reused "
               f"({', '.join(describe(runs[i]) for i in sorted(results))})", file=sys.stderr)
+    restarted = [i for i in todo if os.path.isfile(os.path.join(runs[i].training.output_dir, "results.json"))]
+    if restarted:  # what they left (checkpoints, results) is removed when each starts
+        print(f"starting afresh, stopped before or run with other settings: "
+              f"{', '.join(describe(runs[i]) for i in restarted)}", file=sys.stderr)
     results.update(run_pending(runs, todo, sweep.extras.jobs, [describe(run) for run in runs], [PROG] * len(runs)))
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,

@@ -943,7 +943,7 @@ def test_a_full_disk_is_one_line_naming_the_output_folder(tmp_path, tiny_model_d
                                   "--output-dir", str(out)])
     assert exc.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f": error: argument --output-dir: no space left on the disk of {out} while writing the model at step 2: free "
-        "space or choose another folder")
+        "space, then no checkpoint was written (--save-steps N writes them): run it again with --overwrite-output-dir")
     assert json.loads((out / "results.json").read_text())["status"] == "failed"
 
 
@@ -957,6 +957,26 @@ def test_an_absence_after_the_run_is_a_flag_error(tmp_path, tiny_model_dir, ag_n
         "argument --leave: node 1 away for iterations 100 to 199, and the run has 4 steps (iterations 0 to 3): it "
         "would change nothing; drop it or move it into the run")
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_in_a_resumed_run_that_saved_nothing_yet_advises_the_checkpoint_it_resumed(
+        tmp_path, tiny_model_dir, ag_news_csv, monkeypatch, capsys):
+    """It said "no checkpoint was written (--save-steps N writes them): run it again" though --save-steps
+    was given and the checkpoint it had resumed from still continues it."""
+    flags = ["--model", str(tiny_model_dir), "--data-dir", str(ag_news_csv), "--max-length", "16",
+             "--max-train-samples", "64", "--nodes", "2", "--batch-size", "4"]
+    main("ag_news", "choco", [*flags, "--max-steps", "2", "--save-steps", "2", "--output-dir", str(tmp_path / "first")])
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", ctrl_c)  # in the resumed run's first step
+    with pytest.raises(SystemExit) as exc:
+        main("ag_news", "choco", [*flags, "--max-steps", "3", "--save-steps", "10", "--output-dir",
+                                  str(tmp_path / "second"), "--resume-from-checkpoint",
+                                  str(tmp_path / "first" / "checkpoint-2")])
+    assert exc.value.code == 130 and capsys.readouterr().err.rstrip().rsplit("\n", 1)[-1].endswith(
+        f"resume from its last checkpoint with --resume-from-checkpoint {tmp_path / 'first' / 'checkpoint-2'}")
 
 
 def test_ctrl_c_after_training_records_the_run_as_interrupted(tmp_path, tiny_model_dir, ag_news_csv, monkeypatch,

@@ -238,6 +238,13 @@ def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, cap
         "--overwrite_output_dir to write over them, or choose another folder")
     parsed = build_nlp_parser("ag_news", "choco").parse(["--output-dir", str(run), "--overwrite_output_dir"])
     assert parsed.recipe.overwrite_output_dir and (run / "results.json").read_text() == '{"status": "done"}'
+    # the same command again after a stop: it is this run, to continue (the only way out offered deleted it)
+    (run / "results.json").write_text('{"status": "stopped", "step": 6}')
+    (run / "checkpoint-6").mkdir()
+    assert flag_error(["--output-dir", str(run)], capsys) == (
+        f"argument --output-dir: {run} holds a run that stopped (results.json: stopped at step 6): continue it with "
+        f"--resume_from_checkpoint {run / 'checkpoint-6'}, start it afresh with --overwrite_output_dir, or choose "
+        "another folder")
 
 
 def test_resume_from_checkpoint_true_is_the_output_dirs_newest_checkpoint(tmp_path, capsys):

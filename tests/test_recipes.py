@@ -332,6 +332,7 @@ def test_sweep_runs_its_grid_in_parallel_writes_table_and_plot_and_skips_finishe
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (choco.parent / "checkpoint-99").exists() and (choco.parent / "notes.txt").read_text() == "mine"
     assert "removed the previous run's checkpoint-99" in proc.stderr
+    assert "starting afresh, stopped before or run with other settings: choco int8 skew=0.9 comp=99\n" in proc.stderr
     assert "[1/1] choco int8 skew=0.9 comp=99: accuracy" in proc.stderr and "] deepsqueeze" not in proc.stderr
     assert "1 of 2 grid points finished before with these settings: reused (deepsqueeze int8 skew=0.9 comp=99)" \
         in proc.stderr
@@ -518,6 +519,9 @@ def test_ctrl_c_stops_a_sweep_with_jobs_at_once(tmp_path, tiny_model_dir, ag_new
 
 @pytest.mark.parametrize("argv, message", [
     (["--algorithm", "choco"], "argument --algorithm: the grid sets it at every point: give --algorithms instead"),
+    # its checkpoint would be removed when the sweep runs the point again (the SIGTERM line advised a refused flag)
+    (["--enable_jit_checkpoint"], "argument --enable_jit_checkpoint: a stopped grid point starts afresh when the sweep "
+                                  "runs again, so the checkpoint SIGTERM writes would not be resumed: drop it"),
     # they named fields the sweep does not take ("leave compression at 0.0") and no flag
     (["--nodes", "1"], "argument --nodes: one node has no neighbour to gossip with and holds all the data, and "
                        "--comps 0 99 holds values above 0: set --nodes >= 2, or give --comps 0"),
@@ -537,6 +541,7 @@ def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
         import_sweep().parse(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--resume-from-checkpoint RESUME_FROM_CHECKPOINT refused: each grid point is a run of its own" in help_text
+    assert "--enable-jit-checkpoint [ENABLE_JIT_CHECKPOINT] refused: a stopped grid point starts afresh" in help_text
 
 
 def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tmp_path, capsys):

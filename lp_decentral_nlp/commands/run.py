@@ -40,6 +40,8 @@ import math
 import os
 import pathlib
 import platform
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,9 +406,30 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
         return None
     found = run_outputs_in(path)
     if found:
+        resumable = stopped_run_checkpoint(path)
+        if resumable:
+            return (f"{path} holds a run that stopped ({resumable[0]}): continue it with --resume_from_checkpoint "
+                    f"{resumable[1]}, start it afresh with --overwrite_output_dir, or choose another folder")
         return (f"{path} already holds another run's results ({', '.join(found)}): pass --overwrite_output_dir to "
                 f"write over them, or choose another folder")
     return None
+
+
+def stopped_run_checkpoint(path: pathlib.Path) -> tuple[str, pathlib.Path] | None:
+    """``(how it stopped, its newest checkpoint)`` when ``path`` holds a run whose ``results.json``
+    says it did not finish (interrupted, stopped, failed, or left running) and a checkpoint was
+    written, else None."""
+    try:
+        results = json.loads((path / "results.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    status = results.get("status") if isinstance(results, dict) else None
+    steps = sorted((int(m.group(1)), p) for p in path.glob("checkpoint-*")
+                   if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+    if status not in ("interrupted", "stopped", "failed", "running") or not steps:
+        return None
+    at = f" at step {results['step']}" if isinstance(results.get("step"), int) else ""
+    return f"results.json: {status}{at}", steps[-1][1]
 
 
 def output_file_problem(path: str) -> str | None:
@@ -440,8 +463,6 @@ def remove_run_outputs(output_dir: str) -> list[str]:
     """Remove what a previous run left in `output_dir` (:data:`RUN_OUTPUTS` and ``checkpoint-*``
     folders; nothing else in it) and return their names: ``--overwrite_output_dir`` runs anew, and
     a stale checkpoint would be the newest one a later ``--resume_from_checkpoint`` finds."""
-    import shutil
-
     removed = run_outputs_in(pathlib.Path(output_dir))
     for name in removed:
         target = pathlib.Path(output_dir, name)
@@ -935,13 +956,23 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         write_json(out, "results.json", running)
         began = True
 
+    def how_to_continue() -> str:
+        """What a stopped run advises: `on_interrupt`, else resuming from its newest checkpoint (in its
+        folder, or the one it resumed from when it wrote none since), else running it again."""
+        found = [str(path) for _, path in list_checkpoints(out)]
+        if not found and trainer.resumed_from:
+            found = [trainer.resumed_from[0]]
+        if on_interrupt or found:
+            return on_interrupt or f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} " \
+                                   f"{found[-1]}"
+        why = (f"{parsed.flags['save_steps']} N writes them" if training.save_strategy == "no"
+               else f"the first is due at step {training.save_steps}" if training.save_strategy == "steps" else
+               "the first is due at the end of an epoch")
+        return f"no checkpoint was written ({why}): run it again with {parsed.flags['overwrite_output_dir']}"
+
     def stop_interrupted(when: str) -> NoReturn:
         """After Ctrl-C: ``results.json`` "interrupted", one line saying ``when`` and how to go on, exit 130."""
-        found = list_checkpoints(out)
-        how = on_interrupt or (
-            f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {found[-1][1]}"
-            if found else f"no checkpoint was written ({parsed.flags['save_steps']} N writes them): run it again "
-                          f"with {parsed.flags['overwrite_output_dir']}")
+        how = how_to_continue()
         record_stop("interrupted", how)
         if trainer.state.is_world_process_zero:
             print(f"{prog}: {when}: {how}", file=sys.stderr)
@@ -953,12 +984,14 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         if not (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) \
                 and "No space left on device" not in str(err):  # (safetensors' own error says it so)
             return
+        for staging in pathlib.Path(out).glob("checkpoint-*.partial"):  # the checkpoint half written
+            shutil.rmtree(staging, ignore_errors=True)
+        how = how_to_continue() if on_interrupt is None else on_interrupt
         with contextlib.suppress(OSError):  # the disk may not take results.json either
-            record_stop("failed", f"no space left on the disk writing {writing}")
+            record_stop("failed", f"no space left on the disk writing {writing}; free space, then {how}")
         if trainer.state.is_world_process_zero:
             print(f"{prog}: error: argument {parsed.flags['output_dir']}: no space left on the disk of {out} while "
-                  f"writing {writing} at step {trainer.state.global_step}: free space or choose another folder",
-                  file=sys.stderr)
+                  f"writing {writing} at step {trainer.state.global_step}: free space, then {how}", file=sys.stderr)
         raise SystemExit(1) from None
 
     trainer.add_callback(OnTrainBeginCallback(begin))
@@ -978,7 +1011,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         record_stop("failed", f"{type(err).__name__}: {' '.join(str(err).split())[:500]}")
         raise
     if trainer.stopped_by_sigterm:  # enable_jit_checkpoint: the checkpoint is written, nothing else is
-        how = f"resume with {parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}"
+        how = on_interrupt or f"resume with {parsed.flags['resume_from_checkpoint']} {list_checkpoints(out)[-1][1]}"
         record_stop("stopped", how)
         if trainer.state.is_world_process_zero:
             print(f"{prog}: stopped at step {trainer.state.global_step} on SIGTERM: {how}", file=sys.stderr)
