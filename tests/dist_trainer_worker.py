@@ -52,6 +52,8 @@ def make_trainer(out_dir, backend: str, data_csv, minilm, **overrides) -> Decent
     cfg = DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
                            dropout=0.1, attention_dropout=0.1, num_labels=4)
     config = {**CONFIG, **overrides}
+    if config["save_strategy"] != "steps":  # (its interval would be refused as ignored)
+        config.pop("save_steps")
     if backend == "simulated":  # no peer to wait for (refused there)
         config.pop("gossip_timeout")
         config["use_cpu"] = True

@@ -127,8 +127,9 @@ ROWS = {
     14: cli(["--topology", "exponential"], "argument --topology: topology='exponential' changes every step, but "
             "algorithm='choco' needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with "
             "low_precision=False) or a static topology", " in a Choco recipe"),
-    15: cli(["--save-total-limit", "2"], "argument --save-total-limit: needs --save-steps (no checkpoints are written "
-            "without it)", " without `--save-steps`"),
+    15: cli(["--save-total-limit", "2"], "argument --save-total-limit: save_total_limit=2 is how many checkpoints are "
+            "kept, and save_strategy='no' writes none: set save_strategy, or leave save_total_limit at None",
+            " without `--save-steps`"),
     16: cli(["--resume-from-checkpoint", "/no/such/run"],
             "argument --resume-from-checkpoint: path '/no/such/run' does not exist"),
     17: cli(["--frobnicate"], "unrecognized arguments: --frobnicate"),
@@ -317,7 +318,7 @@ ROWS = {
     88: cli(["--optim", "sgd", "--optim_args", "momentum=high"], "argument --optim_args: optim_args='momentum=high' for "
             "optim='sgd': could not convert string to float: 'high'"),
     89: cli(["--eval_steps", "5", "--eval_strategy", "epoch"], "argument --eval_steps: eval_steps is the interval of "
-            "eval_strategy='steps', and --eval_strategy is 'epoch': drop one of them",
+            "eval_strategy='steps', and eval_strategy is 'epoch': drop one of them",
             " (also `--save_steps`, `--logging_steps` with another strategy)"),
     90: cli(["--metric_for_best_model", "accuracy"], "argument --metric_for_best_model: metric_for_best_model is a "
             "setting of evaluation during training, and this run evaluates only at its end: give --eval-steps or "

@@ -36,6 +36,9 @@ def targs(out, **kw):
                 learning_rate=2e-3, max_steps=8, logging_steps=3, eval_strategy="steps", eval_steps=5,
                 save_strategy="steps", save_steps=4, use_cpu=True, disable_tqdm=True, seed=3)
     base.update(kw)
+    for steps, strategy in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy")):
+        if base[strategy] != "steps" and steps not in kw:  # (an interval its strategy ignores is refused)
+            base.pop(steps)
     return DecentralizedTrainingArguments(**base)
 
 

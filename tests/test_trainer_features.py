@@ -1779,3 +1779,21 @@ def test_a_schedule_that_cannot_be_built_is_refused_when_the_arguments_are(tmp_p
     with pytest.raises(ValueError, match=r"^lr_scheduler_kwargs: lr_scheduler_type='linear' with lr_scheduler_kwargs="
                                          r"\{'foo': 1\} gives no schedule \(TypeError: .*unexpected keyword argument"):
         targs(tmp_path, lr_scheduler_kwargs={"foo": 1})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(eval_steps=2), r"eval_steps: eval_steps is the interval of eval_strategy='steps', and eval_strategy is 'no'"),
+    (dict(save_strategy="epoch", save_steps=2), r"save_steps: save_steps is the interval of save_strategy='steps', and "
+                                                r"save_strategy is 'epoch'"),
+    (dict(save_total_limit=1), r"save_total_limit=1 is how many checkpoints are kept, and save_strategy='no'"),
+    (dict(save_only_model=True), r"save_only_model=True is what a checkpoint holds, and save_strategy='no'"),
+    (dict(eval_delay=2), r"eval_delay=2 is a setting of evaluation during training, and eval_strategy='no'"),
+    (dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
+     r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} is the options of activation \(gradient\) "
+     r"checkpointing, which is off"),
+    (dict(activation_checkpointing_kwargs={"use_reentrant": False}), r"activation_checkpointing_kwargs=.* which is off"),
+])
+def test_a_setting_its_strategy_switches_off_is_refused_from_python_too(kwargs, message, tmp_path):
+    """The recipes refused these; DecentralizedTrainingArguments accepted them, and they did nothing."""
+    with pytest.raises(ValueError, match=f"^{message}"):
+        targs(tmp_path, **kwargs)

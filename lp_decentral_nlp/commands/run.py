@@ -137,7 +137,6 @@ def derive_run_values(values: dict, run_name: str) -> None:
 def run_checks(parser, parsed) -> None:
     """The checks every recipe run makes right after parsing, before anything heavy is built
     (:func:`check_launcher` runs earlier, on the values)."""
-    check_save_total_limit(parser, parsed.training)
     check_output_dir(parser, parsed.training, parsed.recipe)
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
@@ -213,20 +212,20 @@ def check_what_recipes_use(parser, training) -> None:
 
 
 def check_strategy_settings(parser, training) -> None:
-    """A flag given that its strategy switches off (transformers ignores it): ``--eval_steps``,
-    ``--save_steps``, ``--logging_steps`` with a strategy other than ``steps``, and the settings of
-    evaluation during training (``--eval_delay``, ``--load_best_model_at_end``,
-    ``--metric_for_best_model``, ``--greater_is_better``) in a run that evaluates only at its end."""
+    """A flag given that its strategy switches off (transformers ignores it), where the recipe's own
+    default would make the arguments' check (``DecentralizedTrainingArguments``: ``eval_steps``,
+    ``save_steps``, ``eval_delay``, ``save_total_limit`` ...) refuse what the user did not give:
+    ``--logging_steps`` with a strategy other than ``steps``, and the settings of evaluation during
+    training (``--load_best_model_at_end``, ``--metric_for_best_model``, ``--greater_is_better``) in
+    a run that evaluates only at its end."""
     def strategy(name: str) -> str:
         return str(getattr(getattr(training, name), "value", getattr(training, name)))
 
-    for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy"),
-                        ("logging_steps", "logging_strategy")):
-        flag = parser.flag_given(steps)
-        if flag is not None and strategy(name) != "steps":
-            parser.error(f"argument {flag}: {steps} is the interval of {name}='steps', and {parser.flag_of(name)} is "
-                         f"{strategy(name)!r}: drop one of them")
-    for name in ("eval_delay", "load_best_model_at_end", "metric_for_best_model", "greater_is_better"):
+    flag = parser.flag_given("logging_steps")
+    if flag is not None and strategy("logging_strategy") != "steps":
+        parser.error(f"argument {flag}: logging_steps is the interval of logging_strategy='steps', and "
+                     f"{parser.flag_of('logging_strategy')} is {strategy('logging_strategy')!r}: drop one of them")
+    for name in ("load_best_model_at_end", "metric_for_best_model", "greater_is_better"):
         flag = parser.flag_given(name)
         if flag is not None and strategy("eval_strategy") == "no":
             parser.error(f"argument {flag}: {name} is a setting of evaluation during training, and this run evaluates "
@@ -478,12 +477,6 @@ def check_output_dir(parser, training, run) -> None:
     problem = output_dir_problem(training.output_dir, run.overwrite_output_dir, training.resume_from_checkpoint)
     if problem:
         parser.error(f"argument {parser.flag_of('output_dir')}: {problem}")
-
-
-def check_save_total_limit(parser, training) -> None:
-    if training.save_total_limit is not None and training.save_strategy == "no":
-        parser.error(f"argument {parser.flag_of('save_total_limit')}: needs {parser.flag_of('save_steps')} (no "
-                     "checkpoints are written without it)")
 
 
 def check_resume(parser, training, values: dict) -> None:

@@ -322,10 +322,28 @@ class DecentralizedTrainingArguments(TrainingArguments):
         # the gossip's own settings with num_nodes=1: GossipConfig's check
         unused.append(("final_merge", self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour "
                                                            "to send to: set num_nodes >= 2"))
+        strategy = {name: str(getattr(getattr(self, name), "value", getattr(self, name)))
+                    for name in ("eval_strategy", "save_strategy")}
+        unused += [("save_total_limit", strategy["save_strategy"] == "no", "how many checkpoints are kept, and "
+                                                                         "save_strategy='no' writes none: set "
+                                                                         "save_strategy"),
+                   ("save_only_model", strategy["save_strategy"] == "no", "what a checkpoint holds, and "
+                                                                        "save_strategy='no' writes none: set "
+                                                                        "save_strategy"),
+                   ("eval_delay", strategy["eval_strategy"] == "no", "a setting of evaluation during training, and "
+                                                                    "eval_strategy='no' evaluates at the end only: "
+                                                                    "set eval_strategy"),
+                   *((name, not (self.gradient_checkpointing or self.activation_checkpointing),
+                      "the options of activation (gradient) checkpointing, which is off: set activation_checkpointing")
+                     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))]
         for name, off, why in unused:
             if off and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
                                  f"{fields[name].default!r}")
+        for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy")):
+            if getattr(self, steps) != fields[steps].default and strategy[name] != "steps":
+                raise ValueError(f"{steps}: {steps} is the interval of {name}='steps', and {name} is "
+                                 f"{strategy[name]!r}: drop one of them")
 
     def _check_constant_schedule(self):
         """A constant schedule (transformers' ``constant``, or ``lr_milestones``' multi-step one)

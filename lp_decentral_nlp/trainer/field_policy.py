@@ -79,7 +79,7 @@ POLICY: dict[str, str] = {
                                      "gradients and token counts never cross nodes",
     "activation_checkpointing": PER_NODE + " (in 8-bit too: the recomputed forward leaves the activation ranges "
                                            "alone)",
-    "activation_checkpointing_kwargs": PER_NODE,
+    "activation_checkpointing_kwargs": PER_NODE + " (refused without activation_checkpointing)",
     "gradient_checkpointing": PER_NODE + " (transformers' deprecated name of activation_checkpointing)",
     "gradient_checkpointing_kwargs": PER_NODE + " (deprecated name of activation_checkpointing_kwargs)",
     "torch_compile": PER_NODE,
@@ -137,8 +137,8 @@ POLICY: dict[str, str] = {
                            "process's memory, every local node together)",
     # --- evaluation --------------------------------------------------------------------------
     "eval_strategy": HONOURED,
-    "eval_steps": HONOURED,
-    "eval_delay": HONOURED,
+    "eval_steps": HONOURED + " (refused with an eval_strategy other than 'steps', which ignores it)",
+    "eval_delay": HONOURED + " (refused with eval_strategy='no')",
     "eval_on_start": HONOURED + " (not when resuming: the resumed run logs what an uninterrupted one does)",
     "prediction_loss_only": HONOURED,
     "eval_do_concat_batches": HONOURED,
@@ -152,10 +152,10 @@ POLICY: dict[str, str] = {
     "load_best_model_at_end": HONOURED,
     # --- saving ------------------------------------------------------------------------------
     "save_strategy": HONOURED,
-    "save_steps": HONOURED,
-    "save_total_limit": HONOURED,
+    "save_steps": HONOURED + " (refused when set with a save_strategy other than 'steps', which ignores it)",
+    "save_total_limit": HONOURED + " (refused with save_strategy='no')",
     "save_only_model": HONOURED + " (each node file holds that node's model alone: load_best_model_at_end works, "
-                       "resuming from such a checkpoint is refused)",
+                       "resuming from such a checkpoint is refused; refused with save_strategy='no')",
     "save_on_each_node": "refused: rank 0 writes the shared files; every rank writes its own node file",
     "enable_jit_checkpoint": HONOURED + " (SIGTERM to any process: every process writes a checkpoint at the end of "
                              "the same step, then training ends with stopped_by_sigterm=True)",
