@@ -65,12 +65,13 @@ def set_grid_help(parser) -> None:
     parser.set_help("overwrite_output_dir", "run again the grid points whose folders hold results of other settings "
                                             "(points finished with these settings are reused) (default: False)")
     parser.set_help("resume_from_checkpoint", f"refused: {NO_RESUME}")
-    parser.set_help("enable_jit_checkpoint", "refused: a stopped grid point starts afresh when the sweep runs again")
+    parser.set_help("enable_jit_checkpoint", f"refused: {NO_JIT_CHECKPOINT}")
 
 
-#: why a sweep takes no --resume_from_checkpoint
+#: why a sweep takes no --resume_from_checkpoint, and no --enable_jit_checkpoint
 NO_RESUME = ("each grid point is a run of its own: run the sweep again with the same --output-dir, which reuses the "
              "points it finished")
+NO_JIT_CHECKPOINT = "a stopped grid point starts afresh when the sweep runs again"
 
 
 def parse(argv=None):
@@ -92,8 +93,8 @@ def parse(argv=None):
         check.error(f"argument {resume}: {NO_RESUME}; drop it")
     jit = check.flag_given("enable_jit_checkpoint", argv)
     if jit is not None:  # its checkpoint would be removed when the sweep runs the point again
-        check.error(f"argument {jit}: a stopped grid point starts afresh when the sweep runs again, so the "
-                    "checkpoint SIGTERM writes would not be resumed: drop it")
+        check.error(f"argument {jit}: {NO_JIT_CHECKPOINT}, so the checkpoint SIGTERM writes would not be resumed: "
+                    "drop it")
     # the flags are checked with the grid's first algorithm, each grid point with its own (grid())
     parser = commands.build_nlp_parser(None, grid_flags.algorithms[0], prog=PROG, description=description)
     parser.set_defaults(output_dir=os.path.join("runs", "sweep"))
@@ -135,6 +136,13 @@ def model_to_load(model: str) -> str:
     return commands.resolve_model(model, PROG)[0]
 
 
+@functools.cache
+def content_of(path) -> str | None:
+    """:func:`~lp_decentral_nlp.commands.source_fingerprint` of ``path``, read once per sweep (every
+    grid point reads the same data file and model)."""
+    return commands.source_fingerprint(path)
+
+
 def sources_differing(results: dict, run) -> list[str]:
     """What a finished grid point read that this sweep would not: another model (e.g. the
     default's offline fallback, where this sweep reaches the hub), or other rows or weights at the
@@ -142,10 +150,10 @@ def sources_differing(results: dict, run) -> list[str]:
     model = model_to_load(run.recipe.model)
     differing = [] if results.get("model_used") in (None, model) else [
         f"model_used={results['model_used']!r} (this sweep: {model!r})"]
-    recorded, now = results.get("fingerprints") or {}, commands.source_fingerprints(run, model)
+    recorded = results.get("fingerprints") or {}
     differing += [f"the {what} at {where} holds other content than it read"
                   for what, where in (("data", run.recipe.data_dir), ("model", model))
-                  if recorded.get(what) is not None and recorded[what] != now[what]]
+                  if recorded.get(what) is not None and recorded[what] != content_of(where)]
     return differing
 
 
@@ -202,6 +210,7 @@ def check_grid(parser, sweep) -> None:
     grid point as it is): the one-line error of ``--output-dir``, unless ``--overwrite_output_dir``
     (those points run again)."""
     check_grid_flags(parser, sweep)
+    content_of.cache_clear()  # this sweep's reads (its check, then its run)
     try:
         runs = grid(sweep)
     except ValueError as err:  # a grid point's algorithm refuses the other flags (e.g. Choco on a time-varying graph)

@@ -240,7 +240,9 @@ def test_output_dir_that_is_a_file_or_holds_another_run_is_refused(tmp_path, cap
     assert parsed.recipe.overwrite_output_dir and (run / "results.json").read_text() == '{"status": "done"}'
     # the same command again after a stop: it is this run, to continue (the only way out offered deleted it)
     (run / "results.json").write_text('{"status": "stopped", "step": 6}')
-    (run / "checkpoint-6").mkdir()
+    (run / "checkpoint-6").mkdir()  # a complete one: its manifest and the files it lists (none here)
+    (run / "checkpoint-6" / "decentralized_state.json").write_text(
+        '{"format": "lp_decentral_nlp.decentralized_checkpoint", "version": 1, "files": []}')
     assert flag_error(["--output-dir", str(run)], capsys) == (
         f"argument --output-dir: {run} holds a run that stopped (results.json: stopped at step 6): continue it with "
         f"--resume_from_checkpoint {run / 'checkpoint-6'}, start it afresh with --overwrite_output_dir, or choose "

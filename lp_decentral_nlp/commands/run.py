@@ -40,7 +40,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -423,12 +422,15 @@ def stopped_run_checkpoint(path: pathlib.Path) -> tuple[str, pathlib.Path] | Non
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     status = results.get("status") if isinstance(results, dict) else None
-    steps = sorted((int(m.group(1)), p) for p in path.glob("checkpoint-*")
-                   if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
-    if status not in ("interrupted", "stopped", "failed", "running") or not steps:
+    if status not in ("interrupted", "stopped", "failed", "running"):
+        return None
+    from ..trainer.checkpointing import list_checkpoints  # (torch: only for a folder holding such a run)
+
+    complete = list_checkpoints(path)
+    if not complete:
         return None
     at = f" at step {results['step']}" if isinstance(results.get("step"), int) else ""
-    return f"results.json: {status}{at}", steps[-1][1]
+    return f"results.json: {status}{at}", complete[-1][1]
 
 
 def output_file_problem(path: str) -> str | None:
@@ -952,12 +954,12 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     def how_to_continue() -> str:
         """What a stopped run advises: `on_interrupt`, else resuming from its newest checkpoint (in its
         folder, or the one it resumed from when it wrote none since), else running it again."""
-        found = [str(path) for _, path in list_checkpoints(out)]
-        if not found and trainer.resumed_from:
-            found = [trainer.resumed_from[0]]
-        if on_interrupt or found:
-            return on_interrupt or f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} " \
-                                   f"{found[-1]}"
+        if on_interrupt:
+            return on_interrupt
+        found = list_checkpoints(out)
+        latest = found[-1][1] if found else trainer.resumed_from[0] if trainer.resumed_from else None
+        if latest is not None:
+            return f"resume from its last checkpoint with {parsed.flags['resume_from_checkpoint']} {latest}"
         why = (f"{parsed.flags['save_steps']} N writes them" if training.save_strategy == "no"
                else f"the first is due at step {training.save_steps}" if training.save_strategy == "steps" else
                "the first is due at the end of an epoch")
@@ -979,7 +981,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
             return
         for staging in pathlib.Path(out).glob("checkpoint-*.partial"):  # the checkpoint half written
             shutil.rmtree(staging, ignore_errors=True)
-        how = how_to_continue() if on_interrupt is None else on_interrupt
+        how = how_to_continue()
         with contextlib.suppress(OSError):  # the disk may not take results.json either
             record_stop("failed", f"no space left on the disk writing {writing}; free space, then {how}")
         if trainer.state.is_world_process_zero:

@@ -373,11 +373,10 @@ def _read_csv(file: Path, task: str) -> Dataset:
             label.append(value)
         elif _INTEGRAL.fullmatch(value) is None:  # "2.0" is 2, as in the text task
             raise ValueError(f"{file}:{lineno}: label {value!r} is not an integer; labels must be {allowed}")
-        elif not first <= int(_integer_name(value)) < first + len(AG_NEWS_LABELS):
-            raise ValueError(f"{file}:{lineno}: label {int(_integer_name(value))} is not a class; labels must be "
-                             f"{allowed}")
+        elif not first <= (number := int(_integer_name(value))) < first + len(AG_NEWS_LABELS):
+            raise ValueError(f"{file}:{lineno}: label {number} is not a class; labels must be {allowed}")
         else:
-            label.append(int(_integer_name(value)) - first)
+            label.append(number - first)
         parts = [fields[where[c]] for c in (("text",) if "text" in where else ("title", "description"))]
         if not any(part.strip() for part in parts):
             raise ValueError(f"{file}:{lineno}: no text ({' and '.join(c for c in where if c != 'label')} empty); "

@@ -165,9 +165,17 @@ class EvaluationMixin:
                            f"(step {self.state.global_step}), beyond its earlier peak {peak:.4g}: the nodes are "
                            f"drifting apart; lower consensus_lr (--consensus-lr, now {self.args.gamma:g})")
 
-    @torch.no_grad()
     def _run_model(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool,
                    labelled: bool = False) -> EvalLoopOutput:
+        """:meth:`_run_batches` with torch's CPU generator, ``random`` and NumPy seeded from
+        ``args.data_order_seed`` (restored after), so a random collator (masked LM's masks) gives
+        the averaged model and every node the same batches, at every evaluation."""
+        with seeded_host_rngs(self.args.data_order_seed):
+            return self._run_batches(model, dataloader, desc, ignore_keys, keep_outputs, labelled)
+
+    @torch.no_grad()
+    def _run_batches(self, model, dataloader, desc: str, ignore_keys, keep_outputs: bool,
+                     labelled: bool = False) -> EvalLoopOutput:
         """Run ``model`` over ``dataloader`` (`Trainer.prediction_step` per batch, then the callbacks'
         ``on_prediction_step``).
 
@@ -187,9 +195,6 @@ class EvaluationMixin:
         without a length, e.g. over an iterable dataset, counts them as it goes). All as in Trainer.
         ``labelled`` (evaluation): ValueError at the first batch when it lacks a key the user's
         ``label_names`` names (Trainer then computes no loss and no metrics, without a word).
-        The batches are read with torch's CPU generator, ``random`` and NumPy seeded from
-        ``args.data_order_seed`` (restored after), so a random collator (masked LM's masks) gives
-        the averaged model and every node the same batches, at every evaluation.
         """
         model.eval()
         loss_only = self.args.prediction_loss_only and not keep_outputs
@@ -201,49 +206,46 @@ class EvaluationMixin:
         loss_sum, loss_samples, seen, correct, classified = 0.0, 0, 0, 0, 0
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
-        # every model sees the same random batches; the bar (drawn by rank 0) starts an iterator too: inside
-        with seeded_host_rngs(self.args.data_order_seed):
-            batches = tqdm(dataloader, desc=desc, leave=False,
-                           disable=self.args.disable_tqdm or not self.state.is_world_process_zero)
-            for step, (batch, last) in enumerate(_flag_last(batches), 1):
-                batch = self._prepare_inputs(batch)
-                if labelled and step == 1:
-                    self._check_label_names(batch)
-                size = find_batch_size(batch)
-                seen += size
-                loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
-                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-                if loss is not None:
-                    loss_sum += float(loss.double()) * size
-                    loss_samples += size
-                if logits is None:
-                    continue
-                scores = logits[0] if isinstance(logits, (tuple, list)) and logits else logits
-                if self.compute_metrics is None and torch.is_tensor(labels) and torch.is_tensor(scores) \
-                        and scores.dim() == 2 and scores.shape[-1] > 1 and labels.dim() == 1 \
-                        and not labels.is_floating_point():  # (several label names: a tuple, no accuracy)
-                    correct += int((scores.argmax(-1) == labels).sum())
-                    classified += labels.shape[0]
-                if keep:
-                    if self.preprocess_logits_for_metrics is not None:
-                        logits = self.preprocess_logits_for_metrics(logits, labels)
-                    new = {"predictions": nested_detach(logits), "label_ids": labels}
-                    if "inputs" in include:
-                        if main_input not in batch:
-                            raise ValueError(f"include_for_metrics=['inputs'] passes the model's main input "
-                                             f"{main_input!r} to compute_metrics, but the evaluation batches lack it "
-                                             f"({sorted(batch)})")
-                        new["inputs"] = batch[main_input]
-                    if "loss" in include and loss is not None:
-                        new["losses"] = loss.detach().reshape(1).repeat(size)
-                    if per_batch and labels is not None:  # as Trainer: the batch's tensors, compute_result last
-                        batch_metrics = self.compute_metrics(EvalPrediction(**new), compute_result=last)
-                    for name, value in new.items():
-                        if value is not None and (keep_outputs or not per_batch):
-                            gathered[name].add(value)
-                    if every and step % every == 0:
-                        for container in gathered.values():
-                            container.to_cpu_and_numpy()
+        batches = tqdm(dataloader, desc=desc, leave=False,  # one process draws them (rank 0)
+                       disable=self.args.disable_tqdm or not self.state.is_world_process_zero)
+        for step, (batch, last) in enumerate(_flag_last(batches), 1):
+            batch = self._prepare_inputs(batch)
+            if labelled and step == 1:
+                self._check_label_names(batch)
+            size = find_batch_size(batch)
+            seen += size
+            loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            if loss is not None:
+                loss_sum += float(loss.double()) * size
+                loss_samples += size
+            if logits is None:
+                continue
+            scores = logits[0] if isinstance(logits, (tuple, list)) and logits else logits
+            if self.compute_metrics is None and torch.is_tensor(labels) and torch.is_tensor(scores) \
+                    and scores.dim() == 2 and scores.shape[-1] > 1 and labels.dim() == 1 \
+                    and not labels.is_floating_point():  # (several label names: a tuple, no accuracy)
+                correct += int((scores.argmax(-1) == labels).sum())
+                classified += labels.shape[0]
+            if keep:
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                new = {"predictions": nested_detach(logits), "label_ids": labels}
+                if "inputs" in include:
+                    if main_input not in batch:
+                        raise ValueError(f"include_for_metrics=['inputs'] passes the model's main input {main_input!r} "
+                                         f"to compute_metrics, but the evaluation batches lack it ({sorted(batch)})")
+                    new["inputs"] = batch[main_input]
+                if "loss" in include and loss is not None:
+                    new["losses"] = loss.detach().reshape(1).repeat(size)
+                if per_batch and labels is not None:  # as Trainer: the batch's tensors, compute_result at the last
+                    batch_metrics = self.compute_metrics(EvalPrediction(**new), compute_result=last)
+                for name, value in new.items():
+                    if value is not None and (keep_outputs or not per_batch):
+                        gathered[name].add(value)
+                if every and step % every == 0:
+                    for container in gathered.values():
+                        container.to_cpu_and_numpy()
         on_host = {name: container.get_arrays() for name, container in gathered.items()}
         metrics = {"loss": loss_sum / loss_samples} if loss_samples else {}
         if classified:
