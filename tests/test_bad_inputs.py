@@ -21,7 +21,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Dis
 
 from lp_decentral_nlp.quant import QuantConfig, QuantModule, quantize_model
 from lp_decentral_nlp.commands import build_nlp_parser, main
-from lp_decentral_nlp.commands.nlp import NLP_DEFAULTS
+from lp_decentral_nlp.commands.nlp import NLP_DEFAULTS, SPEC_ADAM_BETA2
 from lp_decentral_nlp.trainer import CheckpointError, DecentralizedTrainer, DecentralizedTrainingArguments
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -35,7 +35,8 @@ def tiny_model(num_labels=4, dim=32):
 
 def targs(out, **kw):
     """The recipes' optimizer settings (a checkpoint written with them resumes from the command line)."""
-    optimizer = {key: NLP_DEFAULTS[key] for key in ("learning_rate", "adam_beta1", "adam_beta2", "weight_decay")}
+    optimizer = {key: NLP_DEFAULTS[key] for key in ("learning_rate", "adam_beta1", "weight_decay")}
+    optimizer["adam_beta2"] = SPEC_ADAM_BETA2
     base = dict(output_dir=str(out), num_nodes=4, per_device_train_batch_size=8, max_steps=2, save_strategy="no",
                 use_cpu=True, disable_tqdm=True, report_to="none", seed=0, **optimizer)
     base.update(kw)
@@ -345,8 +346,10 @@ ROWS = {
     98: cli(["--no_logging_nan_inf_filter"], "argument --no_logging_nan_inf_filter: logging_nan_inf_filter=False is "
             "not supported by DecentralizedTrainer (must stay True: a non-finite loss never enters the logged loss (the "
             "run stops naming the node, or skips it with skip_nonfinite)); leave it at True"),
+    99: cli(["--optim", "sgd", "--adam_beta1", "0.5"], "argument --adam_beta1: adam_beta1=0.5 is not read by "
+            "optim='sgd' (transformers ignores it): leave it at 0.9, or use an optimizer that reads it (adamw_torch)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98, 99]
 
 
 def docs_table() -> str:

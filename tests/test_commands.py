@@ -114,6 +114,14 @@ def test_spec8_defaults_and_repeatable_fault_flags():
     assert (saving.save_strategy, saving.save_steps, saving.eval_strategy, saving.eval_steps) == ("steps", 5, "steps", 3)
 
 
+@pytest.mark.parametrize("argv, beta2", [([], 0.9), (["--optim", "adamw_torch"], 0.9), (["--optim", "sgd"], 0.999),
+                                         (["--optim", "adafactor"], 0.999), (["--adam_beta2", "0.95"], 0.95)])
+def test_the_spec8_adam_beta2_applies_where_the_optimizer_reads_it(argv, beta2):
+    """SPEC 8's beta2 = 0.9 is the recipes' default for an optimizer that reads it; with one that
+    does not, the recipe's own default was refused as a setting transformers ignores."""
+    assert build_nlp_parser("ag_news", "choco").parse(argv).training.adam_beta2 == beta2
+
+
 def test_results_config_records_what_differs_from_the_defaults_and_reads_older_configs():
     from lp_decentral_nlp.commands import changed_settings, config_differences, run_config
 

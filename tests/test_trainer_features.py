@@ -1797,3 +1797,19 @@ def test_a_setting_its_strategy_switches_off_is_refused_from_python_too(kwargs, 
     """The recipes refused these; DecentralizedTrainingArguments accepted them, and they did nothing."""
     with pytest.raises(ValueError, match=f"^{message}"):
         targs(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(optim="sgd", adam_beta2=0.9), r"adam_beta2=0.9 is not read by optim='sgd' \(transformers ignores it\): "
+                                        r"leave it at 0.999"),
+    (dict(optim="adafactor", adam_epsilon=1e-6), r"adam_epsilon=1e-06 is not read by optim='adafactor'"),
+    (dict(optim="rmsprop", adam_beta1=0.5), r"adam_beta1=0.5 is not read by optim='rmsprop'"),
+])
+def test_an_adam_setting_the_optimizer_does_not_read_is_refused(kwargs, message, tmp_path):
+    """transformers passes adam_beta1/2 and adam_epsilon to the Adam family only and drops them
+    silently for SGD, Adafactor, RMSprop... ; the Adam family takes them (and their defaults pass)."""
+    with pytest.raises(ValueError, match=f"^{message}"):
+        targs(tmp_path, **kwargs)
+    adamw = targs(tmp_path, optim="adamw_torch", adam_beta1=0.5, adam_beta2=0.9, adam_epsilon=1e-6)
+    assert (adamw.adam_beta1, adamw.adam_beta2, adamw.adam_epsilon) == (0.5, 0.9, 1e-6)
+    assert targs(tmp_path, optim="sgd").adam_beta2 == 0.999

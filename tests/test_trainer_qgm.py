@@ -42,9 +42,12 @@ def two_row_dataset():
 
 
 def args(out, **kw):
+    """AdamW (adam_beta1 0.8, adam_beta2 0.95, adam_epsilon 1e-6) with quasi-global momentum unless `kw` say otherwise;
+    another optim leaves the Adam settings, which it does not read, at their defaults."""
+    adam = dict(adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6) if kw.get("optim", "adamw").startswith("adam") else {}
     base = dict(output_dir=str(out), num_nodes=2, topology="directed_ring", algorithm="dpsgd", low_precision=False,
                 skew=1.0, per_device_train_batch_size=4, learning_rate=0.05, lr_scheduler_type="constant",
-                weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, qgm=True, max_steps=4,
+                weight_decay=0.1, **adam, qgm=True, max_steps=4,
                 logging_steps=100, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
     base.update(kw)
     return DecentralizedTrainingArguments(**base)

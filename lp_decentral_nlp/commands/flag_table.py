@@ -102,8 +102,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'adam_beta2',
   'action': 'store',
   'group': 'transformers TrainingArguments',
-  'help': 'The exponential decay rate for the second moment estimates (variance) in Adam-based optimizers. (default: '
-          '0.9)',
+  'help': 'The exponential decay rate for the second moment estimates (variance) in Adam-based optimizers (default: '
+          "0.9, SPEC 8's betas (0.9, 0.9), with an optimizer that reads it; another, e.g. --optim sgd, reads none)",
   'type': 'finite_float'},
  {'options': ['--adam_epsilon', '--adam-epsilon'],
   'dest': 'adam_epsilon',

@@ -23,7 +23,9 @@ from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_R
                   set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
-NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=0.9, weight_decay=1e-4,
+# adam_beta2: SPEC_ADAM_BETA2 where the optimizer reads it (_derive).
+SPEC_ADAM_BETA2 = 0.9
+NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=None, weight_decay=1e-4,
                     per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
                     logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
@@ -54,6 +56,18 @@ class NLPArguments(RunArguments):
 
 
 def _derive(values: dict) -> None:
+    """SPEC 8's ``adam_beta2`` (:data:`SPEC_ADAM_BETA2`) unless ``--adam_beta2`` is given or the
+    optimizer does not read it (``--optim sgd``: transformers' default, unread); the run's name."""
+    if values["adam_beta2"] is None:
+        from transformers import TrainingArguments
+
+        from ..trainer.arguments import optimizer_ignores
+
+        default = TrainingArguments.__dataclass_fields__["adam_beta2"].default
+        try:
+            values["adam_beta2"] = default if optimizer_ignores(values, "adam_beta2", SPEC_ADAM_BETA2) else SPEC_ADAM_BETA2
+        except (ImportError, ValueError):  # an optimizer that cannot be built here: the trainer says why
+            values["adam_beta2"] = SPEC_ADAM_BETA2
     run_name = f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}"
     derive_run_values(values, run_name)
 
@@ -223,6 +237,9 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
                           fixed=fixed, refused=RECIPE_REFUSALS, derive=_derive, value_checks=(check_launcher,),
                           checks=(run_checks, check_model_flag), **kwargs)
     set_run_help(parser, "<task>_<algorithm>_skew<skew>_comp<compression>", row_subsets=True)
+    parser.set_help("adam_beta2", f"The exponential decay rate for the second moment estimates (variance) in "
+                                  f"Adam-based optimizers (default: {SPEC_ADAM_BETA2}, SPEC 8's betas (0.9, 0.9), "
+                                  f"with an optimizer that reads it; another, e.g. --optim sgd, reads none)")
     return parser
 
 

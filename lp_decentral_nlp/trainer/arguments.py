@@ -3,12 +3,11 @@ with every check of its fields in one place (numeric ranges: :data:`lp_decentral
 the checks the recipes' flags make too)."""
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from functools import cached_property
 
@@ -29,6 +28,8 @@ BACKENDS = ("simulated", "distributed")
 #: "loss" (Trainer's rule for an unset greater_is_better): with or without ``eval_`` and the name of
 #: an eval_dataset dict's set (``val_consensus_distance``)
 LOWER_IS_BETTER = re.compile(r"(eval_)?(\w+_)?(consensus_distance|loss_node_\d+|bytes_sent_node_\d+)")
+#: the ``TrainingArguments`` fields that transformers passes to Adam-family optimizers only
+ADAM_SETTINGS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 _DEFAULT_DDP_TIMEOUT = TrainingArguments.__dataclass_fields__["ddp_timeout"].default  # seconds
 # TrainingArguments' warning when a process group exists without DDP: the distributed backend runs
 # one node per process and gossips instead (docs/design.md), so it does not apply
@@ -181,7 +182,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if refused:
             raise ValueError(f"optim={optim!r} is not supported by DecentralizedTrainer ({refused}): use adamw_torch, "
                              f"sgd or another optimizer that steps in optimizer.step()")
-        self._refuse_ignored_optim_args(optim)
+        self._refuse_settings_optim_ignores(optim)
         self._check_qgm_beta()
         self._check_schedule_builds()
         # after TrainingArguments has normalised its spellings (include_num_input_tokens_seen=False is "no")
@@ -235,32 +236,30 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if problem:
             raise ValueError(problem)
 
-    def _refuse_ignored_optim_args(self, optim: str):
-        """An ``optim_args`` entry the optimizer does not read: transformers drops it silently (every
-        entry for ``adamw_torch`` and ``adafactor``; all but ``momentum``, ``dampening``,
-        ``weight_decay``, ``nesterov`` for ``sgd``). An entry is read when leaving it out changes the
-        optimizer's keyword arguments (``Trainer.get_optimizer_cls_and_kwargs``); a value that
-        does not parse is refused too."""
-        if not self.optim_args:
-            return
-        from transformers import Trainer
-
-        probe_model = torch.nn.Linear(1, 1)
-
-        def optimizer_kwargs(optim_args):
-            probe = copy.copy(self)
-            probe.optim_args = optim_args
-            return Trainer.get_optimizer_cls_and_kwargs(probe, probe_model)[1]
-
+    def _refuse_settings_optim_ignores(self, optim: str):
+        """Optimizer settings ``optim``'s optimizer does not read, which transformers drops silently
+        (:func:`optimizer_ignores`): ``adam_beta1``, ``adam_beta2`` or ``adam_epsilon`` away from
+        their defaults (read by the Adam family and Lion; not by ``sgd``, ``adagrad``, ``rmsprop`` or
+        ``adafactor``) and any ``optim_args`` entry (every entry for ``adamw_torch`` and
+        ``adafactor``; all but ``momentum``, ``dampening``, ``weight_decay``, ``nesterov`` for
+        ``sgd``); ``optim_args`` that do not parse are refused too."""
+        settings = vars(self)
         try:
-            given = optimizer_kwargs(self.optim_args)
+            optimizer_kwargs(settings)
         except ImportError:  # the optimizer's package is not installed: the trainer says so when it builds it
             return
         except ValueError as err:
+            if not self.optim_args:  # the optimizer cannot be built here: the trainer says why when it builds it
+                return
             raise ValueError(f"optim_args={self.optim_args!r} for optim={optim!r}: {err}") from None
-        entries = [entry for entry in self.optim_args.replace(" ", "").split(",") if entry]
+        for name in ADAM_SETTINGS:
+            default = TrainingArguments.__dataclass_fields__[name].default
+            if getattr(self, name) != default and optimizer_ignores(settings, name, default):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not read by optim={optim!r} (transformers "
+                                 f"ignores it): leave it at {default}, or use an optimizer that reads it (adamw_torch)")
+        entries = [entry for entry in (self.optim_args or "").replace(" ", "").split(",") if entry]
         for entry in entries:
-            if optimizer_kwargs(",".join(e for e in entries if e != entry) or None) == given:
+            if optimizer_ignores(settings, "optim_args", ",".join(e for e in entries if e != entry) or None):
                 raise ValueError(f"optim_args entry {entry!r} is not read by optim={optim!r} (transformers ignores it): "
                                  "drop it")
 
@@ -391,6 +390,27 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def gamma(self) -> float:
         """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
         return self.gossip_config.gamma
+
+
+def optimizer_kwargs(settings: dict) -> dict:
+    """The keyword arguments transformers gives the optimizer of the ``TrainingArguments`` field
+    values `settings` (by field name; ``optim``, ``optim_args``, ``learning_rate``, ``adam_*``...;
+    the fields not given at their defaults): ``Trainer.get_optimizer_cls_and_kwargs`` on a bare
+    ``TrainingArguments`` holding them, which it only reads (building one would set up the devices
+    and join a launcher's process group). ImportError when the optimizer's package is missing,
+    ValueError when it cannot be built."""
+    from transformers import Trainer
+
+    probe = object.__new__(TrainingArguments)
+    probe.__dict__.update({f.name: f.default for f in fields(TrainingArguments) if f.default is not MISSING})
+    probe.__dict__.update(settings)
+    return Trainer.get_optimizer_cls_and_kwargs(probe, torch.nn.Linear(1, 1))[1]
+
+
+def optimizer_ignores(settings: dict, name: str, value) -> bool:
+    """Whether the optimizer of the field values `settings` (:func:`optimizer_kwargs`) is built the
+    same with field `name` at `value`: transformers does not read `name` for it."""
+    return optimizer_kwargs(settings) == optimizer_kwargs({**settings, name: value})
 
 
 def qgm_beta_problem(args: DecentralizedTrainingArguments, optimizer_cls) -> str | None:
