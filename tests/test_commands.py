@@ -34,23 +34,21 @@ def test_transformers_spelling_and_short_aliases_set_the_same_fields(tmp_path):
     spelled = build_nlp_parser("ag_news", "choco").parse([
         "--learning_rate", "1e-4", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
         "--num_nodes", "2", "--compression", "90", "--gradient_accumulation_steps", "2",
-        "--report_to", "none", "--quant_kernel", "simulated", "--final_merge", "--skew", "0.5", "--shard_column", "topic",
+        "--report_to", "none", "--quant_kernel", "simulated", "--final_merge", "--skew", "0.5",
         "--output_dir", str(tmp_path / "a")]).training
     short = build_nlp_parser("ag_news", "choco").parse([
         "--lr", "1e-4", "--batch-size", "8", "--epochs", "2", "--nodes", "2", "--comp", "90",
         "--gradient-accumulation-steps", "2", "--kernel", "simulated", "--final-merge", "--skew", "0.5",
-        "--shard-column", "topic",
         "--output-dir", str(tmp_path / "a")]).training
     for name in ("learning_rate", "per_device_train_batch_size", "num_train_epochs", "num_nodes", "compression",
-                 "low_precision", "gradient_accumulation_steps", "report_to", "quant_kernel", "final_merge",
-                 "shard_column"):
+                 "low_precision", "gradient_accumulation_steps", "report_to", "quant_kernel", "final_merge"):
         assert getattr(spelled, name) == getattr(short, name), name
     assert (short.learning_rate, short.num_nodes, short.quant_kernel, short.gradient_accumulation_steps) == (
         1e-4, 2, "simulated", 2)
     precision = [build_nlp_parser("ag_news", "choco").parse([flag, "--output_dir", str(tmp_path / "b")]).training
                  for flag in ("--no_low_precision", "--full-precision")]
     assert precision[0].low_precision is precision[1].low_precision is False
-    assert (short.quant_kernel, short.final_merge, short.shard_column) == ("simulated", True, "topic")
+    assert (short.quant_kernel, short.final_merge) == ("simulated", True)
 
 
 def test_every_alias_is_listed_by_help_beside_its_transformers_spelling():

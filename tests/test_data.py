@@ -71,11 +71,42 @@ def test_partition_is_deterministic_under_seed_and_changes_with_it():
     (dict(seed=1.5), r"^seed must be an integer"),
     (dict(labels=[0, float("nan"), 1, 0, 1, 0, 1, 0, 1, 0]), r"^labels must be class ids, found nan at index 1"),
     (dict(labels=[0, 1, None, 0, 1, 0, 1, 0, 1, 0]), r"^labels must be class ids, found None at index 2"),
+    (dict(labels=[0, 2.5, 1, 0]), r"^labels must be class ids, found 2.5 at index 1"),
+    (dict(labels=[0, "a", 1, "b"]), r"^labels must be class ids, all integers or all strings, found 'a' \(str\) at "
+                                    r"index 1"),
+    (dict(labels=[[0, 1], [1], [0]]), r"^labels must be one class id per sample, got lists of different lengths"),
+    (dict(labels=(label for label in range(10))), r"^labels must be a one-dimensional sequence of class ids, one per "
+                                                  r"sample, got generator"),
+    (dict(labels=[]), r"^labels is empty"),
 ])
 def test_partition_rejects_bad_arguments(kwargs, word):
     args = dict(labels=list(range(10)), num_nodes=2, skew=0.5) | kwargs
     with pytest.raises(ValueError, match=word):
         skewed_partition(**args)
+
+
+def test_partition_refuses_a_dataset_for_its_label_column_and_takes_the_column():
+    """The data set itself gave numpy's "'<' not supported between instances of 'dict' and 'dict'"."""
+    data = Dataset.from_dict({"label": [0, 1, 2, 3] * 5})
+    with pytest.raises(ValueError, match=r"^labels must be one class id per sample, got a Dataset: pass its label "
+                                         r"column, e.g. dataset\['label'\]"):
+        skewed_partition(data, 2, 0.5)
+    shards = skewed_partition(data["label"], 2, 0.5)
+    assert sorted(np.concatenate(shards).tolist()) == list(range(20))
+
+
+def test_partition_of_many_classes_cuts_the_label_order_once():
+    """Each class's rows are cut from the label order at its start; the former scan of all rows
+    per class took seconds with a thousand classes. The cut equals the per-class selection."""
+    labels = np.random.default_rng(0).integers(0, 300, 20_000)
+    for skew in (0.0, 0.5, 0.9, 1.0):
+        shards = skewed_partition(labels, 8, skew, seed=3)
+        order = np.argsort(labels, kind="stable")
+        sorted_pool = np.concatenate([order[labels[order] == c][:int(np.floor(skew * (labels == c).sum() + 1e-9))]
+                                      for c in np.unique(labels)])
+        assert np.array_equal(np.concatenate([s[:len(b)] for s, b in zip(shards, np.array_split(sorted_pool, 8))]),
+                              sorted_pool)
+        assert sorted(np.concatenate(shards).tolist()) == list(range(len(labels)))
 
 
 # --- load_task: AG News ------------------------------------------------------------------------
@@ -322,6 +353,11 @@ def test_build_sentlen_needs_enough_sentences():
 def test_accuracy_metric_loads_offline():
     metric = accuracy_metric()
     assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2])["accuracy"] == pytest.approx(0.75)
+    # the hub metric's sample_weight and normalize (sklearn's accuracy_score), which raised TypeError
+    assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2], sample_weight=[1, 1, 0, 2])["accuracy"] \
+        == pytest.approx(1.0)
+    assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2], sample_weight=[1, 1, 3, 2],
+                          normalize=False)["accuracy"] == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("predictions, message", [

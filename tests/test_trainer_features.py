@@ -780,6 +780,30 @@ def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
 
 
+def test_splits_a_frame_or_too_few_rows_as_train_dataset_are_refused_naming_it(tmp_path, agnews_small):
+    """A DatasetDict or a pandas DataFrame failed with a bare KeyError; three rows for four nodes
+    only at train(), after the model had been quantized."""
+    train = agnews_small["train"]
+    for given, message in ((agnews_small, r"^train_dataset must be one data set, got a DatasetDict of splits "
+                                          r"\['train', 'test'\]: pass one of them, e\.g\. data\['train'\]"),
+                           (train.to_pandas(), r"^train_dataset must be a data set, got a pandas DataFrame: pass "
+                                               r"datasets\.Dataset\.from_pandas\(df\)"),
+                           (train.select(range(3)), r"^train_dataset has 3 rows, fewer than num_nodes=4")):
+        with pytest.raises(ValueError, match=message):
+            DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=given)
+
+
+def test_a_shard_column_with_a_missing_value_names_its_row(tmp_path, agnews_small):
+    """The category names were listed as the bad values: "... or category names (strings), found
+    ['b', 's', 't', 'w', None]"."""
+    topics = ["w", "s", "b", "t"] * (len(agnews_small["train"]) // 4)
+    topics[5] = None
+    train = agnews_small["train"].select(range(len(topics))).add_column("topic", topics)
+    with pytest.raises(ValueError, match=r"^train_dataset: shard_column 'topic' has no value \(None\) at row 5"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, skew=1.0, shard_column="topic"),
+                             train_dataset=train)
+
+
 @pytest.mark.parametrize("low_precision, kwargs, layers", [
     (False, None, [True, True]), (True, None, [True, True]),
     (True, {"every_n_layers": 2, "offload": True, "use_reentrant": False}, [True, False])])

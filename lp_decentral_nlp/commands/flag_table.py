@@ -1108,13 +1108,14 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'type': 'boolean',
   'nargs': '?',
   'const': True},
- {'options': ['--shard-column', '--shard_column'],
+ {'options': ['--shard_column', '--shard-column'],
   'dest': 'shard_column',
   'action': 'store',
-  'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Column of class ids (or category names) the shards are skewed on when skew > 0 (SPEC 6). Default: 'label', "
-          "else 'labels' when it holds one class id per sample. With skew = 0 the shards are random: leave it unset. "
-          '(default: None)',
+  'group': 'refused (transformers TrainingArguments these runs do not take: a value other than the default is an error '
+           'giving the reason shown)',
+  'help': 'the recipes read the text (or image) and label columns of their data only, and skew the shards on the '
+          'label; to skew on another column, train your own dataset from Python (DecentralizedTrainer with '
+          'shard_column=...) (default: None)',
   'type': 'str'},
  {'options': ['--final-merge', '--final_merge'],
   'dest': 'final_merge',

@@ -43,7 +43,6 @@ ALIASES = {
     "--default-malloc": "no_tune_cpu_malloc",
     "--kernel": "quant_kernel",
     "--final-merge": "final_merge",
-    "--shard-column": "shard_column",
 }
 
 #: the recipes' usage line

@@ -140,7 +140,6 @@ def run_checks(parser, parsed) -> None:
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
-    check_what_recipes_use(parser, parsed.training)
     check_strategy_settings(parser, parsed.training)
 
 
@@ -194,19 +193,25 @@ RECIPE_REFUSALS: dict[str, str] = {
                     "a setting of compute_metrics, and the recipes compute accuracy without one (from Python, "
                     "DecentralizedTrainer(compute_metrics=...) takes it)"),
     # what scripts read (transformers' Trainer does not either)
+    "shard_column": ("the recipes read the text (or image) and label columns of their data only, and skew the shards on "
+                     "the label; to skew on another column, train your own dataset from Python "
+                     "(DecentralizedTrainer with shard_column=...)"),
     **dict.fromkeys(("do_train", "do_eval", "do_predict"),
                     "what a training script runs, and a recipe always trains, then evaluates the averaged model and "
                     "each node on the test split (results.json)"),
 }
 
 
-def check_what_recipes_use(parser, training) -> None:
+def check_what_recipes_use(parser, values: dict) -> None:
     """A flag of :data:`RECIPE_REFUSALS` given a value other than its field's default: a flag error
-    giving the reason (``TrainingArguments`` itself sets ``do_eval`` under an evaluation strategy)."""
+    giving the reason, from the flag values (by field name) before the arguments are built, whose own
+    checks of the value would speak first (``TrainingArguments`` itself sets ``do_eval`` under an
+    evaluation strategy: a flag not given is never refused)."""
+    from ..trainer import DecentralizedTrainingArguments
     from ..trainer.field_policy import is_default
 
     for name, why in RECIPE_REFUSALS.items():
-        if parser.flag_given(name) is not None and not is_default(training, name):
+        if parser.flag_given(name) is not None and not is_default(DecentralizedTrainingArguments, name, values[name]):
             parser.error(f"argument {parser.flag_of(name)}: {why}; drop it")
 
 

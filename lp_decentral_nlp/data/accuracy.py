@@ -15,8 +15,9 @@ Args:
     predictions (list of int): predicted labels.
     references (list of int): ground-truth labels.
     normalize (bool): if False, return the number of correct predictions instead of the fraction.
+    sample_weight (list of float): weight of each sample (default: 1 each), as the hub's metric.
 Returns:
-    accuracy (float): fraction (or count) of correct predictions.
+    accuracy (float): fraction (or count) of correct predictions, weighted by sample_weight.
 """
 
 
@@ -33,12 +34,17 @@ class Accuracy(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references, normalize=True):
+    def _compute(self, predictions, references, normalize=True, sample_weight=None):
         for name, values in (("predictions", predictions), ("references", references)):
             values = np.asarray(values, dtype=np.float64)
             fractional = np.flatnonzero(values != np.round(values))
             if fractional.size:
                 raise ValueError(f"{name} must be class ids (whole numbers), got {float(values[fractional[0]])!r} at index "
                                  f"{int(fractional[0])}: take the argmax of the logits (or threshold a probability)")
-        correct = np.asarray(predictions) == np.asarray(references)
-        return {"accuracy": float(correct.mean() if normalize else correct.sum())}
+        correct = (np.asarray(predictions) == np.asarray(references)).astype(np.float64)
+        weights = np.ones_like(correct) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+        if weights.shape != correct.shape:
+            raise ValueError(f"sample_weight must hold one weight per prediction ({len(correct)}), got shape "
+                             f"{weights.shape}")
+        score = float((correct * weights).sum())
+        return {"accuracy": score / float(weights.sum()) if normalize else score}

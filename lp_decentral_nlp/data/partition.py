@@ -29,24 +29,19 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
         ``num_nodes`` int64 arrays of sample indices into ``labels``; disjoint, together a
         permutation of ``range(N)``.
     """
-    labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise ValueError(f"labels must be one-dimensional, got shape {labels.shape}")
+    labels = _class_ids(labels)
     num_nodes = check_number("num_nodes", num_nodes, POSITIVE_INT)
+    if not len(labels):
+        raise ValueError("labels is empty: there are no samples to split")
     if num_nodes > len(labels):
         raise ValueError(f"num_nodes={num_nodes} exceeds the number of samples ({len(labels)}): some shards would be empty")
     skew = check_field("skew", skew)
     seed = check_field("seed", seed)
-    if labels.dtype == object and any(label is None for label in labels):
-        raise ValueError(f"labels must be class ids, found None at index {[l is None for l in labels].index(True)}")
-    if labels.dtype.kind == "f" and not np.isfinite(labels).all():
-        raise ValueError(f"labels must be class ids, found {labels[~np.isfinite(labels)][0]} at index "
-                         f"{int(np.flatnonzero(~np.isfinite(labels))[0])}")
 
     order = np.argsort(labels, kind="stable")
+    starts = np.unique(labels[order], return_index=True)[1]  # where each class begins in label order
     sorted_pool, random_pool = [], []
-    for cls in np.unique(labels):
-        members = order[labels[order] == cls]
+    for members in np.split(order, starts[1:]):
         take = int(np.floor(float(skew) * len(members) + 1e-9))
         sorted_pool.append(members[:take])
         random_pool.append(members[take:])
@@ -57,6 +52,42 @@ def skewed_partition(labels: Sequence[int], num_nodes: int, skew: float, seed: i
     sorted_blocks = np.array_split(sorted_pool, num_nodes)
     random_blocks = _split_extra_last(random_pool, num_nodes)
     return [np.concatenate([s, r]).astype(np.int64) for s, r in zip(sorted_blocks, random_blocks)]
+
+
+def _class_ids(labels) -> np.ndarray:
+    """``labels`` as a one-dimensional array of class ids: integers, whole-number floats or
+    strings, one per sample. ValueError naming what was given otherwise (a dataset instead of its
+    label column, a generator, per-sample lists, a missing or fractional value, mixed types)."""
+    if hasattr(labels, "column_names") or isinstance(labels, dict):
+        raise ValueError(f"labels must be one class id per sample, got a {type(labels).__name__}: pass its label "
+                         "column, e.g. dataset['label']")
+    try:
+        array = np.asarray(labels)
+    except ValueError:  # lists of different lengths: several labels per sample
+        raise ValueError("labels must be one class id per sample, got lists of different lengths (several labels per "
+                         "sample): pass one class column to skew on") from None
+    if array.ndim != 1:
+        given = type(labels).__name__ if array.ndim == 0 else f"shape {array.shape}"
+        raise ValueError(f"labels must be a one-dimensional sequence of class ids, one per sample, got {given}")
+    if array.dtype == object or (array.dtype.kind == "U" and not isinstance(labels, np.ndarray)):
+        # objects: None, mixed or odd types; strings from a list: numpy writes integers among them as strings
+        missing = next((i for i, value in enumerate(array) if value is None), None)
+        if missing is not None:
+            raise ValueError(f"labels must be class ids, found None at index {missing}")
+        values = array if array.dtype == object else labels
+        family = str if isinstance(values[0], str) else (int, np.integer)
+        odd = next((i for i, value in enumerate(values) if not isinstance(value, family)), None)
+        if odd is not None:
+            raise ValueError(f"labels must be class ids, all integers or all strings, found {values[odd]!r} "
+                             f"({type(values[odd]).__name__}) at index {odd}")
+        array = array.astype(str if family is str else np.int64)
+    if array.dtype.kind == "f":
+        odd = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
+        if odd.size:
+            raise ValueError(f"labels must be class ids, found {array[odd[0]]} at index {int(odd[0])}")
+    elif array.dtype.kind not in "iubUS":  # integers, booleans, strings
+        raise ValueError(f"labels must be class ids (integers or strings), got values of type {array.dtype}")
+    return array
 
 
 def _split_extra_last(pool: np.ndarray, num_nodes: int) -> list[np.ndarray]:

@@ -189,11 +189,13 @@ def field_default(args, name: str):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
-def is_default(args, name: str) -> bool:
-    """Whether field ``name`` of ``args`` holds its default or the form `TrainingArguments.__post_init__`
-    gives an unset default (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an
-    ``AcceleratorConfig()``), so a copy of processed arguments (``dataclasses.replace``) passes too."""
-    value, default = getattr(args, name), field_default(args, name)
+def is_default(args, name: str, value=dataclasses.MISSING) -> bool:
+    """Whether field ``name`` of ``args`` (an instance, or its class with the `value` to judge)
+    holds its default or the form `TrainingArguments.__post_init__` gives an unset default
+    (``debug=''`` becomes ``[]``, ``accelerator_config=None`` an ``AcceleratorConfig()``), so a copy
+    of processed arguments (``dataclasses.replace``) passes too."""
+    value = getattr(args, name) if value is dataclasses.MISSING else value
+    default = field_default(args, name)
     if value == default:
         return True
     if default in (None, "") and value in (None, "", [], {}):

@@ -147,6 +147,9 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     ValueError naming the column or argument that is wrong."""
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
+    if len(dataset) < args.num_nodes:
+        raise ValueError(f"train_dataset has {len(dataset)} rows, fewer than num_nodes={args.num_nodes}: every node "
+                         "trains on a shard of its own (spec 6)")
     check_labels(dataset, num_labels, "train_dataset")  # whatever the shards are skewed on
     # the stored rows: no formatting transform (e.g. image decoding, or with_transform's label -> labels)
     stored = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
@@ -170,6 +173,10 @@ def read_shard_labels(dataset, args, num_labels: int | None) -> list[int] | None
     values = stored[name] if hasattr(dataset, "with_format") else [dataset[i][name] for i in range(len(dataset))]
     values = [int(v) if torch.is_tensor(v) and v.dim() == 0 else v for v in values]
     what = "labels" if name in ("label", "labels") else f"shard_column {name!r}"
+    missing = next((row for row, value in enumerate(values) if value is None), None)
+    if missing is not None:
+        raise ValueError(f"train_dataset: {what} has no value (None) at row {missing}: every sample needs one to be "
+                         "sharded on")
     if what != "labels" and values and all(isinstance(v, str) for v in values):  # category names: ids in sorted order
         ids = {category: i for i, category in enumerate(sorted(set(values)))}
         return [ids[v] for v in values]

@@ -286,6 +286,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
                              f"{type(model).__name__}")
         train_dataset = kwargs.get("train_dataset")
+        if isinstance(train_dataset, dict):  # a DatasetDict: Trainer fails at the first batch with a KeyError
+            raise ValueError(f"train_dataset must be one data set, got a {type(train_dataset).__name__} of splits "
+                             f"{list(train_dataset)}: pass one of them, e.g. data['train']")
+        if type(train_dataset).__module__.startswith("pandas"):
+            raise ValueError(f"train_dataset must be a data set, got a pandas {type(train_dataset).__name__}: pass "
+                             "datasets.Dataset.from_pandas(df)")
         if train_dataset is not None and (isinstance(train_dataset, IterableDataset)
                                           or not hasattr(train_dataset, "__len__")):
             raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "

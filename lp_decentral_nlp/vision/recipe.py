@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (RECIPE_REFUSALS, RunArguments, check_launcher, check_memory, check_training_rows,
-                            derive_run_values, exit_with_error, load_data, print_summary, run_checks,
-                            set_process_output, set_run_help, set_threads, train_and_report)
+                            check_what_recipes_use, derive_run_values, exit_with_error, load_data, print_summary,
+                            run_checks, set_process_output, set_run_help, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model, image_size_problem
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -170,7 +170,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                                      "sized for a CPU run on digits).")
     parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
                           fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
-                          derive=_derive, value_checks=(check_launcher,),
+                          derive=_derive, value_checks=(check_what_recipes_use, check_launcher),
                           checks=(run_checks, _check_network, _check_columns), **kwargs)
     set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>", row_subsets=False)
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
