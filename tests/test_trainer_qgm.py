@@ -198,3 +198,20 @@ def test_a_skewed_qgm_adamw_run_on_the_directed_ring_lowers_the_loss_and_stays_i
     losses = [m["eval_loss"] for m in evaluations]
     assert len(losses) == 2 and losses[1] < 0.9 * losses[0], losses
     assert evaluations[1]["eval_consensus_distance"] < 1.0, evaluations[1]
+
+
+@pytest.mark.parametrize("optim, make", [
+    ("sgd", lambda body, head: torch.optim.SGD([{"params": body, "lr": 0.5}, {"params": head, "lr": 0.05}])),
+    ("adamw_torch", lambda body, head: torch.optim.AdamW([{"params": body, "lr": 0.5}, {"params": head, "lr": 0.05}])),
+], ids=["sgd", "adamw"])
+def test_parameter_groups_with_different_lrs_are_refused(tmp_path, optim, make):
+    """The momentum is recovered from the model's whole change divided by one LR: with SGD the
+    head's buffer came out 10 times too small, without a word (Adam/AdamW refused it already)."""
+    class TwoLRs(DecentralizedTrainer):
+        def create_optimizer(self, model=None):
+            return make(list(model.hidden.parameters()), list(model.classifier.parameters()))
+
+    trainer = TwoLRs(model=TinyMLP(), args=args(tmp_path, optim=optim), train_dataset=two_row_dataset())
+    with pytest.raises(ValueError, match=r"^qgm=True needs one lr for every parameter group of the optimizer.*"
+                                         r"got \[0\.5, 0\.05\]"):
+        trainer.train()

@@ -172,12 +172,16 @@ class OptimizerMixin:
         parameter's weight decay from the group holding it (Trainer: ``weight_decay`` for weights,
         0 for biases and LayerNorm weights; 0 for a parameter outside every group). ValueError
         for settings QuasiGlobalAdam cannot honour (amsgrad, maximize, L2 weight decay of
-        ``torch.optim.Adam``, groups with different betas, eps or LR).
+        ``torch.optim.Adam``, groups with different betas or eps) and parameter groups with different
+        LRs (the momentum is recovered from the whole model change divided by one LR).
         """
         optimizer = self.node_optimizers[0]
+        groups = optimizer.param_groups
+        if len({group["lr"] for group in groups}) > 1:
+            raise ValueError(f"qgm=True needs one lr for every parameter group of the optimizer (the quasi-global "
+                             f"momentum is the model's whole change divided by it), got {[g['lr'] for g in groups]}")
         if isinstance(optimizer, torch.optim.SGD):
             return gossip_lib.QuasiGlobalMomentum(self.node_params, beta=self.args.qgm_beta)
-        groups = optimizer.param_groups
         for option in ("amsgrad", "maximize"):
             if any(group.get(option) for group in groups):
                 raise ValueError(f"qgm=True with Adam {option}=True: QuasiGlobalAdam runs plain Adam/AdamW; "
@@ -185,7 +189,7 @@ class OptimizerMixin:
         if any(group["weight_decay"] and not group.get("decoupled_weight_decay") for group in groups):
             raise ValueError("qgm=True with torch.optim.Adam and weight_decay > 0 (L2 added to the gradient): "
                              "QuasiGlobalAdam decays decoupled, as AdamW: use optim='adamw_torch' or weight_decay=0")
-        for key in ("betas", "eps", "lr"):
+        for key in ("betas", "eps"):
             if len({group[key] for group in groups}) > 1:
                 raise ValueError(f"qgm=True needs one {key} for every parameter group of the optimizer, got "
                                  f"{[group[key] for group in groups]}")
