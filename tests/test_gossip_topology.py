@@ -53,6 +53,12 @@ def test_exponential_graph_cycles_hops_and_averages_exactly_over_one_period():
     assert topo.period_spectral_gap() == pytest.approx(1.0)
 
 
+def test_a_disconnected_steps_gap_is_zero_not_a_rounding_below_it():
+    """|lambda_2| of the 6-node exponential graph's second step rounds to 1 + 2e-16: the gap was -2.2e-16."""
+    assert all(make_topology("exponential", n).spectral_gap(t) >= 0.0 for n in (6, 12) for t in range(4))
+    assert make_topology("exponential", 6).spectral_gap(1) == 0.0
+
+
 def test_torus_neighbours():
     topo = make_topology("torus", 16, rows=4, cols=4)
     assert topo.out_neighbors(5) == [1, 4, 6, 9]

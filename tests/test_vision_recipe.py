@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from lp_decentral_nlp.gossip import make_topology
 from lp_decentral_nlp.quant import QuantModule, kernel_report
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
 from lp_decentral_nlp.vision import ImageClassifier, QuantRangeEvoNorm2d, load_vision_dataset, vision_transform
@@ -199,7 +200,8 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert results["config"]["threads"] == 1  # no --threads: OMP_NUM_THREADS, the count the run used
     assert results["model_used"] == "resnet20 (range_evonorm, 10 classes, random init)"
     assert results["cost"]["precision"] == "int8" and results["cost"]["input_shape"] == [3, 8, 8]
-    assert results["cost"]["communication"] is not None
+    assert results["cost"]["communication"]["spectral_gap"] == results["spectral_gap"] == pytest.approx(
+        make_topology("directed_ring", 2).period_spectral_gap())  # spec 1: each graph's gap is reported
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,") and len(rows) >= 5
     # the default milestones are 50% and 75% of the --max-steps run (steps 2 and 3), not of the default

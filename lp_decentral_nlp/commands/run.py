@@ -1040,6 +1040,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         "node_accuracy": [metrics[f"eval_accuracy_node_{i}"] for i in range(n)],
         "bytes_sent_per_node": [metrics[f"eval_bytes_sent_node_{i}"] for i in range(n)],
         "consensus_distance": metrics["eval_consensus_distance"],
+        "spectral_gap": trainer.gossip.topology.period_spectral_gap(),  # spec 1: how fast the graph mixes
         # lost_messages_per_node, absent_steps_per_node, nonfinite_skips_per_node, ... of the settings in use
         **{f"{name}_per_node": counts for name, counts in trainer.fault_counts().items()},
         "steps": trainer.state.global_step,

@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     what = args.arch or args.model
     comm = reports["fp32"].communication
     print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
-          f"gossip: {comm.algorithm} on {comm.topology}, compression {args.compression:g}%")
+          f"gossip: {comm.algorithm} on {comm.topology} (spectral gap {comm.spectral_gap:.3g}), "
+          f"compression {args.compression:g}%")
     print(format_comparison(reports))
     int8_weight_grad_energy = None
     if args.convention == "ours":  # the paper's convention prices every op of the 8-bit model int8

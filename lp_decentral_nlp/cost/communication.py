@@ -25,11 +25,15 @@ class CommunicationCost:
     ``iterations_per_epoch`` = ``floor(samples_per_node / batch_size)`` (the trainer's loaders drop
     the last partial batch) and ``bytes_per_epoch``
     (the sum over those steps, averaged over nodes): ``None`` when not requested.
+    ``spectral_gap``: the topology's per-step gap ``1 - |lambda_2|`` over one period
+    (:meth:`~lp_decentral_nlp.gossip.Topology.period_spectral_gap`; spec 1), in [0, 1]: how fast
+    gossip mixes.
     """
 
     algorithm: str
     compressor: str
     topology: str
+    spectral_gap: float
     num_nodes: int
     message_bytes: int
     bytes_per_iteration: float
@@ -89,5 +93,5 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
         per_epoch = message_bytes * sum(mean_fanout(t) for t in range(iterations))
     return CommunicationCost(
         algorithm=type(gossip).__name__, compressor=repr(gossip.compressor), topology=repr(topology),
-        num_nodes=n, message_bytes=message_bytes, bytes_per_iteration=per_iteration,
+        spectral_gap=topology.period_spectral_gap(), num_nodes=n, message_bytes=message_bytes, bytes_per_iteration=per_iteration,
         iterations_per_epoch=iterations, bytes_per_epoch=per_epoch)

@@ -100,7 +100,7 @@ class Topology:
         For a time-varying graph a single step is usually not connected (gap 0); see
         :meth:`period_spectral_gap` for the rate over a whole period.
         """
-        return 1.0 - _second_eigenvalue_modulus(self._mats[self._phase(step)])
+        return max(0.0, 1.0 - _second_eigenvalue_modulus(self._mats[self._phase(step)]))  # not -2e-16
 
     def period_spectral_gap(self) -> float:
         """Per-step gap of the product over one period: ``1 - |lambda_2(W(T-1)...W(0))|^(1/T)``.
@@ -111,7 +111,7 @@ class Topology:
         prod = np.eye(self.num_nodes)
         for m in self._mats:
             prod = m @ prod
-        return 1.0 - _second_eigenvalue_modulus(prod) ** (1.0 / self.period)
+        return max(0.0, 1.0 - _second_eigenvalue_modulus(prod) ** (1.0 / self.period))
 
     def fingerprint(self) -> int:
         """A 63-bit hash of the matrices over one period (used to check that ranks agree)."""

@@ -560,8 +560,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
         logger.info("\n".join([
             "***** Running decentralized training *****",
-            f"  Nodes = {args.num_nodes} ({args.backend} backend; {self.gossip.topology.name} graph, {args.algorithm}, "
-            f"compression {args.compression:g}%, consensus step {args.gamma:g})",
+            f"  Nodes = {args.num_nodes} ({args.backend} backend; {self.gossip.topology.name} graph of spectral gap "
+            f"{self.gossip.topology.period_spectral_gap():.3g}, {args.algorithm}, compression {args.compression:g}%, "
+            f"consensus step {args.gamma:g})",
             f"  Examples per node = {min(shards):,} to {max(shards):,} (label skew {args.skew:g})",
             f"  Num Epochs = {state.num_train_epochs:,} ({steps_per_epoch:,} optimization steps each)",
             f"  Batch size per node = {batch:,} ({args.per_device_train_batch_size:,} x "
