@@ -18,6 +18,7 @@ from helpers import free_port, saved_decoder_only_model, saved_encoder_decoder_m
 
 from lp_decentral_nlp import load_quantized
 from lp_decentral_nlp.commands import DEFAULT_MODEL, build_nlp_parser, main, resolve_model
+from lp_decentral_nlp.quant import QuantGemmLayer
 from lp_decentral_nlp.trainer.checkpointing import list_checkpoints
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -189,6 +190,11 @@ def test_a_decoder_only_model_whose_tokenizer_has_no_padding_token_trains(minilm
     assert (f"notice: {folder}: its tokenizer has no padding token; the batches are padded with its end-of-sequence "
             "token '[SEP]'") in capsys.readouterr().err
     model = load_quantized(tmp_path / "run" / "model").eval()
+    # the int8 inference export (SPEC 4) beside the fp32 master weights: what the 8-bit layers ran
+    exported = load_file(tmp_path / "run" / "model" / "int8.safetensors")
+    quantized = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QuantGemmLayer)]
+    assert quantized and all(exported[key].dtype == torch.int8 for key in quantized)
+    assert exported["score.weight"].dtype == torch.float32  # the head stays float (SPEC 4)
     saved = AutoTokenizer.from_pretrained(tmp_path / "run" / "model")
     assert model.config.pad_token_id == saved.pad_token_id == saved.eos_token_id
     padded = saved(["stocks fall sharply on wall street", "team wins"], padding=True, return_tensors="pt")

@@ -237,6 +237,20 @@ def test_digits_recipe_end_to_end(tmp_path):
         correct = sum((model(b["pixel_values"]).logits.argmax(-1) == b["label"]).sum().item() for b in loader)
     assert correct / len(test) == pytest.approx(results["accuracy"])
 
+    # the int8 inference export (SPEC 4): every quantized layer's weight as int8 codes, which load back
+    # into the model as the weights its forward used
+    from safetensors.torch import load_file
+
+    from lp_decentral_nlp.quant import QuantGemmLayer, dequantize_int8_state_dict
+    exported = load_file(out / "model" / "int8.safetensors")
+    quantized = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QuantGemmLayer)]
+    assert quantized and all(exported[key].dtype == torch.int8 for key in quantized)
+    before = model(torch.stack([test[i]["pixel_values"] for i in range(8)])).logits
+    model.load_state_dict(dequantize_int8_state_dict(exported))
+    with torch.no_grad():
+        after = model(torch.stack([test[i]["pixel_values"] for i in range(8)])).logits
+    torch.testing.assert_close(after, before.detach(), atol=5e-2, rtol=0)
+
 
 def test_an_evaluation_at_the_last_step_is_the_final_one(tmp_path):
     """--eval_steps dividing --max-steps: the evaluation training ends with is the one results.json

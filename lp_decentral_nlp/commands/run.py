@@ -1024,6 +1024,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     try:
         metrics = final_evaluation(trainer)
         trainer.save_model(os.path.join(out, "model"))
+        if training.low_precision and trainer.state.is_world_process_zero:
+            write_int8_export(trainer.model, os.path.join(out, "model"))
         if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
             write_model_card(trainer, os.path.join(out, "model"), **card)
     except KeyboardInterrupt:  # training ended; its final evaluation or model was not written
@@ -1060,6 +1062,22 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     if trainer.state.is_world_process_zero:
         write_json(out, "results.json", results)
     return results
+
+
+#: the file of an 8-bit run's model folder holding its int8 export (SPEC 4: the inference model stores 8-bit weights)
+INT8_EXPORT = "int8.safetensors"
+
+
+def write_int8_export(model, folder: str) -> None:
+    """``folder/``:data:`INT8_EXPORT`: :func:`~lp_decentral_nlp.quant.export_int8_state_dict` of the
+    trained 8-bit ``model`` (int8 codes with a scale and offset per quantized layer's weight, the
+    rest as saved), beside its fp32 master weights; ``dequantize_int8_state_dict`` of the file's
+    tensors loads it back into the model."""
+    from safetensors.torch import save_file
+
+    from ..quant import export_int8_state_dict
+
+    save_file(export_int8_state_dict(model), os.path.join(folder, INT8_EXPORT), metadata={"format": "pt"})
 
 
 def write_json(folder: str, name: str, content) -> None:
