@@ -24,7 +24,8 @@ from .utils.lazy import lazy_namespace
 __version__ = "0.1.0"
 
 __all__ = ["LpQuantizationConfig", "QuantConfig", "dequantize_int8_state_dict", "dequantize_model",
-           "export_int8_state_dict", "kernel_report", "load_quantized", "quantize_model", "saved_tensor_bytes"]
+           "export_int8_state_dict", "kernel_report", "load_int8_export", "load_quantized", "quantize_model",
+           "save_int8_export", "saved_tensor_bytes"]
 __getattr__, __dir__ = lazy_namespace(__name__, dict.fromkeys(__all__, ".quant"),
                                       subpackages=("checks", "commands", "cost", "data", "gossip", "quant", "trainer",
                                                    "utils", "vision"))

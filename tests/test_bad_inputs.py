@@ -232,7 +232,7 @@ ROWS = {
             "['azure_ml', 'clearml', 'codecarbon', 'comet_ml', 'dagshub', 'dvclive', 'flyte', 'kubeflow', 'mlflow', "
             "'neptune', 'swanlab', 'tensorboard', 'trackio', 'wandb'], 'all' or 'none' (several, apart: --report_to "
             "tensorboard wandb)"),
-    56: cli(["--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a metric of the "
+    56: cli(["--eval_steps", "5", "--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a metric of the "
             "evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
             "bytes_sent_node_<i> for a node i in 0..3"),
     57: cli(["--skew", "0.5", "--shard-column", "topic"], "argument --shard-column: the recipes read the text (or "

@@ -120,6 +120,13 @@ def test_the_spec8_adam_beta2_applies_where_the_optimizer_reads_it(argv, beta2):
     assert build_nlp_parser("ag_news", "choco").parse(argv).training.adam_beta2 == beta2
 
 
+@pytest.mark.parametrize("argv, steps", [([], 10), (["--logging_strategy", "epoch"], 500),
+                                         (["--logging_steps", "3"], 3)])
+def test_the_recipes_log_every_10_steps_where_the_strategy_reads_an_interval(argv, steps):
+    """--logging_strategy epoch was refused for the recipes' own logging_steps=10, which it does not read."""
+    assert build_nlp_parser("ag_news", "choco").parse(argv).training.logging_steps == steps
+
+
 def test_results_config_records_what_differs_from_the_defaults_and_reads_older_configs():
     from lp_decentral_nlp.commands import changed_settings, config_differences, run_config
 

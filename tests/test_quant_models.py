@@ -293,6 +293,34 @@ def test_int8_export_reproduces_each_kernel(kernel):
         torch.testing.assert_close(clone(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+def test_the_int8_export_file_writes_a_tied_weight_once_and_loads_it_under_every_key(tmp_path):
+    """safetensors refuses tensors that share memory ("Some tensors share memory"): GPT-2's lm_head
+    and wte, BART's shared embedding under three keys. The file holds the tensor once and names
+    the other keys; loading restores them."""
+    from safetensors import safe_open
+
+    from lp_decentral_nlp import load_int8_export, save_int8_export
+
+    model = quantize_model(ARCHITECTURES["gpt2"]())
+    model(**example_inputs("gpt2"))  # a training forward: the activation ranges
+    model.eval()
+    exported = export_int8_state_dict(model)
+    assert exported["lm_head.weight"].data_ptr() == exported["transformer.wte.weight"].data_ptr()
+    save_int8_export(model, tmp_path / "int8.safetensors")
+    with safe_open(tmp_path / "int8.safetensors", framework="pt") as file:
+        assert "lm_head.weight" not in file.keys() and "transformer.wte.weight" in file.keys()
+    loaded = load_int8_export(tmp_path / "int8.safetensors")
+    expected = dequantize_int8_state_dict(exported)
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(loaded)
+    inputs = example_inputs("gpt2")
+    with torch.no_grad():
+        torch.testing.assert_close(output_of(clone, inputs), output_of(model, inputs), rtol=0, atol=1e-5)
+    float_weights = load_int8_export(tmp_path / "int8.safetensors", activation_ranges=False)
+    assert not [key for key in float_weights if ".act_" in key]
+
+
 def test_int8_export_loads_into_the_float_model_without_the_activation_ranges():
     """The docstring promised a state dict for the float model too, but the 8-bit layers' range
     buffers made its strict load_state_dict fail with "Unexpected key(s)"."""

@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import copy
 import logging
+import re
 import types
 import warnings
 from pathlib import Path
@@ -556,8 +557,8 @@ def test_log_level_info_shows_the_run_summary_and_the_packages_info_lines(tmp_pa
     trainer = trainer_for(tmp_path / "info", agnews_small, tokenizer, log_level="info", save_strategy="steps",
                           save_steps=1)
     trainer.train()
-    assert "***** Running decentralized training *****\n  Nodes = 4 (simulated backend; directed_ring graph, " \
-           "choco," in caplog.text
+    assert "***** Running decentralized training *****\n  Nodes = 4 (simulated backend; directed_ring graph of " \
+           "spectral gap 0.293, choco," in caplog.text  # 1 - |(1 + i) / 2|
     assert "  Total optimization steps = 2 (from step 0)" in caplog.text
     resumed = trainer_for(tmp_path / "info", agnews_small, tokenizer, log_level="info", save_strategy="steps",
                           save_steps=1, max_steps=3)
@@ -655,7 +656,7 @@ def test_a_warning_repeated_every_step_is_shown_once(tmp_path, agnews_small, tok
 
 
 def test_logging_strategy_no_logs_no_training_loss(tmp_path, agnews_small, tokenizer):
-    trainer = trainer_for(tmp_path, agnews_small, tokenizer, logging_strategy="no", max_steps=3)
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, logging_strategy="no", logging_steps=500, max_steps=3)
     output = trainer.train()
     assert [h for h in trainer.state.log_history if "loss" in h] == []  # only the run's summary
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss > 0
@@ -778,6 +779,15 @@ def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused
 
     with pytest.raises(ValueError, match="train_dataset must be map-style.*got Stream"):
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
+
+
+@pytest.mark.parametrize("setting", [dict(include_for_metrics=["inputs"]), dict(batch_eval_metrics=True)])
+def test_a_setting_of_compute_metrics_without_one_is_refused(setting, tmp_path, agnews_small):
+    """Both shape only what compute_metrics receives: without one they did nothing."""
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} is a setting of compute_metrics, and "
+                                         r"none was given: pass compute_metrics"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **setting), train_dataset=agnews_small["train"])
 
 
 def test_splits_a_frame_or_too_few_rows_as_train_dataset_are_refused_naming_it(tmp_path, agnews_small):
@@ -1151,8 +1161,9 @@ def test_the_best_model_by_consensus_distance_is_the_least_divergent(tmp_path, a
     for metric, greater in (("consensus_distance", False), ("eval_loss_node_1", False), ("bytes_sent_node_0", False),
                             ("accuracy_node_0", True), ("loss", False), ("val_consensus_distance", False),
                             ("eval_val_bytes_sent_node_1", False), ("val_accuracy_node_0", True)):
-        assert targs(tmp_path, metric_for_best_model=metric).greater_is_better is greater, metric
-    assert targs(tmp_path, metric_for_best_model="consensus_distance", greater_is_better=True).greater_is_better
+        assert targs(tmp_path, metric_for_best_model=metric, eval_strategy="steps").greater_is_better is greater, metric
+    assert targs(tmp_path, metric_for_best_model="consensus_distance", greater_is_better=True,
+                 eval_strategy="steps").greater_is_better
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=3, eval_strategy="steps", eval_steps=1,
                           save_strategy="steps", save_steps=1, load_best_model_at_end=True,
                           metric_for_best_model="consensus_distance")
@@ -1812,6 +1823,11 @@ def test_a_schedule_that_cannot_be_built_is_refused_when_the_arguments_are(tmp_p
     (dict(save_total_limit=1), r"save_total_limit=1 is how many checkpoints are kept, and save_strategy='no'"),
     (dict(save_only_model=True), r"save_only_model=True is what a checkpoint holds, and save_strategy='no'"),
     (dict(eval_delay=2), r"eval_delay=2 is a setting of evaluation during training, and eval_strategy='no'"),
+    (dict(metric_for_best_model="accuracy"), r"metric_for_best_model='accuracy' is a setting of evaluation during "
+                                             r"training, and eval_strategy='no'"),
+    (dict(greater_is_better=True), r"greater_is_better=True is a setting of evaluation during training"),
+    (dict(logging_strategy="epoch", logging_steps=5), r"logging_steps: logging_steps is the interval of "
+                                                      r"logging_strategy='steps', and logging_strategy is 'epoch'"),
     (dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
      r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} is the options of activation \(gradient\) "
      r"checkpointing, which is off"),

@@ -241,12 +241,12 @@ def test_digits_recipe_end_to_end(tmp_path):
     # into the model as the weights its forward used
     from safetensors.torch import load_file
 
-    from lp_decentral_nlp.quant import QuantGemmLayer, dequantize_int8_state_dict
+    from lp_decentral_nlp.quant import QuantGemmLayer, load_int8_export
     exported = load_file(out / "model" / "int8.safetensors")
     quantized = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QuantGemmLayer)]
     assert quantized and all(exported[key].dtype == torch.int8 for key in quantized)
     before = model(torch.stack([test[i]["pixel_values"] for i in range(8)])).logits
-    model.load_state_dict(dequantize_int8_state_dict(exported))
+    model.load_state_dict(load_int8_export(out / "model" / "int8.safetensors"))
     with torch.no_grad():
         after = model(torch.stack([test[i]["pixel_values"] for i in range(8)])).logits
     torch.testing.assert_close(after, before.detach(), atol=5e-2, rtol=0)

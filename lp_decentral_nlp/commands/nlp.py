@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 from ..checks import check_choice, check_data_dir_given, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
-from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RunArguments, check_launcher,
-                  check_memory, check_training_rows, check_what_recipes_use, derive_run_values, error_summary,
-                  exit_with_error, hub_offline, is_packaged_model, load_data, model_folder_problem,
-                  model_label_mismatch, packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in,
-                  set_process_output, set_run_help, set_threads, train_and_report)
+from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RECIPE_VALUE_CHECKS,
+                  RunArguments, check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error,
+                  hub_offline, is_packaged_model, load_data, model_folder_problem, model_label_mismatch,
+                  packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
+                  set_run_help, set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
 # adam_beta2: SPEC_ADAM_BETA2 where the optimizer reads it (_derive).
 SPEC_ADAM_BETA2 = 0.9
 NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=None, weight_decay=1e-4,
                     per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
-                    logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
+                    logging_steps=None, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
 @dataclass
@@ -235,7 +235,7 @@ def build_nlp_parser(task: str | None, algorithm: str, **kwargs) -> RecipeParser
     kwargs.setdefault("description", f"Decentralized {algorithm} fine-tuning on {on} (SPEC 8 defaults).")
     parser = RecipeParser(DecentralizedTrainingArguments, NLPArguments, defaults=NLP_DEFAULTS,
                           fixed=fixed, refused=RECIPE_REFUSALS, derive=_derive,
-                          value_checks=(check_what_recipes_use, check_launcher),
+                          value_checks=RECIPE_VALUE_CHECKS,
                           checks=(run_checks, check_model_flag), **kwargs)
     set_run_help(parser, "<task>_<algorithm>_skew<skew>_comp<compression>", row_subsets=True)
     parser.set_help("adam_beta2", f"The exponential decay rate for the second moment estimates (variance) in "

@@ -56,6 +56,8 @@ from ..utils.logs import LIBRARY, set_verbosity
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # what a finished or interrupted run leaves in its output folder
+#: the file of an 8-bit run's model folder holding its int8 export (SPEC 4: the inference model stores 8-bit weights)
+INT8_EXPORT = "int8.safetensors"
 RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
@@ -100,12 +102,20 @@ SEED_HELPS = {"seed": "Random seed of the run: the held-out test rows (of data w
                            "shards and batches; runs of several --seed then share their test rows (default: --seed)"}
 
 
+#: the recipes' logging interval, in optimizer steps (with ``--logging_strategy steps``)
+RECIPE_LOGGING_STEPS = 10
+
+
 def set_run_help(parser, run_name: str, row_subsets: bool) -> None:
     """The helps of the flags every recipe reads its own way: ``--output_dir`` (its default names
     the run by ``run_name``, a pattern), ``--resume_from_checkpoint``, ``--seed``, ``--data_seed``
     (``row_subsets``: whether the recipe has ``--max-*-samples``, which the seeds draw too)."""
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name=run_name))
     parser.set_help("resume_from_checkpoint", RESUME_HELP)
+    parser.set_help("logging_steps", "Log every X updates steps. Should be an integer or a float in range `[0,1)`. If "
+                                     "smaller than 1, will be interpreted as ratio of total training steps. (default: "
+                                     f"{RECIPE_LOGGING_STEPS} with --logging_strategy steps; another strategy reads "
+                                     "none)")
     for name, text in SEED_HELPS.items():
         parser.set_help(name, text.format(subsets=", the --max-*-samples subsets" if row_subsets else ""))
 
@@ -115,7 +125,8 @@ def derive_run_values(values: dict, run_name: str) -> None:
     ``runs/<run_name>``; ``--resume_from_checkpoint true``: the output folder (its newest checkpoint),
     ``false``: no resume; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
     on a machine without CUDA, ``use_cpu`` (so that a launcher's process group is gloo, which the
-    gossip of CPU tensors needs)."""
+    gossip of CPU tensors needs); no ``--logging_steps``: :data:`RECIPE_LOGGING_STEPS` where
+    ``--logging_strategy`` is ``steps`` (another strategy reads none)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -125,6 +136,11 @@ def derive_run_values(values: dict, run_name: str) -> None:
     resume = str(values.get("resume_from_checkpoint")).lower()
     if resume in ("true", "false"):
         values["resume_from_checkpoint"] = values["output_dir"] if resume == "true" else None
+    if values["logging_steps"] is None:
+        if values["logging_strategy"] == "steps":
+            values["logging_steps"] = RECIPE_LOGGING_STEPS
+        else:
+            values.pop("logging_steps")  # TrainingArguments' default applies (unused: another strategy)
     if values["save_steps"] is None:
         values.pop("save_steps")  # TrainingArguments' default applies (unused: saving is off)
     elif values["save_strategy"] == "no":
@@ -140,7 +156,6 @@ def run_checks(parser, parsed) -> None:
     check_resume(parser, parsed.training, parsed.values)
     check_report_to(parser, parsed.training)
     check_best_metric(parser, parsed.training)
-    check_strategy_settings(parser, parsed.training)
 
 
 def check_report_to(parser, training) -> None:
@@ -215,29 +230,21 @@ def check_what_recipes_use(parser, values: dict) -> None:
             parser.error(f"argument {parser.flag_of(name)}: {why}; drop it")
 
 
-def check_strategy_settings(parser, training) -> None:
-    """A flag given that its strategy switches off (transformers ignores it), where the recipe's own
-    default would make the arguments' check (``DecentralizedTrainingArguments``: ``eval_steps``,
-    ``save_steps``, ``eval_delay``, ``save_total_limit`` ...) refuse what the user did not give:
-    ``--logging_steps`` with a strategy other than ``steps``, and the settings of evaluation during
-    training (``--load_best_model_at_end``, ``--metric_for_best_model``, ``--greater_is_better``) in
-    a run that evaluates only at its end."""
-    def strategy(name: str) -> str:
-        return str(getattr(getattr(training, name), "value", getattr(training, name)))
-
-    flag = parser.flag_given("logging_steps")
-    if flag is not None and strategy("logging_strategy") != "steps":
-        parser.error(f"argument {flag}: logging_steps is the interval of logging_strategy='steps', and "
-                     f"{parser.flag_of('logging_strategy')} is {strategy('logging_strategy')!r}: drop one of them")
+def check_strategy_settings(parser, values: dict) -> None:
+    """From the flag values (by field name), before the arguments are built: the settings of
+    evaluation during training (``--load_best_model_at_end``, ``--metric_for_best_model``,
+    ``--greater_is_better``) in a run that evaluates only at its end, in the recipes' terms
+    (``DecentralizedTrainingArguments`` refuses the settings a strategy switches off in its own:
+    ``eval_steps``, ``logging_steps``, ``eval_delay`` ...); and ``--epochs`` beside ``--max_steps``."""
     for name in ("load_best_model_at_end", "metric_for_best_model", "greater_is_better"):
         flag = parser.flag_given(name)
-        if flag is not None and strategy("eval_strategy") == "no":
+        if flag is not None and values["eval_strategy"] == "no":
             parser.error(f"argument {flag}: {name} is a setting of evaluation during training, and this run evaluates "
                          f"only at its end: give {parser.flag_of('eval_steps')} or {parser.flag_of('eval_strategy')}, "
                          "or drop it")
     epochs = parser.flag_given("num_train_epochs")
-    if epochs is not None and training.max_steps > 0:  # transformers: max_steps overrides num_train_epochs
-        parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {training.max_steps} "
+    if epochs is not None and values["max_steps"] > 0:  # transformers: max_steps overrides num_train_epochs
+        parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {values['max_steps']} "
                      "steps, which overrides the epochs: drop one of them")
 
 
@@ -332,6 +339,11 @@ def check_launcher(parser, values: dict) -> None:
         parser.error(f"argument --backend: the launcher started {world} processes, but --backend simulated runs every "
                      f"node in one process: add --backend distributed --nodes {world}")
 
+
+
+#: the checks every recipe makes of its flag values (by field name) before the arguments are built:
+#: what the recipes refuse, then strategy-dependent settings in the recipes' terms, then the launch
+RECIPE_VALUE_CHECKS = (check_what_recipes_use, check_strategy_settings, check_launcher)
 
 def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
     """Run this recipe again as ``nodes`` processes under ``torch.distributed.run`` (gloo on the CPU)
@@ -1025,7 +1037,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         metrics = final_evaluation(trainer)
         trainer.save_model(os.path.join(out, "model"))
         if training.low_precision and trainer.state.is_world_process_zero:
-            write_int8_export(trainer.model, os.path.join(out, "model"))
+            from ..quant import save_int8_export
+
+            save_int8_export(trainer.model, os.path.join(out, "model", INT8_EXPORT))
         if card is not None and trainer.state.is_world_process_zero:  # with the model (a README.md in out is the user's)
             write_model_card(trainer, os.path.join(out, "model"), **card)
     except KeyboardInterrupt:  # training ended; its final evaluation or model was not written
@@ -1062,22 +1076,6 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     if trainer.state.is_world_process_zero:
         write_json(out, "results.json", results)
     return results
-
-
-#: the file of an 8-bit run's model folder holding its int8 export (SPEC 4: the inference model stores 8-bit weights)
-INT8_EXPORT = "int8.safetensors"
-
-
-def write_int8_export(model, folder: str) -> None:
-    """``folder/``:data:`INT8_EXPORT`: :func:`~lp_decentral_nlp.quant.export_int8_state_dict` of the
-    trained 8-bit ``model`` (int8 codes with a scale and offset per quantized layer's weight, the
-    rest as saved), beside its fp32 master weights; ``dequantize_int8_state_dict`` of the file's
-    tensors loads it back into the model."""
-    from safetensors.torch import save_file
-
-    from ..quant import export_int8_state_dict
-
-    save_file(export_int8_state_dict(model), os.path.join(folder, INT8_EXPORT), metadata={"format": "pt"})
 
 
 def write_json(folder: str, name: str, content) -> None:

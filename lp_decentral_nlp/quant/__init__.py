@@ -25,10 +25,12 @@ _EXPORTS = {
     "dequantize_model": ".surgery",
     "export_int8_state_dict": ".export",
     "kernel_report": ".layers",
+    "load_int8_export": ".export",
     "load_quantized": ".surgery",
     "quantize_model": ".surgery",
     "register_kernel": ".kernels",
     "register_quant_layer": ".surgery",
+    "save_int8_export": ".export",
     "saved_tensor_bytes": ".memory",
     "state_dict_nbytes": ".export",
 }

@@ -11,6 +11,8 @@ norms, heads kept full precision, activation-range buffers) is copied as is.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping
 
@@ -84,6 +86,43 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
             coded[cache_key] = (codes.to(torch.int8), scale.float(), (lo + half * scale).float())
         out[key], out[key + SCALE_SUFFIX], out[key + OFFSET_SUFFIX] = coded[cache_key]
     return out
+
+
+#: the safetensors metadata entry of :func:`save_int8_export`: the tied keys, each with the key it shares
+TIED_KEYS = "lp_decentral_nlp.tied"
+
+
+def save_int8_export(model: nn.Module, path: str | os.PathLike, embeddings: bool = False) -> None:
+    """Write :func:`export_int8_state_dict` of `model` (after :func:`quantize_model`) to the
+    safetensors file `path`. Entries that hold one tensor (tied weights: BART's shared embedding
+    under three keys) are written once, the other keys named in the file's metadata
+    (:data:`TIED_KEYS`), as ``save_pretrained`` writes a tied weight once; :func:`load_int8_export`
+    reads it back."""
+    from safetensors.torch import save_file
+
+    state = export_int8_state_dict(model, embeddings)
+    written, tied, first = {}, {}, {}
+    for key, tensor in state.items():
+        source = first.setdefault(_tensor_key(tensor), key)
+        if source == key:
+            written[key] = tensor.contiguous()
+        else:
+            tied[key] = source
+    save_file(written, os.fspath(path), metadata={"format": "pt", TIED_KEYS: json.dumps(tied)})
+
+
+def load_int8_export(path: str | os.PathLike, activation_ranges: bool = True) -> dict[str, torch.Tensor]:
+    """The float state dict of a file :func:`save_int8_export` wrote (its tied keys restored;
+    :func:`dequantize_int8_state_dict`, whose `activation_ranges` this passes on): ready for
+    ``model.load_state_dict`` of the quantized model (or, with ``activation_ranges=False``, of the
+    float one)."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as file:
+        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 -- safe_open is no dict
+        tied = json.loads((file.metadata() or {}).get(TIED_KEYS, "{}"))
+    tensors.update({key: tensors[source] for key, source in tied.items()})
+    return dequantize_int8_state_dict(tensors, activation_ranges)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:

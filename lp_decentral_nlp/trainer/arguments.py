@@ -322,16 +322,17 @@ class DecentralizedTrainingArguments(TrainingArguments):
         unused.append(("final_merge", self.num_nodes == 1, "a setting of the gossip, and num_nodes=1 has no neighbour "
                                                            "to send to: set num_nodes >= 2"))
         strategy = {name: str(getattr(getattr(self, name), "value", getattr(self, name)))
-                    for name in ("eval_strategy", "save_strategy")}
+                    for name in ("eval_strategy", "save_strategy", "logging_strategy")}
         unused += [("save_total_limit", strategy["save_strategy"] == "no", "how many checkpoints are kept, and "
                                                                          "save_strategy='no' writes none: set "
                                                                          "save_strategy"),
                    ("save_only_model", strategy["save_strategy"] == "no", "what a checkpoint holds, and "
                                                                         "save_strategy='no' writes none: set "
                                                                         "save_strategy"),
-                   ("eval_delay", strategy["eval_strategy"] == "no", "a setting of evaluation during training, and "
-                                                                    "eval_strategy='no' evaluates at the end only: "
-                                                                    "set eval_strategy"),
+                   *((name, strategy["eval_strategy"] == "no", "a setting of evaluation during training, and "
+                                                              "eval_strategy='no' evaluates at the end only: set "
+                                                              "eval_strategy")
+                     for name in ("eval_delay", "metric_for_best_model", "greater_is_better")),
                    *((name, not (self.gradient_checkpointing or self.activation_checkpointing),
                       "the options of activation (gradient) checkpointing, which is off: set activation_checkpointing")
                      for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))]
@@ -339,7 +340,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
             if off and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
                                  f"{fields[name].default!r}")
-        for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy")):
+        for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy"),
+                            ("logging_steps", "logging_strategy")):
             if getattr(self, steps) != fields[steps].default and strategy[name] != "steps":
                 raise ValueError(f"{steps}: {steps} is the interval of {name}='steps', and {name} is "
                                  f"{strategy[name]!r}: drop one of them")

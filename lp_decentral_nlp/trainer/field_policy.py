@@ -120,7 +120,7 @@ POLICY: dict[str, str] = {
              "at the first inf/nan activation and prints the frames before it; 'tpu_metrics_debug' is refused)",
     # --- logging -----------------------------------------------------------------------------
     "logging_strategy": HONOURED,
-    "logging_steps": HONOURED,
+    "logging_steps": HONOURED + " (refused with a logging_strategy other than 'steps', which ignores it)",
     "logging_first_step": HONOURED,
     "logging_nan_inf_filter": "refused: must stay True: a non-finite loss never enters the logged loss (the run "
                               "stops naming the node, or skips it with skip_nonfinite)",
@@ -146,10 +146,10 @@ POLICY: dict[str, str] = {
     "eval_do_concat_batches": HONOURED,
     "eval_use_gather_object": "refused: every process evaluates the whole evaluation set; nothing is gathered",
     "eval_accumulation_steps": HONOURED,
-    "include_for_metrics": HONOURED,
-    "batch_eval_metrics": HONOURED,
-    "metric_for_best_model": HONOURED,
-    "greater_is_better": HONOURED + " (unset: False for consensus_distance, loss_node_<i> and bytes_sent_node_<i> too, "
+    "include_for_metrics": HONOURED + " (refused without compute_metrics, the one reader)",
+    "batch_eval_metrics": HONOURED + " (refused without compute_metrics, the one reader)",
+    "metric_for_best_model": HONOURED + " (refused with eval_strategy='no')",
+    "greater_is_better": HONOURED + " (refused with eval_strategy='no'; unset: False for consensus_distance, loss_node_<i> and bytes_sent_node_<i> too, "
                          "which Trainer's rule, greater is better unless the name ends in 'loss', would maximise)",
     "load_best_model_at_end": HONOURED,
     # --- saving ------------------------------------------------------------------------------

@@ -298,6 +298,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
                              f"{type(train_dataset).__name__}")
         _check_best_metric_names_a_set(args, kwargs.get("eval_dataset"))
+        if kwargs.get("compute_metrics") is None:  # both shape only what compute_metrics receives (as in Trainer)
+            for name, value in (("include_for_metrics", args.include_for_metrics),
+                                ("batch_eval_metrics", args.batch_eval_metrics)):
+                if value:
+                    raise ValueError(f"{name}={value!r} is a setting of compute_metrics, and none was given: pass "
+                                     f"compute_metrics, or leave {name} at its default")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         # everything that can refuse the inputs (Trainer's own checks included) runs before the surgery

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
-from ..commands.run import (RECIPE_REFUSALS, RunArguments, check_launcher, check_memory, check_training_rows,
-                            check_what_recipes_use, derive_run_values, exit_with_error, load_data, print_summary,
-                            run_checks, set_process_output, set_run_help, set_threads, train_and_report)
+from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_training_rows,
+                            derive_run_values, exit_with_error, load_data, print_summary, run_checks,
+                            set_process_output, set_run_help, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model, image_size_problem
 
 __all__ = ["VisionArguments", "build_vision_parser", "parse_vision_args", "run_vision", "main", "DEFAULT_NORMS",
@@ -45,7 +45,7 @@ DEFAULT_MILESTONE_FRACTIONS = (0.5, 0.75)
 VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_args=None,
                        lr_scheduler_type="constant", remove_unused_columns=False,  # the transform needs 'image'
                        per_device_train_batch_size=32, per_device_eval_batch_size=32, num_train_epochs=5.0,
-                       logging_steps=10, save_strategy="no", save_steps=None, output_dir=None, seed=0)
+                       logging_steps=None, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
 @dataclass
@@ -170,7 +170,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
                                      "sized for a CPU run on digits).")
     parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
                           fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
-                          derive=_derive, value_checks=(check_what_recipes_use, check_launcher),
+                          derive=_derive, value_checks=RECIPE_VALUE_CHECKS,
                           checks=(run_checks, _check_network, _check_columns), **kwargs)
     set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>", row_subsets=False)
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
