@@ -112,6 +112,54 @@ def test_with_vision_transforms_feeds_a_dataloader(digits):
     assert set(digits["train"][0]) == {"image", "label"}
 
 
+def test_digits_train_without_augmentation_by_default_and_others_with_it(digits):
+    """The recipes train digits unaugmented (a flipped digit is another one); from Python every
+    dataset was augmented, with no way to turn it off."""
+    from lp_decentral_nlp.vision import vision_preprocessing
+
+    def first_batch(ready):
+        torch.manual_seed(0)
+        return ready["train"][:8]["pixel_values"]
+
+    evaluation = digits["train"].with_transform(vision_transform("digits", False))[:8]["pixel_values"]
+    assert torch.equal(first_batch(with_vision_transforms(digits, "digits")), evaluation)
+    assert not torch.equal(first_batch(with_vision_transforms(digits, "digits", augment=True)), evaluation)
+    spec = vdata.VisionDatasetSpec(10, 8, (0.5,) * 3, (0.25,) * 3)  # a spec of one's own images: augmented
+    assert not torch.equal(first_batch(with_vision_transforms(digits, spec)),
+                           first_batch(with_vision_transforms(digits, spec, augment=False)))
+    with pytest.raises(ValueError, match=r"^augment must be True or False"):
+        with_vision_transforms(digits, "digits", augment="yes")
+    assert vision_preprocessing(digits, "digits") == {
+        "labels": [str(d) for d in range(10)], "image_size": 8, "mean": list(vision_dataset_spec("digits").mean),
+        "std": list(vision_dataset_spec("digits").std)}
+
+
+def test_a_dataset_name_for_ones_own_images_points_to_folder_spec():
+    with pytest.raises(ValueError, match=r"^dataset must be one of cifar10, cifar100, imagenette, digits or a "
+                                         r"VisionDatasetSpec; got 'folder' \(your own images: pass folder_spec\(dsd\)\)"):
+        vision_transform("folder", True)
+
+
+def test_folder_spec_reads_the_stored_images_one_at_a_time():
+    """Of data with transforms it failed with KeyError 'image'; it stacked every sampled image at
+    image_size (GBs at a large one). Its statistics are those of the stacked images."""
+    from lp_decentral_nlp.vision import folder_spec
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (14, 12, 3), dtype=np.uint8)) for _ in range(6)]
+    dsd = datasets.DatasetDict(train=datasets.Dataset.from_dict(
+        {"image": images, "label": [0, 1] * 3},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})),
+        test=datasets.Dataset.from_dict(
+        {"image": images[:2], "label": [0, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})))
+    spec = folder_spec(dsd)
+    stacked = torch.stack([vdata._to_square_tensor(im, 12) for im in images]).float() / 255
+    assert spec.mean == tuple(round(float(v), 4) for v in stacked.mean(dim=(0, 2, 3)))
+    assert spec.std == tuple(round(float(v), 4) for v in stacked.std(dim=(0, 2, 3)))
+    assert folder_spec(with_vision_transforms(dsd, spec)) == spec
+
+
 def _write_image_folder(root, splits, classes, size=(40, 36)):
     rng = np.random.default_rng(0)
     for split, per_class in splits.items():

@@ -108,6 +108,35 @@ def test_norm_act_kinds():
     pair = norm_act("groupnorm", 8, act_layer=nn.ReLU6, groups=4)
     assert isinstance(pair.norm, nn.GroupNorm) and pair.norm.num_groups == 4 and isinstance(pair.act, nn.ReLU6)
     assert norm_act("evonorm", 8, apply_act=False).v is None
+    assert isinstance(norm_act("batchnorm", 8, act_layer=nn.GELU).act, nn.GELU)  # it takes no inplace argument
+
+
+@pytest.mark.parametrize("kwargs, why", [(dict(norm="evonorm"), r"evonorm fuses its own activation \(SPEC 5\)"),
+                                         (dict(norm="range_evonorm"), r"range_evonorm fuses its own activation \(SPEC 5\)"),
+                                         (dict(norm="batchnorm", apply_act=False), "apply_act=False builds the norm "
+                                                                                   "without one")])
+def test_an_activation_that_would_not_run_is_refused(kwargs, why):
+    """The fused norms dropped act_layer=nn.GELU without a word."""
+    with pytest.raises(ValueError, match=rf"^act_layer=GELU is the activation after the norm, and {why}: leave "
+                                         r"act_layer at nn.ReLU"):
+        norm_act(num_channels=8, act_layer=nn.GELU, **kwargs)
+
+
+def test_the_image_classifier_takes_numpy_counts_and_refuses_one_class(tmp_path):
+    """np.max(labels) + 1 for num_classes failed in json.dumps when the trained model was saved, and
+    one class failed at the first step with "Target 1 is out of bounds"."""
+    import numpy as np
+
+    from lp_decentral_nlp.vision import ImageClassifier
+
+    model = ImageClassifier("resnet20", num_classes=np.int64(3), norm="range_evonorm", groups=np.int64(4))
+    model.save_pretrained(tmp_path)
+    assert ImageClassifier.from_pretrained(tmp_path).vision_config == {
+        "arch": "resnet20", "num_classes": 3, "norm": "range_evonorm", "groups": 4, "preprocessing": None}
+    with pytest.raises(ValueError, match=r"^num_classes must be an integer >= 2, got 1"):
+        ImageClassifier("resnet20", num_classes=1)
+    with pytest.raises(FileNotFoundError, match=r"nothing-here does not exist$"):
+        ImageClassifier.from_pretrained(tmp_path / "nothing-here")
 
 
 def test_invalid_arguments():

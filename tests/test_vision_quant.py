@@ -386,8 +386,9 @@ def test_image_classifier_output_and_8bit_save_load_round_trip(tmp_path):
         assert k == k2 and torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(model.eval()(x).logits, back.eval()(x).logits)
-    with pytest.raises(FileNotFoundError, match="vision_config.json"):
-        ImageClassifier.from_pretrained(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty must hold vision_config.json and model.safetensors"):
+        ImageClassifier.from_pretrained(tmp_path / "empty")
 
 
 def test_an_image_classifier_quantized_in_part_reloads_as_it_was_saved(tmp_path):

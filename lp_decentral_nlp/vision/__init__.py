@@ -6,12 +6,14 @@ from .classifier import ImageClassifier
 from .data import (
     FOLDER,
     MAX_MEASURED_IMAGE_SIZE,
+    NO_AUGMENT_DATASETS,
     VISION_DATASETS,
     VisionDatasetSpec,
     VisionTransform,
     folder_spec,
     load_vision_dataset,
     vision_dataset_spec,
+    vision_preprocessing,
     vision_transform,
     with_vision_transforms,
 )
@@ -29,11 +31,11 @@ from .norms import (
 from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, QuantRangeEvoNorm2d
 
 __all__ = [
-    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER", "MAX_MEASURED_IMAGE_SIZE",
+    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER", "MAX_MEASURED_IMAGE_SIZE", "NO_AUGMENT_DATASETS",
     "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",
     "build_vision_model", "image_size_problem", "norm_act", "resnet20", "resnet54", "resnet18", "vgg11", "mobilenetv2",
     "VisionDatasetSpec", "VisionTransform", "folder_spec", "load_vision_dataset", "vision_dataset_spec",
-    "vision_transform", "with_vision_transforms",
+    "vision_preprocessing", "vision_transform", "with_vision_transforms",
 ]

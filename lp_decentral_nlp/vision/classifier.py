@@ -51,9 +51,10 @@ class ImageClassifier(nn.Module):
                  preprocessing: dict | None = None):
         preprocessing = _checked_preprocessing(preprocessing, num_classes)
         super().__init__()
-        self.net = build_vision_model(arch, num_classes, norm, groups)
-        self.vision_config = {"arch": arch, "num_classes": num_classes, "norm": norm, "groups": groups,
-                              "preprocessing": preprocessing}
+        self.net = build_vision_model(arch, num_classes, norm, groups)  # checks them
+        # as Python ints: a NumPy integer (np.max(labels) + 1) failed in json.dumps at the end of training
+        self.vision_config = {"arch": arch, "num_classes": plain_number(num_classes), "norm": norm,
+                              "groups": plain_number(groups), "preprocessing": preprocessing}
 
     @property
     def num_labels(self) -> int:
@@ -133,9 +134,12 @@ class ImageClassifier(nn.Module):
         from safetensors.torch import load_file
 
         folder = Path(path)
+        if not folder.exists():
+            raise FileNotFoundError(f"{folder} does not exist")
         if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+            run = " (a run's folder: its model is in model/)" if (folder / "model" / CONFIG_NAME).is_file() else ""
             raise FileNotFoundError(f"{folder} must hold {CONFIG_NAME} and {WEIGHTS_NAME} "
-                                    "(written by ImageClassifier.save_pretrained)")
+                                    f"(written by ImageClassifier.save_pretrained){run}")
         try:
             config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:

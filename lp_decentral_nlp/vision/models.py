@@ -27,13 +27,14 @@ Convolutions that feed a norm have no bias. Inputs are (N, 3, H, W) images, outp
 """
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..checks import POSITIVE_INT, check_field, check_number
+from ..checks import Number, check_field, check_number
 from .norms import EvoNormS0, RangeBatchNorm2d, RangeEvoNorm2d
 
 __all__ = [
@@ -56,6 +57,8 @@ NORMS = ("batchnorm", "groupnorm", "evonorm", "range_batchnorm", "range_evonorm"
 
 #: the norms that normalise over groups of channels, and the group count they use by default
 GROUPED_NORMS, DEFAULT_GROUPS = ("groupnorm", "evonorm", "range_evonorm"), 2
+#: the norms with their own activation (EvoNorm-S0's x * sigmoid(v x), Range EvoNorm's hard sigmoid)
+FUSED_NORMS = ("evonorm", "range_evonorm")
 
 
 def _checked_groups(norm: str, groups) -> int:
@@ -83,11 +86,18 @@ def norm_act(
 
     norm: one of :data:`NORMS`. ``groups`` is the group count of ``groupnorm``, ``evonorm`` and
     ``range_evonorm`` (the paper uses 2; another value with a batch norm is a ValueError).
-    ``act_layer`` is ignored by the fused norms.
+    ``act_layer``: the activation class of a non-fused norm with ``apply_act`` (built with
+    ``inplace=True`` where it takes that argument); another than the default is a ValueError for the
+    fused norms (their activation is their own) and without ``apply_act``.
     Returns a module mapping (N, C, H, W) to (N, C, H, W); non-fused norms with an activation
     come as ``nn.Sequential(norm=..., act=...)``.
     """
     groups = _checked_groups(norm, groups)
+    if act_layer is not nn.ReLU and (norm in FUSED_NORMS or not apply_act):
+        why = (f"{norm} fuses its own activation (SPEC 5)" if norm in FUSED_NORMS else
+               "apply_act=False builds the norm without one")
+        raise ValueError(f"act_layer={getattr(act_layer, '__name__', act_layer)} is the activation after the norm, "
+                         f"and {why}: leave act_layer at nn.ReLU")
     if norm == "evonorm":
         return EvoNormS0(num_channels, groups=groups, apply_act=apply_act)
     if norm == "range_evonorm":
@@ -100,7 +110,8 @@ def norm_act(
         layer = RangeBatchNorm2d(num_channels)
     if not apply_act:
         return layer
-    return nn.Sequential(OrderedDict(norm=layer, act=act_layer(inplace=True)))
+    takes_inplace = "inplace" in inspect.signature(act_layer).parameters  # nn.GELU does not
+    return nn.Sequential(OrderedDict(norm=layer, act=act_layer(inplace=True) if takes_inplace else act_layer()))
 
 
 NormFactory = Callable[..., nn.Module]
@@ -257,16 +268,21 @@ class MobileNetV2(nn.Module):
 
 
 def _norm_factory(norm: str, groups: int, act_layer: type[nn.Module] = nn.ReLU) -> NormFactory:
+    """``make_norm(num_channels, apply_act)``: :func:`norm_act` of ``norm`` with ``act_layer``
+    where it applies (a non-fused norm with its activation; MobileNetV2's ReLU6)."""
     groups = _checked_groups(norm, groups)
 
     def make_norm(num_channels: int, apply_act: bool = True) -> nn.Module:
-        return norm_act(norm, num_channels, apply_act=apply_act, act_layer=act_layer, groups=groups)
+        act = act_layer if apply_act and norm not in FUSED_NORMS else nn.ReLU
+        return norm_act(norm, num_channels, apply_act=apply_act, act_layer=act, groups=groups)
 
     return make_norm
 
 
 def _checked_num_classes(num_classes: int) -> int:
-    return check_number("num_classes", num_classes, POSITIVE_INT)
+    """``num_classes`` as an int >= 2: the nets are classifiers trained with cross-entropy (one class
+    failed at the first step with "Target 1 is out of bounds")."""
+    return check_number("num_classes", num_classes, Number(integer=True, low=2))
 
 
 def resnet20(num_classes: int = 10, norm: str = "batchnorm", groups: int = DEFAULT_GROUPS) -> ResNet:

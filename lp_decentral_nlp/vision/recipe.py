@@ -36,9 +36,6 @@ DEFAULT_NORMS = {"int8": "range_evonorm", "fp32": "evonorm"}
 # SPEC 8: SGD with Nesterov momentum 0.9 (transformers' "sgd" optimizer reads these optim_args; the
 # recipes set them for --optim sgd when --optim_args is not given: another optimizer reads none of them).
 SGD_OPTIM_ARGS = "momentum=0.9,nesterov=True"
-# Flipping a digit changes what it shows: with the CIFAR augmentation a single-node fp32 ResNet-20
-# (EvoNorm) reaches 30% test accuracy on digits after 5 epochs, 95% without it.
-NO_AUGMENT_DATASETS = ("digits",)
 # SPEC 8: LR x0.1 at epochs 100 and 150 of 200, i.e. at these fractions of the run by default.
 DEFAULT_MILESTONE_FRACTIONS = (0.5, 0.75)
 # SPEC 8 (vision): SGD, Nesterov momentum 0.9, lr 0.1, weight decay 1e-4, multi-step schedule.
@@ -97,7 +94,7 @@ class VisionArguments(RunArguments):
 def _derive(values: dict) -> None:
     """Resolve ``--norm auto``, ``--image-size``, ``--augment``, ``--lr-milestones`` and SGD's
     ``--optim_args`` (SPEC 5, 8)."""
-    from .data import VISION_DATASETS, vision_dataset_spec
+    from .data import NO_AUGMENT_DATASETS, VISION_DATASETS, vision_dataset_spec
 
     if values["optim_args"] is None and str(values["optim"]) == "sgd" and not values["qgm"]:  # QGM is the momentum
         values["optim_args"] = SGD_OPTIM_ARGS
@@ -195,7 +192,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     from transformers import set_seed
 
     from .classifier import ImageClassifier
-    from .data import (FOLDER, folder_spec, load_vision_dataset, vision_dataset_spec, vision_transform,
+    from .data import (FOLDER, folder_spec, load_vision_dataset, vision_dataset_spec, vision_preprocessing,
                        with_vision_transforms)
 
     training, recipe = parsed.training, parsed.recipe
@@ -209,12 +206,9 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     spec = folder_spec(raw, recipe.image_size) if recipe.dataset == FOLDER else vision_dataset_spec(recipe.dataset)
     size_measured = recipe.dataset == FOLDER and recipe.image_size is None
     recipe.num_classes, recipe.image_size = spec.num_classes, recipe.image_size or spec.image_size
-    data = with_vision_transforms(raw, spec, recipe.image_size)
-    if not recipe.augment:  # the evaluation transform (resize, normalise) for training too
-        data["train"] = raw["train"].with_transform(vision_transform(spec, False, recipe.image_size))
+    data = with_vision_transforms(raw, spec, recipe.image_size, augment=recipe.augment)
     # how to feed the model, saved with it (and, for the user's images, recorded in results.json)
-    preprocessing = {"labels": raw["train"].features["label"].names, "image_size": recipe.image_size,
-                     "mean": list(spec.mean), "std": list(spec.std)}
+    preprocessing = vision_preprocessing(raw, spec, recipe.image_size)
     if recipe.dataset == FOLDER:
         parsed.values.update(num_classes=spec.num_classes, image_size=recipe.image_size,
                              classes=preprocessing["labels"], mean=preprocessing["mean"], std=preprocessing["std"])
