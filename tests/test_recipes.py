@@ -135,7 +135,7 @@ def test_the_model_card_names_the_packaged_model_as_the_base(ag_news_csv, tmp_pa
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = (out / "model" / "README.md").read_text()
-    assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2\n" in card and "\nlibrary_name: transformers\n" in card
     assert "in 8-bit: weights, activations and layer gradients" in card and "`lp_decentral_nlp.load_quantized(path)`" in card
     assert "- decentralized\n- lp_decentral_nlp\n" in card
     assert "- quant_kernel: auto\n" in card and re.search(r"- consensus_step_size: \d\.\d{1,6}\n", card)

@@ -214,6 +214,7 @@ def test_digits_recipe_end_to_end(tmp_path):
     card = (out / "model" / "README.md").read_text()
     assert "This model was trained from scratch on the digits dataset." in card and "- image-classification\n" in card
     assert "in 8-bit: weights, activations and layer gradients" in card
+    assert "\nlibrary_name: lp_decentral_nlp\n" in card  # not transformers, which cannot load it
     assert "`lp_decentral_nlp.vision.ImageClassifier.from_pretrained(path)` loads it." in card
     model = ImageClassifier.from_pretrained(out / "model")
     assert not model.training  # as transformers' from_pretrained: a forward leaves ranges and statistics alone

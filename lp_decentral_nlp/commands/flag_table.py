@@ -1328,7 +1328,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'model, data and run',
   'help': "Normalisation, one of ('auto', 'batchnorm', 'groupnorm', 'evonorm', 'range_batchnorm', 'range_evonorm'); "
-          'auto = range_evonorm for 8-bit, evonorm with --full-precision (SPEC 5) (default: auto)',
+          'auto = range_evonorm for 8-bit, evonorm with --full-precision (SPEC 5); batchnorm and groupnorm stay '
+          'float32 in an 8-bit run (default: auto)',
   'type': 'str',
   'allowed': ['auto', 'batchnorm', 'groupnorm', 'evonorm', 'range_batchnorm', 'range_evonorm']},
  {'options': ['--groups'],

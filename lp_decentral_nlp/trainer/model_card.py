@@ -153,6 +153,8 @@ def write_model_card(trainer, folder, **card_fields) -> None:
     summary = training_summary(trainer, **card_fields)
     text = summary.to_model_card().replace(_DESCRIPTION_PLACEHOLDER,
                                            f"\n## Model description\n\n{model_description(trainer)}\n", 1)
+    if not hasattr(getattr(trainer.model, "config", None), "to_json_string"):  # transformers cannot load it
+        text = text.replace("\nlibrary_name: transformers\n", "\nlibrary_name: lp_decentral_nlp\n", 1)
     checkpoint = local_checkpoint(trainer.model)
     if summary.finetuned_from is None and checkpoint is not None:
         text = text.replace("This model was trained from scratch on ",

@@ -66,7 +66,7 @@ class VisionArguments(RunArguments):
     arch: str = field(default="resnet20", metadata={"help": f"Network, one of {tuple(ARCHS)}"})
     norm: str = field(default="auto", metadata={
         "help": f"Normalisation, one of {('auto',) + NORMS}; auto = range_evonorm for 8-bit, evonorm with "
-                "--full-precision (SPEC 5)"})
+                "--full-precision (SPEC 5); batchnorm and groupnorm stay float32 in an 8-bit run"})
     groups: int = field(default=2, metadata={"help": "Groups of groupnorm/evonorm/range_evonorm"})
     num_classes: int | None = field(default=None, init=False)
 
