@@ -344,6 +344,17 @@ def test_sentlen_built_from_ag_news_is_balanced_and_correctly_labelled(ag_news_c
     assert not set(ds["train"]["text"]) & set(ds["test"]["text"])
 
 
+def test_build_sentlen_names_a_source_it_cannot_read():
+    """A Dataset gave AttributeError 'no attribute values', a tokenized DatasetDict datasets' own
+    "Column name ['text'] not in the dataset"."""
+    texts = Dataset.from_dict({"text": ["One two three four five six."] * 4, "label": [0] * 4})
+    with pytest.raises(ValueError, match=r"^source must be a DatasetDict of splits with a 'text' column \(load_task's\), "
+                                         r"got Dataset: wrap it, DatasetDict\(train=\.\.\.\)"):
+        build_sentlen(texts)
+    with pytest.raises(ValueError, match=r"^source: split 'train' has no 'text' column \(columns: \['label'\]\)"):
+        build_sentlen(DatasetDict(train=texts.remove_columns("text")))
+
+
 def test_build_sentlen_needs_enough_sentences():
     tiny = DatasetDict({"train": Dataset.from_dict({"text": ["Too short."], "label": [0]})})
     with pytest.raises(ValueError, match="too few sentences"):

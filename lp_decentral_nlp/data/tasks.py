@@ -580,6 +580,14 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = _DEFAULT_EVAL_FRAC
     """
     eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     seed = check_field("seed", seed)
+    if not isinstance(source, DatasetDict):
+        raise ValueError(f"source must be a DatasetDict of splits with a 'text' column (load_task's), got "
+                         f"{type(source).__name__}" + (": wrap it, DatasetDict(train=...)"
+                                                        if isinstance(source, Dataset) else ""))
+    textless = [split for split, part in source.items() if "text" not in part.column_names]
+    if textless:
+        raise ValueError(f"source: split {textless[0]!r} has no 'text' column (columns: "
+                         f"{source[textless[0]].column_names}); build Sentlen before tokenizing")
     texts = concatenate_datasets([part.select_columns(["text"]) for part in source.values()])["text"]
     sentences = {s.strip() for text in texts for s in _SENTENCE_END.split(text) if s.strip()}
     by_class = [[] for _ in SENTLEN_BINS]
