@@ -147,7 +147,8 @@ def test_defaults_resolve_per_precision_and_dataset():
                           "images (pass --image-size 32)"),
     (["--arch", "vgg11", "--image-size", "16"], "argument --image-size: vgg11 needs images of at least 32x32, got 16 "
                                                 "(pass --image-size 32)"),
-    (["--groups", "3"], "argument --groups/--norm: num_channels=16 must be divisible by groups=3"),
+    (["--groups", "3"], "argument --groups/--norm: groups=3 does not fit every norm layer of resnet20 (num_channels=16 "
+                        "must be divisible by groups=3): range_evonorm on resnet20 takes groups in [1, 2, 4, 8]"),
     (["--groups", "16"], "needs at least 2 channels per group"),
     (["--groups", "0"], "argument --groups: groups must be an integer >= 1, got 0"),
     (["--remove_unused_columns", "true"], "argument --remove_unused_columns: the image transform reads each sample's "

@@ -342,4 +342,22 @@ def build_vision_model(arch: str, num_classes: int = 10, norm: str = "batchnorm"
     """Registry entry point for the recipes: ``arch`` in :data:`ARCHS`, ``norm`` in :data:`NORMS`."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
-    return ARCHS[arch](num_classes=num_classes, norm=norm, groups=groups)
+    groups = _checked_groups(norm, groups)
+    try:
+        return ARCHS[arch](num_classes=num_classes, norm=norm, groups=groups)
+    except ValueError as err:
+        if norm not in GROUPED_NORMS or groups == 1:  # not a group count that misfits a layer
+            raise
+        allowed = _group_counts(arch, norm)  # the layer said which of its channel counts failed
+        raise ValueError(f"groups={groups} does not fit every norm layer of {arch} ({err}): {norm} on {arch} "
+                         f"takes groups in {allowed}") from None
+
+
+def _group_counts(arch: str, norm: str) -> list[int]:
+    """The group counts ``norm`` (one of :data:`GROUPED_NORMS`) takes on every norm layer of
+    ``arch``: the common divisors of their channel counts, leaving Range EvoNorm 2 channels or
+    more per group."""
+    net = ARCHS[arch](norm=norm, groups=1) if norm != "range_evonorm" else ARCHS[arch](norm="evonorm", groups=1)
+    channels = {m.num_channels for m in net.modules() if isinstance(m, (nn.GroupNorm, EvoNormS0, RangeEvoNorm2d))}
+    least = min(channels) // (2 if norm == "range_evonorm" else 1)
+    return [g for g in range(1, least + 1) if all(c % g == 0 for c in channels)]
