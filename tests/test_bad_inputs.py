@@ -321,9 +321,10 @@ ROWS = {
     89: cli(["--eval_steps", "5", "--eval_strategy", "epoch"], "argument --eval_steps: eval_steps is the interval of "
             "eval_strategy='steps', and eval_strategy is 'epoch': drop one of them",
             " (also `--save_steps`, `--logging_steps` with another strategy)"),
-    90: cli(["--metric_for_best_model", "accuracy"], "argument --metric_for_best_model: metric_for_best_model is a "
-            "setting of evaluation during training, and this run evaluates only at its end: give --eval-steps or "
-            "--eval-strategy, or drop it", " (also `--eval_delay`, `--load_best_model_at_end`, `--greater_is_better`)"),
+    90: cli(["--load_best_model_at_end"], "argument --load_best_model_at_end: load_best_model_at_end is a setting of "
+            "evaluation during training, and this run evaluates only at its end: give --eval-steps or --eval-strategy, "
+            "or drop it", " (`--metric_for_best_model`, `--greater_is_better`, `--eval_delay`: \"... is a setting of "
+            "evaluation during training, and eval_strategy='no' evaluates at the end only\")"),
     91: cli(["--do_predict"], "argument --do_predict: what a training script runs, and a recipe always trains, then "
             "evaluates the averaged model and each node on the test split (results.json); drop it",
             " (also `--do_train`, `--do_eval`)"),

@@ -487,6 +487,23 @@ def test_sigterm_with_enable_jit_checkpoint_checkpoints_the_step_and_stops_resum
     assert m_straight == m_resumed
 
 
+def test_an_adam_setting_the_optimizer_does_not_read_does_not_block_a_resume(tmp_path, agnews, tokenizer):
+    """A recipe's SGD run recorded the SPEC 8 adam_beta2=0.9 before the recipes left it at the
+    default where unread: resuming needed adam_beta2=0.9, which is now refused as unread."""
+    import json
+
+    sgd = dict(max_steps=4, eval_strategy="no", optim="sgd")
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **sgd), train_dataset=agnews["train"]).train()
+    manifest = tmp_path / "checkpoint-4" / ckpt.MANIFEST
+    saved = json.loads(manifest.read_text())
+    saved["config"]["adam_beta2"] = 0.9  # as such a run wrote it
+    manifest.write_text(json.dumps(saved))
+    assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**sgd, "max_steps": 5})) is not None
+    with pytest.raises(ValueError, match=r"optim='sgd' \(this run: 'adamw_torch'\)"):  # a read setting still counts
+        check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, max_steps=5, eval_strategy="no",
+                                                         optim="adamw_torch"))
+
+
 def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):
     """data_seed draws the shards and data order: another one would resume into other batches."""
     DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no"),

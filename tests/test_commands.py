@@ -121,7 +121,9 @@ def test_the_spec8_adam_beta2_applies_where_the_optimizer_reads_it(argv, beta2):
 
 
 @pytest.mark.parametrize("argv, steps", [([], 10), (["--logging_strategy", "epoch"], 500),
-                                         (["--logging_steps", "3"], 3)])
+                                         (["--logging_steps", "3"], 3),
+                                         # transformers evaluates every logging_steps: read
+                                         (["--logging_strategy", "epoch", "--eval_strategy", "steps"], 10)])
 def test_the_recipes_log_every_10_steps_where_the_strategy_reads_an_interval(argv, steps):
     """--logging_strategy epoch was refused for the recipes' own logging_steps=10, which it does not read."""
     assert build_nlp_parser("ag_news", "choco").parse(argv).training.logging_steps == steps
@@ -153,6 +155,9 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
     assert config_differences({**older, "include_num_input_tokens_seen": True}, parsed) == [
         "include_num_input_tokens_seen=True (this run: None)"]
     assert changed_settings({**config, "learning_rate": 0.1}, config, ignored=("output_dir",)) == ["learning_rate"]
+    # an Adam setting an SGD run does not read (a recipe's SGD run recorded adam_beta2=0.9): the same run
+    assert changed_settings({**config, "optim": "sgd", "adam_beta2": 0.9}, {**config, "optim": "sgd"}) == []
+    assert changed_settings({**config, "adam_beta2": 0.95}, config) == ["adam_beta2"]
 
 
 def test_results_config_records_bf16_mixed_precision_from_the_flag_or_the_launcher(monkeypatch):

@@ -781,6 +781,12 @@ def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
 
 
+def test_logging_steps_is_the_evaluation_interval_without_eval_steps(tmp_path):
+    """transformers evaluates every logging_steps under eval_strategy='steps' without eval_steps,
+    whatever the logging strategy: not refused as unread there."""
+    assert targs(tmp_path, logging_strategy="epoch", logging_steps=7, eval_strategy="steps").eval_steps == 7
+
+
 @pytest.mark.parametrize("setting", [dict(include_for_metrics=["inputs"]), dict(batch_eval_metrics=True)])
 def test_a_setting_of_compute_metrics_without_one_is_refused(setting, tmp_path, agnews_small):
     """Both shape only what compute_metrics receives: without one they did nothing."""
@@ -1828,6 +1834,8 @@ def test_a_schedule_that_cannot_be_built_is_refused_when_the_arguments_are(tmp_p
     (dict(greater_is_better=True), r"greater_is_better=True is a setting of evaluation during training"),
     (dict(logging_strategy="epoch", logging_steps=5), r"logging_steps: logging_steps is the interval of "
                                                       r"logging_strategy='steps', and logging_strategy is 'epoch'"),
+    (dict(logging_strategy="epoch", logging_steps=5, eval_strategy="steps", eval_steps=3),
+     r"logging_steps: logging_steps is the interval"),
     (dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
      r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} is the options of activation \(gradient\) "
      r"checkpointing, which is off"),

@@ -135,8 +135,9 @@ def test_digits_train_without_augmentation_by_default_and_others_with_it(digits)
 
 
 def test_a_dataset_name_for_ones_own_images_points_to_folder_spec():
-    with pytest.raises(ValueError, match=r"^dataset must be one of cifar10, cifar100, imagenette, digits or a "
-                                         r"VisionDatasetSpec; got 'folder' \(your own images: pass folder_spec\(dsd\)\)"):
+    with pytest.raises(ValueError, match=r"^dataset \(a VisionDatasetSpec, or its name\) must be one of cifar10, "
+                                         r"cifar100, imagenette, digits; got 'folder' \(your own images: pass "
+                                         r"folder_spec\(dsd\)\)"):
         vision_transform("folder", True)
 
 

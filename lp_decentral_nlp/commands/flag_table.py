@@ -306,8 +306,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'transformers TrainingArguments',
   'help': 'Log every X updates steps. Should be an integer or a float in range `[0,1)`. If smaller than 1, will be '
-          'interpreted as ratio of total training steps. (default: 10 with --logging_strategy steps; another strategy '
-          'reads none)',
+          'interpreted as ratio of total training steps. (default: 10 where it is read: with --logging_strategy steps, '
+          'and with --eval_strategy steps without --eval_steps, which evaluates that often)',
   'type': 'finite_float'},
  {'options': ['--logging_first_step', '--logging-first-step'],
   'dest': 'logging_first_step',

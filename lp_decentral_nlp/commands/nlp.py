@@ -59,15 +59,12 @@ def _derive(values: dict) -> None:
     """SPEC 8's ``adam_beta2`` (:data:`SPEC_ADAM_BETA2`) unless ``--adam_beta2`` is given or the
     optimizer does not read it (``--optim sgd``: transformers' default, unread); the run's name."""
     if values["adam_beta2"] is None:
-        from transformers import TrainingArguments
+        from ..trainer import DecentralizedTrainingArguments
+        from ..trainer.arguments import unread_adam_settings
+        from ..trainer.field_policy import field_default
 
-        from ..trainer.arguments import optimizer_ignores
-
-        default = TrainingArguments.__dataclass_fields__["adam_beta2"].default
-        try:
-            values["adam_beta2"] = default if optimizer_ignores(values, "adam_beta2", SPEC_ADAM_BETA2) else SPEC_ADAM_BETA2
-        except (ImportError, ValueError):  # an optimizer that cannot be built here: the trainer says why
-            values["adam_beta2"] = SPEC_ADAM_BETA2
+        unread = "adam_beta2" in unread_adam_settings(values)
+        values["adam_beta2"] = field_default(DecentralizedTrainingArguments, "adam_beta2") if unread else SPEC_ADAM_BETA2
     run_name = f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}"
     derive_run_values(values, run_name)
 

@@ -56,9 +56,9 @@ from ..utils.logs import LIBRARY, set_verbosity
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 # what a finished or interrupted run leaves in its output folder
+RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
 #: the file of an 8-bit run's model folder holding its int8 export (SPEC 4: the inference model stores 8-bit weights)
 INT8_EXPORT = "int8.safetensors"
-RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json", "model")
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
                     "backend", "seed")
@@ -114,8 +114,8 @@ def set_run_help(parser, run_name: str, row_subsets: bool) -> None:
     parser.set_help("resume_from_checkpoint", RESUME_HELP)
     parser.set_help("logging_steps", "Log every X updates steps. Should be an integer or a float in range `[0,1)`. If "
                                      "smaller than 1, will be interpreted as ratio of total training steps. (default: "
-                                     f"{RECIPE_LOGGING_STEPS} with --logging_strategy steps; another strategy reads "
-                                     "none)")
+                                     f"{RECIPE_LOGGING_STEPS} where it is read: with --logging_strategy steps, and "
+                                     "with --eval_strategy steps without --eval_steps, which evaluates that often)")
     for name, text in SEED_HELPS.items():
         parser.set_help(name, text.format(subsets=", the --max-*-samples subsets" if row_subsets else ""))
 
@@ -125,8 +125,9 @@ def derive_run_values(values: dict, run_name: str) -> None:
     ``runs/<run_name>``; ``--resume_from_checkpoint true``: the output folder (its newest checkpoint),
     ``false``: no resume; ``--save_steps``/``--eval_steps`` alone switch saving/evaluation to "steps";
     on a machine without CUDA, ``use_cpu`` (so that a launcher's process group is gloo, which the
-    gossip of CPU tensors needs); no ``--logging_steps``: :data:`RECIPE_LOGGING_STEPS` where
-    ``--logging_strategy`` is ``steps`` (another strategy reads none)."""
+    gossip of CPU tensors needs); no ``--logging_steps``: :data:`RECIPE_LOGGING_STEPS` where it is
+    read (``--logging_strategy steps``, or ``--eval_strategy steps`` without ``--eval_steps``, which
+    evaluates every ``logging_steps``)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -136,17 +137,18 @@ def derive_run_values(values: dict, run_name: str) -> None:
     resume = str(values.get("resume_from_checkpoint")).lower()
     if resume in ("true", "false"):
         values["resume_from_checkpoint"] = values["output_dir"] if resume == "true" else None
-    if values["logging_steps"] is None:
-        if values["logging_strategy"] == "steps":
-            values["logging_steps"] = RECIPE_LOGGING_STEPS
-        else:
-            values.pop("logging_steps")  # TrainingArguments' default applies (unused: another strategy)
     if values["save_steps"] is None:
         values.pop("save_steps")  # TrainingArguments' default applies (unused: saving is off)
     elif values["save_strategy"] == "no":
         values["save_strategy"] = "steps"
     if values.get("eval_steps") is not None and values["eval_strategy"] == "no":
         values["eval_strategy"] = "steps"
+    if values["logging_steps"] is None:  # read by a "steps" logging, and by a "steps" evaluation without eval_steps
+        if values["logging_strategy"] == "steps" or (values["eval_strategy"] == "steps"
+                                                      and values.get("eval_steps") is None):
+            values["logging_steps"] = RECIPE_LOGGING_STEPS
+        else:
+            values.pop("logging_steps")  # TrainingArguments' default applies, unread
 
 
 def run_checks(parser, parsed) -> None:
@@ -231,17 +233,17 @@ def check_what_recipes_use(parser, values: dict) -> None:
 
 
 def check_strategy_settings(parser, values: dict) -> None:
-    """From the flag values (by field name), before the arguments are built: the settings of
-    evaluation during training (``--load_best_model_at_end``, ``--metric_for_best_model``,
-    ``--greater_is_better``) in a run that evaluates only at its end, in the recipes' terms
-    (``DecentralizedTrainingArguments`` refuses the settings a strategy switches off in its own:
-    ``eval_steps``, ``logging_steps``, ``eval_delay`` ...); and ``--epochs`` beside ``--max_steps``."""
-    for name in ("load_best_model_at_end", "metric_for_best_model", "greater_is_better"):
-        flag = parser.flag_given(name)
-        if flag is not None and values["eval_strategy"] == "no":
-            parser.error(f"argument {flag}: {name} is a setting of evaluation during training, and this run evaluates "
-                         f"only at its end: give {parser.flag_of('eval_steps')} or {parser.flag_of('eval_strategy')}, "
-                         "or drop it")
+    """From the flag values (by field name), before the arguments are built:
+    ``--load_best_model_at_end`` in a run that evaluates only at its end, in the recipes' terms
+    (transformers refuses it as "requires the save and eval strategy to match";
+    ``DecentralizedTrainingArguments`` refuses the other settings a strategy switches off:
+    ``eval_steps``, ``logging_steps``, ``metric_for_best_model`` ...); and ``--epochs`` beside
+    ``--max_steps``."""
+    flag = parser.flag_given("load_best_model_at_end")
+    if flag is not None and values["eval_strategy"] == "no":
+        parser.error(f"argument {flag}: load_best_model_at_end is a setting of evaluation during training, and this "
+                     f"run evaluates only at its end: give {parser.flag_of('eval_steps')} or "
+                     f"{parser.flag_of('eval_strategy')}, or drop it")
     epochs = parser.flag_given("num_train_epochs")
     if epochs is not None and values["max_steps"] > 0:  # transformers: max_steps overrides num_train_epochs
         parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {values['max_steps']} "
@@ -340,10 +342,10 @@ def check_launcher(parser, values: dict) -> None:
                      f"node in one process: add --backend distributed --nodes {world}")
 
 
-
 #: the checks every recipe makes of its flag values (by field name) before the arguments are built:
 #: what the recipes refuse, then strategy-dependent settings in the recipes' terms, then the launch
 RECIPE_VALUE_CHECKS = (check_what_recipes_use, check_strategy_settings, check_launcher)
+
 
 def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
     """Run this recipe again as ``nodes`` processes under ``torch.distributed.run`` (gloo on the CPU)
@@ -1120,11 +1122,15 @@ def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:
 
 def changed_settings(saved_config: dict, config: dict, ignored=()) -> list[str]:
     """The names, sorted, whose values differ between two runs' ``results.json`` configs (as JSON
-    stores them), except those in `ignored`. A training argument that only one of them records
-    differs only if its value is not the default there (:func:`training_default`): the configs of
-    earlier versions recorded some defaults."""
+    stores them), except those in `ignored` and the Adam settings the run's optimizer does not read
+    (``adam_beta2`` of an SGD run). A training argument that only one of them records differs only
+    if its value is not the default there (:func:`training_default`): the configs of earlier
+    versions recorded some defaults."""
+    from ..trainer.arguments import unread_adam_settings
+
     saved, wanted = _as_json(saved_config), _as_json(config)
-    return sorted(key for key in (saved.keys() | wanted.keys()) - set(ignored)
+    ignored = {*ignored, *unread_adam_settings(wanted)}  # e.g. adam_beta2 of an SGD run: never used
+    return sorted(key for key in (saved.keys() | wanted.keys()) - ignored
                   if saved.get(key) != wanted.get(key)
                   and not (key in saved.keys() ^ wanted.keys() and training_default(key, {**saved, **wanted}[key])))
 

@@ -33,12 +33,12 @@ class CommunicationCost:
     algorithm: str
     compressor: str
     topology: str
-    spectral_gap: float
     num_nodes: int
     message_bytes: int
     bytes_per_iteration: float
     iterations_per_epoch: int | None
     bytes_per_epoch: float | None
+    spectral_gap: float
 
     def to_dict(self) -> dict:
         """The fields as a JSON-serialisable dict."""
@@ -93,5 +93,5 @@ def communication_cost(model: nn.Module, gossip, *, batch_size: int | None = Non
         per_epoch = message_bytes * sum(mean_fanout(t) for t in range(iterations))
     return CommunicationCost(
         algorithm=type(gossip).__name__, compressor=repr(gossip.compressor), topology=repr(topology),
-        spectral_gap=topology.period_spectral_gap(), num_nodes=n, message_bytes=message_bytes, bytes_per_iteration=per_iteration,
-        iterations_per_epoch=iterations, bytes_per_epoch=per_epoch)
+        num_nodes=n, message_bytes=message_bytes, bytes_per_iteration=per_iteration,
+        iterations_per_epoch=iterations, bytes_per_epoch=per_epoch, spectral_gap=topology.period_spectral_gap())

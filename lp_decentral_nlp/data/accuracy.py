@@ -47,4 +47,6 @@ class Accuracy(evaluate.Metric):
             raise ValueError(f"sample_weight must hold one weight per prediction ({len(correct)}), got shape "
                              f"{weights.shape}")
         score = float((correct * weights).sum())
-        return {"accuracy": score / float(weights.sum()) if normalize else score}
+        if not normalize:
+            return {"accuracy": score}
+        return {"accuracy": score / float(weights.sum()) if weights.sum() else float("nan")}  # no samples: NaN

@@ -19,6 +19,7 @@ import io
 import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -580,7 +581,7 @@ def build_sentlen(source: DatasetDict, eval_fraction: float = _DEFAULT_EVAL_FRAC
     """
     eval_fraction = check_number("eval_fraction", eval_fraction, _EVAL_FRACTION)
     seed = check_field("seed", seed)
-    if not isinstance(source, DatasetDict):
+    if not isinstance(source, Mapping) or not all(isinstance(part, Dataset) for part in source.values()):
         raise ValueError(f"source must be a DatasetDict of splits with a 'text' column (load_task's), got "
                          f"{type(source).__name__}" + (": wrap it, DatasetDict(train=...)"
                                                         if isinstance(source, Dataset) else ""))

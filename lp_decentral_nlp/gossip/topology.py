@@ -10,6 +10,7 @@ through ``ceil(log2 n)`` one-peer graphs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -102,16 +103,22 @@ class Topology:
         """
         return max(0.0, 1.0 - _second_eigenvalue_modulus(self._mats[self._phase(step)]))  # not -2e-16
 
+    @functools.cached_property
+    def _period_gap(self) -> float:
+        """:meth:`period_spectral_gap`, computed once (an eigendecomposition of an ``(n, n)``
+        matrix; a run reports it in several places)."""
+        prod = np.eye(self.num_nodes)
+        for m in self._mats:
+            prod = m @ prod
+        return max(0.0, 1.0 - _second_eigenvalue_modulus(prod) ** (1.0 / self.period))
+
     def period_spectral_gap(self) -> float:
         """Per-step gap of the product over one period: ``1 - |lambda_2(W(T-1)...W(0))|^(1/T)``.
 
         Equals :meth:`spectral_gap` for static graphs. The 8-node exponential graph averages
         exactly in one period (its product is ``J/8``), so its period gap is 1.
         """
-        prod = np.eye(self.num_nodes)
-        for m in self._mats:
-            prod = m @ prod
-        return max(0.0, 1.0 - _second_eigenvalue_modulus(prod) ** (1.0 / self.period))
+        return self._period_gap
 
     def fingerprint(self) -> int:
         """A 63-bit hash of the matrices over one period (used to check that ranks agree)."""

@@ -21,7 +21,7 @@ from ..gossip.factory import COMPRESSORS, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
-from .field_policy import refuse_unsupported
+from .field_policy import field_default, refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
 #: the evaluation metrics of this trainer that are better lower, though their names do not end in
@@ -237,10 +237,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
             raise ValueError(problem)
 
     def _refuse_settings_optim_ignores(self, optim: str):
-        """Optimizer settings ``optim``'s optimizer does not read, which transformers drops silently
-        (:func:`optimizer_ignores`): ``adam_beta1``, ``adam_beta2`` or ``adam_epsilon`` away from
-        their defaults (read by the Adam family and Lion; not by ``sgd``, ``adagrad``, ``rmsprop`` or
-        ``adafactor``) and any ``optim_args`` entry (every entry for ``adamw_torch`` and
+        """Optimizer settings ``optim``'s optimizer does not read, which transformers drops silently:
+        ``adam_beta1``, ``adam_beta2`` or ``adam_epsilon`` away from their defaults
+        (:func:`unread_adam_settings`: read by the Adam family, the betas by Lion too; not by
+        ``sgd``, ``adagrad``, ``rmsprop`` or ``adafactor``) and any ``optim_args`` entry (every entry for ``adamw_torch`` and
         ``adafactor``; all but ``momentum``, ``dampening``, ``weight_decay``, ``nesterov`` for
         ``sgd``); ``optim_args`` that do not parse are refused too."""
         settings = vars(self)
@@ -252,9 +252,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
             if not self.optim_args:  # the optimizer cannot be built here: the trainer says why when it builds it
                 return
             raise ValueError(f"optim_args={self.optim_args!r} for optim={optim!r}: {err}") from None
+        unread = unread_adam_settings(settings)
         for name in ADAM_SETTINGS:
-            default = TrainingArguments.__dataclass_fields__[name].default
-            if getattr(self, name) != default and optimizer_ignores(settings, name, default):
+            default = field_default(TrainingArguments, name)
+            if getattr(self, name) != default and name in unread:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not read by optim={optim!r} (transformers "
                                  f"ignores it): leave it at {default}, or use an optimizer that reads it (adamw_torch)")
         entries = [entry for entry in (self.optim_args or "").replace(" ", "").split(",") if entry]
@@ -340,9 +341,12 @@ class DecentralizedTrainingArguments(TrainingArguments):
             if off and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is {why}, or leave {name} at "
                                  f"{fields[name].default!r}")
+        # transformers evaluates every logging_steps under eval_strategy='steps' without eval_steps
+        evaluates_every_log = strategy["eval_strategy"] == "steps" and self.eval_steps is None
         for steps, name in (("eval_steps", "eval_strategy"), ("save_steps", "save_strategy"),
                             ("logging_steps", "logging_strategy")):
-            if getattr(self, steps) != fields[steps].default and strategy[name] != "steps":
+            read_anyway = steps == "logging_steps" and evaluates_every_log
+            if getattr(self, steps) != fields[steps].default and strategy[name] != "steps" and not read_anyway:
                 raise ValueError(f"{steps}: {steps} is the interval of {name}='steps', and {name} is "
                                  f"{strategy[name]!r}: drop one of them")
 
@@ -413,6 +417,17 @@ def optimizer_ignores(settings: dict, name: str, value) -> bool:
     """Whether the optimizer of the field values `settings` (:func:`optimizer_kwargs`) is built the
     same with field `name` at `value`: transformers does not read `name` for it."""
     return optimizer_kwargs(settings) == optimizer_kwargs({**settings, name: value})
+
+
+def unread_adam_settings(settings: dict) -> set[str]:
+    """The :data:`ADAM_SETTINGS` the optimizer of the field values `settings` (by name, as
+    :func:`optimizer_kwargs` takes them) does not read, whatever their values: its keyword
+    arguments are the same at two values of each. Empty when the optimizer cannot be built here
+    (its package missing: the trainer says so when it builds it)."""
+    try:
+        return {name for name in ADAM_SETTINGS if optimizer_ignores({**settings, name: 0.25}, name, 0.5)}
+    except (ImportError, ValueError):
+        return set()
 
 
 def qgm_beta_problem(args: DecentralizedTrainingArguments, optimizer_cls) -> str | None:

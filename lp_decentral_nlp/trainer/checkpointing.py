@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -35,10 +34,8 @@ from .. import __version__
 from ..gossip import QuasiGlobalAdam
 from ..gossip.factory import build_compressor, build_topology
 from ..quant import QuantModule
+from .arguments import DecentralizedTrainingArguments, unread_adam_settings
 from .node_data import rows_digest
-
-if TYPE_CHECKING:
-    from .arguments import DecentralizedTrainingArguments
 
 logger = logging.get_logger(__name__)
 
@@ -431,8 +428,9 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
                     f"graph and drop_prob: pass consensus_lr={saved.get(key)!r} to resume under other faults)")
         return f"{key}={saved.get(key)!r} (this run: {value!r})"
 
+    unread = unread_adam_settings(vars(args))  # e.g. adam_beta2 of an SGD run: saved as given, never used
     diffs = [differs(key, value) for key, value in now.items()
-             if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED)]
+             if saved.get(key) != value and (key in saved or key not in _RESUME_IF_SAVED) and key not in unread]
     if diffs:
         raise ValueError(f"resume_from_checkpoint: cannot resume from {path}: it was written with {', '.join(diffs)}; "
                          "resume with the arguments of the interrupted run")

@@ -14,8 +14,8 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 HONOURED = "honoured"
 PER_NODE = "honoured per node"
-_ADAM_ONLY = (" (read by the Adam family and Lion; away from its default, refused with an optimizer that does not read "
-              "it, e.g. sgd or adafactor, for which transformers drops it)")
+_UNREAD_REFUSED = ("away from its default, refused with an optimizer that does not read it, e.g. sgd or adafactor, for "
+                   "which transformers drops it)")
 #: fields `Trainer` does not read either: the script that builds the trainer does (the recipes refuse them)
 SCRIPT = "for the script that builds the trainer, which does not read it (nor does Trainer); the recipes refuse it"
 
@@ -71,9 +71,9 @@ POLICY: dict[str, str] = {
     "optim_args": PER_NODE + " (an entry the optimizer does not read, which transformers drops, is refused)",
     "optim_target_modules": "refused: only the GaLore/APOLLO optimizers use it; they are not checked with gossip",
     "weight_decay": PER_NODE,
-    "adam_beta1": PER_NODE + _ADAM_ONLY,
-    "adam_beta2": PER_NODE + _ADAM_ONLY,
-    "adam_epsilon": PER_NODE + _ADAM_ONLY,
+    "adam_beta1": PER_NODE + " (read by the Adam family and Lion; " + _UNREAD_REFUSED,
+    "adam_beta2": PER_NODE + " (read by the Adam family and Lion; " + _UNREAD_REFUSED,
+    "adam_epsilon": PER_NODE + " (read by the Adam family; " + _UNREAD_REFUSED,
     "max_grad_norm": PER_NODE + " (default 0: no clipping, as the paper trains; Trainer's default is 1.0)",
     "label_smoothing_factor": PER_NODE + " (refused for a regression or multi-label head, whose targets are not one "
                                          "class per sample)",

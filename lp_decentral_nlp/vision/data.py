@@ -106,11 +106,11 @@ NO_AUGMENT_DATASETS = ("digits",)
 
 def vision_dataset_spec(name: str, what: str = "name") -> VisionDatasetSpec:
     """The :class:`VisionDatasetSpec` of ``name`` (one of :data:`VISION_DATASETS`); ValueError
-    naming the argument `what` otherwise (your own images' spec is :func:`folder_spec`'s)."""
+    naming the argument `what` and what it may be otherwise (your own images' spec is
+    :func:`folder_spec`'s)."""
     if name not in VISION_DATASETS:
         hint = " (your own images: pass folder_spec(dsd))" if name == FOLDER else ""
-        raise ValueError(f"{what} must be one of {', '.join(VISION_DATASETS)} or a VisionDatasetSpec; got "
-                         f"{name!r}{hint}")
+        raise ValueError(f"{what} must be one of {', '.join(VISION_DATASETS)}; got {name!r}{hint}")
     return VISION_DATASETS[name]
 
 
@@ -580,7 +580,8 @@ def vision_preprocessing(dsd: datasets.DatasetDict, dataset: str | VisionDataset
 
 def _spec_of(dataset: str | VisionDatasetSpec) -> VisionDatasetSpec:
     """``dataset`` as a :class:`VisionDatasetSpec` (a name: :func:`vision_dataset_spec`'s)."""
-    return dataset if isinstance(dataset, VisionDatasetSpec) else vision_dataset_spec(dataset, "dataset")
+    return dataset if isinstance(dataset, VisionDatasetSpec) else vision_dataset_spec(
+        dataset, "dataset (a VisionDatasetSpec, or its name)")
 
 
 def _check_splits(dsd, needed: tuple[str, ...], what: str) -> None:
