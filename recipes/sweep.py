@@ -1,7 +1,6 @@
 """Grid of NLP runs (algorithm x precision x skew x compression) laid out like the paper's NLP table.
 
-    python recipes/sweep.py --data-dir ../shared/data/ag_news/ag_news_6000.csv \
-        --skews 0 0.9 --comps 0 99 --output-dir runs/sweep
+    python recipes/sweep.py --data-dir ag_news_6000.csv --skews 0 0.9 --comps 0 99 --output-dir runs/sweep
 
 Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every run, ``--kernel``
 to the 8-bit ones. Writes, under
@@ -64,7 +63,8 @@ def set_grid_help(parser) -> None:
         parser.set_help(name, f"set by the grid at every point: give {grid_flag} instead")
     parser.set_help("overwrite_output_dir", "run again the grid points whose folders hold results of other settings "
                                             "(points finished with these settings are reused) (default: False)")
-    parser.set_help("resume_from_checkpoint", f"refused: {NO_RESUME}")
+    for name in ("resume_from_checkpoint", "restore_callback_states_from_checkpoint"):
+        parser.set_help(name, f"refused: {NO_RESUME}")
     parser.set_help("enable_jit_checkpoint", f"refused: {NO_JIT_CHECKPOINT}")
 
 
@@ -78,8 +78,8 @@ def parse(argv=None):
     """The NLP recipes' flags (``--task`` included) plus the grid's; returns the parsed flags
     (``.training``, ``.recipe``, ``.extras`` with the grid, ``.values``). A bad flag or ``--help``
     is answered from the flag table before torch is imported."""
-    description = __doc__.splitlines()[0]
-    check = flag_check_parser("nlp", description=description, prog=PROG,
+    description, _, more = __doc__.partition("\n")
+    check = flag_check_parser("nlp", description=description, prog=PROG, epilog=more.strip().replace("``", ""),
                               fixed={"algorithm": "the grid sets it at every point: give --algorithms instead"})
     set_grid_help(check)
     add_grid_flags(check)
@@ -88,9 +88,10 @@ def parse(argv=None):
     problem = environment_problem()  # as check_flags: OpenMP reads OMP_NUM_THREADS as torch loads, and complains
     if problem:
         check.error(problem)
-    resume = check.flag_given("resume_from_checkpoint", argv)
-    if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
-        check.error(f"argument {resume}: {NO_RESUME}; drop it")
+    for name in ("resume_from_checkpoint", "restore_callback_states_from_checkpoint"):
+        resume = check.flag_given(name, argv)
+        if resume is not None:  # every point resumed one run's checkpoint and reported its results as its own
+            check.error(f"argument {resume}: {NO_RESUME}; drop it")
     jit = check.flag_given("enable_jit_checkpoint", argv)
     if jit is not None:  # its checkpoint would be removed when the sweep runs the point again
         check.error(f"argument {jit}: {NO_JIT_CHECKPOINT}, so the checkpoint SIGTERM writes would not be resumed: "

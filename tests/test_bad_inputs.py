@@ -349,8 +349,11 @@ ROWS = {
             "run stops naming the node, or skips it with skip_nonfinite)); leave it at True"),
     99: cli(["--optim", "sgd", "--adam_beta1", "0.5"], "argument --adam_beta1: adam_beta1=0.5 is not read by "
             "optim='sgd' (transformers ignores it): leave it at 0.9, or use an optimizer that reads it (adamw_torch)"),
+    100: cli(["--restore_callback_states_from_checkpoint"], "argument --restore_callback_states_from_checkpoint: it "
+             "restores the callbacks' states from the checkpoint a run resumes from, and this run starts afresh: give "
+             "--resume-from-checkpoint or drop it"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98, 99]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98, 99, 100]
 
 
 def docs_table() -> str:

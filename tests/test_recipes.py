@@ -548,6 +548,9 @@ def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--resume-from-checkpoint RESUME_FROM_CHECKPOINT refused: each grid point is a run of its own" in help_text
     assert "--enable-jit-checkpoint [ENABLE_JIT_CHECKPOINT] refused: a stopped grid point starts afresh" in help_text
+    # the docstring's whole story after the flags (what it writes, reuse, Ctrl-C, --jobs), not its first line only
+    assert "--jobs N runs N grid points at once, each in its own process" in help_text
+    assert "Ctrl-C stops the sweep with one line" in help_text and "``" not in help_text
 
 
 def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tmp_path, capsys):

@@ -350,16 +350,18 @@ class FixedFieldFlag(argparse.Action):
 
 
 def flag_check_parser(family: str, *, fixed: dict[str, str] | None = None, description: str | None = None,
-                      prog: str | None = None):
+                      prog: str | None = None, epilog: str | None = None):
     """The torch-free parser :func:`check_flags` runs: every flag of the ``family``'s table (all
     defaults suppressed, so it returns only the flags given). A command with flags of its own
-    (``recipes/sweep.py``) adds them to it before parsing. Arguments as for :func:`check_flags`."""
+    (``recipes/sweep.py``) adds them to it before parsing, and may give an ``epilog`` that
+    ``--help`` prints after the flags, its lines kept. Other arguments as for :func:`check_flags`."""
     from .flag_table import FLAG_TABLES
 
     if family not in FLAG_TABLES:
         raise ValueError(f"family must be one of {tuple(FLAG_TABLES)}, got {family!r}")
     table = FLAG_TABLES[family]
-    parser = OneLineParser(prog=prog, usage=table["usage"], description=description)
+    parser = OneLineParser(prog=prog, usage=table["usage"], description=description, epilog=epilog,
+                           formatter_class=argparse.HelpFormatter if epilog is None else argparse.RawDescriptionHelpFormatter)
     groups = {title: parser.add_argument_group(title) for title in table["groups"]}
     reasons = fixed or {}
     for name, reason in reasons.items():  # (the table may list no flag for a field every recipe sets)

@@ -237,8 +237,9 @@ def check_strategy_settings(parser, values: dict) -> None:
     ``--load_best_model_at_end`` in a run that evaluates only at its end, in the recipes' terms
     (transformers refuses it as "requires the save and eval strategy to match";
     ``DecentralizedTrainingArguments`` refuses the other settings a strategy switches off:
-    ``eval_steps``, ``logging_steps``, ``metric_for_best_model`` ...); and ``--epochs`` beside
-    ``--max_steps``."""
+    ``eval_steps``, ``logging_steps``, ``metric_for_best_model`` ...); ``--epochs`` beside
+    ``--max_steps``; and ``--restore_callback_states_from_checkpoint`` in a run that resumes from
+    none."""
     flag = parser.flag_given("load_best_model_at_end")
     if flag is not None and values["eval_strategy"] == "no":
         parser.error(f"argument {flag}: load_best_model_at_end is a setting of evaluation during training, and this "
@@ -248,6 +249,11 @@ def check_strategy_settings(parser, values: dict) -> None:
     if epochs is not None and values["max_steps"] > 0:  # transformers: max_steps overrides num_train_epochs
         parser.error(f"argument {epochs}: the run's length is {parser.flag_of('max_steps')} {values['max_steps']} "
                      "steps, which overrides the epochs: drop one of them")
+    restore = parser.flag_given("restore_callback_states_from_checkpoint")
+    if restore is not None and values["restore_callback_states_from_checkpoint"] and \
+            values.get("resume_from_checkpoint") is None:
+        parser.error(f"argument {restore}: it restores the callbacks' states from the checkpoint a run resumes from, "
+                     f"and this run starts afresh: give {parser.flag_of('resume_from_checkpoint')} or drop it")
 
 
 def environment_problem() -> str | None:
