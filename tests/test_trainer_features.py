@@ -781,6 +781,28 @@ def test_a_plain_torch_dataset_with_labels_is_skewed_and_an_iterable_one_refused
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=Stream())
 
 
+def test_fault_entries_of_numpy_numbers_are_kept_as_plain_numbers(tmp_path):
+    """NumPy numbers in stragglers/absences stayed NumPy scalars: to_json_string() (which logging
+    integrations call) failed with "Object of type int64 is not JSON serializable"."""
+    args = targs(tmp_path, stragglers=[(np.int64(1), np.float32(0.5))], absences=["2:1:3"])
+    assert args.stragglers == [(1, 0.5)] and type(args.stragglers[0][0]) is int and args.absences == ["2:1:3"]
+    args.to_json_string()
+
+
+def test_lr_milestones_outside_the_run_or_not_a_list_are_refused(tmp_path, agnews_small):
+    """A milestone past the run's end was ignored in silence (an absence there is refused); a bare
+    number was a TypeError from list()."""
+    with pytest.raises(ValueError, match=r"^lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
+                                         r"\(or None\), got 3"):
+        targs(tmp_path, lr_milestones=3, lr_scheduler_type="constant")
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, lr_milestones=[5], lr_scheduler_type="constant",
+                                                                  max_steps=-1, num_train_epochs=1),
+                                   train_dataset=agnews_small["train"])
+    with pytest.raises(ValueError, match=r"^lr_milestones: epoch 5 is past the run's end \(\d+ steps, 1 epochs\): its "
+                                         r"decay would never happen"):
+        trainer.train()
+
+
 def test_logging_steps_is_the_evaluation_interval_without_eval_steps(tmp_path):
     """transformers evaluates every logging_steps under eval_strategy='steps' without eval_steps,
     whatever the logging strategy: not refused as unread there."""
@@ -794,6 +816,35 @@ def test_a_setting_of_compute_metrics_without_one_is_refused(setting, tmp_path, 
     with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} is a setting of compute_metrics, and "
                                          r"none was given: pass compute_metrics"):
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **setting), train_dataset=agnews_small["train"])
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(model=DistilBertForTokenClassification), r"^model must be a torch\.nn\.Module, got the class "
+                                                       r"DistilBertForTokenClassification \(a class: build it"),
+    (dict(quant_config={"kernel": "int8"}), r"^quant_config must be a QuantConfig or None, got dict: "
+                                            r"QuantConfig\(\*\*quant_config\)"),
+    (dict(processing_class="bert-base-uncased"), r"^processing_class must be a tokenizer or processor .*got str: "
+                                                 r"AutoTokenizer\.from_pretrained"),
+    (dict(compute_metrics="accuracy"), r"^compute_metrics must be a function or None, got str"),
+    (dict(data_collator="default"), r"^data_collator must be a function or None, got str"),
+    (dict(optimizer_cls_and_kwargs="sgd"), r"^optimizer_cls_and_kwargs must be an \(optimizer class, keyword "
+                                           r"arguments dict\) pair"),
+    (dict(callbacks=EarlyStoppingCallback()), r"^callbacks must be a list of TrainerCallback instances "
+                                                           r"or classes, got EarlyStoppingCallback: \[callback\]"),
+    (dict(callbacks=["x"]), r"^callbacks must hold TrainerCallback instances or classes, got str"),
+    (dict(train_dataset=["one text", "another"]), r"^train_dataset's samples must be dicts of the model's inputs "
+                                                  r".*got str at index 0"),
+    (dict(train_dataset="data.csv"), r"^train_dataset must be map-style .*got str"),
+    (dict(eval_dataset=5), r"^eval_dataset must be a data set .*got int"),
+    (dict(eval_dataset={0: []}), r"^eval_dataset's names must be strings \(they prefix its metrics\), got 0"),
+])
+def test_an_argument_of_the_wrong_kind_is_refused_before_anything_is_built(given, message, tmp_path, agnews_small):
+    """They failed deep inside transformers or torch, some only after training (a string
+    processing_class at save_model), and quant_config=dict after the output folder was made."""
+    kwargs = {"model": tiny_model(), "args": targs(tmp_path / "out"), "train_dataset": agnews_small["train"], **given}
+    with pytest.raises(ValueError, match=message):
+        DecentralizedTrainer(**kwargs)
+    assert not (tmp_path / "out").exists()
 
 
 def test_splits_a_frame_or_too_few_rows_as_train_dataset_are_refused_naming_it(tmp_path, agnews_small):

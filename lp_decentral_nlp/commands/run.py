@@ -112,6 +112,10 @@ def set_run_help(parser, run_name: str, row_subsets: bool) -> None:
     (``row_subsets``: whether the recipe has ``--max-*-samples``, which the seeds draw too)."""
     parser.set_help("output_dir", OUTPUT_DIR_HELP.format(run_name=run_name))
     parser.set_help("resume_from_checkpoint", RESUME_HELP)
+    parser.set_help("per_device_train_batch_size", "The batch size of each node for training, in samples (one process "
+                                                   "per node in a distributed run)")
+    parser.set_help("per_device_eval_batch_size", "The batch size of evaluation, in samples (the averaged model's and "
+                                                  "each node's)")
     parser.set_help("logging_steps", "Log every X updates steps. Should be an integer or a float in range `[0,1)`. If "
                                      "smaller than 1, will be interpreted as ratio of total training steps. (default: "
                                      f"{RECIPE_LOGGING_STEPS} where it is read: with --logging_strategy steps, and "
@@ -946,6 +950,10 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         trainer.log_sigterm_stop = False  # the line after train() says it, naming the resume flag
         if before_train is not None:
             before_train(trainer)
+        try:  # (after before_train: the vision recipes' default milestones of a --max_steps run)
+            trainer.check_lr_milestones()
+        except ValueError as err:
+            refuse(str(err).removeprefix("lr_milestones: "), parsed.flags["lr_milestones"])
     except ValueError as err:
         refuse(str(err))
     kernels_callback = TrainingKernelsCallback(trainer.nodes[0])

@@ -111,7 +111,8 @@ class GossipConfig:
         given = [(name, getattr(self, name), fields[name].default)
                  for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr")]
         if self.faults is not None:
-            given.append(("drop_prob", self.faults.drop_prob, 0.0))
+            given += [("drop_prob", self.faults.drop_prob, 0.0), ("stragglers", self.faults.stragglers, ()),
+                      ("absences", self.faults.absences, ())]
         for name, value, default in given:
             if value != default:
                 raise ValueError(f"{name}={value!r} is a setting of the gossip, and num_nodes=1 has no neighbour to "

@@ -155,6 +155,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
         self._refuse_unused_settings()
         self._check_constant_schedule()
         plan = self.fault_plan
+        for name in ("stragglers", "absences"):  # entries given as tuples, as plain numbers (NumPy's are no JSON)
+            given = getattr(self, name)
+            if given is not None and not all(isinstance(entry, str) for entry in given):
+                setattr(self, name, [entry if isinstance(entry, str) else parsed
+                                     for entry, parsed in zip(given, getattr(plan, name))])
         slow = [(n, s) for n, s in plan.stragglers if s >= self.gossip_timeout]
         if slow and self.backend == "distributed":
             raise ValueError(f"stragglers: node {slow[0][0]} sleeps {slow[0][1]:g} s per step, not less than "
@@ -294,7 +299,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def _check_lr_milestones(self):
         if self.lr_milestones is None:
             return
-        m = list(self.lr_milestones)
+        m = list(self.lr_milestones) if isinstance(self.lr_milestones, (list, tuple)) else []  # 3: not a list
         if not m or not all(Number(low=0, low_open=True).admits(e) for e in m) or m != sorted(set(m)):
             raise ValueError(f"lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
                              f"(or None), got {self.lr_milestones!r}")

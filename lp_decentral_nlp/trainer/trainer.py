@@ -37,7 +37,6 @@ import safetensors.torch
 import torch
 from accelerate.utils import DynamoBackend
 from accelerate.utils.memory import clear_device_cache
-from torch.utils.data import IterableDataset
 from transformers import Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
@@ -58,6 +57,7 @@ from ..utils.logs import set_verbosity
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
+from .inputs import check_trainer_inputs
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
@@ -259,6 +259,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("model is required (model_init is not supported by DecentralizedTrainer)")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported by DecentralizedTrainer: pass the initial model as model")
+        check_trainer_inputs(model, quant_config, kwargs)
         if any(o is not None for o in kwargs.get("optimizers") or ()):
             raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
                              "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
@@ -286,17 +287,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
                              f"{type(model).__name__}")
         train_dataset = kwargs.get("train_dataset")
-        if isinstance(train_dataset, dict):  # a DatasetDict: Trainer fails at the first batch with a KeyError
-            raise ValueError(f"train_dataset must be one data set, got a {type(train_dataset).__name__} of splits "
-                             f"{list(train_dataset)}: pass one of them, e.g. data['train']")
-        if type(train_dataset).__module__.startswith("pandas"):
-            raise ValueError(f"train_dataset must be a data set, got a pandas {type(train_dataset).__name__}: pass "
-                             "datasets.Dataset.from_pandas(df)")
-        if train_dataset is not None and (isinstance(train_dataset, IterableDataset)
-                                          or not hasattr(train_dataset, "__len__")):
-            raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
-                             "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
-                             f"{type(train_dataset).__name__}")
         _check_best_metric_names_a_set(args, kwargs.get("eval_dataset"))
         if kwargs.get("compute_metrics") is None:  # both shape only what compute_metrics receives (as in Trainer)
             for name, value in (("include_for_metrics", args.include_for_metrics),
@@ -409,6 +399,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         max_steps = self.total_steps()
         num_epochs = math.ceil(max_steps / steps_per_epoch)
         self.check_absences()
+        self.check_lr_milestones()
         made = [self._make_optimizer_and_scheduler(node, max_steps, steps_per_epoch) for node in self.nodes]
         self.node_optimizers = [optimizer for optimizer, _ in made]
         self.node_schedulers = [scheduler for _, scheduler in made]
@@ -534,6 +525,18 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         of :meth:`steps_per_epoch`."""
         args = self.args
         return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.steps_per_epoch())
+
+    def check_lr_milestones(self) -> None:
+        """ValueError for an ``lr_milestones`` epoch past the run's end (its decay would never
+        happen), as :meth:`check_absences` refuses an absence after the run."""
+        if not self.args.lr_milestones:
+            return
+        steps_per_epoch, max_steps = self.steps_per_epoch(), self.total_steps()
+        late = [epoch for epoch in self.args.lr_milestones if epoch * steps_per_epoch > max_steps]
+        if late:
+            raise ValueError(f"lr_milestones: epoch {late[0]:g} is past the run's end ({max_steps} steps, "
+                             f"{max_steps / steps_per_epoch:g} epochs): its decay would never happen; drop it or move "
+                             "it into the run")
 
     def check_absences(self, warn: bool = True) -> None:
         """ValueError for an absence (``absences``) that starts after the run's last iteration (it
