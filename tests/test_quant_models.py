@@ -246,6 +246,22 @@ def test_load_quantized_names_the_folder_of_weights_it_cannot_read(tmp_path, dam
         load_quantized(tmp_path)
 
 
+def test_load_quantized_refuses_a_part_class_that_would_load_float(tmp_path):
+    """CLIPVisionModel of a saved 8-bit CLIPModel reads vision_config, which holds no
+    quantization_config: it came back a float model without a word."""
+    from transformers import CLIPConfig, CLIPModel, CLIPVisionModel
+
+    config = CLIPConfig(text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=16),
+                        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=16, patch_size=8), projection_dim=16)
+    quantize_model(CLIPModel(config)).save_pretrained(tmp_path)
+    assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path).modules())
+    with pytest.raises(ValueError, match=r"^CLIPVisionModel loaded from .* has no 8-bit layer: the quantization_config "
+                                         r"is the saved CLIPModel's"):
+        load_quantized(tmp_path, auto_class=CLIPVisionModel)
+
+
 def test_load_quantized_refuses_a_float_checkpoint(tmp_path):
     ARCHITECTURES["distilbert"]().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no quantization_config with quant_method 'lp_decentral_nlp'"):
@@ -319,6 +335,17 @@ def test_the_int8_export_file_writes_a_tied_weight_once_and_loads_it_under_every
         torch.testing.assert_close(output_of(clone, inputs), output_of(model, inputs), rtol=0, atol=1e-5)
     float_weights = load_int8_export(tmp_path / "int8.safetensors", activation_ranges=False)
     assert not [key for key in float_weights if ".act_" in key]
+    # a path that cannot be written or read is named (safetensors named a temporary file, or none)
+    with pytest.raises(ValueError, match=r"its folder .*missing' does not exist"):
+        save_int8_export(model, tmp_path / "missing" / "int8.safetensors")
+    with pytest.raises(ValueError, match=r"is a folder: name the file to write in it"):
+        save_int8_export(model, tmp_path)
+    (tmp_path / "notes.txt").write_text("not tensors")
+    with pytest.raises(ValueError, match=r"notes\.txt cannot be read as a safetensors file"):
+        load_int8_export(tmp_path / "notes.txt")
+    model.save_pretrained(tmp_path / "saved")  # fp32 master weights: no int8 codes
+    with pytest.raises(ValueError, match=r"holds no int8 codes: not an int8 export"):
+        load_int8_export(tmp_path / "saved" / "model.safetensors")
 
 
 def test_int8_export_loads_into_the_float_model_without_the_activation_ranges():
@@ -338,6 +365,23 @@ def test_int8_export_loads_into_the_float_model_without_the_activation_ranges():
                           fake_quantize(q_lin.weight.detach(), *tensor_range(q_lin.weight.detach()), 8), atol=1e-6)
     with pytest.raises(TypeError, match="activation_ranges must be a bool, got 'no'"):
         dequantize_int8_state_dict(exported, activation_ranges="no")
+
+
+def test_int8_export_of_embeddings_codes_tables_of_embedding_subclasses_and_refuses_a_model_without_one():
+    """BART's scaled and positional tables (nn.Embedding subclasses) stayed float under
+    embeddings=True, and a model without a table gave the same export as embeddings=False, both
+    without a word."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    bart = quantize_model(BartForConditionalGeneration(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=32)))
+    exported = export_int8_state_dict(bart, embeddings=True)
+    assert all(exported[key].dtype == torch.int8 for key in ("model.shared.weight", "model.encoder.embed_positions.weight",
+                                                             "model.decoder.embed_positions.weight"))
+    with pytest.raises(ValueError, match=r"embeddings=True codes the model's float nn\.Embedding tables, and it has "
+                                         r"none"):
+        export_int8_state_dict(quantize_model(ARCHITECTURES["resnet"]()), embeddings=True)
 
 
 def test_int8_export_of_embeddings_codes_each_row_on_its_own_grid():

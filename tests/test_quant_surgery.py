@@ -499,6 +499,25 @@ def test_models_sharing_a_config_object_stay_float(tmp_path):
     assert not hasattr(student.config, CONFIG_KEY)
 
 
+def test_a_task_model_that_is_its_own_base_model_leaves_the_users_config_alone(tmp_path):
+    """T5ForConditionalGeneration (and CLIPModel) hold no attribute of their base-model prefix, so
+    they passed for a base model, whose config is its task model's: the user's config object got
+    the record and a float teacher built from it reloaded 8-bit, uncalibrated. A part (BertModel
+    inside its task model) still records on the config the task model saves."""
+    from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=120, d_model=32, d_kv=16, d_ff=37, num_layers=1, num_heads=2)
+    student, teacher = T5ForConditionalGeneration(config), T5ForConditionalGeneration(config)
+    quantize_model(student)
+    assert not hasattr(config, CONFIG_KEY) and hasattr(student.config, CONFIG_KEY)
+    teacher.save_pretrained(tmp_path)
+    assert quantized_names(T5ForConditionalGeneration.from_pretrained(tmp_path)) == []
+    task = BertForSequenceClassification(BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=37))
+    quantize_model(task.bert)
+    assert hasattr(task.config, CONFIG_KEY)  # saved with the task model, which reloads its part 8-bit
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

@@ -15,6 +15,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
 
     Args:
         model: a model after :func:`quantize_model`.
-        embeddings: also store every plain ``nn.Embedding`` table (``(num_embeddings, dim)``, and
+        embeddings: also store every float ``nn.Embedding`` table (its subclasses too) (``(num_embeddings, dim)``, and
             the entries tied to it) as 8-bit codes with a scale and offset of shape
             ``(num_embeddings, 1)``, one per row, coded once (a quantized layer's weight tied to
             such a table too, as the table). Unlike the quantized layers' export,
@@ -63,7 +64,13 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
     if not exact:
         raise ValueError("export_int8_state_dict: model has no quantized layers (call quantize_model first)")
     state = model.state_dict()
-    tables = {_tensor_key(m.weight) for m in model.modules() if embeddings and type(m) is nn.Embedding}
+    # every float table, of nn.Embedding's subclasses too (BART's scaled and positional ones): only its weight is stored
+    tables = {_tensor_key(m.weight) for m in model.modules()
+              if embeddings and isinstance(m, nn.Embedding) and not isinstance(m, QuantModule)}
+    if embeddings and not tables:
+        raise ValueError("export_int8_state_dict: embeddings=True codes the model's float nn.Embedding tables, and it "
+                         "has none (its tables are quantized layers, exported with their own codes, or it has no "
+                         "table): leave embeddings=False")
     float_read = {_tensor_key(p) for m in model.modules() if not isinstance(m, QuantModule)
                   for p in m.parameters(recurse=False)}
     out, coded = {}, {}
@@ -100,6 +107,11 @@ def save_int8_export(model: nn.Module, path: str | os.PathLike, embeddings: bool
     reads it back."""
     from safetensors.torch import save_file
 
+    path = Path(path)
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"path {str(path)!r}: " + ("is a folder: name the file to write in it, e.g. "
+                                                    f"{str(path / 'int8.safetensors')!r}" if path.is_dir() else
+                                                    f"its folder {str(path.parent)!r} does not exist"))
     state = export_int8_state_dict(model, embeddings)
     written, tied, first = {}, {}, {}
     for key, tensor in state.items():
@@ -108,7 +120,7 @@ def save_int8_export(model: nn.Module, path: str | os.PathLike, embeddings: bool
             written[key] = tensor.contiguous()
         else:
             tied[key] = source
-    save_file(written, os.fspath(path), metadata={"format": "pt", TIED_KEYS: json.dumps(tied)})
+    save_file(written, str(path), metadata={"format": "pt", TIED_KEYS: json.dumps(tied)})
 
 
 def load_int8_export(path: str | os.PathLike, activation_ranges: bool = True) -> dict[str, torch.Tensor]:
@@ -116,11 +128,18 @@ def load_int8_export(path: str | os.PathLike, activation_ranges: bool = True) ->
     :func:`dequantize_int8_state_dict`, whose `activation_ranges` this passes on): ready for
     ``model.load_state_dict`` of the quantized model (or, with ``activation_ranges=False``, of the
     float one)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(os.fspath(path), framework="pt") as file:
-        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 -- safe_open is no dict
-        tied = json.loads((file.metadata() or {}).get(TIED_KEYS, "{}"))
+    if not Path(path).is_file():
+        raise ValueError(f"path {os.fspath(path)!r} is not a file" + ("" if Path(path).exists() else " (it does not exist)"))
+    try:
+        with safe_open(os.fspath(path), framework="pt") as file:
+            tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 -- safe_open is no dict
+            tied = json.loads((file.metadata() or {}).get(TIED_KEYS, "{}"))
+    except (SafetensorError, OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{os.fspath(path)} cannot be read as a safetensors file ({err})") from None
+    if not any(tensor.dtype == torch.int8 for tensor in tensors.values()):
+        raise ValueError(f"{os.fspath(path)} holds no int8 codes: not an int8 export (save_int8_export writes one)")
     tensors.update({key: tensors[source] for key, source in tied.items()})
     return dequantize_int8_state_dict(tensors, activation_ranges)
 

@@ -180,12 +180,25 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
-        if getattr(owner, "base_model", None) is not owner:  # a base model's config is its task model's too
+        if not _may_be_a_part(owner):  # a base model's config is its task model's too
             _own_config(owner)
         setattr(owner.config, CONFIG_KEY, hf_config)
         if hasattr(owner, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
             owner.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
     return model
+
+
+def _may_be_a_part(model: nn.Module) -> bool:
+    """Whether `model` is the base model of its config's architecture (``AutoModel``'s class:
+    ``BertModel``, ``CLIPModel``), which a task model holds as a part sharing its config object, so
+    that the task model saves the quantization recorded on it. A task model (``T5ForConditionalGeneration``,
+    whose ``base_model`` is itself) is not; a class transformers does not map, by ``base_model``."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return type(model) is MODEL_MAPPING[type(model.config)]
+    except (KeyError, ValueError, AttributeError):
+        return getattr(model, "base_model", None) is model
 
 
 def _own_config(model: nn.Module) -> None:
@@ -515,7 +528,13 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
     from safetensors import SafetensorError
 
     try:
-        return auto_class.from_pretrained(path, **from_pretrained_kwargs)
+        model = auto_class.from_pretrained(path, **from_pretrained_kwargs)
     except SafetensorError as err:  # its message names no file
         raise ValueError(f"the weights of {path} cannot be read ({err}): the file is truncated or not a "
                          "safetensors file; save the model again with save_pretrained") from err
+    if not any(isinstance(m, QuantModule) for m in model.modules()):  # e.g. CLIPVisionModel of a CLIPModel folder
+        saved_as = (getattr(config, "architectures", None) or ["the saved class"])[0]
+        raise ValueError(f"{getattr(auto_class, '__name__', auto_class)} loaded from {path} has no 8-bit layer: "
+                         f"the quantization_config is the saved {saved_as}'s, whose part this class reads as a float "
+                         f"model; load {saved_as} (the default) and take the part from it")
+    return model
