@@ -258,8 +258,10 @@ def test_load_quantized_refuses_a_part_class_that_would_load_float(tmp_path):
     quantize_model(CLIPModel(config)).save_pretrained(tmp_path)
     assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path).modules())
     with pytest.raises(ValueError, match=r"^CLIPVisionModel loaded from .* has no 8-bit layer: the quantization_config "
-                                         r"is the saved CLIPModel's"):
+                                         r"is the whole saved model's, .* load CLIPModel, the saved class"):
         load_quantized(tmp_path, auto_class=CLIPVisionModel)
+    model, info = load_quantized(tmp_path, output_loading_info=True)  # from_pretrained's (model, info), as given
+    assert any(isinstance(m, QuantModule) for m in model.modules()) and "missing_keys" in info
 
 
 def test_load_quantized_refuses_a_float_checkpoint(tmp_path):
@@ -379,8 +381,7 @@ def test_int8_export_of_embeddings_codes_tables_of_embedding_subclasses_and_refu
     exported = export_int8_state_dict(bart, embeddings=True)
     assert all(exported[key].dtype == torch.int8 for key in ("model.shared.weight", "model.encoder.embed_positions.weight",
                                                              "model.decoder.embed_positions.weight"))
-    with pytest.raises(ValueError, match=r"embeddings=True codes the model's float nn\.Embedding tables, and it has "
-                                         r"none"):
+    with pytest.raises(ValueError, match=r"embeddings=True codes the model's nn\.Embedding tables, and it has none"):
         export_int8_state_dict(quantize_model(ARCHITECTURES["resnet"]()), embeddings=True)
 
 

@@ -500,10 +500,10 @@ def test_models_sharing_a_config_object_stay_float(tmp_path):
 
 
 def test_a_task_model_that_is_its_own_base_model_leaves_the_users_config_alone(tmp_path):
-    """T5ForConditionalGeneration (and CLIPModel) hold no attribute of their base-model prefix, so
-    they passed for a base model, whose config is its task model's: the user's config object got
-    the record and a float teacher built from it reloaded 8-bit, uncalibrated. A part (BertModel
-    inside its task model) still records on the config the task model saves."""
+    """T5ForConditionalGeneration holds no attribute of its base-model prefix, so it passed for a
+    base model, whose config is its task model's: the user's config object got the record and a
+    float teacher built from it reloaded 8-bit, uncalibrated. A part (BertModel inside its task
+    model) still records on the config the task model saves."""
     from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
 
     config = T5Config(vocab_size=120, d_model=32, d_kv=16, d_ff=37, num_layers=1, num_heads=2)
@@ -516,6 +516,12 @@ def test_a_task_model_that_is_its_own_base_model_leaves_the_users_config_alone(t
                                                     num_attention_heads=2, intermediate_size=37))
     quantize_model(task.bert)
     assert hasattr(task.config, CONFIG_KEY)  # saved with the task model, which reloads its part 8-bit
+    from transformers import FunnelConfig, FunnelForSequenceClassification  # a base model of two classes
+
+    funnel = FunnelForSequenceClassification(FunnelConfig(vocab_size=120, d_model=32, n_head=2, d_head=16, d_inner=37,
+                                                          block_sizes=[1, 1], num_decoder_layers=1))
+    quantize_model(funnel.funnel)
+    assert hasattr(funnel.config, CONFIG_KEY)
 
 
 @pytest.mark.parametrize(

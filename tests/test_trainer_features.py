@@ -834,7 +834,9 @@ def test_a_setting_of_compute_metrics_without_one_is_refused(setting, tmp_path, 
     (dict(callbacks=["x"]), r"^callbacks must hold TrainerCallback instances or classes, got str"),
     (dict(train_dataset=["one text", "another"]), r"^train_dataset's samples must be dicts of the model's inputs "
                                                   r".*got str at index 0"),
-    (dict(train_dataset="data.csv"), r"^train_dataset must be map-style .*got str"),
+    (dict(train_dataset="data.csv"), r"^train_dataset must be a data set, got a str: load it first"),
+    (dict(eval_dataset=Dataset.from_dict({"text": ["a"]}).to_pandas()), r"^eval_dataset must be a data set, got a "
+                                                                        r"pandas DataFrame"),
     (dict(eval_dataset=5), r"^eval_dataset must be a data set .*got int"),
     (dict(eval_dataset={0: []}), r"^eval_dataset's names must be strings \(they prefix its metrics\), got 0"),
 ])
@@ -1589,6 +1591,8 @@ def test_an_iterable_eval_set_evaluates_and_predicts_as_its_map_style_one(tmp_pa
     assert metrics["eval_samples_per_second"] > 0
     out = trainer.predict(stream)
     assert out.predictions.shape == (32, 4) and out.metrics["test_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+    given = trainer_for(tmp_path / "given", agnews_small, tokenizer, max_steps=1, eval_dataset=stream)  # as Trainer
+    assert given.evaluate()["eval_loss"] > 0
 
 
 def numpy_metrics(eval_pred):

@@ -111,12 +111,13 @@ class GossipConfig:
         given = [(name, getattr(self, name), fields[name].default)
                  for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr")]
         if self.faults is not None:
-            given += [("drop_prob", self.faults.drop_prob, 0.0), ("stragglers", self.faults.stragglers, ()),
-                      ("absences", self.faults.absences, ())]
+            given.append(("drop_prob", self.faults.drop_prob, 0.0))
+            given += [(name, list(getattr(self.faults, name)), []) for name in ("stragglers", "absences")]
         for name, value, default in given:
             if value != default:
+                leave = "it empty" if default == [] else f"{name} at {default!r}"
                 raise ValueError(f"{name}={value!r} is a setting of the gossip, and num_nodes=1 has no neighbour to "
-                                 f"send to: set num_nodes >= 2, or leave {name} at {default!r}")
+                                 f"send to: set num_nodes >= 2, or leave {leave}")
 
     @property
     def gamma(self) -> float:

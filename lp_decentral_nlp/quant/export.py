@@ -67,10 +67,9 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
     # every float table, of nn.Embedding's subclasses too (BART's scaled and positional ones): only its weight is stored
     tables = {_tensor_key(m.weight) for m in model.modules()
               if embeddings and isinstance(m, nn.Embedding) and not isinstance(m, QuantModule)}
-    if embeddings and not tables:
-        raise ValueError("export_int8_state_dict: embeddings=True codes the model's float nn.Embedding tables, and it "
-                         "has none (its tables are quantized layers, exported with their own codes, or it has no "
-                         "table): leave embeddings=False")
+    if embeddings and not any(isinstance(m, nn.Embedding) for m in model.modules()):  # quantized ones count
+        raise ValueError("export_int8_state_dict: embeddings=True codes the model's nn.Embedding tables, and it has "
+                         "none: leave embeddings=False")
     float_read = {_tensor_key(p) for m in model.modules() if not isinstance(m, QuantModule)
                   for p in m.parameters(recurse=False)}
     out, coded = {}, {}

@@ -130,7 +130,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
     or bias a hook or parametrization recomputes (pruning, weight_norm, spectral_norm) stays float,
     with a warning, as any layer the selection asks for but cannot swap. A task model records the
     quantization on a copy of its config, so other models built from the same config object stay
-    float; a base model records it on the config it shares with its task model, as above.
+    float; the base model of its architecture (``AutoModel``'s class: ``BertModel``) records it on
+    the config it shares with its task model, so that the task model saves it.
 
     Returns:
         `model` (or the report when `dry_run`). Raises ValueError when a pattern matches no layer
@@ -190,15 +191,18 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
 
 def _may_be_a_part(model: nn.Module) -> bool:
     """Whether `model` is the base model of its config's architecture (``AutoModel``'s class:
-    ``BertModel``, ``CLIPModel``), which a task model holds as a part sharing its config object, so
-    that the task model saves the quantization recorded on it. A task model (``T5ForConditionalGeneration``,
-    whose ``base_model`` is itself) is not; a class transformers does not map, by ``base_model``."""
+    ``BertModel``, ``FunnelModel``/``FunnelBaseModel``), which a task model holds as a part sharing
+    its config object, so that the task model saves the quantization recorded on it (a base model
+    used alone, e.g. ``CLIPModel``, records on the object it was built with too). A task model
+    (``T5ForConditionalGeneration``, whose ``base_model`` is itself) is not; a class transformers
+    does not map, by ``base_model``."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     try:
-        return type(model) is MODEL_MAPPING[type(model.config)]
+        mapped = MODEL_MAPPING[type(model.config)]
     except (KeyError, ValueError, AttributeError):
         return getattr(model, "base_model", None) is model
+    return type(model) in (mapped if isinstance(mapped, tuple) else (mapped,))  # Funnel maps to two classes
 
 
 def _own_config(model: nn.Module) -> None:
@@ -528,13 +532,15 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
     from safetensors import SafetensorError
 
     try:
-        model = auto_class.from_pretrained(path, **from_pretrained_kwargs)
+        loaded = auto_class.from_pretrained(path, **from_pretrained_kwargs)
     except SafetensorError as err:  # its message names no file
         raise ValueError(f"the weights of {path} cannot be read ({err}): the file is truncated or not a "
                          "safetensors file; save the model again with save_pretrained") from err
+    model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)
     if not any(isinstance(m, QuantModule) for m in model.modules()):  # e.g. CLIPVisionModel of a CLIPModel folder
-        saved_as = (getattr(config, "architectures", None) or ["the saved class"])[0]
-        raise ValueError(f"{getattr(auto_class, '__name__', auto_class)} loaded from {path} has no 8-bit layer: "
-                         f"the quantization_config is the saved {saved_as}'s, whose part this class reads as a float "
-                         f"model; load {saved_as} (the default) and take the part from it")
-    return model
+        saved_as = (getattr(config, "architectures", None) or [None])[0]
+        whole = f"load {saved_as}, the saved class, and take the part from it" if saved_as else "load the saved class"
+        raise ValueError(f"{getattr(auto_class, '__name__', auto_class)} loaded from {path} has no 8-bit layer: the "
+                         f"quantization_config is the whole saved model's, whose part this class reads as a float "
+                         f"model; {whole}")
+    return loaded

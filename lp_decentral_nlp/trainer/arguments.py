@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -299,7 +300,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def _check_lr_milestones(self):
         if self.lr_milestones is None:
             return
-        m = list(self.lr_milestones) if isinstance(self.lr_milestones, (list, tuple)) else []  # 3: not a list
+        m = [] if isinstance(self.lr_milestones, (str, bytes, numbers.Number)) else list(self.lr_milestones)
         if not m or not all(Number(low=0, low_open=True).admits(e) for e in m) or m != sorted(set(m)):
             raise ValueError(f"lr_milestones must be a non-empty, strictly increasing list of epochs > 0 "
                              f"(or None), got {self.lr_milestones!r}")

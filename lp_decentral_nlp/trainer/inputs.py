@@ -24,9 +24,9 @@ def check_trainer_inputs(model, quant_config, kwargs: dict) -> None:
     `kwargs` that is not of its kind: a ``torch.nn.Module`` instance; a ``QuantConfig`` or None;
     a ``processing_class`` that saves itself (``save_pretrained``); functions for
     :data:`CALLABLE_ARGUMENTS`; ``optimizer_cls_and_kwargs`` an (optimizer class, dict) pair;
-    ``callbacks`` a list of ``TrainerCallback`` instances or classes; ``train_dataset`` one
-    map-style data set whose samples are dicts (unless a ``data_collator`` reads them);
-    ``eval_dataset`` one, or a dict of them by name."""
+    ``callbacks`` a list (or tuple) of ``TrainerCallback`` instances or classes; ``train_dataset``
+    one map-style data set whose samples are dicts (unless a ``data_collator`` reads them);
+    ``eval_dataset`` one data set (map-style or iterable), or a dict of them by name."""
     if not isinstance(model, nn.Module):
         built = " (a class: build it, e.g. Cls.from_pretrained(...) or Cls(config))" if isinstance(model, type) else ""
         raise ValueError(f"model must be a torch.nn.Module, got {_kind(model)}{built}")
@@ -48,7 +48,7 @@ def check_trainer_inputs(model, quant_config, kwargs: dict) -> None:
                          f"(torch.optim.SGD, {{'momentum': 0.9}}), got {_kind(pair)}")
     callbacks = kwargs.get("callbacks")
     if callbacks is not None:
-        if not isinstance(callbacks, list):
+        if not isinstance(callbacks, (list, tuple)):
             raise ValueError(f"callbacks must be a list of TrainerCallback instances or classes, got {_kind(callbacks)}"
                              + (": [callback]" if _is_callback(callbacks) else ""))
         odd = next((c for c in callbacks if not _is_callback(c)), None)
@@ -66,10 +66,8 @@ def _check_train_dataset(dataset, collator_given: bool) -> None:
     if isinstance(dataset, dict):  # a DatasetDict: Trainer fails at the first batch with a KeyError
         raise ValueError(f"train_dataset must be one data set, got a {type(dataset).__name__} of splits "
                          f"{list(dataset)}: pass one of them, e.g. data['train']")
-    if type(dataset).__module__.startswith("pandas"):
-        raise ValueError(f"train_dataset must be a data set, got a pandas {type(dataset).__name__}: pass "
-                         "datasets.Dataset.from_pandas(df)")
-    if isinstance(dataset, (str, bytes)) or isinstance(dataset, IterableDataset) or not (
+    _refuse_non_data_set(dataset, "train_dataset")
+    if isinstance(dataset, IterableDataset) or not (
             hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ValueError("train_dataset must be map-style (a datasets.Dataset, or a torch Dataset with __len__ and "
                          "__getitem__): the SPEC 6 shards are index sets over a dataset of known length, got "
@@ -83,7 +81,8 @@ def _check_train_dataset(dataset, collator_given: bool) -> None:
 
 
 def _check_eval_dataset(dataset) -> None:
-    """None, one map-style data set, or a dict of them by name (``str`` keys: metrics carry them)."""
+    """None, one data set (map-style, or iterable: evaluation reads it once), or a dict of them by
+    name (``str`` keys: metrics carry them)."""
     if dataset is None:
         return
     sets = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
@@ -91,9 +90,19 @@ def _check_eval_dataset(dataset) -> None:
         what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
         if name is not None and not isinstance(name, str):
             raise ValueError(f"eval_dataset's names must be strings (they prefix its metrics), got {name!r}")
-        if isinstance(part, (str, bytes, dict)) or not (hasattr(part, "__len__") and hasattr(part, "__getitem__")):
-            raise ValueError(f"{what} must be a data set (a datasets.Dataset, or a torch Dataset with __len__ and "
-                             f"__getitem__), got {_kind(part)}")
+        _refuse_non_data_set(part, what)
+        if isinstance(part, dict) or not (hasattr(part, "__iter__") or hasattr(part, "__getitem__")):
+            raise ValueError(f"{what} must be a data set (a datasets.Dataset, or a torch Dataset), got {_kind(part)}")
+
+
+def _refuse_non_data_set(value, what: str) -> None:
+    """ValueError for what is often passed where a data set goes: a path or text, a pandas frame."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{what} must be a data set, got a str: load it first (datasets.load_dataset, or "
+                         "lp_decentral_nlp.data.load_task)")
+    if type(value).__module__.startswith("pandas"):
+        raise ValueError(f"{what} must be a data set, got a pandas {type(value).__name__}: pass "
+                         "datasets.Dataset.from_pandas(df)")
 
 
 def _is_callback(value) -> bool:

@@ -62,6 +62,12 @@ def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_an
     return "adam_qgm" if args.qgm else "adam"
 
 
+def milestone_steps(milestones, steps_per_epoch: int) -> list[int]:
+    """The optimizer steps after which the multi-step schedule multiplies the LR by ``lr_decay``:
+    ``max(1, round(epoch * steps_per_epoch))`` of each ``lr_milestones`` epoch."""
+    return [max(1, round(epoch * steps_per_epoch)) for epoch in milestones]
+
+
 #: ``lr_scheduler_type`` values whose schedule steps on an evaluation metric, not on every
 #: optimizer step (Trainer: ``ReduceLROnPlateau`` and ``GreedyLR``)
 METRIC_SCHEDULES = frozenset({"reduce_lr_on_plateau", "greedy"})
@@ -115,7 +121,7 @@ class OptimizerMixin:
             for group in optimizer.param_groups:
                 group["momentum"] = 0.0
         if self.args.lr_milestones:
-            milestones = [max(1, round(e * steps_per_epoch)) for e in self.args.lr_milestones]
+            milestones = milestone_steps(self.args.lr_milestones, steps_per_epoch)
             scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=self.args.lr_decay)
         else:
             scheduler = self.create_scheduler(max_steps, optimizer=optimizer)

@@ -63,7 +63,7 @@ from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
 from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels
 from .node_group import NodeGroup
-from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer
+from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer, milestone_steps
 from .rng import NodeRNG
 
 logger = hf_logging.get_logger(__name__)
@@ -260,6 +260,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported by DecentralizedTrainer: pass the initial model as model")
         check_trainer_inputs(model, quant_config, kwargs)
+        if isinstance(kwargs.get("callbacks"), tuple):  # Trainer adds a list to it
+            kwargs["callbacks"] = list(kwargs["callbacks"])
         if any(o is not None for o in kwargs.get("optimizers") or ()):
             raise ValueError("optimizers is not supported by DecentralizedTrainer: every node builds its own optimizer "
                              "and schedule from args (optim, learning_rate, lr_scheduler_type, ...) or "
@@ -532,7 +534,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if not self.args.lr_milestones:
             return
         steps_per_epoch, max_steps = self.steps_per_epoch(), self.total_steps()
-        late = [epoch for epoch in self.args.lr_milestones if epoch * steps_per_epoch > max_steps]
+        late = [epoch for epoch, step in zip(self.args.lr_milestones, milestone_steps(self.args.lr_milestones,
+                                                                                       steps_per_epoch))
+                if step > max_steps]
         if late:
             raise ValueError(f"lr_milestones: epoch {late[0]:g} is past the run's end ({max_steps} steps, "
                              f"{max_steps / steps_per_epoch:g} epochs): its decay would never happen; drop it or move "
