@@ -482,6 +482,18 @@ def test_cost_command_line_refuses_bad_flags_in_one_line(argv, expected, capsys)
     assert exc.value.code == 2 and err == f"python -m lp_decentral_nlp.cost: error: {expected}\n"
 
 
+def test_cost_command_line_names_a_config_that_is_not_json(tmp_path, capsys):
+    """It was json.decoder.JSONDecodeError with a traceback (the recipes said it in one line)."""
+    from lp_decentral_nlp.cost.__main__ import main as cost_main
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exc:
+        cost_main(["--model", str(tmp_path), "--seq-len", "32"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(f"python -m lp_decentral_nlp.cost: error: argument --model: "
+                                                  f"{tmp_path}: cannot load its config (") and err.count("\n") == 1
+
+
 def test_cost_command_line_prices_a_folder_holding_only_a_config(tmp_path, capsys):
     """The cost is built from the config (random weights), yet a config-only folder, the natural way
     to price an architecture before training it, was refused for having no weights."""

@@ -409,6 +409,8 @@ def test_to_dict_is_json():
         ({"samples_per_node": 100}, "needs gossip="),
         ({"convention": "table10"}, "convention must be one of"),
         ({"convention": "paper", "weight_grad_gemm": "fp32"}, "weight_grad_gemm='fp32' needs convention='ours'"),
+        ({"precision": "fp32", "weight_grad_gemm": "int8"}, r"^weight_grad_gemm='int8' prices the weight-gradient GEMM "
+                                                            r"of the 8-bit layers, and precision='fp32' has none"),
         # a torch optimizer's repr spans lines, so the message did too
         # priced fp32 with half the memory, and the report said fp32
         ({"model": Residual().to(torch.bfloat16)}, r"^the cost model prices fp32 training .*; parameter '[a-z0-9.]+' is "

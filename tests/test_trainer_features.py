@@ -789,6 +789,18 @@ def test_fault_entries_of_numpy_numbers_are_kept_as_plain_numbers(tmp_path):
     args.to_json_string()
 
 
+def test_the_cost_report_counts_activation_checkpointing_before_training_too(tmp_path, agnews_small, tokenizer):
+    """The nodes are switched to checkpointing when train() starts: the recipes' cost report,
+    written before, counted every activation as saved (and the adds of one forward)."""
+    plain = trainer_for(tmp_path / "p", agnews_small, tokenizer).cost_report((16,))
+    checkpointed = trainer_for(tmp_path / "c", agnews_small, tokenizer, activation_checkpointing=True)
+    before = checkpointed.cost_report((16,))
+    assert before.train_memory_mb < plain.train_memory_mb and before.adds.train > plain.adds.train
+    checkpointed.train()
+    after = checkpointed.cost_report((16,))
+    assert (after.train_memory_mb, after.adds.train) == (before.train_memory_mb, before.adds.train)
+
+
 def test_lr_milestones_outside_the_run_or_not_a_list_are_refused(tmp_path, agnews_small):
     """A milestone past the run's end was ignored in silence (an absence there is refused); a bare
     number was a TypeError from list()."""

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer state per parameter: sgd 0 tensors, momentum 1, adam 2, sgd_qgm 2, adam_qgm 3 "
                         "(default momentum for --arch, adam for --model)")
     p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco",
-                   help="gossip algorithm, whose messages and memory are counted (choco)")
+                   help="gossip algorithm, whose messages are counted (choco)")
     p.add_argument("--topology", default="directed_ring",
                    help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")
     p.add_argument("--num-nodes", type=integer, default=4, help="peer nodes of the graph (4)")
@@ -103,12 +103,12 @@ def _check_model_flags(parser, args):
     path, fallback = resolve_model(args.model, parser.prog)
     if fallback:  # the recipes train the packaged MiniLM instead; a cost must be the named model's
         parser.error(f"argument --model: {args.model!r} is not reachable (offline, not cached): pass a local folder")
-    if args.num_classes is None:
-        labels = saved_head_labels(path)
-        args.num_classes = len(labels) if labels else _TEXT_DEFAULTS["num_classes"]
     try:
+        if args.num_classes is None:
+            labels = saved_head_labels(path)
+            args.num_classes = len(labels) if labels else _TEXT_DEFAULTS["num_classes"]
         config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError) as err:  # a config.json that is no JSON: ValueError too
         parser.error(f"argument --model: {args.model}: cannot load its config ({error_summary(err)})")
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         parser.error(f"argument --model: {args.model}: transformers has no sequence classifier of a "

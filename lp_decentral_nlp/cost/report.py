@@ -256,12 +256,16 @@ def estimate_cost(
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
     _check_choice("convention", convention, CONVENTIONS)
+    gemm_given = weight_grad_gemm is not None
     if weight_grad_gemm is None:
         weight_grad_gemm = "int8" if convention == "paper" else "fp32"
     _check_choice("weight_grad_gemm", weight_grad_gemm, PRECISIONS)
     if convention == "paper" and weight_grad_gemm != "int8":
         raise ValueError(f"weight_grad_gemm={weight_grad_gemm!r} needs convention='ours': the paper's convention "
                          "prices every op of the 8-bit model int8")
+    if gemm_given and precision == "fp32":
+        raise ValueError(f"weight_grad_gemm={weight_grad_gemm!r} prices the weight-gradient GEMM of the 8-bit layers, "
+                         "and precision='fp32' has none: drop it or use precision='int8'")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     other = next(((n, p.dtype) for n, p in model.named_parameters()

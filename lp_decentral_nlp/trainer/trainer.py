@@ -409,16 +409,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_scalers = ([torch.amp.GradScaler(args.device.type) for _ in self.nodes]
                              if args.mixed_precision == "fp16" else None)
         self.qgm = self._build_qgm() if args.qgm else None
-        # as Trainer: every_n_layers and offload choose the layers and where their inputs live; the
-        # other keys go to torch.utils.checkpoint. On the CPU the inputs are on the host already
-        # (transformers' offload would pin memory, which needs an accelerator)
-        checkpointing = dict(args.activation_checkpointing_kwargs or {})
-        every_n_layers = checkpointing.pop("every_n_layers", 1)
-        offload = checkpointing.pop("offload", False) and args.device.type != "cpu"
         for node in self.nodes:
-            if args.activation_checkpointing:
-                node.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing or None,
-                                                     every_n_layers=every_n_layers, offload=offload)
+            self._enable_checkpointing(node)
             if self._compile_kwargs is not None:
                 node.compile(**self._compile_kwargs)
 
@@ -661,6 +653,20 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         main = self.node_group.is_main
         self.state.is_world_process_zero = self.state.is_local_process_zero = main
 
+    def _enable_checkpointing(self, node) -> None:
+        """``activation_checkpointing`` on `node`, as Trainer: ``every_n_layers`` and ``offload`` of
+        ``activation_checkpointing_kwargs`` choose the layers and where their inputs live; the other
+        keys go to ``torch.utils.checkpoint``. On the CPU the inputs are on the host already
+        (transformers' offload would pin memory, which needs an accelerator)."""
+        args = self.args
+        if not args.activation_checkpointing:
+            return
+        checkpointing = dict(args.activation_checkpointing_kwargs or {})
+        every_n_layers = checkpointing.pop("every_n_layers", 1)
+        offload = checkpointing.pop("offload", False) and args.device.type != "cpu"
+        node.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing or None,
+                                             every_n_layers=every_n_layers, offload=offload)
+
     def cost_report(self, input_shape):
         """SPEC 7 cost of one iteration of one node of this run (compute, energy, memory, gossip bytes).
         Compute, energy and memory are those of one batch of ``per_device_train_batch_size``
@@ -675,13 +681,17 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         Raises:
             ValueError: the smallest shard cannot fill one batch (as :meth:`train` does).
         """
-        from ..cost import estimate_cost
+        from ..cost import checkpointable_layers, estimate_cost
 
         optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs)
         bs = self.args.per_device_train_batch_size
         # an epoch gossips once per optimizer step: its samples are read in those steps' batches
         samples_per_node = self.steps_per_epoch() * bs
-        return estimate_cost(self.nodes[0], input_shape, bs,
+        node = self.nodes[0]
+        if self.args.activation_checkpointing and not any(m.gradient_checkpointing for m in checkpointable_layers(node)):
+            node = copy.deepcopy(node)  # before train(), which enables it on the nodes: as train() will
+            self._enable_checkpointing(node)
+        return estimate_cost(node, input_shape, bs,
                              "int8" if self.args.low_precision else "fp32", optimizer=optimizer,
                              gossip=self.gossip, samples_per_node=samples_per_node)
 
