@@ -454,6 +454,19 @@ def test_a_runs_optimizer_is_priced_by_the_state_it_keeps(tmp_path, settings, op
     assert expected in OPTIMIZER_STATES
 
 
+def test_an_optimizer_priced_as_adam_says_so(tmp_path, caplog):
+    """Adafactor's state was priced as Adam's (35x more) in every cost report, with no word."""
+    from lp_decentral_nlp.trainer import DecentralizedTrainingArguments, cost_optimizer
+
+    for optim, warned in (("adafactor", True), ("adamw_torch", False)):
+        caplog.clear()
+        args = DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none", optim=optim)
+        with caplog.at_level("WARNING"):
+            assert cost_optimizer(args, linear_model(), warn=True) == "adam"
+        assert ("cost report: Adafactor keeps its own state per parameter, which the cost model prices as Adam's"
+                in caplog.text) is warned
+
+
 def test_token_model_needs_a_sequence_length():
     with pytest.raises(ValueError, match=r"\(seq_len,\)"):
         estimate_cost(tiny_bert(), (3, 8), 2)

@@ -46,12 +46,14 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
         raise ValueError(problem)
 
 
-def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None) -> str:
+def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None,
+                   warn: bool = False) -> str:
     """The name under which the cost model (SPEC 7, ``lp_decentral_nlp.cost.OPTIMIZER_STATES``)
     prices the state this run's optimizer keeps per parameter: ``"sgd"`` (SGD without momentum,
     transformers' ``optim="sgd"`` unless ``optim_args`` give one), ``"momentum"``, ``"adam"``
     (Adam/AdamW), ``"sgd_qgm"`` / ``"adam_qgm"`` with quasi-global momentum. Any other optimizer is
-    priced as Adam, two tensors per parameter (Adafactor keeps less, Lion one)."""
+    priced as Adam, two tensors per parameter (Adafactor keeps less, Lion one): with `warn`, a
+    warning says so."""
     if optimizer_cls_and_kwargs is None:
         optimizer_cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer_cls, kwargs = optimizer_cls_and_kwargs
@@ -59,6 +61,10 @@ def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_an
         if args.qgm:
             return "sgd_qgm"
         return "momentum" if float(kwargs.get("momentum", 0.0)) > 0 else "sgd"
+    if warn and not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Adam)):
+        name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
+        logger.warning(f"cost report: {name} keeps its own state per parameter, which the cost model prices as "
+                       "Adam's (two tensors per parameter; Adafactor keeps less, Lion and RMSprop one)")
     return "adam_qgm" if args.qgm else "adam"
 
 

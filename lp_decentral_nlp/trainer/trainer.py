@@ -683,7 +683,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         """
         from ..cost import checkpointable_layers, estimate_cost
 
-        optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs)
+        optimizer = cost_optimizer(self.args, self.nodes[0], self.optimizer_cls_and_kwargs, warn=True)
         bs = self.args.per_device_train_batch_size
         # an epoch gossips once per optimizer step: its samples are read in those steps' batches
         samples_per_node = self.steps_per_epoch() * bs
