@@ -360,8 +360,9 @@ def flag_check_parser(family: str, *, fixed: dict[str, str] | None = None, descr
     if family not in FLAG_TABLES:
         raise ValueError(f"family must be one of {tuple(FLAG_TABLES)}, got {family!r}")
     table = FLAG_TABLES[family]
+    keep_lines = epilog is not None  # the epilog's lines as written (the description is one line)
     parser = OneLineParser(prog=prog, usage=table["usage"], description=description, epilog=epilog,
-                           formatter_class=argparse.HelpFormatter if epilog is None else argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter if keep_lines else argparse.HelpFormatter)
     groups = {title: parser.add_argument_group(title) for title in table["groups"]}
     reasons = fixed or {}
     for name, reason in reasons.items():  # (the table may list no flag for a field every recipe sets)

@@ -63,8 +63,8 @@ def _derive(values: dict) -> None:
         from ..trainer.arguments import unread_adam_settings
         from ..trainer.field_policy import field_default
 
-        unread = "adam_beta2" in unread_adam_settings(values)
-        values["adam_beta2"] = field_default(DecentralizedTrainingArguments, "adam_beta2") if unread else SPEC_ADAM_BETA2
+        read = "adam_beta2" not in unread_adam_settings(values)
+        values["adam_beta2"] = SPEC_ADAM_BETA2 if read else field_default(DecentralizedTrainingArguments, "adam_beta2")
     run_name = f"{values['task']}_{values['algorithm']}_skew{values['skew']}_comp{values['compression']}"
     derive_run_values(values, run_name)
 

@@ -80,16 +80,23 @@ def _check_train_dataset(dataset, collator_given: bool) -> None:
                              "pass a data_collator that batches them")
 
 
+def eval_sets(eval_dataset) -> list[tuple[str, object]]:
+    """``(how messages name it, data set)`` of each evaluation set of ``eval_dataset``: one data set
+    (``"eval_dataset"``), or a dict of them by name (``"eval_dataset['name']"``); none for None."""
+    if eval_dataset is None:
+        return []
+    if not isinstance(eval_dataset, dict):
+        return [("eval_dataset", eval_dataset)]
+    return [(f"eval_dataset[{name!r}]", part) for name, part in eval_dataset.items()]
+
+
 def _check_eval_dataset(dataset) -> None:
     """None, one data set (map-style, or iterable: evaluation reads it once), or a dict of them by
     name (``str`` keys: metrics carry them)."""
-    if dataset is None:
-        return
-    sets = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
-    for name, part in sets:
-        what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
-        if name is not None and not isinstance(name, str):
-            raise ValueError(f"eval_dataset's names must be strings (they prefix its metrics), got {name!r}")
+    odd = next((name for name in dataset if not isinstance(name, str)), None) if isinstance(dataset, dict) else None
+    if odd is not None:
+        raise ValueError(f"eval_dataset's names must be strings (they prefix its metrics), got {odd!r}")
+    for what, part in eval_sets(dataset):
         _refuse_non_data_set(part, what)
         if isinstance(part, dict) or not (hasattr(part, "__iter__") or hasattr(part, "__getitem__")):
             raise ValueError(f"{what} must be a data set (a datasets.Dataset, or a torch Dataset), got {_kind(part)}")

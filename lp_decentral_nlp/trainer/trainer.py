@@ -57,7 +57,7 @@ from ..utils.logs import set_verbosity
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
-from .inputs import check_trainer_inputs
+from .inputs import check_trainer_inputs, eval_sets
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
@@ -309,8 +309,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         collator_given = kwargs.get("data_collator") is not None
         check_columns(train_dataset, model, args, "train_dataset", collator_given)
         eval_dataset = kwargs.get("eval_dataset")  # checked now, not at the first evaluation after training began
-        for name, part in (eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]):
-            what = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+        for what, part in eval_sets(eval_dataset):
             check_labels(part, num_classes, what)
             check_columns(part, model, args, what, collator_given)
         sigterm_handler = signal.getsignal(signal.SIGTERM)
