@@ -550,6 +550,8 @@ def test_config_dict_round_trip():
     assert QuantConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown QuantConfig keys"):
         QuantConfig.from_dict({**cfg.to_dict(), "bitz": 8})
+    with pytest.raises(TypeError, match="from_dict takes the dict that to_dict\\(\\) gives, got NoneType"):
+        QuantConfig.from_dict(None)
 
 
 TINY_TEXT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)

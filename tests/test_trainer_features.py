@@ -851,6 +851,7 @@ def test_a_setting_of_compute_metrics_without_one_is_refused(setting, tmp_path, 
                                                                         r"pandas DataFrame"),
     (dict(eval_dataset=5), r"^eval_dataset must be a data set .*got int"),
     (dict(eval_dataset={0: []}), r"^eval_dataset's names must be strings \(they prefix its metrics\), got 0"),
+    (dict(eval_dataset={}), r"^eval_dataset is an empty dict: it names no evaluation set"),
 ])
 def test_an_argument_of_the_wrong_kind_is_refused_before_anything_is_built(given, message, tmp_path, agnews_small):
     """They failed deep inside transformers or torch, some only after training (a string
@@ -859,6 +860,13 @@ def test_an_argument_of_the_wrong_kind_is_refused_before_anything_is_built(given
     with pytest.raises(ValueError, match=message):
         DecentralizedTrainer(**kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_of_an_empty_dict_is_refused_not_an_empty_result(tmp_path, agnews_small):
+    """evaluate({}) returned {}: no metric, no error."""
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=agnews_small["train"])
+    with pytest.raises(ValueError, match=r"^eval_dataset is an empty dict: it names no evaluation set"):
+        trainer.evaluate({})
 
 
 def test_splits_a_frame_or_too_few_rows_as_train_dataset_are_refused_naming_it(tmp_path, agnews_small):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..checks import Number, check_number
@@ -106,6 +107,8 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
         """The config :meth:`to_dict` gave; ValueError naming any key that is no field."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"QuantConfig.from_dict takes the dict that to_dict() gives, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

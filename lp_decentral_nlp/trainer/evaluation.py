@@ -20,6 +20,7 @@ from transformers.utils import logging
 
 from ..gossip import RandomK, TopK, gossiped_parameters
 from ..gossip.factory import build_compressor
+from .inputs import eval_sets
 from .node_data import check_labels
 from .rng import seeded_host_rngs
 
@@ -297,6 +298,7 @@ class EvaluationMixin:
         if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):  # the trainer's were checked
             check_labels(eval_dataset, self._num_classes, "eval_dataset")
         if isinstance(dataset, dict):
+            eval_sets(dataset)  # refuses an empty one
             metrics = {}
             for name, part in dataset.items():  # the trainer's own sets by name (their loaders may be kept)
                 metrics.update(self.evaluate(part if eval_dataset is not None else name, ignore_keys,

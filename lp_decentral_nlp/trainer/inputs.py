@@ -82,11 +82,15 @@ def _check_train_dataset(dataset, collator_given: bool) -> None:
 
 def eval_sets(eval_dataset) -> list[tuple[str, object]]:
     """``(how messages name it, data set)`` of each evaluation set of ``eval_dataset``: one data set
-    (``"eval_dataset"``), or a dict of them by name (``"eval_dataset['name']"``); none for None."""
+    (``"eval_dataset"``), or a dict of them by name (``"eval_dataset['name']"``); none for None.
+    ValueError for an empty dict: it names no set, so evaluation would silently report nothing."""
     if eval_dataset is None:
         return []
     if not isinstance(eval_dataset, dict):
         return [("eval_dataset", eval_dataset)]
+    if not eval_dataset:
+        raise ValueError("eval_dataset is an empty dict: it names no evaluation set, so evaluate() would report "
+                         "nothing; pass {name: dataset, ...}, one data set, or None for no evaluation")
     return [(f"eval_dataset[{name!r}]", part) for name, part in eval_dataset.items()]
 
 
