@@ -504,6 +504,28 @@ def test_an_adam_setting_the_optimizer_does_not_read_does_not_block_a_resume(tmp
                                                          optim="adamw_torch"))
 
 
+def test_a_resume_with_another_optimizer_cls_and_kwargs_is_refused_naming_it(tmp_path, agnews, tokenizer):
+    """The manifest recorded the arguments' optim and learning_rate for a run whose optimizer the
+    pair built: a resume with another momentum or LR was accepted, and the checkpoint's parameter
+    groups silently replaced them."""
+    run = dict(max_steps=4, eval_strategy="no", learning_rate=2e-3)
+    sgd = (torch.optim.SGD, {"lr": 2e-3, "momentum": 0.9})
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"],
+                         optimizer_cls_and_kwargs=sgd).train()
+    saved = json.loads((tmp_path / "checkpoint-4" / ckpt.MANIFEST).read_text())["config"]["optimizer"]
+    assert saved == {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 2e-3, "momentum": 0.9}}
+    later = targs(tmp_path, **{**run, "max_steps": 5})
+    assert check_resumable(tmp_path / "checkpoint-4", later, optimizer_cls_and_kwargs=sgd) is not None
+    with pytest.raises(ValueError, match=r"optimizer=\{'class': 'torch\.optim\.sgd\.SGD', 'kwargs': \{'lr': 0\.002, "
+                                         r"'momentum': 0\.9\}\} \(this run: \{'class': 'torch\.optim\.sgd\.SGD', "
+                                         r"'kwargs': \{'lr': 0\.002, 'momentum': 0\.0\}\}\)"):
+        DecentralizedTrainer(model=tiny_model(), args=later, train_dataset=agnews["train"],
+                             optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 2e-3, "momentum": 0.0})).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    with pytest.raises(ValueError, match=r"optimizer=\{'class': 'torch\.optim\.sgd\.SGD'.* \(this run: None\)"):
+        check_resumable(tmp_path / "checkpoint-4", later)  # the arguments' AdamW
+
+
 def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):
     """data_seed draws the shards and data order: another one would resume into other batches."""
     DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no"),

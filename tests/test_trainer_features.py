@@ -862,6 +862,30 @@ def test_an_argument_of_the_wrong_kind_is_refused_before_anything_is_built(given
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(learning_rate=0.05), r"^learning_rate=0\.05 is not read when optimizer_cls_and_kwargs builds the optimizer: "
+                               r"its keyword arguments set the LR \(no lr, so SGD's default\); pass lr=0\.05 in them"),
+    (dict(optim="adamw_torch"), r"^optim='adamw_torch' builds AdamW, and optimizer_cls_and_kwargs builds SGD: "
+                                r"transformers builds the pair's and ignores optim; leave optim at 'adamw_torch_fused' "
+                                r"or name the same optimizer$"),
+    (dict(adam_beta1=0.5), r"^adam_beta1=0\.5 is not read when optimizer_cls_and_kwargs builds the optimizer"),
+])
+def test_settings_an_optimizer_cls_and_kwargs_run_does_not_read_are_refused(setting, message, tmp_path, agnews_small):
+    """The nodes trained at SGD's default LR 1e-3 with learning_rate=0.05 given, and optim,
+    optim_args and adam_* were dropped without a word (as transformers does)."""
+    with pytest.raises(ValueError, match=message):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **setting), train_dataset=agnews_small["train"],
+                             optimizer_cls_and_kwargs=(torch.optim.SGD, {"momentum": 0.9}))
+
+
+def test_a_learning_rate_equal_to_the_pairs_lr_is_accepted_and_trained_with(tmp_path, agnews_small):
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, learning_rate=0.05),
+                                   train_dataset=agnews_small["train"],
+                                   optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}))
+    trainer.train()
+    assert trainer.node_optimizers[0].param_groups[0]["initial_lr"] == 0.05
+
+
 def test_evaluate_of_an_empty_dict_is_refused_not_an_empty_result(tmp_path, agnews_small):
     """evaluate({}) returned {}: no metric, no error."""
     trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path), train_dataset=agnews_small["train"])

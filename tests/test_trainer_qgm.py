@@ -168,8 +168,19 @@ def test_an_optimizer_qgm_cannot_serve_is_refused_at_construction(tmp_path, kwar
         DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, **kwargs), train_dataset=two_row_dataset())
 
 
+def test_qgm_beta_with_an_sgd_pair_is_accepted_when_optim_names_sgd(tmp_path):
+    """optim='sgd' makes the arguments accept qgm_beta (it applies to SGD); with a pair of SGD it
+    names the optimizer the pair builds, so it is not refused as ignored."""
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, optim="sgd", qgm_beta=0.5),
+                                   train_dataset=two_row_dataset(),
+                                   optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05}))
+    trainer.train()
+    assert trainer.node_optimizers[0].param_groups[0]["initial_lr"] == 0.05
+
+
 def test_adam_with_l2_weight_decay_is_refused_before_the_first_step(tmp_path):
-    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path), train_dataset=two_row_dataset(),
+    adam_defaults = dict(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)  # the pair's Adam reads its own
+    trainer = DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, **adam_defaults), train_dataset=two_row_dataset(),
                                    optimizer_cls_and_kwargs=(torch.optim.Adam, {"lr": 0.05}))
     with pytest.raises(ValueError, match=r"qgm=True with torch.optim.Adam and weight_decay > 0"):
         trainer.train()

@@ -348,10 +348,11 @@ class CheckpointError(ValueError):
     written by another model or other settings); raised by ``train()`` before any training step."""
 
 
-def resume_config(args: DecentralizedTrainingArguments) -> dict:
+def resume_config(args: DecentralizedTrainingArguments, optimizer_cls_and_kwargs=None) -> dict:
     """The arguments a resumed run must share with its checkpoint: those that shape the saved
     state, the optimizer settings the restored optimizer and LR-schedule states carry (a
-    different ``learning_rate`` would otherwise be silently replaced by the saved one), and those
+    different ``learning_rate`` would otherwise be silently replaced by the saved one; with the
+    trainer's ``optimizer_cls_and_kwargs``, that pair: :func:`optimizer_settings`), and those
     that shape every step after it (the schedule's type, arguments and warmup, gradient clipping,
     label smoothing, mixed precision: a different one made a run neither the interrupted one nor a
     fresh one)."""
@@ -369,7 +370,20 @@ def resume_config(args: DecentralizedTrainingArguments) -> dict:
             # as the manifest's JSON gives it back (tuples become lists)
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
-            "label_smoothing_factor": args.label_smoothing_factor, "mixed_precision": args.mixed_precision}
+            "label_smoothing_factor": args.label_smoothing_factor, "mixed_precision": args.mixed_precision,
+            "optimizer": optimizer_settings(optimizer_cls_and_kwargs)}
+
+
+def optimizer_settings(optimizer_cls_and_kwargs) -> dict | None:
+    """The optimizer the trainer's ``optimizer_cls_and_kwargs`` builds, as a checkpoint's manifest
+    records it: ``{"class": "module.QualifiedName", "kwargs": {...}}`` (the keyword arguments as
+    JSON gives them back); None when the optimizer comes from the arguments (``optim``,
+    ``learning_rate``, ...), which :func:`resume_config` compares field by field."""
+    if optimizer_cls_and_kwargs is None:
+        return None
+    optimizer_cls, kwargs = optimizer_cls_and_kwargs
+    name = f"{getattr(optimizer_cls, '__module__', '')}.{getattr(optimizer_cls, '__qualname__', repr(optimizer_cls))}"
+    return {"class": name, "kwargs": json.loads(json.dumps(dict(kwargs), default=str))}
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
@@ -378,7 +392,7 @@ _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mix
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                     "lr_milestones", "lr_decay", "train_rows", "lr_scheduler_type", "lr_scheduler_kwargs",
-                    "warmup_steps", "max_grad_norm", "label_smoothing_factor", "quant_config")
+                    "warmup_steps", "max_grad_norm", "label_smoothing_factor", "quant_config", "optimizer")
 
 
 def quant_settings(model) -> dict | None:
@@ -392,12 +406,14 @@ def quant_settings(model) -> dict | None:
 
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,
-                    unresolved: tuple[str, ...] = (), train_rows: str | None = None, quant_config: dict | None = None):
+                    unresolved: tuple[str, ...] = (), train_rows: str | None = None, quant_config: dict | None = None,
+                    optimizer_cls_and_kwargs=None):
     """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
     given, the same number of training samples, the same training rows: ``train_rows``, their
     :func:`~.node_data.rows_digest`, and the same 8-bit settings: ``quant_config``,
-    :func:`quant_settings`). ValueError listing every argument that differs.
+    :func:`quant_settings`), and the same ``optimizer_cls_and_kwargs`` (the trainer's, or None).
+    ValueError listing every argument that differs.
     ``unresolved``: :func:`resume_config` keys not compared, because ``args`` holds a placeholder the
     caller resolves later (``train()`` compares every key)."""
     try:
@@ -410,7 +426,7 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
                          "and holds the nodes' models only (no optimizer, LR schedule, RNG or gossip state); its "
                          "averaged model loads with from_pretrained")
     saved = manifest["config"]
-    now = {key: value for key, value in resume_config(args).items() if key not in unresolved}
+    now = {key: value for key, value in resume_config(args, optimizer_cls_and_kwargs).items() if key not in unresolved}
     if train_samples is not None:
         now["train_samples"] = train_samples
     if train_rows is not None:
@@ -595,7 +611,7 @@ class CheckpointMixin:
                 rotate(self.args.output_dir, 1, best=best, keep_newest=False)
 
     def _resume_config(self) -> dict:
-        return {**resume_config(self.args), "train_samples": len(self.train_dataset),
+        return {**resume_config(self.args, self.optimizer_cls_and_kwargs), "train_samples": len(self.train_dataset),
                 "train_rows": rows_digest(self.train_dataset), "quant_config": quant_settings(self.nodes[0])}
 
     def _load_checkpoint(self, path, steps_per_epoch: int, max_steps: int) -> tuple[int, int]:
@@ -623,7 +639,8 @@ class CheckpointMixin:
         """``(path, manifest, trainer_state, {node id: state})`` of the checkpoint at `path`, read and
         checked against this run of `max_steps` steps (ValueError naming the file or argument)."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset),
-                               train_rows=rows_digest(self.train_dataset), quant_config=quant_settings(self.nodes[0]))
+                               train_rows=rows_digest(self.train_dataset), quant_config=quant_settings(self.nodes[0]),
+                               optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs)
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
         if data["steps_per_epoch"] != steps_per_epoch:

@@ -16,7 +16,8 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .. import gossip as gossip_lib
-from .arguments import DecentralizedTrainingArguments, qgm_beta_problem
+from .arguments import ADAM_SETTINGS, DecentralizedTrainingArguments, qgm_beta_problem
+from .field_policy import field_default, is_default
 
 logger = logging.get_logger(__name__)
 
@@ -44,6 +45,38 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
     problem = qgm_beta_problem(args, optimizer_cls)
     if problem:
         raise ValueError(problem)
+
+
+def refuse_settings_a_given_optimizer_ignores(args: DecentralizedTrainingArguments, model,
+                                              optimizer_cls_and_kwargs) -> None:
+    """With ``optimizer_cls_and_kwargs`` transformers builds each node's optimizer from that pair
+    alone (``weight_decay`` still sets its parameter groups): ``optim_args`` and ``adam_*`` away
+    from their defaults would be dropped without a word, and ``learning_rate`` too (the LR is the
+    pair's ``lr``, or the optimizer's own default): ValueError naming the first such setting,
+    unless ``learning_rate`` equals the pair's ``lr``. ``optim`` may stay at its default or name
+    the pair's optimizer (or a base class of it: the checks of the arguments that follow
+    ``optim``, e.g. ``qgm_beta`` with SGD, then hold for the pair); another is refused."""
+    optimizer_cls, kwargs = optimizer_cls_and_kwargs
+    name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
+    if not is_default(args, "optim"):
+        optim = getattr(args.optim, "value", args.optim)
+        optim_cls = Trainer.get_optimizer_cls_and_kwargs(args, model)[0]
+        if not (isinstance(optimizer_cls, type) and isinstance(optim_cls, type) and issubclass(optimizer_cls, optim_cls)):
+            raise ValueError(f"optim={optim!r} builds {getattr(optim_cls, '__name__', optim_cls)}, and "
+                             f"optimizer_cls_and_kwargs builds {name}: transformers builds the pair's and ignores "
+                             f"optim; leave optim at {field_default(args, 'optim')!r} or name the same optimizer")
+    for field_name in ("optim_args", *ADAM_SETTINGS):
+        if not is_default(args, field_name):
+            value = getattr(args, field_name)
+            raise ValueError(f"{field_name}={getattr(value, 'value', value)!r} is not read when "
+                             f"optimizer_cls_and_kwargs builds the optimizer ({name}: transformers ignores it): put "
+                             f"the setting in its keyword arguments and leave {field_name} at "
+                             f"{field_default(args, field_name)!r}")
+    if not is_default(args, "learning_rate") and kwargs.get("lr") != args.learning_rate:
+        has = f"lr={kwargs['lr']!r}" if "lr" in kwargs else f"no lr, so {name}'s default"
+        raise ValueError(f"learning_rate={args.learning_rate!r} is not read when optimizer_cls_and_kwargs builds the "
+                         f"optimizer: its keyword arguments set the LR ({has}); pass lr={args.learning_rate!r} "
+                         "in them")
 
 
 def cost_optimizer(args: DecentralizedTrainingArguments, model, optimizer_cls_and_kwargs=None,

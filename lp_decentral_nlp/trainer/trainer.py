@@ -63,7 +63,8 @@ from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
 from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels
 from .node_group import NodeGroup
-from .optimizers import OptimizerMixin, check_qgm_optimizer, cost_optimizer, milestone_steps
+from .optimizers import (OptimizerMixin, check_qgm_optimizer, cost_optimizer, milestone_steps,
+                         refuse_settings_a_given_optimizer_ignores)
 from .rng import NodeRNG
 
 logger = hf_logging.get_logger(__name__)
@@ -300,6 +301,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
         # everything that can refuse the inputs (Trainer's own checks included) runs before the surgery
         # changes the user's model
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            refuse_settings_a_given_optimizer_ignores(args, model, kwargs["optimizer_cls_and_kwargs"])
         if args.qgm:
             check_qgm_optimizer(args, model, kwargs.get("optimizer_cls_and_kwargs"))
         node_group = NodeGroup(args.num_nodes, args.backend)
