@@ -36,7 +36,12 @@ Fields = list[tuple[str, torch.dtype, int]]
 
 
 class Compressor:
-    """Base class of the layer-wise codecs.
+    """Base class of the layer-wise codecs. A codec of one's own subclasses it and implements
+    :meth:`fields`, :meth:`encode` and :meth:`decode_add` (the engine counts the bytes of the
+    fields it declares). Its ``repr`` is its identity: a gossip checkpoint resumes only into the
+    same one and every rank of a distributed run must build the same one, so the default names
+    the class and its attributes (``Sign(scale=0.5)``); a subclass whose attributes do not say
+    what it sends overrides ``__repr__``.
 
     Attributes:
         layerwise: False for codecs whose result does not depend on tensor boundaries
@@ -89,6 +94,10 @@ class Compressor:
             work: ``(numel,)`` scratch of ``target``'s dtype.
         """
         raise NotImplementedError
+
+    def __repr__(self):
+        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items()))
+        return f"{type(self).__qualname__}({settings})"
 
 
 class Identity(Compressor):

@@ -62,7 +62,8 @@ def compression_quality(compressor: Compressor | None) -> float:
     for quantized ones (1 at 4 and 8 bits: their error is negligible next to sparsification),
     ``keep`` for top-k and random-k (whatever their value bits), ``1 / (1 + omega)`` for scaled
     QSGD at a ``QSGD_REFERENCE_NUMEL``-entry tensor. A compressor that is no contraction
-    (:func:`contraction_fix`) is a ValueError."""
+    (:func:`contraction_fix`), or one of the user's own (a ``Compressor`` subclass of no known
+    quality), is a ValueError."""
     fix = contraction_fix(compressor)
     if fix is not None:
         raise ValueError(f"compressor {compressor!r} is not a contraction, so it has no default consensus step (and "
@@ -76,6 +77,10 @@ def compression_quality(compressor: Compressor | None) -> float:
     if isinstance(compressor, QSGD):
         n, s = QSGD_REFERENCE_NUMEL, compressor.levels
         return 1.0 / (1.0 + min(n / s**2, math.sqrt(n) / s))
+    if isinstance(compressor, Compressor):  # one of the user's own
+        raise ValueError(f"compressor {type(compressor).__name__} is not one of this library's (Identity, Quantize, "
+                         "TopK, RandomK, QSGD), whose quality the default consensus step is measured for: pass the "
+                         "consensus step gamma in (0, 1] (docs/consensus_step.md says how the defaults were found)")
     raise TypeError(f"compressor must be None, Identity, Quantize, TopK, RandomK or QSGD, got "
                     f"{type(compressor).__name__}")
 
