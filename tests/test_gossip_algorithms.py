@@ -8,8 +8,8 @@ import torch
 from helpers import irregular_digraph
 
 from lp_decentral_nlp.gossip import (
-    QSGD, SGP, ChocoSGD, Compressor, DeepSqueeze, FaultPlan, Identity, MessageLayout, Quantize, QuasiGlobalMomentum, RandomK,
-    SimulatedTransport, TopK, TorchDistributedTransport, average_model, build_gossip, consensus_distance,
+    QSGD, SGP, ChocoSGD, Compressor, DeepSqueeze, FaultPlan, Identity, MessageLayout, Quantize, QuasiGlobalMomentum,
+    RandomK, SimulatedTransport, TopK, TorchDistributedTransport, average_model, build_gossip, consensus_distance,
     make_topology,
 )
 
