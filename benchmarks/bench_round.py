@@ -1,7 +1,7 @@
 """The headline run's whole round, 8-bit against ``--full-precision``, side by side.
 
     python benchmarks/bench_round.py                 # ~10 minutes on 2 CPU cores
-    python benchmarks/bench_round.py --repeats 2 --rounds 3    # a quick look
+    python benchmarks/bench_round.py --repeats 2 --rounds 3    # a quick look (bench_round_quick)
 
 The run measured is the one users start with, ``recipes/agnews_choco.py --skew 0.9 --comp 99``, at
 the CPU scale of ``benchmarks/table6_cpu.py``: the packaged all-MiniLM-L6-v2, batch 16 x 64 tokens
@@ -106,6 +106,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=NONNEGATIVE, default=2, help="untimed first rounds (default %(default)s)")
     add_threads_flag(parser, None, "torch threads (default: the recipe's, OMP_NUM_THREADS or 1)")
     args = parser.parse_args(argv)
+    # fewer repeats or rounds than the defaults are a quick look: their own record, never the published one
+    quick = args.repeats < parser.get_default("repeats") or args.rounds < parser.get_default("rounds")
+    args.record_name = "bench_round_quick" if quick else "bench_round"
     check_results_dir(parser)
     if not args.data_dir.is_file():
         parser.error(f"argument --data-dir: {args.data_dir} is not a file; give the AG News sample CSV")
@@ -187,7 +190,7 @@ def main(argv=None):
     if floor is not None:
         print(f"fp32 round in the profiler {floor['step_s']:.2f} s, Linear GEMMs {floor['linear_gemm_s']:.2f} s: "
               f"with fp32 weight gradients no 8-bit round beats {floor['floor_ratio']:.2f}x fp32")
-    print(f"results: {save_results(device_record_name('bench_round', device), results)}")
+    print(f"results: {save_results(device_record_name(args.record_name, device), results)}")
     return results
 
 

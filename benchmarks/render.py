@@ -231,38 +231,41 @@ def load_records(results_dir: pathlib.Path) -> list[dict]:
     docstring: its keys, a string ``benchmark``, objects ``machine`` and ``results``, no empty list
     or object in ``results``) is a ValueError naming it."""
     results_dir = pathlib.Path(results_dir)
+    # the folder named by LP_BENCHMARK_RESULTS_DIR (a trial run) when it is the default one
+    source = (record.RESULTS_DIR_VARIABLE if record.trial_run() and results_dir.resolve() == RESULTS_DIR.resolve()
+              else "argument --results-dir")
     if not results_dir.is_dir():
-        raise FileNotFoundError(f"argument --results-dir: {results_dir} is not a directory: run a benchmark first "
-                                "(each one writes benchmarks/results/<name>.json)")
+        raise FileNotFoundError(f"{source}: {results_dir} is not a directory: run a benchmark first (each one "
+                                f"writes <name>.json in {results_dir})")
     records = []
     for path in sorted(results_dir.glob("*.json")):
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            entry = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from None
-        if not isinstance(record, dict):
+        if not isinstance(entry, dict):
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): a JSON object is expected")
-        missing = [k for k in ("benchmark", "command", "date", "machine", "results") if k not in record]
+        missing = [k for k in ("benchmark", "command", "date", "machine", "results") if k not in entry]
         if missing:
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): it lacks {missing}")
-        if not isinstance(record["machine"], dict) or not isinstance(record["results"], dict):
+        if not isinstance(entry["machine"], dict) or not isinstance(entry["results"], dict):
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): its machine and results are "
                              "JSON objects")
-        if not isinstance(record["benchmark"], str) or not record["benchmark"].strip():
+        if not isinstance(entry["benchmark"], str) or not entry["benchmark"].strip():
             raise ValueError(f"{path}: not a benchmark record (benchmarks/record.py): its benchmark is a name (a "
-                             f"non-empty string), got {json.dumps(record['benchmark'])}")
-        empty = empty_part(record["results"])
+                             f"non-empty string), got {json.dumps(entry['benchmark'])}")
+        empty = empty_part(entry["results"])
         if empty:
             raise ValueError(f"{path}: {empty} is empty: a benchmark record's results hold figures (no empty list or "
                              "object)")
-        records.append(record)
+        records.append(entry)
     if not records:
-        raise FileNotFoundError(f"argument --results-dir: no *.json results in {results_dir}: run a benchmark first")
+        raise FileNotFoundError(f"{source}: no *.json results in {results_dir}: run a benchmark first")
     order = list(BENCHMARKS)
 
-    def rank(record):
-        known = [i for i, k in enumerate(order) if record["benchmark"] == k or record["benchmark"].startswith(k + "_")]
-        return (known[-1] if known else len(order), record["benchmark"])
+    def rank(entry):
+        known = [i for i, k in enumerate(order) if entry["benchmark"] == k or entry["benchmark"].startswith(k + "_")]
+        return (known[-1] if known else len(order), entry["benchmark"])
 
     return sorted(records, key=rank)
 

@@ -187,6 +187,20 @@ def test_a_trial_run_renders_its_own_folder_into_its_own_page(results_dir, tmp_p
     assert (results_dir / "benchmarks.md").read_text() == render.render(results_dir)
 
 
+def test_a_trial_folder_that_does_not_exist_is_named_by_its_variable(tmp_path):
+    """It said "argument --results-dir", a flag not given, and that benchmarks write to
+    benchmarks/results/, which a trial run does not."""
+    import os
+
+    missing = tmp_path / "never-written"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render.py")], capture_output=True, text=True,
+                          env={**os.environ, "LP_BENCHMARK_RESULTS_DIR": str(missing)}, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        f"error: LP_BENCHMARK_RESULTS_DIR: {missing} is not a directory: run a benchmark first (each one writes "
+        f"<name>.json in {missing})")
+
+
 def test_a_trial_run_renders_the_published_records_to_the_published_page_not_among_them(tmp_path, monkeypatch):
     """With LP_BENCHMARK_RESULTS_DIR set, --results-dir benchmarks/results wrote
     benchmarks/results/benchmarks.md, among the records."""
