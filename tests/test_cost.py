@@ -508,6 +508,24 @@ def test_an_input_shape_the_model_cannot_take_is_named():
         format_comparison({})
 
 
+def test_a_token_model_without_get_input_embeddings_is_told_what_the_walk_needs():
+    """It was fed floats and its Embedding's error was blamed on input_shape."""
+
+    class TokenBag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(100, 8), nn.Linear(8, 4)
+
+        def forward(self, input_ids, labels=None):
+            return {"logits": self.head(self.embed(input_ids).mean(1))}
+
+    with pytest.raises(ValueError, match=r": it holds an nn\.Embedding, and the walk gives token ids only to a model "
+                                         r"whose get_input_embeddings\(\) returns its input embedding"):
+        estimate_cost(TokenBag(), (16,), 2)
+    TokenBag.get_input_embeddings = lambda self: self.embed
+    assert estimate_cost(TokenBag(), (16,), 2).train_energy_mj > 0
+
+
 def test_format_comparison_refuses_reports_of_different_settings():
     """It printed the first report's batch and optimizer above ratios of reports of another batch
     size or optimizer, and a list of reports gave an AttributeError."""

@@ -297,9 +297,14 @@ def estimate_cost(
         train_walk = walk(model, make_inputs, training=True, checkpointed=checkpointed)
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        floats_to_embedding = _input_embeddings(model) is None and any(
+            isinstance(m, nn.Embedding) for m in model.modules())
         raise ValueError(f"the model's forward fails on a batch of shape {(batch_size, *input_shape)} "
-                         f"({type(err).__name__}: {first}): is input_shape={input_shape!r} one sample's shape for "
-                         "this model?") from err
+                         f"({type(err).__name__}: {first}): "
+                         + ("it holds an nn.Embedding, and the walk gives token ids only to a model whose "
+                            "get_input_embeddings() returns its input embedding (zero floats otherwise): define it"
+                            if floats_to_embedding else
+                            f"is input_shape={input_shape!r} one sample's shape for this model?")) from err
     eval_walk = walk(model, make_inputs, training=False)
     quantized = _quantized_layers(model, quant_config) if precision == "int8" else set()
     int8_weight_grad = weight_grad_gemm == "int8"
@@ -523,6 +528,15 @@ def _check_priced_bits(quant_config, what: str) -> None:
 # -- inputs and formatting ----------------------------------------------------------------------
 
 
+def _input_embeddings(model: nn.Module) -> nn.Embedding | None:
+    """The ``nn.Embedding`` the model's ``get_input_embeddings()`` returns: it reads token ids."""
+    try:
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        embeddings = None
+    return embeddings if isinstance(embeddings, nn.Embedding) else None
+
+
 def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
     """``make_inputs(device)`` for the walk: ``input_ids`` of shape ``(batch_size, seq_len)`` for a
     token model (an encoder-decoder's decoder reads as many tokens), token 0 (1 where 0 is the
@@ -532,11 +546,8 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
     transformers warns that no attention mask hides it); zero floats of shape
     ``(batch_size, *input_shape)`` otherwise. ValueError naming ``input_shape`` when a token model
     cannot take it."""
-    try:
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    except NotImplementedError:
-        embeddings = None
-    if isinstance(embeddings, nn.Embedding):
+    embeddings = _input_embeddings(model)
+    if embeddings is not None:
         if len(input_shape) != 1:
             raise ValueError(f"input_shape of a token model must be (seq_len,), got {input_shape!r}")
         config = getattr(model, "config", None)
