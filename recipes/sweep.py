@@ -6,8 +6,10 @@ Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every
 to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
 repeated; one done with other settings, or on other rows or another model, is refused, or with
---overwrite_output_dir repeated), ``sweep.json`` (all results), ``sweep.md`` (rows skew/compression; columns DS, LP-DS,
-Choco, LP-Choco) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed). Those three hold
+--overwrite_output_dir repeated), ``sweep.json`` (all results; under faults or another ``--gossip-reference`` also
+those settings and each point's fault counts), ``sweep.md`` (rows skew/compression; columns DS, LP-DS, Choco, LP-Choco;
+a line under it names the faults and reference every run had) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit
+dashed). Those three hold
 this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
 only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
 
@@ -380,8 +382,37 @@ def run_grid(sweep) -> list[dict]:
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,
              "gamma": results[i]["config"]["consensus_lr_used"], "accuracy": results[i]["accuracy"],
-             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"]}
+             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
+             **common_settings(run.training),
+             **{key: value for key, value in results[i].items() if key in FAULT_COUNTS}}
             for i, run in enumerate(runs)]
+
+
+#: the results.json counts a point's faults left (those of the settings in use)
+FAULT_COUNTS = ("lost_messages_per_node", "absent_steps_per_node", "nonfinite_skips_per_node")
+
+
+def common_settings(training) -> dict:
+    """Settings every point shares that change its results and the table does not show: the
+    faults in use (``trainer.fault_settings``) and a gossip reference other than ``"zero"``."""
+    from lp_decentral_nlp.trainer import fault_settings  # (it imports torch: not before the flags are checked)
+
+    settings = {}
+    faults = fault_settings(training)
+    if faults:
+        settings["faults"] = faults
+    if training.gossip_reference != "zero":
+        settings["gossip_reference"] = training.gossip_reference
+    return settings
+
+
+def settings_caption(rows) -> str:
+    """A line under the table naming :func:`common_settings` (empty without any)."""
+    settings = {**rows[0].get("faults", {}), **({"gossip_reference": rows[0]["gossip_reference"]}
+                                                if "gossip_reference" in rows[0] else {})}
+    if not settings:
+        return ""
+    return "\nEvery run: " + "; ".join(f"{key} {value}" for key, value in settings.items()) + ".\n"
 
 
 def accuracy_text(row: dict) -> str:
@@ -436,7 +467,7 @@ def main(argv=None):
         out = sweep.training.output_dir
         os.makedirs(out, exist_ok=True)
         write_json(out, "sweep.json", rows)
-        table = markdown_table(rows)
+        table = markdown_table(rows) + settings_caption(rows)
         with open(os.path.join(out, "sweep.md"), "w") as fh:
             fh.write(table)
         plot(rows, os.path.join(out, "sweep.png"))

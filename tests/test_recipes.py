@@ -354,6 +354,23 @@ def import_sweep():
     return sweep
 
 
+def test_a_sweep_under_faults_says_so_in_its_rows_and_table(tmp_path):
+    """sweep.json rows and sweep.md were those of a fault-free grid: a reader could not tell."""
+    from lp_decentral_nlp.trainer import DecentralizedTrainingArguments
+
+    sweep = import_sweep()
+    faulty = DecentralizedTrainingArguments(output_dir=str(tmp_path), drop_prob=0.1, absences=["1:0:2"],
+                                            gossip_reference="initial", compression=90.0)
+    settings = sweep.common_settings(faulty)
+    assert settings == {"faults": {"message_drop_prob": 0.1, "absences": "node 1 away for iterations 0 to 1"},
+                        "gossip_reference": "initial"}
+    row = {"algorithm": "choco", "low_precision": True, "skew": 0.0, "comp": 90.0, "accuracy": 0.5, **settings}
+    assert sweep.settings_caption([row]) == ("\nEvery run: message_drop_prob 0.1; absences node 1 away for iterations 0 "
+                                             "to 1; gossip_reference initial.\n")
+    assert sweep.common_settings(DecentralizedTrainingArguments(output_dir=str(tmp_path))) == {}
+    assert sweep.settings_caption([{"accuracy": 0.5}]) == ""
+
+
 def test_sweep_refuses_an_unusable_thread_variable_in_one_line():
     """OMP_NUM_THREADS=abc: libgomp's complaint (and a blank line) came before the sweep's error, as
     torch was imported before the check the recipes make first."""

@@ -7,6 +7,7 @@ from .arguments import BACKENDS, DecentralizedTrainingArguments
 from .callbacks import MetricsCSVCallback, OnTrainBeginCallback, TrainingKernelsCallback
 from .checkpointing import CheckpointError, check_resumable, resume_config
 from .local_step import NonFiniteError
+from .model_card import fault_settings
 from .node_group import CollectiveError, NodeGroup
 from .optimizers import cost_optimizer
 from .rng import EpochSampler, node_seed
@@ -14,5 +15,5 @@ from .trainer import UNCALLED_TRAINER_METHODS, DecentralizedTrainer, check_model
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "CheckpointError", "CollectiveError", "DecentralizedTrainer",
            "DecentralizedTrainingArguments", "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError",
-           "OnTrainBeginCallback", "check_resumable", "cost_optimizer", "node_seed",
+           "OnTrainBeginCallback", "check_resumable", "cost_optimizer", "fault_settings", "node_seed",
            "resume_config", "TrainingKernelsCallback", "UNCALLED_TRAINER_METHODS", "check_model_precision"]
