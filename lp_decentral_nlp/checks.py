@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Hashable
 from typing import NamedTuple
 
 
@@ -154,8 +155,9 @@ def check_flag(name: str, value) -> None:
 
 
 def check_choice(name: str, value, allowed) -> None:
-    """ValueError ``"<name> must be one of <allowed>, got <value!r>"`` unless ``value in allowed``."""
-    if value not in allowed:
+    """ValueError ``"<name> must be one of <allowed>, got <value!r>"`` unless ``value in allowed``
+    (an unhashable value, e.g. an array, is refused too, not compared entry by entry)."""
+    if not isinstance(value, Hashable) or value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
@@ -179,8 +181,8 @@ def parse_straggler(text: str) -> tuple[int, float]:
         node, seconds = int(parts[0]), float(parts[1])
     except ValueError:
         raise ValueError(f"expected NODE:SECONDS (e.g. 2:0.5), got {text!r}") from None
-    if node < 0 or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"expected NODE:SECONDS with NODE >= 0 and finite SECONDS >= 0, got {text!r}")
+    if node < 0 or not math.isfinite(seconds) or seconds <= 0:  # 0 s would delay nothing, yet be reported
+        raise ValueError(f"expected NODE:SECONDS with NODE >= 0 and finite SECONDS > 0, got {text!r}")
     return node, seconds
 
 

@@ -50,6 +50,10 @@ def configs():
                                                                        transport=tr, seed=3)),
         "deepsqueeze-topk8-ring": (make_topology("ring", 4),
                                    lambda t, tr: DeepSqueeze(t, TopK(0.2, value_bits=8), gamma=0.3, transport=tr)),
+        # messages relative to a model every rank holds alike (gossip_reference="initial")
+        "choco-topk-ring-reference": (make_topology("ring", 4),
+                                      lambda t, tr: ChocoSGD(t, TopK(0.25), gamma=0.3, transport=tr,
+                                                             reference=[3 * p for p in initial_params(99)])),
     }
 
 

@@ -44,8 +44,9 @@ def targs(out, **kw):
 
 CONFIGS = {
     # 8-bit, Choco top-10% with 8-bit values, QGM with AdamW (QuasiGlobalAdam: m, v and step count per
-    # node), dropout, lost messages and a node away over the checkpoint
-    "choco-8bit-qgm-faults": dict(algorithm="choco", compression=90.0, qgm=True, drop_prob=0.2, absences=["1:3:6"]),
+    # node), dropout, lost messages and a node away over the checkpoint, messages relative to the initial model
+    "choco-8bit-qgm-faults": dict(algorithm="choco", compression=90.0, qgm=True, drop_prob=0.2, absences=["1:3:6"],
+                                  gossip_reference="initial"),
     # fp32 Deep-Squeeze random-k (stochastic compressor) on the time-varying exponential graph, multi-step LR
     # (a MultiStepLR with a Counter in its state), gradient clipping, skew
     "deepsqueeze-randomk-exponential": dict(algorithm="deepsqueeze", compression=80.0, compressor="randomk",
@@ -524,6 +525,29 @@ def test_a_resume_with_another_optimizer_cls_and_kwargs_is_refused_naming_it(tmp
             resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     with pytest.raises(ValueError, match=r"optimizer=\{'class': 'torch\.optim\.sgd\.SGD'.* \(this run: None\)"):
         check_resumable(tmp_path / "checkpoint-4", later)  # the arguments' AdamW
+
+
+def test_a_resume_with_another_gossip_reference_is_refused(tmp_path, agnews, tokenizer):
+    """Its public copies and error memories hold offsets from the reference: resumed under the
+    other rule they would be read as models."""
+    run = dict(max_steps=4, eval_strategy="no", compression=90.0, gossip_reference="initial")
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"]).train()
+    later = {**run, "max_steps": 5}
+    assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **later)) is not None
+    with pytest.raises(ValueError, match=r"gossip_reference='initial' \(this run: 'zero'\)"):
+        check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**later, "gossip_reference": "zero"}))
+
+
+def test_fault_counts_of_a_checkpoint_survive_a_resume_without_faults(tmp_path, agnews, tokenizer):
+    """A run may resume under other faults; its counts were restored and then left out of the
+    report (results.json) as not "in use": a node that had been away read as never away."""
+    run = dict(max_steps=4, eval_strategy="no", absences=["1:0:3"])
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"]).train()
+    resumed = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=5, eval_strategy="no"),
+                                   train_dataset=agnews["train"])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    counts = resumed.fault_counts()
+    assert counts["absent_steps"] == [0, 3, 0, 0] and counts["lost_messages"][0] > 0
 
 
 def test_a_resume_with_another_data_seed_is_refused(tmp_path, agnews, tokenizer):

@@ -169,7 +169,8 @@ def test_fault_specs_parse(text, parse, expected):
 @pytest.mark.parametrize("make, match", [
     (lambda: FaultPlan(drop_prob=1.0), r"drop_prob must be a probability in \[0, 1\), got 1.0"),
     (lambda: parse_straggler("2"), "expected NODE:SECONDS"),
-    (lambda: parse_straggler("2:-1"), "SECONDS >= 0"),
+    (lambda: parse_straggler("2:-1"), "SECONDS > 0"),
+    (lambda: parse_straggler("2:0"), "SECONDS > 0"),  # was accepted, and reported as a straggler that delays nothing
     (lambda: parse_absence("1:5:3"), "START < END"),
     (lambda: FaultPlan(absences=((1, 0, 5), (1, 3, 8))), "overlap"),
     (lambda: SGP(make_topology("ring", 4), faults=FaultPlan(stragglers=((4, 1.0),))),
@@ -188,7 +189,7 @@ def test_fault_specs_parse(text, parse, expected):
     (lambda: FaultPlan(absences=["1:0:5:6"]), r"^absences\[0\]: expected NODE:START:END \(e.g. 1:100:200\), got "
                                               r"'1:0:5:6'$"),
     (lambda: FaultPlan(stragglers=[(1, float("inf"))]), r"^stragglers\[0\]: expected NODE:SECONDS with NODE >= 0 and "
-                                                        r"finite SECONDS >= 0, got '1:inf'$"),
+                                                        r"finite SECONDS > 0, got '1:inf'$"),
 ])
 def test_bad_fault_plans_are_named(make, match):
     with pytest.raises(ValueError, match=match):

@@ -353,7 +353,7 @@ def state_bytes(gossip, stats) -> int:
     lambda: DeepSqueeze(make_topology("directed_ring", 4), RandomK(0.2), gamma=0.5,
                         faults=FaultPlan(drop_prob=0.3, seed=1)),
     # stragglers only delay: no weight leaves 1, no "written" (it was counted anyway)
-    lambda: ChocoSGD(make_topology("ring", 4), TopK(0.2), gamma=0.5, faults=FaultPlan(stragglers=((1, 0.0),))),
+    lambda: ChocoSGD(make_topology("ring", 4), TopK(0.2), gamma=0.5, faults=FaultPlan(stragglers=((1, 1e-4),))),
 ], ids=["choco", "deepsqueeze", "sgp", "irregular", "lost-messages", "stragglers"])
 def test_memory_bytes_is_what_the_gossip_holds_after_stepping(make):
     gossip = make()
@@ -690,3 +690,75 @@ def test_a_transport_or_memory_query_of_the_wrong_kind_is_named():
         with pytest.raises(TypeError, match=rf"^params must be one node's non-empty list of floating-point tensors "
                                             rf"\(meta tensors will do\), got {got}$"):
             gossip.memory_bytes(params)
+
+
+def pretrained_like_nodes(n, scale=5.0):
+    """``n`` nodes holding one large common model plus a small per-node part, as fine-tuning starts
+    from a pretrained model (the reference is the common part)."""
+    common = [scale * p for p in make_nodes(1, seed=7)[0]]
+    nodes = [[c + 0.01 * p for c, p in zip(common, params)] for params in make_nodes(n)]
+    return nodes, common
+
+
+@pytest.mark.parametrize("make", [lambda t, **kw: ChocoSGD(t, TopK(0.1), gamma=0.2, **kw),
+                                  lambda t, **kw: DeepSqueeze(t, TopK(0.1), gamma=0.15, **kw)])
+def test_a_reference_keeps_compressed_gossip_together_when_push_sum_weights_move(make):
+    """An absent node moves the push-sum weights, so the numerators x_i = w_i z_i differ by
+    (w_i - 1) times the common model, which top-k messages deliver a tenth per step: the nodes flew
+    apart (consensus distance ~1e3 here). Gossiping the offsets from the common model keeps them
+    together, and the push-sum mass stays exact."""
+    topo = make_topology("directed_ring", 4)
+    faults = FaultPlan(absences=[(1, 2, 6)])
+    spread = {}
+    for name, reference in (("without", None), ("with", "common")):
+        nodes, common = pretrained_like_nodes(4)
+        gossip = make(topo, faults=faults, reference=common if reference else None)
+        mass = push_sum_mass(gossip, nodes)
+        for t in range(20):
+            if t % 5 == 0:
+                local_step(nodes, t)
+                gossip.step(nodes)
+                continue
+            before = push_sum_mass(gossip, nodes)  # (with a local step, x~ = x + delta is not w * z~)
+            gossip.step(nodes)
+            assert torch.allclose(push_sum_mass(gossip, nodes), before, rtol=0, atol=1e-3)
+        assert not torch.equal(mass, push_sum_mass(gossip, nodes))  # the local steps moved it
+        assert gossip.weights.min() < 0.99  # the absence moved the weights
+        spread[name] = float(consensus_distance(nodes))
+    assert spread["without"] > 10.0
+    assert spread["with"] < spread["without"] / 100
+
+
+def test_a_reference_is_the_same_algorithm_without_compression():
+    """SPEC 2 on the offsets z - r: in exact arithmetic the same models, here equal to float rounding."""
+    topo = irregular_digraph()  # weights leave 1 without faults
+    runs = []
+    for reference in (None, make_nodes(1, seed=3)[0]):
+        nodes = make_nodes(5)
+        gossip = ChocoSGD(topo, Identity(), gamma=1.0, reference=reference)
+        for t in range(6):
+            local_step(nodes, t)
+            gossip.step(nodes)
+        runs.append(nodes)
+    assert max_diff(*runs) < 1e-5
+
+
+def test_a_reference_is_part_of_the_gossip_state_and_checked():
+    topo = make_topology("directed_ring", 3)
+    reference = make_nodes(1, seed=3)[0]
+    gossip = ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=reference)
+    reference[0].zero_()  # copied: changing the caller's tensors later changes nothing
+    nodes = make_nodes(3)
+    gossip.step(nodes)
+    saved = gossip.state_dict()
+    again = ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=make_nodes(1, seed=3)[0])
+    again.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"state_dict is for 'ChocoSGD\(compressor=TopK\(keep=0\.5, value_bits=None\), "
+                                         r"gamma=0\.5, seed=0, reference=#[0-9a-f]{16}\)', this object is "
+                                         r"'ChocoSGD\(compressor=TopK\(keep=0\.5, value_bits=None\), gamma=0\.5, seed=0\)'"):
+        ChocoSGD(topo, TopK(0.5), gamma=0.5).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"^reference holds tensors of shapes \[\(12, 10\)\], the nodes of \[\(12, 10\), "
+                                         r"\(10,\), \(3, 4, 5\), \(300,\)\]: it must be shaped as one node's parameters$"):
+        ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=reference[:1]).step(make_nodes(3))
+    with pytest.raises(TypeError, match=r"^reference must be None or one node's non-empty list of floating-point"):
+        ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=torch.zeros(3))

@@ -1,5 +1,7 @@
 """The default consensus step (docs/consensus_step.md): derived from the compressor, the algorithm,
 and for Choco the graph and the message loss."""
+import re
+
 import pytest
 import torch
 
@@ -231,3 +233,32 @@ def test_an_exponential_graph_of_two_nodes_is_static_and_takes_choco():
     assert isinstance(build_gossip(config), ChocoSGD)
     with pytest.raises(ValueError, match=r"^topology='exponential' changes every step"):
         GossipConfig(num_nodes=3, topology="exponential", algorithm="choco")
+
+
+def test_reference_initial_takes_the_initial_model_and_only_then():
+    params = [torch.randn(3, 2), torch.randn(4)]
+    gossip = build_gossip(GossipConfig(compression=90.0, reference="initial"), initial_model=params)
+    assert re.fullmatch(r"ChocoSGD\(.*, reference=#[0-9a-f]{16}\)", gossip.state_dict()["config"])
+    with pytest.raises(ValueError, match=r"^reference='initial' compresses the offsets from the nodes' common initial "
+                                         r"model: pass it as initial_model"):
+        build_gossip(GossipConfig(reference="initial"))
+    with pytest.raises(ValueError, match=r"^initial_model is read with reference='initial' only, got reference='zero'"):
+        build_gossip(GossipConfig(), initial_model=params)
+    with pytest.raises(ValueError, match=r"reference must be one of \('zero', 'initial'\)"):
+        GossipConfig(reference="start")
+    with pytest.raises(ValueError, match=r"^reference='initial' is a setting of the gossip, and num_nodes=1 has no "
+                                         r"neighbour"):
+        GossipConfig(num_nodes=1, reference="initial")
+
+
+def test_a_graph_of_ones_own_in_the_settings_says_where_it_runs():
+    """A Topology was refused as "must be one of (...)" with no way forward, and a matrix failed
+    with numpy's "truth value of an array ... is ambiguous"."""
+    import numpy as np
+
+    for graph, kind in ((make_topology("ring", 4), "Topology"), (np.full((4, 4), 0.25), "ndarray")):
+        with pytest.raises(ValueError, match=rf"^topology must be one of \(.*\), got a {kind}: a graph of your own "
+                                             r"\(Topology\.from_matrix\) runs in the gossip engine itself"):
+            GossipConfig(topology=graph)
+    with pytest.raises(ValueError, match=r"^algorithm must be one of \('choco', 'deepsqueeze', 'dpsgd'\), got array"):
+        GossipConfig(algorithm=np.array(["choco", "dpsgd"]))

@@ -1119,6 +1119,15 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
           'label; to skew on another column, train your own dataset from Python (DecentralizedTrainer with '
           'shard_column=...) (default: None)',
   'type': 'str'},
+ {'options': ['--gossip_reference', '--gossip-reference'],
+  'dest': 'gossip_reference',
+  'action': 'store',
+  'group': 'decentralized setting (SPEC 1-3, 6)',
+  'help': "What the gossip messages are compressed relative to, one of ('zero', 'initial'): 'zero' (SPEC 2 as written, "
+          "the paper's rule: the models themselves) or 'initial' (the nodes' common initial model: what each node "
+          "changed since the start; keeps a fine-tuned model's nodes together under faults, docs/faults.md). (default: "
+          'zero)',
+  'type': 'str'},
  {'options': ['--final-merge', '--final_merge'],
   'dest': 'final_merge',
   'action': 'store',
@@ -1351,7 +1360,7 @@ _TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every Trai
                    78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101,
                    102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121,
                    122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141,
-                   142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153],
+                   142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154],
          'descriptions': {(None, 'choco'): 'Decentralized choco fine-tuning on a text task (SPEC 8 defaults).',
                           (None, 'deepsqueeze'): 'Decentralized deepsqueeze fine-tuning on a text task (SPEC 8 '
                                                  'defaults).',
@@ -1375,14 +1384,14 @@ _TABLES = {'nlp': {'usage': '%(prog)s [options]   (--help lists them; every Trai
             'groups': ['decentralized setting (SPEC 1-3, 6)', 'model, data and run', 'transformers TrainingArguments',
                        'refused (transformers TrainingArguments these runs do not take: a value other than the default '
                        'is an error giving the reason shown)'],
-            'flags': [154, 1, 2, 3, 155, 156, 6, 7, 157, 158, 10, 11, 159, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
+            'flags': [155, 1, 2, 3, 156, 157, 6, 7, 158, 159, 10, 11, 160, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
                       24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
                       48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71,
-                      72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 160, 161, 87, 88, 89, 90, 91, 92, 93, 94, 95,
-                      96, 97, 98, 162, 163, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115,
-                      116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 164,
-                      135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 165, 166, 167, 168, 169, 170,
-                      171],
+                      72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 161, 162, 87, 88, 89, 90, 91, 92, 93, 94, 95,
+                      96, 97, 98, 163, 164, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115,
+                      116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 165,
+                      135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 166, 167, 168, 169, 170,
+                      171, 172],
             'descriptions': {(None, 'choco'): 'Decentralized choco training of a CNN (SPEC 8 optimizer; defaults sized '
                                               'for a CPU run on digits).',
                              (None, 'deepsqueeze'): 'Decentralized deepsqueeze training of a CNN (SPEC 8 optimizer; '

@@ -680,8 +680,10 @@ def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str)
     working = trainable / MB + report.memory_breakdown_mb["train"]["activations"]  # one node's at a time
     available = available_memory_mb(training.device)  # sets up the process group of a launch
     group = NodeGroup(training.num_nodes, training.backend)
-    gossip = build_gossip(training.gossip_config, group.transport(training.gossip_timeout))
-    shared = (weights + gossip.memory_bytes(gossiped_parameters(model))) / MB
+    params = gossiped_parameters(model)
+    gossip = build_gossip(training.gossip_config, group.transport(training.gossip_timeout),
+                          [p.to("meta") for p in params] if training.gossip_reference == "initial" else None)
+    shared = (weights + gossip.memory_bytes(params)) / MB
     here = len(group.node_ids)
     need = per_node * here + working + shared
     if need > available:

@@ -23,7 +23,7 @@ from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
 from .wire import MessageLayout, index_dtype
-from .factory import COMPRESSORS, GossipConfig, build_compressor, build_gossip, build_topology
+from .factory import COMPRESSORS, REFERENCES, GossipConfig, build_compressor, build_gossip, build_topology
 from .step_size import ALGORITHMS, compression_quality, default_consensus_lr
 
 __all__ = [
@@ -34,6 +34,6 @@ __all__ = [
     "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
     "MessageLayout", "index_dtype",
-    "ALGORITHMS", "COMPRESSORS", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
+    "ALGORITHMS", "COMPRESSORS", "REFERENCES", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
     "compression_quality", "default_consensus_lr",
 ]

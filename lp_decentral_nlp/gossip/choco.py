@@ -17,7 +17,8 @@ class ChocoSGD(PushSumGossip):
     """Choco-SGD with push-sum (Koloskova et al. 2019; directed form of Taheri et al. 2020), SPEC 2.
 
     Sends ``q_i = C(x~_i - x^_i)`` (model *differences*); every holder of ``x^_i`` adds ``q_i``;
-    ``x_i <- x~_i + gamma * (sum_j W_ij x^_j - x^_i)``. Public copies start at 0. Without
+    ``x_i <- x~_i + gamma * (sum_j W_ij x^_j - x^_i)``. Public copies start at 0 (at the
+    ``reference``, if one is given: the engine gossips the offsets from it). Without
     compression and with ``gamma=1`` this is SGP. Needs a static topology: the copies of
     in-neighbours are only kept current by messages from a fixed set of in-neighbours.
 
@@ -29,7 +30,7 @@ class ChocoSGD(PushSumGossip):
             on the 4-node directed ring), times the chance a message is committed under message loss;
             for ``TopK(0.01)`` 0.02 (0.05 on that ring), 1 for exact or 8-bit messages; 0.5 times
             the quality with ``RandomK``.
-        transport, seed, faults: as in :class:`PushSumGossip`. Under faults a message is committed
+        transport, seed, faults, reference: as in :class:`PushSumGossip`. Under faults a message is committed
             to the public copies only when it reached every out-neighbour (:mod:`.faults`).
     State: ``"public"``, the copies ``x^_j`` of the local nodes and of their in-neighbours (all
     ``n`` nodes in simulation, ``{rank} + in-neighbours`` on a rank).
@@ -39,9 +40,9 @@ class ChocoSGD(PushSumGossip):
     algorithm = "choco"
 
     def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float | None = None,
-                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None, reference=None):
         super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
-                         faults)  # checks the arguments' types first
+                         faults, reference)  # checks the arguments' types first
         if topology.period != 1:
             raise ValueError(f"ChocoSGD needs a static topology, but {topology!r} changes every step "
                              f"(period {topology.period}); use DeepSqueeze or SGP on time-varying graphs")

@@ -24,9 +24,9 @@ class DeepSqueeze(PushSumGossip):
     algorithm = "deepsqueeze"
 
     def __init__(self, topology: Topology, compressor: Compressor | None = None, gamma: float | None = None,
-                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None, reference=None):
         super().__init__(topology, compressor if compressor is not None else Identity(), gamma, transport, seed,
-                         faults)
+                         faults, reference)
 
     def _message(self, k, params):
         return self._state["error"][k].add_(self._scaled_copy(k, params))

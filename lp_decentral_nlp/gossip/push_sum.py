@@ -50,6 +50,16 @@ state rows) follows :attr:`PushSumGossip.node_ids`: ``[0, ..., n-1]`` in simulat
 distributed. Stochastic compressors draw from a generator seeded by ``(seed, node, step)``, so the
 two backends compute the same numbers (up to float reduction order).
 
+Reference. With ``reference=r`` (a model-shaped list of tensors every node holds alike: the
+nodes' common initial model) the engine runs SPEC 2 on the offsets ``z_i - r``: it subtracts
+``r`` from the parameters before a step and adds it back after, so the numerators it mixes are
+``x_i - w_i r``. In exact arithmetic that is the same algorithm, since ``r`` moves exactly with
+the weights; with compression it is not: the messages then carry what each node changed since
+the start, not the whole model. Without it, a push-sum weight that leaves 1 (a lost message, an
+absent node) makes ``x_i`` differ by ``(w_i - 1)`` times the whole model, which compressed
+messages deliver a fraction per step, and a fine-tuned model's nodes drift apart
+(docs/faults.md measures it). The parameters come back from ``z - r + r`` up to float rounding.
+
 Faults. An optional :class:`~.faults.FaultPlan` loses messages, delays stragglers and takes nodes
 away for a while; :mod:`.faults` states the rules (a lost share returns to its sender; a Choco
 message is committed to the public copies only when it reached every out-neighbour; an absent
@@ -73,6 +83,7 @@ Its message ``C(x~_i - x^_i)`` is encoded from the two operands where the codec 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import threading
 import weakref
@@ -135,6 +146,11 @@ class PushSumGossip:
         faults: a :class:`~.faults.FaultPlan` to inject lost messages, stragglers and absent nodes
             (default None: none). Every process must use the same plan (checked by the
             distributed pre-flight).
+        reference: None (SPEC 2 as written: messages compress the numerators ``x_i``), or one
+            node's list of tensors ``r`` shaped as its parameters, the same on every node and
+            rank (the nodes' common initial model): the messages compress ``x_i - w_i r`` (see
+            the module docstring). Copied; checkpoints and the distributed pre-flight compare
+            its fingerprint.
 
     Parameter lists. ``nodes[k]`` is the list of local node ``node_ids[k]``'s parameter tensors
     (``[p.data for p in model.parameters()]`` or the parameters themselves), all nodes with the
@@ -154,7 +170,7 @@ class PushSumGossip:
     _state_names: tuple[str, ...] = ()
 
     def __init__(self, topology: Topology, compressor: Compressor, gamma: float | None,
-                 transport=None, seed: int = 0, faults: FaultPlan | None = None):
+                 transport=None, seed: int = 0, faults: FaultPlan | None = None, reference: ParamList | None = None):
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology (see make_topology), got {type(topology).__name__}")
         if not isinstance(compressor, Compressor):
@@ -176,6 +192,12 @@ class PushSumGossip:
         if transport is not None and missing:
             raise TypeError(f"transport must be a SimulatedTransport or TorchDistributedTransport (or None; one of "
                             f"your own needs {', '.join(_TRANSPORT_METHODS)}), got {type(transport).__name__}")
+        if reference is not None and (not isinstance(reference, (list, tuple)) or not reference or not all(
+                isinstance(r, torch.Tensor) and r.is_floating_point() for r in reference)):
+            raise TypeError(f"reference must be None or one node's non-empty list of floating-point tensors (e.g. "
+                            f"[p.detach().clone() for p in model.parameters()]), got {type(reference).__name__}")
+        self._reference = None if reference is None else [r.detach().clone() for r in reference]
+        self._reference_digest: str | None = None  # its _fingerprint, once needed (a meta one sizes memory only)
         self.faults = faults if faults is not None and faults.active else None
         self._lost: frozenset[tuple[int, int]] = frozenset()
         self.topology = topology
@@ -229,7 +251,8 @@ class PushSumGossip:
         float32) or as encoded. ``"written"`` (``(len(node_ids), P)`` in the parameters' dtype, kept
         once a push-sum weight leaves 1) is counted wherever a weight may leave 1: under a fault plan
         that loses messages or has absences (:mod:`.faults`), or on a graph whose mixing rows do not
-        sum to 1 (the built-in graphs' do, and without faults their weights stay 1). Encoding scratch
+        sum to 1 (the built-in graphs' do, and without faults their weights stay 1), and the
+        ``reference`` (``P`` values in the parameters' dtype) where one is given. Encoding scratch
         space, freed within a step, is not counted.
         """
         if (not isinstance(params, (list, tuple)) or not params
@@ -252,6 +275,8 @@ class PushSumGossip:
         moves_weights = self.faults is not None and (self.faults.drop_prob > 0 or bool(self.faults.absences))
         if moves_weights or not rows_sum_to_one:  # stragglers only delay: the weights stay 1
             total += len(self._node_ids) * P * params[0].element_size()
+        if self._reference is not None:  # one copy, in the parameters' dtype
+            total += P * params[0].element_size()
         return total
 
     def step(self, nodes: list[ParamList]) -> GossipStats:
@@ -266,44 +291,56 @@ class PushSumGossip:
         """
         with torch.no_grad():
             self._check_nodes(nodes)
-            self._add_updates_unscaled(nodes)
-            t = self._step
-            phase = t % self.topology.period
-            absent = self.faults.absent(t) if self.faults else frozenset()
-            self._lost = self.faults.lost_edges(t, self.topology) if self.faults else frozenset()
-            outgoing: dict[int, Message] = {}
-            for k, i in enumerate(self._node_ids):
-                outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
-                if i in absent:
-                    continue
-                self._encode_message(k, nodes[k], self._outgoing[k], self._generator(i, t))
-            if self.faults:
-                self.faults.straggle([i for i in self._node_ids if i not in absent])
-            received = self.transport.exchange(t, outgoing)
+            if self._reference is None:
+                return self._step_nodes(nodes)
+            for params in nodes:  # the offsets z - r (module docstring, "Reference")
+                torch._foreach_sub_(list(params), self._reference)
+            try:
+                return self._step_nodes(nodes)
+            finally:
+                for params in nodes:
+                    torch._foreach_add_(list(params), self._reference)
+
+    def _step_nodes(self, nodes: list[ParamList]) -> GossipStats:
+        """:meth:`step` on checked `nodes` (their offsets from the reference, if there is one)."""
+        self._add_updates_unscaled(nodes)
+        t = self._step
+        phase = t % self.topology.period
+        absent = self.faults.absent(t) if self.faults else frozenset()
+        self._lost = self.faults.lost_edges(t, self.topology) if self.faults else frozenset()
+        outgoing: dict[int, Message] = {}
+        for k, i in enumerate(self._node_ids):
+            outgoing[i] = self._outgoing[k]  # an absent node's (stale) buffer still travels, unread
+            if i in absent:
+                continue
+            self._encode_message(k, nodes[k], self._outgoing[k], self._generator(i, t))
+        if self.faults:
+            self.faults.straggle([i for i in self._node_ids if i not in absent])
+        received = self.transport.exchange(t, outgoing)
+        if self._lost:
+            received = {i: [(j, msg) for j, msg in pairs if (j, i) not in self._lost]
+                        for i, pairs in received.items()}
+        self._on_receive(received)
+        returned = self._returned_edges(absent)
+        updates = []
+        for k, i in enumerate(self._node_ids):
+            if i in absent:
+                continue  # W'[i, i] = 1 and nothing received: x_i and w_i stay as they are
+            self_weight, in_weights = self._mix[phase][k]
             if self._lost:
-                received = {i: [(j, msg) for j, msg in pairs if (j, i) not in self._lost]
-                            for i, pairs in received.items()}
-            self._on_receive(received)
-            returned = self._returned_edges(absent)
-            updates = []
-            for k, i in enumerate(self._node_ids):
-                if i in absent:
-                    continue  # W'[i, i] = 1 and nothing received: x_i and w_i stay as they are
-                self_weight, in_weights = self._mix[phase][k]
-                if self._lost:
-                    contributions = self._contributions_under_faults(i, t, self_weight, in_weights, outgoing[i],
-                                                                     received[i], returned)
-                else:
-                    contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
-                updates.append((k, contributions))
-            self._update(updates, nodes)
-            self._record_written(nodes)
-            self._step += 1
-            nbytes = self._layout.nbytes
-            return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
-                               bytes_sent=[0 if i in absent else nbytes * f
-                                           for i, f in zip(self._node_ids, self._fanout[phase])],
-                               lost_edges=self._lost)
+                contributions = self._contributions_under_faults(i, t, self_weight, in_weights, outgoing[i],
+                                                                 received[i], returned)
+            else:
+                contributions = [(self_weight, i, outgoing[i])] + [(in_weights[j], j, msg) for j, msg in received[i]]
+            updates.append((k, contributions))
+        self._update(updates, nodes)
+        self._record_written(nodes)
+        self._step += 1
+        nbytes = self._layout.nbytes
+        return GossipStats(step=t, node_ids=self.node_ids, message_bytes=nbytes,
+                           bytes_sent=[0 if i in absent else nbytes * f
+                                       for i, f in zip(self._node_ids, self._fanout[phase])],
+                           lost_edges=self._lost)
 
     def close(self) -> None:
         """Shut down this object's segment thread pool, if one was started (waits for its
@@ -543,14 +580,23 @@ class PushSumGossip:
         plan: a run may resume under other faults, the mass stays conserved.)"""
         return f"{self.topology!r} #{self.topology.fingerprint():x}"
 
+    def _reference_id(self) -> str | None:
+        """The reference's fingerprint (None without one), computed once."""
+        if self._reference is not None and self._reference_digest is None:
+            self._reference_digest = _fingerprint(self._reference)
+        return self._reference_digest
+
     def _config(self) -> str:
-        return f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, seed={self.seed})"
+        reference = "" if self._reference is None else f", reference=#{self._reference_id()}"
+        return (f"{type(self).__name__}(compressor={self.compressor!r}, gamma={self.gamma!r}, "
+                f"seed={self.seed}{reference})")
 
     def _rank_settings(self) -> dict[str, str]:
         """What every rank must build alike, by name (the distributed pre-flight check compares
         them and names the one that differs)."""
         return {"algorithm": type(self).__name__, "compressor": repr(self.compressor), "gamma": repr(self.gamma),
-                "seed": repr(self.seed), "fault plan": repr(self.faults), "parameter dtype": str(self._param_dtype),
+                "seed": repr(self.seed), "fault plan": repr(self.faults), "reference": repr(self._reference_id()),
+                "parameter dtype": str(self._param_dtype),
                 "parameter shapes": repr([tuple(s) for s in self._shapes])}
 
     def _mixed_sum(self, contributions, self_shift: float) -> None:
@@ -677,6 +723,10 @@ class PushSumGossip:
         if not self._ready:
             for k, params in enumerate(nodes):
                 _check_writable(k, params)
+            shapes = [s for s, _, _ in reference]
+            if self._reference is not None and [tuple(r.shape) for r in self._reference] != shapes:
+                raise ValueError(f"reference holds tensors of shapes {[tuple(r.shape) for r in self._reference]}, the "
+                                 f"nodes of {shapes}: it must be shaped as one node's parameters")
             dtypes, devices = {d for _, d, _ in reference}, {v for _, _, v in reference}
             if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
                 raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
@@ -709,6 +759,9 @@ class PushSumGossip:
         self._node_layout = layout  # what every later step's nodes must match
         self._shapes = [s for s, _, _ in layout]
         _, self._param_dtype, self._device = layout[0]
+        if self._reference is not None:  # subtracted from the parameters: their dtype and device
+            self._reference_id()  # of the reference as given, before the conversion
+            self._reference = [r.to(device=self._device, dtype=self._param_dtype) for r in self._reference]
         self._dtype = torch.promote_types(self._param_dtype, torch.float32)
         sizes = [p.numel() for p in first]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
@@ -769,6 +822,17 @@ def _single_threaded_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor
         list(pool.map(single_threaded, range(threads)))
         torch.set_num_threads(caller)
     return pool
+
+
+def _fingerprint(tensors: ParamList) -> str:
+    """16 hex digits of the SHA-256 of `tensors`' shapes, dtypes and bytes (the same on every rank
+    and process for equal tensors)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:16]
 
 
 def _rows_for(saved_ids: torch.Tensor, wanted: list[int], what: str) -> torch.Tensor:

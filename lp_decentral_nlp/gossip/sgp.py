@@ -13,15 +13,16 @@ class SGP(PushSumGossip):
     ``x_i <- sum_j W_ij x~_j``, ``w_i <- sum_j W_ij w_j``. Works on time-varying graphs.
 
     Args:
-        topology, transport, seed, faults: as in :class:`PushSumGossip` (no compressor: the
+        topology, transport, seed, faults, reference: as in :class:`PushSumGossip` (no compressor: the
             others are keyword-only, so ``SGP(topology, TopK(...))`` is refused).
     """
 
     _keep = 0.0
     algorithm = "dpsgd"
 
-    def __init__(self, topology: Topology, *, transport=None, seed: int = 0, faults: FaultPlan | None = None):
-        super().__init__(topology, Identity(), 1.0, transport, seed, faults)
+    def __init__(self, topology: Topology, *, transport=None, seed: int = 0, faults: FaultPlan | None = None,
+                 reference=None):
+        super().__init__(topology, Identity(), 1.0, transport, seed, faults, reference)
 
     def _message(self, k, params):
         return self._scaled_copy(k, params)

@@ -18,7 +18,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
 from ..checks import Number, check_choice, check_fields, check_flag, plain_number
-from ..gossip.factory import COMPRESSORS, TOPOLOGIES, GossipConfig
+from ..gossip.factory import COMPRESSORS, REFERENCES, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
@@ -123,6 +123,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": "Column of class ids (or category names) the shards are skewed on when skew > 0 (SPEC 6). Default: "
                 "'label', else 'labels' when it holds one class id per sample. With skew = 0 the shards are random: "
                 "leave it unset."})
+    gossip_reference: str = field(default="zero", metadata={
+        "help": f"What the gossip messages are compressed relative to, one of {REFERENCES}: 'zero' (SPEC 2 as "
+                "written, the paper's rule: the models themselves) or 'initial' (the nodes' common initial model: "
+                "what each node changed since the start; keeps a fine-tuned model's nodes together under faults, "
+                "docs/faults.md)."})
     final_merge: bool = field(default=False, metadata={
         "help": "Skew-Compensated Sparse-Push final merge (SPEC 2a): after the last step every node's model becomes "
                 "the exact average of all nodes' de-biased models."})
@@ -285,7 +290,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
         return GossipConfig(num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows,
                             algorithm=self.algorithm, compression=self.compression, compressor=self.compressor,
                             qsgd_levels=self.qsgd_levels, low_precision=self.low_precision,
-                            consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None)
+                            consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None,
+                            reference=self.gossip_reference)
 
     @property
     def fault_plan(self) -> FaultPlan:

@@ -371,7 +371,7 @@ def resume_config(args: DecentralizedTrainingArguments, optimizer_cls_and_kwargs
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "warmup_steps": args.warmup_steps, "max_grad_norm": args.max_grad_norm,
             "label_smoothing_factor": args.label_smoothing_factor, "mixed_precision": args.mixed_precision,
-            "optimizer": optimizer_settings(optimizer_cls_and_kwargs)}
+            "optimizer": optimizer_settings(optimizer_cls_and_kwargs), "gossip_reference": args.gossip_reference}
 
 
 def optimizer_settings(optimizer_cls_and_kwargs) -> dict | None:
@@ -387,7 +387,8 @@ def optimizer_settings(optimizer_cls_and_kwargs) -> dict | None:
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
-_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mixed_precision": "no", "data_seed": None}
+_RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mixed_precision": "no", "data_seed": None,
+                    "gossip_reference": "zero"}
 #: :func:`resume_config` keys compared only when the checkpoint holds them (checkpoints written
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",

@@ -68,7 +68,8 @@ class EvaluationMixin:
     def fault_counts(self) -> dict[str, list[int]]:
         """What the injected faults and the non-finite guard did so far, per node over all nodes
         (in the distributed backend a collective: call it on every rank), for the settings in
-        use: ``lost_messages`` (messages a node sent that were lost: dropped under ``drop_prob``,
+        use and those a checkpoint this run resumed from counted under other settings:
+        ``lost_messages`` (messages a node sent that were lost: dropped under ``drop_prob``,
         or to a neighbour away under ``absences``), ``absent_steps`` (steps a node was away),
         ``nonfinite_skips`` (``skip_nonfinite``) and ``overflow_skips`` (float16 steps the loss
         scaler skipped)."""
@@ -78,8 +79,9 @@ class EvaluationMixin:
                     "absent_steps": (self.absent_steps, absences),
                     "nonfinite_skips": (self.nonfinite_skips, self.args.skip_nonfinite),
                     "overflow_skips": (self.overflow_skips, self.args.mixed_precision == "fp16")}
-        return {name: [int(v) for v in self.node_group.gather(values)]
-                for name, (values, used) in counters.items() if used}
+        gathered = {name: ([int(v) for v in self.node_group.gather(values)], used)
+                    for name, (values, used) in counters.items()}
+        return {name: counts for name, (counts, used) in gathered.items() if used or any(counts)}
 
 
     @torch.no_grad()

@@ -57,6 +57,8 @@ def decentralized_hyperparameters(args) -> dict:
         settings["data_seed"] = args.data_seed
     if args.final_merge:
         settings["final_merge"] = True
+    if args.gossip_reference != "zero":
+        settings["gossip_reference"] = args.gossip_reference
     return {**settings, **fault_settings(args)}
 
 

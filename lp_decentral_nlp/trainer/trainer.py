@@ -347,7 +347,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # z_i of every local node, as the gossip engine updates them in place: the trained parameters
         # (a frozen one, e.g. a LoRA model's base, is equal on every node and never changes)
         self.node_params = [gossiped_parameters(node) for node in self.nodes]
-        self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout))
+        self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout),
+                                   self.node_params[0] if args.gossip_reference == "initial" else None)
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
@@ -538,9 +539,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def check_absences(self, warn: bool = True) -> None:
         """ValueError for an absence (``absences``) that starts after the run's last iteration (it
-        would change nothing); with `warn`, a warning when every node is away at once (those
-        iterations train and gossip nothing while the LR schedules advance). ``train()`` checks it
-        first (a caller that checked earlier refuses without warning: ``warn=False``)."""
+        would change nothing), and for every node away at every iteration; with `warn`, a warning when every node is away at once (those
+        iterations train and gossip nothing while the LR schedules advance), and one when faults
+        that move the push-sum weights meet sparsified messages of the models themselves
+        (``gossip_reference="zero"``). ``train()`` checks it first (a caller that checked earlier
+        refuses without warning: ``warn=False``)."""
         plan = self.fault_plan
         if plan is None:
             return
@@ -552,10 +555,21 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              "or move it into the run")
         away_0 = (t for node, start, end in plan.absences if node == 0 for t in range(start, min(end, max_steps)))
         everyone = sorted(t for t in away_0 if len(plan.absent(t)) == self.args.num_nodes)
+        if len(everyone) == max_steps:
+            raise ValueError(f"absences: every node is away at every one of the run's {max_steps} iterations: nothing "
+                             "would train or gossip; leave some node present")
         if everyone and warn:
             logger.warning(f"absences: every node is away at {len(everyone)} of the {max_steps} iterations (from "
                            f"iteration {everyone[0]} to {everyone[-1]}): they train and gossip nothing, while the LR "
                            "schedules advance")
+        args = self.args
+        sparse = args.compression > 0 or args.compressor == "qsgd"
+        if warn and sparse and args.gossip_reference == "zero" and (plan.drop_prob > 0 or plan.absences):
+            logger.warning("drop_prob/absences move the push-sum weights, and compressed messages of the models "
+                           "themselves (gossip_reference='zero') then carry each weight's change times the whole "
+                           "model, a fraction per step: a pretrained model's nodes drift apart; "
+                           "gossip_reference='initial' compresses what each node changed since the start instead "
+                           "(docs/design.md, Faults)")
 
     def _log_run_summary(self, steps_per_epoch: int) -> None:
         """Trainer's "Running training" summary at info level (``log_level="info"``), with the
@@ -569,7 +583,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             "***** Running decentralized training *****",
             f"  Nodes = {args.num_nodes} ({args.backend} backend; {self.gossip.topology.name} graph of spectral gap "
             f"{self.gossip.topology.period_spectral_gap():.3g}, {args.algorithm}, compression {args.compression:g}%, "
-            f"consensus step {args.gamma:g})",
+            f"consensus step {args.gamma:g}"
+            + ("; messages relative to the initial model)" if args.gossip_reference == "initial" else ")"),
             f"  Examples per node = {min(shards):,} to {max(shards):,} (label skew {args.skew:g})",
             f"  Num Epochs = {state.num_train_epochs:,} ({steps_per_epoch:,} optimization steps each)",
             f"  Batch size per node = {batch:,} ({args.per_device_train_batch_size:,} x "
