@@ -346,3 +346,14 @@ def test_gossip_reference_initial_keeps_a_pretrained_models_nodes_together_under
         assert ("reference=#" in trainer.gossip.state_dict()["config"]) is (reference == "initial")
         spread[reference] = float(trainer.consensus_distance())
     assert spread["initial"] < spread["zero"] / 50
+
+
+def test_gossip_reference_initial_refuses_16_bit_parameters(tmp_path):
+    """z - r + r in bfloat16 rounds every weight by a part in a few hundred each step."""
+    train, _ = digits()
+    model = DigitsMLP().to(torch.bfloat16)
+    args = digits_args(tmp_path, gossip_reference="initial", low_precision=False, max_steps=2)
+    with pytest.raises(ValueError, match=r"^gossip_reference='initial' needs float32 parameters, and the model's are "
+                                         r"torch\.bfloat16"):
+        DecentralizedTrainer(model=model, args=args, train_dataset=train)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

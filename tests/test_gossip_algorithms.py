@@ -762,3 +762,7 @@ def test_a_reference_is_part_of_the_gossip_state_and_checked():
         ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=reference[:1]).step(make_nodes(3))
     with pytest.raises(TypeError, match=r"^reference must be None or one node's non-empty list of floating-point"):
         ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=torch.zeros(3))
+    half = make_nodes(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^reference needs float32 \(or wider\) parameters, got torch\.bfloat16"):
+        ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=make_nodes(1, seed=3)[0]).step(half)
+    assert max_diff(half, make_nodes(3, dtype=torch.bfloat16)) == 0  # refused before anything was written

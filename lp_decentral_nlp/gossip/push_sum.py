@@ -760,6 +760,10 @@ class PushSumGossip:
         self._shapes = [s for s, _, _ in layout]
         _, self._param_dtype, self._device = layout[0]
         if self._reference is not None:  # subtracted from the parameters: their dtype and device
+            if self._param_dtype.itemsize < 4:
+                raise ValueError(f"reference needs float32 (or wider) parameters, got {self._param_dtype}: each step "
+                                 "computes z - r and z - r + r in the parameters' dtype, which would round a 16-bit "
+                                 "model's weights by a part in a few hundred every step")
             self._reference_id()  # of the reference as given, before the conversion
             self._reference = [r.to(device=self._device, dtype=self._param_dtype) for r in self._reference]
         self._dtype = torch.promote_types(self._param_dtype, torch.float32)

@@ -277,6 +277,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise TypeError(f"{type(self).__name__}.create_optimizer() must take the model to build the optimizer for: "
                             f"DecentralizedTrainer calls create_optimizer(model) once per node") from None
         check_model_precision(model, args, quant_config)
+        narrow = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype.itemsize < 4), None)
+        if args.gossip_reference == "initial" and narrow is not None:  # (the engine refuses it at its first step)
+            raise ValueError(f"gossip_reference='initial' needs float32 parameters, and the model's are {narrow}: the "
+                             "offsets from the initial model would be rounded to 16 bits every step; load the model "
+                             "in float32 (autocast: bf16=True) or leave gossip_reference='zero'")
         if args.neftune_noise_alpha is not None and _input_embeddings(model) is None:
             raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the model's input "
                              f"embeddings, and {type(model).__name__} has none (get_input_embeddings()): leave it None")
