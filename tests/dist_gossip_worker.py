@@ -109,6 +109,9 @@ def failures(out_dir: str) -> None:
     # Rank 2 with another gamma, parameter dtype, or shapes of the same sizes: the setting is named.
     ring = make_topology("ring", 3)
     mismatches = {"gamma": (ChocoSGD, {"gamma": 0.3 if rank < 2 else 0.4}, torch.float32, False),
+                  # another initial model on rank 2 (gossip_reference="initial")
+                  "reference": (ChocoSGD, {"gamma": 0.3, "reference": initial_params(7 if rank < 2 else 8)},
+                                torch.float32, False),
                   "dtype": (SGP, {}, torch.float32 if rank < 2 else torch.bfloat16, False),
                   "shapes": (SGP, {}, torch.float32, rank == 2)}
     for case, (algorithm, kwargs, dtype, transposed) in mismatches.items():

@@ -515,6 +515,8 @@ def test_a_resume_with_another_optimizer_cls_and_kwargs_is_refused_naming_it(tmp
                          optimizer_cls_and_kwargs=sgd).train()
     saved = json.loads((tmp_path / "checkpoint-4" / ckpt.MANIFEST).read_text())["config"]["optimizer"]
     assert saved == {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 2e-3, "momentum": 0.9}}
+    # a value JSON cannot hold is recorded by name, not by a repr holding its address (no resume would match)
+    assert ckpt.optimizer_settings((torch.optim.SGD, {"fn": len}))["kwargs"] == {"fn": "<builtins.len>"}
     later = targs(tmp_path, **{**run, "max_steps": 5})
     assert check_resumable(tmp_path / "checkpoint-4", later, optimizer_cls_and_kwargs=sgd) is not None
     with pytest.raises(ValueError, match=r"optimizer=\{'class': 'torch\.optim\.sgd\.SGD', 'kwargs': \{'lr': 0\.002, "
@@ -536,6 +538,15 @@ def test_a_resume_with_another_gossip_reference_is_refused(tmp_path, agnews, tok
     assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **later)) is not None
     with pytest.raises(ValueError, match=r"gossip_reference='initial' \(this run: 'zero'\)"):
         check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**later, "gossip_reference": "zero"}))
+    # a trainer built from another model (the trained one, say) is refused before anything is restored: the
+    # engine's state checks failed only after every node's weights had been loaded
+    other = DecentralizedTrainer(model=tiny_model(seed=5), args=targs(tmp_path, **later), train_dataset=agnews["train"])
+    before = [p.clone() for p in other.nodes[0].parameters()]
+    with pytest.raises(ValueError, match=r"it was written with another initial model \(gossip_reference='initial' "
+                                         r"gossips the offsets from it: build the trainer from the model the run "
+                                         r"started from"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert all(torch.equal(a, b) for a, b in zip(before, other.nodes[0].parameters()))
 
 
 def test_fault_counts_of_a_checkpoint_survive_a_resume_without_faults(tmp_path, agnews, tokenizer):

@@ -353,7 +353,7 @@ def test_gossip_reference_initial_refuses_16_bit_parameters(tmp_path):
     train, _ = digits()
     model = DigitsMLP().to(torch.bfloat16)
     args = digits_args(tmp_path, gossip_reference="initial", low_precision=False, max_steps=2)
-    with pytest.raises(ValueError, match=r"^gossip_reference='initial' needs float32 parameters, and the model's are "
-                                         r"torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"^gossip_reference='initial' needs float32 parameters: the parameters are "
+                                         r"torch\.bfloat16, and each step computes z - r and z - r \+ r in their dtype"):
         DecentralizedTrainer(model=model, args=args, train_dataset=train)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -288,6 +288,9 @@ def test_a_codec_of_ones_own_is_counted_by_its_fields_and_resumes_by_its_setting
                                          r"step gamma in \(0, 1\]"):
         ChocoSGD(topo, ScaledSign())
     assert repr(ScaledSign(0.5)) == "ScaledSign(shrink=0.5)"
+    cached = ScaledSign(0.5)
+    cached._scratch = torch.Generator()  # private state (a cache, a generator) is no part of its identity
+    assert repr(cached) == "ScaledSign(shrink=0.5)"
     nodes = make_nodes(4)
     gossip = ChocoSGD(topo, ScaledSign(), gamma=0.2)
     stats = gossip.step(nodes)
@@ -762,7 +765,11 @@ def test_a_reference_is_part_of_the_gossip_state_and_checked():
         ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=reference[:1]).step(make_nodes(3))
     with pytest.raises(TypeError, match=r"^reference must be None or one node's non-empty list of floating-point"):
         ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=torch.zeros(3))
+    one = make_nodes(1)[0]  # the reference's copy is counted, meta tensors will do for it
+    with_reference = ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=[p.to("meta") for p in one]).memory_bytes(one)
+    assert with_reference - ChocoSGD(topo, TopK(0.5), gamma=0.5).memory_bytes(one) == 4 * P
     half = make_nodes(3, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^reference needs float32 \(or wider\) parameters, got torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"^reference needs float32 \(or wider\) parameters: the parameters are "
+                                         r"torch\.bfloat16"):
         ChocoSGD(topo, TopK(0.5), gamma=0.5, reference=make_nodes(1, seed=3)[0]).step(half)
     assert max_diff(half, make_nodes(3, dtype=torch.bfloat16)) == 0  # refused before anything was written

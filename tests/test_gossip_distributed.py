@@ -84,6 +84,7 @@ def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp
     # a setting that differs is named with this rank's value (the shapes hold as many elements)
     assert "rank 2 disagrees on the gamma (this rank's gamma: 0.3)" in r[0]["preflight_gamma"]
     assert "rank 0 disagrees on the gamma (this rank's gamma: 0.4)" in r[2]["preflight_gamma"]
+    assert "rank 2 disagrees on the reference (this rank's reference: '" in r[0]["preflight_reference"]
     assert "rank 2 disagrees on the parameter dtype (this rank's parameter dtype: torch.float32)" in r[1]["preflight_dtype"]
     assert "rank 2 disagrees on the parameter shapes" in r[0]["preflight_shapes"]
     # a peer that stops gossiping: a timeout naming it, not a hang

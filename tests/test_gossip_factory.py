@@ -236,19 +236,24 @@ def test_an_exponential_graph_of_two_nodes_is_static_and_takes_choco():
 
 
 def test_reference_initial_takes_the_initial_model_and_only_then():
-    params = [torch.randn(3, 2), torch.randn(4)]
-    gossip = build_gossip(GossipConfig(compression=90.0, reference="initial"), initial_model=params)
+    params = [torch.randn(3, 2), torch.randn(4), torch.tensor(1.5)]  # a scalar one too (CLIP's logit_scale)
+    gossip = build_gossip(GossipConfig(compression=90.0, gossip_reference="initial"), initial_model=params)
     assert re.fullmatch(r"ChocoSGD\(.*, reference=#[0-9a-f]{16}\)", gossip.state_dict()["config"])
-    with pytest.raises(ValueError, match=r"^reference='initial' compresses the offsets from the nodes' common initial "
-                                         r"model: pass it as initial_model"):
-        build_gossip(GossipConfig(reference="initial"))
-    with pytest.raises(ValueError, match=r"^initial_model is read with reference='initial' only, got reference='zero'"):
+    assert gossip.reference_fingerprint == gossip.state_dict()["config"][-17:-1]
+    gossip.step([[p.clone() for p in params] for _ in range(4)])
+    with pytest.raises(ValueError, match=r"^gossip_reference='initial' compresses the offsets from the nodes' common "
+                                         r"initial model: pass it as initial_model"):
+        build_gossip(GossipConfig(gossip_reference="initial"))
+    with pytest.raises(ValueError, match=r"^initial_model is read with gossip_reference='initial' only, got "
+                                         r"gossip_reference='zero'"):
         build_gossip(GossipConfig(), initial_model=params)
-    with pytest.raises(ValueError, match=r"reference must be one of \('zero', 'initial'\)"):
-        GossipConfig(reference="start")
-    with pytest.raises(ValueError, match=r"^reference='initial' is a setting of the gossip, and num_nodes=1 has no "
-                                         r"neighbour"):
-        GossipConfig(num_nodes=1, reference="initial")
+    with pytest.raises(ValueError, match=r"^gossip_reference must be one of \('zero', 'initial'\)"):
+        GossipConfig(gossip_reference="start")
+    with pytest.raises(ValueError, match=r"^gossip_reference='initial' is a setting of the gossip, and num_nodes=1 has "
+                                         r"no neighbour"):
+        GossipConfig(num_nodes=1, gossip_reference="initial")
+    with pytest.raises(ValueError, match=r"^topology must be one of \(.*\), got None$"):  # no advice for a non-graph
+        GossipConfig(topology=None)
 
 
 def test_a_graph_of_ones_own_in_the_settings_says_where_it_runs():

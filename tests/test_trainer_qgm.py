@@ -168,6 +168,14 @@ def test_an_optimizer_qgm_cannot_serve_is_refused_at_construction(tmp_path, kwar
         DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, **kwargs), train_dataset=two_row_dataset())
 
 
+def test_an_sgd_pairs_own_momentum_is_refused_naming_the_pair(tmp_path):
+    """It said "drop it (optim_args)", a setting the pair's run does not read."""
+    with pytest.raises(ValueError, match=r"optimizer_cls_and_kwargs asks for momentum=0\.9: drop it \(its keyword "
+                                         r"arguments\) and set qgm_beta for the momentum$"):
+        DecentralizedTrainer(model=TinyMLP(), args=args(tmp_path, optim="sgd"), train_dataset=two_row_dataset(),
+                             optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}))
+
+
 def test_qgm_beta_with_an_sgd_pair_is_accepted_when_optim_names_sgd(tmp_path):
     """optim='sgd' makes the arguments accept qgm_beta (it applies to SGD); with a pair of SGD it
     names the optimizer the pair builds, so it is not refused as ignored."""

@@ -1125,8 +1125,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'group': 'decentralized setting (SPEC 1-3, 6)',
   'help': "What the gossip messages are compressed relative to, one of ('zero', 'initial'): 'zero' (SPEC 2 as written, "
           "the paper's rule: the models themselves) or 'initial' (the nodes' common initial model: what each node "
-          "changed since the start; keeps a fine-tuned model's nodes together under faults, docs/faults.md). (default: "
-          'zero)',
+          "changed since the start; keeps a fine-tuned model's nodes together under faults, docs/design.md, Faults). "
+          '(default: zero)',
   'type': 'str'},
  {'options': ['--final-merge', '--final_merge'],
   'dest': 'final_merge',

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from ..checks import POSITIVE_INT, check_number
+from ..utils.models import input_embeddings
 from .communication import CommunicationCost, communication_cost
 from .conventions import (CONVENTION_TEXT, CONVENTIONS, ENERGY_PJ, MB, MEMORY_UNITS, OPTIMIZER_STATES, PRECISIONS,
                           SAVED_RANGE_BYTES)
@@ -297,7 +298,7 @@ def estimate_cost(
         train_walk = walk(model, make_inputs, training=True, checkpointed=checkpointed)
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        floats_to_embedding = _input_embeddings(model) is None and any(
+        floats_to_embedding = not isinstance(input_embeddings(model), nn.Embedding) and any(
             isinstance(m, nn.Embedding) for m in model.modules())
         raise ValueError(f"the model's forward fails on a batch of shape {(batch_size, *input_shape)} "
                          f"({type(err).__name__}: {first}): "
@@ -528,15 +529,6 @@ def _check_priced_bits(quant_config, what: str) -> None:
 # -- inputs and formatting ----------------------------------------------------------------------
 
 
-def _input_embeddings(model: nn.Module) -> nn.Embedding | None:
-    """The ``nn.Embedding`` the model's ``get_input_embeddings()`` returns: it reads token ids."""
-    try:
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    except NotImplementedError:
-        embeddings = None
-    return embeddings if isinstance(embeddings, nn.Embedding) else None
-
-
 def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: int):
     """``make_inputs(device)`` for the walk: ``input_ids`` of shape ``(batch_size, seq_len)`` for a
     token model (an encoder-decoder's decoder reads as many tokens), token 0 (1 where 0 is the
@@ -546,8 +538,8 @@ def _input_factory(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
     transformers warns that no attention mask hides it); zero floats of shape
     ``(batch_size, *input_shape)`` otherwise. ValueError naming ``input_shape`` when a token model
     cannot take it."""
-    embeddings = _input_embeddings(model)
-    if embeddings is not None:
+    embeddings = input_embeddings(model)
+    if isinstance(embeddings, nn.Embedding):
         if len(input_shape) != 1:
             raise ValueError(f"input_shape of a token model must be (seq_len,), got {input_shape!r}")
         config = getattr(model, "config", None)

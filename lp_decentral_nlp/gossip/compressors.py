@@ -40,8 +40,9 @@ class Compressor:
     :meth:`fields`, :meth:`encode` and :meth:`decode_add` (the engine counts the bytes of the
     fields it declares). Its ``repr`` is its identity: a gossip checkpoint resumes only into the
     same one and every rank of a distributed run must build the same one, so the default names
-    the class and its attributes (``Sign(scale=0.5)``); a subclass whose attributes do not say
-    what it sends overrides ``__repr__``.
+    the class and its public attributes (``Sign(scale=0.5)``; those named ``_...``, e.g. a cache
+    or a generator, are left out); a subclass whose attributes do not say what it sends overrides
+    ``__repr__``.
 
     Attributes:
         layerwise: False for codecs whose result does not depend on tensor boundaries
@@ -96,7 +97,8 @@ class Compressor:
         raise NotImplementedError
 
     def __repr__(self):
-        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items()))
+        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(self).items())
+                             if not name.startswith("_"))
         return f"{type(self).__qualname__}({settings})"
 
 

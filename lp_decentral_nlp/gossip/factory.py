@@ -55,12 +55,12 @@ class GossipConfig:
             (``"dpsgd"`` mixes exactly: None or 1 only).
         seed: base seed of stochastic compressors and message loss.
         faults: a :class:`~.faults.FaultPlan` (None: no faults).
-        reference: one of ``REFERENCES``: ``"zero"`` (SPEC 2 as written, the paper's rule: the
+        gossip_reference: one of ``REFERENCES``: ``"zero"`` (SPEC 2 as written, the paper's rule: the
             messages compress the push-sum numerators) or ``"initial"`` (they compress the
             offsets from the nodes' common initial model, which :func:`build_gossip` then
             takes: ``PushSumGossip``'s ``reference``). The same algorithm without compression;
             with it, ``"initial"`` keeps a fine-tuned model's nodes together when faults move
-            the push-sum weights (docs/faults.md).
+            the push-sum weights (docs/design.md, Faults).
     """
 
     num_nodes: int = 4
@@ -74,18 +74,18 @@ class GossipConfig:
     consensus_lr: float | None = None
     seed: int = 0
     faults: FaultPlan | None = None
-    reference: str = "zero"
+    gossip_reference: str = "zero"
 
     def __post_init__(self):
         check_fields(self, ("num_nodes", "compression", "qsgd_levels", "consensus_lr", "seed", "torus_rows"))
-        if not isinstance(self.topology, str):  # a Topology, a matrix: the trainer builds its graph by name
+        if isinstance(self.topology, Topology) or hasattr(self.topology, "shape"):  # the graph is built by name
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got a {type(self.topology).__name__}: a graph of "
                              "your own (Topology.from_matrix) runs in the gossip engine itself, e.g. "
                              "ChocoSGD(topology, TopK(0.01), gamma=...), not through these settings")
         check_choice("topology", self.topology, TOPOLOGIES)
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("compressor", self.compressor, COMPRESSORS)
-        check_choice("reference", self.reference, REFERENCES)
+        check_choice("gossip_reference", self.gossip_reference, REFERENCES)
         qsgd = self.compressor == "qsgd"
         if qsgd and self.compression > 0:
             raise ValueError(f"compression={self.compression!r} is the percent top-k and random-k drop; QSGD's message "
@@ -125,7 +125,7 @@ class GossipConfig:
         fields = type(self).__dataclass_fields__
         given = [(name, getattr(self, name), fields[name].default)
                  for name in ("topology", "torus_rows", "compression", "compressor", "qsgd_levels", "consensus_lr",
-                              "reference")]
+                              "gossip_reference")]
         if self.faults is not None:
             given.append(("drop_prob", self.faults.drop_prob, 0.0))
             given += [(name, list(getattr(self.faults, name)), []) for name in ("stragglers", "absences")]
@@ -174,16 +174,17 @@ def build_gossip(config: GossipConfig, transport=None, initial_model=None) -> Pu
 
     ``dpsgd`` is plain SGP (push-sum D-PSGD); with low precision its messages are 8-bit model
     differences (Choco-style with ``gamma=1``), the only way to put 8-bit values on the wire
-    without a drifting error. ``initial_model``: with ``config.reference="initial"``, the nodes'
+    without a drifting error. ``initial_model``: with ``config.gossip_reference="initial"``, the nodes'
     common initial model (one node's list of parameter tensors, as gossiped; copied), which the
     messages are compressed relative to; ValueError without it, and with another reference.
     """
     if not isinstance(config, GossipConfig):
         raise TypeError(f"config must be a GossipConfig, got {type(config).__name__}")
-    if (initial_model is None) == (config.reference == "initial"):
-        raise ValueError("reference='initial' compresses the offsets from the nodes' common initial model: pass it as "
-                         "initial_model (one node's parameter tensors)" if initial_model is None else
-                         f"initial_model is read with reference='initial' only, got reference={config.reference!r}")
+    if (initial_model is None) == (config.gossip_reference == "initial"):
+        raise ValueError("gossip_reference='initial' compresses the offsets from the nodes' common initial model: pass "
+                         "it as initial_model (one node's parameter tensors)" if initial_model is None else
+                         f"initial_model is read with gossip_reference='initial' only, got "
+                         f"gossip_reference={config.gossip_reference!r}")
     topology = build_topology(config)
     compressor = build_compressor(config)
     faults = config.faults if config.faults is not None and config.faults.active else None

@@ -58,7 +58,9 @@ the weights; with compression it is not: the messages then carry what each node 
 the start, not the whole model. Without it, a push-sum weight that leaves 1 (a lost message, an
 absent node) makes ``x_i`` differ by ``(w_i - 1)`` times the whole model, which compressed
 messages deliver a fraction per step, and a fine-tuned model's nodes drift apart
-(docs/faults.md measures it). The parameters come back from ``z - r + r`` up to float rounding.
+(docs/design.md, Faults, measures it). The parameters come back from ``z - r + r`` up to float
+rounding (a part in ~1e7 of ``r`` in float32), that of a node away or unchanged too: with a
+reference such a node keeps its model to rounding, not bit for bit.
 
 Faults. An optional :class:`~.faults.FaultPlan` loses messages, delays stragglers and takes nodes
 away for a while; :mod:`.faults` states the rules (a lost share returns to its sender; a Choco
@@ -235,6 +237,12 @@ class PushSumGossip:
         ``(n,)`` in simulation; in the distributed backend ``(1,)`` holding this rank's own
         ``w_rank``. Float64 on CPU before the first step, then the state dtype and device."""
         return self._w.clone()
+
+    @property
+    def reference_fingerprint(self) -> str | None:
+        """16 hex digits identifying the ``reference`` (SHA-256 of its shapes, dtypes and bytes, as
+        given), the same on every rank for equal tensors; None without one."""
+        return self._reference_id()
 
     @property
     def num_steps(self) -> int:
@@ -553,7 +561,8 @@ class PushSumGossip:
         """SPEC 2 step 1: ``nodes[k] <- z_k + (z~_k - z_k) / w_k`` for every local node with
         ``w_k != 1`` (``z_k`` = the row of ``"written"``), so that ``w_k * nodes[k]`` is
         ``x~_k = x_k + delta_k``. A node whose parameters were not changed since the previous
-        step keeps them bit for bit."""
+        step keeps them bit for bit (here: with a ``reference``, the parameters are ``z - r``,
+        which a step leaves exact, and ``z - r + r`` rounds, see the module docstring)."""
         if self._written is None:
             return
         for k, params in enumerate(nodes):
@@ -760,10 +769,9 @@ class PushSumGossip:
         self._shapes = [s for s, _, _ in layout]
         _, self._param_dtype, self._device = layout[0]
         if self._reference is not None:  # subtracted from the parameters: their dtype and device
-            if self._param_dtype.itemsize < 4:
-                raise ValueError(f"reference needs float32 (or wider) parameters, got {self._param_dtype}: each step "
-                                 "computes z - r and z - r + r in the parameters' dtype, which would round a 16-bit "
-                                 "model's weights by a part in a few hundred every step")
+            problem = reference_dtype_problem(self._param_dtype)
+            if problem:
+                raise ValueError(f"reference needs float32 (or wider) parameters: {problem}")
             self._reference_id()  # of the reference as given, before the conversion
             self._reference = [r.to(device=self._device, dtype=self._param_dtype) for r in self._reference]
         self._dtype = torch.promote_types(self._param_dtype, torch.float32)
@@ -828,6 +836,16 @@ def _single_threaded_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor
     return pool
 
 
+def reference_dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why parameters of `dtype` cannot gossip relative to a reference (``PushSumGossip``'s
+    ``reference``), or None: each step computes ``z - r`` and ``z - r + r`` in the parameters'
+    dtype, which in 16 bits rounds every weight by a part in a few hundred."""
+    if dtype.itemsize >= 4:
+        return None
+    return (f"the parameters are {dtype}, and each step computes z - r and z - r + r in their dtype, which would round "
+            "every weight by a part in a few hundred")
+
+
 def _fingerprint(tensors: ParamList) -> str:
     """16 hex digits of the SHA-256 of `tensors`' shapes, dtypes and bytes (the same on every rank
     and process for equal tensors)."""
@@ -835,7 +853,7 @@ def _fingerprint(tensors: ParamList) -> str:
     for t in tensors:
         t = t.detach().to("cpu").contiguous()
         digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:16]
 
 

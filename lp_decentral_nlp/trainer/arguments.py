@@ -127,7 +127,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
         "help": f"What the gossip messages are compressed relative to, one of {REFERENCES}: 'zero' (SPEC 2 as "
                 "written, the paper's rule: the models themselves) or 'initial' (the nodes' common initial model: "
                 "what each node changed since the start; keeps a fine-tuned model's nodes together under faults, "
-                "docs/faults.md)."})
+                "docs/design.md, Faults)."})
     final_merge: bool = field(default=False, metadata={
         "help": "Skew-Compensated Sparse-Push final merge (SPEC 2a): after the last step every node's model becomes "
                 "the exact average of all nodes' de-biased models."})
@@ -291,7 +291,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                             algorithm=self.algorithm, compression=self.compression, compressor=self.compressor,
                             qsgd_levels=self.qsgd_levels, low_precision=self.low_precision,
                             consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None,
-                            reference=self.gossip_reference)
+                            gossip_reference=self.gossip_reference)
 
     @property
     def fault_plan(self) -> FaultPlan:

@@ -382,8 +382,15 @@ def optimizer_settings(optimizer_cls_and_kwargs) -> dict | None:
     if optimizer_cls_and_kwargs is None:
         return None
     optimizer_cls, kwargs = optimizer_cls_and_kwargs
-    name = f"{getattr(optimizer_cls, '__module__', '')}.{getattr(optimizer_cls, '__qualname__', repr(optimizer_cls))}"
-    return {"class": name, "kwargs": json.loads(json.dumps(dict(kwargs), default=str))}
+    return {"class": _qualified_name(optimizer_cls),
+            # a value JSON cannot hold (a function, a generator) by its name: its repr may hold an address
+            "kwargs": json.loads(json.dumps(dict(kwargs), default=lambda value: f"<{_qualified_name(value)}>"))}
+
+
+def _qualified_name(obj) -> str:
+    """``module.QualifiedName`` of a class or function, else of its type."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(named, '__module__', '')}.{named.__qualname__}"
 
 
 #: values of :func:`resume_config` keys for checkpoints written before the key existed
@@ -393,7 +400,8 @@ _RESUME_DEFAULTS = {"gradient_accumulation_steps": 1, "shard_column": None, "mix
 #: before they were added restore those settings as saved, as they always did)
 _RESUME_IF_SAVED = ("optim", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                     "lr_milestones", "lr_decay", "train_rows", "lr_scheduler_type", "lr_scheduler_kwargs",
-                    "warmup_steps", "max_grad_norm", "label_smoothing_factor", "quant_config", "optimizer")
+                    "warmup_steps", "max_grad_norm", "label_smoothing_factor", "quant_config", "optimizer",
+                    "initial_model")
 
 
 def quant_settings(model) -> dict | None:
@@ -408,13 +416,15 @@ def quant_settings(model) -> dict | None:
 
 def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: int | None = None, *,
                     unresolved: tuple[str, ...] = (), train_rows: str | None = None, quant_config: dict | None = None,
-                    optimizer_cls_and_kwargs=None):
+                    optimizer_cls_and_kwargs=None, initial_model: str | None = None):
     """The checkpoint directory ``path`` resolves to (:func:`resolve_checkpoint`),
     after checking that it was written by a run with the same :func:`resume_config` (and, when
     given, the same number of training samples, the same training rows: ``train_rows``, their
     :func:`~.node_data.rows_digest`, and the same 8-bit settings: ``quant_config``,
-    :func:`quant_settings`), and the same ``optimizer_cls_and_kwargs`` (the trainer's, or None).
-    ValueError listing every argument that differs.
+    :func:`quant_settings`), the same initial model (``initial_model``: the gossip engine's
+    ``reference_fingerprint`` under ``gossip_reference="initial"``), and the same
+    ``optimizer_cls_and_kwargs`` (the trainer's, or None). ValueError listing every argument that
+    differs.
     ``unresolved``: :func:`resume_config` keys not compared, because ``args`` holds a placeholder the
     caller resolves later (``train()`` compares every key)."""
     try:
@@ -434,12 +444,17 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
         now["train_rows"] = train_rows
     if quant_config is not None:
         now["quant_config"] = quant_config
+    if initial_model is not None:
+        now["initial_model"] = initial_model
     saved = {**_RESUME_DEFAULTS, **saved}
     if "bf16" in saved:  # written before fp16: a flag for bf16 autocast
         saved["mixed_precision"] = "bf16" if saved.pop("bf16") else "no"
     def differs(key, value) -> str:
         if key == "train_rows":
             return "other training rows (another data file, tokenizer or max length)"
+        if key == "initial_model":
+            return ("another initial model (gossip_reference='initial' gossips the offsets from it: build the trainer "
+                    "from the model the run started from, not from a checkpoint's)")
         if key == "consensus_lr" and args.consensus_lr is None:  # the default follows other settings
             return (f"consensus_lr={saved.get(key)!r} (this run's default: {value!r}; it follows the compression, "
                     f"graph and drop_prob: pass consensus_lr={saved.get(key)!r} to resume under other faults)")
@@ -613,7 +628,8 @@ class CheckpointMixin:
 
     def _resume_config(self) -> dict:
         return {**resume_config(self.args, self.optimizer_cls_and_kwargs), "train_samples": len(self.train_dataset),
-                "train_rows": rows_digest(self.train_dataset), "quant_config": quant_settings(self.nodes[0])}
+                "train_rows": rows_digest(self.train_dataset), "quant_config": quant_settings(self.nodes[0]),
+                "initial_model": self.gossip.reference_fingerprint}
 
     def _load_checkpoint(self, path, steps_per_epoch: int, max_steps: int) -> tuple[int, int]:
         """Restore the state :meth:`_save_checkpoint` wrote; returns the data position ``(epoch,
@@ -641,7 +657,8 @@ class CheckpointMixin:
         checked against this run of `max_steps` steps (ValueError naming the file or argument)."""
         path = check_resumable(path, self.args, train_samples=len(self.train_dataset),
                                train_rows=rows_digest(self.train_dataset), quant_config=quant_settings(self.nodes[0]),
-                               optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs)
+                               optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
+                               initial_model=self.gossip.reference_fingerprint)
         manifest = read_manifest(path, required=_MANIFEST_KEYS)
         data = manifest["data"]
         if data["steps_per_epoch"] != steps_per_epoch:

@@ -39,9 +39,10 @@ def check_qgm_optimizer(args: DecentralizedTrainingArguments, model, optimizer_c
                          f"({name}): use optim='adamw_torch' or 'sgd', or qgm=False")
     own = {key: kwargs[key] for key in ("momentum", "nesterov", "dampening") if kwargs.get(key)}
     if issubclass(optimizer_cls, torch.optim.SGD) and own:  # QGM sets SGD's momentum to 0: these would be dropped
+        source = "optim_args" if optimizer_cls_and_kwargs is None else "its keyword arguments"
         raise ValueError(f"qgm=True replaces SGD's momentum with the quasi-global one (qgm_beta={args.qgm_beta}), and "
                          f"{where} asks for {', '.join(f'{k}={v}' for k, v in own.items())}: drop "
-                         f"{'them' if len(own) > 1 else 'it'} (optim_args) and set qgm_beta for the momentum")
+                         f"{'them' if len(own) > 1 else 'it'} ({source}) and set qgm_beta for the momentum")
     problem = qgm_beta_problem(args, optimizer_cls)
     if problem:
         raise ValueError(problem)
@@ -61,7 +62,8 @@ def refuse_settings_a_given_optimizer_ignores(args: DecentralizedTrainingArgumen
     if not is_default(args, "optim"):
         optim = getattr(args.optim, "value", args.optim)
         optim_cls = Trainer.get_optimizer_cls_and_kwargs(args, model)[0]
-        if not (isinstance(optimizer_cls, type) and isinstance(optim_cls, type) and issubclass(optimizer_cls, optim_cls)):
+        same = isinstance(optimizer_cls, type) and isinstance(optim_cls, type) and issubclass(optimizer_cls, optim_cls)
+        if not same:
             raise ValueError(f"optim={optim!r} builds {getattr(optim_cls, '__name__', optim_cls)}, and "
                              f"optimizer_cls_and_kwargs builds {name}: transformers builds the pair's and ignores "
                              f"optim; leave optim at {field_default(args, 'optim')!r} or name the same optimizer")

@@ -48,12 +48,13 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
-from ..gossip.push_sum import gossiped_parameters
+from ..gossip.push_sum import gossiped_parameters, reference_dtype_problem
 from ..gossip.transport import GossipPeerError, GossipTimeoutError
 from ..quant import QuantConfig, QuantModule, quantize_model
 from ..quant.kernels import AUTO
 from ..utils.cpu_malloc import tune_process_for_training
 from ..utils.logs import set_verbosity
+from ..utils.models import input_embeddings
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin
@@ -94,16 +95,6 @@ def check_model_precision(model, args: DecentralizedTrainingArguments, quant_con
     if quant_config is not None and args.quant_kernel != AUTO and quant_config.kernel != args.quant_kernel:
         raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                          f"{quant_config.kernel!r}: set the kernel in one of them")
-
-
-def _input_embeddings(model) -> torch.nn.Module | None:
-    """``model.get_input_embeddings()`` (the module NEFTune adds noise to), or None where the model
-    has none (not a transformers model, or one without input embeddings)."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return embeddings if isinstance(embeddings, torch.nn.Module) else None
 
 
 #: `Trainer` methods the decentralized loop never calls, and what runs in their place: a subclass
@@ -277,12 +268,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise TypeError(f"{type(self).__name__}.create_optimizer() must take the model to build the optimizer for: "
                             f"DecentralizedTrainer calls create_optimizer(model) once per node") from None
         check_model_precision(model, args, quant_config)
-        narrow = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype.itemsize < 4), None)
-        if args.gossip_reference == "initial" and narrow is not None:  # (the engine refuses it at its first step)
-            raise ValueError(f"gossip_reference='initial' needs float32 parameters, and the model's are {narrow}: the "
-                             "offsets from the initial model would be rounded to 16 bits every step; load the model "
-                             "in float32 (autocast: bf16=True) or leave gossip_reference='zero'")
-        if args.neftune_noise_alpha is not None and _input_embeddings(model) is None:
+        if args.gossip_reference == "initial":  # before the surgery (the engine would refuse it at its first step)
+            trained = (p.dtype for p in model.parameters() if p.requires_grad)
+            problem = next(filter(None, map(reference_dtype_problem, trained)), None)
+            if problem:
+                raise ValueError(f"gossip_reference='initial' needs float32 parameters: {problem}; load the model in "
+                                 "float32 (autocast: bf16=True) or leave gossip_reference='zero'")
+        if args.neftune_noise_alpha is not None and input_embeddings(model) is None:
             raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the model's input "
                              f"embeddings, and {type(model).__name__} has none (get_input_embeddings()): leave it None")
         images = getattr(model, "main_input_name", None) == "pixel_values"
@@ -544,11 +536,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
 
     def check_absences(self, warn: bool = True) -> None:
         """ValueError for an absence (``absences``) that starts after the run's last iteration (it
-        would change nothing), and for every node away at every iteration; with `warn`, a warning when every node is away at once (those
-        iterations train and gossip nothing while the LR schedules advance), and one when faults
-        that move the push-sum weights meet sparsified messages of the models themselves
-        (``gossip_reference="zero"``). ``train()`` checks it first (a caller that checked earlier
-        refuses without warning: ``warn=False``)."""
+        would change nothing), and for every node away at every iteration; with `warn`, a warning
+        when every node is away at once (those iterations train and gossip nothing while the LR
+        schedules advance), and one when faults that move the push-sum weights meet sparsified
+        messages of the models themselves (``gossip_reference="zero"``). ``train()`` checks it
+        first (a caller that checked earlier refuses without warning: ``warn=False``)."""
         plan = self.fault_plan
         if plan is None:
             return

@@ -1,4 +1,4 @@
 """Process-wide helpers: :mod:`.cpu_malloc` (glibc's malloc policy for CPU training),
 :mod:`.numba_threads` (numba's kernels on torch's thread count), :mod:`.layout` (the memory layouts
-the compiled kernels take), :mod:`.lazy` (lazy package namespaces) and :mod:`.logs` (the package's
-loggers follow ``log_level``)."""
+the compiled kernels take), :mod:`.lazy` (lazy package namespaces), :mod:`.logs` (the package's
+loggers follow ``log_level``) and :mod:`.models` (what a model exposes by transformers' conventions)."""
