@@ -352,8 +352,16 @@ ROWS = {
     100: cli(["--restore_callback_states_from_checkpoint"], "argument --restore_callback_states_from_checkpoint: it "
              "restores the callbacks' states from the checkpoint a run resumes from, and this run starts afresh: give "
              "--resume-from-checkpoint or drop it"),
+    101: cli(["--gossip-reference", "Initial"], "argument --gossip-reference: gossip_reference must be one of ('zero', "
+             "'initial'), got 'Initial'"),
+    102: cli(["--straggler", "1:0"], "argument --straggler: stragglers: expected NODE:SECONDS with NODE >= 0 and finite "
+             "SECONDS > 0, got '1:0'"),
+    103: cli(["--full-precision", "--gossip-reference", "initial"], "argument --gossip-reference: "
+             "gossip_reference='initial' changes what compressed messages carry, and these are exact (float32 values, "
+             "compression=0): the same algorithm at the cost of a model copy; leave gossip_reference at 'zero', or "
+             "compress (low_precision or compression > 0)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), 97, 98, 99, 100]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), *range(97, 104)]
 
 
 def docs_table() -> str:

@@ -152,8 +152,9 @@ def test_results_config_records_what_differs_from_the_defaults_and_reads_older_c
     # a config written with those defaults in it is the same run; a setting it changed is not
     older = {**config, "include_num_input_tokens_seen": False, "include_for_metrics": [], "debug": None}
     assert config_differences(older, parsed) == [] and changed_settings(config, older) == []
+    # (a setting at its default is shown with that default, not None: the config leaves it out)
     assert config_differences({**older, "include_num_input_tokens_seen": True}, parsed) == [
-        "include_num_input_tokens_seen=True (this run: None)"]
+        "include_num_input_tokens_seen=True (this run: 'no')"]
     assert changed_settings({**config, "learning_rate": 0.1}, config, ignored=("output_dir",)) == ["learning_rate"]
     # an Adam setting an SGD run does not read (a recipe's SGD run recorded adam_beta2=0.9): the same run
     assert changed_settings({**config, "optim": "sgd", "adam_beta2": 0.9}, {**config, "optim": "sgd"}) == []

@@ -340,7 +340,7 @@ def test_gossip_reference_initial_keeps_a_pretrained_models_nodes_together_under
         trainer = DecentralizedTrainer(model=copy.deepcopy(pretrained), args=args, train_dataset=train)
         with caplog.at_level(logging.WARNING):
             trainer.train()
-        warned = "gossip_reference='initial' compresses what each node changed since the start" in caplog.text
+        warned = "(--gossip-reference initial) compresses what each node changed since the start" in caplog.text
         assert warned is (reference == "zero")
         caplog.clear()
         assert ("reference=#" in trainer.gossip.state_dict()["config"]) is (reference == "initial")

@@ -240,6 +240,7 @@ def test_reference_initial_takes_the_initial_model_and_only_then():
     gossip = build_gossip(GossipConfig(compression=90.0, gossip_reference="initial"), initial_model=params)
     assert re.fullmatch(r"ChocoSGD\(.*, reference=#[0-9a-f]{16}\)", gossip.state_dict()["config"])
     assert gossip.reference_fingerprint == gossip.state_dict()["config"][-17:-1]
+    assert repr(gossip).endswith(f", reference=#{gossip.reference_fingerprint})")  # print(trainer.gossip) says it
     gossip.step([[p.clone() for p in params] for _ in range(4)])
     with pytest.raises(ValueError, match=r"^gossip_reference='initial' compresses the offsets from the nodes' common "
                                          r"initial model: pass it as initial_model"):
@@ -267,3 +268,12 @@ def test_a_graph_of_ones_own_in_the_settings_says_where_it_runs():
             GossipConfig(topology=graph)
     with pytest.raises(ValueError, match=r"^algorithm must be one of \('choco', 'deepsqueeze', 'dpsgd'\), got array"):
         GossipConfig(algorithm=np.array(["choco", "dpsgd"]))
+
+
+def test_reference_initial_with_exact_messages_is_refused_as_inert():
+    """Exact float32 messages mix x - w z0 exactly as x: the same run, one model copy more."""
+    for algorithm in ("choco", "deepsqueeze", "dpsgd"):
+        with pytest.raises(ValueError, match=r"^gossip_reference='initial' changes what compressed messages carry, and "
+                                             r"these are exact \(float32 values, compression=0\)"):
+            GossipConfig(algorithm=algorithm, low_precision=False, gossip_reference="initial")
+    assert GossipConfig(algorithm="dpsgd", gossip_reference="initial").gossip_reference == "initial"  # 8-bit values

@@ -61,7 +61,7 @@ RUN_OUTPUTS = ("results.json", "metrics.csv", "cost_report.json", "kernels.json"
 INT8_EXPORT = "int8.safetensors"
 # the decentralized setting, written to results.json's "config" even where it is the default
 ALWAYS_IN_CONFIG = ("algorithm", "num_nodes", "topology", "skew", "compression", "compressor", "low_precision",
-                    "backend", "seed")
+                    "gossip_reference", "backend", "seed")
 SUMMARY_KEYS = ("accuracy", "loss", "node_accuracy", "bytes_sent_per_node", "consensus_distance")
 # the NLP recipes' default model, and the PyPI package of the all-MiniLM-L6-v2 used offline instead
 DEFAULT_MODEL = "distilbert-base-uncased"
@@ -1159,7 +1159,13 @@ def config_differences(saved_config: dict, parsed, ignored=(), this: str = "this
     finished run had it."""
     saved, wanted = _as_json(saved_config), _as_json(run_config(parsed))
     defaults = _as_json(parsed.defaults)
-    return [_difference(key, saved.get(key, defaults.get(key)), wanted.get(key), this)
+
+    def default(key):  # the recipe's, else the training arguments' (a config leaves out a field at its default)
+        spec = _training_fields().get(key)
+        field_value = None if spec is None or spec.default is dataclasses.MISSING else spec.default
+        return defaults.get(key, _as_json({key: field_value})[key])
+
+    return [_difference(key, saved.get(key, default(key)), wanted.get(key, default(key)), this)
             for key in changed_settings(saved, wanted, ignored)]
 
 

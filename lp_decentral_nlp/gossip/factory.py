@@ -115,6 +115,10 @@ class GossipConfig:
                     else "algorithm='dpsgd' with low_precision (8-bit Choco messages)")
             raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
                              "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
+        if self.gossip_reference == "initial" and build_compressor(self) is None:
+            raise ValueError("gossip_reference='initial' changes what compressed messages carry, and these are exact "
+                             "(float32 values, compression=0): the same algorithm at the cost of a model copy; leave "
+                             "gossip_reference at 'zero', or compress (low_precision or compression > 0)")
         if self.faults is not None:
             self.faults.check_nodes(self.num_nodes)
         if self.num_nodes == 1:

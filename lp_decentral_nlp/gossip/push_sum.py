@@ -505,8 +505,9 @@ class PushSumGossip:
         self.load_state_dict(merged)
 
     def __repr__(self):
+        reference = "" if self._reference is None else f", reference=#{self._reference_id()}"
         return f"{type(self).__name__}({self.topology!r}, compressor={self.compressor!r}, gamma={self.gamma:g}, " \
-               f"transport={self.transport!r})"
+               f"transport={self.transport!r}{reference})"
 
     # -- algorithm hooks ---------------------------------------------------------------------------
     def _encode_message(self, k: int, params: ParamList, msg: Message, generator) -> None:

@@ -47,7 +47,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics, unwrap_peft_model
 from transformers.utils import logging as hf_logging
 
-from ..gossip.factory import build_gossip
+from ..gossip.factory import build_compressor, build_gossip
 from ..gossip.push_sum import gossiped_parameters, reference_dtype_problem
 from ..gossip.transport import GossipPeerError, GossipTimeoutError
 from ..quant import QuantConfig, QuantModule, quantize_model
@@ -538,9 +538,10 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         """ValueError for an absence (``absences``) that starts after the run's last iteration (it
         would change nothing), and for every node away at every iteration; with `warn`, a warning
         when every node is away at once (those iterations train and gossip nothing while the LR
-        schedules advance), and one when faults that move the push-sum weights meet sparsified
-        messages of the models themselves (``gossip_reference="zero"``). ``train()`` checks it
-        first (a caller that checked earlier refuses without warning: ``warn=False``)."""
+        schedules advance), and one when faults that move the push-sum weights meet compressed
+        messages (sparsified, QSGD or 8-bit) of the models themselves (``gossip_reference="zero"``).
+        ``train()`` checks it first (a caller that checked earlier refuses without warning:
+        ``warn=False``)."""
         plan = self.fault_plan
         if plan is None:
             return
@@ -560,13 +561,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                            f"iteration {everyone[0]} to {everyone[-1]}): they train and gossip nothing, while the LR "
                            "schedules advance")
         args = self.args
-        sparse = args.compression > 0 or args.compressor == "qsgd"
-        if warn and sparse and args.gossip_reference == "zero" and (plan.drop_prob > 0 or plan.absences):
-            logger.warning("drop_prob/absences move the push-sum weights, and compressed messages of the models "
-                           "themselves (gossip_reference='zero') then carry each weight's change times the whole "
-                           "model, a fraction per step: a pretrained model's nodes drift apart; "
-                           "gossip_reference='initial' compresses what each node changed since the start instead "
-                           "(docs/design.md, Faults)")
+        compressed = build_compressor(args.gossip_config) is not None  # sparsified, QSGD or 8-bit values
+        if warn and compressed and args.gossip_reference == "zero" and (plan.drop_prob > 0 or plan.absences):
+            logger.warning("drop_prob/absences (--drop-prob, --leave) move the push-sum weights, and compressed "
+                           "messages of the models themselves (gossip_reference='zero') then carry each weight's change "
+                           "times the whole model, rounded or a fraction per step: a pretrained model's nodes drift "
+                           "apart; gossip_reference='initial' (--gossip-reference initial) compresses what each node "
+                           "changed since the start instead (docs/design.md, Faults)")
 
     def _log_run_summary(self, steps_per_epoch: int) -> None:
         """Trainer's "Running training" summary at info level (``log_level="info"``), with the
