@@ -9,7 +9,7 @@ repeated; one done with other settings, or on other rows or another model, is re
 --overwrite_output_dir repeated), ``sweep.json`` (all results; under faults or another ``--gossip-reference`` also
 those settings and each point's fault counts), ``sweep.md`` (rows skew/compression; columns DS, LP-DS, Choco, LP-Choco;
 a line under it names the faults and reference every run had) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit
-dashed). Those three hold
+dashed; that line in its title). Those three hold
 this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
 only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
 
@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import sys
+import textwrap
 
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
@@ -453,7 +454,12 @@ def plot(rows, path):
                 linestyle="--" if lp else "-", label=f"{'LP-' if lp else ''}{name}, comp {number(comp)}%")
     ax.set_xlabel("skew")
     ax.set_ylabel("accuracy of the averaged model (%)")
-    ax.set_title("Accuracy vs skew (fp32 solid, 8-bit dashed)")
+    caption = textwrap.fill(settings_caption(rows).strip(), 90)  # (wrapped: a long one ran off the figure)
+    title = "Accuracy vs skew (fp32 solid, 8-bit dashed)"
+    if caption:
+        ax.set_title(f"{title}\n{caption}", fontsize=8)
+    else:
+        ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

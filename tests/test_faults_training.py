@@ -193,6 +193,14 @@ def test_an_absence_after_the_run_is_refused(tmp_path):
         digits_trainer(tmp_path, absences=["1:100:200"], max_steps=4).train()
 
 
+def test_an_absence_past_the_runs_end_is_carded_as_lasting_to_its_end(tmp_path):
+    """The card said "node 1 away for iterations 2 to 99" of a 4-step run."""
+    trainer = digits_trainer(tmp_path, absences=["1:2:100"], max_steps=4)
+    trainer.train()
+    trainer.create_model_card()
+    assert "- absences: node 1 away from iteration 2 to the run's end\n" in (tmp_path / "README.md").read_text()
+
+
 def test_every_node_away_for_the_whole_run_is_refused(tmp_path):
     """It was a warning, and the run ended "done" with the untrained model."""
     with pytest.raises(ValueError, match=r"^absences: every node is away at every one of the run's 4 iterations: "

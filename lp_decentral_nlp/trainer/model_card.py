@@ -22,25 +22,28 @@ _SIGNIFICANT = "Consensus Distance"
 _DESCRIPTION_PLACEHOLDER = "\n## Model description\n\nMore information needed\n"
 
 
-def fault_settings(args) -> dict:
+def fault_settings(args, max_steps: int | None = None) -> dict:
     """The injected faults and the non-finite guard of ``args`` that are on, by card name
-    (``absences``' iterations count from 0: iteration t is logged as step t + 1)."""
+    (``absences``' iterations count from 0: iteration t is logged as step t + 1; with the run's
+    `max_steps`, an absence ending after the run is said to last to its end)."""
     plan, settings = args.fault_plan, {}
     if plan.drop_prob:
         settings["message_drop_prob"] = plan.drop_prob
     if plan.stragglers:
         settings["stragglers"] = ", ".join(f"node {node} waits {seconds:g} s per send" for node, seconds in plan.stragglers)
     if plan.absences:
-        settings["absences"] = ", ".join(f"node {node} away for iterations {start} to {end - 1}"
-                                         for node, start, end in plan.absences)
+        settings["absences"] = ", ".join(
+            f"node {node} away from iteration {start} to the run's end" if max_steps and end > max_steps
+            else f"node {node} away for iterations {start} to {end - 1}" for node, start, end in plan.absences)
     if args.skip_nonfinite:
         settings["skip_nonfinite"] = True
     return settings
 
 
-def decentralized_hyperparameters(args) -> dict:
+def decentralized_hyperparameters(args, max_steps: int | None = None) -> dict:
     """The setting of SPEC 1-3 and 6 as model-card hyperparameters, the batch over every node and
-    the :func:`fault_settings` in use (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`)."""
+    the :func:`fault_settings` in use (``args``: :class:`~lp_decentral_nlp.trainer.DecentralizedTrainingArguments`;
+    `max_steps`: the run's, where known)."""
     config = args.gossip_config
     settings = {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
                 # the default step is computed: 0.04000000000000001 reads 0.04
@@ -59,7 +62,7 @@ def decentralized_hyperparameters(args) -> dict:
         settings["final_merge"] = True
     if args.gossip_reference != "zero":
         settings["gossip_reference"] = args.gossip_reference
-    return {**settings, **fault_settings(args)}
+    return {**settings, **fault_settings(args, max_steps)}
 
 
 def local_checkpoint(model) -> Path | None:
@@ -106,7 +109,7 @@ def training_summary(trainer, **card_fields) -> TrainingSummary:
     summary = TrainingSummary.from_trainer(trainer, **card_fields)
     if from_scratch:
         summary.finetuned_from = None
-    summary.hyperparameters.update(decentralized_hyperparameters(trainer.args))
+    summary.hyperparameters.update(decentralized_hyperparameters(trainer.args, trainer.state.max_steps or None))
     if summary.eval_results is not None:  # None before any evaluation
         summary.eval_results = _averaged_model_figures(summary.eval_results)
     if summary.eval_lines is not None:

@@ -575,7 +575,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if not logger.isEnabledFor(logging.INFO):
             return
         args, state, shards = self.args, self.state, [len(shard) for shard in self._shards()]
-        faults = fault_settings(args)
+        faults = fault_settings(args, state.max_steps)
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
         logger.info("\n".join([
             "***** Running decentralized training *****",
