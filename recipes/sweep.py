@@ -383,14 +383,10 @@ def run_grid(sweep) -> list[dict]:
     return [{"algorithm": run.training.algorithm, "low_precision": run.training.low_precision,
              "skew": run.training.skew, "comp": run.training.compression,
              "gamma": results[i]["config"]["consensus_lr_used"], "accuracy": results[i]["accuracy"],
-             "bytes_sent_per_node": results[i]["bytes_sent_per_node"], "wall_time_s": results[i]["wall_time_s"],
-             **common_settings(run.training),
-             **{key: value for key, value in results[i].items() if key in FAULT_COUNTS}}
+             "wall_time_s": results[i]["wall_time_s"], **common_settings(run.training),
+             # bytes_sent_per_node, and the counts of the faults in use (lost_messages_per_node, ...)
+             **{key: value for key, value in results[i].items() if key.endswith("_per_node")}}
             for i, run in enumerate(runs)]
-
-
-#: the results.json counts a point's faults left (those of the settings in use)
-FAULT_COUNTS = ("lost_messages_per_node", "absent_steps_per_node", "nonfinite_skips_per_node")
 
 
 def common_settings(training) -> dict:

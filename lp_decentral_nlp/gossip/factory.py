@@ -115,7 +115,7 @@ class GossipConfig:
                     else "algorithm='dpsgd' with low_precision (8-bit Choco messages)")
             raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
                              "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
-        if self.gossip_reference == "initial" and build_compressor(self) is None:
+        if self.gossip_reference == "initial" and not self.compresses:
             raise ValueError("gossip_reference='initial' changes what compressed messages carry, and these are exact "
                              "(float32 values, compression=0): the same algorithm at the cost of a model copy; leave "
                              "gossip_reference at 'zero', or compress (low_precision or compression > 0)")
@@ -138,6 +138,12 @@ class GossipConfig:
                 leave = "it empty" if default == [] else f"{name} at {default!r}"
                 raise ValueError(f"{name}={value!r} is a setting of the gossip, and num_nodes=1 has no neighbour to "
                                  f"send to: set num_nodes >= 2, or leave {leave}")
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the messages are compressed (sparsified, QSGD or 8-bit values): not the exact
+        float32 models, :func:`build_compressor` gives a codec."""
+        return build_compressor(self) is not None
 
     @property
     def gamma(self) -> float:

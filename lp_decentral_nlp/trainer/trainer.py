@@ -47,7 +47,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics, unwrap_peft_model
 from transformers.utils import logging as hf_logging
 
-from ..gossip.factory import build_compressor, build_gossip
+from ..gossip.factory import build_gossip
 from ..gossip.push_sum import gossiped_parameters, reference_dtype_problem
 from ..gossip.transport import GossipPeerError, GossipTimeoutError
 from ..quant import QuantConfig, QuantModule, quantize_model
@@ -561,8 +561,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                            f"iteration {everyone[0]} to {everyone[-1]}): they train and gossip nothing, while the LR "
                            "schedules advance")
         args = self.args
-        compressed = build_compressor(args.gossip_config) is not None  # sparsified, QSGD or 8-bit values
-        if warn and compressed and args.gossip_reference == "zero" and (plan.drop_prob > 0 or plan.absences):
+        if warn and args.gossip_config.compresses and args.gossip_reference == "zero" and (
+                plan.drop_prob > 0 or plan.absences):
             logger.warning("drop_prob/absences (--drop-prob, --leave) move the push-sum weights, and compressed "
                            "messages of the models themselves (gossip_reference='zero') then carry each weight's change "
                            "times the whole model, rounded or a fraction per step: a pretrained model's nodes drift "
