@@ -161,6 +161,24 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
+#: the file suffixes a topology given as a file of mixing matrices may have (``Topology.from_file``)
+TOPOLOGY_FILE_SUFFIXES = (".npy", ".json")
+
+
+def check_topology_name_or_file(name: str, value, topologies) -> None:
+    """ValueError unless ``value`` is one of ``topologies`` or the path of an existing file ending in
+    one of :data:`TOPOLOGY_FILE_SUFFIXES` (the matrices it holds are checked when it is read:
+    ``Topology.from_file``)."""
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value).lower().endswith(TOPOLOGY_FILE_SUFFIXES):
+        if not os.path.isfile(value):
+            raise ValueError(f"{name}: no file {os.fspath(value)!r} (a graph of your own: a .npy or .json file of "
+                             "its mixing matrices)")
+        return
+    if not isinstance(value, Hashable) or value not in topologies:
+        raise ValueError(f"{name} must be one of {tuple(topologies)} or a .npy or .json file of mixing matrices "
+                         f"(a graph of your own), got {value!r}")
+
+
 def check_data_dir_given(task: str, data_dir) -> None:
     """ValueError ``"data_dir: the text task trains on your own data: give ..."`` (what it reads)
     when ``task`` is ``"text"`` and ``data_dir`` is None: the one task without data of its own
@@ -199,6 +217,10 @@ def parse_absence(text: str) -> tuple[int, int, int]:
         raise ValueError(f"expected NODE:START:END with NODE >= 0 and 0 <= START < END, got {text!r}")
     return node, start, end
 
+
+#: text fields that take one of their allowed values or something else, by field name: the check
+#: of one value (the others take one of their allowed values: :func:`check_choice`)
+CHOICE_CHECKS = {"topology": check_topology_name_or_file}
 
 #: list fields whose entries have a textual form, by field name: the parser of one entry
 ENTRY_PARSERS = {"stragglers": parse_straggler, "absences": parse_absence}

@@ -111,7 +111,8 @@ ROWS = {
     3: cli(["--comp", "100"],
            "argument --comp: compression must be a percentage in [0, 100), got 100.0"),
     4: cli(["--topology", "star"], "argument --topology: topology must be one of ('directed_ring', 'ring', 'torus', "
-                                   "'exponential', 'complete'), got 'star'"),
+                                   "'exponential', 'complete') or a .npy or .json file of mixing matrices (a graph "
+                                   "of your own), got 'star'"),
     5: cli(["--lr", "abc"], "argument --lr: expected a number, got 'abc'"),
     6: cli(["--data-dir", "/no/such/dir"], "argument --data-dir: path '/no/such/dir' does not exist"),
     7: cli(["--seed", "-1"], "argument --seed: seed must be an integer in [0, 4294967295], got -1"),
@@ -125,8 +126,8 @@ ROWS = {
             "and needs topology='torus', got torus_rows=3 with topology='torus'", " with 4 nodes"),
     13: cli(["--torus-rows", "2"], "argument --torus-rows: torus_rows must divide num_nodes=4 and needs "
             "topology='torus', got torus_rows=2 with topology='directed_ring'", " without torus"),
-    14: cli(["--topology", "exponential"], "argument --topology: topology='exponential' changes every step, but "
-            "algorithm='choco' needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with "
+    14: cli(["--topology", "exponential"], "argument --topology: topology='exponential' changes every step "
+            "(period 2), but algorithm='choco' needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with "
             "low_precision=False) or a static topology", " in a Choco recipe"),
     15: cli(["--save-total-limit", "2"], "argument --save-total-limit: save_total_limit=2 is how many checkpoints are "
             "kept, and save_strategy='no' writes none: set save_strategy, or leave save_total_limit at None",
@@ -162,7 +163,7 @@ ROWS = {
     27: Row("`torus_rows=3`, `num_nodes=4`", "ValueError",
             "torus_rows must divide num_nodes=4 and needs topology='torus', got torus_rows=3 with topology='torus'"),
     28: Row('`algorithm="choco"`, `topology="exponential"`', "ValueError",
-            "topology='exponential' changes every step, but algorithm='choco' needs a static graph: use "
+            "topology='exponential' changes every step (period 2), but algorithm='choco' needs a static graph: use "
             "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology"),
     29: Row("batch larger than a node's shard", "ValueError at `train()`",
             "per_device_train_batch_size=64 exceeds the smallest shard (24 samples): lower the batch size or the "
@@ -360,8 +361,10 @@ ROWS = {
              "gossip_reference='initial' changes what compressed messages carry, and these are exact (float32 values, "
              "compression=0): the same algorithm at the cost of a model copy; leave gossip_reference at 'zero', or "
              "compress (low_precision or compression > 0)"),
+    104: cli(["--topology", "my_graph.npy"], "argument --topology: topology: no file 'my_graph.npy' (a graph of your "
+             "own: a .npy or .json file of its mixing matrices)"),
 }
-CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), *range(97, 104)]
+CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), *range(97, 105)]
 
 
 def docs_table() -> str:
@@ -456,8 +459,8 @@ def test_cli_reports_the_training_arguments_own_cross_checks_as_a_flag_error(cap
     """A combination only DecentralizedTrainingArguments rejects (8-bit D-PSGD sends Choco messages,
     which need a static graph) is one parser error line, not a traceback from inside the run."""
     assert cli_error(["--topology", "exponential"], capsys, algorithm="dpsgd") == (
-        "argument --topology: topology='exponential' changes every step, but algorithm='dpsgd' with low_precision (8-bit Choco "
-        "messages) needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a "
+        "argument --topology: topology='exponential' changes every step (period 2), but algorithm='dpsgd' with "
+        "low_precision (8-bit Choco messages) needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a "
         "static topology")
     build_nlp_parser("ag_news", "dpsgd").parse(["--topology", "exponential", "--full-precision"])
 

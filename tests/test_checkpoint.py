@@ -549,6 +549,22 @@ def test_a_resume_with_another_gossip_reference_is_refused(tmp_path, agnews, tok
     assert all(torch.equal(a, b) for a, b in zip(before, other.nodes[0].parameters()))
 
 
+def test_a_resume_with_another_graph_in_the_same_file_is_refused(tmp_path, agnews, tokenizer):
+    """A graph of one's own is recorded by its matrices too: the file may change between runs."""
+    import numpy as np
+
+    from lp_decentral_nlp.gossip import make_topology
+
+    graph_file = tmp_path / "graph.npy"
+    np.save(graph_file, make_topology("ring", 4).mixing_matrix().numpy())
+    run = dict(max_steps=4, eval_strategy="no", topology=str(graph_file))
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"]).train()
+    assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**run, "max_steps": 5})) is not None
+    np.save(graph_file, make_topology("complete", 4).mixing_matrix().numpy())
+    with pytest.raises(ValueError, match=r"topology='graph\.npy #[0-9a-f]+' \(this run: 'graph\.npy #[0-9a-f]+'\)"):
+        check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**run, "max_steps": 5}))
+
+
 def test_fault_counts_of_a_checkpoint_survive_a_resume_without_faults(tmp_path, agnews, tokenizer):
     """A run may resume under other faults; its counts were restored and then left out of the
     report (results.json) as not "in use": a node that had been away read as never away."""

@@ -52,7 +52,7 @@ def real_nlp(argv, task="ag_news", algorithm="choco"):
 
 
 # the command-line rows of docs/bad_inputs.md whose answer needs no library: the flag check gives it
-ANSWERED_BEFORE_TORCH = {1, 2, 3, 4, 5, 7, 8, 9, 11, 17, 65}
+ANSWERED_BEFORE_TORCH = {1, 2, 3, 4, 5, 7, 8, 9, 11, 17, 65, 104}
 MORE_BAD_FLAGS = [["--bf16", "maybe"], ["--lr_scheduler_type", "nope"], ["--max-length", "1"], ["--threads", "0"],
                   ["--task", "sentlen"], ["--lr"], ["--nodes=2.5"], ["--compressor", "zip"], ["--backend", "mpi"],
                   ["--learning_rate", "1", "--skew", "-0.5"], ["--straggler", "1:x", "--leave"]]

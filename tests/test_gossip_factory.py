@@ -257,17 +257,51 @@ def test_reference_initial_takes_the_initial_model_and_only_then():
         GossipConfig(topology=None)
 
 
-def test_a_graph_of_ones_own_in_the_settings_says_where_it_runs():
+def test_a_graph_of_ones_own_in_the_settings_says_to_save_it_to_a_file():
     """A Topology was refused as "must be one of (...)" with no way forward, and a matrix failed
     with numpy's "truth value of an array ... is ambiguous"."""
     import numpy as np
 
     for graph, kind in ((make_topology("ring", 4), "Topology"), (np.full((4, 4), 0.25), "ndarray")):
-        with pytest.raises(ValueError, match=rf"^topology must be one of \(.*\), got a {kind}: a graph of your own "
-                                             r"\(Topology\.from_matrix\) runs in the gossip engine itself"):
+        with pytest.raises(ValueError, match=rf"^topology must be one of \(.*\) or a file, got a {kind}: save a graph "
+                                             r"of your own to a file \(numpy\.save\(path, W\)"):
             GossipConfig(topology=graph)
     with pytest.raises(ValueError, match=r"^algorithm must be one of \('choco', 'deepsqueeze', 'dpsgd'\), got array"):
         GossipConfig(algorithm=np.array(["choco", "dpsgd"]))
+
+
+def test_a_graph_from_a_file_runs_as_the_same_graph_by_name(tmp_path):
+    """The settings (and so the trainer and the recipes) take a graph of one's own as a file; the
+    same matrices as a named graph give the same gossip, default step included (Choco's larger
+    step on the 4-node directed ring is the graph's, whatever its name)."""
+    import numpy as np
+
+    np.save(tmp_path / "ring4.npy", make_topology("directed_ring", 4).mixing_matrix().numpy())
+    by_file = GossipConfig(topology=str(tmp_path / "ring4.npy"), compression=99.0)
+    assert by_file.gamma == GossipConfig(compression=99.0).gamma == pytest.approx(0.05)
+    params = [torch.randn(6, 3), torch.randn(5)]
+    runs = []
+    for config in (by_file, GossipConfig(compression=99.0)):
+        nodes = [[p + i for p in params] for i in range(4)]
+        gossip = build_gossip(config)
+        for _ in range(5):
+            gossip.step(nodes)
+        runs.append(nodes)
+    assert all(torch.equal(a, b) for x, y in zip(*runs) for a, b in zip(x, y))
+    with pytest.raises(ValueError, match=r"^topology: '.*ring4\.npy' holds a graph of 4 nodes, and num_nodes=5: give a "
+                                         r"file of \(5, 5\) matrices or set num_nodes=4$"):
+        GossipConfig(topology=str(tmp_path / "ring4.npy"), num_nodes=5)
+    np.save(tmp_path / "exp8.npy", np.stack([make_topology("exponential", 8).mixing_matrix(t).numpy() for t in range(3)]))
+    with pytest.raises(ValueError, match=r"^topology='.*exp8\.npy' changes every step \(period 3\), but "
+                                         r"algorithm='choco' needs a static graph"):
+        GossipConfig(topology=str(tmp_path / "exp8.npy"), num_nodes=8)
+    assert build_gossip(GossipConfig(topology=str(tmp_path / "exp8.npy"), num_nodes=8,
+                                     algorithm="deepsqueeze")).topology.period == 3
+    with pytest.raises(ValueError, match=r"^topology: no file 'ring9\.npy' \(a graph of your own: a \.npy or \.json file"):
+        GossipConfig(topology="ring9.npy")
+    with pytest.raises(ValueError, match=r"^topology must be one of \(.*\) or a \.npy or \.json file of mixing "
+                                         r"matrices \(a graph of your own\), got 'rings'$"):
+        GossipConfig(topology="rings")
 
 
 def test_reference_initial_with_exact_messages_is_refused_as_inert():

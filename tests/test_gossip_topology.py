@@ -132,3 +132,33 @@ def test_make_topology_rejects_bad_arguments():
 def test_from_matrix_names_an_argument_of_the_wrong_type(W, name, message):
     with pytest.raises(TypeError, match=message):
         Topology.from_matrix(W, name=name)
+
+
+def test_from_file_reads_a_graph_of_ones_own_from_npy_and_json(tmp_path):
+    """A graph of one's own reaches the settings (and the recipes' --topology) as a file."""
+    import json
+
+    ring = make_topology("ring", 5)
+    np.save(tmp_path / "ring.npy", ring.mixing_matrix().numpy())
+    from_npy = Topology.from_file(tmp_path / "ring.npy")
+    assert from_npy.name == "ring.npy" and from_npy.fingerprint() == ring.fingerprint()
+    exponential = make_topology("exponential", 8)
+    (tmp_path / "exp.json").write_text(json.dumps([exponential.mixing_matrix(t).tolist() for t in range(3)]))
+    from_json = Topology.from_file(str(tmp_path / "exp.json"))
+    assert from_json.period == 3 and from_json.fingerprint() == exponential.fingerprint()
+    np.save(tmp_path / "stack.npy", np.stack([exponential.mixing_matrix(t).numpy() for t in range(3)]))
+    assert Topology.from_file(tmp_path / "stack.npy").fingerprint() == exponential.fingerprint()
+
+
+def test_from_file_names_the_file_it_cannot_use(tmp_path):
+    (tmp_path / "cut.json").write_text("[[0.5, 0.5], [0.5")
+    np.save(tmp_path / "half.npy", np.full((3, 3), 0.5))
+    np.save(tmp_path / "objects.npy", np.array([{"W": 1}], dtype=object))  # a pickle is never loaded
+    (tmp_path / "graph.txt").write_text("1")
+    for name, message in (("cut.json", r"cannot read it \(Expecting"),
+                          ("half.npy", r"matrices\[0\]: must be column stochastic .* column 0 sums to 1\.5"),
+                          ("objects.npy", r"cannot read it \(Object arrays cannot be loaded when allow_pickle=False\)"),
+                          ("graph.txt", r"a file of mixing matrices ends in \.npy or \.json"),
+                          ("missing.npy", r"cannot read it \(\[Errno 2\] No such file")):
+        with pytest.raises(ValueError, match=rf"^topology file '{tmp_path / name}': {message}"):
+            Topology.from_file(tmp_path / name)

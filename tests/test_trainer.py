@@ -241,3 +241,28 @@ def test_the_cost_reports_epoch_gossips_once_per_optimizer_step(tmp_path, agnews
     assert communication.iterations_per_epoch == trainer.steps_per_epoch() == 256 // 4 // 8 // 2
     trainer.train()  # 3 steps
     assert trainer.bytes_sent.tolist() == [3 * communication.bytes_per_epoch / trainer.steps_per_epoch()] * 4
+
+
+def test_a_graph_of_ones_own_from_a_file_trains_as_the_same_graph_by_name(tmp_path, agnews_small, tokenizer):
+    """topology takes a file of mixing matrices (a path, ~ expanded, saved as text): the run is the
+    named graph's run when the file holds its matrices, and its reports name the file."""
+    import json
+    import pathlib
+
+    import numpy as np
+
+    graph_file = tmp_path / "my_ring.npy"
+    np.save(graph_file, make_topology("ring", 4).mixing_matrix().numpy())
+    finals = []
+    for topology in ("ring", graph_file):
+        args = targs(tmp_path / "run", topology=topology, compression=90.0)
+        trainer = DecentralizedTrainer(model=tiny_model(), args=args, train_dataset=agnews_small["train"],
+                                       processing_class=tokenizer)
+        trainer.train()
+        finals.append([p.detach().clone() for node in trainer.nodes for p in node.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals))
+    assert args.topology == str(graph_file) and json.loads(args.to_json_string())["topology"] == str(graph_file)
+    assert trainer.gossip.topology.name == "my_ring.npy"
+    home = pathlib.Path.home()
+    if graph_file.is_relative_to(home):
+        assert targs(tmp_path, topology="~/" + str(graph_file.relative_to(home))).topology == str(graph_file)

@@ -975,8 +975,9 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'dest': 'topology',
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
-  'help': "Communication graph, one of ('directed_ring', 'ring', 'torus', 'exponential', 'complete'). (default: "
-          'directed_ring)',
+  'help': "Communication graph, one of ('directed_ring', 'ring', 'torus', 'exponential', 'complete'), or a .npy or "
+          '.json file of a graph of your own: its column-stochastic mixing matrix (num_nodes, num_nodes), or (T, '
+          'num_nodes, num_nodes) for one that cycles through T. (default: directed_ring)',
   'type': 'str',
   'allowed': ['directed_ring', 'ring', 'torus', 'exponential', 'complete']},
  {'options': ['--comp', '--compression'],

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import NamedTuple
 
-from ..checks import ENTRY_PARSERS, NUMBER_FIELDS, check_choice, check_field
+from ..checks import CHOICE_CHECKS, ENTRY_PARSERS, NUMBER_FIELDS, check_choice, check_field
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
 # ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True. An
@@ -163,7 +163,7 @@ class FlagType:
                 except ValueError as err:
                     raise ValueError(f"{self.dest}: {err}") from None
             if self.allowed is not None:
-                check_choice(self.dest, value, self.allowed)
+                CHOICE_CHECKS.get(self.dest, check_choice)(self.dest, value, self.allowed)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return value

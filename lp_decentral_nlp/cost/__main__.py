@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", choices=("choco", "deepsqueeze"), default="choco",
                    help="gossip algorithm, whose messages are counted (choco)")
     p.add_argument("--topology", default="directed_ring",
-                   help="directed_ring, ring, torus (most square rows x cols), exponential or complete (directed_ring)")
+                   help="directed_ring, ring, torus (most square rows x cols), exponential, complete, or a .npy or "
+                        ".json file of a graph of your own: its mixing matrices (directed_ring)")
     p.add_argument("--num-nodes", type=integer, default=4, help="peer nodes of the graph (4)")
     p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_fields, check_flag
+from ..checks import check_choice, check_fields, check_flag, check_topology_name_or_file
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
 from .push_sum import PushSumGossip
@@ -37,7 +37,9 @@ class GossipConfig:
         num_nodes: number of peer nodes ``n >= 1``; with one node the gossip settings below (and
             ``faults``' ``drop_prob``) must stay at their defaults, since nothing is sent.
         topology: one of ``TOPOLOGIES`` (``directed_ring``, ``ring``, ``torus``, ``exponential``,
-            ``complete``).
+            ``complete``), or the path of a ``.npy`` or ``.json`` file of a graph of your own: its
+            mixing matrix ``(num_nodes, num_nodes)``, or ``(T, num_nodes, num_nodes)`` for one that
+            cycles through ``T`` (:meth:`~.topology.Topology.from_file`, which checks them).
         torus_rows: rows of a torus (must divide ``num_nodes``); None: the most square shape.
         algorithm: ``"choco"`` (Choco-SGD), ``"deepsqueeze"`` (Deep-Squeeze / Sparse-Push) or
             ``"dpsgd"`` (uncompressed push-sum SGP).
@@ -78,11 +80,11 @@ class GossipConfig:
 
     def __post_init__(self):
         check_fields(self, ("num_nodes", "compression", "qsgd_levels", "consensus_lr", "seed", "torus_rows"))
-        if isinstance(self.topology, Topology) or hasattr(self.topology, "shape"):  # the graph is built by name
-            raise ValueError(f"topology must be one of {TOPOLOGIES}, got a {type(self.topology).__name__}: a graph of "
-                             "your own (Topology.from_matrix) runs in the gossip engine itself, e.g. "
-                             "ChocoSGD(topology, TopK(0.01), gamma=...), not through these settings")
-        check_choice("topology", self.topology, TOPOLOGIES)
+        if isinstance(self.topology, Topology) or hasattr(self.topology, "shape"):  # settings are text: saved, compared
+            raise ValueError(f"topology must be one of {TOPOLOGIES} or a file, got a {type(self.topology).__name__}: "
+                             "save a graph of your own to a file (numpy.save(path, W), W[i, j] the weight node i "
+                             "gives to node j's message) and give its path")
+        check_topology_name_or_file("topology", self.topology, TOPOLOGIES)
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("compressor", self.compressor, COMPRESSORS)
         check_choice("gossip_reference", self.gossip_reference, REFERENCES)
@@ -108,13 +110,18 @@ class GossipConfig:
         if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):
             raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
-        if self.topology == "exponential" and (self.algorithm == "choco"
-                                               or (self.algorithm == "dpsgd" and self.low_precision)) \
-                and build_topology(self).period != 1:  # 1 or 2 nodes: one neighbour, a static graph
+        graph = build_topology(self)  # a file's matrices are checked here
+        if graph.num_nodes != self.num_nodes:
+            raise ValueError(f"topology: {self.topology!r} holds a graph of {graph.num_nodes} nodes, and "
+                             f"num_nodes={self.num_nodes}: give a file of ({self.num_nodes}, {self.num_nodes}) "
+                             f"matrices or set num_nodes={graph.num_nodes}")
+        if (self.algorithm == "choco" or (self.algorithm == "dpsgd" and self.low_precision)) \
+                and graph.period != 1:  # the exponential graph of 1 or 2 nodes: one neighbour, a static graph
             uses = ("algorithm='choco'" if self.algorithm == "choco"
                     else "algorithm='dpsgd' with low_precision (8-bit Choco messages)")
-            raise ValueError(f"topology='exponential' changes every step, but {uses} needs a static graph: use "
-                             "algorithm='deepsqueeze' (or 'dpsgd' with low_precision=False) or a static topology")
+            raise ValueError(f"topology={self.topology!r} changes every step (period {graph.period}), but {uses} "
+                             "needs a static graph: use algorithm='deepsqueeze' (or 'dpsgd' with "
+                             "low_precision=False) or a static topology")
         if self.gossip_reference == "initial" and not self.compresses:
             raise ValueError("gossip_reference='initial' changes what compressed messages carry, and these are exact "
                              "(float32 values, compression=0): the same algorithm at the cost of a model copy; leave "
@@ -155,7 +162,10 @@ class GossipConfig:
 
 
 def build_topology(config: GossipConfig) -> Topology:
-    """The graph of ``config``; a torus uses ``torus_rows`` or the most square ``rows x cols``."""
+    """The graph of ``config``; a torus uses ``torus_rows`` or the most square ``rows x cols``; a
+    file's is read (:meth:`~.topology.Topology.from_file`)."""
+    if config.topology not in TOPOLOGIES:
+        return Topology.from_file(config.topology)
     if config.topology != "torus":
         return make_topology(config.topology, num_nodes=config.num_nodes)
     return make_topology("torus", num_nodes=config.num_nodes, rows=config.torus_rows)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ..checks import NONNEGATIVE_INT, POSITIVE_INT, Number, check_number
+from ..checks import NONNEGATIVE_INT, POSITIVE_INT, TOPOLOGY_FILE_SUFFIXES, Number, check_number
 
 TOPOLOGIES = ("directed_ring", "ring", "torus", "exponential", "complete")
 
@@ -29,7 +31,8 @@ _STOCHASTIC_ATOL = 1e-6
 class Topology:
     """A (possibly time-varying) directed graph with its push-sum mixing matrices.
 
-    Build one with :func:`make_topology` or :meth:`Topology.from_matrix`. Immutable: its
+    Build one with :func:`make_topology`, :meth:`Topology.from_matrix` or
+    :meth:`Topology.from_file`. Immutable: its
     attributes are read-only (a graph a gossip engine holds must not change under it).
 
     Attributes:
@@ -77,6 +80,35 @@ class Topology:
                 strongly connected. The message names the offending column, entry or node.
         """
         return cls(W, name=name)
+
+    @classmethod
+    def from_file(cls, path) -> "Topology":
+        """A topology from a file of mixing matrices, named after the file.
+
+        Args:
+            path: a ``.npy`` file (``numpy.save`` of an array of shape ``(n, n)``, or
+                ``(T, n, n)`` for a graph that cycles through ``T`` matrices) or a ``.json`` file
+                (nested lists of those shapes); ``W[i, j]`` as in :class:`Topology`.
+
+        Raises:
+            ValueError: naming the file: it cannot be read, or its matrices fail the checks of
+                :meth:`from_matrix`.
+        """
+        path = os.fspath(path)
+        if not path.lower().endswith(TOPOLOGY_FILE_SUFFIXES):
+            raise ValueError(f"topology file {path!r}: a file of mixing matrices ends in .npy or .json")
+        try:
+            if path.lower().endswith(".npy"):
+                matrices = np.load(path, allow_pickle=False)
+            else:
+                with open(path, encoding="utf-8") as f:
+                    matrices = json.load(f)
+        except (OSError, ValueError) as err:  # json.JSONDecodeError and numpy's format errors are ValueErrors
+            raise ValueError(f"topology file {path!r}: cannot read it ({' '.join(str(err).split())})") from None
+        try:
+            return cls(matrices, name=os.path.basename(path))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"topology file {path!r}: {err}") from None
 
     # -- queries ---------------------------------------------------------------------------------
     def mixing_matrix(self, step: int = 0) -> torch.Tensor:

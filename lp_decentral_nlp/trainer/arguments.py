@@ -70,7 +70,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
     """
 
     num_nodes: int = field(default=4, metadata={"help": "Number of peer nodes n."})
-    topology: str = field(default="directed_ring", metadata={"help": f"Communication graph, one of {TOPOLOGIES}."})
+    topology: str = field(default="directed_ring", metadata={
+        "help": f"Communication graph, one of {TOPOLOGIES}, or a .npy or .json file of a graph of your own: its "
+                "column-stochastic mixing matrix (num_nodes, num_nodes), or (T, num_nodes, num_nodes) for one that "
+                "cycles through T."})
     algorithm: str = field(default="choco", metadata={"help": f"Gossip algorithm, one of {ALGORITHMS}."})
     compression: float = field(
         default=0.0, metadata={"help": "Percent of entries dropped per tensor by topk/randomk, 0 <= c < 100 "
@@ -143,6 +146,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_fields(self, NUMBER_SETTINGS)
+        if isinstance(self.topology, (str, os.PathLike)):  # a file's path as text (JSON-saved), ~ expanded as output_dir's
+            self.topology = os.path.expanduser(self.topology)
         for name in ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc"):
             check_flag(name, getattr(self, name))  # low_precision: GossipConfig's check
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)

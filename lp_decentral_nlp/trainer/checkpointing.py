@@ -32,7 +32,7 @@ from transformers.utils import logging
 
 from .. import __version__
 from ..gossip import QuasiGlobalAdam
-from ..gossip.factory import build_compressor, build_topology
+from ..gossip.factory import TOPOLOGIES, build_compressor, build_topology
 from ..quant import QuantModule
 from .arguments import DecentralizedTrainingArguments, unread_adam_settings
 from .node_data import rows_digest
@@ -357,7 +357,10 @@ def resume_config(args: DecentralizedTrainingArguments, optimizer_cls_and_kwargs
     label smoothing, mixed precision: a different one made a run neither the interrupted one nor a
     fresh one)."""
     config = args.gossip_config
-    return {"num_nodes": args.num_nodes, "topology": build_topology(config).name, "algorithm": args.algorithm,
+    graph = build_topology(config)
+    return {"num_nodes": args.num_nodes, "algorithm": args.algorithm,
+            # a file's graph by its matrices too (the file may have changed since the checkpoint)
+            "topology": graph.name if config.topology in TOPOLOGIES else f"{graph.name} #{graph.fingerprint():x}",
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
             "qgm": args.qgm, "skew": args.skew, "seed": args.seed, "data_seed": args.data_seed,
             "per_device_train_batch_size": args.per_device_train_batch_size,
