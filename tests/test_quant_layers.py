@@ -409,14 +409,19 @@ def test_empty_batch_runs_like_the_float_layer_and_leaves_the_running_range(kind
 @pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "embedding"])
 def test_a_layer_converted_off_float32_after_the_surgery_refuses_to_run(kind, dtype):
     """``model.to(dtype)`` after ``quantize_model`` would compute off the 8-bit grid: the next forward
-    says so (master weights stay float32, SPEC 4, as from_float requires); ``.float()`` restores it."""
+    says so (master weights stay float32, SPEC 4, as from_float requires); after float64 ``.float()``
+    restores it, and after a 16-bit dtype, which rounded the weights, the message says to load the
+    model again (it advised ``.float()``, which left the rounded weights)."""
     if kind == "embedding":
         q, x = QuantEmbedding.from_float(nn.Embedding(10, 6), QuantConfig()), torch.tensor([[1, 2]])
     else:
         _, q, x = make_layer(kind)
     name = type(q).__name__
+    undo = (r"call model.to\(torch.float32\)" if dtype == torch.float64 else
+            rf"the conversion rounded the float32 master weights and activation ranges to {dtype}: load the model")
     with pytest.raises(TypeError, match=rf"{name} with weight \(.*\): master weights must be float32 \(SPEC 4\), "
-                                        rf"got weight of dtype {dtype}; .*call model.to\(torch.float32\)"):
+                                        rf"got weight of dtype {dtype}; the model was converted after quantize_model "
+                                        rf"\(only float32 is allowed\): {undo}"):
         q.to(dtype)(x if kind == "embedding" else x.to(dtype))
     assert q.to(torch.float32)(x).dtype == torch.float32  # what a from_pretrained model allows (.float() it refuses)
 

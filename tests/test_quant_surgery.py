@@ -263,6 +263,17 @@ def test_tokens_and_position_tables_are_reported_as_added_to_the_activations():
             self.pos = nn.Parameter(torch.zeros(1, 5, 8))
             self.proj = nn.Linear(8, 8)
 
+    class Tokens(nn.Module):  # a position table beside attention the surgery leaves float
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(1, 5, 8))
+            self.attention = nn.MultiheadAttention(8, 2)
+            self.proj = nn.Linear(8, 8)
+
+    # the warning counted the table's module as a third module of weights left fp32
+    with pytest.warns(UserWarning, match=r"stay fp32 in modules of no registered 8-bit type \(e\.g\. 'attention', "
+                                         r"MultiheadAttention: 1 module\(s\)\)"):
+        quantize_model(Tokens())
     reasons = {d.name: d.reason for d in quantize_model(Mixed(), dry_run=True).layers if not d.quantize}
     assert reasons[""] == ("holds kernel (4, 8), which stay fp32: no 8-bit version of Mixed is registered "
                            "(register_quant_layer); and pos (1, 5, 8), which stay fp32: a leading dim of 1 broadcasts "
@@ -615,3 +626,33 @@ def test_the_functions_that_walk_a_model_name_a_non_module(call):
     with pytest.raises(TypeError, match=r"^state_dict must map names to tensors \(export_int8_state_dict's output\), "
                                         r"and 'a' holds a int$"):  # it said "must be a mapping ..., got dict"
         dequantize_int8_state_dict({"a": 1})
+
+
+def test_torchs_fused_transformer_path_does_not_bypass_the_8bit_layers():
+    """In eval under no_grad nn.TransformerEncoderLayer ran one fused kernel reading linear1/linear2's
+    weights itself: the quantized model evaluated exactly as the float one. The 8-bit layers now
+    run there too (with a padding mask as well), and dequantize_model gives torch its fused path back."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    float_copy = copy.deepcopy(encoder).eval()
+    with pytest.warns(UserWarning, match="MultiheadAttention"):  # attention's projections stay float
+        quantize_model(encoder, QuantConfig(kernel="simulated"))
+    encoder(torch.randn(4, 5, 16))  # calibrates the input ranges
+    encoder.eval()
+    x, padding = torch.randn(4, 5, 16), torch.zeros(4, 5, dtype=torch.bool)
+    padding[:, 3:] = True
+    for mask in (None, padding):
+        with torch.no_grad():
+            fused_allowed = encoder(x, src_key_padding_mask=mask)
+            torch.backends.mha.set_fastpath_enabled(False)
+            try:
+                module_path = encoder(x, src_key_padding_mask=mask)
+            finally:
+                torch.backends.mha.set_fastpath_enabled(True)
+            float_output = float_copy(x, src_key_padding_mask=mask)
+        torch.testing.assert_close(fused_allowed, module_path)  # (attention's own fused kernel rounds differently)
+        assert (fused_allowed - float_output).abs().max() > 1e-3
+    dequantize_model(encoder)
+    assert encoder.use_nested_tensor and not any(layer._forward_pre_hooks for layer in encoder.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x, src_key_padding_mask=padding), float_copy(x, src_key_padding_mask=padding))

@@ -146,11 +146,14 @@ class QuantModule:
         """Raise TypeError unless the master weights are still float32 (SPEC 4), as ``from_float``
         asked: ``model.to(torch.bfloat16)`` / ``.half()`` (or float64) after the surgery would run
         the 8-bit grids in another dtype. Every forward calls it first (one dtype comparison)."""
-        if self.weight.dtype != torch.float32:
+        dtype = self.weight.dtype
+        if dtype != torch.float32:
+            undo = ("call model.to(torch.float32)" if dtype.itemsize > 4 else  # float64 holds every float32 value
+                    f"the conversion rounded the float32 master weights and activation ranges to {dtype}: load the "
+                    "model (or its checkpoint) again and quantize it")
             _require_float32(self, f"{type(self).__name__} with weight {tuple(self.weight.shape)}",
-                             "the model was converted after quantize_model (only float32 is allowed): call "
-                             "model.to(torch.float32); torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit "
-                             "GEMMs stay fp32")
+                             f"the model was converted after quantize_model (only float32 is allowed): {undo}; "
+                             "torch.autocast gives bf16/fp16 compute elsewhere, the 8-bit GEMMs stay fp32")
 
     def to_float(self) -> nn.Module:
         """The plain float module holding this module's current parameters and buffers (same objects)."""

@@ -178,6 +178,7 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
 
     selected = {id(model.get_submodule(name)) for name in report.quantized}
     _replace(model, selected, build)
+    _hold_torch_fused_paths(model, hold=True)
     owner = _config_owner(model)
     if hasattr(owner, "config") and hasattr(owner.config, "to_json_string"):
         hf_config = LpQuantizationConfig.from_quant_config(config)
@@ -252,6 +253,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         raise ValueError(f"dequantize_model: this {type(owner).__name__} is part of the model quantize_model was "
                          "given, which holds the quantization record: call dequantize_model on that model")
     _replace(model, selected, lambda m: m.to_float())
+    _hold_torch_fused_paths(model, hold=False)
     if isinstance(quantizer, LpHfQuantizer):
         quantizer.remove_quantization_config(owner)
     elif isinstance(getattr(getattr(owner, "config", None), CONFIG_KEY, None), LpQuantizationConfig):
@@ -287,7 +289,7 @@ def _plan(model: nn.Module, config: QuantConfig, check_patterns: bool = True) ->
             unreplaced = _unreplaced_weights(module)
             if unreplaced:
                 report.layers.append(LayerDecision(name, type(module).__name__, False, unreplaced))
-                if patterns(name)[2]:
+                if patterns(name)[2] and _gemm_weight_elements(module):  # not a module of token tables alone
                     fp32_weights.append((name, type(module).__name__, _gemm_weight_elements(module)))
             elif next(module.parameters(recurse=False), None) is not None:
                 type_name = type(module).__name__
@@ -444,6 +446,37 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, nn.Module) else None
+
+
+def _run_the_layers_own_forward(module, args):
+    """A forward pre-hook that does nothing: its presence keeps ``nn.TransformerEncoderLayer`` off
+    torch's fused path (:func:`_hold_torch_fused_paths`)."""
+
+
+def _hold_torch_fused_paths(model: nn.Module, hold: bool) -> None:
+    """Keep torch's fused Transformer kernels from bypassing the 8-bit layers (``hold``), or let
+    them run again (after :func:`dequantize_model`).
+
+    In eval mode under ``no_grad``, ``nn.TransformerEncoderLayer`` runs one fused kernel that reads
+    ``linear1``/``linear2``'s weights itself, so their 8-bit forward never ran: the model evaluated
+    in float. A forward hook on the layer is one of torch's conditions for its module path, so an
+    encoder layer holding an 8-bit layer gets one that does nothing; an ``nn.TransformerEncoder`` of
+    such layers stops packing a padded batch into a nested tensor (``use_nested_tensor``), which
+    only its layers' fused path reads. Undone as it was done."""
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer):
+            hooks = module._forward_pre_hooks
+            ours = [key for key, hook in hooks.items() if hook is _run_the_layers_own_forward]
+            if hold and not ours and any(isinstance(m, QuantModule) for m in module.modules()):
+                module.register_forward_pre_hook(_run_the_layers_own_forward)
+            for key in ours if not hold else ():
+                del hooks[key]
+        elif isinstance(module, nn.TransformerEncoder):
+            if hold and getattr(module, "use_nested_tensor", False) and any(
+                    isinstance(m, QuantModule) for m in module.modules()):
+                module.use_nested_tensor, module.nested_tensor_held_for_8bit = False, True
+            elif not hold and module.__dict__.pop("nested_tensor_held_for_8bit", False):
+                module.use_nested_tensor = True
 
 
 # torch.nn.Module's registries of the hooks ``register_forward_pre_hook``, ``register_forward_hook``
