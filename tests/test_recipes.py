@@ -490,7 +490,7 @@ def test_sweep_checks_each_grid_point_with_its_own_algorithm(capsys):
     with pytest.raises(SystemExit) as exc:
         sweep.parse([*grid_flags, "--algorithms", "deepsqueeze", "choco"])
     assert exc.value.code == 2 and capsys.readouterr().err.startswith(
-        "sweep.py: error: topology='exponential' changes every step, but algorithm='choco' needs a static graph")
+        "sweep.py: error: topology='exponential' changes every step (period 2), but algorithm='choco' needs a static graph")
 
 
 def test_sweep_with_jobs_tells_a_bad_input_found_by_a_run_in_one_line(tmp_path, tiny_model_dir):

@@ -524,6 +524,71 @@ def test_load_best_model_at_end_restores_the_best_averaged_model(tmp_path, agnew
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
 
 
+def test_a_best_evaluation_without_a_checkpoint_is_named_beside_the_checkpoint_loaded(tmp_path, agnews_small,
+                                                                                     tokenizer, caplog):
+    """save_steps=2 of eval_steps=1: the best score (0.9, step 3) was never saved, and the log said
+    "loading the best model from checkpoint-2 (score: 0.9)", whose score is 0.5; with the best on
+    the first step nothing was loaded, silently."""
+    scores = {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.2}
+    trainer = trainer_for(tmp_path / "a", agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
+                          save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                          metric_for_best_model="score", compute_metrics=lambda _: {
+                              "score": scores[trainer.state.global_step]})
+    trainer.train()
+    assert (trainer.state.best_global_step, trainer.state.best_metric) == (3, 0.9)
+    assert trainer.best_model_loaded == {"step": 2, "checkpoint": str(tmp_path / "a" / "checkpoint-2"), "score": 0.5}
+    assert ("load_best_model_at_end: the best evaluation (score=0.9 at step 3) has no checkpoint: loading "
+            f"{tmp_path / 'a' / 'checkpoint-2'}, the best of those saved (score=0.5 at step 2); save_strategy='best' "
+            "(or save_steps=eval_steps) saves every new best") in caplog.text
+    scores = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}
+    trainer = trainer_for(tmp_path / "b", agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
+                          save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                          metric_for_best_model="score", compute_metrics=lambda _: {
+                              "score": scores[trainer.state.global_step]})
+    trainer.train()
+    assert trainer.best_model_loaded is None
+    assert "the best evaluation (score=0.9 at step 1) has no checkpoint, nor has an earlier best: the model is the " \
+           "last step's" in caplog.text
+
+
+def test_a_best_metric_the_evaluation_does_not_return_is_refused_before_training(tmp_path, agnews_small, tokenizer):
+    """Without compute_metrics the names are known: "f1" stopped the run at the first evaluation
+    (Trainer's KeyError), after the steps before it; a set's metric of a dict eval_dataset too."""
+    with pytest.raises(ValueError, match=r"^metric_for_best_model='f1' is not a metric of the evaluation: without "
+                                         r"compute_metrics it returns loss, accuracy .* for a node i in 0\.\.3; the "
+                                         r"first evaluation in training would stop the run$"):
+        trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1,
+                    metric_for_best_model="f1")
+    with pytest.raises(ValueError, match=r"^metric_for_best_model='eval_a_f1' is not a metric .*\(each as "
+                                         r"eval_<set>_<metric>\)"):
+        trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1,
+                    eval_dataset={"a": agnews_small["test"]}, metric_for_best_model="eval_a_f1")
+    for name in ("accuracy_node_3", "eval_consensus_distance", "runtime"):
+        trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1, metric_for_best_model=name)
+    trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1,  # compute_metrics' own
+                metric_for_best_model="f1", compute_metrics=lambda _: {"f1": 1.0})
+    with pytest.raises(ValueError, match=r"^greater_is_better=True is the order of metric_for_best_model's values, "
+                                         r"and none is set"):
+        targs(tmp_path, eval_strategy="steps", eval_steps=1, greater_is_better=True)
+
+
+def test_compute_metrics_may_not_replace_the_trainers_own_metrics_and_predict_takes_one_set(tmp_path, agnews_small,
+                                                                                          tokenizer):
+    """A compute_metrics "consensus_distance" replaced the run's silently; predict() of a dict failed
+    deep in the DataLoader (KeyError: 0)."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, compute_metrics=lambda _: {"consensus_distance": -1.0})
+    with pytest.raises(ValueError, match=r"^compute_metrics returned 'consensus_distance', a name of the metrics the "
+                                         r"trainer adds to every evaluation \(consensus_distance, bytes_sent, runtime, "
+                                         r"samples_per_second, steps_per_second, per node <metric>_node_<i>\): rename it$"):
+        trainer.evaluate()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, compute_metrics=lambda _: {"runtime": 7.0, "f1": 0.5})
+    with pytest.raises(ValueError, match=r"^compute_metrics returned 'runtime'"):
+        trainer.evaluate()
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    with pytest.raises(ValueError, match=r"^test_dataset: predict\(\) takes one dataset, got a dict of 1 sets"):
+        trainer.predict({"a": agnews_small["test"]})
+
+
 class RecordCheckpoints(TrainerCallback):
     """The checkpoint steps on disk after every save."""
 

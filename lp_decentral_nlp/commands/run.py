@@ -188,10 +188,9 @@ def check_best_metric(parser, training) -> None:
     metric = training.metric_for_best_model
     if metric is None:
         return
-    nodes = range(training.num_nodes)
-    known = ["loss", "accuracy", "consensus_distance",
-             *(f"{name}_node_{i}" for name in ("loss", "accuracy", "bytes_sent") for i in nodes)]
-    if metric.removeprefix("eval_") not in known:
+    from ..trainer.evaluation import evaluation_metric_names
+
+    if metric.removeprefix("eval_") not in evaluation_metric_names(training.num_nodes):
         parser.error(f"argument {parser.flag_of('metric_for_best_model')}: {metric!r} is not a metric of the "
                      f"evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
                      f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
@@ -1080,9 +1079,12 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         "steps": trainer.state.global_step,
         **({"resumed_from": {"checkpoint": trainer.resumed_from[0], "step": trainer.resumed_from[1]}}
            if trainer.resumed_from else {}),
-        **({"best_model": {"step": trainer.state.best_global_step, "checkpoint": trainer.state.best_model_checkpoint,
-                           training.metric_for_best_model: trainer.state.best_metric}}
-           if training.load_best_model_at_end and trainer.state.best_model_checkpoint else {}),
+        # the model the run ends with (load_best_model_at_end), and the best evaluation, which may differ from
+        # it (a best on a step without a checkpoint) or stand alone (metric_for_best_model alone)
+        **({"best_model": trainer.best_model_loaded} if trainer.best_model_loaded else {}),
+        **({"best_evaluation": {"step": trainer.state.best_global_step,
+                                training.metric_for_best_model: trainer.state.best_metric}}
+           if trainer.state.best_global_step is not None else {}),
         "config": config,
         "model_used": model_used,
         "fingerprints": running["fingerprints"],

@@ -351,6 +351,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                                               "eval_strategy='no' evaluates at the end only: set "
                                                               "eval_strategy")
                      for name in ("eval_delay", "metric_for_best_model", "greater_is_better")),
+                   ("greater_is_better", self.metric_for_best_model is None,
+                    "the order of metric_for_best_model's values, and none is set (nor load_best_model_at_end, "
+                    "which picks loss): set metric_for_best_model"),
                    *((name, not (self.gradient_checkpointing or self.activation_checkpointing),
                       "the options of activation (gradient) checkpointing, which is off: set activation_checkpointing")
                      for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))]

@@ -611,13 +611,42 @@ class CheckpointMixin:
                 raise TypeError("it holds QGM Adam moments, this run uses QGM with SGD")
             torch._foreach_copy_(self.qgm.momentum[k], state)
 
-    def _load_best_nodes(self, path) -> None:
-        """Every local node's weights from checkpoint ``path`` (``load_best_model_at_end``: the
-        averaged model is then the best one evaluated)."""
-        logger.info(f"loading the best model from {path} (score: {self.state.best_metric})")
+    def _load_best_nodes(self) -> None:
+        """``load_best_model_at_end``: every local node's weights from the best checkpoint, so the
+        averaged model is the best one evaluated, and ``self.best_model_loaded`` says which
+        (``{"step", "checkpoint", <metric_for_best_model>: value}``).
+
+        A best evaluation on a step without a checkpoint (``save_steps`` a multiple of
+        ``eval_steps``, ``eval_on_start``) cannot be loaded: as Trainer, the best of the saved
+        evaluations is, with a warning naming both (Trainer named the best score beside the other
+        checkpoint); with none saved the model stays the last step's, with a warning."""
+        state, metric = self.state, self.args.metric_for_best_model
+        if state.best_global_step is None:  # no evaluation during training
+            return
+        best = f"{metric}={state.best_metric:g} at step {state.best_global_step}"
+        remedy = "save_strategy='best' (or save_steps=eval_steps) saves every new best"
+        path = state.best_model_checkpoint
+        if path is None:
+            logger.warning(f"load_best_model_at_end: the best evaluation ({best}) has no checkpoint, nor has an earlier "
+                           f"best: the model is the last step's; {remedy}")
+            return
+        step = int(Path(path).name.rpartition("-")[2])
+        value = state.best_metric if step == state.best_global_step else self._evaluated(metric, step)
+        if step == state.best_global_step:
+            logger.info(f"loading the best model from {path} ({metric}={value:g})")
+        else:
+            logger.warning(f"load_best_model_at_end: the best evaluation ({best}) has no checkpoint: loading {path}, "
+                           f"the best of those saved ({metric}={value:g} at step {step}); {remedy}")
+        self.best_model_loaded = {"step": step, "checkpoint": str(path), metric: value}
         self._average_is_current = False
         for k, i in enumerate(self.node_ids):
             self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
+
+    def _evaluated(self, metric: str, step: int) -> float:
+        """The value of `metric` the evaluation at `step` logged (``state.log_history``)."""
+        key = metric if metric.startswith("eval_") else f"eval_{metric}"
+        return next(entry[key] for entry in reversed(self.state.log_history)
+                    if entry.get("step") == step and key in entry)
 
     def _keep_only_best_checkpoint(self) -> None:
         """End of training with ``save_total_limit=1`` and a best checkpoint: delete every other

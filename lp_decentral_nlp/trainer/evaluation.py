@@ -32,6 +32,32 @@ DRIFT_WINDOW = 3
 DRIFT_GROWTH = 2.0
 
 
+
+#: the metrics the trainer adds to every evaluation (a node's are named ``<metric>_node_<i>``):
+#: ``compute_metrics`` may not return them (its ``loss`` replaces the loss, as in Trainer)
+_TRAINER_METRICS = ("consensus_distance", "bytes_sent", "runtime", "samples_per_second", "steps_per_second")
+
+
+def _own_metrics(metrics: dict) -> dict:
+    """`metrics` from ``compute_metrics``; ValueError for a name of the trainer's own metrics, which
+    it replaced silently (a ``consensus_distance`` of the user's became the run's)."""
+    taken = [name for name in metrics if name.removeprefix("eval_").partition("_node_")[0] in _TRAINER_METRICS]
+    if taken:
+        raise ValueError(f"compute_metrics returned {', '.join(map(repr, taken))}, a name of the metrics the trainer "
+                         f"adds to every evaluation ({', '.join(_TRAINER_METRICS)}, per node <metric>_node_<i>): "
+                         "rename it")
+    return metrics
+
+
+def evaluation_metric_names(num_nodes: int) -> tuple[str, ...]:
+    """The metrics :meth:`EvaluationMixin.evaluate` returns without ``compute_metrics``, without
+    their prefix (``eval_``): the averaged model's ``loss`` and ``accuracy`` (a classifier's),
+    ``consensus_distance``, Trainer's ``runtime``, ``samples_per_second``, ``steps_per_second``, and
+    ``loss``, ``accuracy`` and ``bytes_sent`` of each node ``i`` (``loss_node_<i>``, ...)."""
+    return ("loss", "accuracy", "consensus_distance", "runtime", "samples_per_second", "steps_per_second",
+            *(f"{name}_node_{i}" for name in ("loss", "accuracy", "bytes_sent") for i in range(num_nodes)))
+
+
 class EvaluationMixin:
     """`DecentralizedTrainer`'s averaged model, final merge, training logs and evaluation."""
 
@@ -254,11 +280,11 @@ class EvaluationMixin:
         if classified:
             metrics["accuracy"] = correct / classified
         if batch_metrics is not None:
-            metrics.update(denumpify_detensorize(batch_metrics))
+            metrics.update(_own_metrics(denumpify_detensorize(batch_metrics)))
         predictions, label_ids = on_host["predictions"], on_host["label_ids"]
         if self.compute_metrics is not None and predictions is not None and label_ids is not None and not per_batch:
-            metrics.update(denumpify_detensorize(self.compute_metrics(EvalPrediction(
-                predictions=predictions, label_ids=label_ids, inputs=on_host["inputs"], losses=on_host["losses"]))))
+            metrics.update(_own_metrics(denumpify_detensorize(self.compute_metrics(EvalPrediction(
+                predictions=predictions, label_ids=label_ids, inputs=on_host["inputs"], losses=on_host["losses"])))))
         if not keep_outputs:
             predictions, label_ids = None, None
         return EvalLoopOutput(predictions=predictions, label_ids=label_ids, metrics=metrics, num_samples=seen)
@@ -336,6 +362,9 @@ class EvaluationMixin:
             ``..._accuracy`` or ``compute_metrics``'s keys, and Trainer's ``..._runtime`` in
             seconds, ``..._samples_per_second``, ``..._steps_per_second``).
         """
+        if isinstance(test_dataset, dict):  # evaluate() takes a dict of sets; Trainer's predict failed in the loader
+            raise ValueError(f"test_dataset: predict() takes one dataset, got a dict of {len(test_dataset)} sets: call "
+                             "it once per set (evaluate() takes the dict)")
         check_labels(test_dataset, self._num_classes, "test_dataset")
         self._memory_tracker.start()
         start = time.time()

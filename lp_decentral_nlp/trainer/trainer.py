@@ -57,7 +57,7 @@ from ..utils.logs import set_verbosity
 from ..utils.models import input_embeddings
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
-from .evaluation import EvaluationMixin
+from .evaluation import EvaluationMixin, evaluation_metric_names
 from .inputs import check_trainer_inputs, eval_sets
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
@@ -186,19 +186,32 @@ def _transformers_progress_bars(enabled: bool):
         hf_logging.enable_progress_bar()
 
 
-def _check_best_metric_names_a_set(args: DecentralizedTrainingArguments, eval_dataset) -> None:
-    """With a dict ``eval_dataset`` every metric is named per set (``eval_<set>_loss``), so a
-    ``metric_for_best_model`` (``load_best_model_at_end`` sets ``loss``) must name a set's, or the
-    first evaluation in training stops the run (Trainer's KeyError): a ValueError at construction."""
+def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, compute_metrics) -> None:
+    """``metric_for_best_model`` (``load_best_model_at_end`` sets ``loss``) must name a metric the
+    evaluation returns, or the first evaluation in training stops the run (Trainer's KeyError): a
+    ValueError at construction. With a dict ``eval_dataset`` every metric is named per set
+    (``eval_<set>_loss``); without ``compute_metrics`` the names are known
+    (:func:`~.evaluation.evaluation_metric_names`)."""
     metric = args.metric_for_best_model
-    if not isinstance(eval_dataset, dict) or not eval_dataset or metric is None:
+    if metric is None:
         return
     key = metric if metric.startswith("eval_") else f"eval_{metric}"
-    if not any(key.startswith(f"eval_{name}_") for name in eval_dataset):
-        example = f"eval_{next(iter(eval_dataset))}_{metric.removeprefix('eval_')}"
+    sets = list(eval_dataset) if isinstance(eval_dataset, dict) and eval_dataset else None
+    if sets and not any(key.startswith(f"eval_{name}_") for name in sets):
+        example = f"eval_{sets[0]}_{metric.removeprefix('eval_')}"
         raise ValueError(f"metric_for_best_model={metric!r}: with a dict eval_dataset every metric is named after its "
-                         f"set, eval_<set>_<metric> (sets: {', '.join(map(repr, eval_dataset))}): name one, "
+                         f"set, eval_<set>_<metric> (sets: {', '.join(map(repr, sets))}): name one, "
                          f"e.g. {example!r}")
+    if compute_metrics is not None:
+        return
+    name = next((key.removeprefix(f"eval_{s}_") for s in sets if key.startswith(f"eval_{s}_")), None) if sets else \
+        key.removeprefix("eval_")
+    if name not in evaluation_metric_names(args.num_nodes):
+        raise ValueError(f"metric_for_best_model={metric!r} is not a metric of the evaluation: without compute_metrics "
+                         f"it returns loss, accuracy (a classifier's), consensus_distance, runtime, samples_per_second, "
+                         f"steps_per_second, and loss_node_<i>, accuracy_node_<i>, bytes_sent_node_<i> for a node i in "
+                         f"0..{args.num_nodes - 1}{' (each as eval_<set>_<metric>)' if sets else ''}; the first "
+                         "evaluation in training would stop the run")
 
 
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
@@ -287,7 +300,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                              f"activation_checkpointing_enable() (a transformers PreTrainedModel), got "
                              f"{type(model).__name__}")
         train_dataset = kwargs.get("train_dataset")
-        _check_best_metric_names_a_set(args, kwargs.get("eval_dataset"))
+        _check_best_metric_name(args, kwargs.get("eval_dataset"), kwargs.get("compute_metrics"))
         if kwargs.get("compute_metrics") is None:  # both shape only what compute_metrics receives (as in Trainer)
             for name, value in (("include_for_metrics", args.include_for_metrics),
                                 ("batch_eval_metrics", args.batch_eval_metrics)):
@@ -359,6 +372,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         plan = args.fault_plan
         self.fault_plan = plan if plan.active else None
         self.resumed_from = None  # (checkpoint folder, step) once train() resumes
+        #: with load_best_model_at_end, the checkpoint train() loaded at its end: {"step", "checkpoint", <metric>: value}
+        self.best_model_loaded = None
         self._rng = NodeRNG(args.seed, self.node_ids)
         self._mark_main_process()
 
@@ -423,7 +438,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self._last_logged, self._total_loss, self._loss_steps = 0, 0.0, 0
         self._drift_trail, self._drift_peak, self._drift_warned = [], 0.0, False
         epoch, done = 0, 0  # position in the data: epoch, optimizer steps of it taken
-        self.resumed_from = None
+        self.resumed_from, self.best_model_loaded = None, None
         if resume_from_checkpoint:
             epoch, done = self._load_checkpoint(resume_from_checkpoint, steps_per_epoch, max_steps)
         self._data_position = (epoch, done)
@@ -493,8 +508,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                     deactivate_neftune(node, hook)
         if self._last_logged < self.state.global_step:  # the last window's loss, logged unless logging is off
             self._log_train(log=args.logging_strategy != IntervalStrategy.NO)
-        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_nodes(self.state.best_model_checkpoint)
+        if args.load_best_model_at_end:
+            self._load_best_nodes()
         self._finish_current_push()  # Trainer's: a checkpoint upload (push_to_hub) still running ends first
         self._keep_only_best_checkpoint()
         if args.final_merge and not self.stopped_by_sigterm:  # after the last step, which a stopped run did not reach
