@@ -199,6 +199,19 @@ def test_the_text_task_takes_its_classes_from_the_users_labels(tmp_path):
     assert ds["train"].features["label"].names == ["negative", "positive"] and len(ds["test"]) == 2
 
 
+def test_a_text_longer_than_the_csv_modules_field_limit_is_read(tmp_path):
+    """A 160,000-character text (legal CSV; the tokenizer truncates it) was refused as "not valid
+    CSV (field larger than field limit (131072))"; the module's limit stays as it was."""
+    import csv
+
+    _write_csv(tmp_path / "long.csv", ["text", "label"],
+               [("word " * 32000, "a")] + [(f"t{i}", "ab"[i % 2]) for i in range(19)])
+    before = csv.field_size_limit()
+    ds = load_task("text", data_dir=tmp_path / "long.csv")
+    assert max(len(row["text"]) for split in ds.values() for row in split) == len("word " * 32000)
+    assert csv.field_size_limit() == before
+
+
 def test_the_text_tasks_labels_mean_one_class_whatever_their_spelling_or_split(tmp_path):
     """'1' and '1.0' (a spreadsheet's float column) were two classes; a saved test split of plain
     integers beside a train ClassLabel got classes of its own (no test row could be right); a

@@ -347,6 +347,30 @@ def test_scaled_qsgd_divides_by_one_plus_omega():
     torch.testing.assert_close(scaled, plain / (1 + omega))
 
 
+def test_qsgd_rounds_each_bucket_on_its_own_norm():
+    """One norm per tensor made omega (and the error) grow with sqrt(numel), and put a bucket of
+    small entries beside large ones at zero; each bucket of bucket_size entries has its own norm
+    (one float32 more per bucket on the wire), and the scaled QSGD divides each by its 1 + omega."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(1024) * 100, torch.randn(1476) * 0.01])
+    out, msg = roundtrip(QSGD(4, bucket_size=1024), x)
+    assert msg.nbytes == math.ceil(2500 * 4 / 8) + 4 * 3
+    for bucket in (slice(0, 1024), slice(1024, 2048), slice(2048, 2500)):
+        norm = x[bucket].norm()
+        levels = out[bucket] / norm * 4
+        torch.testing.assert_close(levels, levels.round(), atol=1e-3, rtol=0)
+        assert out[bucket].abs().max() > 0
+    mean = sum(roundtrip(QSGD(4, bucket_size=1024), x, seed=s)[0] for s in range(400)) / 400
+    assert ((mean - x)[1024:].abs().max() / x[1024:2048].norm()) < 0.2
+    plain, _ = roundtrip(QSGD(2, bucket_size=1024), x, seed=1)
+    scaled, _ = roundtrip(QSGD(2, scaled=True, bucket_size=1024), x, seed=1)
+    for bucket, size in ((slice(0, 1024), 1024), (slice(2048, 2500), 452)):
+        torch.testing.assert_close(scaled[bucket], plain[bucket] / (1 + min(size / 4, math.sqrt(size) / 2)))
+    assert QSGD(4).bucket_size == 1024 and repr(QSGD(4)) == "QSGD(levels=4, scaled=False, bucket_size=1024)"
+    with pytest.raises(ValueError, match="bucket_size must be an integer >= 1"):
+        QSGD(4, bucket_size=0)
+
+
 def test_pack_unpack_roundtrip_for_every_width_and_odd_lengths():
     for bits in (1, 2, 4, 8):
         for count in (1, 7, 8, 9, 33):

@@ -168,7 +168,7 @@ def test_bad_arguments_are_named(tmp_path, kwargs, word):
     (dict(compression=0.0), "Quantize(bits=8)"),
     (dict(compression=99.0), "TopK(keep=0.01, value_bits=8)"),
     (dict(compression=90.0, compressor="randomk", low_precision=False), "RandomK(keep=0.1"),
-    (dict(compressor="qsgd", qsgd_levels=4), "QSGD(levels=4, scaled=True)"),
+    (dict(compressor="qsgd", qsgd_levels=4), "QSGD(levels=4, scaled=True, bucket_size=1024)"),
 ])
 def test_compressor_follows_arguments(tmp_path, kwargs, expected):
     from lp_decentral_nlp.gossip.factory import build_compressor

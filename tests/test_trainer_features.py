@@ -589,6 +589,36 @@ def test_compute_metrics_may_not_replace_the_trainers_own_metrics_and_predict_ta
         trainer.predict({"a": agnews_small["test"]})
 
 
+def test_a_model_whose_logits_are_not_numbers_has_no_accuracy(tmp_path, agnews_small, tokenizer):
+    """argmax reads a row of NaN logits as class 0: a diverged run (--skip-nonfinite) reported the
+    share of class 0 in the test set as its accuracy."""
+    import math
+
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer)
+    with torch.no_grad():
+        for node in trainer.nodes:
+            node.classifier.bias.fill_(math.nan)
+    metrics = trainer.evaluate()
+    assert math.isnan(metrics["eval_accuracy"]) and math.isnan(metrics["eval_accuracy_node_0"])
+
+
+def test_max_steps_0_is_refused_not_read_as_unset(tmp_path):
+    """Trainer reads only a positive max_steps: 0 trained for the epochs, silently."""
+    with pytest.raises(ValueError, match=r"^max_steps=0 would train for num_train_epochs .*: give max_steps >= 1, or "
+                                         r"leave it at -1"):
+        targs(tmp_path, max_steps=0)
+
+
+def test_a_torus_of_a_prime_number_of_nodes_says_it_is_the_ring(tmp_path, agnews_small, tokenizer, caplog):
+    """5 nodes have no 2-D torus: the most square one is 1 x 5, the ring, which ran as "torus"."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, num_nodes=5, topology="torus")
+    assert trainer.gossip.topology.name == "torus(1x5)"
+    assert "topology='torus' of 5 nodes is a 1 x 5 torus, the ring (5 is prime)" in caplog.text
+    caplog.clear()
+    trainer_for(tmp_path, agnews_small, tokenizer, num_nodes=6, topology="torus")
+    assert "torus" not in caplog.text
+
+
 class RecordCheckpoints(TrainerCallback):
     """The checkpoint steps on disk after every save."""
 

@@ -1098,10 +1098,9 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     return results
 
 
-def write_json(folder: str, name: str, content) -> None:
-    """``folder/name`` (``folder`` created) holding ``content`` as strict JSON: a NaN or infinite
-    float (a diverged run's loss) is ``null``, which every JSON reader reads (Python's ``NaN`` is
-    not JSON); other objects are their ``str``."""
+def strict_json(content, **dumps_kwargs) -> str:
+    """``content`` as strict JSON: a NaN or infinite float (a diverged run's loss) is ``null``,
+    which every JSON reader reads (Python's ``NaN`` is not JSON); other objects are their ``str``."""
     def strict(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
@@ -1111,9 +1110,14 @@ def write_json(folder: str, name: str, content) -> None:
             return [strict(item) for item in value]
         return value
 
+    return json.dumps(strict(content), default=str, allow_nan=False, **dumps_kwargs)
+
+
+def write_json(folder: str, name: str, content) -> None:
+    """``folder/name`` (``folder`` created) holding ``content`` as :func:`strict_json`."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, name), "w") as fh:
-        json.dump(strict(content), fh, indent=2, default=str, allow_nan=False)
+        fh.write(strict_json(content, indent=2))
 
 
 def finished_results(output_dir: str, overwrite: bool = False) -> dict | None:
@@ -1193,5 +1197,5 @@ def print_summary(results: dict) -> None:
     one JSON line (rank 0 only)."""
     if process_rank() == 0:
         where = os.path.join(results["config"]["output_dir"], "results.json")
-        print(json.dumps({**{k: results[k] for k in SUMMARY_KEYS}, "results": where}))
+        print(strict_json({**{k: results[k] for k in SUMMARY_KEYS}, "results": where}))  # one JSON line
         sys.stdout.flush()

@@ -324,8 +324,12 @@ def _read_csv(file: Path, task: str) -> Dataset:
     repeated columns, rows of the wrong width, empty texts or labels, AG News labels that are not
     integers or not classes) is a ValueError naming the file and, for a row, its line.
     """
-    reader = csv.reader(io.StringIO(_read_text(file), newline=""))
+    text = _read_text(file)
+    reader = csv.reader(io.StringIO(text, newline=""))
     rows, line = [], 1
+    # the csv module refuses a field over its limit (131,072 characters): a long text is legal CSV
+    # (the tokenizer truncates it); the limit is process-wide, so it is put back after the file
+    limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
     try:
         for fields in reader:
             if any(f.strip() for f in fields):
@@ -333,6 +337,8 @@ def _read_csv(file: Path, task: str) -> Dataset:
             line = reader.line_num + 1
     except csv.Error as err:
         raise ValueError(f"{file}:{line}: not valid CSV ({err})") from None
+    finally:
+        csv.field_size_limit(limit)
     if not rows:
         raise ValueError(f"{file}: every field is empty (no header line, no data rows)")
     names = [name.strip() for name in rows[0][1]]

@@ -156,56 +156,83 @@ class Quantize(Compressor):
 
 
 class QSGD(Compressor):
-    """QSGD (Alistarh et al. 2017) with ``levels`` levels: unbiased stochastic rounding of
-    ``levels * x / ||x||_2`` to an integer in ``[-levels, levels]``; wire = the fp32 norm + one
-    packed code per element (2 bits for 1 level, 4 bits up to 7, 8 bits up to 127).
+    """QSGD (Alistarh et al. 2017) with ``levels`` levels, per bucket of ``bucket_size`` entries:
+    unbiased stochastic rounding of ``levels * x_b / ||x_b||_2`` to an integer in
+    ``[-levels, levels]`` for each bucket ``x_b`` of the flattened tensor (the last one may be
+    shorter); wire = one packed code per element (2 bits for 1 level, 4 bits up to 7, 8 bits up to
+    127) + one fp32 norm per bucket.
 
-    Unbiased, with variance up to ``omega * ||x||^2``, ``omega = min(numel / levels^2,
-    sqrt(numel) / levels)``: not a contraction when ``omega >= 1``, and Choco-SGD's public copies
-    then diverge whatever ``gamma``. ``scaled=True`` sends ``Q(x) / (1 + omega)`` instead (the
-    scaled QSGD of Koloskova et al. 2019), a contraction; the scale rides in the norm field, so
-    the wire size is unchanged.
+    Unbiased, with variance up to ``omega * ||x||^2``, ``omega = min(m / levels^2, sqrt(m) /
+    levels)`` at the bucket size ``m``: not a contraction when ``omega >= 1``, and Choco-SGD's
+    public copies then diverge whatever ``gamma``. ``scaled=True`` sends ``Q(x_b) / (1 + omega)``
+    instead (the scaled QSGD of Koloskova et al. 2019), a contraction; the scale rides in the norm
+    field, so the wire size is unchanged. Buckets keep ``omega`` (and so the consensus step) the same
+    for a 1,000-entry bias and a 30-million-entry embedding table: with one norm per tensor it grew
+    with ``sqrt(numel)``, and the step that suited a small tensor made a large one diverge
+    (docs/consensus_step.md, "QSGD").
 
     Args:
         levels: ``s``, an int in [1, 127].
         scaled: divide by ``1 + omega`` (use with Choco-SGD).
+        bucket_size: entries per norm, an int >= 1 (the QSGD paper's bucket size ``d``); the
+            norms add ``4 / bucket_size`` bytes per entry.
     """
 
     stochastic = True
 
-    def __init__(self, levels: int, scaled: bool = False):
+    def __init__(self, levels: int, scaled: bool = False, bucket_size: int = 1024):
         levels = check_number("levels", levels, NUMBER_FIELDS["qsgd_levels"])
         if not isinstance(scaled, bool):
             raise TypeError(f"scaled must be a bool, got {scaled!r}")
         self.levels = levels
         self.scaled = scaled
+        self.bucket_size = check_number("bucket_size", bucket_size, Number(integer=True, low=1))
         self.bits = next(b for b in (2, 4, 8) if 2 * levels + 1 <= 2**b)
 
+    def omega(self, numel: int) -> float:
+        """The variance bound ``omega`` of a bucket of ``numel`` entries (``min(numel, bucket_size)``)."""
+        m, s = min(numel, self.bucket_size), self.levels
+        return min(m / s**2, math.sqrt(m) / s)
+
     def fields(self, numel, dtype):
-        return [("codes", torch.uint8, packed_nbytes(numel, self.bits)), ("norm", torch.float32, 1)]
+        return [("codes", torch.uint8, packed_nbytes(numel, self.bits)),
+                ("norms", torch.float32, -(-numel // self.bucket_size))]
+
+    def _buckets(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the flat `t` as rows of buckets: ``(full buckets, bucket_size)``, then the
+        shorter last bucket ``(1, rest)`` if any."""
+        full = t.numel() // self.bucket_size * self.bucket_size
+        rows = [t[:full].view(-1, self.bucket_size)] if full else []
+        return rows + ([t[full:].view(1, -1)] if full < t.numel() else [])
 
     def encode(self, x, out, work, generator):
         s = self.levels
-        # in float64: a float32 sum of squares overflows from entries near 1e19 (the message was
-        # NaN/Inf) and underflows below 1e-19 (a zero message: nothing was sent)
-        norm = torch.linalg.vector_norm(x, dtype=torch.float64)
-        per_unit = torch.where(norm > 0, s / norm, torch.zeros_like(norm))
-        # floor(y + u), u ~ U[0, 1), rounds y = s * x / ||x|| stochastically and unbiasedly.
         work.uniform_(generator=generator)
-        work.addcmul_(x, per_unit).floor_().add_(s).clamp_(0, 2 * s)
+        norms = out["norms"]
+        first = 0
+        for x_rows, work_rows in zip(self._buckets(x), self._buckets(work)):
+            # in float64: a float32 sum of squares overflows from entries near 1e19 (the message was
+            # NaN/Inf) and underflows below 1e-19 (a zero message: nothing was sent)
+            norm = torch.linalg.vector_norm(x_rows, dim=1, dtype=torch.float64)
+            per_unit = torch.where(norm > 0, s / norm, torch.zeros_like(norm)).to(x.dtype)
+            # floor(y + u), u ~ U[0, 1), rounds y = s * x / ||x|| stochastically and unbiasedly.
+            work_rows.addcmul_(x_rows, per_unit[:, None]).floor_().add_(s).clamp_(0, 2 * s)
+            if self.scaled:
+                norm = norm / (1.0 + self.omega(x_rows.shape[1]))
+            norms[first:first + len(norm)].copy_(norm)
+            first += len(norm)
         pack_codes(work, self.bits, out["codes"])
-        if self.scaled:
-            n = x.numel()
-            norm = norm / (1.0 + min(n / s**2, math.sqrt(n) / s))
-        out["norm"].copy_(norm)
 
     def decode_add(self, msg, target, alpha, work):
         unpack_codes(msg["codes"], self.bits, work.numel(), work)
-        work.sub_(self.levels).mul_(msg["norm"] / self.levels)
-        target.add_(work, alpha=alpha)
+        first = 0
+        for codes, target_rows in zip(self._buckets(work), self._buckets(target.view(-1))):
+            scale = (msg["norms"][first:first + len(codes)] / self.levels)[:, None]
+            target_rows.addcmul_(codes.sub_(self.levels), scale, value=alpha)
+            first += len(codes)
 
     def __repr__(self):
-        return f"QSGD(levels={self.levels}, scaled={self.scaled})"
+        return f"QSGD(levels={self.levels}, scaled={self.scaled}, bucket_size={self.bucket_size})"
 
 
 class _Sparsifier(Compressor):

@@ -5,8 +5,6 @@ also follows the graph and the message loss (docs/consensus_step.md has the meas
 :class:`~.factory.GossipConfig` when no ``consensus_lr`` is."""
 from __future__ import annotations
 
-import math
-
 from ..checks import check_choice
 from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .faults import FaultPlan
@@ -14,7 +12,7 @@ from .topology import Topology, make_topology
 
 ALGORITHMS = ("choco", "deepsqueeze", "dpsgd")
 
-#: gamma / (compression quality delta) with top-k or QSGD messages, per algorithm, on any graph
+#: gamma / (compression quality delta) with top-k messages, per algorithm, on any graph
 #: (docs/consensus_step.md): Choco's is the largest factor its consensus stayed stable with on
 #: every graph measured over thousands of steps (directed rings, rings, tori and complete graphs of
 #: 2 to 36 nodes, top-1% and top-10%); Deep-Squeeze's is its fastest measured consensus, stable on
@@ -33,8 +31,13 @@ RANDOM_K_CONSENSUS_LR_PER_QUALITY = {"choco": 0.5, "deepsqueeze": 0.5}
 #: "Stability over long runs")
 CONSENSUS_LR_PER_QUALITY_ON = {("choco", "directed_ring", 4): 5.0}
 
-#: tensor size at which a scaled QSGD's quality ``1 / (1 + omega)`` is taken (a 1024 x 1024 layer)
-QSGD_REFERENCE_NUMEL = 1 << 20
+#: the same with scaled QSGD messages (per bucket, :class:`~.compressors.QSGD`): gossip alone of 4
+#: nodes on the directed ring, tensors of 1e5 and 1e6 entries, 16 levels, 1024-entry buckets,
+#: nodes apart (N(0, 1)) and nearly equal (a fine-tuned model): Choco reached the average (1e-9 of
+#: its start) by step 300 at 0.5 and 1 delta and slowed at 2; Deep-Squeeze's floor grows with the
+#: step (1.6e-3 of a random start at 0.25 delta, 7e-3 at 0.5, 4e-2 at 1), reached in 100 steps
+#: (docs/consensus_step.md, "QSGD")
+QSGD_CONSENSUS_LR_PER_QUALITY = {"choco": 0.5, "deepsqueeze": 0.25}
 
 #: quality of ``Quantize(bits)`` messages. 2 bits: Choco-SGD diverged at gamma 1 on an 8-node ring
 #: (2,000 float64 entries per node, 300 steps) and reached the average at 0.5, so it takes the
@@ -61,7 +64,7 @@ def compression_quality(compressor: Compressor | None) -> float:
     ``E||C(x) - x||^2 <= (1 - delta) ||x||^2``): 1 for exact messages, :data:`QUANTIZE_QUALITY`
     for quantized ones (1 at 4 and 8 bits: their error is negligible next to sparsification),
     ``keep`` for top-k and random-k (whatever their value bits), ``1 / (1 + omega)`` for scaled
-    QSGD at a ``QSGD_REFERENCE_NUMEL``-entry tensor. A compressor that is no contraction
+    QSGD at its bucket size (a smaller tensor's is larger). A compressor that is no contraction
     (:func:`contraction_fix`), or one of the user's own (a ``Compressor`` subclass of no known
     quality), is a ValueError."""
     fix = contraction_fix(compressor)
@@ -75,8 +78,7 @@ def compression_quality(compressor: Compressor | None) -> float:
     if isinstance(compressor, (TopK, RandomK)):
         return compressor.keep
     if isinstance(compressor, QSGD):
-        n, s = QSGD_REFERENCE_NUMEL, compressor.levels
-        return 1.0 / (1.0 + min(n / s**2, math.sqrt(n) / s))
+        return 1.0 / (1.0 + compressor.omega(compressor.bucket_size))
     if isinstance(compressor, Compressor):  # one of the user's own
         raise ValueError(f"compressor {type(compressor).__name__} is not one of this library's (Identity, Quantize, "
                          "TopK, RandomK, QSGD), whose quality the default consensus step is measured for: pass the "
@@ -90,10 +92,11 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     """The default consensus step ``gamma`` (SPEC 2 step 5): ``min(1, c * delta) * p_commit``.
 
     * ``delta``: the compressor's :func:`compression_quality`.
-    * ``c``: with top-k or QSGD messages 1.5 for ``"deepsqueeze"``; for ``"choco"`` 2, or 5 with
-      top-k on the 4-node directed ring (:data:`CONSENSUS_LR_PER_QUALITY`,
-      :data:`CONSENSUS_LR_PER_QUALITY_ON`; without a `topology`, the factor of any graph). With
-      random-k messages 0.5 for both (:data:`RANDOM_K_CONSENSUS_LR_PER_QUALITY`).
+    * ``c``: with top-k messages 1.5 for ``"deepsqueeze"``; for ``"choco"`` 2, or 5 on the 4-node
+      directed ring (:data:`CONSENSUS_LR_PER_QUALITY`, :data:`CONSENSUS_LR_PER_QUALITY_ON`; without
+      a `topology`, the factor of any graph). With random-k messages 0.5 for both
+      (:data:`RANDOM_K_CONSENSUS_LR_PER_QUALITY`); with scaled QSGD 0.5 for ``"choco"`` and 0.25
+      for ``"deepsqueeze"`` (:data:`QSGD_CONSENSUS_LR_PER_QUALITY`).
     * ``p_commit``: for Choco with compressed messages (``delta < 1``) under message loss, the
       chance ``(1 - drop_prob) ** d`` that a message reaches all ``d`` out-neighbours of the node
       with the most of them, and is committed (:mod:`.faults`); 1 otherwise.
@@ -134,6 +137,8 @@ def default_consensus_lr(compressor: Compressor | None, algorithm: str, topology
     quality = compression_quality(compressor)
     if isinstance(compressor, RandomK):
         factor = RANDOM_K_CONSENSUS_LR_PER_QUALITY[algorithm]
+    elif isinstance(compressor, QSGD):
+        factor = QSGD_CONSENSUS_LR_PER_QUALITY[algorithm]
     else:
         factor = CONSENSUS_LR_PER_QUALITY[algorithm]
     if topology is not None and isinstance(compressor, TopK):

@@ -146,6 +146,9 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_fields(self, NUMBER_SETTINGS)
+        if self.max_steps == 0:  # Trainer reads only a positive max_steps: 0 trained for num_train_epochs
+            raise ValueError("max_steps=0 would train for num_train_epochs (only a positive max_steps sets the run's "
+                             "length): give max_steps >= 1, or leave it at -1 to train for num_train_epochs")
         if isinstance(self.topology, (str, os.PathLike)):  # a file's path as text (JSON-saved), ~ expanded as output_dir's
             self.topology = os.path.expanduser(self.topology)
         for name in ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc"):

@@ -211,7 +211,8 @@ class EvaluationMixin:
         Returns an `EvalLoopOutput` whose ``metrics`` (unprefixed) hold ``loss`` (mean over
         samples), ``accuracy`` (argmax of ``(batch, classes)`` logits, ``classes > 1``, against
         ``(batch,)`` integer labels; of an output tuple's first element, the logits, where the model
-        returns more, as T5's and BART's classifiers do) when there is no ``compute_metrics``, and whatever
+        returns more, as T5's and BART's classifiers do; NaN where a logit is not finite: a
+        diverged model classifies nothing) when there is no ``compute_metrics``, and whatever
         ``compute_metrics`` returns on all predictions, numpy values made Python numbers (with the
         model's main inputs as ``inputs`` and each sample's batch loss as ``losses`` where
         ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer); ``predictions`` and
@@ -232,7 +233,7 @@ class EvaluationMixin:
         main_input = getattr(model, "main_input_name", "input_ids")
         per_batch = self.args.batch_eval_metrics and self.compute_metrics is not None and not loss_only
         batch_metrics = None  # batch_eval_metrics: what compute_metrics returned for the last batch
-        loss_sum, loss_samples, seen, correct, classified = 0.0, 0, 0, 0, 0
+        loss_sum, loss_samples, seen, correct, classified, unscored = 0.0, 0, 0, 0, 0, False
         gathered = {name: EvalLoopContainer(self.args.eval_do_concat_batches, padding_index=-100)
                     for name in ("predictions", "label_ids", "inputs", "losses")}
         batches = tqdm(dataloader, desc=desc, leave=False,  # one process draws them (rank 0)
@@ -256,6 +257,8 @@ class EvaluationMixin:
                     and not labels.is_floating_point():  # (several label names: a tuple, no accuracy)
                 correct += int((scores.argmax(-1) == labels).sum())
                 classified += labels.shape[0]
+                # argmax reads a row of NaN logits as class 0: a diverged model scored the share of class 0
+                unscored = unscored or not bool(torch.isfinite(scores).all())
             if keep:
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
@@ -278,7 +281,7 @@ class EvaluationMixin:
         on_host = {name: container.get_arrays() for name, container in gathered.items()}
         metrics = {"loss": loss_sum / loss_samples} if loss_samples else {}
         if classified:
-            metrics["accuracy"] = correct / classified
+            metrics["accuracy"] = math.nan if unscored else correct / classified
         if batch_metrics is not None:
             metrics.update(_own_metrics(denumpify_detensorize(batch_metrics)))
         predictions, label_ids = on_host["predictions"], on_host["label_ids"]
