@@ -449,7 +449,8 @@ def test_conv2d_int8_matches_simulated(case, granularity, path, monkeypatch):
 def test_conv2d_int8_takes_and_gives_channels_last(case, granularity):
     """oneDNN's int8 convolution reads and writes channels last: a channels-last input is
     quantized in place of a copy, the output and the layer gradient come channels last, and they
-    are the bits of a row-major input's (the same codes, the same integer convolution, the same
+    are the bits of a row-major input's, whose output is row-major as nn.Conv2d's (a channels-last
+    one broke a user's ``x.view(n, -1)`` where kernel="auto" chose int8) (the same codes, the same integer convolution, the same
     stochastic-rounding words). The weight gradient (fp32, from the dequantized input) may sum in
     another order: equal up to rounding."""
     (cin, cout, k, stride, padding, dilation, mode), shape = CONV_CASES[case]
@@ -459,6 +460,7 @@ def test_conv2d_int8_takes_and_gives_channels_last(case, granularity):
     grad_out = torch.randn_like(base(x)).exp()
     y, gx, gp = run_step(model, x, grad_out)
     y_cl, gx_cl, gp_cl = run_step(model, x.contiguous(memory_format=torch.channels_last), grad_out)
-    assert is_channels_last(y) and is_channels_last(y_cl) and is_channels_last(gx_cl)
+    assert y.is_contiguous() and is_channels_last(y_cl) and is_channels_last(gx_cl)
+    assert y.view(len(y), -1).shape == (len(y), y[0].numel())
     assert torch.equal(y_cl, y) and torch.equal(gx_cl, gx) and torch.equal(gp_cl[1], gp[1])
     assert (gp_cl[0] - gp[0]).abs().max() <= 32 * EPS * grad_out[:, 0].numel() * grad_out.abs().max() * x.abs().max()

@@ -20,7 +20,7 @@ from .config import QuantConfig
 from .functional import fake_quantize, grad_range, mean_sample_range, tensor_range, update_running_range
 from .gemm import Conv2dGemm, Gemm, LinearGemm, TransposedLinearGemm, conv_output_hw
 from .kernels import AUTO, Kernel, resolve_kernel
-from ..utils.layout import dense_like
+from ..utils.layout import dense_like, is_channels_last
 from ..utils.numba_threads import eager_under_compile
 
 
@@ -375,10 +375,12 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
     Non-zero padding modes (and asymmetric ``padding="same"``) are applied with ``F.pad`` before
     quantization; zero padding stays inside the convolution.
 
-    Where the int8 kernel runs oneDNN's convolution (CPU) the output comes channels last
-    (``torch.channels_last``, oneDNN's layout), and the next 8-bit layers take it as it is: a
-    network of these layers and the 8-bit norms passes channels-last tensors from layer to layer
-    without converting them (``docs/design.md``). The simulated kernel keeps its input's layout.
+    The output has the memory format ``nn.Conv2d`` gives: channels last (``torch.channels_last``)
+    for a channels-last input, else contiguous. oneDNN's int8 convolution (the int8 kernel on the
+    CPU) computes channels last whatever its input, so a contiguous input costs one copy of the
+    output; a network fed channels-last images passes channels-last tensors from layer to layer
+    without converting them (``docs/design.md``). (Its channels-last output of a contiguous input
+    broke a user's ``x.view(n, -1)`` at the batch sizes where ``kernel="auto"`` chose int8.)
     """
 
     float_type = nn.Conv2d
@@ -415,7 +417,8 @@ class QuantConv2d(QuantGemmLayer, nn.Conv2d):
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
             padding = (0, 0)
-        return self._quant_gemm(x, Conv2dGemm(self.stride, padding, self.dilation, self.groups))
+        out = self._quant_gemm(x, Conv2dGemm(self.stride, padding, self.dilation, self.groups))
+        return out if is_channels_last(x) or not is_channels_last(out) else out.contiguous()
 
 
 class _StraightThrough(torch.autograd.Function):
