@@ -686,6 +686,17 @@ def test_results_of_a_run_that_loads_its_best_model_name_that_model(tiny_model_d
     assert results["loss"] == pytest.approx(float(best["eval_loss"])) and results["steps"] == 3
 
 
+def test_rows_left_without_a_token_of_their_text_are_told(tiny_model_dir, ag_news_csv, tmp_path, capsys):
+    """--max-length 2 keeps [CLS] [SEP] of every row: the run trained on no text, and said nothing."""
+    main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run", "--max-length", 2,
+                                        "--max-steps", 1, "--nodes", 2))
+    notice = next(line for line in capsys.readouterr().err.splitlines() if "hold no token" in line)
+    assert notice == ("notice: 304 of the 304 rows hold no token of their text (only special tokens, at --max-length "
+                      "2): the model cannot read them")
+    main("ag_news", "choco", tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run16", "--max-steps", 1, "--nodes", 2))
+    assert "hold no token" not in capsys.readouterr().err
+
+
 def test_sentlen_says_when_max_length_cuts_the_length_its_labels_are(tiny_model_dir, ag_news_csv, tmp_path, capsys):
     """A Sentlen row truncated by --max-length loses its class (its length), silently."""
     main("sentlen", "choco", tiny_flags(tiny_model_dir, ag_news_csv, tmp_path / "run", "--max-length", 8,

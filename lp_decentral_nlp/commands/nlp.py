@@ -154,7 +154,8 @@ def load_task_data(recipe, tokenizer, seed: int, prog: str):
     (``recipe``: an object with those fields), its errors told as flag errors (:func:`load_data`),
     with a notice on rank 0 of the splits not used (beside ``train`` and ``test``: a validation
     split, SentEval's "va" rows), of the classes only the test split holds (no node can learn
-    them: their rows count as errors), and of Sentlen rows ``--max-length`` truncates."""
+    them: their rows count as errors), of Sentlen rows ``--max-length`` truncates, and of rows whose
+    tokens are special tokens alone (``--max-length 2``, a text of zero-width spaces)."""
     from ..data import load_task
 
     what = "ag_news (which sentlen is built from)" if recipe.task == "sentlen" else recipe.task
@@ -169,6 +170,13 @@ def load_task_data(recipe, tokenizer, seed: int, prog: str):
         if cut:
             print_notice(f"notice: --max-length {recipe.max_length} truncates {cut} of the {len(rows)} sentlen rows, "
                          "whose length is their label: raise it to keep their classes learnable")
+    special = set(tokenizer.all_special_ids)  # a row of special tokens alone: its text is gone
+    rows = [ids for split in ("train", "test") for ids in data[split]["input_ids"]]
+    empty = sum(all(token in special for token in ids) for ids in rows)
+    if empty:
+        print_notice(f"notice: {empty} of the {len(rows)} rows hold no token of their text (only special tokens"
+                     f"{', at --max-length ' + str(recipe.max_length) if recipe.max_length <= 2 else ''}): "
+                     "the model cannot read them")
     unused = [f"{split!r} ({len(data[split])} rows)" for split in data if split not in ("train", "test")]
     if unused:
         print_notice(f"notice: {source}: the {', '.join(unused)} split is not used: the recipes train on 'train' and "
