@@ -529,24 +529,21 @@ def test_a_best_evaluation_without_a_checkpoint_is_named_beside_the_checkpoint_l
     """save_steps=2 of eval_steps=1: the best score (0.9, step 3) was never saved, and the log said
     "loading the best model from checkpoint-2 (score: 0.9)", whose score is 0.5; with the best on
     the first step nothing was loaded, silently."""
-    scores = {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.2}
-    trainer = trainer_for(tmp_path / "a", agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
-                          save_strategy="steps", save_steps=2, load_best_model_at_end=True,
-                          metric_for_best_model="score", compute_metrics=lambda _: {
-                              "score": scores[trainer.state.global_step]})
-    trainer.train()
+    def trained(folder, scores):  # evaluated every step, saved every second, scored by step
+        trainer = trainer_for(tmp_path / folder, agnews_small, tokenizer, max_steps=4, eval_strategy="steps",
+                              eval_steps=1, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                              metric_for_best_model="score",
+                              compute_metrics=lambda _: {"score": scores[trainer.state.global_step]})
+        trainer.train()
+        return trainer
+
+    trainer = trained("a", {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.2})
     assert (trainer.state.best_global_step, trainer.state.best_metric) == (3, 0.9)
     assert trainer.best_model_loaded == {"step": 2, "checkpoint": str(tmp_path / "a" / "checkpoint-2"), "score": 0.5}
     assert ("load_best_model_at_end: the best evaluation (score=0.9 at step 3) has no checkpoint: loading "
             f"{tmp_path / 'a' / 'checkpoint-2'}, the best of those saved (score=0.5 at step 2); save_strategy='best' "
             "(or save_steps=eval_steps) saves every new best") in caplog.text
-    scores = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}
-    trainer = trainer_for(tmp_path / "b", agnews_small, tokenizer, max_steps=4, eval_strategy="steps", eval_steps=1,
-                          save_strategy="steps", save_steps=2, load_best_model_at_end=True,
-                          metric_for_best_model="score", compute_metrics=lambda _: {
-                              "score": scores[trainer.state.global_step]})
-    trainer.train()
-    assert trainer.best_model_loaded is None
+    assert trained("b", {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}).best_model_loaded is None
     assert "the best evaluation (score=0.9 at step 1) has no checkpoint, nor has an earlier best: the model is the " \
            "last step's" in caplog.text
 
