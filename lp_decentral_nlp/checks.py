@@ -170,7 +170,7 @@ def check_topology_name_or_file(name: str, value, topologies) -> None:
     one of :data:`TOPOLOGY_FILE_SUFFIXES` (the matrices it holds are checked when it is read:
     ``Topology.from_file``)."""
     if isinstance(value, (str, os.PathLike)) and os.fspath(value).lower().endswith(TOPOLOGY_FILE_SUFFIXES):
-        if not os.path.isfile(value):
+        if not os.path.isfile(os.path.expanduser(value)):  # ~ as the shell leaves it after --topology=
             raise ValueError(f"{name}: no file {os.fspath(value)!r} (a graph of your own: a .npy or .json file of "
                              "its mixing matrices)")
         return

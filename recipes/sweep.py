@@ -22,6 +22,7 @@ stopped ones start afresh.
 import concurrent.futures
 import functools
 import itertools
+import math
 import multiprocessing
 import os
 import re
@@ -149,14 +150,15 @@ def content_of(path) -> str | None:
 
 def sources_differing(results: dict, run) -> list[str]:
     """What a finished grid point read that this sweep would not: another model (e.g. the
-    default's offline fallback, where this sweep reaches the hub), or other rows or weights at the
-    same paths (``results.json``'s ``fingerprints``, where it has them)."""
+    default's offline fallback, where this sweep reaches the hub), or other rows, weights or graph
+    at the same paths (``results.json``'s ``fingerprints``, where it has them)."""
     model = model_to_load(run.recipe.model)
     differing = [] if results.get("model_used") in (None, model) else [
         f"model_used={results['model_used']!r} (this sweep: {model!r})"]
     recorded = results.get("fingerprints") or {}
     differing += [f"the {what} at {where} holds other content than it read"
-                  for what, where in (("data", run.recipe.data_dir), ("model", model))
+                  for what, where in (("data", run.recipe.data_dir), ("model", model),
+                                      ("topology", run.training.topology))
                   if recorded.get(what) is not None and recorded[what] != content_of(where)]
     return differing
 
@@ -307,7 +309,7 @@ def run_pending(runs, todo: list[int], jobs: int, names: list[str], progs: list[
     results = {}
 
     def report(done: int, i: int) -> None:
-        print(f"[{done}/{len(todo)}] {names[i]}: accuracy {100 * results[i]['accuracy']:.2f}%", file=sys.stderr)
+        print(f"[{done}/{len(todo)}] {names[i]}: accuracy {percent(results[i]['accuracy'])}%", file=sys.stderr)
 
     if jobs == 1:
         for done, i in enumerate(todo, 1):
@@ -412,12 +414,18 @@ def settings_caption(rows) -> str:
     return "\nEvery run: " + "; ".join(f"{key} {value}" for key, value in settings.items()) + ".\n"
 
 
+def percent(accuracy) -> str:
+    """An accuracy fraction as the table and the log show it: ``"n/a"`` for none (a model whose
+    logits were not numbers: NaN, ``null`` in results.json)."""
+    return "n/a" if accuracy is None or math.isnan(accuracy) else f"{100 * accuracy:.2f}"
+
+
 def accuracy_text(row: dict) -> str:
     """A table cell: the accuracy in %, with the range over seeds (``accuracy_min``/``accuracy_max``)
     where the row has several ``seeds``."""
-    text = f"{100 * row['accuracy']:.2f}"
+    text = percent(row["accuracy"])
     if len(row.get("seeds", ())) > 1:
-        text += f" ({100 * row['accuracy_min']:.2f}-{100 * row['accuracy_max']:.2f}, {len(row['seeds'])} seeds)"
+        text += f" ({percent(row['accuracy_min'])}-{percent(row['accuracy_max'])}, {len(row['seeds'])} seeds)"
     return text
 
 
@@ -446,7 +454,8 @@ def plot(rows, path):
             key=lambda r: (r["algorithm"], r["low_precision"], r["comp"])):
         group = list(group)
         name = {"choco": "Choco", "deepsqueeze": "DS"}[algorithm]
-        ax.plot([r["skew"] for r in group], [100 * r["accuracy"] for r in group], marker="o",
+        ax.plot([r["skew"] for r in group], [math.nan if r["accuracy"] is None else 100 * r["accuracy"] for r in group],
+                marker="o",
                 linestyle="--" if lp else "-", label=f"{'LP-' if lp else ''}{name}, comp {number(comp)}%")
     ax.set_xlabel("skew")
     ax.set_ylabel("accuracy of the averaged model (%)")

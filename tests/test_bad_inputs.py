@@ -233,9 +233,10 @@ ROWS = {
             "['azure_ml', 'clearml', 'codecarbon', 'comet_ml', 'dagshub', 'dvclive', 'flyte', 'kubeflow', 'mlflow', "
             "'neptune', 'swanlab', 'tensorboard', 'trackio', 'wandb'], 'all' or 'none' (several, apart: --report_to "
             "tensorboard wandb)"),
-    56: cli(["--eval_steps", "5", "--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a metric of the "
-            "evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
-            "bytes_sent_node_<i> for a node i in 0..3"),
+    56: cli(["--eval_steps", "5", "--metric_for_best_model", "f1"], "argument --metric_for_best_model: 'f1' is not a "
+            "metric of the evaluation; use loss, accuracy (a classifier's), consensus_distance, runtime, "
+            "samples_per_second, steps_per_second, and loss_node_<i>, accuracy_node_<i>, bytes_sent_node_<i> for a "
+            "node i in 0..3"),
     57: cli(["--skew", "0.5", "--shard-column", "topic"], "argument --shard-column: the recipes read the text (or "
             "image) and label columns of their data only, and skew the shards on the label; to skew on another "
             "column, train your own dataset from Python (DecentralizedTrainer with shard_column=...); drop it"),

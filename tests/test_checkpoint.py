@@ -529,6 +529,21 @@ def test_a_resume_with_another_optimizer_cls_and_kwargs_is_refused_naming_it(tmp
         check_resumable(tmp_path / "checkpoint-4", later)  # the arguments' AdamW
 
 
+def test_a_checkpoint_of_qsgd_with_one_norm_per_tensor_says_no_argument_continues_it(tmp_path, agnews, tokenizer):
+    """QSGD now rounds in buckets: a checkpoint written before (repr without bucket_size) was refused
+    as "compressor=... (this run: ...)" and "resume with the arguments of the interrupted run",
+    which no argument can match."""
+    run = dict(max_steps=2, eval_strategy="no", compressor="qsgd", save_steps=2)
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"]).train()
+    manifest = tmp_path / "checkpoint-2" / ckpt.MANIFEST
+    saved = json.loads(manifest.read_text())
+    saved["config"]["compressor"] = "QSGD(levels=16, scaled=True)"
+    manifest.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"compressor='QSGD\(levels=16, scaled=True\)', one norm per tensor \(this "
+                                         r"version rounds QSGD in buckets of 1024 entries, .*start afresh\)"):
+        check_resumable(tmp_path / "checkpoint-2", targs(tmp_path, **{**run, "max_steps": 3}))
+
+
 def test_a_resume_with_another_gossip_reference_is_refused(tmp_path, agnews, tokenizer):
     """Its public copies and error memories hold offsets from the reference: resumed under the
     other rule they would be read as models."""
@@ -557,12 +572,17 @@ def test_a_resume_with_another_graph_in_the_same_file_is_refused(tmp_path, agnew
 
     graph_file = tmp_path / "graph.npy"
     np.save(graph_file, make_topology("ring", 4).mixing_matrix().numpy())
-    run = dict(max_steps=4, eval_strategy="no", topology=str(graph_file))
-    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"]).train()
-    assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**run, "max_steps": 5})) is not None
-    np.save(graph_file, make_topology("complete", 4).mixing_matrix().numpy())
-    with pytest.raises(ValueError, match=r"topology='graph\.npy #[0-9a-f]+' \(this run: 'graph\.npy #[0-9a-f]+'\)"):
-        check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **{**run, "max_steps": 5}))
+    run = dict(max_steps=4, eval_strategy="no", topology=str(graph_file), save_steps=2)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, **run), train_dataset=agnews["train"])
+    graph_file.unlink()  # read once: the run's checkpoints do not read it again (it failed at the first one)
+    trainer.train()
+    np.save(tmp_path / "renamed.npy", make_topology("ring", 4).mixing_matrix().numpy())
+    renamed = {**run, "max_steps": 5, "topology": str(tmp_path / "renamed.npy")}
+    assert check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **renamed)) is not None
+    np.save(tmp_path / "renamed.npy", make_topology("complete", 4).mixing_matrix().numpy())
+    with pytest.raises(ValueError, match=r"topology='mixing matrices #[0-9a-f]+' \(this run: 'mixing matrices "
+                                         r"#[0-9a-f]+'\)"):
+        check_resumable(tmp_path / "checkpoint-4", targs(tmp_path, **renamed))
 
 
 def test_fault_counts_of_a_checkpoint_survive_a_resume_without_faults(tmp_path, agnews, tokenizer):

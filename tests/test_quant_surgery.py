@@ -654,5 +654,13 @@ def test_torchs_fused_transformer_path_does_not_bypass_the_8bit_layers():
         assert (fused_allowed - float_output).abs().max() > 1e-3
     dequantize_model(encoder)
     assert encoder.use_nested_tensor and not any(layer._forward_pre_hooks for layer in encoder.layers)
+    # one layer quantized alone: its encoder (outside the model quantized) still packs nested tensors
+    with pytest.warns(UserWarning, match="MultiheadAttention"):
+        quantize_model(encoder.layers[0], QuantConfig(kernel="simulated"))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^an nn.TransformerEncoderLayer holding 8-bit layers got "
+                                                          r"a nested tensor, .*quantize the whole encoder, or set its "
+                                                          r"use_nested_tensor = False$"):
+        encoder(x, src_key_padding_mask=padding)
+    dequantize_model(encoder.layers[0])
     with torch.no_grad():
         torch.testing.assert_close(encoder(x, src_key_padding_mask=padding), float_copy(x, src_key_padding_mask=padding))

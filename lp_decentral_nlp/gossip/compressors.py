@@ -17,7 +17,8 @@ holding ``numel - 1``). Every message also carries the push-sum weight (``F`` by
 ``... value_bits=8``               ``k`` uint8 values + ``k * I`` indices + 4 (scale) + 4 (zero point)
 ``Quantize(bits)``                 ``ceil(numel * bits / 8)`` packed codes + 4 (scale) + 4 (zero point)
 ``QSGD(levels)``                   ``ceil(numel * b / 8)`` packed codes (``b`` = 2, 4 or 8 bits for the
-                                   ``2 * levels + 1`` signed levels) + 4 (norm)
+                                   ``2 * levels + 1`` signed levels) + 4 per bucket of ``bucket_size``
+                                   entries (norms)
 =================================  =============================================================
 """
 from __future__ import annotations

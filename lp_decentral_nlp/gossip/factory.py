@@ -11,6 +11,7 @@ arguments and the cost command line both describe their run with a :class:`Gossi
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..checks import check_choice, check_fields, check_flag, check_topology_name_or_file
@@ -110,7 +111,7 @@ class GossipConfig:
         if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):
             raise ValueError(f"torus_rows must divide num_nodes={self.num_nodes} and needs topology='torus', "
                              f"got torus_rows={self.torus_rows!r} with topology={self.topology!r}")
-        graph = build_topology(self)  # a file's matrices are checked here
+        graph = self.graph  # a file's matrices are read and checked here
         if graph.num_nodes != self.num_nodes:
             raise ValueError(f"topology: {self.topology!r} holds a graph of {graph.num_nodes} nodes, and "
                              f"num_nodes={self.num_nodes}: give a file of ({self.num_nodes}, {self.num_nodes}) "
@@ -146,6 +147,16 @@ class GossipConfig:
                 raise ValueError(f"{name}={value!r} is a setting of the gossip, and num_nodes=1 has no neighbour to "
                                  f"send to: set num_nodes >= 2, or leave {leave}")
 
+    @functools.cached_property
+    def graph(self) -> Topology:
+        """The graph of these settings, built once (a file is read once: a run does not depend on
+        it afterwards); a torus uses ``torus_rows`` or the most square ``rows x cols``."""
+        if self.topology not in TOPOLOGIES:
+            return Topology.from_file(self.topology)
+        if self.topology != "torus":
+            return make_topology(self.topology, num_nodes=self.num_nodes)
+        return make_topology("torus", num_nodes=self.num_nodes, rows=self.torus_rows)
+
     @property
     def compresses(self) -> bool:
         """Whether the messages are compressed (sparsified, QSGD or 8-bit values): not the exact
@@ -162,13 +173,9 @@ class GossipConfig:
 
 
 def build_topology(config: GossipConfig) -> Topology:
-    """The graph of ``config``; a torus uses ``torus_rows`` or the most square ``rows x cols``; a
-    file's is read (:meth:`~.topology.Topology.from_file`)."""
-    if config.topology not in TOPOLOGIES:
-        return Topology.from_file(config.topology)
-    if config.topology != "torus":
-        return make_topology(config.topology, num_nodes=config.num_nodes)
-    return make_topology("torus", num_nodes=config.num_nodes, rows=config.torus_rows)
+    """The graph of ``config`` (:attr:`GossipConfig.graph`; a file's is read by
+    :meth:`~.topology.Topology.from_file`)."""
+    return config.graph
 
 
 def build_compressor(config: GossipConfig) -> Compressor | None:

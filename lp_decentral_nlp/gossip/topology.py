@@ -86,7 +86,7 @@ class Topology:
         """A topology from a file of mixing matrices, named after the file.
 
         Args:
-            path: a ``.npy`` file (``numpy.save`` of an array of shape ``(n, n)``, or
+            path: (``~`` expanded) a ``.npy`` file (``numpy.save`` of an array of shape ``(n, n)``, or
                 ``(T, n, n)`` for a graph that cycles through ``T`` matrices) or a ``.json`` file
                 (nested lists of those shapes); ``W[i, j]`` as in :class:`Topology`.
 
@@ -94,7 +94,7 @@ class Topology:
             ValueError: naming the file: it cannot be read, or its matrices fail the checks of
                 :meth:`from_matrix`.
         """
-        path = os.fspath(path)
+        path = os.path.expanduser(os.fspath(path))
         if not path.lower().endswith(TOPOLOGY_FILE_SUFFIXES):
             raise ValueError(f"topology file {path!r}: a file of mixing matrices ends in .npy or .json")
         try:

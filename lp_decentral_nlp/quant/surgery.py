@@ -449,8 +449,14 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
 
 
 def _run_the_layers_own_forward(module, args):
-    """A forward pre-hook that does nothing: its presence keeps ``nn.TransformerEncoderLayer`` off
-    torch's fused path (:func:`_hold_torch_fused_paths`)."""
+    """A forward pre-hook whose presence keeps ``nn.TransformerEncoderLayer`` off torch's fused
+    path (:func:`_hold_torch_fused_paths`); it refuses a nested tensor, which an
+    ``nn.TransformerEncoder`` outside the quantized model packs for that path alone."""
+    if args and getattr(args[0], "is_nested", False):
+        raise ValueError("an nn.TransformerEncoderLayer holding 8-bit layers got a nested tensor, which its "
+                         "nn.TransformerEncoder packs a padded batch into for torch's fused path (use_nested_tensor), "
+                         "the path that would bypass the 8-bit layers: quantize the whole encoder, or set its "
+                         "use_nested_tensor = False")
 
 
 def _hold_torch_fused_paths(model: nn.Module, hold: bool) -> None:

@@ -293,13 +293,22 @@ class DecentralizedTrainingArguments(TrainingArguments):
     @property
     def gossip_config(self) -> GossipConfig:
         """The run's :class:`~lp_decentral_nlp.gossip.factory.GossipConfig` (checks its fields:
-        ValueError naming the one that is wrong)."""
-        plan = self.fault_plan
-        return GossipConfig(num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows,
-                            algorithm=self.algorithm, compression=self.compression, compressor=self.compressor,
-                            qsgd_levels=self.qsgd_levels, low_precision=self.low_precision,
-                            consensus_lr=self.consensus_lr, seed=self.seed, faults=plan if plan.active else None,
-                            gossip_reference=self.gossip_reference)
+        ValueError naming the one that is wrong). Built once per value of the settings it holds, so
+        a graph file is read once: a run (its checkpoints, card and messages) keeps the graph it
+        started with if the file is later changed or removed."""
+        settings = (self.num_nodes, self.topology, self.torus_rows, self.algorithm, self.compression, self.compressor,
+                    self.qsgd_levels, self.low_precision, self.consensus_lr, self.seed, self.drop_prob,
+                    repr(self.stragglers), repr(self.absences), self.gossip_reference)
+        built = self.__dict__.get("_gossip_config")
+        if built is None or built[0] != settings:
+            plan = self.fault_plan
+            built = settings, GossipConfig(
+                num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows, algorithm=self.algorithm,
+                compression=self.compression, compressor=self.compressor, qsgd_levels=self.qsgd_levels,
+                low_precision=self.low_precision, consensus_lr=self.consensus_lr, seed=self.seed,
+                faults=plan if plan.active else None, gossip_reference=self.gossip_reference)
+            self.__dict__["_gossip_config"] = built
+        return built[1]
 
     @property
     def fault_plan(self) -> FaultPlan:
@@ -354,7 +363,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                                                               "eval_strategy='no' evaluates at the end only: set "
                                                               "eval_strategy")
                      for name in ("eval_delay", "metric_for_best_model", "greater_is_better")),
-                   ("greater_is_better", self.metric_for_best_model is None,
+                   ("greater_is_better", self.metric_for_best_model is None and not self.load_best_model_at_end,
                     "the order of metric_for_best_model's values, and none is set (nor load_best_model_at_end, "
                     "which picks loss): set metric_for_best_model"),
                    *((name, not (self.gradient_checkpointing or self.activation_checkpointing),

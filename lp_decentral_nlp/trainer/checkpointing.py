@@ -359,8 +359,8 @@ def resume_config(args: DecentralizedTrainingArguments, optimizer_cls_and_kwargs
     config = args.gossip_config
     graph = build_topology(config)
     return {"num_nodes": args.num_nodes, "algorithm": args.algorithm,
-            # a file's graph by its matrices too (the file may have changed since the checkpoint)
-            "topology": graph.name if config.topology in TOPOLOGIES else f"{graph.name} #{graph.fingerprint():x}",
+            # a file's graph by its matrices, whatever the file's name (it may have changed since the checkpoint)
+            "topology": graph.name if config.topology in TOPOLOGIES else f"mixing matrices #{graph.fingerprint():x}",
             "compressor": repr(build_compressor(config)), "consensus_lr": args.gamma, "low_precision": args.low_precision,
             "qgm": args.qgm, "skew": args.skew, "seed": args.seed, "data_seed": args.data_seed,
             "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -458,6 +458,9 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
         if key == "initial_model":
             return ("another initial model (gossip_reference='initial' gossips the offsets from it: build the trainer "
                     "from the model the run started from, not from a checkpoint's)")
+        if key == "compressor" and str(saved.get(key)).startswith("QSGD(") and "bucket_size" not in saved[key]:
+            return (f"compressor={saved[key]!r}, one norm per tensor (this version rounds QSGD in buckets of 1024 "
+                    "entries, with another default consensus step: no argument continues that run; start afresh)")
         if key == "consensus_lr" and args.consensus_lr is None:  # the default follows other settings
             return (f"consensus_lr={saved.get(key)!r} (this run's default: {value!r}; it follows the compression, "
                     f"graph and drop_prob: pass consensus_lr={saved.get(key)!r} to resume under other faults)")
@@ -617,36 +620,45 @@ class CheckpointMixin:
         (``{"step", "checkpoint", <metric_for_best_model>: value}``).
 
         A best evaluation on a step without a checkpoint (``save_steps`` a multiple of
-        ``eval_steps``, ``eval_on_start``) cannot be loaded: as Trainer, the best of the saved
-        evaluations is, with a warning naming both (Trainer named the best score beside the other
-        checkpoint); with none saved the model stays the last step's, with a warning."""
+        ``eval_steps``, ``eval_on_start``) cannot be loaded: the best evaluated checkpoint still on
+        disk is (Trainer loads the last one saved at a running best, or none, and named the best
+        score beside it), with a warning naming both; with none the model stays the last step's,
+        with a warning."""
         state, metric = self.state, self.args.metric_for_best_model
         if state.best_global_step is None:  # no evaluation during training
             return
         best = f"{metric}={state.best_metric:g} at step {state.best_global_step}"
         remedy = "save_strategy='best' (or save_steps=eval_steps) saves every new best"
         path = state.best_model_checkpoint
-        if path is None:
-            logger.warning(f"load_best_model_at_end: the best evaluation ({best}) has no checkpoint, nor has an earlier "
-                           f"best: the model is the last step's; {remedy}")
-            return
-        step = int(Path(path).name.rpartition("-")[2])
-        value = state.best_metric if step == state.best_global_step else self._evaluated(metric, step)
-        if step == state.best_global_step:
+        if path is not None and int(Path(path).name.rpartition("-")[2]) == state.best_global_step:
+            step, value = state.best_global_step, state.best_metric
             logger.info(f"loading the best model from {path} ({metric}={value:g})")
         else:
+            saved = self._best_evaluated_checkpoint(metric)
+            if saved is None:
+                logger.warning(f"load_best_model_at_end: no checkpoint holds an evaluation, the best ({best}) "
+                               f"included: the model is the last step's; {remedy}")
+                return
+            step, path, value = saved
             logger.warning(f"load_best_model_at_end: the best evaluation ({best}) has no checkpoint: loading {path}, "
-                           f"the best of those saved ({metric}={value:g} at step {step}); {remedy}")
+                           f"the best evaluated checkpoint ({metric}={value:g} at step {step}); {remedy}")
+            state.best_model_checkpoint = str(path)  # the one save_total_limit=1 keeps at the end
         self.best_model_loaded = {"step": step, "checkpoint": str(path), metric: value}
         self._average_is_current = False
         for k, i in enumerate(self.node_ids):
             self.nodes[k].load_state_dict(load_state_file(Path(path) / node_file(i))["model"])
 
-    def _evaluated(self, metric: str, step: int) -> float:
-        """The value of `metric` the evaluation at `step` logged (``state.log_history``)."""
+    def _best_evaluated_checkpoint(self, metric: str) -> tuple[int, Path, float] | None:
+        """``(step, folder, value)`` of the complete checkpoint in ``output_dir`` whose step's
+        evaluation (``state.log_history``) scored best on `metric` (``greater_is_better``), or None."""
         key = metric if metric.startswith("eval_") else f"eval_{metric}"
-        return next(entry[key] for entry in reversed(self.state.log_history)
-                    if entry.get("step") == step and key in entry)
+        evaluated = {entry["step"]: entry[key] for entry in self.state.log_history if key in entry and "step" in entry}
+        scored = [(step, path, evaluated[step]) for step, path in list_checkpoints(self.args.output_dir)
+                  if step in evaluated]
+        if not scored:
+            return None
+        pick = max if self.args.greater_is_better else min
+        return pick(scored, key=lambda candidate: candidate[2])
 
     def _keep_only_best_checkpoint(self) -> None:
         """End of training with ``save_total_limit=1`` and a best checkpoint: delete every other

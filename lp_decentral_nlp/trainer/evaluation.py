@@ -58,6 +58,12 @@ def evaluation_metric_names(num_nodes: int) -> tuple[str, ...]:
             *(f"{name}_node_{i}" for name in ("loss", "accuracy", "bytes_sent") for i in range(num_nodes)))
 
 
+def describe_evaluation_metrics(num_nodes: int) -> str:
+    """:func:`evaluation_metric_names` as a message says them."""
+    return ("loss, accuracy (a classifier's), consensus_distance, runtime, samples_per_second, steps_per_second, and "
+            f"loss_node_<i>, accuracy_node_<i>, bytes_sent_node_<i> for a node i in 0..{num_nodes - 1}")
+
+
 class EvaluationMixin:
     """`DecentralizedTrainer`'s averaged model, final merge, training logs and evaluation."""
 
@@ -211,8 +217,8 @@ class EvaluationMixin:
         Returns an `EvalLoopOutput` whose ``metrics`` (unprefixed) hold ``loss`` (mean over
         samples), ``accuracy`` (argmax of ``(batch, classes)`` logits, ``classes > 1``, against
         ``(batch,)`` integer labels; of an output tuple's first element, the logits, where the model
-        returns more, as T5's and BART's classifiers do; NaN where a logit is not finite: a
-        diverged model classifies nothing) when there is no ``compute_metrics``, and whatever
+        returns more, as T5's and BART's classifiers do; NaN where a row of logits holds a NaN or
+        no finite value: a diverged model classifies nothing) when there is no ``compute_metrics``, and whatever
         ``compute_metrics`` returns on all predictions, numpy values made Python numbers (with the
         model's main inputs as ``inputs`` and each sample's batch loss as ``losses`` where
         ``include_for_metrics`` names ``"inputs"`` / ``"loss"``, as Trainer); ``predictions`` and
@@ -258,7 +264,8 @@ class EvaluationMixin:
                 correct += int((scores.argmax(-1) == labels).sum())
                 classified += labels.shape[0]
                 # argmax reads a row of NaN logits as class 0: a diverged model scored the share of class 0
-                unscored = unscored or not bool(torch.isfinite(scores).all())
+                # (a -inf logit, a class masked out, still leaves the row its argmax)
+                unscored = unscored or bool((scores.isnan().any(-1) | ~scores.isfinite().any(-1)).any())
             if keep:
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)

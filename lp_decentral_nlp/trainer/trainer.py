@@ -57,7 +57,7 @@ from ..utils.logs import set_verbosity
 from ..utils.models import input_embeddings
 from .arguments import DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
-from .evaluation import EvaluationMixin, evaluation_metric_names
+from .evaluation import EvaluationMixin, describe_evaluation_metrics, evaluation_metric_names
 from .inputs import check_trainer_inputs, eval_sets
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
@@ -204,14 +204,14 @@ def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, 
                          f"e.g. {example!r}")
     if compute_metrics is not None:
         return
-    name = next((key.removeprefix(f"eval_{s}_") for s in sets if key.startswith(f"eval_{s}_")), None) if sets else \
-        key.removeprefix("eval_")
-    if name not in evaluation_metric_names(args.num_nodes):
+    # the name after a set's prefix: every set it may be (a set may be named like the start of another)
+    names = [key.removeprefix(f"eval_{s}_") for s in sets if key.startswith(f"eval_{s}_")] if sets else \
+        [key.removeprefix("eval_")]
+    if not set(names) & set(evaluation_metric_names(args.num_nodes)):
         raise ValueError(f"metric_for_best_model={metric!r} is not a metric of the evaluation: without compute_metrics "
-                         f"it returns loss, accuracy (a classifier's), consensus_distance, runtime, samples_per_second, "
-                         f"steps_per_second, and loss_node_<i>, accuracy_node_<i>, bytes_sent_node_<i> for a node i in "
-                         f"0..{args.num_nodes - 1}{' (each as eval_<set>_<metric>)' if sets else ''}; the first "
-                         "evaluation in training would stop the run")
+                         f"it returns {describe_evaluation_metrics(args.num_nodes)}"
+                         f"{' (each as eval_<set>_<metric>)' if sets else ''}; the first evaluation in training would "
+                         "stop the run")
 
 
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):

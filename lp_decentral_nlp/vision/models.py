@@ -153,15 +153,14 @@ class BasicBlock(nn.Module):
         return self.act(self.conv2(self.conv1(x)) + self.shortcut(x))
 
 
-def _as_first_conv_takes_it(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The images as `net`'s first convolution runs them fastest: channels last
-    (``torch.channels_last``) when it is an 8-bit layer, so every 8-bit convolution after it passes
-    channels-last tensors along without copying its output back (an 8-bit layer keeps its input's
-    layout, as ``nn.Conv2d``; ResNet-20's 8-bit step, batch 32: 0.61x fp32 from channels-last
-    images, 0.74x from contiguous ones, docs/design.md); as they are in fp32, which channels last
-    does not speed up."""
-    first = next(m for m in net.modules() if isinstance(m, nn.Conv2d))
-    return x.contiguous(memory_format=torch.channels_last) if isinstance(first, QuantModule) else x
+def _as_8bit_convolutions_take_it(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The images as `net`'s convolutions run them fastest: channels last (``torch.channels_last``)
+    when any is an 8-bit layer, so the 8-bit convolutions pass channels-last tensors along without
+    copying their outputs back (an 8-bit layer keeps its input's layout, as ``nn.Conv2d``;
+    ResNet-20's 8-bit step, batch 32: 0.59x fp32 from channels-last images, 0.74x from contiguous
+    ones, docs/design.md); as they are in fp32, which channels last does not speed up."""
+    quantized = any(isinstance(m, nn.Conv2d) and isinstance(m, QuantModule) for m in net.modules())
+    return x.contiguous(memory_format=torch.channels_last) if quantized else x
 
 
 class ResNet(nn.Module):
@@ -195,7 +194,7 @@ class ResNet(nn.Module):
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _as_first_conv_takes_it(self, x)
+        x = _as_8bit_convolutions_take_it(self, x)
         return self.classifier(self.pool(self.stages(self.stem(x))).flatten(1))
 
 
@@ -231,7 +230,7 @@ class VGG(nn.Module):
             raise ValueError(
                 f"VGG needs images of at least {self.min_size}x{self.min_size}, got {tuple(x.shape)}"
             )
-        x = _as_first_conv_takes_it(self, x)
+        x = _as_8bit_convolutions_take_it(self, x)
         return self.classifier(self.hidden(self.pool(self.features(x)).flatten(1)))
 
 
@@ -278,7 +277,7 @@ class MobileNetV2(nn.Module):
         _init_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _as_first_conv_takes_it(self, x)
+        x = _as_8bit_convolutions_take_it(self, x)
         return self.classifier(self.pool(self.features(x)).flatten(1))
 
 
