@@ -77,6 +77,17 @@ def test_cli_vision(capsys):
     assert "ops without a cost rule" not in out
 
 
+def test_cli_prices_qsgd_at_its_levels_and_names_the_messages(capsys):
+    """QSGD was priced at 16 levels only (no --qsgd-levels), and the header named no compressor."""
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--compressor", "qsgd", "--qsgd-levels", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("messages QSGD(levels=1, scaled=True, bucket_size=1024) (fp32), "
+                           "QSGD(levels=1, scaled=True, bucket_size=1024) (8-bit)")
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--compression", "99"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("messages TopK(keep=0.01, value_bits=None) (fp32), "
+                                                            "TopK(keep=0.01, value_bits=8) (8-bit)")
+
+
 def test_cli_output_writes_both_reports_as_printed(capsys, tmp_path):
     pytest.importorskip("lp_decentral_nlp.vision")
     path = tmp_path / "out" / "cost.json"  # a folder that does not exist yet is made

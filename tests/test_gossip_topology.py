@@ -155,7 +155,13 @@ def test_from_file_names_the_file_it_cannot_use(tmp_path):
     np.save(tmp_path / "half.npy", np.full((3, 3), 0.5))
     np.save(tmp_path / "objects.npy", np.array([{"W": 1}], dtype=object))  # a pickle is never loaded
     (tmp_path / "graph.txt").write_text("1")
+    (tmp_path / "empty.npy").write_bytes(b"")  # numpy's EOFError was a traceback
+    (tmp_path / "text.npy").write_text("0.5 0.5\n0.5 0.5\n")  # numpy offered to load it as a pickle, unsafely
+    np.save(tmp_path / "row.npy", np.full(4, 0.25))
     for name, message in (("cut.json", r"cannot read it \(Expecting"),
+                          ("empty.npy", r"cannot read it \(No data left in file\)"),
+                          ("text.npy", r"cannot read it \(not a \.npy file \(numpy\.save writes one\)\)"),
+                          ("row.npy", r"holds an array of shape \(4,\); a graph is a mixing matrix \(n, n\)"),
                           ("half.npy", r"matrices\[0\]: must be column stochastic .* column 0 sums to 1\.5"),
                           ("objects.npy", r"cannot read it \(Object arrays cannot be loaded when allow_pickle=False\)"),
                           ("graph.txt", r"a file of mixing matrices ends in \.npy or \.json"),

@@ -547,6 +547,10 @@ def test_a_best_evaluation_without_a_checkpoint_is_named_beside_the_checkpoint_l
     assert trained("b", {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.2}).best_model_loaded["step"] == 2
     # the run's end is saved too: step 3 (0.1) with save_steps=4, the one evaluated checkpoint
     assert trained("c", {1: 0.9, 2: 0.5, 3: 0.1}, save_steps=4).best_model_loaded["step"] == 3
+    # a checkpoint an earlier run (another learning rate) left at a step this run evaluated best is not this run's
+    trainer_for(tmp_path / "d", agnews_small, tokenizer, max_steps=2, save_strategy="steps", save_steps=2,
+                learning_rate=5e-3).train()
+    assert trained("d", {1: 0.1, 2: 0.9, 3: 0.2}, save_steps=3).best_model_loaded["step"] == 3
 
 
 def test_a_best_metric_the_evaluation_does_not_return_is_refused_before_training(tmp_path, agnews_small, tokenizer):
@@ -1100,6 +1104,10 @@ def test_drift_guard_waits_while_sparse_messages_load_the_copies(tmp_path, agnew
     trainer, warnings = drift_warnings(tmp_path, agnews_small, tokenizer, caplog, compression=99.0, max_steps=16)
     assert trainer.drift_warmup_steps() == 100 and warnings == []
     assert trainer.state.log_history[-2]["consensus_distance"] > 10 * trainer.state.log_history[3]["consensus_distance"]
+    # QSGD's messages carry the whole model shrunk by its quality: 1 level (1/33) warned at step 32 of a
+    # warm-up that peaked at step 88
+    assert trainer_for(tmp_path, agnews_small, tokenizer, compressor="qsgd", qsgd_levels=1).drift_warmup_steps() == 99
+    assert trainer_for(tmp_path, agnews_small, tokenizer, compressor="qsgd").drift_warmup_steps() == 9
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
     p.add_argument("--compressor", choices=("topk", "randomk", "qsgd"), default="topk",
-                   help="message compressor: topk/randomk drop --compression percent; qsgd sends 16 levels per "
-                        "entry, --compression stays 0 (topk)")
+                   help="message compressor: topk/randomk drop --compression percent; qsgd sends --qsgd-levels "
+                        "levels per entry, --compression stays 0 (topk)")
+    p.add_argument("--qsgd-levels", type=ranged(int, Range(1, 127)), default=16,
+                   help="QSGD levels s, 1..127, with --compressor qsgd (16)")
     p.add_argument("--train-samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -141,7 +143,8 @@ def _gossip_config(args, precision: str):
     from lp_decentral_nlp.gossip.factory import GossipConfig
 
     return GossipConfig(num_nodes=args.num_nodes, topology=args.topology, algorithm=args.algorithm,
-                        compression=args.compression, compressor=args.compressor, low_precision=precision == "int8")
+                        compression=args.compression, compressor=args.compressor, qsgd_levels=args.qsgd_levels,
+                        low_precision=precision == "int8")
 
 
 def main(argv=None) -> int:
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
     comm = reports["fp32"].communication
     print(f"{what}: hardware cost per node (SPEC 7; 45 nm energies), "
           f"gossip: {comm.algorithm} on {comm.topology} (spectral gap {comm.spectral_gap:.3g}), "
-          f"compression {args.compression:g}%")
+          f"messages {comm.compressor} (fp32), {reports['int8'].communication.compressor} (8-bit)")
     print(format_comparison(reports))
     int8_weight_grad_energy = None
     if args.convention == "ours":  # the paper's convention prices every op of the 8-bit model int8

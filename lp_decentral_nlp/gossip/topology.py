@@ -103,8 +103,17 @@ class Topology:
             else:
                 with open(path, encoding="utf-8") as f:
                     matrices = json.load(f)
-        except (OSError, ValueError) as err:  # json.JSONDecodeError and numpy's format errors are ValueErrors
-            raise ValueError(f"topology file {path!r}: cannot read it ({' '.join(str(err).split())})") from None
+        except (OSError, ValueError, EOFError) as err:  # json's and numpy's format errors are ValueErrors
+            # numpy reads a file that is no .npy as a pickle, and offers to load it unsafely: never
+            why = "not a .npy file (numpy.save writes one)" if "pickled" in str(err) else " ".join(str(err).split())
+            raise ValueError(f"topology file {path!r}: cannot read it ({why or type(err).__name__})") from None
+        try:
+            shape = np.shape(matrices)
+        except ValueError:  # ragged nesting (matrices of different sizes): the checks below name the one
+            shape = None
+        if shape is not None and len(shape) not in (2, 3):
+            raise ValueError(f"topology file {path!r}: holds an array of shape {shape}; a graph is a mixing matrix "
+                             "(n, n), or (T, n, n) for one that cycles through T")
         try:
             return cls(matrices, name=os.path.basename(path))
         except (TypeError, ValueError) as err:

@@ -343,6 +343,15 @@ def _one_line(err: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _manifest_config(path) -> dict | None:
+    """The settings a checkpoint's manifest records (:func:`resume_config` and the trainer's
+    additions), or None where it cannot be read."""
+    try:
+        return read_manifest(path, required=("config",))["config"]
+    except ValueError:
+        return None
+
+
 class CheckpointError(ValueError):
     """The checkpoint given to resume from cannot continue this run (damaged, incomplete, or
     written by another model or other settings); raised by ``train()`` before any training step."""
@@ -458,6 +467,9 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
         if key == "initial_model":
             return ("another initial model (gossip_reference='initial' gossips the offsets from it: build the trainer "
                     "from the model the run started from, not from a checkpoint's)")
+        if key == "topology" and str(value).startswith("mixing matrices #"):
+            return (f"another graph: {saved.get(key)!r} (this run's file {args.topology} holds {value!r}; a file is "
+                    "recorded by its matrices)")
         if key == "compressor" and str(saved.get(key)).startswith("QSGD(") and "bucket_size" not in saved[key]:
             return (f"compressor={saved[key]!r}, one norm per tensor (this version rounds QSGD in buckets of 1024 "
                     "entries, with another default consensus step: no argument continues that run; start afresh)")
@@ -650,11 +662,13 @@ class CheckpointMixin:
 
     def _best_evaluated_checkpoint(self, metric: str) -> tuple[int, Path, float] | None:
         """``(step, folder, value)`` of the complete checkpoint in ``output_dir`` whose step's
-        evaluation (``state.log_history``) scored best on `metric` (``greater_is_better``), or None."""
+        evaluation (``state.log_history``) scored best on `metric` (``greater_is_better``), among
+        those written with this run's settings (not one an earlier run left there), or None."""
         key = metric if metric.startswith("eval_") else f"eval_{metric}"
         evaluated = {entry["step"]: entry[key] for entry in self.state.log_history if key in entry and "step" in entry}
+        ours = json.loads(json.dumps(self._resume_config()))  # as the manifest holds it
         scored = [(step, path, evaluated[step]) for step, path in list_checkpoints(self.args.output_dir)
-                  if step in evaluated]
+                  if step in evaluated and _manifest_config(path) == ours]  # not one an earlier run left there
         if not scored:
             return None
         pick = max if self.args.greater_is_better else min

@@ -18,7 +18,7 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import logging
 
-from ..gossip import RandomK, TopK, gossiped_parameters
+from ..gossip import QSGD, RandomK, TopK, compression_quality, gossiped_parameters
 from ..gossip.factory import build_compressor
 from .inputs import eval_sets
 from .node_data import check_labels
@@ -168,12 +168,17 @@ class EvaluationMixin:
 
     def drift_warmup_steps(self) -> int:
         """Optimizer steps the drift guard waits beyond the first epoch: ``ceil(1 / keep)`` with a
-        top-k or random-k compressor keeping ``keep`` of each tensor's entries, else 0. The nodes
-        start from the same weights and spread out by design until gossip catches up, and a sparse
-        message carries ``keep`` of the model, so the public copies Choco mixes (SPEC 2, they
-        start at 0) need ``1 / keep`` steps to hold it: on digits at 1% top-k the distance rose
-        for the first 70 steps of healthy runs (docs/consensus_step.md)."""
+        top-k or random-k compressor keeping ``keep`` of each tensor's entries, ``ceil(3 / delta)``
+        with scaled QSGD of quality ``delta``, else 0. The nodes start from the same weights and
+        spread out by design until gossip catches up, and the public copies Choco mixes (SPEC 2,
+        they start at 0) fill at the messages' rate: a sparse message carries ``keep`` of the
+        model (on digits at 1% top-k the distance rose for the first 70 steps of healthy runs), a
+        QSGD message all of it shrunk by ``delta`` (MiniLM, Choco at the default step: the
+        distance peaked at step 8 with 16 levels, ``3 / delta = 9``, and at step 88 with 1 level,
+        ``99``; docs/consensus_step.md)."""
         compressor = build_compressor(self.args.gossip_config)
+        if isinstance(compressor, QSGD):
+            return math.ceil(3 / compression_quality(compressor))
         return math.ceil(1 / compressor.keep) if isinstance(compressor, (TopK, RandomK)) else 0
 
     def _watch_drift(self, distance: float) -> None:
