@@ -6,10 +6,10 @@ Every other flag of the NLP recipes (model, epochs, nodes, ...) applies to every
 to the 8-bit ones. Writes, under
 --output-dir: one folder per run (with its results.json; a run whose results.json says "done" is not
 repeated; one done with other settings, or on other rows or another model, is refused, or with
---overwrite_output_dir repeated), ``sweep.json`` (all results; under faults or another ``--gossip-reference`` also
-those settings and each point's fault counts), ``sweep.md`` (rows skew/compression; columns DS, LP-DS, Choco, LP-Choco;
-a line under it names the faults and reference every run had) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit
-dashed; that line in its title). Those three hold
+--overwrite_output_dir repeated), ``sweep.json`` (all results; with another graph, faults or another
+``--gossip-reference`` also those settings and each point's fault counts), ``sweep.md`` (rows skew/compression;
+columns DS, LP-DS, Choco, LP-Choco; a line under it names the graph, faults and reference every run had where not
+the default) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed; that line in its title). Those three hold
 this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
 only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
 
@@ -392,11 +392,12 @@ def run_grid(sweep) -> list[dict]:
 
 
 def common_settings(training) -> dict:
-    """Settings every point shares that change its results and the table does not show: the
-    faults in use (``trainer.fault_settings``) and a gossip reference other than ``"zero"``."""
+    """Settings every point shares that change its results and the table does not show: a graph
+    other than the default, the faults in use (``trainer.fault_settings``) and a gossip reference
+    other than ``"zero"``."""
     from lp_decentral_nlp.trainer import fault_settings  # (it imports torch: not before the flags are checked)
 
-    settings = {}
+    settings = {} if training.topology == "directed_ring" else {"topology": str(training.topology)}
     faults = fault_settings(training)
     if faults:
         settings["faults"] = faults
@@ -407,8 +408,8 @@ def common_settings(training) -> dict:
 
 def settings_caption(rows) -> str:
     """A line under the table naming :func:`common_settings` (empty without any)."""
-    settings = {**rows[0].get("faults", {}), **({"gossip_reference": rows[0]["gossip_reference"]}
-                                                if "gossip_reference" in rows[0] else {})}
+    settings = {**{key: rows[0][key] for key in ("topology",) if key in rows[0]}, **rows[0].get("faults", {}),
+                **({"gossip_reference": rows[0]["gossip_reference"]} if "gossip_reference" in rows[0] else {})}
     if not settings:
         return ""
     return "\nEvery run: " + "; ".join(f"{key} {value}" for key, value in settings.items()) + ".\n"

@@ -368,6 +368,9 @@ def test_a_sweep_under_faults_says_so_in_its_rows_and_table(tmp_path):
     assert sweep.settings_caption([row]) == ("\nEvery run: message_drop_prob 0.1; absences node 1 away for iterations 0 "
                                              "to 1; gossip_reference initial.\n")
     assert sweep.common_settings(DecentralizedTrainingArguments(output_dir=str(tmp_path))) == {}
+    assert sweep.common_settings(DecentralizedTrainingArguments(output_dir=str(tmp_path), topology="ring")) == {
+        "topology": "ring"}  # sweep.json and sweep.md named no graph
+    assert sweep.settings_caption([{"accuracy": 0.5, "topology": "ring"}]) == "\nEvery run: topology ring.\n"
     assert sweep.settings_caption([{"accuracy": 0.5}]) == ""
 
 

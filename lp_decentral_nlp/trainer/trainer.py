@@ -198,7 +198,7 @@ def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, 
     key = metric if metric.startswith("eval_") else f"eval_{metric}"
     sets = list(eval_dataset) if isinstance(eval_dataset, dict) and eval_dataset else None
     if sets and not any(key.startswith(f"eval_{name}_") for name in sets):
-        example = f"eval_{sets[0]}_{metric.removeprefix('eval_')}"
+        example = f"eval_{sets[0]}_loss"  # (the metric given may name no metric either)
         raise ValueError(f"metric_for_best_model={metric!r}: with a dict eval_dataset every metric is named after its "
                          f"set, eval_<set>_<metric> (sets: {', '.join(map(repr, sets))}): name one, "
                          f"e.g. {example!r}")
