@@ -228,7 +228,8 @@ def test_unscaled_qsgd_is_refused_by_both_compressed_algorithms(cls):
 def test_one_bit_quantization_is_refused_and_two_bits_take_a_smaller_step(cls):
     """Quantize(1) maps every value to its tensor's min or max: both algorithms diverged at every
     gamma from 1 to 0.05 (8-node rings); Quantize(2) took gamma 1, at which Choco diverged on the
-    ring (4.9e8-fold in 300 steps) while 0.5 reaches the average."""
+    ring (its worst node 1.7e7 times the average's norm from it after 300 steps) while 0.5 reaches
+    the average."""
     topo = make_topology("ring", 8)
     with pytest.raises(ValueError, match=rf"^{cls.__name__} needs a contraction, and Quantize\(bits=1\) is none: .* "
                                          r"use Quantize\(bits\) with 2, 4 or 8 bits$"):
