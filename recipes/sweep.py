@@ -408,8 +408,10 @@ def common_settings(training) -> dict:
 
 def settings_caption(rows) -> str:
     """A line under the table naming :func:`common_settings` (empty without any)."""
-    settings = {**{key: rows[0][key] for key in ("topology",) if key in rows[0]}, **rows[0].get("faults", {}),
-                **({"gossip_reference": rows[0]["gossip_reference"]} if "gossip_reference" in rows[0] else {})}
+    settings = {}
+    for key in ("topology", "faults", "gossip_reference"):  # common_settings' keys; faults: a dict of its own
+        value = rows[0].get(key)
+        settings.update(value if isinstance(value, dict) else {} if value is None else {key: value})
     if not settings:
         return ""
     return "\nEvery run: " + "; ".join(f"{key} {value}" for key, value in settings.items()) + ".\n"

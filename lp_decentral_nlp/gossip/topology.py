@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -192,8 +193,8 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
             ``K = ceil(log2 n)``), ``"complete"`` (everyone to everyone).
         num_nodes: ``n >= 1``.
         rows, cols: torus shape, ``rows * cols == num_nodes``; either one alone fixes the other,
-            and without both the most square shape is taken (``rows <= cols``). Not allowed for
-            the other graphs.
+            and without both the most square shape is taken (``rows <= cols``; a warning where it
+            is ``1 x n``, the ring: a prime number of nodes). Not allowed for the other graphs.
     """
     n = check_number("num_nodes", num_nodes, POSITIVE_INT)
     if name not in TOPOLOGIES:
@@ -215,6 +216,9 @@ def make_topology(name: str, num_nodes: int, *, rows: int | None = None, cols: i
                   for arg, v in (("rows", rows), ("cols", cols)))
     if rows is None and cols is None:
         rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+        if rows == 1 and n > 3:
+            warnings.warn(f"a torus of {n} nodes is 1 x {n}, the ring ({n} is prime): a 2-D torus needs a number of "
+                          "nodes with a factor other than 1 (e.g. 4, 6, 9)", stacklevel=2)
     if rows is None or cols is None:
         given, other = ("rows", "cols") if cols is None else ("cols", "rows")
         if n % (rows or cols):

@@ -58,6 +58,11 @@ NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", 
                    "drop_prob", "neftune_noise_alpha")
 
 
+#: the GossipConfig fields that are training arguments of the same name (``faults`` is built from
+#: ``drop_prob``, ``stragglers`` and ``absences``: :attr:`DecentralizedTrainingArguments.fault_plan`)
+_GOSSIP_FIELDS = tuple(f.name for f in fields(GossipConfig) if f.name != "faults")
+
+
 @dataclass
 class DecentralizedTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the decentralized setting.
@@ -296,17 +301,12 @@ class DecentralizedTrainingArguments(TrainingArguments):
         ValueError naming the one that is wrong). Built once per value of the settings it holds, so
         a graph file is read once: a run (its checkpoints, card and messages) keeps the graph it
         started with if the file is later changed or removed."""
-        settings = (self.num_nodes, self.topology, self.torus_rows, self.algorithm, self.compression, self.compressor,
-                    self.qsgd_levels, self.low_precision, self.consensus_lr, self.seed, self.drop_prob,
-                    repr(self.stragglers), repr(self.absences), self.gossip_reference)
+        settings = {name: getattr(self, name) for name in _GOSSIP_FIELDS}  # all but faults: the plan's fields
+        key = (tuple(settings.values()), self.drop_prob, repr(self.stragglers), repr(self.absences))
         built = self.__dict__.get("_gossip_config")
-        if built is None or built[0] != settings:
+        if built is None or built[0] != key:
             plan = self.fault_plan
-            built = settings, GossipConfig(
-                num_nodes=self.num_nodes, topology=self.topology, torus_rows=self.torus_rows, algorithm=self.algorithm,
-                compression=self.compression, compressor=self.compressor, qsgd_levels=self.qsgd_levels,
-                low_precision=self.low_precision, consensus_lr=self.consensus_lr, seed=self.seed,
-                faults=plan if plan.active else None, gossip_reference=self.gossip_reference)
+            built = key, GossipConfig(**settings, faults=plan if plan.active else None)
             self.__dict__["_gossip_config"] = built
         return built[1]
 

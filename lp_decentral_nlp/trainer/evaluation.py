@@ -31,8 +31,6 @@ DRIFT_WINDOW = 3
 #: ... and by at least this factor over them (a plateau's noise alone rises for a few logs by chance)
 DRIFT_GROWTH = 2.0
 
-
-
 #: the metrics the trainer adds to every evaluation (a node's are named ``<metric>_node_<i>``):
 #: ``compute_metrics`` may not return them (its ``loss`` replaces the loss, as in Trainer)
 _TRAINER_METRICS = ("consensus_distance", "bytes_sent", "runtime", "samples_per_second", "steps_per_second")

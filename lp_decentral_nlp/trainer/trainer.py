@@ -359,10 +359,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_params = [gossiped_parameters(node) for node in self.nodes]
         self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout),
                                    self.node_params[0] if args.gossip_reference == "initial" else None)
-        n = args.num_nodes
-        if args.topology == "torus" and n > 3 and all(n % rows for rows in range(2, math.isqrt(n) + 1)):
-            logger.warning(f"topology='torus' of {n} nodes is a 1 x {n} torus, the ring ({n} is prime): a 2-D torus "
-                           "needs a number of nodes with a factor other than 1 (e.g. 4, 6, 9)")
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
         self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
