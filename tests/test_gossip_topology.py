@@ -99,7 +99,8 @@ def test_from_matrix_rejects_invalid_matrices_with_clear_errors(W, message):
 def test_a_torus_without_a_shape_is_the_most_square_one_and_one_side_fixes_the_other():
     """As GossipConfig's torus (``torus_rows=None``): make_topology needed both sides."""
     assert make_topology("torus", 12).name == "torus(3x4)"
-    assert make_topology("torus", 7).name == "torus(1x7)"
+    with pytest.warns(UserWarning, match=r"^a torus of 7 nodes is 1 x 7, the ring \(7 is prime\)"):
+        assert make_topology("torus", 7).name == "torus(1x7)"
     assert make_topology("torus", 12, rows=2).name == "torus(2x6)"
     assert make_topology("torus", 12, cols=2).name == "torus(6x2)"
     assert build_topology(GossipConfig(num_nodes=12, topology="torus")).name == "torus(3x4)"
