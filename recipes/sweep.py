@@ -70,12 +70,18 @@ def set_grid_help(parser) -> None:
     for name in ("resume_from_checkpoint", "restore_callback_states_from_checkpoint"):
         parser.set_help(name, f"refused: {NO_RESUME}")
     parser.set_help("enable_jit_checkpoint", f"refused: {NO_JIT_CHECKPOINT}")
+    parser.set_help("compressor", f"Message compressor of the runs with --comps > 0: 'topk' or 'randomk' ('qsgd' is "
+                                  f"refused: {NO_QSGD}) (default: topk)")
+    parser.set_help("qsgd_levels", f"refused: the grid runs top-k or random-k ({NO_QSGD})")
 
 
 #: why a sweep takes no --resume_from_checkpoint, and no --enable_jit_checkpoint
 NO_RESUME = ("each grid point is a run of its own: run the sweep again with the same --output-dir, which reuses the "
              "points it finished")
 NO_JIT_CHECKPOINT = "a stopped grid point starts afresh when the sweep runs again"
+#: why a sweep takes no QSGD
+NO_QSGD = ("the grid's --comps are the percentages top-k and random-k drop, and QSGD's message size is set by its "
+           "levels, not by a percentage")
 
 
 def parse(argv=None):
@@ -201,8 +207,7 @@ def check_grid_flags(parser, sweep) -> None:
         parser.error("argument --consensus-lr-compressed: the gamma of the runs with --comps > 0, and --comps holds "
                      "none: drop one of them")
     if sweep.training.compressor == "qsgd":
-        parser.error(f"argument {parser.flag_of('compressor')}: the grid's --comps are the percentages top-k and "
-                     "random-k drop; QSGD's size is set by --qsgd_levels: sweep topk or randomk")
+        parser.error(f"argument {parser.flag_of('compressor')}: {NO_QSGD}: sweep topk or randomk")
     out = sweep.values["output_dir"]
     for name in ("sweep.json", "sweep.md", "sweep.png"):  # written after the last point: checked before the first
         if os.path.isdir(os.path.join(out, name)):

@@ -463,8 +463,9 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
      "argument --kernel: the kernel of the 8-bit runs, and --precisions holds no int8: drop one of them"),
     (["--comps", "0", "--consensus-lr-compressed", "0.2"], "argument --consensus-lr-compressed: the gamma of the runs "
                                                            "with --comps > 0, and --comps holds none: drop one of them"),
-    (["--compressor", "qsgd"], "argument --compressor: the grid's --comps are the percentages top-k and random-k drop; "
-                               "QSGD's size is set by --qsgd_levels: sweep topk or randomk"),
+    (["--compressor", "qsgd"], "argument --compressor: the grid's --comps are the percentages top-k and random-k drop, "
+                               "and QSGD's message size is set by its levels, not by a percentage: sweep topk or "
+                               "randomk"),
     # every point resumed from that run's checkpoint and reported its results as its own
     (["--resume-from-checkpoint", "."], "argument --resume-from-checkpoint: each grid point is a run of its own: "
      "run the sweep again with the same --output-dir, which reuses the points it finished; drop it"),
@@ -575,12 +576,15 @@ def test_sweep_refuses_flags_in_its_own_terms(argv, message, tmp_path, capsys):
     assert exc.value.code == 2 and capsys.readouterr().err == f"sweep.py: error: {message}\n"
 
 
-def test_sweep_help_lists_resume_from_checkpoint_as_refused(capsys):
+def test_sweep_help_lists_the_flags_the_grid_refuses(capsys):
     with pytest.raises(SystemExit):
         import_sweep().parse(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--resume-from-checkpoint RESUME_FROM_CHECKPOINT refused: each grid point is a run of its own" in help_text
     assert "--enable-jit-checkpoint [ENABLE_JIT_CHECKPOINT] refused: a stopped grid point starts afresh" in help_text
+    assert "--compressor COMPRESSOR Message compressor of the runs with --comps > 0: 'topk' or 'randomk' ('qsgd' is " \
+           "refused: the grid's --comps are the percentages" in help_text
+    assert "--qsgd-levels QSGD_LEVELS refused: the grid runs top-k or random-k" in help_text
     # the docstring's whole story after the flags (what it writes, reuse, Ctrl-C, --jobs), not its first line only
     assert "--jobs N runs N grid points at once, each in its own process" in help_text
     assert "Ctrl-C stops the sweep with one line" in help_text and "``" not in help_text
