@@ -2052,11 +2052,20 @@ def test_a_schedule_that_cannot_be_built_is_refused_when_the_arguments_are(tmp_p
      r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} is the options of activation \(gradient\) "
      r"checkpointing, which is off"),
     (dict(activation_checkpointing_kwargs={"use_reentrant": False}), r"activation_checkpointing_kwargs=.* which is off"),
+    (dict(hub_strategy="end"), r"hub_strategy='end' is when and what the training uploads, and push_to_hub=False "
+                               r"uploads nothing during training"),
+    (dict(hub_always_push=True), r"hub_always_push=True is when and what the training uploads"),
 ])
 def test_a_setting_its_strategy_switches_off_is_refused_from_python_too(kwargs, message, tmp_path):
     """The recipes refused these; DecentralizedTrainingArguments accepted them, and they did nothing."""
     with pytest.raises(ValueError, match=f"^{message}"):
         targs(tmp_path, **kwargs)
+
+
+def test_the_hub_settings_a_later_push_to_hub_reads_are_taken_without_push_to_hub(tmp_path):
+    """trainer.push_to_hub() after training reads hub_model_id, hub_token, hub_private_repo and hub_revision."""
+    args = targs(tmp_path, hub_model_id="me/model", hub_private_repo=True, hub_revision="dev")
+    assert (args.push_to_hub, args.hub_model_id, args.hub_revision) == (False, "me/model", "dev")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -366,6 +366,11 @@ class DecentralizedTrainingArguments(TrainingArguments):
                    ("greater_is_better", self.metric_for_best_model is None and not self.load_best_model_at_end,
                     "the order of metric_for_best_model's values, and none is set (nor load_best_model_at_end, "
                     "which picks loss): set metric_for_best_model"),
+                   # hub_model_id, hub_token, ... also serve a push_to_hub() called after training
+                   *((name, not self.push_to_hub, "when and what the training uploads, and push_to_hub=False uploads "
+                                                  "nothing during training (trainer.push_to_hub() uploads the saved "
+                                                  "model once): set push_to_hub=True")
+                     for name in ("hub_strategy", "hub_always_push")),
                    *((name, not (self.gradient_checkpointing or self.activation_checkpointing),
                       "the options of activation (gradient) checkpointing, which is off: set activation_checkpointing")
                      for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))]

@@ -168,8 +168,8 @@ POLICY: dict[str, str] = {
     "hub_private_repo": HONOURED,
     "hub_model_id": HONOURED,
     "hub_strategy": HONOURED + " ('checkpoint' / 'all_checkpoints' upload the whole decentralized checkpoint: every "
-                    "node file)",
-    "hub_always_push": HONOURED,
+                    "node file; refused without push_to_hub)",
+    "hub_always_push": HONOURED + " (refused without push_to_hub)",
     "hub_revision": HONOURED,
 }
 
