@@ -197,7 +197,7 @@ def test_adam_with_l2_weight_decay_is_refused_before_the_first_step(tmp_path):
 
 def test_a_skewed_qgm_adamw_run_on_the_directed_ring_lowers_the_loss_and_stays_in_consensus(tmp_path):
     # the measurement of docs/trainer.md (QGM): Adam's first moment takes the consensus move with weight
-    # 1 - beta1, so the nodes stay close (0.18 here, 0.21 without QGM); a first moment *replaced* by the
+    # 1 - beta1, so the nodes stay close (0.17 here, 0.20 without QGM); a first moment *replaced* by the
     # whole change re-applied 0.9x every consensus move and reached 793
     train, test = digits()
     evaluations = []
