@@ -3,6 +3,7 @@ import csv
 
 import numpy as np
 import pytest
+import transformers
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from lp_decentral_nlp.data import (
@@ -277,6 +278,10 @@ def test_the_text_task_refuses_data_it_cannot_classify(content, message, tmp_pat
     (dict(data_dir=5), r"^data_dir must be a path \(str or os.PathLike\) or None, got int"),
     (dict(eval_fraction="0.2"), r"^eval_fraction must be a number in \(0, 1\), got '0.2'"),
     (dict(tokenizer=42), r"^tokenizer must be a Hugging Face tokenizer \(callable\) or None, got int"),
+    # a class is callable: it failed inside the tokenizing bar with a Rust extraction error
+    (dict(tokenizer=transformers.BertTokenizer), r"^tokenizer must be a Hugging Face tokenizer \(callable\) or None, "
+                                                 r"got the class BertTokenizer \(load one: "
+                                                 r"BertTokenizer.from_pretrained\(...\)\)$"),
 ])
 def test_load_task_refuses_arguments_of_the_wrong_kind_in_one_line(kwargs, message):
     """They were raw TypeErrors from deep inside (the tokenizer's behind a "Tokenizing" bar)."""

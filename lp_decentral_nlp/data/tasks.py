@@ -107,8 +107,10 @@ def load_task(
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise ValueError(f"data_dir must be a path (str or os.PathLike) or None, got {type(data_dir).__name__}")
     data_dir = None if data_dir is None else os.path.expanduser(data_dir)
-    if tokenizer is not None and not callable(tokenizer):
-        raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable) or None, got {type(tokenizer).__name__}")
+    if tokenizer is not None and (isinstance(tokenizer, type) or not callable(tokenizer)):
+        got = f"the class {tokenizer.__name__} (load one: {tokenizer.__name__}.from_pretrained(...))" \
+            if isinstance(tokenizer, type) else type(tokenizer).__name__
+        raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable) or None, got {got}")
     max_length = check_field("max_length", max_length)
     seed = check_field("seed", seed)
     limits = {"train": check_field("max_train_samples", max_train_samples),
