@@ -17,6 +17,8 @@ import os
 from collections.abc import Hashable
 from typing import NamedTuple
 
+import numpy as np
+
 
 class Number(NamedTuple):
     """Allowed values of a numeric setting: ``low .. high`` (None: unbounded; ``*_open``: the bound
@@ -147,11 +149,21 @@ def check_fields(obj, names) -> None:
             object.__setattr__(obj, name, plain)
 
 
-def check_flag(name: str, value) -> None:
-    """ValueError ``"<name> must be True or False, got <value!r>"`` unless ``value`` is a bool: a
-    string such as ``"no"`` or ``"false"`` is truthy and would switch the setting on."""
-    if not isinstance(value, bool):
+def check_flag(name: str, value) -> bool:
+    """``value`` as Python's own bool if it is a bool (NumPy's ``np.bool_`` too, as
+    :func:`check_number` takes NumPy numbers), else ValueError ``"<name> must be True or False,
+    got <value!r>"``: a string such as ``"no"`` or ``"false"`` is truthy and would switch the
+    setting on."""
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_flags(obj, names) -> None:
+    """:func:`check_flag` of each attribute ``names`` of ``obj``, in order (the first bad one
+    raises); a NumPy bool is stored back as Python's (frozen dataclasses included)."""
+    for name in names:
+        object.__setattr__(obj, name, check_flag(name, getattr(obj, name)))
 
 
 def check_choice(name: str, value, allowed) -> None:

@@ -1,6 +1,7 @@
 """NumPy numbers (a sweep over ``np.arange``, a value read from an array) are numbers wherever the
 library takes one, and are stored as Python's own int and float, so configurations still write
-as JSON; NumPy's bool, NaN and out-of-range values are refused as Python's are."""
+as JSON; NumPy's bool, NaN and out-of-range values are refused as Python's are. A NumPy bool is
+a switch's True or False, stored as Python's."""
 import json
 import math
 
@@ -104,6 +105,15 @@ def test_check_number_returns_python_numbers():
 def test_a_switch_takes_only_true_or_false(build, name):
     """A string switch is truthy: final_merge="no" merged, tune_cpu_malloc="false" tuned the
     allocator, train="no" augmented, dry_run="no" changed nothing and returned the report."""
-    for value in ("no", 1, np.bool_(False)):
+    for value in ("no", 1, None):
         with pytest.raises(ValueError, match=rf"^{name} must be True or False, got "):
             build(value)
+    build(np.bool_(False))  # a value read from an array, as NumPy numbers are taken
+
+
+@pytest.mark.parametrize("name", ["qgm", "final_merge", "skip_nonfinite", "tune_cpu_malloc", "low_precision"])
+def test_a_numpy_bool_switch_is_stored_as_pythons(name):
+    args = DecentralizedTrainingArguments(output_dir="unused", **{name: np.bool_(True)})
+    assert type(getattr(args, name)) is bool and getattr(args, name) is True
+    json.dumps(args.to_dict())  # np.bool_ is not JSON
+    assert type(GossipConfig(num_nodes=2, low_precision=np.bool_(True)).low_precision) is bool

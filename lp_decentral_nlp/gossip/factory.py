@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_fields, check_flag, check_topology_name_or_file
+from ..checks import check_choice, check_fields, check_flags, check_topology_name_or_file
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
 from .push_sum import PushSumGossip
@@ -105,7 +105,7 @@ class GossipConfig:
         if self.algorithm == "dpsgd" and self.consensus_lr not in (None, 1.0):
             raise ValueError(f"consensus_lr={self.consensus_lr!r} is the consensus step of 'choco' and 'deepsqueeze'; "
                              "'dpsgd' mixes exactly (gamma 1): drop consensus_lr or choose another algorithm")
-        check_flag("low_precision", self.low_precision)
+        check_flags(self, ("low_precision",))
         if self.faults is not None and not isinstance(self.faults, FaultPlan):
             raise ValueError(f"faults must be a FaultPlan or None, got {type(self.faults).__name__}")
         if self.torus_rows is not None and (self.topology != "torus" or self.num_nodes % self.torus_rows):

@@ -149,7 +149,7 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
     config = QuantConfig() if config is None else config
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
-    check_flag("dry_run", dry_run)
+    dry_run = check_flag("dry_run", dry_run)
     already = [n for n, m in model.named_modules() if isinstance(m, QuantModule)]
     if already:
         raise ValueError(f"model is already quantized ({len(already)} 8-bit layers, e.g. {already[0]!r}); "

@@ -17,7 +17,7 @@ from transformers import TrainingArguments, training_args
 from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import Number, check_choice, check_fields, check_flag, plain_number
+from ..checks import Number, check_choice, check_fields, check_flags, plain_number
 from ..gossip.factory import COMPRESSORS, REFERENCES, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
@@ -156,8 +156,7 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              "length): give max_steps >= 1, or leave it at -1 to train for num_train_epochs")
         if isinstance(self.topology, (str, os.PathLike)):  # a file's path as text (JSON-saved), ~ expanded as output_dir's
             self.topology = os.path.expanduser(self.topology)
-        for name in ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc"):
-            check_flag(name, getattr(self, name))  # low_precision: GossipConfig's check
+        check_flags(self, ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc", "low_precision"))
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         check_choice("quant_kernel", self.quant_kernel, kernel_names())
         if not self.low_precision and self.quant_kernel != AUTO:

@@ -468,7 +468,7 @@ class VisionTransform:
     def __init__(self, image_size: int, mean, std, train: bool, padding: int = 0):
         image_size = check_number("image_size", image_size, POSITIVE_INT)
         padding = check_number("padding", padding, NONNEGATIVE_INT)
-        check_flag("train", train)
+        train = check_flag("train", train)
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"mean and std must hold 3 values (RGB), std > 0; got {mean}, {std}")
         self.image_size, self.train, self.padding = image_size, train, padding
@@ -557,7 +557,7 @@ def with_vision_transforms(dsd: datasets.DatasetDict, dataset: str | VisionDatas
     spec = _spec_of(dataset)
     if augment is None:
         augment = not any(spec is VISION_DATASETS[name] for name in NO_AUGMENT_DATASETS)
-    check_flag("augment", augment)
+    augment = check_flag("augment", augment)
     return datasets.DatasetDict({
         split: part.with_transform(vision_transform(spec, augment and split == "train", image_size))
         for split, part in dsd.items()

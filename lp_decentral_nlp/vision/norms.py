@@ -296,7 +296,7 @@ class _GroupNormAct(nn.Module):
         super().__init__()
         num_channels, groups = _checked_channels_groups(num_channels, groups)
         eps = check_number("eps", eps, EPS)
-        check_flag("apply_act", apply_act)
+        apply_act = check_flag("apply_act", apply_act)
         self.num_channels, self.groups, self.eps, self.apply_act = num_channels, groups, eps, apply_act
         self.weight = nn.Parameter(torch.ones(num_channels))
         self.bias = nn.Parameter(torch.zeros(num_channels))
