@@ -212,3 +212,13 @@ def test_a_fault_plan_takes_the_command_lines_strings_and_numpy_integers():
     assert plan.stragglers == ((2, 0.5),) and plan.absences == ((1, 0, 5), (2, 3, 4))
     assert all(type(v) in (int, float) for entry in plan.stragglers + plan.absences for v in entry)
     assert plan == FaultPlan(stragglers=((2, 0.5),), absences=((1, 0, 5), (2, 3, 4)))
+
+
+def test_check_nodes_names_a_node_count_of_the_wrong_kind():
+    """A string count failed inside with "'>=' not supported between instances of 'int' and 'str'"."""
+    plan = FaultPlan(stragglers=["2:0.5"])
+    with pytest.raises(ValueError, match=r"^num_nodes must be an integer in \[1, 65536\], got '4'$"):
+        plan.check_nodes("4")
+    with pytest.raises(ValueError, match=r"^stragglers: node 2 does not exist \(nodes are 0..1\)$"):
+        plan.check_nodes(np.int64(2))
+    plan.check_nodes(3)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks import check_fields, parse_absence, parse_straggler
+from ..checks import check_field, check_fields, parse_absence, parse_straggler
 from .topology import Topology
 
 # Separates the drop draws from every other use of the run's seed.
@@ -116,7 +116,9 @@ class FaultPlan:
         return self.drop_prob > 0 or bool(self.stragglers) or bool(self.absences)
 
     def check_nodes(self, num_nodes: int) -> None:
-        """ValueError unless every node named by the plan is in ``[0, num_nodes)``."""
+        """ValueError unless every node named by the plan is in ``[0, num_nodes)`` (and
+        ``num_nodes`` is a node count)."""
+        num_nodes = check_field("num_nodes", num_nodes)
         for what, node in [("stragglers", n) for n, _ in self.stragglers] + [("absences", n) for n, _, _ in self.absences]:
             if node >= num_nodes:
                 raise ValueError(f"{what}: node {node} does not exist (nodes are 0..{num_nodes - 1})")
