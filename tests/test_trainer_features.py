@@ -1684,6 +1684,26 @@ def test_the_simulated_node_group_holds_every_node_in_this_process():
         NodeGroup(3, "distributed")
 
 
+def test_averaging_simulated_nodes_holds_one_sum_at_a_time():
+    """The sum stacked every node's copy of a tensor first: num_nodes times the largest tensor at
+    every log, evaluation and checkpoint (an audit measured +498 MB at 16 nodes of a 34 MB model
+    whose embedding is 29 MB), the run's memory peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    nodes = [[torch.randn(1000, 100), torch.randn(10, dtype=torch.float64), torch.randn(7).bfloat16()]
+             for _ in range(16)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        sums = NodeGroup(16, "simulated").sum(nodes)
+    assert max(event.cpu_memory_usage for event in prof.events()) <= 1000 * 100 * 4  # one sum of the largest
+    for j, total in enumerate(sums):  # the nodes added in node order, 16-bit ones in float32
+        expected = nodes[0][j].float() if j == 2 else nodes[0][j].clone()
+        for node in nodes[1:]:
+            expected += node[j]
+        assert total.dtype == nodes[0][j].dtype and torch.equal(total, expected.to(total.dtype))
+
+
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_the_distributed_node_group_gathers_and_sums_cpu_counters_on_any_backend(tmp_path, backend):

@@ -115,13 +115,21 @@ class NodeGroup:
 
     @torch.no_grad()
     def sum(self, tensors_per_node) -> list[torch.Tensor]:
-        """Sum over all nodes of each tensor: ``tensors_per_node[k][j]`` is tensor ``j`` of local
-        node ``k``; returns one tensor per ``j``, all nodes' tensors ``j`` stacked in node order and
-        summed over dim 0 in both backends, so the same bits (the averaged model of a distributed
-        run is the simulation's). Distributed, each tensor is gathered (:meth:`gather`, ``num_nodes``
-        copies of one tensor at a time): an all-reduce's order of addition depends on its algorithm
-        and moved the last bits."""
-        return [self.gather(torch.stack(ts)).sum(0) for ts in zip(*tensors_per_node)]
+        """Sum over all nodes of each float tensor: ``tensors_per_node[k][j]`` is tensor ``j`` of
+        local node ``k``; returns one tensor per ``j`` (its dtype), all nodes' tensors ``j`` added
+        one after another in node order in both backends (in float32 for a 16-bit dtype), so the
+        same bits (the averaged model of a distributed run is the simulation's). Simulated it holds
+        one sum at a time beyond the nodes; distributed each tensor is gathered (:meth:`gather`,
+        ``num_nodes`` copies of one tensor at a time): an all-reduce's order of addition depends
+        on its algorithm and moved the last bits."""
+        sums = []
+        for ts in zip(*tensors_per_node):
+            nodes = self.gather(torch.stack(ts)) if self.distributed else ts
+            total = nodes[0].to(torch.promote_types(nodes[0].dtype, torch.float32), copy=True)
+            for t in nodes[1:]:
+                total.add_(t)
+            sums.append(total.to(nodes[0].dtype))
+        return sums
 
     def barrier(self) -> None:
         """Wait for every process (no-op when simulated)."""
