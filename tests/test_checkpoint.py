@@ -645,3 +645,19 @@ def test_metrics_csv_appends_rows_and_widens_its_header_when_a_column_arrives(tm
     with open(path) as fh:
         assert list(csv.reader(fh)) == [["step", "eval_loss", "loss"], ["1", "", "1.0"], ["2", "", "0.5"],
                                         ["3", "0.7", ""], ["4", "", "0.25"], ["5", "0.6", "0.2"]]
+
+
+def test_a_resumed_run_keeps_no_checkpoint_file_mapped(tmp_path, agnews, tokenizer):
+    """The optimizer state of a resume was read as a memory map of each node file, which
+    load_state_dict keeps: once save_total_limit deleted that checkpoint its files (five times the
+    model per node) held their disk until the process ended."""
+    DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=4, eval_strategy="no"),
+                         train_dataset=agnews["train"]).train()
+    resumed = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=8, eval_strategy="no",
+                                                                  save_total_limit=1),
+                                   train_dataset=agnews["train"])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-8"]
+    with open("/proc/self/maps") as maps:
+        assert str(tmp_path) not in maps.read()
+    assert resumed.node_optimizers[0].state  # the resumed state is still held, in memory

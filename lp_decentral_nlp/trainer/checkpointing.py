@@ -128,7 +128,9 @@ def save_state_file(path, obj) -> None:
 
 
 def load_state_file(path):
-    """Read what :func:`save_state_file` wrote (tensors on the CPU).
+    """Read what :func:`save_state_file` wrote (tensors on the CPU, in memory of their own: the
+    file is not kept mapped, so a checkpoint that ``save_total_limit`` later deletes frees its disk
+    at once; an optimizer's ``load_state_dict`` keeps the tensors it is given).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -141,7 +143,7 @@ def load_state_file(path):
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # get_tensor maps the file
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted): {err}") from None
     if _STATE_KEY not in metadata:
