@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py merge OUT_DIR
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py refused OUT_DIR CHECKPOINT
     torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py sigterm OUT_DIR
+    torchrun --standalone --nproc_per_node 4 tests/dist_trainer_worker.py disagree OUT_DIR
 
 ``die``: trains with a checkpoint every 2 steps; rank :data:`DYING_RANK` exits at the start of
 step 3 (with status 0, so that torchrun leaves the survivors running and the test sees what they
@@ -18,6 +19,8 @@ it got, the step it reached and what ``OUT_DIR`` holds to ``OUT_DIR/report-<rank
 ``sigterm``: trains with ``enable_jit_checkpoint`` and no save steps; rank :data:`DYING_RANK` alone
 gets SIGTERM at the end of step 1; every rank writes the step it stopped at and whether it was
 stopped by SIGTERM to ``OUT_DIR/report-<rank>.json``.
+``disagree``: rank :data:`DYING_RANK` alone is given ``low_precision=False`` (its model has no 8-bit
+buffers); every rank writes the error building the trainer gave to ``OUT_DIR/report-<rank>.json``.
 
 :func:`make_trainer` builds the same run in the simulated backend for the test to compare.
 """
@@ -118,6 +121,17 @@ def refused(out_dir, data_csv, minilm, checkpoint):
         json.dump(report, fh)
 
 
+def disagree(out_dir, data_csv, minilm):
+    rank = dist.get_rank()
+    try:
+        make_trainer(out_dir, "distributed", data_csv, minilm, low_precision=rank != DYING_RANK)
+        report = {"error": None}
+    except ValueError as exc:
+        report = {"error": type(exc).__name__, "message": str(exc)}
+    with open(os.path.join(out_dir, f"report-{rank}.json"), "w") as fh:
+        json.dump(report, fh)
+
+
 def sigterm(out_dir, data_csv, minilm):
     rank = dist.get_rank()
     trainer = make_trainer(out_dir, "distributed", data_csv, minilm, enable_jit_checkpoint=True, save_strategy="no")
@@ -147,6 +161,8 @@ if __name__ == "__main__":
         refused(out, data_csv, minilm, sys.argv[5])
     elif mode == "sigterm":
         sigterm(out, data_csv, minilm)
+    elif mode == "disagree":
+        disagree(out, data_csv, minilm)
     else:
         resume(out, data_csv, minilm, sys.argv[5])
     dist.destroy_process_group()

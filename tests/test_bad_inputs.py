@@ -364,6 +364,10 @@ ROWS = {
              "compress (low_precision or compression > 0)"),
     104: cli(["--topology", "my_graph.npy"], "argument --topology: topology: no file 'my_graph.npy' (a graph of your "
              "own: a .npy or .json file of its mixing matrices)"),
+    105: Row("`--lr 1e-4` given to one process of `torchrun --nproc_per_node 2 recipes/agnews_choco.py --backend "
+             "distributed --nodes 2`", "printed once (the processes exit 2; torchrun exits 1)",
+             "argument --lr: the processes of the launch were given different values (rank 1: 0.0001, rank 0: 3e-05): "
+             "give every process the same flags (launch them with one command)"),
 }
 CLI_ROWS = [*range(1, 18), 43, 47, 55, 56, 57, 60, *range(65, 75), *range(77, 81), *range(83, 93), *range(97, 105)]
 
@@ -433,6 +437,34 @@ def test_a_refusal_under_torchrun_is_printed_once(argv, message):
     assert proc.returncode != 0
     errors = [text for text in proc.stderr.splitlines() if text.startswith("agnews_choco.py: error:")]
     assert errors == [f"agnews_choco.py: error: {message}"], proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rank_1_flags, message", [
+    (["--lr", "1e-4"], ROWS[105].message),
+    (["--full-precision"], "argument --low-precision: the processes of the launch were given different values "
+                           "(rank 1: False, rank 0: True): give every process the same flags (launch them with one "
+                           "command)"),
+], ids=["row105-lr", "full-precision"])
+def test_row105_a_launch_whose_processes_were_given_other_flags(rank_1_flags, message, ag_news_csv, tmp_path):
+    """--full-precision on one process waited 30 minutes at the initial model's broadcast, silently;
+    another --lr (or --skew, --max-train-samples) trained, and results.json gave rank 0's flags.
+    Refused before the data or the model is loaded."""
+    wrapper = tmp_path / "rank_1_differs.py"
+    wrapper.write_text("import os, runpy, sys\n"
+                       f"if os.environ['RANK'] == '1':\n    sys.argv += {rank_1_flags!r}\n"
+                       f"runpy.run_path({str(REPO / 'recipes' / 'agnews_choco.py')!r}, run_name='__main__')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(wrapper), "--backend", "distributed", "--nodes", "2", "--data-dir", str(ag_news_csv),
+                           "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 1  # torchrun's status when a worker fails
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("agnews_choco.py: ")]
+    assert errors == [f"agnews_choco.py: error: {message}"], proc.stderr[-3000:]
+    assert "lp_decentral_nlp" not in proc.stderr  # no traceback through our code (torchrun prints its own)
+    assert not out.exists()
 
 
 def test_a_refusal_not_left_to_another_process_is_reported_after_the_wait(capsys, monkeypatch):

@@ -176,3 +176,19 @@ def test_ddp_timeout_bounds_the_waits_outside_the_gossip_step_on_the_cpu(tmp_pat
                            str(script)], env=env, capture_output=True, text=True, timeout=120)
     gave_up = [line for line in proc.stdout.splitlines() if line.startswith("rank 0 gave up after")]
     assert gave_up and int(gave_up[0].split()[-2]) < 10, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_processes_given_other_settings_are_refused_together_before_any_other_collective(tmp_path, ag_news_csv,
+                                                                                         minilm_path):
+    """One rank given low_precision=False (as --full-precision on one rank of a launch) made the
+    initial model's broadcast wait for ddp_timeout (30 minutes) without a word: its model has no
+    8-bit buffers, so the ranks' broadcasts did not match."""
+    proc = torchrun("disagree", tmp_path, ag_news_csv, minilm_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for rank in range(4):
+        report = json.loads((tmp_path / f"report-{rank}.json").read_text())
+        assert report["error"] == "ValueError", (rank, report)
+        assert report["message"] == ("low_precision: rank 2 was given False and rank 0 True: every process of a "
+                                     "distributed run must be given the same settings, model and data (launch them "
+                                     "with one command)"), report

@@ -1684,6 +1684,22 @@ def test_the_simulated_node_group_holds_every_node_in_this_process():
         NodeGroup(3, "distributed")
 
 
+def test_the_node_group_names_the_first_setting_a_process_was_given_otherwise(monkeypatch):
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    group = NodeGroup(3, "simulated")
+    assert group.disagreement({"lr": 0.1}) is None  # one process: nothing to compare
+    group.distributed = True  # three processes' settings, as the gather returns them
+    every = [{"lr": 0.1, "tensors": ["w (2,)", "act (1,)"]}, {"lr": 0.1, "tensors": ["w (2,)", "act (1,)"]},
+             {"lr": 0.1, "tensors": ["w (2,)"]}]
+    monkeypatch.setattr(group, "gather_objects", lambda settings: every)
+    assert group.disagreement({}) == ("tensors[1]", 2, None, "act (1,)")  # a list: its first differing entry
+    every[1]["lr"], every[2]["extra"] = 0.2, 1
+    assert group.disagreement({}) == ("lr", 1, 0.2, 0.1)
+    every[1]["lr"], every[2]["tensors"] = 0.1, every[0]["tensors"]
+    assert group.disagreement({}) == ("extra", 2, 1, None)  # a setting process 0 lacks
+
+
 def test_averaging_simulated_nodes_holds_one_sum_at_a_time():
     """The sum stacked every node's copy of a tensor first: num_nodes times the largest tensor at
     every log, evaluation and checkpoint (an audit measured +498 MB at 16 nodes of a 34 MB model

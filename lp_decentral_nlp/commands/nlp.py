@@ -17,7 +17,8 @@ from ..checks import check_choice, check_data_dir_given, check_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RECIPE_VALUE_CHECKS,
-                  RunArguments, check_memory, check_training_rows, derive_run_values, error_summary, exit_with_error,
+                  RunArguments, check_memory, check_processes_agree, check_training_rows, derive_run_values,
+                  error_summary, exit_with_error,
                   hub_offline, is_packaged_model, load_data, model_folder_problem, model_label_mismatch,
                   packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
                   set_run_help, set_threads, train_and_report)
@@ -295,6 +296,7 @@ def prepare_nlp_run(parsed, prog: str = "") -> tuple:
     training, recipe = parsed.training, parsed.recipe
     parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
+    check_processes_agree(parsed, prog)
     model_path, notice = resolve_model(recipe.model, prog)
     if notice:
         print_notice(notice)

@@ -3,7 +3,7 @@
 field is treated."""
 from ..gossip.factory import COMPRESSORS, TOPOLOGIES
 from ..gossip.step_size import ALGORITHMS
-from .arguments import BACKENDS, DecentralizedTrainingArguments
+from .arguments import BACKENDS, PROCESS_LOCAL_FIELDS, DecentralizedTrainingArguments
 from .callbacks import MetricsCSVCallback, OnTrainBeginCallback, TrainingKernelsCallback
 from .checkpointing import CheckpointError, check_resumable, resume_config
 from .local_step import NonFiniteError
@@ -15,5 +15,5 @@ from .trainer import UNCALLED_TRAINER_METHODS, DecentralizedTrainer, check_model
 
 __all__ = ["ALGORITHMS", "BACKENDS", "COMPRESSORS", "TOPOLOGIES", "CheckpointError", "CollectiveError", "DecentralizedTrainer",
            "DecentralizedTrainingArguments", "EpochSampler", "MetricsCSVCallback", "NodeGroup", "NonFiniteError",
-           "OnTrainBeginCallback", "check_resumable", "cost_optimizer", "fault_settings", "node_seed",
+           "OnTrainBeginCallback", "PROCESS_LOCAL_FIELDS", "check_resumable", "cost_optimizer", "fault_settings", "node_seed",
            "resume_config", "TrainingKernelsCallback", "UNCALLED_TRAINER_METHODS", "check_model_precision"]

@@ -63,6 +63,13 @@ NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", 
 _GOSSIP_FIELDS = tuple(f.name for f in fields(GossipConfig) if f.name != "faults")
 
 
+#: the fields that shape only one process's output or data loading, not what it computes: the
+#: processes of a distributed run may differ in them (every other field must agree)
+PROCESS_LOCAL_FIELDS = frozenset({"local_rank", "disable_tqdm", "log_level", "log_level_replica", "log_on_each_node",
+                                  "logging_dir", "dataloader_num_workers", "dataloader_pin_memory",
+                                  "dataloader_persistent_workers", "dataloader_prefetch_factor", "tune_cpu_malloc"})
+
+
 @dataclass
 class DecentralizedTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the decentralized setting.

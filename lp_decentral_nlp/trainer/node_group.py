@@ -137,6 +137,32 @@ class NodeGroup:
             with _collective("waiting at a barrier"):
                 dist.barrier()
 
+    def disagreement(self, settings: dict) -> tuple[str, int, object, object] | None:
+        """The first of ``settings`` (name -> value, compared with ``==``) on which a process was
+        given another value than process 0: ``(name, rank, its value, process 0's value)``; for a
+        list value, the name says the first entry that differs (``"name[i]"``, a missing entry is
+        ``None``). None when every process agrees, and always when simulated.
+
+        One gather of every process's settings, so every process gets the same answer and all of
+        them can stop together, before a collective whose calls would not match (the initial
+        model's broadcast over tensors of other shapes or count waited for ``ddp_timeout``)."""
+        if not self.distributed:
+            return None
+        every = self.gather_objects(settings)
+        ours = every[0]
+        for rank, theirs in enumerate(every[1:], start=1):
+            for name in [*ours, *(name for name in theirs if name not in ours)]:
+                mine, other = ours.get(name), theirs.get(name)
+                if mine == other:
+                    continue
+                if isinstance(mine, list) and isinstance(other, list):
+                    i = next(i for i in range(max(len(mine), len(other)))
+                             if i >= min(len(mine), len(other)) or mine[i] != other[i])
+                    return (f"{name}[{i}]", rank, other[i] if i < len(other) else None,
+                            mine[i] if i < len(mine) else None)
+                return name, rank, other, mine
+        return None
+
     def gather_objects(self, obj) -> list:
         """``[obj of process 0, obj of process 1, ...]`` (``[obj]`` when simulated)."""
         if not self.distributed:

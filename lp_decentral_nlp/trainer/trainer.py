@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import inspect
 import logging
 import math
@@ -33,6 +34,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 from accelerate.utils import DynamoBackend
@@ -55,7 +57,7 @@ from ..quant.kernels import AUTO
 from ..utils.cpu_malloc import tune_process_for_training
 from ..utils.logs import set_verbosity
 from ..utils.models import input_embeddings
-from .arguments import DecentralizedTrainingArguments
+from .arguments import PROCESS_LOCAL_FIELDS, DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin, describe_evaluation_metrics, evaluation_metric_names
 from .inputs import check_trainer_inputs, eval_sets
@@ -214,6 +216,30 @@ def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, 
                          "stop the run")
 
 
+def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, train_dataset, eval_dataset,
+                           shard_labels) -> None:
+    """ValueError (on every process) unless every process of a distributed run was given the same
+    arguments (but :data:`PROCESS_LOCAL_FIELDS`), the same model (its tensors' names, shapes and
+    dtypes: process 0 broadcasts the values), quant_config and data (row counts; the labels the
+    shards are drawn from): a difference made the broadcast of the initial model wait for
+    ``ddp_timeout``, or trained something else than the command said, silently. One gather."""
+    settings = {name: value for name, value in args.to_dict().items() if name not in PROCESS_LOCAL_FIELDS}
+    settings["model"] = type(model).__name__
+    settings["model tensors"] = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in model.state_dict().items()]
+    settings["quant_config"] = repr(quant_config)
+    settings["train_dataset rows"] = len(train_dataset) if hasattr(train_dataset, "__len__") else None
+    settings["train_dataset labels (digest)"] = None if shard_labels is None else \
+        hashlib.sha256(np.asarray(shard_labels, dtype=np.int64).tobytes()).hexdigest()[:16]
+    settings["eval_dataset rows"] = {what: len(part) if hasattr(part, "__len__") else None
+                                     for what, part in eval_sets(eval_dataset)}
+    found = node_group.disagreement(settings)
+    if found is not None:
+        name, rank, theirs, ours = found
+        raise ValueError(f"{name}: rank {rank} was given {theirs!r} and rank 0 {ours!r}: every process of a "
+                         "distributed run must be given the same settings, model and data (launch them with one "
+                         "command)")
+
+
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -325,6 +351,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         for what, part in eval_sets(eval_dataset):
             check_labels(part, num_classes, what)
             check_columns(part, model, args, what, collator_given)
+        _check_processes_agree(node_group, args, model, quant_config, train_dataset, eval_dataset, shard_labels)
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from ..checks import check_fields
 from ..commands.recipe_parser import RecipeParser
-from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_training_rows,
-                            derive_run_values, exit_with_error, load_data, print_summary, run_checks,
+from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_processes_agree,
+                            check_training_rows, derive_run_values, exit_with_error, load_data, print_summary, run_checks,
                             set_process_output, set_run_help, set_threads, train_and_report)
 from .models import ARCHS, NORMS, build_vision_model, image_size_problem
 
@@ -199,6 +199,7 @@ def run_vision(parsed, prog: str = "", on_interrupt: str | None = None) -> dict:
     start = time.time()
     parsed.values["threads"] = set_threads(recipe)  # results.json records the count it ran with
     set_process_output(training)
+    check_processes_agree(parsed, prog)
     raw = load_data(lambda: load_vision_dataset(recipe.dataset, data_dir=recipe.data_dir, seed=training.data_order_seed),
                     recipe.dataset, recipe.data_dir, prog, from_hub=recipe.dataset != "digits")  # digits: bundled
     check_training_rows(prog, training, len(raw["train"]), recipe.data_dir, recipe.dataset)
