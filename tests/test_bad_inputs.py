@@ -445,7 +445,13 @@ def test_a_refusal_under_torchrun_is_printed_once(argv, message):
     (["--full-precision"], "argument --low-precision: the processes of the launch were given different values "
                            "(rank 1: False, rank 0: True): give every process the same flags (launch them with one "
                            "command)"),
-], ids=["row105-lr", "full-precision"])
+    # the default output folder is named after --skew: the skew is named, not the folder
+    (["--skew", "0.9"], "argument --skew: the processes of the launch were given different values (rank 1: 0.9, "
+                        "rank 0: 0.0): give every process the same flags (launch them with one command)"),
+    (["--straggler", "1:0.5"], "argument --straggler: the processes of the launch were given different values "
+                               "(rank 1: ['1:0.5'], rank 0: None): give every process the same flags (launch them "
+                               "with one command)"),
+], ids=["row105-lr", "full-precision", "skew", "straggler"])
 def test_row105_a_launch_whose_processes_were_given_other_flags(rank_1_flags, message, ag_news_csv, tmp_path):
     """--full-precision on one process waited 30 minutes at the initial model's broadcast, silently;
     another --lr (or --skew, --max-train-samples) trained, and results.json gave rank 0's flags.
@@ -454,17 +460,15 @@ def test_row105_a_launch_whose_processes_were_given_other_flags(rank_1_flags, me
     wrapper.write_text("import os, runpy, sys\n"
                        f"if os.environ['RANK'] == '1':\n    sys.argv += {rank_1_flags!r}\n"
                        f"runpy.run_path({str(REPO / 'recipes' / 'agnews_choco.py')!r}, run_name='__main__')\n")
-    out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(wrapper), "--backend", "distributed", "--nodes", "2", "--data-dir", str(ag_news_csv),
-                           "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=300,
+                           str(wrapper), "--backend", "distributed", "--nodes", "2", "--data-dir", str(ag_news_csv)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
     assert proc.returncode == 1  # torchrun's status when a worker fails
     errors = [text for text in proc.stderr.splitlines() if text.startswith("agnews_choco.py: ")]
     assert errors == [f"agnews_choco.py: error: {message}"], proc.stderr[-3000:]
     assert "lp_decentral_nlp" not in proc.stderr  # no traceback through our code (torchrun prints its own)
-    assert not out.exists()
+    assert sorted(os.listdir(tmp_path)) == ["rank_1_differs.py"]  # no output folder (runs/...)
 
 
 def test_a_refusal_not_left_to_another_process_is_reported_after_the_wait(capsys, monkeypatch):

@@ -1717,7 +1717,10 @@ def test_averaging_simulated_nodes_holds_one_sum_at_a_time():
         expected = nodes[0][j].float() if j == 2 else nodes[0][j].clone()
         for node in nodes[1:]:
             expected += node[j]
-        assert total.dtype == nodes[0][j].dtype and torch.equal(total, expected.to(total.dtype))
+        assert total.dtype == expected.dtype and torch.equal(total, expected)
+    # a 16-bit sum stays float32 for the caller to divide: 16 float16 nodes at 5000 summed to inf
+    assert NodeGroup(16, "simulated").sum([[torch.full((3,), 5000.0, dtype=torch.float16)]] * 16)[0].tolist() == \
+        [80000.0] * 3
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(

@@ -325,8 +325,10 @@ def leave_refusal_report_to_first_process() -> None:
 def check_processes_agree(parsed, prog: str) -> None:
     """Under ``--backend distributed``: exit 2 with one line naming the flag unless every process
     of the launch was given the same flags (but those of
-    :data:`~lp_decentral_nlp.trainer.PROCESS_LOCAL_FIELDS` and ``--threads``), before any data or
-    model is loaded. One rank given ``--full-precision`` waited 30 minutes at the initial model's
+    :data:`~lp_decentral_nlp.trainer.PROCESS_LOCAL_FIELDS`, ``--threads``, the model's and the
+    data's paths, which may differ between machines and which the trainer compares by content,
+    and the output folder, by default named after ``--skew`` and ``--comp``, which the trainer
+    compares), before any data or model is loaded. One rank given ``--full-precision`` waited 30 minutes at the initial model's
     broadcast; one given another ``--skew``, ``--lr`` or ``--max-train-samples`` trained silently,
     and results.json reported rank 0's flags. Every process gets the same answer (one gather)."""
     training = parsed.training
@@ -335,10 +337,12 @@ def check_processes_agree(parsed, prog: str) -> None:
     from ..trainer import PROCESS_LOCAL_FIELDS, NodeGroup
 
     training.device  # noqa: B018 -- the arguments join the launcher's process group
+    own = PROCESS_LOCAL_FIELDS | {"threads", "model", "data_dir", "output_dir"}
     found = NodeGroup(training.num_nodes, training.backend).disagreement(
-        {name: value for name, value in parsed.values.items() if name not in PROCESS_LOCAL_FIELDS | {"threads"}})
+        {name: value for name, value in parsed.values.items() if name not in own})
     if found is not None:
         name, rank, theirs, ours = found
+        name = name.split("[")[0]  # a repeated flag's entry: "stragglers[0]"
         exit_with_error(prog, f"the processes of the launch were given different values (rank {rank}: {theirs!r}, "
                               f"rank 0: {ours!r}): give every process the same flags (launch them with one command)",
                         parsed.flags.get(name, name))

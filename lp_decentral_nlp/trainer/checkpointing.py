@@ -128,9 +128,8 @@ def save_state_file(path, obj) -> None:
 
 
 def load_state_file(path):
-    """Read what :func:`save_state_file` wrote (tensors on the CPU, in memory of their own: the
-    file is not kept mapped, so a checkpoint that ``save_total_limit`` later deletes frees its disk
-    at once; an optimizer's ``load_state_dict`` keeps the tensors it is given).
+    """Read what :func:`save_state_file` wrote (tensors on the CPU, mapped from the file: a
+    tensor kept beyond the load keeps the file's disk; :func:`_in_memory` copies it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -143,7 +142,7 @@ def load_state_file(path):
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # get_tensor maps the file
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupted): {err}") from None
     if _STATE_KEY not in metadata:
@@ -152,6 +151,21 @@ def load_state_file(path):
         return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: its state skeleton is corrupted ({type(err).__name__}: {err})") from None
+
+
+def _in_memory(obj):
+    """``obj`` (nested dicts, lists and tuples) with every tensor copied into memory of its own. A
+    tensor :func:`load_state_file` read maps its file, and an optimizer's ``load_state_dict`` keeps
+    the state tensors it is given (same dtype and device): a checkpoint ``save_total_limit`` deleted
+    after a resume then held its disk (five times the model per node) until the process ended.
+    The model, gossip and QGM state are copied into their own tensors and need no copy here."""
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {key: _in_memory(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_in_memory(value) for value in obj)
+    return obj
 
 
 def write_json(path, obj) -> None:
@@ -776,7 +790,7 @@ class CheckpointMixin:
             if mismatch:
                 raise ValueError(f"{file} does not fit this model ({mismatch}): it was written for another model")
             steps = [("model", lambda: self.nodes[k].load_state_dict(state["model"])),
-                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(state["optimizer"])),
+                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(_in_memory(state["optimizer"]))),
                      ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
                      ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
             if self.qgm is not None:

@@ -107,28 +107,35 @@ class NodeGroup:
         ``(len(node_ids), ...)`` in every process."""
         if not self.distributed:
             return local
+        return torch.cat(self._gathered_parts(local)).to(local.device)
+
+    def _gathered_parts(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's ``local``, in rank order, on the process group's device (distributed)."""
         sent = _on_group_device(local).contiguous()
         parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
         with _collective("gathering the nodes' values"):
             dist.all_gather(parts, sent)
-        return torch.cat(parts).to(local.device)
+        return parts
 
     @torch.no_grad()
     def sum(self, tensors_per_node) -> list[torch.Tensor]:
         """Sum over all nodes of each float tensor: ``tensors_per_node[k][j]`` is tensor ``j`` of
-        local node ``k``; returns one tensor per ``j`` (its dtype), all nodes' tensors ``j`` added
-        one after another in node order in both backends (in float32 for a 16-bit dtype), so the
-        same bits (the averaged model of a distributed run is the simulation's). Simulated it holds
-        one sum at a time beyond the nodes; distributed each tensor is gathered (:meth:`gather`,
-        ``num_nodes`` copies of one tensor at a time): an all-reduce's order of addition depends
-        on its algorithm and moved the last bits."""
+        local node ``k``; returns one tensor per ``j``, all nodes' tensors ``j`` added one after
+        another in node order in both backends, so the same bits (the averaged model of a
+        distributed run is the simulation's). A 16-bit tensor's sum is float32 (no overflow or
+        rounding before the caller divides it), another's in its dtype. Simulated it holds one sum
+        at a time beyond the nodes; distributed each tensor is gathered (``num_nodes`` copies of
+        one tensor at a time): an all-reduce's order of addition depends on its algorithm and
+        moved the last bits."""
         sums = []
         for ts in zip(*tensors_per_node):
-            nodes = self.gather(torch.stack(ts)) if self.distributed else ts
-            total = nodes[0].to(torch.promote_types(nodes[0].dtype, torch.float32), copy=True)
-            for t in nodes[1:]:
-                total.add_(t)
-            sums.append(total.to(nodes[0].dtype))
+            dtype = torch.float32 if ts[0].dtype in (torch.float16, torch.bfloat16) else ts[0].dtype
+            rows = ([row for part in self._gathered_parts(torch.stack(ts)) for row in part] if self.distributed
+                    else ts)
+            total = rows[0].to(ts[0].device, dtype, copy=True)
+            for row in rows[1:]:
+                total.add_(row.to(ts[0].device))
+            sums.append(total)
         return sums
 
     def barrier(self) -> None:
@@ -153,7 +160,7 @@ class NodeGroup:
         for rank, theirs in enumerate(every[1:], start=1):
             for name in [*ours, *(name for name in theirs if name not in ours)]:
                 mine, other = ours.get(name), theirs.get(name)
-                if mine == other:
+                if mine == other or repr(mine) == repr(other):  # (NaN, in a dict too, is not equal to itself)
                     continue
                 if isinstance(mine, list) and isinstance(other, list):
                     i = next(i for i in range(max(len(mine), len(other)))

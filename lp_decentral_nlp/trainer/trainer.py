@@ -216,17 +216,20 @@ def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, 
                          "stop the run")
 
 
-def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, train_dataset, eval_dataset,
-                           shard_labels) -> None:
+def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, optimizer_cls_and_kwargs,
+                           train_dataset, eval_dataset, shard_labels) -> None:
     """ValueError (on every process) unless every process of a distributed run was given the same
     arguments (but :data:`PROCESS_LOCAL_FIELDS`), the same model (its tensors' names, shapes and
     dtypes: process 0 broadcasts the values), quant_config and data (row counts; the labels the
     shards are drawn from): a difference made the broadcast of the initial model wait for
     ``ddp_timeout``, or trained something else than the command said, silently. One gather."""
+    if not node_group.distributed:
+        return
     settings = {name: value for name, value in args.to_dict().items() if name not in PROCESS_LOCAL_FIELDS}
     settings["model"] = type(model).__name__
     settings["model tensors"] = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in model.state_dict().items()]
     settings["quant_config"] = repr(quant_config)
+    settings["optimizer_cls_and_kwargs"] = repr(optimizer_cls_and_kwargs)
     settings["train_dataset rows"] = len(train_dataset) if hasattr(train_dataset, "__len__") else None
     settings["train_dataset labels (digest)"] = None if shard_labels is None else \
         hashlib.sha256(np.asarray(shard_labels, dtype=np.int64).tobytes()).hexdigest()[:16]
@@ -351,7 +354,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         for what, part in eval_sets(eval_dataset):
             check_labels(part, num_classes, what)
             check_columns(part, model, args, what, collator_given)
-        _check_processes_agree(node_group, args, model, quant_config, train_dataset, eval_dataset, shard_labels)
+        _check_processes_agree(node_group, args, model, quant_config, kwargs.get("optimizer_cls_and_kwargs"),
+                               train_dataset, eval_dataset, shard_labels)
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
