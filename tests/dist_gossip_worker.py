@@ -106,6 +106,7 @@ def failures(out_dir: str) -> None:
         gossip.step([initial_params(rank)])
     except ValueError as exc:
         report["preflight"] = str(exc)
+        report["preflight_error"] = [type(exc).__name__, getattr(exc, "peer", None)]
     # Rank 2 with another gamma, parameter dtype, or shapes of the same sizes: the setting is named.
     ring = make_topology("ring", 3)
     mismatches = {"gamma": (ChocoSGD, {"gamma": 0.3 if rank < 2 else 0.4}, torch.float32, False),

@@ -81,6 +81,8 @@ def test_misconfiguration_and_a_silent_peer_fail_with_errors_naming_the_peer(tmp
     assert "rank 0: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[0]["preflight"]
     assert "rank 1: pre-flight check before step 0 failed: rank 2 disagrees on the topology" in r[1]["preflight"]
     assert "rank 2: pre-flight check before step 0 failed: rank 0 disagrees on the topology" in r[2]["preflight"]
+    assert [report["preflight_error"] for report in r] == [["GossipMismatchError", 2], ["GossipMismatchError", 2],
+                                                          ["GossipMismatchError", 0]]
     # a setting that differs is named with this rank's value (the shapes hold as many elements)
     assert "rank 2 disagrees on the gamma (this rank's gamma: 0.3)" in r[0]["preflight_gamma"]
     assert "rank 0 disagrees on the gamma (this rank's gamma: 0.4)" in r[2]["preflight_gamma"]

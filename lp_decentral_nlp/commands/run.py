@@ -944,7 +944,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     exit status 1.
     `card`: the model card's fields (``create_model_card``'s arguments) to write ``model/README.md``
     with, for a transformers model; None writes none."""
-    from ..gossip import GossipPeerError
+    from ..gossip import GossipMismatchError, GossipPeerError
     from ..quant import kernel_report
     from ..trainer import (CheckpointError, DecentralizedTrainer, MetricsCSVCallback, NonFiniteError,
                            OnTrainBeginCallback, TrainingKernelsCallback)
@@ -1056,7 +1056,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
         trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     except CheckpointError as err:
         refuse(str(err).removeprefix("resume_from_checkpoint: "), parsed.flags["resume_from_checkpoint"])
-    except (NonFiniteError, GossipPeerError) as err:  # says what failed and what to do: no traceback to add
+    except (NonFiniteError, GossipPeerError, GossipMismatchError) as err:  # says what failed and what to do
         message = f"{type(err).__name__}: {' '.join(str(err).split())}"
         record_stop("failed", message)
         print(f"{prog}: error: {message}", file=sys.stderr)

@@ -21,7 +21,8 @@ from .compressors import QSGD, Compressor, Identity, Quantize, RandomK, TopK
 from .momentum import QuasiGlobalAdam, QuasiGlobalMomentum
 from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
-from .transport import GossipPeerError, GossipTimeoutError, SimulatedTransport, TorchDistributedTransport
+from .transport import (GossipMismatchError, GossipPeerError, GossipTimeoutError, SimulatedTransport,
+                        TorchDistributedTransport)
 from .wire import MessageLayout, index_dtype
 from .factory import COMPRESSORS, REFERENCES, GossipConfig, build_compressor, build_gossip, build_topology
 from .step_size import ALGORITHMS, compression_quality, default_consensus_lr
@@ -32,7 +33,8 @@ __all__ = [
     "PushSumGossip", "SGP", "ChocoSGD", "DeepSqueeze", "GossipStats", "average_model", "consensus_distance",
     "gossiped_parameters",
     "QuasiGlobalMomentum", "QuasiGlobalAdam",
-    "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "FaultPlan",
+    "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "GossipMismatchError",
+    "FaultPlan",
     "MessageLayout", "index_dtype",
     "ALGORITHMS", "COMPRESSORS", "REFERENCES", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
     "compression_quality", "default_consensus_lr",

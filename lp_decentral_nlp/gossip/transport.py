@@ -44,6 +44,20 @@ class GossipTimeoutError(GossipPeerError, TimeoutError):
     ``TimeoutError``)."""
 
 
+class GossipMismatchError(ValueError):
+    """The distributed transport's pre-flight check found a neighbour that built the gossip
+    otherwise (another graph, algorithm, compressor, message size, model or step): the ranks'
+    settings differ. A ``ValueError``, as the settings' own checks raise.
+
+    Attributes:
+        peer: the graph node (= rank) that disagrees.
+    """
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
 class SimulatedTransport:
     """All ``n`` nodes live in this process; a "send" is handing over the message buffer itself.
 
@@ -226,10 +240,10 @@ class TorchDistributedTransport:
                             shown = f"this rank's is {topology!r}; the peer's edges or mixing weights differ"
                         else:
                             shown = f"it sent {g}, this rank expects {e}"
-                        raise ValueError(
+                        raise GossipMismatchError(
                             f"rank {me}: pre-flight check before step {step} failed: rank {j} disagrees on the "
                             f"{field} ({shown}); every rank must build the same topology, algorithm, compressor "
-                            "and model, and resume from the same step")
+                            "and model, and resume from the same step", j)
 
     def __repr__(self):
         return f"TorchDistributedTransport(timeout={self.timeout:g})"
