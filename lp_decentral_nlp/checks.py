@@ -15,9 +15,8 @@ import math
 import numbers
 import os
 from collections.abc import Hashable
+import sys
 from typing import NamedTuple
-
-import numpy as np
 
 
 class Number(NamedTuple):
@@ -154,7 +153,8 @@ def check_flag(name: str, value) -> bool:
     :func:`check_number` takes NumPy numbers), else ValueError ``"<name> must be True or False,
     got <value!r>"``: a string such as ``"no"`` or ``"false"`` is truthy and would switch the
     setting on."""
-    if not isinstance(value, (bool, np.bool_)):
+    numpy = sys.modules.get("numpy")  # (not imported here: the flag checks run before torch and NumPy load)
+    if not (isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
