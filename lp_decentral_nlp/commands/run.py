@@ -328,9 +328,10 @@ def check_processes_agree(parsed, prog: str) -> None:
     :data:`~lp_decentral_nlp.trainer.PROCESS_LOCAL_FIELDS`, ``--threads``, the model's and the
     data's paths, which may differ between machines and which the trainer compares by content,
     and the output folder, by default named after ``--skew`` and ``--comp``, which the trainer
-    compares), before any data or model is loaded. One rank given ``--full-precision`` waited 30 minutes at the initial model's
-    broadcast; one given another ``--skew``, ``--lr`` or ``--max-train-samples`` trained silently,
-    and results.json reported rank 0's flags. Every process gets the same answer (one gather)."""
+    compares), before any data or model is loaded. One rank given ``--full-precision`` waited 30
+    minutes at the initial model's broadcast; one given another ``--skew``, ``--lr`` or
+    ``--max-train-samples`` trained silently, and results.json reported rank 0's flags. Every
+    process gets the same answer (one gather)."""
     training = parsed.training
     if training.backend != "distributed":
         return
