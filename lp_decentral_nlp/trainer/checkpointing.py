@@ -17,6 +17,7 @@ a JSON skeleton (stored in the same file's metadata), and put back together by
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import os
 import re
@@ -129,7 +130,7 @@ def save_state_file(path, obj) -> None:
 
 def load_state_file(path):
     """Read what :func:`save_state_file` wrote (tensors on the CPU, mapped from the file: a
-    tensor kept beyond the load keeps the file's disk; :func:`_in_memory` copies it).
+    tensor kept beyond the load keeps the file's disk; ``copy.deepcopy`` copies it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -151,21 +152,6 @@ def load_state_file(path):
         return decode_state(json.loads(metadata[_STATE_KEY]), tensors)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: its state skeleton is corrupted ({type(err).__name__}: {err})") from None
-
-
-def _in_memory(obj):
-    """``obj`` (nested dicts, lists and tuples) with every tensor copied into memory of its own. A
-    tensor :func:`load_state_file` read maps its file, and an optimizer's ``load_state_dict`` keeps
-    the state tensors it is given (same dtype and device): a checkpoint ``save_total_limit`` deleted
-    after a resume then held its disk (five times the model per node) until the process ended.
-    The model, gossip and QGM state are copied into their own tensors and need no copy here."""
-    if torch.is_tensor(obj):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {key: _in_memory(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_in_memory(value) for value in obj)
-    return obj
 
 
 def write_json(path, obj) -> None:
@@ -789,8 +775,11 @@ class CheckpointMixin:
             mismatch = _state_dict_mismatch(self.nodes[k].state_dict(), state["model"])
             if mismatch:
                 raise ValueError(f"{file} does not fit this model ({mismatch}): it was written for another model")
+            # an optimizer keeps the state tensors it is given, and those read map the node file: a copy,
+            # or a checkpoint save_total_limit deletes after a resume holds its disk until the process ends
+            # (the model, gossip and QGM parts are copied into their own tensors)
             steps = [("model", lambda: self.nodes[k].load_state_dict(state["model"])),
-                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(_in_memory(state["optimizer"]))),
+                     ("optimizer", lambda: self.node_optimizers[k].load_state_dict(copy.deepcopy(state["optimizer"]))),
                      ("scheduler", lambda: self.node_schedulers[k].load_state_dict(state["scheduler"])),
                      ("rng", lambda: self._rng.load_state_dict(i, state["rng"]))]
             if self.qgm is not None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import inspect
 import logging
 import math
@@ -34,7 +33,6 @@ import time
 import types
 from pathlib import Path
 
-import numpy as np
 import safetensors.torch
 import torch
 from accelerate.utils import DynamoBackend
@@ -64,7 +62,7 @@ from .inputs import check_trainer_inputs, eval_sets
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
-from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels
+from .node_data import NodeDataMixin, check_columns, check_labels, read_shard_labels, rows_digest
 from .node_group import NodeGroup
 from .optimizers import (OptimizerMixin, check_qgm_optimizer, cost_optimizer, milestone_steps,
                          refuse_settings_a_given_optimizer_ignores)
@@ -217,11 +215,11 @@ def _check_best_metric_name(args: DecentralizedTrainingArguments, eval_dataset, 
 
 
 def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, optimizer_cls_and_kwargs,
-                           train_dataset, eval_dataset, shard_labels) -> None:
+                           train_dataset, eval_dataset) -> None:
     """ValueError (on every process) unless every process of a distributed run was given the same
     arguments (but :data:`PROCESS_LOCAL_FIELDS`), the same model (its tensors' names, shapes and
-    dtypes: process 0 broadcasts the values), quant_config and data (row counts; the labels the
-    shards are drawn from): a difference made the broadcast of the initial model wait for
+    dtypes: process 0 broadcasts the values), quant_config and data (row counts and
+    :func:`~.node_data.rows_digest`): a difference made the broadcast of the initial model wait for
     ``ddp_timeout``, or trained something else than the command said, silently. One gather."""
     if not node_group.distributed:
         return
@@ -230,11 +228,9 @@ def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, opt
     settings["model tensors"] = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in model.state_dict().items()]
     settings["quant_config"] = repr(quant_config)
     settings["optimizer_cls_and_kwargs"] = repr(optimizer_cls_and_kwargs)
-    settings["train_dataset rows"] = len(train_dataset) if hasattr(train_dataset, "__len__") else None
-    settings["train_dataset labels (digest)"] = None if shard_labels is None else \
-        hashlib.sha256(np.asarray(shard_labels, dtype=np.int64).tobytes()).hexdigest()[:16]
-    settings["eval_dataset rows"] = {what: len(part) if hasattr(part, "__len__") else None
-                                     for what, part in eval_sets(eval_dataset)}
+    for what, part in [("train_dataset", train_dataset), *eval_sets(eval_dataset)]:
+        settings[f"{what} rows"] = len(part) if hasattr(part, "__len__") else None
+        settings[f"{what} rows (digest)"] = rows_digest(part)
     found = node_group.disagreement(settings)
     if found is not None:
         name, rank, theirs, ours = found
@@ -355,7 +351,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             check_labels(part, num_classes, what)
             check_columns(part, model, args, what, collator_given)
         _check_processes_agree(node_group, args, model, quant_config, kwargs.get("optimizer_cls_and_kwargs"),
-                               train_dataset, eval_dataset, shard_labels)
+                               train_dataset, eval_dataset)
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
