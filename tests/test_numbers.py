@@ -12,8 +12,8 @@ import torch
 from lp_decentral_nlp.checks import Number, check_number
 from lp_decentral_nlp.cost import communication_cost, estimate_cost
 from lp_decentral_nlp.data import check_enough_rows, skewed_partition
-from lp_decentral_nlp.gossip import QSGD, ChocoSGD, GossipConfig, Identity, TopK, make_topology
-from lp_decentral_nlp.quant import QuantConfig
+from lp_decentral_nlp.gossip import QSGD, ChocoSGD, GossipConfig, Identity, RandomK, TopK, make_topology
+from lp_decentral_nlp.quant import QuantConfig, dequantize_int8_state_dict, export_int8_state_dict
 from lp_decentral_nlp.trainer import DecentralizedTrainingArguments
 from lp_decentral_nlp.utils.cpu_malloc import MAX_MMAP_THRESHOLD, keep_freed_memory
 from lp_decentral_nlp import quantize_model
@@ -101,6 +101,13 @@ def test_check_number_returns_python_numbers():
     (lambda v: vision_transform("digits", train=v), "train"),
     (lambda v: EvoNormS0(8, apply_act=v), "apply_act"),
     (lambda v: quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), dry_run=v), "dry_run"),
+    (lambda v: QuantConfig(stochastic_grad_rounding=v), "stochastic_grad_rounding"),
+    (lambda v: QuantConfig(embeddings=v), "embeddings"),
+    (lambda v: QSGD(4, scaled=v), "scaled"),
+    (lambda v: RandomK(0.1, unbiased=v), "unbiased"),
+    (lambda v: export_int8_state_dict(quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4))), embeddings=v),
+     "embeddings"),
+    (lambda v: dequantize_int8_state_dict({}, activation_ranges=v), "activation_ranges"),
 ])
 def test_a_switch_takes_only_true_or_false(build, name):
     """A string switch is truthy: final_merge="no" merged, tune_cpu_malloc="false" tuned the
@@ -109,6 +116,14 @@ def test_a_switch_takes_only_true_or_false(build, name):
         with pytest.raises(ValueError, match=rf"^{name} must be True or False, got "):
             build(value)
     build(np.bool_(False))  # a value read from an array, as NumPy numbers are taken
+
+
+def test_a_numpy_bool_in_a_quant_config_or_compressor_is_stored_as_pythons():
+    config = QuantConfig(embeddings=np.bool_(True), stochastic_grad_rounding=np.bool_(False))
+    assert type(config.embeddings) is bool and type(config.stochastic_grad_rounding) is bool
+    json.dumps(config.to_dict())
+    assert type(QSGD(4, scaled=np.bool_(True)).scaled) is bool
+    assert type(RandomK(0.1, unbiased=np.bool_(True)).unbiased) is bool
 
 
 @pytest.mark.parametrize("name", ["qgm", "final_merge", "skip_nonfinite", "tune_cpu_malloc", "low_precision"])

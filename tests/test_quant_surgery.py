@@ -546,8 +546,8 @@ def test_a_task_model_that_is_its_own_base_model_leaves_the_users_config_alone(t
         (dict(skip="classifier"), TypeError, "skip must be a tuple or list"),
         (dict(target=("q_lin", "(")), ValueError, "not a valid regular expression"),
         (dict(target=()), ValueError, "target must be None"),
-        (dict(stochastic_grad_rounding=1), TypeError, "stochastic_grad_rounding must be a bool"),
-        (dict(embeddings="yes"), TypeError, "embeddings must be a bool"),
+        (dict(stochastic_grad_rounding=1), ValueError, "stochastic_grad_rounding must be True or False"),
+        (dict(embeddings="yes"), ValueError, "embeddings must be True or False"),
     ],
 )
 def test_config_validation(kwargs, error, message):

@@ -30,7 +30,7 @@ import numpy as np
 
 import torch
 
-from ..checks import NUMBER_FIELDS, Number, check_number
+from ..checks import NUMBER_FIELDS, Number, check_flag, check_number
 from .wire import index_dtype, pack_codes, packed_nbytes, unpack_codes
 
 Fields = list[tuple[str, torch.dtype, int]]
@@ -183,10 +183,8 @@ class QSGD(Compressor):
 
     def __init__(self, levels: int, scaled: bool = False, bucket_size: int = 1024):
         levels = check_number("levels", levels, NUMBER_FIELDS["qsgd_levels"])
-        if not isinstance(scaled, bool):
-            raise TypeError(f"scaled must be a bool, got {scaled!r}")
         self.levels = levels
-        self.scaled = scaled
+        self.scaled = check_flag("scaled", scaled)
         self.bucket_size = check_number("bucket_size", bucket_size, Number(integer=True, low=1))
         self.bits = next(b for b in (2, 4, 8) if 2 * levels + 1 <= 2**b)
 
@@ -348,9 +346,7 @@ class RandomK(_Sparsifier):
                 zero point), as :class:`TopK`.
         """
         super().__init__(keep, value_bits)
-        if not isinstance(unbiased, bool):
-            raise TypeError(f"unbiased must be a bool, got {unbiased!r}")
-        self.unbiased = unbiased
+        self.unbiased = check_flag("unbiased", unbiased)
 
     def _select(self, x, indices, values, work, generator):
         chosen = _random_subset(indices.numel(), work, generator)  # (before values, which may be work[:k])

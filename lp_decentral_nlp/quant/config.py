@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..checks import Number, check_number
+from ..checks import Number, check_flags, check_number
 from .kernels import kernel_names
 
 # Task heads of Hugging Face models (classification, question answering, multiple choice, MLM
@@ -82,9 +82,7 @@ class QuantConfig:
         for name in ("bits", "grad_bits"):
             object.__setattr__(self, name, check_number(name, getattr(self, name),
                                                         Number(integer=True, low=MIN_BITS, high=MAX_BITS)))
-        for name in ("stochastic_grad_rounding", "embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_flags(self, ("stochastic_grad_rounding", "embeddings"))
         if self.grad_granularity not in GRAD_GRANULARITIES:
             raise ValueError(f"grad_granularity must be one of {GRAD_GRANULARITIES}, got {self.grad_granularity!r}")
         object.__setattr__(self, "act_momentum", float(check_number(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checks import check_flag
 from .functional import quantize_codes, tensor_range
 from .hf_quantizer import ACTIVATION_RANGE_KEYS
 from .layers import QuantEmbedding, QuantGemmLayer, QuantModule, check_module
@@ -57,8 +58,7 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
             quantized layers and exported with their own codes either way.)
     """
     check_module(model)
-    if not isinstance(embeddings, bool):
-        raise TypeError(f"embeddings must be a bool, got {embeddings!r}")
+    embeddings = check_flag("embeddings", embeddings)
     exact = {f"{n}.weight": (m.quant_config.bits, tensor_range) for n, m in model.named_modules()
              if isinstance(m, (QuantGemmLayer, QuantEmbedding))}
     if not exact:
@@ -166,8 +166,7 @@ def dequantize_int8_state_dict(state_dict: dict[str, torch.Tensor],
             them: it loads into the float model (``dequantize_model``'s, or the architecture built
             without ``lp_decentral_nlp``), which computes in fp32 with the 8-bit grid's weights.
     """
-    if not isinstance(activation_ranges, bool):
-        raise TypeError(f"activation_ranges must be a bool, got {activation_ranges!r}")
+    activation_ranges = check_flag("activation_ranges", activation_ranges)
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors (export_int8_state_dict's output), got "
                         f"{type(state_dict).__name__}")
