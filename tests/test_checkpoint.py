@@ -661,3 +661,35 @@ def test_a_resumed_run_keeps_no_checkpoint_file_mapped(tmp_path, agnews, tokeniz
     with open("/proc/self/maps") as maps:
         assert str(tmp_path) not in maps.read()
     assert resumed.node_optimizers[0].state  # the resumed state is still held, in memory
+
+
+class InterruptBeforeTheUpdate(TrainerCallback):
+    """Ctrl-C between a node's backward and its update at one step: that node's gradient is left."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.step = None
+            raise KeyboardInterrupt
+
+
+def test_train_after_a_stop_mid_step_starts_from_clean_gradients_and_counters(tmp_path, agnews, tokenizer):
+    """A notebook's Ctrl-C mid-step left a node's gradient, which the next train() of the same trainer
+    added into its first step (a resume then differed from the run that never stopped), and a second
+    train() logged the first one's bytes on top of its own."""
+    kw = dict(algorithm="choco", compression=90.0)
+    straight, _ = run(tmp_path / "straight", agnews, tokenizer, **kw)
+    trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path / "stopped", **kw),
+                                   train_dataset=agnews["train"], eval_dataset=agnews["test"],
+                                   processing_class=tokenizer, callbacks=[InterruptBeforeTheUpdate(5)])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert any(p.grad is not None for node in trainer.nodes for p in node.parameters())
+    trainer.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+    for a, b in zip(straight.nodes, trainer.nodes):
+        assert same(a.state_dict(), b.state_dict())
+    assert torch.equal(trainer.bytes_sent, straight.bytes_sent)
+    trainer.train()  # a second run from the trained nodes: its own traffic only
+    assert torch.equal(trainer.bytes_sent, straight.bytes_sent)

@@ -387,11 +387,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout),
                                    self.node_params[0] if args.gossip_reference == "initial" else None)
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
-        self.bytes_sent = torch.zeros(len(self.node_ids), dtype=torch.int64)
-        self.nonfinite_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
-        self.overflow_skips = torch.zeros(len(self.node_ids), dtype=torch.int64)
-        self.lost_messages = torch.zeros(len(self.node_ids), dtype=torch.int64)
-        self.absent_steps = torch.zeros(len(self.node_ids), dtype=torch.int64)
+        self._zero_counters()
         self._eval_loaders = {}  # get_eval_dataloader's, by set name, kept with dataloader_persistent_workers
         self._input_tokens = 0  # this process's, not yet in state.num_input_tokens_seen (include_num_input_tokens_seen)
         self._step_lr = None  # the LR node 0's last step ran at, which the logs report (Trainer's: before the update)
@@ -457,6 +453,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 node.compile(**self._compile_kwargs)
 
         self.state = self._new_trainer_state()
+        # a run starts from clean gradients and counters, as Trainer's does (a train() stopped mid-step,
+        # by an error or KeyboardInterrupt, leaves a node's gradient; a checkpoint restores the counters)
+        for node in self.nodes:
+            node.zero_grad(set_to_none=True)
+        self._zero_counters()
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._input_tokens, self.current_flos = 0, 0.0  # this process's, not yet in self.state
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
@@ -555,6 +556,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.log(metrics)  # adds the epoch, as Trainer's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def _zero_counters(self) -> None:
+        """The per-node counters of the class docstring, at zero (int64, one entry per local node)."""
+        for name in ("bytes_sent", "nonfinite_skips", "overflow_skips", "lost_messages", "absent_steps"):
+            setattr(self, name, torch.zeros(len(self.node_ids), dtype=torch.int64))
 
     def total_steps(self) -> int:
         """Optimizer steps ``train()`` runs in all: ``max_steps`` if set, else ``num_train_epochs``
