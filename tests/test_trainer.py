@@ -1,6 +1,8 @@
 """DecentralizedTrainer: nodes are independent until gossip, one step matches the SPEC by hand,
 8-bit payloads, evaluation/saving, argument errors."""
 import copy
+import dataclasses
+import pydoc
 
 import pytest
 import torch
@@ -175,6 +177,20 @@ def test_compressor_follows_arguments(tmp_path, kwargs, expected):
 
     compressor = build_compressor(targs(tmp_path, **kwargs).gossip_config)
     assert (compressor is None) if expected is None else repr(compressor).startswith(expected)
+
+
+def test_arguments_repr_hides_the_hub_token_and_help_documents_the_decentralized_fields(tmp_path):
+    """A notebook cell ending in ``args`` printed hub_token in clear (the dataclass's own repr);
+    ``help(DecentralizedTrainingArguments)`` named none of its fields' meanings."""
+    args = targs(tmp_path, hub_token="hf_secret123")
+    assert "hf_secret123" not in repr(args) and "hub_token=<HUB_TOKEN>" in repr(args)
+    assert "num_nodes=4,\n" in repr(args)  # TrainingArguments' layout: one field a line
+    doc = pydoc.render_doc(DecentralizedTrainingArguments, renderer=pydoc.plaintext)
+    for name in (f.name for f in dataclasses.fields(DecentralizedTrainingArguments)
+                 if f.name in DecentralizedTrainingArguments.__annotations__):
+        assert f"{name} (" in doc, name
+    assert "num_nodes (int, default 4): Number of peer nodes n." in doc
+    assert "keep (100 - compression)% of each" in doc  # argparse's %% unescaped
 
 
 def test_distributed_backend_without_process_group_is_an_error(tmp_path, agnews_small):
