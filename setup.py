@@ -10,8 +10,9 @@ setup(
     packages=find_packages(include=["lp_decentral_nlp", "lp_decentral_nlp.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # A range that the local CPU build torch==2.13.0 satisfies (install it first); only 2.13 (CPU) is tested in CI.
-        "torch>=2.2",
+        # transformers 5 needs torch 2.6, and the trainer calls torch.accelerator (2.6); the local CPU build
+        # torch==2.13.0 satisfies it (install it first); only 2.13 (CPU) is tested in CI.
+        "torch>=2.6",
         # The oldest releases the test suite passes with (docs/design.md, "Dependency versions").
         "transformers>=5.23",
         "datasets>=4.5",
@@ -22,6 +23,10 @@ setup(
         "numba>=0.60",
         "safetensors",
         "tqdm",
+        # imported directly (datasets and transformers pin them): row digests, model cards, hub errors
+        "pyarrow",
+        "pyyaml",
+        "huggingface_hub",
     ],
     extras_require={
         # vision datasets: scikit-learn's bundled digits, image decoding
