@@ -9,7 +9,8 @@ repeated; one done with other settings, or on other rows or another model, is re
 --overwrite_output_dir repeated), ``sweep.json`` (all results; with another graph, faults or another
 ``--gossip-reference`` also those settings and each point's fault counts), ``sweep.md`` (rows skew/compression;
 columns DS, LP-DS, Choco, LP-Choco; a line under it names the graph, faults and reference every run had where not
-the default) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed; that line in its title). Those three hold
+the default) and ``sweep.png`` (accuracy vs skew; fp32 solid, 8-bit dashed; that line in its title; needs the
+``[plot]`` extra, matplotlib: without it a notice says so and the rest is written). Those three hold
 this invocation's grid: a smaller grid into the same folder reuses its finished points and writes
 only them (``benchmarks/table6_cpu.py`` keeps adding to its table instead).
 
@@ -21,6 +22,7 @@ stopped ones start afresh.
 """
 import concurrent.futures
 import functools
+import importlib.util
 import itertools
 import math
 import multiprocessing
@@ -33,7 +35,7 @@ import textwrap
 
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
-from lp_decentral_nlp.commands.run import environment_problem, write_json
+from lp_decentral_nlp.commands.run import environment_problem, print_notice, write_json
 
 PROG = "sweep.py"
 SWEEP_OUTPUT_DIR_HELP = ("Folder of the grid: one folder per point, sweep.json, sweep.md and sweep.png "
@@ -482,6 +484,10 @@ def plot(rows, path):
 def main(argv=None):
     with commands.stop_on_interrupt(PROG, AFTER_INTERRUPT):  # from the flags' check (it imports torch) to the plot
         sweep = parse(argv)
+        plotting = importlib.util.find_spec("matplotlib") is not None
+        if not plotting:  # said before the grid trains, not after it (the plot is the last step)
+            print_notice('notice: matplotlib is not installed: the sweep writes sweep.json and sweep.md but no '
+                         'sweep.png (pip install "lp-decentral-nlp[plot]")')
         rows = run_grid(sweep)
         out = sweep.training.output_dir
         os.makedirs(out, exist_ok=True)
@@ -489,7 +495,8 @@ def main(argv=None):
         table = markdown_table(rows) + settings_caption(rows)
         with open(os.path.join(out, "sweep.md"), "w") as fh:
             fh.write(table)
-        plot(rows, os.path.join(out, "sweep.png"))
+        if plotting:
+            plot(rows, os.path.join(out, "sweep.png"))
     print(table)
 
 

@@ -387,6 +387,26 @@ def test_a_sweep_point_without_an_accuracy_shows_n_a(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 0
 
 
+def test_a_sweep_without_matplotlib_says_so_before_the_grid_and_writes_the_rest(tmp_path, capsys, monkeypatch):
+    """Without the [plot] extra the sweep trained its whole grid, then stopped on an import traceback."""
+    import importlib.util
+
+    sweep = import_sweep()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    notice = ('notice: matplotlib is not installed: the sweep writes sweep.json and sweep.md but no sweep.png (pip '
+              'install "lp-decentral-nlp[plot]")')
+
+    def run_grid(run):
+        assert capsys.readouterr().err.strip() == notice  # before the grid trains
+        return [{"algorithm": "choco", "low_precision": False, "skew": 0.0, "comp": 0.0, "accuracy": 0.5}]
+
+    monkeypatch.setattr(sweep, "run_grid", run_grid)
+    sweep.main(["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0", "--output-dir",
+                str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json", "sweep.md"]
+
+
 def test_sweep_refuses_an_unusable_thread_variable_in_one_line():
     """OMP_NUM_THREADS=abc: libgomp's complaint (and a blank line) came before the sweep's error, as
     torch was imported before the check the recipes make first."""

@@ -419,3 +419,25 @@ def test_own_images_need_their_folder(capsys):
         build_vision_parser("choco").parse(["--dataset", "folder"])
     assert capsys.readouterr().err.endswith(  # the flag as the docs spell it, once (it said "--data_dir: data_dir:")
         "error: argument --data-dir: --dataset folder trains your own images: give their folder with --data-dir\n")
+
+
+@pytest.mark.parametrize("absent, named", [({"PIL"}, "Pillow is"), ({"PIL", "sklearn"}, "Pillow and scikit-learn are")])
+def test_without_the_vision_extra_the_data_and_the_recipe_name_the_pip_command(absent, named, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Without Pillow the recipe stopped with an import traceback when it loaded the digits."""
+    import importlib.util
+
+    from lp_decentral_nlp.vision.recipe import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else find_spec(name, *a))
+    line = f'{named} not installed: the vision datasets need the [vision] extra (pip install "lp-decentral-nlp[vision]")'
+    with pytest.raises(ImportError) as err:
+        load_vision_dataset("digits")
+    assert str(err.value) == line
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main("choco", ["--max_steps", "1", "--output-dir", str(out)])
+    [printed] = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and printed.endswith(f": error: {line}")
+    assert not out.exists()

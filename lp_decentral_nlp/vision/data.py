@@ -25,6 +25,7 @@ batch (from seed, node, epoch and batch), in the main process and in dataloader 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -387,6 +388,18 @@ def _check_saved_images(ds: datasets.Dataset, where: str) -> None:
         _check_image(image["bytes"] if image.get("bytes") is not None else image["path"], f"{where} row {row}")
 
 
+def missing_vision_packages(name: str) -> str | None:
+    """The one line naming the pip command when a package that loading dataset ``name`` needs is
+    not installed (Pillow decodes every image; scikit-learn holds ``digits``), else None. Looked up
+    without importing them."""
+    needed = {"PIL": "Pillow", **({"sklearn": "scikit-learn"} if name == "digits" else {})}
+    missing = [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: the vision datasets need "
+            'the [vision] extra (pip install "lp-decentral-nlp[vision]")')
+
+
 def load_vision_dataset(
     name: str, data_dir: str | os.PathLike | None = None, seed: int = 0
 ) -> datasets.DatasetDict:
@@ -402,8 +415,12 @@ def load_vision_dataset(
     ``data_dir`` does not exist; ValueError naming the folder or file for a source that is not
     one of the two layouts, lacks a train or test split, image or label column, has the wrong
     number of classes or labels outside them, stray files, empty class folders, or an image PIL
-    cannot open; TypeError for a label column that is not a ClassLabel.
+    cannot open; TypeError for a label column that is not a ClassLabel; ImportError naming the
+    pip command without the packages of the ``[vision]`` extra (:func:`missing_vision_packages`).
     """
+    problem = missing_vision_packages(name)
+    if problem:
+        raise ImportError(problem)
     if name == FOLDER:
         seed = check_field("seed", seed)
         if data_dir is None:

@@ -150,6 +150,16 @@ def _check_network(parser, parsed) -> None:
             parser.error(f"argument {flag}: {problem}")
 
 
+def _check_packages(parser, parsed) -> None:
+    """Without the ``[vision]`` extra the run stopped with an import traceback when it loaded the
+    data: one line naming the pip command instead, before anything loads."""
+    from .data import missing_vision_packages
+
+    problem = missing_vision_packages(parsed.recipe.dataset)
+    if problem:
+        parser.error(problem)
+
+
 def _check_columns(parser, parsed) -> None:
     """``--remove_unused_columns true`` would drop the ``image`` column the transform reads (the
     run failed at its first batch with a KeyError): refused like a bad flag."""
@@ -168,7 +178,7 @@ def build_vision_parser(algorithm: str, **kwargs) -> RecipeParser:
     parser = RecipeParser(DecentralizedTrainingArguments, VisionArguments, defaults=VISION_DEFAULTS,
                           fixed={"algorithm": algorithm}, refused=RECIPE_REFUSALS,
                           derive=_derive, value_checks=RECIPE_VALUE_CHECKS,
-                          checks=(run_checks, _check_network, _check_columns), **kwargs)
+                          checks=(run_checks, _check_packages, _check_network, _check_columns), **kwargs)
     set_run_help(parser, "<dataset>_<arch>_<norm>_<algorithm>_skew<skew>_comp<compression>", row_subsets=False)
     fractions = " and ".join(f"{f:.0%}%" for f in DEFAULT_MILESTONE_FRACTIONS)  # help text is %-formatted
     parser.set_help("lr_milestones", "Epochs at which the learning rate is multiplied by --lr_decay (SPEC 8); the "
