@@ -69,7 +69,9 @@ COMPRESSIONS = (0.0, 99.0)
 # SPEC section 8 at CPU scale; the consensus step is left to the trainer.
 SETTINGS = {"nodes": 4, "topology": "directed_ring", "max_length": 64, "batch_size": 16, "epochs": 3,
             "lr": 1e-4}
-# recorded in a cell's results.json but not what it computes: a finished cell is reused whatever these were
+# recorded in a cell's results.json and reused whatever these were: the folder, and the thread count, which
+# changes the float sums' order (an 8-bit run's results move as on another CPU; docs/design.md, "One torch
+# thread"): a cell's seeds may have run at other counts, each recorded in its command
 IGNORED_WHEN_REUSING = ("threads", "output_dir")
 RECIPES = {("ag_news", "choco"): "agnews_choco.py", ("ag_news", "deepsqueeze"): "agnews_deepsqueeze.py",
            ("sentlen", "choco"): "sentlen_choco.py", ("sentlen", "deepsqueeze"): "sentlen_deepsqueeze.py"}

@@ -122,8 +122,9 @@ def parse(argv=None):
 
 # what may differ between a finished grid point and this sweep without changing its results: the
 # grid's own flags (the whole grid is in every run's config), how the run is executed, where its
-# folder is (a copied sweep), and what it prints and logs
-NOT_RESULT_SETTINGS = {"overwrite_output_dir", "threads", "consensus_lr_used", "output_dir", "logging_strategy",
+# folder is (a copied sweep), and what it prints and logs. Not the thread count: it changes the float
+# sums' order, which 8-bit training carries into its results (docs/design.md, "One torch thread").
+NOT_RESULT_SETTINGS = {"overwrite_output_dir", "consensus_lr_used", "output_dir", "logging_strategy",
                        "logging_steps", "logging_first_step", "log_level", "log_level_replica", "log_on_each_node",
                        "disable_tqdm", "report_to", "run_name", "project", "include_num_input_tokens_seen",
                        "skip_memory_metrics"}
@@ -247,11 +248,12 @@ def grid(sweep) -> list:
     afresh (``overwrite_output_dir``: what a stopped or other run left there, its checkpoints
     included, is removed first, with a notice; other files stay)."""
     grid_flags = sweep.extras
+    threads = commands.threads_to_use(sweep.recipe)  # (recorded as run: compared with a finished point's)
     runs = []
     for algorithm, precision, skew, comp in itertools.product(grid_flags.algorithms, grid_flags.precisions,
                                                               grid_flags.skews, grid_flags.comps):
         changes = dict(algorithm=algorithm, low_precision=precision == "int8", skew=skew, compression=comp,
-                       overwrite_output_dir=True,
+                       overwrite_output_dir=True, threads=threads,
                        output_dir=os.path.join(sweep.values["output_dir"],
                                                f"{algorithm}_{precision}_skew{number(skew)}_comp{number(comp)}"))
         if comp > 0 and grid_flags.consensus_lr_compressed is not None:

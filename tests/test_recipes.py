@@ -446,9 +446,13 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     results = os.path.join(run.training.output_dir, "results.json")
     with open(results, "w") as fh:
         json.dump(finished, fh)
-    # the same settings, other grid flags and thread count: the point is reused as it is
-    again = sweep.grid(sweep.parse([*flags, "--jobs", "2", "--threads", "2"]))[0]
+    # the same settings and other grid flags: the point is reused as it is
+    again = sweep.grid(sweep.parse([*flags, "--jobs", "2"]))[0]
     assert sweep.settings_differing(commands.finished_results(again.training.output_dir), again) == []
+    # another thread count is another result (8-bit training carries the float sums' order): it was reused
+    with pytest.raises(SystemExit):
+        sweep.parse([*flags, "--threads", "2"])
+    assert "holds finished results of other settings (threads=1 (this sweep: 2))" in capsys.readouterr().err
     # nor by what it prints, logs, when it evaluates and saves: they were refused, though the results are the same
     shown = sweep.grid(sweep.parse([*flags, "--disable_tqdm", "true", "--log_level", "error", "--logging_steps", "1",
                                     "--eval_steps", "1", "--save-steps", "1", "--report_to", "none"]))[0]

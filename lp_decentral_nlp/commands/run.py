@@ -628,11 +628,17 @@ def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
         exit_with_error(prog, str(err), flag)
 
 
+def threads_to_use(run: RunArguments) -> int:
+    """The intra-op thread count a run sets (:func:`set_threads`): ``--threads``, else
+    ``OMP_NUM_THREADS``, else 1."""
+    return run.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+
+
 def set_threads(run: RunArguments) -> int:
-    """Set torch's intra-op threads: ``--threads``, else ``OMP_NUM_THREADS``, else 1; returns it."""
+    """Set torch's intra-op threads to :func:`threads_to_use`; returns it."""
     import torch
 
-    threads = run.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+    threads = threads_to_use(run)
     torch.set_num_threads(threads)
     return threads
 
