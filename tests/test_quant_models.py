@@ -318,6 +318,7 @@ def test_the_int8_export_file_writes_a_tied_weight_once_and_loads_it_under_every
     from safetensors import safe_open
 
     from lp_decentral_nlp import load_int8_export, save_int8_export
+    from lp_decentral_nlp.quant.export import TIED_KEYS
 
     model = quantize_model(ARCHITECTURES["gpt2"]())
     model(**example_inputs("gpt2"))  # a training forward: the activation ranges
@@ -327,6 +328,8 @@ def test_the_int8_export_file_writes_a_tied_weight_once_and_loads_it_under_every
     save_int8_export(model, tmp_path / "int8.safetensors")
     with safe_open(tmp_path / "int8.safetensors", framework="pt") as file:
         assert "lm_head.weight" not in file.keys() and "transformer.wte.weight" in file.keys()
+        # one entry: safetensors orders several differently in each process (identical runs' files differed)
+        assert file.metadata() == {TIED_KEYS: '{"lm_head.weight": "transformer.wte.weight"}'}
     loaded = load_int8_export(tmp_path / "int8.safetensors")
     expected = dequantize_int8_state_dict(exported)
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)

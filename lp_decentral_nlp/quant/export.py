@@ -119,7 +119,9 @@ def save_int8_export(model: nn.Module, path: str | os.PathLike, embeddings: bool
             written[key] = tensor.contiguous()
         else:
             tied[key] = source
-    save_file(written, str(path), metadata={"format": "pt", TIED_KEYS: json.dumps(tied)})
+    # one metadata entry: safetensors writes several in an order that differs from process to process,
+    # so two identical runs wrote files of other bytes (no "format": it marks save_pretrained's files)
+    save_file(written, str(path), metadata={TIED_KEYS: json.dumps(tied)})
 
 
 def load_int8_export(path: str | os.PathLike, activation_ranges: bool = True) -> dict[str, torch.Tensor]:
