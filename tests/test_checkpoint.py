@@ -677,9 +677,10 @@ class InterruptBeforeTheUpdate(TrainerCallback):
 
 def test_train_after_a_stop_mid_step_starts_from_clean_gradients_and_counters(tmp_path, agnews, tokenizer):
     """A notebook's Ctrl-C mid-step left a node's gradient, which the next train() of the same trainer
-    added into its first step (a resume then differed from the run that never stopped), and a second
-    train() logged the first one's bytes on top of its own."""
-    kw = dict(algorithm="choco", compression=90.0)
+    added into its first step (a resume then differed from the run that never stopped), a second
+    train() logged the first one's bytes on top of its own, and its gossip steps went on from the
+    first one's (a node away at step 3 was present in the gossip at step 11)."""
+    kw = dict(algorithm="choco", compression=90.0, drop_prob=0.2, absences=["1:3:6"])
     straight, _ = run(tmp_path / "straight", agnews, tokenizer, **kw)
     trainer = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path / "stopped", **kw),
                                    train_dataset=agnews["train"], eval_dataset=agnews["test"],
@@ -690,6 +691,9 @@ def test_train_after_a_stop_mid_step_starts_from_clean_gradients_and_counters(tm
     trainer.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
     for a, b in zip(straight.nodes, trainer.nodes):
         assert same(a.state_dict(), b.state_dict())
+    assert same(straight.gossip.state_dict(), trainer.gossip.state_dict())
     assert torch.equal(trainer.bytes_sent, straight.bytes_sent)
-    trainer.train()  # a second run from the trained nodes: its own traffic only
-    assert torch.equal(trainer.bytes_sent, straight.bytes_sent)
+    counts = trainer.fault_counts()
+    trainer.train()  # a second run from the trained nodes: its own traffic, faults and gossip steps
+    assert torch.equal(trainer.bytes_sent, straight.bytes_sent) and trainer.fault_counts() == counts
+    assert trainer.gossip.num_steps == trainer.state.global_step == 8

@@ -386,6 +386,9 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.node_params = [gossiped_parameters(node) for node in self.nodes]
         self.gossip = build_gossip(args.gossip_config, self.node_group.transport(args.gossip_timeout),
                                    self.node_params[0] if args.gossip_reference == "initial" else None)
+        # the engine as built (step 0, push-sum weights 1; no buffer exists before its first step): each
+        # train() starts it there again, so its step is the run's (the fault plan's and the seeds')
+        self._gossip_start = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.gossip.state_dict().items()}
         self.qgm = None  # with args.qgm, built by train() from the nodes' optimizers (:meth:`_build_qgm`)
         self._zero_counters()
         self._eval_loaders = {}  # get_eval_dataloader's, by set name, kept with dataloader_persistent_workers
@@ -453,11 +456,13 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                 node.compile(**self._compile_kwargs)
 
         self.state = self._new_trainer_state()
-        # a run starts from clean gradients and counters, as Trainer's does (a train() stopped mid-step,
-        # by an error or KeyboardInterrupt, leaves a node's gradient; a checkpoint restores the counters)
+        # a run starts from clean gradients, counters and gossip state, as Trainer's from clean gradients (a
+        # train() stopped mid-step, by an error or KeyboardInterrupt, leaves a node's gradient; a checkpoint
+        # restores the rest)
         for node in self.nodes:
             node.zero_grad(set_to_none=True)
         self._zero_counters()
+        self.gossip.load_state_dict(self._gossip_start)
         self._loss_sum = torch.zeros(len(self.nodes), device=args.device)  # per local node, since the last log
         self._input_tokens, self.current_flos = 0, 0.0  # this process's, not yet in self.state
         self._loss_count = torch.zeros(len(self.nodes), dtype=torch.int64)  # steps in _loss_sum, per local node
