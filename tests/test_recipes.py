@@ -452,7 +452,9 @@ def test_sweep_refuses_finished_results_of_other_settings(tmp_path, capsys):
     # another thread count is another result (8-bit training carries the float sums' order): it was reused
     with pytest.raises(SystemExit):
         sweep.parse([*flags, "--threads", "2"])
-    assert "holds finished results of other settings (threads=1 (this sweep: 2))" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().endswith("holds finished results of other settings (threads=1 (this sweep: "
+                                                    "2)): give --threads 1 to reuse it, pass --overwrite_output_dir "
+                                                    "to run it again, or choose another --output-dir")
     # nor by what it prints, logs, when it evaluates and saves: they were refused, though the results are the same
     shown = sweep.grid(sweep.parse([*flags, "--disable_tqdm", "true", "--log_level", "error", "--logging_steps", "1",
                                     "--eval_steps", "1", "--save-steps", "1", "--report_to", "none"]))[0]
