@@ -44,6 +44,16 @@ def check_results_dir(parser, writing: bool = True) -> None:
                               "that can be written)")
 
 
+def check_plotting(parser) -> None:
+    """Refuse, as a bad flag, before any work, a benchmark that draws its figure last when
+    matplotlib is not installed (it trained everything, then stopped on an import traceback)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error('matplotlib is not installed, and this benchmark draws its figure after its runs: pip install '
+                     '"lp-decentral-nlp[plot]"')
+
+
 def benchmark_parser(doc: str, **kwargs) -> argparse.ArgumentParser:
     """A benchmark's command line: one-line errors (``OneLineParser``), its whole module docstring
     ``doc`` as the ``--help`` text (what it measures and in which units, how long it takes, what it

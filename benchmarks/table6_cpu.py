@@ -201,6 +201,7 @@ def parse(argv=None) -> argparse.Namespace:
     problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
     if problem:
         parser.error(f"argument --docs-dir: {problem}")
+    record.check_plotting(parser)
     return args
 
 

@@ -166,6 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     problem = output_dir_problem(args.output_dir, overwrite=True)
     if problem:
         p.error(f"argument --output-dir: {problem}")
+    record.check_plotting(p)
     return args
 
 
@@ -228,7 +229,7 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     None when it has not finished (no results.json, or one a stopped run left "running"). A run
     finished with other settings, or a damaged results.json, runs again with
     ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing`` (exit 2) without it."""
-    from lp_decentral_nlp.commands import config_differences, finished_results
+    from lp_decentral_nlp.commands import config_differences, finished_results, threads_to_use
     from lp_decentral_nlp.commands.run import exit_with_error
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
@@ -245,7 +246,9 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
         return None
     argv = recipe_argv(args, norm, precision, out)  # parsed as for a run over `out`, which holds results
     wanted = parse_vision_args("choco", argv if args.overwrite_output_dir else [*argv, "--overwrite_output_dir"])
-    differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "threads", "consensus_lr_used"))
+    # the thread count it would run with, compared: it changes an 8-bit run's results (docs/design.md)
+    wanted = wanted.replace(threads=threads_to_use(wanted.recipe))
+    differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "consensus_lr_used"))
     if differing and not args.overwrite_output_dir:
         refuse(f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run it "
                "again, or choose another --output-dir")

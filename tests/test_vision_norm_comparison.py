@@ -7,7 +7,7 @@ import re
 import pytest
 from helpers import load_benchmark
 
-from lp_decentral_nlp.commands import run_config
+from lp_decentral_nlp.commands import run_config, threads_to_use
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # a run of a few steps: 2 nodes, batch 8, 5% of an epoch of digits
@@ -38,7 +38,8 @@ def finished_run(comparison, out, *argv, status="done"):
     parsed = parse_vision_args("choco", [*comparison.recipe_argv(args, "evonorm", "fp32", str(folder)),
                                          "--overwrite_output_dir"])
     folder.mkdir(parents=True)
-    (folder / "results.json").write_text(json.dumps({"status": status, "config": run_config(parsed)}))
+    config = {**run_config(parsed), "threads": threads_to_use(parsed.recipe)}  # recorded as run
+    (folder / "results.json").write_text(json.dumps({"status": status, "config": config}))
     return args, folder
 
 
@@ -58,6 +59,30 @@ def test_skip_existing_reuses_only_a_run_of_the_same_settings(comparison, tmp_pa
     with pytest.raises(SystemExit):
         comparison.reusable_results(other, "evonorm", "fp32", str(folder))
     assert f"argument --skip-existing: {folder / 'results.json'} is not a run's results" in capsys.readouterr().err
+
+
+def test_skip_existing_does_not_reuse_a_run_of_another_thread_count(comparison, tmp_path, capsys, monkeypatch):
+    """8-bit training carries the float sums' order into its results (docs/design.md): a run at one
+    thread was reused under OMP_NUM_THREADS=2."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args, folder = finished_run(comparison, tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with pytest.raises(SystemExit):
+        comparison.reusable_results(args, "evonorm", "fp32", str(folder))
+    assert "holds a run of other settings (threads=1 (this run: 2))" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_comparison_is_refused_before_its_runs(comparison, tmp_path, capsys, monkeypatch):
+    """It trained every run, then stopped on an import traceback when it drew the plot."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        comparison.parse_args([*TINY, *outputs(tmp_path)])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        'vision_norm_comparison.py: error: matplotlib is not installed, and this benchmark draws its figure after its '
+        'runs: pip install "lp-decentral-nlp[plot]"\n')
 
 
 def test_settings_of_another_run_are_shown_without_float_noise(comparison, tmp_path, capsys):
