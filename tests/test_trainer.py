@@ -185,10 +185,15 @@ def test_arguments_repr_hides_the_hub_token_and_help_documents_the_decentralized
     args = targs(tmp_path, hub_token="hf_secret123")
     assert "hf_secret123" not in repr(args) and "hub_token=<HUB_TOKEN>" in repr(args)
     assert "num_nodes=4,\n" in repr(args)  # TrainingArguments' layout: one field a line
+    from lp_decentral_nlp.commands import NLPArguments, RunArguments
+    from lp_decentral_nlp.vision.recipe import VisionArguments
+
+    for cls in (DecentralizedTrainingArguments, RunArguments, NLPArguments, VisionArguments):
+        shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        for name in (f.name for f in dataclasses.fields(cls) if f.init and (
+                cls is not DecentralizedTrainingArguments or f.name in cls.__annotations__)):
+            assert f"    {name} (" in shown, (cls, name)
     doc = pydoc.render_doc(DecentralizedTrainingArguments, renderer=pydoc.plaintext)
-    for name in (f.name for f in dataclasses.fields(DecentralizedTrainingArguments)
-                 if f.name in DecentralizedTrainingArguments.__annotations__):
-        assert f"{name} (" in doc, name
     assert "num_nodes (int, default 4): Number of peer nodes n." in doc
     assert "keep (100 - compression)% of each" in doc  # argparse's %% unescaped
 

