@@ -551,6 +551,18 @@ def test_several_processes_of_a_simulated_run_are_refused(capsys, monkeypatch):
         "(torchrun --nproc_per_node 4)")
 
 
+def test_accelerate_launch_on_several_machines_without_multi_gpu_is_refused(capsys, monkeypatch):
+    """accelerate launch --num_machines 2 (no --multi_gpu) starts one process a machine and no rendezvous:
+    each machine relaunched the recipe standalone and trained a whole run alone, exit 0."""
+    clear_launcher_env(monkeypatch)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")  # what accelerate sets from --main_process_ip
+    assert flag_error(["--backend", "distributed"], capsys) == (
+        "argument --backend: accelerate launch without --multi_gpu starts one process on each machine and no "
+        "rendezvous, and MASTER_ADDR=10.255.255.1 names another machine (--num_machines > 1): add --multi_gpu (on "
+        "CPU too), or launch with torchrun --nnodes")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("launcher_flags", [["--multi_gpu"], []], ids=["multi_gpu", "plain"])
 def test_accelerate_launch_runs_one_node_per_process_on_a_cpu(tmp_path, tiny_model_dir, ag_news_csv, launcher_flags):

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import ipaddress
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ import pathlib
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -367,6 +369,11 @@ def check_launcher(parser, values: dict) -> None:
     if values["backend"] == "distributed":
         nodes = values["num_nodes"]
         if world is None and "ACCELERATE_USE_CPU" in os.environ:
+            main_host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            if not is_this_machine(main_host):  # the relaunch is standalone: each machine would run alone
+                parser.error(f"argument --backend: accelerate launch without --multi_gpu starts one process on each "
+                             f"machine and no rendezvous, and MASTER_ADDR={main_host} names another machine "
+                             "(--num_machines > 1): add --multi_gpu (on CPU too), or launch with torchrun --nnodes")
             relaunch_one_process_per_node(parser, nodes)
         if world is None:
             parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
@@ -382,6 +389,14 @@ def check_launcher(parser, values: dict) -> None:
 #: the checks every recipe makes of its flag values (by field name) before the arguments are built:
 #: what the recipes refuse, then strategy-dependent settings in the recipes' terms, then the launch
 RECIPE_VALUE_CHECKS = (check_what_recipes_use, check_strategy_settings, check_launcher)
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` (``MASTER_ADDR``: an address or a name) is a loopback address of this machine."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):  # a name that does not resolve here is no loopback
+        return False
 
 
 def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:
