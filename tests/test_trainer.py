@@ -198,6 +198,20 @@ def test_arguments_repr_hides_the_hub_token_and_help_documents_the_decentralized
     assert "keep (100 - compression)% of each" in doc  # argparse's %% unescaped
 
 
+@pytest.mark.parametrize("variable, flag", [("ACCELERATE_USE_FSDP", "--use_fsdp"),
+                                            ("ACCELERATE_USE_DEEPSPEED", "--use_deepspeed"),
+                                            ("ACCELERATE_USE_MEGATRON_LM", "--use_megatron_lm")])
+def test_a_sharding_engine_turned_on_by_the_launcher_is_refused_as_its_field_is(variable, flag, tmp_path, monkeypatch):
+    """accelerate launch --use_fsdp failed inside accelerate's setup ("no available devices"), or with a
+    meta-tensor error on one rank that the others reported as a dead peer."""
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match=rf"^{variable}=true \(set by accelerate launch {flag} or its config's "
+                                         r"distributed_type\) shards the model"):
+        targs(tmp_path)
+    monkeypatch.setenv(variable, "false")
+    targs(tmp_path)
+
+
 def test_distributed_backend_without_process_group_is_an_error(tmp_path, agnews_small):
     with pytest.raises(RuntimeError, match="torch.distributed"):
         DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, backend="distributed"),

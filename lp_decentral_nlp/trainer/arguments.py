@@ -64,6 +64,11 @@ NUMBER_SETTINGS = ("per_device_train_batch_size", "per_device_eval_batch_size", 
 _GOSSIP_FIELDS = tuple(f.name for f in fields(GossipConfig) if f.name != "faults")
 
 
+#: the environment variables by which accelerate launch turns on a sharding engine, with its flag
+LAUNCHER_SHARDING = {"ACCELERATE_USE_FSDP": "--use_fsdp", "ACCELERATE_USE_DEEPSPEED": "--use_deepspeed",
+                     "ACCELERATE_USE_MEGATRON_LM": "--use_megatron_lm"}
+
+
 #: the fields that shape only one process's output or data loading, not what it computes: the
 #: processes of a distributed run may differ in them (every other field must agree)
 PROCESS_LOCAL_FIELDS = frozenset({"local_rank", "disable_tqdm", "log_level", "log_level_replica", "log_on_each_node",
@@ -194,6 +199,12 @@ class DecentralizedTrainingArguments(TrainingArguments):
                              f"gossip_timeout={self.gossip_timeout:g} s: its peers would give up on it")
         # before TrainingArguments' own checks, which answer bf16=True on a CPU with "Your setup doesn't support bf16"
         refuse_unsupported(self)
+        for variable, flag in LAUNCHER_SHARDING.items():  # the fields' refusal, given through the launcher
+            if os.environ.get(variable, "").lower() in ("1", "true", "yes"):
+                raise ValueError(f"{variable}={os.environ[variable]} (set by accelerate launch {flag} or its config's "
+                                 "distributed_type) shards the model or its training state, which DecentralizedTrainer "
+                                 "does not support (every node holds a whole model and its own optimizer): launch "
+                                 "without it")
         if (self.greater_is_better is None and isinstance(self.metric_for_best_model, str)
                 and LOWER_IS_BETTER.fullmatch(self.metric_for_best_model)):
             self.greater_is_better = False  # Trainer's rule would keep the most divergent, or the worst node's, model
