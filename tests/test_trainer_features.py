@@ -1654,6 +1654,22 @@ def test_accelerate_launch_dynamo_backend_compiles_every_node_too(tmp_path, agne
     assert all(any(seen) for seen in traced.values())
 
 
+def test_accelerate_launch_regional_compilation_compiles_each_block_alone(tmp_path, agnews_small, tokenizer,
+                                                                           monkeypatch):
+    """``--dynamo_use_regional_compilation`` was dropped: every node was compiled whole. Now as accelerate's
+    compile_regions: each transformer block compiled alone (in place: the parameter names stay)."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, num_nodes=2, max_steps=1)
+    names = [list(node.state_dict()) for node in trainer.nodes]
+    trainer.train()
+    for node, before in zip(trainer.nodes, names):
+        compiled = {name for name, m in node.named_modules() if m._compiled_call_impl is not None}
+        blocks = {name for name, m in node.named_modules() if re.fullmatch(r".*\.layer\.\d+", name)}
+        assert blocks and blocks <= compiled and "" not in compiled  # the blocks, not the whole node
+        assert list(node.state_dict()) == before
+
+
 def test_a_refused_dataset_leaves_the_users_model_as_it_was(tmp_path, agnews_small):
     from lp_decentral_nlp.quant import QuantModule
 

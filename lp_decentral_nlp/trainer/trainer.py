@@ -239,6 +239,25 @@ def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, opt
                          "command)")
 
 
+def compile_in_place(module: torch.nn.Module, compile_kwargs: dict, regions: bool) -> None:
+    """``module.compile(**compile_kwargs)`` (in place: parameter names stay, for checkpoints and
+    averaging). ``regions``: as accelerate's ``compile_regions`` (``accelerate launch
+    --dynamo_use_regional_compilation``), each block of a stack of same-class blocks (a ``ModuleList``)
+    compiled alone, every child holding no stack compiled whole, the modules around them not."""
+
+    def is_stack(m: torch.nn.Module) -> bool:
+        return isinstance(m, torch.nn.ModuleList) and len(m) > 0 and all(type(b) is type(m[0]) for b in m)
+
+    if not regions or not any(is_stack(m) for m in module.modules()):
+        module.compile(**compile_kwargs)
+    elif is_stack(module):
+        for block in module:
+            block.compile(**compile_kwargs)
+    else:
+        for child in module.children():
+            compile_in_place(child, compile_kwargs, regions)
+
+
 class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, EvaluationMixin, CheckpointMixin, Trainer):
     """Decentralized training of ``num_nodes`` replicas of ``model`` (SPEC 1-2).
 
@@ -363,6 +382,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             signal.signal(signal.SIGTERM, signal.SIG_DFL if sigterm_handler is None else sigterm_handler)
         # read now: TrainingArguments built after this one (as the recipes do) reset accelerate's shared state
         self._compile_kwargs = self._node_compile_kwargs()
+        plugin = self.accelerator.state.dynamo_plugin  # accelerate launch --dynamo_use_regional_compilation
+        self._compile_regions = self._compile_kwargs is not None and bool(plugin.use_regional_compilation)
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low;
@@ -453,7 +474,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         for node in self.nodes:
             self._enable_checkpointing(node)
             if self._compile_kwargs is not None:
-                node.compile(**self._compile_kwargs)
+                compile_in_place(node, self._compile_kwargs, self._compile_regions)
 
         self.state = self._new_trainer_state()
         # a run starts from clean gradients, counters and gossip state, as Trainer's from clean gradients (a
