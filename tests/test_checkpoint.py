@@ -422,7 +422,8 @@ def test_a_resume_in_another_mixed_precision_is_refused(tmp_path, agnews, tokeni
                                                         **PRECISION_FLAGS[saved]), train_dataset=agnews["train"]).train()
     resumed = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=5, eval_strategy="no",
                                                                   **PRECISION_FLAGS[now]), train_dataset=agnews["train"])
-    with pytest.raises(ValueError, match=rf"mixed_precision='{saved}' \(this run: '{now}'\)"):
+    with pytest.raises(ValueError, match=rf"mixed_precision='{saved}' \(this run: '{now}'; bf16=True / fp16=True, or "
+                                         r"accelerate launch --mixed_precision, sets it\)"):  # (the launcher's too)
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
 
 
@@ -627,7 +628,7 @@ def test_a_checkpoint_recording_bf16_as_a_flag_still_resumes_and_refuses(tmp_pat
     assert same_precision.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4")).global_step == 5
     other = DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, max_steps=6, eval_strategy="no",
                                                                 **PRECISION_FLAGS["fp16"]), train_dataset=agnews["train"])
-    with pytest.raises(ValueError, match=rf"mixed_precision='{'bf16' if saved_bf16 else 'no'}' \(this run: 'fp16'\)"):
+    with pytest.raises(ValueError, match=rf"mixed_precision='{'bf16' if saved_bf16 else 'no'}' \(this run: 'fp16';"):
         other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
 
 

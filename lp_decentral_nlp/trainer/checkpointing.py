@@ -475,6 +475,9 @@ def check_resumable(path, args: DecentralizedTrainingArguments, train_samples: i
         if key == "compressor" and str(saved.get(key)).startswith("QSGD(") and "bucket_size" not in saved[key]:
             return (f"compressor={saved[key]!r}, one norm per tensor (this version rounds QSGD in buckets of 1024 "
                     "entries, with another default consensus step: no argument continues that run; start afresh)")
+        if key == "mixed_precision":  # set by the fields or by the launcher, whose command may be all that changed
+            return (f"mixed_precision={saved.get(key)!r} (this run: {value!r}; bf16=True / fp16=True, or accelerate "
+                    "launch --mixed_precision, sets it)")
         if key == "consensus_lr" and args.consensus_lr is None:  # the default follows other settings
             return (f"consensus_lr={saved.get(key)!r} (this run's default: {value!r}; it follows the compression, "
                     f"graph and drop_prob: pass consensus_lr={saved.get(key)!r} to resume under other faults)")
