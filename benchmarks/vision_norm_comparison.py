@@ -250,8 +250,11 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     wanted = wanted.replace(threads=threads_to_use(wanted.recipe))
     differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "consensus_lr_used"))
     if differing and not args.overwrite_output_dir:
-        refuse(f"{out} holds a run of other settings ({', '.join(differing)}): pass --overwrite-output-dir to run it "
-               "again, or choose another --output-dir")
+        threads = results["config"].get("threads")  # the count alone: the runs take OMP_NUM_THREADS's
+        reuse = (f"set OMP_NUM_THREADS={threads} to reuse it, " if len(differing) == 1
+                 and differing[0].startswith("threads=") else "")
+        refuse(f"{out} holds a run of other settings ({', '.join(differing)}): {reuse}pass --overwrite-output-dir to "
+               "run it again, or choose another --output-dir")
     return None if differing else results
 
 

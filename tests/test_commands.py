@@ -558,9 +558,14 @@ def test_accelerate_launch_on_several_machines_without_multi_gpu_is_refused(caps
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
     monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")  # what accelerate sets from --main_process_ip
     assert flag_error(["--backend", "distributed"], capsys) == (
-        "argument --backend: accelerate launch without --multi_gpu starts one process on each machine and no "
-        "rendezvous, and MASTER_ADDR=10.255.255.1 names another machine (--num_machines > 1): add --multi_gpu (on "
-        "CPU too), or launch with torchrun --nnodes")
+        "argument --backend: MASTER_ADDR=10.255.255.1 is not an address of this machine, and accelerate launch without "
+        "--multi_gpu starts no rendezvous across machines: add --multi_gpu and drop --cpu, or launch with torchrun "
+        "--nnodes")
+    from lp_decentral_nlp.commands.run import is_this_machine
+
+    # a single-machine launch naming this machine another way still relaunches (the check binds the address)
+    assert all(is_this_machine(host) for host in ("localhost", "127.0.0.1", "127.0.1.1"))
+    assert not is_this_machine("no-such-host.invalid")
 
 
 @pytest.mark.distributed

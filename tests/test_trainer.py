@@ -205,8 +205,8 @@ def test_a_sharding_engine_turned_on_by_the_launcher_is_refused_as_its_field_is(
     """accelerate launch --use_fsdp failed inside accelerate's setup ("no available devices"), or with a
     meta-tensor error on one rank that the others reported as a dead peer."""
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(ValueError, match=rf"^{variable}=true \(set by accelerate launch {flag} or its config's "
-                                         r"distributed_type\) shards the model"):
+    with pytest.raises(ValueError, match=rf"^{variable}=true \(accelerate's switch, which accelerate launch {flag}, its "
+                                         r"config's distributed_type or a plugin made in this process sets\) shards"):
         targs(tmp_path)
     monkeypatch.setenv(variable, "false")
     targs(tmp_path)

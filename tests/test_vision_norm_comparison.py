@@ -69,7 +69,8 @@ def test_skip_existing_does_not_reuse_a_run_of_another_thread_count(comparison, 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     with pytest.raises(SystemExit):
         comparison.reusable_results(args, "evonorm", "fp32", str(folder))
-    assert "holds a run of other settings (threads=1 (this run: 2))" in capsys.readouterr().err
+    assert "holds a run of other settings (threads=1 (this run: 2)): set OMP_NUM_THREADS=1 to reuse it, pass " \
+        "--overwrite-output-dir" in capsys.readouterr().err
 
 
 def test_without_matplotlib_the_comparison_is_refused_before_its_runs(comparison, tmp_path, capsys, monkeypatch):

@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import ipaddress
 import json
 import logging
 import math
@@ -370,10 +369,12 @@ def check_launcher(parser, values: dict) -> None:
         nodes = values["num_nodes"]
         if world is None and "ACCELERATE_USE_CPU" in os.environ:
             main_host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            if not is_this_machine(main_host):  # the relaunch is standalone: each machine would run alone
-                parser.error(f"argument --backend: accelerate launch without --multi_gpu starts one process on each "
-                             f"machine and no rendezvous, and MASTER_ADDR={main_host} names another machine "
-                             "(--num_machines > 1): add --multi_gpu (on CPU too), or launch with torchrun --nnodes")
+            # the relaunch is standalone: on a machine other than the main one it would train alone (the main one
+            # cannot tell, accelerate passing it no machine count: docs/trainer.md says to use --multi_gpu)
+            if not is_this_machine(main_host):
+                parser.error(f"argument --backend: MASTER_ADDR={main_host} is not an address of this machine, and "
+                             "accelerate launch without --multi_gpu starts no rendezvous across machines: add "
+                             "--multi_gpu and drop --cpu, or launch with torchrun --nnodes")
             relaunch_one_process_per_node(parser, nodes)
         if world is None:
             parser.error(f"argument --backend: 'distributed' runs one process per node, but WORLD_SIZE is not set: "
@@ -392,11 +393,21 @@ RECIPE_VALUE_CHECKS = (check_what_recipes_use, check_strategy_settings, check_la
 
 
 def is_this_machine(host: str) -> bool:
-    """Whether ``host`` (``MASTER_ADDR``: an address or a name) is a loopback address of this machine."""
+    """Whether ``host`` (``MASTER_ADDR``: an address or a name, IPv4 or IPv6) is an address of this
+    machine: one of the addresses it resolves to can be bound here (loopback or this machine's
+    network address). A name that does not resolve is not."""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):  # a name that does not resolve here is no loopback
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
         return False
+    for family, kind, _, _, address in addresses:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def relaunch_one_process_per_node(parser, nodes: int) -> NoReturn:

@@ -201,10 +201,10 @@ class DecentralizedTrainingArguments(TrainingArguments):
         refuse_unsupported(self)
         for variable, flag in LAUNCHER_SHARDING.items():  # the fields' refusal, given through the launcher
             if os.environ.get(variable, "").lower() in ("1", "true", "yes"):
-                raise ValueError(f"{variable}={os.environ[variable]} (set by accelerate launch {flag} or its config's "
-                                 "distributed_type) shards the model or its training state, which DecentralizedTrainer "
-                                 "does not support (every node holds a whole model and its own optimizer): launch "
-                                 "without it")
+                raise ValueError(f"{variable}={os.environ[variable]} (accelerate's switch, which accelerate launch "
+                                 f"{flag}, its config's distributed_type or a plugin made in this process sets) shards "
+                                 "the model or its training state, which DecentralizedTrainer does not support (every "
+                                 "node holds a whole model and its own optimizer): launch without it")
         if (self.greater_is_better is None and isinstance(self.metric_for_best_model, str)
                 and LOWER_IS_BETTER.fullmatch(self.metric_for_best_model)):
             self.greater_is_better = False  # Trainer's rule would keep the most divergent, or the worst node's, model

@@ -383,7 +383,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # read now: TrainingArguments built after this one (as the recipes do) reset accelerate's shared state
         self._compile_kwargs = self._node_compile_kwargs()
         plugin = self.accelerator.state.dynamo_plugin  # accelerate launch --dynamo_use_regional_compilation
-        self._compile_regions = self._compile_kwargs is not None and bool(plugin.use_regional_compilation)
+        self._compile_regions = self._compile_kwargs is not None and bool(getattr(plugin, "use_regional_compilation",
+                                                                                  False))  # (accelerate >= 1.7)
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low;
