@@ -176,6 +176,22 @@ def test_results_config_records_bf16_mixed_precision_from_the_flag_or_the_launch
     assert changed_settings(plain, launched) == ["mixed_precision"]
 
 
+def test_results_config_records_the_launchers_compilation(monkeypatch):
+    """accelerate launch --dynamo_backend compiles every node and sets no flag: results.json said nothing of it."""
+    from lp_decentral_nlp.commands import changed_settings, run_config
+
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    parser = build_nlp_parser("ag_news", "choco")
+    plain = run_config(parser.parse([]))
+    assert "dynamo" not in plain
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    launched = run_config(parser.parse([]))
+    assert launched["dynamo"]["backend"] == "eager" and launched["dynamo"]["regional"] is True
+    json.dumps(launched)
+    assert changed_settings(plain, launched) == ["dynamo"]
+
+
 def test_results_config_records_a_whole_number_of_steps_as_typed():
     """transformers types the *_steps fields float (a ratio below 1): --eval_steps 6 was recorded as 6.0."""
     from lp_decentral_nlp.commands import changed_settings, run_config

@@ -930,12 +930,21 @@ def run_config(parsed) -> dict:
     argument but those left at :class:`DecentralizedTrainingArguments`' default
     (:func:`training_default`) by a recipe whose default (``parsed.defaults``) it is too; and
     ``mixed_precision`` where it is on (``--bf16``, or ``accelerate launch --mixed_precision bf16``,
-    which sets no flag)."""
+    which sets no flag), and ``dynamo`` where ``accelerate launch --dynamo_backend`` compiles the
+    nodes without ``--torch_compile`` (``torch.compile``'s arguments it gives, and ``regional``:
+    ``--dynamo_use_regional_compilation``)."""
     config = {k: _whole_steps(k, v) for k, v in parsed.values.items()
               if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
     config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
     if parsed.training.mixed_precision != "no":
         config["mixed_precision"] = parsed.training.mixed_precision
+    if not parsed.training.torch_compile:  # the fields record their own; the launcher's set none
+        from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+        plugin = TorchDynamoPlugin()  # from the launcher's ACCELERATE_DYNAMO_* variables, as the trainer's
+        if plugin.backend != DynamoBackend.NO:
+            config["dynamo"] = {**plugin.to_kwargs(), "regional": bool(getattr(plugin, "use_regional_compilation",
+                                                                               False))}
     return config
 
 
