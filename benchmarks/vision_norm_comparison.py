@@ -229,7 +229,7 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     None when it has not finished (no results.json, or one a stopped run left "running"). A run
     finished with other settings, or a damaged results.json, runs again with
     ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing`` (exit 2) without it."""
-    from lp_decentral_nlp.commands import config_differences, finished_results, threads_to_use
+    from lp_decentral_nlp.commands import config_differences, finished_results, saved_thread_count, threads_to_use
     from lp_decentral_nlp.commands.run import exit_with_error
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
@@ -250,9 +250,8 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     wanted = wanted.replace(threads=threads_to_use(wanted.recipe))
     differing = config_differences(results["config"], wanted, ("overwrite_output_dir", "consensus_lr_used"))
     if differing and not args.overwrite_output_dir:
-        threads = results["config"].get("threads")  # the count alone: the runs take OMP_NUM_THREADS's
-        reuse = (f"set OMP_NUM_THREADS={threads} to reuse it, " if len(differing) == 1
-                 and differing[0].startswith("threads=") else "")
+        threads = saved_thread_count(results["config"], differing)  # (the runs take OMP_NUM_THREADS's)
+        reuse = "" if threads is None else f"set OMP_NUM_THREADS={threads} to reuse it, "
         refuse(f"{out} holds a run of other settings ({', '.join(differing)}): {reuse}pass --overwrite-output-dir to "
                "run it again, or choose another --output-dir")
     return None if differing else results

@@ -238,11 +238,8 @@ def check_grid(parser, sweep) -> None:
                          "point again")
         differing = settings_differing(results, run) if results is not None and not overwrite else []
         if differing:
-            # the thread count alone (OMP_NUM_THREADS may have set this sweep's, with no flag given), one this
-            # machine can run with
-            saved_threads = results["config"].get("threads")
-            reuse = (f"give --threads {saved_threads} to reuse it, " if len(differing) == 1
-                     and differing[0].startswith("threads=") and saved_threads <= (os.cpu_count() or 1) else "")
+            threads = commands.saved_thread_count(results["config"], differing)
+            reuse = "" if threads is None else f"give --threads {threads} to reuse it, "
             parser.error(f"argument {parser.flag_of('output_dir')}: {run.training.output_dir} holds finished results "
                          f"of other settings ({', '.join(differing)}): {reuse}pass --overwrite_output_dir to run it "
                          f"again, or choose another {parser.flag_of('output_dir')}")

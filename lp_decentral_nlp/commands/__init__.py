@@ -27,7 +27,7 @@ _EXPORTS = {
                      "model_flag_problem", "prepare_nlp_run", "resolve_model", "run_nlp"), ".nlp"),
     **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "changed_settings", "config_differences", "finished_results",
                      "is_packaged_model", "load_data", "output_dir_problem", "output_file_problem", "packaged_model_path", "run_config", "saved_head_labels", "source_fingerprint", "source_fingerprints", "stop_on_interrupt",
-                     "threads_to_use", "train_and_report"), ".run"),
+                     "saved_thread_count", "threads_to_use", "train_and_report"), ".run"),
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("entry", "flag_table", "flags", "nlp",

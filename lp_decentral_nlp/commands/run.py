@@ -656,6 +656,18 @@ def check_training_rows(prog: str, training, num_rows: int, data_dir, what: str,
         exit_with_error(prog, str(err), flag)
 
 
+def saved_thread_count(saved_config: dict, differing: list[str]) -> int | None:
+    """The thread count a finished run recorded (``saved_config``, its ``results.json`` config),
+    when it is the one setting :func:`config_differences` found ``differing`` and this machine can
+    run with it (the count alone was changed, perhaps by ``OMP_NUM_THREADS`` with no flag given:
+    that count reuses the run); else None."""
+    threads = saved_config.get("threads")
+    if (len(differing) == 1 and differing[0].startswith("threads=") and isinstance(threads, int)
+            and 1 <= threads <= (os.cpu_count() or 1)):
+        return threads
+    return None
+
+
 def threads_to_use(run: RunArguments) -> int:
     """The intra-op thread count a run sets (:func:`set_threads`): ``--threads``, else
     ``OMP_NUM_THREADS``, else 1."""
@@ -939,12 +951,14 @@ def run_config(parsed) -> dict:
     if parsed.training.mixed_precision != "no":
         config["mixed_precision"] = parsed.training.mixed_precision
     if not parsed.training.torch_compile:  # the fields record their own; the launcher's set none
-        from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+        from accelerate.utils import TorchDynamoPlugin
 
-        plugin = TorchDynamoPlugin()  # from the launcher's ACCELERATE_DYNAMO_* variables, as the trainer's
-        if plugin.backend != DynamoBackend.NO:
-            config["dynamo"] = {**plugin.to_kwargs(), "regional": bool(getattr(plugin, "use_regional_compilation",
-                                                                               False))}
+        from ..trainer.trainer import node_compile_settings
+
+        # from the launcher's ACCELERATE_DYNAMO_* variables, as the trainer reads them
+        compile_kwargs, regional = node_compile_settings(TorchDynamoPlugin())
+        if compile_kwargs is not None:
+            config["dynamo"] = {**compile_kwargs, "regional": regional}
     return config
 
 

@@ -239,6 +239,18 @@ def _check_processes_agree(node_group: NodeGroup, args, model, quant_config, opt
                          "command)")
 
 
+def node_compile_settings(plugin) -> tuple[dict | None, bool]:
+    """How every node is compiled, from accelerate's dynamo plugin (the accelerator's, or one read
+    from the ``ACCELERATE_DYNAMO_*`` variables): ``torch.compile``'s arguments, those accelerate
+    compiles the model ``Trainer`` prepares with (the nodes are not prepared), or None for none,
+    and whether by regions (``accelerate launch --dynamo_use_regional_compilation``, accelerate >=
+    1.7). The plugin holds ``torch_compile`` / ``torch_compile_backend`` / ``torch_compile_mode`` or,
+    without them, the launcher's ``--dynamo_backend`` and its options."""
+    if plugin is None or plugin.backend == DynamoBackend.NO:
+        return None, False
+    return plugin.to_kwargs(), bool(getattr(plugin, "use_regional_compilation", False))
+
+
 def compile_in_place(module: torch.nn.Module, compile_kwargs: dict, regions: bool) -> None:
     """``module.compile(**compile_kwargs)`` (in place: parameter names stay, for checkpoints and
     averaging). ``regions``: as accelerate's ``compile_regions`` (``accelerate launch
@@ -381,10 +393,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self.pop_callback(JITCheckpointCallback)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if sigterm_handler is None else sigterm_handler)
         # read now: TrainingArguments built after this one (as the recipes do) reset accelerate's shared state
-        self._compile_kwargs = self._node_compile_kwargs()
-        plugin = self.accelerator.state.dynamo_plugin  # accelerate launch --dynamo_use_regional_compilation
-        self._compile_regions = self._compile_kwargs is not None and bool(getattr(plugin, "use_regional_compilation",
-                                                                                  False))  # (accelerate >= 1.7)
+        self._compile_kwargs, self._compile_regions = node_compile_settings(self.accelerator.state.dynamo_plugin)
         # the labels a causal LM's loss averages over skip each row's first (the loss shifts them):
         # Trainer's rule for its num_items_in_batch (_loss_shifts_labels, from the model's loss_type)
         # misses causal-LM classes whose loss_type is unset, e.g. GPT-2, whose eval_loss read ~10% low;
@@ -676,17 +685,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         `node_schedulers`) with `create_optimizer(model)` and `create_scheduler`."""
         raise NotImplementedError("DecentralizedTrainer builds one optimizer and schedule per node in train() "
                                   "(node_optimizers, node_schedulers), with create_optimizer(model) and create_scheduler()")
-
-    def _node_compile_kwargs(self) -> dict | None:
-        """``torch.compile``'s arguments for every node, or None for none: those accelerate compiles
-        the model ``Trainer`` prepares with (the nodes are not prepared), from the accelerator's
-        dynamo plugin. It holds ``torch_compile`` / ``torch_compile_backend`` / ``torch_compile_mode``
-        or, without them, the launcher's ``accelerate launch --dynamo_backend`` and its options
-        (``ACCELERATE_DYNAMO_*``)."""
-        plugin = self.accelerator.state.dynamo_plugin
-        if plugin is None or plugin.backend == DynamoBackend.NO:
-            return None
-        return plugin.to_kwargs()
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """Where each node's forward and loss run, in training and evaluation (``Trainer`` enters it
