@@ -7,6 +7,7 @@ from lp_decentral_nlp.vision import (
     ARCHS,
     NORMS,
     EvoNormS0,
+    ImageClassifier,
     RangeBatchNorm2d,
     RangeEvoNorm2d,
     build_vision_model,
@@ -68,8 +69,17 @@ def test_activations_outside_norm_pairs_remain(arch):
 
 
 def test_mobilenetv2_keeps_relu6_and_resnet_relu():
-    assert any(isinstance(m, nn.ReLU6) for m in build_vision_model("mobilenetv2", 10).modules())
-    assert not any(isinstance(m, nn.ReLU6) for m in build_vision_model("resnet20", 10).modules())
+    assert any(isinstance(m, nn.ReLU6) for m in build_vision_model("mobilenetv2", 10, "batchnorm").modules())
+    assert not any(isinstance(m, nn.ReLU6) for m in build_vision_model("resnet20", 10, "batchnorm").modules())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nets_normalise_per_sample_unless_told(arch):
+    """Every builder defaulted to BatchNorm, whose batch statistics fail under label skew (SPEC 5),
+    while the recipes used Range EvoNorm: now the nets, ImageClassifier included, default to it."""
+    for net in (build_vision_model(arch), ARCHS[arch](), ImageClassifier(arch).net):
+        kinds = {type(m) for m in net.modules()}
+        assert RangeEvoNorm2d in kinds and not kinds & {nn.BatchNorm2d, nn.GroupNorm, EvoNormS0}
 
 
 @pytest.mark.parametrize("norm", NORMS)

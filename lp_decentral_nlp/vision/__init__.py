@@ -17,7 +17,7 @@ from .data import (
     vision_transform,
     with_vision_transforms,
 )
-from .models import ARCHS, NORMS, build_vision_model, image_size_problem, mobilenetv2, norm_act, resnet18, resnet20, resnet54, vgg11
+from .models import ARCHS, DEFAULT_NORM, NORMS, build_vision_model, image_size_problem, mobilenetv2, norm_act, resnet18, resnet20, resnet54, vgg11
 from .norms import (
     EvoNormS0,
     RangeBatchNorm2d,
@@ -31,7 +31,7 @@ from .norms import (
 from .quant_norms import QuantEvoNormS0, QuantNormLayer, QuantRangeBatchNorm2d, QuantRangeEvoNorm2d
 
 __all__ = [
-    "ARCHS", "NORMS", "VISION_DATASETS", "FOLDER", "MAX_MEASURED_IMAGE_SIZE", "NO_AUGMENT_DATASETS",
+    "ARCHS", "NORMS", "DEFAULT_NORM", "VISION_DATASETS", "FOLDER", "MAX_MEASURED_IMAGE_SIZE", "NO_AUGMENT_DATASETS",
     "EvoNormS0", "RangeEvoNorm2d", "RangeEvoNormFunction", "RangeBatchNorm2d",
     "evonorm_s0", "range_evonorm2d", "range_batch_norm2d", "range_scale_constant",
     "QuantNormLayer", "QuantEvoNormS0", "QuantRangeEvoNorm2d", "QuantRangeBatchNorm2d", "ImageClassifier",

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import ImageClassifierOutput
 
 from ..checks import plain_number
 from ..quant import QuantConfig, QuantModule, quantize_model
-from .models import build_vision_model
+from .models import DEFAULT_GROUPS, DEFAULT_NORM, build_vision_model
 
 __all__ = ["ImageClassifier", "CONFIG_NAME", "WEIGHTS_NAME"]
 
@@ -47,7 +47,7 @@ class ImageClassifier(nn.Module):
     #: the forward's input, as transformers models name theirs (Trainer's ``include_for_metrics``)
     main_input_name = "pixel_values"
 
-    def __init__(self, arch: str, num_classes: int = 10, norm: str = "batchnorm", groups: int = 2,
+    def __init__(self, arch: str, num_classes: int = 10, norm: str = DEFAULT_NORM, groups: int = DEFAULT_GROUPS,
                  preprocessing: dict | None = None):
         preprocessing = _checked_preprocessing(preprocessing, num_classes)
         super().__init__()
