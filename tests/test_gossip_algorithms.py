@@ -416,7 +416,7 @@ def test_bad_inputs_are_rejected_with_clear_errors():
     with pytest.raises(TypeError, match="positional argument"):
         SGP(ring, TopK(0.1))  # SGP has no compressor: it took it for the transport
     with pytest.raises(ValueError, match=r"ChocoSGD needs a contraction, and QSGD\(levels=4, scaled=False, bucket_size=1024\) is none"):
-        ChocoSGD(ring, QSGD(4), gamma=0.1)
+        ChocoSGD(ring, QSGD(4, scaled=False), gamma=0.1)
     with pytest.raises(TypeError, match="config must be a GossipConfig, got dict"):
         build_gossip({"num_nodes": 3})
     for summary in (average_model, consensus_distance):

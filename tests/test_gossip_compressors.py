@@ -314,7 +314,7 @@ def test_largest_in_band_keeps_the_largest_magnitudes_in_band_order_and_the_earl
 def test_qsgd_is_unbiased_on_its_levels_with_packed_codes():
     torch.manual_seed(0)
     x = torch.randn(500)
-    comp = QSGD(levels=4)
+    comp = QSGD(levels=4, scaled=False)  # the original QSGD
     out, msg = roundtrip(comp, x)
     assert msg.nbytes == math.ceil(500 * 4 / 8) + 4  # 9 signed levels -> 4-bit codes
     norm = x.norm()
@@ -333,7 +333,7 @@ def test_qsgd_sends_entries_whose_float32_squares_overflow_or_underflow(scale):
     values, entries near 1e-23 a zero one (nothing sent)."""
     torch.manual_seed(0)
     x = torch.randn(16) * scale
-    out, _ = roundtrip(QSGD(4), x)
+    out, _ = roundtrip(QSGD(4, scaled=False), x)
     assert torch.isfinite(out).all() and out.abs().max() > 0
     norm = torch.linalg.vector_norm(x, dtype=torch.float64).float()
     torch.testing.assert_close(out / norm * 4, (out / norm * 4).round(), atol=1e-4, rtol=0)  # on its levels
@@ -341,8 +341,8 @@ def test_qsgd_sends_entries_whose_float32_squares_overflow_or_underflow(scale):
 
 def test_scaled_qsgd_divides_by_one_plus_omega():
     x = torch.randn(400)
-    plain, _ = roundtrip(QSGD(2), x, seed=1)
-    scaled, _ = roundtrip(QSGD(2, scaled=True), x, seed=1)
+    plain, _ = roundtrip(QSGD(2, scaled=False), x, seed=1)
+    scaled, _ = roundtrip(QSGD(2), x, seed=1)  # scaled by default
     omega = min(400 / 4, math.sqrt(400) / 2)
     torch.testing.assert_close(scaled, plain / (1 + omega))
 
@@ -353,20 +353,20 @@ def test_qsgd_rounds_each_bucket_on_its_own_norm():
     (one float32 more per bucket on the wire), and the scaled QSGD divides each by its 1 + omega."""
     torch.manual_seed(0)
     x = torch.cat([torch.randn(1024) * 100, torch.randn(1476) * 0.01])
-    out, msg = roundtrip(QSGD(4, bucket_size=1024), x)
+    out, msg = roundtrip(QSGD(4, scaled=False, bucket_size=1024), x)
     assert msg.nbytes == math.ceil(2500 * 4 / 8) + 4 * 3
     for bucket in (slice(0, 1024), slice(1024, 2048), slice(2048, 2500)):
         norm = x[bucket].norm()
         levels = out[bucket] / norm * 4
         torch.testing.assert_close(levels, levels.round(), atol=1e-3, rtol=0)
         assert out[bucket].abs().max() > 0
-    mean = sum(roundtrip(QSGD(4, bucket_size=1024), x, seed=s)[0] for s in range(400)) / 400
+    mean = sum(roundtrip(QSGD(4, scaled=False, bucket_size=1024), x, seed=s)[0] for s in range(400)) / 400
     assert ((mean - x)[1024:].abs().max() / x[1024:2048].norm()) < 0.2
-    plain, _ = roundtrip(QSGD(2, bucket_size=1024), x, seed=1)
+    plain, _ = roundtrip(QSGD(2, scaled=False, bucket_size=1024), x, seed=1)
     scaled, _ = roundtrip(QSGD(2, scaled=True, bucket_size=1024), x, seed=1)
     for bucket, size in ((slice(0, 1024), 1024), (slice(2048, 2500), 452)):
         torch.testing.assert_close(scaled[bucket], plain[bucket] / (1 + min(size / 4, math.sqrt(size) / 2)))
-    assert QSGD(4).bucket_size == 1024 and repr(QSGD(4)) == "QSGD(levels=4, scaled=False, bucket_size=1024)"
+    assert QSGD(4).bucket_size == 1024 and repr(QSGD(4)) == "QSGD(levels=4, scaled=True, bucket_size=1024)"
     with pytest.raises(ValueError, match="bucket_size must be an integer >= 1"):
         QSGD(4, bucket_size=0)
 

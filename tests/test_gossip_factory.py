@@ -65,8 +65,8 @@ def test_scaled_qsgd_quality_is_one_over_one_plus_omega_and_unscaled_qsgd_is_ref
     assert compression_quality(QSGD(16, scaled=True)) == pytest.approx(1 / (1 + omega))
     assert compression_quality(QSGD(16, scaled=True, bucket_size=256)) == pytest.approx(1 / (1 + 1))
     with pytest.raises(ValueError, match="not a contraction, so it has no default consensus step .*: use "
-                                         r"QSGD\(levels, scaled=True\) \(QSGD's docstring\)$"):
-        default_consensus_lr(QSGD(16), "choco")
+                                         r"QSGD\(levels\), scaled=True by default \(QSGD's docstring\)$"):
+        default_consensus_lr(QSGD(16, scaled=False), "choco")
     with pytest.raises(ValueError, match="algorithm must be one of"):
         default_consensus_lr(TopK(0.1), "sgd")
 
@@ -214,14 +214,15 @@ def test_unbiased_random_k_is_refused_by_both_compressed_algorithms(cls):
 
 @pytest.mark.parametrize("cls", [ChocoSGD, DeepSqueeze])
 def test_unscaled_qsgd_is_refused_by_both_compressed_algorithms(cls):
-    """Deep-Squeeze accepted it (QSGD's default) and diverged: 6e16-fold in 300 steps at gamma 0.0058."""
+    """Deep-Squeeze accepted it (then QSGD's default) and diverged: 6e16-fold in 300 steps at gamma
+    0.0058. Both refused QSGD's default until it became the scaled QSGD both take."""
     topo = make_topology("ring", 4)
     with pytest.raises(ValueError, match=rf"^{cls.__name__} needs a contraction, and QSGD\(levels=4, scaled=False, bucket_size=1024\) "
-                                         r"is none: .* use QSGD\(levels, scaled=True\)"):
-        cls(topo, QSGD(4), gamma=0.1)
+                                         r"is none: .* use QSGD\(levels\), scaled=True by default"):
+        cls(topo, QSGD(4, scaled=False), gamma=0.1)
     with pytest.raises(ValueError, match=rf"^{cls.__name__} needs a contraction"):
-        cls(topo, QSGD(4))
-    assert cls(topo, QSGD(4, scaled=True)).gamma == default_consensus_lr(QSGD(4, scaled=True), cls.algorithm, topo)
+        cls(topo, QSGD(4, scaled=False))
+    assert QSGD(4).scaled and cls(topo, QSGD(4)).gamma == default_consensus_lr(QSGD(4, scaled=True), cls.algorithm, topo)
 
 
 @pytest.mark.parametrize("cls", [ChocoSGD, DeepSqueeze])

@@ -165,23 +165,24 @@ class QSGD(Compressor):
 
     Unbiased, with variance up to ``omega * ||x||^2``, ``omega = min(m / levels^2, sqrt(m) /
     levels)`` at the bucket size ``m``: not a contraction when ``omega >= 1``, and Choco-SGD's
-    public copies then diverge whatever ``gamma``. ``scaled=True`` sends ``Q(x_b) / (1 + omega)``
-    instead (the scaled QSGD of Koloskova et al. 2019), a contraction; the scale rides in the norm
-    field, so the wire size is unchanged. Buckets keep ``omega`` (and so the consensus step) the same
+    public copies then diverge whatever ``gamma``. ``scaled=True`` (the default) sends
+    ``Q(x_b) / (1 + omega)`` instead (the scaled QSGD of Koloskova et al. 2019), a contraction; the
+    scale rides in the norm field, so the wire size is unchanged. Buckets keep ``omega`` (and so the consensus step) the same
     for a 1,000-entry bias and a 30-million-entry embedding table: with one norm per tensor it grew
     with ``sqrt(numel)``, and the step that suited a small tensor made a large one diverge
     (docs/consensus_step.md, "QSGD").
 
     Args:
         levels: ``s``, an int in [1, 127].
-        scaled: divide by ``1 + omega`` (use with Choco-SGD).
+        scaled: divide by ``1 + omega``, the contraction Choco-SGD and Deep-Squeeze need (both
+            refuse ``scaled=False``, the original unbiased QSGD).
         bucket_size: entries per norm, an int >= 1 (the QSGD paper's bucket size ``d``); the
             norms add ``4 / bucket_size`` bytes per entry.
     """
 
     stochastic = True
 
-    def __init__(self, levels: int, scaled: bool = False, bucket_size: int = 1024):
+    def __init__(self, levels: int, scaled: bool = True, bucket_size: int = 1024):
         levels = check_number("levels", levels, NUMBER_FIELDS["qsgd_levels"])
         self.levels = levels
         self.scaled = check_flag("scaled", scaled)

@@ -186,7 +186,7 @@ def build_compressor(config: GossipConfig) -> Compressor | None:
     ``1 / (1 + omega)`` so Choco/Deep-Squeeze stay stable with its variance.
     """
     if config.compressor == "qsgd":
-        return QSGD(levels=config.qsgd_levels, scaled=True)
+        return QSGD(levels=config.qsgd_levels)
     value_bits = 8 if config.low_precision else None
     if config.compression == 0:
         return Quantize(bits=8) if value_bits else None

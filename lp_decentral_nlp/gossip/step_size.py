@@ -51,7 +51,7 @@ def contraction_fix(compressor: Compressor | None) -> str | None:
     unscaled QSGD and unbiased random-k (their values are scaled up), and 1-bit ``Quantize``
     (every value becomes its tensor's min or max: both diverged at every gamma from 1 to 0.05)."""
     if isinstance(compressor, QSGD) and not compressor.scaled:
-        return "QSGD(levels, scaled=True) (QSGD's docstring)"
+        return "QSGD(levels), scaled=True by default (QSGD's docstring)"
     if isinstance(compressor, RandomK) and compressor.unbiased:
         return "RandomK(keep)"
     if isinstance(compressor, Quantize) and compressor.bits == 1:
