@@ -177,6 +177,13 @@ def check_choice(name: str, value, allowed) -> None:
 TOPOLOGY_FILE_SUFFIXES = (".npy", ".json")
 
 
+def topology_text(value):
+    """A ``topology`` setting as text, what is saved and compared: a file's path (``str`` or
+    ``os.PathLike``) as a ``str`` with ``~`` expanded (as ``output_dir``'s); anything else as given
+    (a name, or a value the checks refuse)."""
+    return os.path.expanduser(value) if isinstance(value, (str, os.PathLike)) else value
+
+
 def check_topology_name_or_file(name: str, value, topologies) -> None:
     """ValueError unless ``value`` is one of ``topologies`` or the path of an existing file ending in
     one of :data:`TOPOLOGY_FILE_SUFFIXES` (the matrices it holds are checked when it is read:

@@ -324,6 +324,23 @@ def test_a_graph_from_a_file_runs_as_the_same_graph_by_name(tmp_path):
         GossipConfig(topology="rings")
 
 
+def test_a_graph_files_path_is_kept_as_text_as_the_trainers_is(tmp_path, monkeypatch):
+    """GossipConfig kept a pathlib.Path as given: unequal to the same path as text, and not JSON
+    (its settings are saved and compared); DecentralizedTrainingArguments stored the text."""
+    import dataclasses
+    import json
+    import pathlib
+
+    import numpy as np
+
+    np.save(tmp_path / "ring4.npy", make_topology("directed_ring", 4).mixing_matrix().numpy())
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for given in (tmp_path / "ring4.npy", pathlib.Path("~/ring4.npy"), "~/ring4.npy"):
+        config = GossipConfig(topology=given)
+        assert config == GossipConfig(topology=str(tmp_path / "ring4.npy")) and type(config.topology) is str
+        json.dumps({field.name: getattr(config, field.name) for field in dataclasses.fields(config)})
+
+
 def test_reference_initial_with_exact_messages_is_refused_as_inert():
     """Exact float32 messages mix x - w z0 exactly as x: the same run, one model copy more."""
     for algorithm in ("choco", "deepsqueeze", "dpsgd"):
