@@ -2137,3 +2137,13 @@ def test_an_adam_setting_the_optimizer_does_not_read_is_refused(kwargs, message,
     adamw = targs(tmp_path, optim="adamw_torch", adam_beta1=0.5, adam_beta2=0.9, adam_epsilon=1e-6)
     assert (adamw.adam_beta1, adamw.adam_beta2, adamw.adam_epsilon) == (0.5, 0.9, 1e-6)
     assert targs(tmp_path, optim="sgd").adam_beta2 == 0.999
+
+
+def test_the_last_runs_state_reads_as_no_run_before_train(tmp_path, agnews_small, tokenizer):
+    """stopped_by_sigterm and cpu_malloc_tuned (documented state of the last train()) were set only
+    by train(): an AttributeError before it, while resumed_from and best_model_loaded read None."""
+    trainer = trainer_for(tmp_path, agnews_small, tokenizer, num_nodes=2, max_steps=1)
+    assert (trainer.stopped_by_sigterm, trainer.cpu_malloc_tuned, trainer.resumed_from, trainer.best_model_loaded) \
+        == (False, False, None, None)
+    trainer.train()
+    assert trainer.stopped_by_sigterm is False and trainer.state.global_step == 1

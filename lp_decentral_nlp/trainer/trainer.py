@@ -431,6 +431,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         self.resumed_from = None  # (checkpoint folder, step) once train() resumes
         #: with load_best_model_at_end, the checkpoint train() loaded at its end: {"step", "checkpoint", <metric>: value}
         self.best_model_loaded = None
+        self.stopped_by_sigterm = False  # the last train() ended early on SIGTERM
+        self.cpu_malloc_tuned = False  # the last train() applied the malloc policy (tune_cpu_malloc)
         self._rng = NodeRNG(args.seed, self.node_ids)
         self._mark_main_process()
 
