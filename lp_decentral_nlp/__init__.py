@@ -23,7 +23,7 @@ from .utils.lazy import lazy_namespace
 
 __version__ = "0.1.0"
 
-__all__ = ["LpQuantizationConfig", "QuantConfig", "dequantize_int8_state_dict", "dequantize_model",
+__all__ = ["DEFAULT_SKIP", "LpQuantizationConfig", "QuantConfig", "dequantize_int8_state_dict", "dequantize_model",
            "export_int8_state_dict", "kernel_report", "load_int8_export", "load_quantized", "quantize_model",
            "save_int8_export", "saved_tensor_bytes"]
 __getattr__, __dir__ = lazy_namespace(__name__, dict.fromkeys(__all__, ".quant"),
