@@ -2147,3 +2147,48 @@ def test_the_last_runs_state_reads_as_no_run_before_train(tmp_path, agnews_small
         == (False, False, None, None)
     trainer.train()
     assert trainer.stopped_by_sigterm is False and trainer.state.global_step == 1
+
+
+class BagOfWordsLogits(torch.nn.Module):
+    """A plain module whose forward returns bare logits ``(N, 4)`` and takes no labels."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.out = torch.nn.EmbeddingBag(30522, 8, mode="sum"), torch.nn.Linear(8, 4)
+
+    def forward(self, input_ids, attention_mask):
+        return self.out(self.embed(input_ids, per_sample_weights=attention_mask.float()))
+
+
+class BagOfWordsLogitsTakingLabels(BagOfWordsLogits):
+    def forward(self, input_ids, attention_mask, labels=None):
+        return super().forward(input_ids, attention_mask)
+
+
+def bare_logits_loss(outputs, labels, num_items_in_batch=None):
+    return torch.nn.functional.cross_entropy(outputs, labels)
+
+
+def test_a_model_returning_bare_logits_needs_compute_loss_func_and_is_evaluated_on_them(tmp_path, agnews_small,
+                                                                                     tokenizer):
+    """Trainer reads a loss from a tuple's first item: bare logits (N, 4) failed in backward ("grad can be
+    implicitly created only for scalar outputs"), and (N,) outputs would have trained on their first
+    entry. With compute_loss_func they trained, and evaluation took outputs[1:] (every row but the
+    first: a size mismatch), or, for a forward without a labels argument, passed it the labels."""
+    args = targs(tmp_path, num_nodes=2, max_steps=2)
+    trainer = DecentralizedTrainer(model=BagOfWordsLogitsTakingLabels(), args=args, train_dataset=agnews_small["train"])
+    with pytest.raises(ValueError, match=r"^the model returned a bare tensor of shape \(8, 4\), and the loss is read "
+                                         r"from a dict's 'loss' or a tuple's first item .*pass compute_loss_func"):
+        trainer.train()
+    test = agnews_small["test"]
+    for model in (BagOfWordsLogitsTakingLabels(), BagOfWordsLogits()):
+        trainer = DecentralizedTrainer(model=model, args=args,
+                                       train_dataset=agnews_small["train"], eval_dataset=test,
+                                       compute_loss_func=bare_logits_loss)
+        trainer.train()
+        predicted = trainer.predict(test)
+        assert predicted.predictions.shape == (len(test), 4) and predicted.label_ids.shape == (len(test),)
+        expected = torch.nn.functional.cross_entropy(torch.from_numpy(predicted.predictions),
+                                                     torch.from_numpy(predicted.label_ids))
+        assert predicted.metrics["test_loss"] == pytest.approx(expected.item(), rel=1e-5)

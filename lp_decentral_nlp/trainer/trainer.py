@@ -386,6 +386,10 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
+        if args.label_names is None and self.compute_loss_func is not None and "labels" not in self.label_names:
+            # the labels compute_loss_func is given, which a forward without a labels argument does not name: Trainer's
+            # evaluation then passed them to forward (a TypeError) instead of to the function
+            self.label_names = [*self.label_names, "labels"]
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
         set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
