@@ -285,3 +285,30 @@ def test_a_local_path_that_does_not_exist_is_named(typo, tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"^{re.escape(path)}: no such folder \(a hub id is 'name' or "
                                                 r"'namespace/name'\)$"):
         load_quantized(path)
+
+
+def test_a_transformers_model_inside_a_module_of_ones_own_warns_that_it_saves_float(tmp_path, tokenizer):
+    """quantize_model of a user's module holding a BertModel recorded nothing on the BertModel: its
+    save_pretrained wrote a float config.json, from_pretrained loaded it float, and load_quantized
+    said it was not saved from a quantize_model model. The surgery warns now, naming the part;
+    quantize_model on the part records it."""
+    from lp_decentral_nlp import load_quantized
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = tiny_bert(tokenizer.vocab_size).bert, nn.Linear(32, 4)
+
+    with pytest.warns(UserWarning, match=r"^'body' \(BertModel\) of this Wrapper hold 8-bit layers that their "
+                                         r"save_pretrained will not record .* call quantize_model on it"):
+        wrapped = quantize_model(Wrapper())
+    wrapped.body.save_pretrained(tmp_path / "part")
+    with pytest.raises(ValueError, match=r"it was saved float, or from a transformers model inside a module of your own"):
+        load_quantized(tmp_path / "part")
+    part = Wrapper().body
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(part)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    calibrated(part, batch).save_pretrained(tmp_path / "alone")
+    assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path / "alone").modules())

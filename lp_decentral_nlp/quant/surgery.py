@@ -187,7 +187,29 @@ def _quantize(model: nn.Module, config: QuantConfig | None, dry_run: bool, reloa
         setattr(owner.config, CONFIG_KEY, hf_config)
         if hasattr(owner, "dequantize"):  # a PreTrainedModel: as after from_pretrained, model.dequantize() undoes it
             owner.hf_quantizer = LpHfQuantizer(hf_config, pre_quantized=False)
+    elif not reloading:
+        _warn_unrecorded_parts(model)
     return model
+
+
+def _warn_unrecorded_parts(model: nn.Module) -> None:
+    """Warn when `model`, a module of no transformers config, holds transformers models with 8-bit
+    layers (a user's wrapper around ``AutoModel.from_pretrained(...)``): nothing records the surgery
+    on them, so their ``save_pretrained`` writes a float model's config.json and ``from_pretrained``
+    loads them float. Recording `model`'s QuantConfig on them would be wrong: its patterns name
+    layers in `model`, not in them."""
+    parts = []
+    for name, module in model.named_modules():
+        if (name and hasattr(getattr(module, "config", None), "to_json_string") and hasattr(module, "save_pretrained")
+                and not any(name.startswith(f"{outer}.") for outer, _ in parts)
+                and any(isinstance(m, QuantModule) for m in module.modules())):
+            parts.append((name, type(module).__name__))
+    if parts:
+        named = ", ".join(f"{name!r} ({cls})" for name, cls in parts)
+        warnings.warn(f"{named} of this {type(model).__name__} hold 8-bit layers that their save_pretrained will not "
+                      "record (the quantization is recorded on the transformers model quantize_model is given): "
+                      "from_pretrained would load them float. To save one as an 8-bit transformers model, call "
+                      "quantize_model on it; the whole module's state_dict keeps everything", stacklevel=3)
 
 
 def _may_be_a_part(model: nn.Module) -> bool:
@@ -556,8 +578,9 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
     method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
     if method != QUANT_METHOD:
         raise ValueError(f"config.json of {path} has no quantization_config with quant_method {QUANT_METHOD!r} "
-                         f"(found {method!r}): it was not saved from a quantize_model model; load it with "
-                         "from_pretrained and call quantize_model")
+                         f"(found {method!r}): it was saved float, or from a transformers model inside a module of your "
+                         "own that quantize_model was given, which records nothing on it; load it with from_pretrained "
+                         "and call quantize_model")
     if auto_class is not None and not callable(getattr(auto_class, "from_pretrained", None)):
         raise TypeError(f"auto_class must be a transformers model class (e.g. AutoModelForSequenceClassification or "
                         f"your PreTrainedModel subclass), got {auto_class!r}")
