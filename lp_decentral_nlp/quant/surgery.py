@@ -117,7 +117,10 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None, dry_run:
             ``QuantConfig(target=("bert",))``), which reloads as it was saved. For the same reason a
             base model records it on the config object it holds, which any other model built from
             that object shares (``BertModel(config)`` does not copy it; a task model records it on a
-            copy): build the others from ``copy.deepcopy(config)`` or with ``from_config``.
+            copy): build the others from ``copy.deepcopy(config)`` or with ``from_config``. A module of
+            your own holding transformers models records nothing on them (its patterns name its own
+            layers), so their ``save_pretrained`` saves them float, which it warns of: quantize a
+            transformers model itself to save it 8-bit.
         config: the ``QuantConfig`` (default ``QuantConfig()``).
         dry_run: change nothing and return the ``QuantReport``.
 
