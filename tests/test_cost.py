@@ -748,3 +748,27 @@ def test_activation_checkpointing_is_priced_as_it_runs():
     assert model.bert.encoder.layer[0].gradient_checkpointing is False  # the model is left as it was
     with pytest.raises(ValueError, match="has no layer transformers' activation checkpointing wraps"):
         estimate_cost(linear_model(), (3,), 2, activation_checkpointing=True)
+
+
+def test_a_torch_transformer_encoder_is_priced_on_the_path_an_8bit_model_runs():
+    """With a padding mask, nn.TransformerEncoder packed the batch into a nested tensor for its
+    layers' fused kernel in the inference pass: the walk could not price those ops (only listed in
+    uncounted_ops), and inference read about 11 times too cheap against the same model without it."""
+
+    class Encoder(nn.Module):
+        def __init__(self, nested: bool):
+            super().__init__()
+            torch.manual_seed(0)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested), nn.Linear(64, 4)
+
+        def forward(self, x):
+            mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+            return self.head(self.enc(x, src_key_padding_mask=mask).mean(1))
+
+    for precision in ("fp32", "int8"):
+        nested, plain = (estimate_cost(Encoder(n), (32, 64), 8, precision).to_dict() for n in (True, False))
+        assert nested["uncounted_ops"] == {} and nested["inference_energy_mj"] == plain["inference_energy_mj"] > 0
+    model = Encoder(True)
+    estimate_cost(model, (32, 64), 8, "fp32")
+    assert model.enc.use_nested_tensor  # the walk leaves the model as it was

@@ -359,6 +359,10 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device, c
     was_training = {m: m.training for m in recorder.names}
     # the pass runs without transformers' checkpointing; the recorder prices it (module docstring)
     was_checkpointing = {m: m.gradient_checkpointing for m in checkpointable_layers(model)}
+    # an nn.TransformerEncoder packs a padded batch into a nested tensor for its layers' fused kernel,
+    # whose ops the recorder cannot price (an 8-bit model is held off it: quant.surgery); the hooks
+    # above already keep each layer on its own forward, which computes the same products
+    was_nesting = {m: m.use_nested_tensor for m in model.modules() if isinstance(m, nn.TransformerEncoder)}
     args, kwargs = make_inputs(device)
     saved_hooks = (
         torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t)
@@ -369,6 +373,8 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device, c
         model.train(training)
         for module in was_checkpointing:
             module.gradient_checkpointing = False
+        for module in was_nesting:
+            module.use_nested_tensor = False
         with torch.set_grad_enabled(training), sdpa_kernel(SDPBackend.MATH), saved_hooks, recorder:
             recorder._track((args, kwargs))
             output = torch.func.functional_call(model, state, args, kwargs, tie_weights=True)
@@ -380,5 +386,7 @@ def _walk(model: nn.Module, make_inputs, training: bool, device: torch.device, c
             module.training = mode
         for module, flag in was_checkpointing.items():
             module.gradient_checkpointing = flag
+        for module, flag in was_nesting.items():
+            module.use_nested_tensor = flag
     return Walk(recorder.rows, recorder.uncounted, recorder.saved, recorder.peak, device.type, recorder.norm_rows,
                 recorder.recomputed)
