@@ -2192,3 +2192,15 @@ def test_a_model_returning_bare_logits_needs_compute_loss_func_and_is_evaluated_
         expected = torch.nn.functional.cross_entropy(torch.from_numpy(predicted.predictions),
                                                      torch.from_numpy(predicted.label_ids))
         assert predicted.metrics["test_loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_trained_parameters_of_two_dtypes_are_refused_at_construction_naming_one(tmp_path, agnews_small, tokenizer):
+    """A float64 parameter beside float32 ones trained a step, then the gossip engine refused it
+    ("all parameters must share one floating dtype"), naming no parameter."""
+    model = tiny_model()
+    model.temperature = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^model's trained parameters are of torch.float32 \(e.g. 'distilbert\..*'\) and "
+                                         r"torch.float64 \(e.g. 'temperature'\): each node gossips them as one vector"):
+        DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"])
+    model.temperature.requires_grad_(False)  # a frozen one is not gossiped
+    DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"])

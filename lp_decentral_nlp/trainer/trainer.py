@@ -365,6 +365,15 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                                      f"compute_metrics, or leave {name} at its default")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
+        first_of_dtype = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                first_of_dtype.setdefault(p.dtype, name)
+        if len(first_of_dtype) > 1:  # the gossip engine refused them at the first step, naming no parameter
+            kinds = " and ".join(f"{dtype} (e.g. {name!r})" for dtype, name in sorted(first_of_dtype.items(), key=str))
+            raise ValueError(f"model's trained parameters are of {kinds}: each node gossips them as one vector of one "
+                             "dtype; convert the model to one, e.g. model.float() (autocast, bf16=True, for lower "
+                             "precision compute)")
         # everything that can refuse the inputs (Trainer's own checks included) runs before the surgery
         # changes the user's model
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
@@ -391,7 +400,11 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             # evaluation then passed them to forward (a TypeError) instead of to the function
             self.label_names = [*self.label_names, "labels"]
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
-            quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
+            try:
+                quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
+            except ValueError as err:  # the user called no quantize_model: name the setting that did
+                raise ValueError(f"low_precision=True (the default) trains every node in 8-bit: {err}; or pass "
+                                 "low_precision=False to train in full precision") from None
         set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)
