@@ -47,23 +47,23 @@ def parse_args(argv=None):
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
     p.add_argument("--task", choices=("ag_news", "text"), default="ag_news",
                    help="ag_news, or text: your own text,label data (--data-dir), whose distinct labels are the classes")
-    p.add_argument("--data-dir", type=existing_path, default=None,
+    p.add_argument("--data-dir", "--data_dir", type=existing_path, default=None,
                    help="a CSV file (AG News: header label,title,description or text,label; text: text,label), a folder "
                         "of CSV files or a DatasetDict.save_to_disk folder; omit to read AG News from the hub")
-    p.add_argument("--max-train-samples", type=positive_int, default=None,
+    p.add_argument("--max-train-samples", "--max_train_samples", type=positive_int, default=None,
                    help="train on a seeded random subset of this many rows (default: None, every row)")
-    p.add_argument("--max-eval-samples", type=positive_int, default=None,
+    p.add_argument("--max-eval-samples", "--max_eval_samples", type=positive_int, default=None,
                    help="evaluate on a seeded random subset of this many test rows (default: None, every row)")
-    p.add_argument("--max-length", type=ranged(int, Range(2)), default=128, help="tokens per example")
-    p.add_argument("--epochs", type=positive_float, default=1.0, help="training epochs")
-    p.add_argument("--lr", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
-    p.add_argument("--batch-size", type=positive_int, default=16,
+    p.add_argument("--max-length", "--max_length", type=ranged(int, Range(2)), default=128, help="tokens per example")
+    p.add_argument("--epochs", "--num_train_epochs", type=positive_float, default=1.0, help="training epochs")
+    p.add_argument("--lr", "--learning_rate", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
+    p.add_argument("--batch-size", "--per_device_train_batch_size", type=positive_int, default=16,
                    help="training batch size (evaluation: twice this)")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
                    help="random seed of the run (transformers.set_seed: the held-out test rows of data without a test "
                         "split, subsets, head initialisation, batch order)")
-    p.add_argument("--full-precision", action="store_true", help="train in fp32 instead of 8-bit")
-    p.add_argument("--kernel", default="auto",
+    p.add_argument("--full-precision", "--full_precision", action="store_true", help="train in fp32 instead of 8-bit")
+    p.add_argument("--kernel", "--quant_kernel", default="auto",
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     add_threads_flag(p, None, "torch intra-op threads (default: OMP_NUM_THREADS if set, else 1, as the "
                               "decentralized recipes: docs/design.md)")

@@ -146,3 +146,18 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny_model_dir, ag_news_csv, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.endswith("finetune_single.py: interrupted: the run did not finish: run it again (with "
                                 "--overwrite-output-dir if --output-dir holds files of it)\n")
+
+
+def test_flags_take_the_transformers_spelling_as_the_decentralized_recipes_do(ag_news_csv, tmp_path):
+    """Only --output_dir and --overwrite_output_dir had an underscore twin: --learning_rate,
+    --num_train_epochs, --per_device_train_batch_size, --max_length, --data_dir ... were unrecognized,
+    while the README said the recipes take the transformers spelling."""
+    short = ["--lr", "1e-4", "--epochs", "2", "--batch-size", "8", "--max-length", "32", "--data-dir", str(ag_news_csv),
+             "--max-train-samples", "64", "--max-eval-samples", "16", "--kernel", "simulated", "--output-dir",
+             str(tmp_path / "run")]
+    spelled = ["--learning_rate", "1e-4", "--num_train_epochs", "2", "--per_device_train_batch_size", "8",
+               "--max_length", "32", "--data_dir", str(ag_news_csv), "--max_train_samples", "64", "--max_eval_samples",
+               "16", "--quant_kernel", "simulated", "--output_dir", str(tmp_path / "run")]
+    recipe = load_recipe()
+    assert vars(recipe.parse_args(spelled)) == vars(recipe.parse_args(short))
+    assert recipe.parse_args(["--full_precision", "--output_dir", str(tmp_path / "run")]).full_precision
