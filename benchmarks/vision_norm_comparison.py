@@ -65,26 +65,26 @@ def build_parser():
     p.add_argument("--dataset", default="digits", choices=[d for d in _recipe_choices("dataset") if d != "folder"],
                    help="image dataset of every run (digits: scikit-learn's bundled 8x8 digits, offline; the others "
                         "from the hub, or from --data-dir)")
-    p.add_argument("--data-dir", type=existing_path, default=None,
+    p.add_argument("--data-dir", "--data_dir", type=existing_path, default=None,
                    help="a local copy of --dataset for every run, as the vision recipes take it (a save_to_disk "
                         "folder; default: none, the hub)")
     p.add_argument("--arch", default="resnet20", choices=_recipe_choices("arch"), help="network of every run")
-    p.add_argument("--nodes", type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
+    p.add_argument("--nodes", "--num-nodes", "--num_nodes", type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
     p.add_argument("--topology", default="directed_ring", choices=_recipe_choices("topology"),
                    help="communication graph of the nodes")
     p.add_argument("--skew", type=ranged(float, Range(0, 1)), default=0.8,
                    help="degree of label skew of the nodes' shards, in [0, 1] (SPEC 6); the record's name carries it")
-    p.add_argument("--comp", type=ranged(float, Range(0, 100, high_open=True)), default=0.0,
+    p.add_argument("--comp", "--compression", type=ranged(float, Range(0, 100, high_open=True)), default=0.0,
                    help="percent of entries dropped per tensor by the gossip's compressor, in [0, 100) (0: every "
                         "entry is sent)")
-    p.add_argument("--epochs", type=ranged(float, Range(0, 1e6, low_open=True)), default=20.0,
+    p.add_argument("--epochs", "--num_train_epochs", type=ranged(float, Range(0, 1e6, low_open=True)), default=20.0,
                    help="training epochs of each run")
-    p.add_argument("--batch-size", type=ranged(int, Range(1, 2**24)), default=32, help="training batch size per node")
-    p.add_argument("--eval-steps", type=ranged(int, Range(1)), default=22,
+    p.add_argument("--batch-size", "--batch_size", "--per_device_train_batch_size", type=ranged(int, Range(1, 2**24)), default=32, help="training batch size per node")
+    p.add_argument("--eval-steps", "--eval_steps", type=ranged(int, Range(1)), default=22,
                    help="evaluate (and log) every N steps: the points of the accuracy curve")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
                    help="random seed of every run (shards, initial weights, batches)")
-    p.add_argument("--output-dir", default=None,
+    p.add_argument("--output-dir", "--output_dir", default=None,
                    help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md (default: "
                         "runs/vision_norm_comparison of this repository; with LP_BENCHMARK_RESULTS_DIR, a trial run, "
                         "under that folder)")
@@ -92,7 +92,7 @@ def build_parser():
                    help="PNG file of the accuracy curves (default: docs/vision_norm_comparison.png of this "
                         "repository, which only the published comparison may write: every default run and setting; "
                         "with LP_BENCHMARK_RESULTS_DIR, a trial run, that folder's vision_norm_comparison.png)")
-    p.add_argument("--skip-existing", action="store_true",
+    p.add_argument("--skip-existing", "--skip_existing", action="store_true",
                    help="reuse the runs whose results.json says done with these settings, and redo the runs that "
                         "were stopped (results.json left running)")
     p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",

@@ -197,3 +197,18 @@ def test_cli_prices_activation_checkpointing(capsys, tmp_path, minilm_path):
     with pytest.raises(SystemExit):
         main(["--arch", "resnet20", "--activation-checkpointing"])
     assert "argument --activation-checkpointing: not a setting of --arch models: drop it" in capsys.readouterr().err
+
+
+def test_cli_takes_the_recipes_names_of_the_same_settings(capsys, tmp_path):
+    """--nodes, --num_nodes and --comp were unrecognized (the recipes' names of --num-nodes and
+    --compression), and the sequence length was --seq-len alone (the recipes' --max-length)."""
+    pytest.importorskip("lp_decentral_nlp.vision")
+    records = []
+    for flags in (["--num-nodes", "8", "--compression", "99", "--batch-size", "2"],
+                  ["--nodes", "8", "--comp", "99", "--batch_size", "2"], ["--num_nodes", "8", "--comp", "99",
+                                                                          "--batch-size", "2"]):
+        path = tmp_path / f"{len(records)}.json"
+        assert main(["--arch", "resnet20", *flags, "--output", str(path)]) == 0
+        records.append({k: v for k, v in json.loads(path.read_text())["settings"].items() if k != "output"})
+    assert records[0] == records[1] == records[2] and records[0]["num_nodes"] == 8 and records[0]["compression"] == 99
+    capsys.readouterr()

@@ -230,3 +230,13 @@ def test_a_local_copy_of_the_dataset_reaches_every_run(comparison, tmp_path, cap
         with pytest.raises(SystemExit):
             comparison.parse_args([*flags, *outputs(tmp_path)])
         assert message in capsys.readouterr().err
+
+
+def test_flags_take_the_recipes_spellings(comparison, tmp_path):
+    """--num-nodes, --compression and --output_dir were unrecognized (the recipes take them)."""
+    short = ["--runs", "evonorm:fp32", "--nodes", "2", "--comp", "50", "--batch-size", "8", "--epochs", "0.05",
+             "--output-dir", str(tmp_path), "--plot", str(tmp_path / "plot.png")]
+    spelled = ["--runs", "evonorm:fp32", "--num_nodes", "2", "--compression", "50", "--per_device_train_batch_size",
+               "8", "--num_train_epochs", "0.05", "--output_dir", str(tmp_path), "--plot", str(tmp_path / "plot.png")]
+    assert vars(comparison.parse_args(spelled)) == vars(comparison.parse_args(short))
+    assert comparison.parse_args([*short[:2], "--num-nodes", "2", *short[4:]]).nodes == 2

@@ -36,10 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
     which.add_argument("--model", help="Hugging Face model id or local folder")
-    p.add_argument("--batch-size", type=positive, default=32, help="samples per node per iteration (32)")
-    p.add_argument("--image-size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
-    p.add_argument("--seq-len", type=positive, help="tokens per sample, for --model (128)")
-    p.add_argument("--num-classes", type=ranged(int, Range(2)),
+    p.add_argument("--batch-size", "--batch_size", type=positive, default=32, help="samples per node per iteration (32)")
+    p.add_argument("--image-size", "--image_size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
+    p.add_argument("--seq-len", "--seq_len", "--max-length", "--max_length", type=positive, help="tokens per sample, for --model (128)")
+    p.add_argument("--num-classes", "--num_classes", type=ranged(int, Range(2)),
                    help="classes (default 10 for --arch; for --model the labels of its saved classification head, "
                         "else 4)")
     p.add_argument("--norm", help="vision norm for both precisions (default: evonorm fp32, range_evonorm 8-bit)")
@@ -51,17 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", default="directed_ring",
                    help="directed_ring, ring, torus (most square rows x cols), exponential, complete, or a .npy or "
                         ".json file of a graph of your own: its mixing matrices (directed_ring)")
-    p.add_argument("--num-nodes", type=integer, default=4, help="peer nodes of the graph (4)")
-    p.add_argument("--compression", type=finite_float, default=0.0,
+    p.add_argument("--num-nodes", "--num_nodes", "--nodes", type=integer, default=4, help="peer nodes of the graph (4)")
+    p.add_argument("--compression", "--comp", type=finite_float, default=0.0,
                    help="percent of entries dropped per tensor, 0 <= c < 100 (0)")
     p.add_argument("--compressor", choices=("topk", "randomk", "qsgd"), default="topk",
                    help="message compressor: topk/randomk drop --compression percent; qsgd sends --qsgd-levels "
                         "levels per entry, --compression stays 0 (topk)")
-    p.add_argument("--qsgd-levels", type=ranged(int, Range(1, 127)), default=16,
+    p.add_argument("--qsgd-levels", "--qsgd_levels", type=ranged(int, Range(1, 127)), default=16,
                    help="QSGD levels s, 1..127, with --compressor qsgd (16)")
-    p.add_argument("--train-samples", type=positive,
+    p.add_argument("--train-samples", "--train_samples", type=positive,
                    help="training set size split over the nodes (default 50000 for --arch, 120000 for --model)")
-    p.add_argument("--activation-checkpointing", action="store_true",
+    p.add_argument("--activation-checkpointing", "--activation_checkpointing", action="store_true",
                    help="for --model: price training with transformers' activation checkpointing on (each layer "
                         "keeps only its inputs; backward recomputes its forward)")
     p.add_argument("--layers", action="store_true", help="also print the per-layer breakdown of each precision")
