@@ -22,9 +22,8 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from lp_decentral_nlp import QuantConfig, export_int8_state_dict, quantize_model
-from lp_decentral_nlp.commands import (Range, add_threads_flag, existing_path,
+from lp_decentral_nlp.commands import (Range, add_threads_flag, error_summary, existing_path,
                                        load_data, model_flag_problem, packaged_model_path, ranged, resolve_model)
-from lp_decentral_nlp.commands.run import error_summary
 from lp_decentral_nlp.data import load_task
 from lp_decentral_nlp.quant import dequantize_int8_state_dict
 from lp_decentral_nlp.quant.export import state_dict_nbytes

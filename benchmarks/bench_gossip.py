@@ -41,7 +41,7 @@ from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
-from lp_decentral_nlp.gossip.wire import Message, MessageLayout
+from lp_decentral_nlp.gossip import Message, MessageLayout
 from record import benchmark_parser, check_results_dir, save_results
 
 NUM_NODES = 8

@@ -51,7 +51,7 @@ AFTER_INTERRUPT = "the comparison did not finish: run it again with --skip-exist
 
 def _recipe_choices(dest: str) -> list[str]:
     """The values the vision recipes allow for ``dest`` (their flag table, no torch)."""
-    from lp_decentral_nlp.commands.flag_table import FLAG_TABLES
+    from lp_decentral_nlp.commands import FLAG_TABLES
 
     return next(f["allowed"] for f in FLAG_TABLES["vision"]["flags"] if f["dest"] == dest)
 
@@ -229,8 +229,8 @@ def reusable_results(args, norm: str, precision: str, out: str) -> dict | None:
     None when it has not finished (no results.json, or one a stopped run left "running"). A run
     finished with other settings, or a damaged results.json, runs again with
     ``--overwrite-output-dir`` and is the one-line error of ``--skip-existing`` (exit 2) without it."""
-    from lp_decentral_nlp.commands import config_differences, finished_results, saved_thread_count, threads_to_use
-    from lp_decentral_nlp.commands.run import exit_with_error
+    from lp_decentral_nlp.commands import (config_differences, exit_with_error, finished_results, saved_thread_count,
+                                           threads_to_use)
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
     def refuse(problem: str):
@@ -262,7 +262,7 @@ def plan(args) -> list[dict]:
     to run it with, every refusal made before any run: a folder holding results is reused
     (``--skip-existing``), redone (a stopped run with ``--skip-existing``, or
     ``--overwrite-output-dir``) or refused (one line naming ``--output-dir``)."""
-    from lp_decentral_nlp.commands.run import exit_with_error, run_outputs_in
+    from lp_decentral_nlp.commands import exit_with_error, run_outputs_in
 
     runs = []
     for run in args.runs:

@@ -81,7 +81,7 @@ def parse_args(argv=None):
         check_data_dir_given(args.task, args.data_dir)
     except ValueError as err:
         p.error(f"argument --data-dir: {str(err).removeprefix('data_dir: ')}")
-    from lp_decentral_nlp.commands.run import environment_problem
+    from lp_decentral_nlp.commands import environment_problem
 
     problem = environment_problem()  # OpenMP reads OMP_NUM_THREADS as torch loads (and complains), --threads or not
     if problem:
@@ -120,7 +120,7 @@ def run(args) -> dict:
 
     from lp_decentral_nlp import QuantConfig, kernel_report, quantize_model
     from lp_decentral_nlp.commands import load_classifier, load_task_data, load_tokenizer, resolve_model
-    from lp_decentral_nlp.commands.run import exit_with_error, print_notice, remove_run_outputs, set_threads
+    from lp_decentral_nlp.commands import exit_with_error, print_notice, remove_run_outputs, set_threads
     from lp_decentral_nlp.quant import QuantModule
     from lp_decentral_nlp.data import accuracy_metric
 

@@ -35,7 +35,7 @@ import textwrap
 
 from lp_decentral_nlp import commands
 from lp_decentral_nlp.commands import Range, flag_check_parser, ranged
-from lp_decentral_nlp.commands.run import environment_problem, print_notice, write_json
+from lp_decentral_nlp.commands import environment_problem, print_notice, write_json
 
 PROG = "sweep.py"
 SWEEP_OUTPUT_DIR_HELP = ("Folder of the grid: one folder per point, sweep.json, sweep.md and sweep.png "

@@ -23,7 +23,7 @@ from .topology import TOPOLOGIES, Topology, make_topology
 from .faults import FaultPlan
 from .transport import (GossipMismatchError, GossipPeerError, GossipTimeoutError, SimulatedTransport,
                         TorchDistributedTransport)
-from .wire import MessageLayout, index_dtype
+from .wire import Message, MessageLayout, index_dtype
 from .factory import COMPRESSORS, REFERENCES, GossipConfig, build_compressor, build_gossip, build_topology
 from .step_size import ALGORITHMS, compression_quality, default_consensus_lr
 
@@ -35,7 +35,7 @@ __all__ = [
     "QuasiGlobalMomentum", "QuasiGlobalAdam",
     "SimulatedTransport", "TorchDistributedTransport", "GossipPeerError", "GossipTimeoutError", "GossipMismatchError",
     "FaultPlan",
-    "MessageLayout", "index_dtype",
+    "Message", "MessageLayout", "index_dtype",
     "ALGORITHMS", "COMPRESSORS", "REFERENCES", "GossipConfig", "build_gossip", "build_topology", "build_compressor",
     "compression_quality", "default_consensus_lr",
 ]
