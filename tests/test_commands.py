@@ -656,7 +656,6 @@ def test_the_results_config_builds_its_probe_arguments_without_a_word_at_info():
     training_logger.addHandler(handler)
     transformers.logging.set_verbosity_info()
     try:
-        run._default_training.cache_clear()
         assert run.training_default("include_num_input_tokens_seen", False)  # a probe: False is the default "no"
     finally:
         transformers.logging.set_verbosity(verbosity)

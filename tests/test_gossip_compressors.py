@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lp_decentral_nlp.gossip import QSGD, Identity, MessageLayout, Quantize, RandomK, TopK, index_dtype
-from lp_decentral_nlp.gossip.compressors import _largest_abs_k
 from lp_decentral_nlp.gossip.codec_kernels import add_decoded, encode_affine8, largest_in_band, split_by_magnitude
 from lp_decentral_nlp.gossip.wire import Message, pack_codes, unpack_codes
 
@@ -19,6 +18,22 @@ def roundtrip(comp, x, seed=0):
     out = torch.zeros_like(x)
     comp.decode_add(msg.fields[0], out, 1.0, torch.empty_like(x))
     return out, msg
+
+
+def top_k(a, k, b=None, value_bits=None):
+    """The public TopK's message of the ``k`` largest ``|a|`` (``|a - b|`` with `b`: Choco's
+    ``encode_difference``, which reads both tensors): ``(indices as int64, values decoded)``."""
+    comp = TopK(k / a.numel(), value_bits=value_bits)
+    assert comp.num_kept(a.numel()) == k
+    msg = Message(MessageLayout([comp.fields(a.numel(), a.dtype)]), a.device)
+    if b is None:
+        comp.encode(a, msg.fields[0], torch.empty_like(a), None)
+    else:
+        assert comp.encode_difference(a, b, msg.fields[0], torch.empty_like(a), None)
+    indices = msg.fields[0]["indices"].to(torch.int64)
+    decoded = torch.zeros_like(a)
+    comp.decode_add(msg.fields[0], decoded, 1.0, torch.empty_like(a))
+    return indices, decoded[indices]
 
 
 def test_index_dtype_is_the_smallest_unsigned_type_that_fits():
@@ -60,13 +75,15 @@ def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inpu
         for k in (1, 77, 1000, 9_999, 12_345, 100_000, 140_000):  # up to keep = 23%: the bracket path
             if 4 * k >= x.numel():
                 continue
-            got, work = torch.full((k,), -1, dtype=torch.int64), torch.empty_like(x)
-            values = work[:k]  # as 8-bit TopK gathers them: the band must not overwrite them
-            _largest_abs_k(x, None, got, values, work)
-            assert got.min() >= 0 and got.unique().numel() == k  # every place written, no repeats
+            got, values = top_k(x, k)
+            assert got.unique().numel() == k  # every place written, no repeats
             kth = x.abs().topk(k).values[-1]
             assert torch.all(x[got].abs() >= kth)  # an exact top-k (ties may pick other indices)
             assert torch.equal(values, x[got])
+            if x.numel() == 1_000_003:  # 8-bit TopK gathers the values in its scratch: the band must not overwrite them
+                got8, values8 = top_k(x, k, value_bits=8)
+                step = (values.max() - values.min()) / 255
+                assert torch.equal(got8, got) and torch.all((values8 - values).abs() <= step / 2 + 1e-6)
 
 
 def test_topk_of_a_difference_selects_and_gathers_like_the_written_difference():
@@ -78,11 +95,9 @@ def test_topk_of_a_difference_selects_and_gathers_like_the_written_difference():
             a = torch.randn(n, dtype=dtype)
             b = a + torch.randn(n, dtype=dtype) * torch.rand(n, dtype=dtype)
             before = (a.clone(), b.clone())
-            got, values = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=dtype)
-            _largest_abs_k(a, b, got, values, torch.empty_like(a))
+            got, values = top_k(a, k, b)
             assert torch.equal(a, before[0]) and torch.equal(b, before[1])
-            want, want_values = torch.empty_like(got), torch.empty_like(values)
-            _largest_abs_k(a - b, None, want, want_values, torch.empty_like(a))
+            want, want_values = top_k(a - b, k)
             assert torch.equal(got.sort().values, want.sort().values)  # no ties among random floats
             assert torch.equal(values, (a - b)[got])
 
@@ -430,8 +445,7 @@ def test_top_k_keeps_a_non_finite_entry_at_every_size(n, bad):
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     x[7] = bad
     k = n // 100
-    indices, values = torch.empty(k, dtype=torch.int64), torch.empty(k)
-    _largest_abs_k(x, None, indices, values, torch.empty_like(x))
+    indices, _ = top_k(x, k)
     assert 7 in indices.tolist()
     expected = torch.topk(x.abs(), k).indices
     assert torch.equal(indices.sort().values, expected.sort().values)

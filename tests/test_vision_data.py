@@ -155,7 +155,8 @@ def test_folder_spec_reads_the_stored_images_one_at_a_time():
         {"image": images[:2], "label": [0, 1]},
         features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})))
     spec = folder_spec(dsd)
-    stacked = torch.stack([vdata._to_square_tensor(im, 12) for im in images]).float() / 255
+    unnormalised = VisionTransform(12, mean=(0, 0, 0), std=(1, 1, 1), train=False)  # values in [0, 1]
+    stacked = unnormalised({"image": images})["pixel_values"]
     assert spec.mean == tuple(round(float(v), 4) for v in stacked.mean(dim=(0, 2, 3)))
     assert spec.std == tuple(round(float(v), 4) for v in stacked.std(dim=(0, 2, 3)))
     assert folder_spec(with_vision_transforms(dsd, spec)) == spec
