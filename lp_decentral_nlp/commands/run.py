@@ -843,6 +843,8 @@ def is_packaged_model(path) -> bool:
 
 
 def versions() -> dict:
+    """The versions a run records in ``results.json``: this package's, torch's, transformers',
+    datasets' and Python's, as ``{name: version string}``."""
     import datasets
     import torch
     import transformers

@@ -37,6 +37,7 @@ class Ops:
         return Ops(self.adds + other.adds, self.mults + other.mults, self.macs + other.macs)
 
     def scaled(self, k: int) -> "Ops":
+        """The counts of ``k`` such calls."""
         return Ops(k * self.adds, k * self.mults, k * self.macs)
 
 

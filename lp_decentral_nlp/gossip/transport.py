@@ -66,13 +66,16 @@ class SimulatedTransport:
     """
 
     def node_ids(self, num_nodes: int) -> list[int]:
+        """Every graph node, ``0 .. num_nodes - 1``: they all run in this process."""
         return list(range(num_nodes))
 
     def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
                 start_step: int, settings: dict[str, str]) -> None:
+        """Keep `topology` (nothing to allocate or compare: one process built every node)."""
         self._topology = topology
 
     def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
+        """Every node's in-neighbours' messages at `step`, the senders' own buffers (no copy)."""
         return {i: [(j, outgoing[j]) for j in self._topology.in_neighbors(i, step)] for i in outgoing}
 
     def memory_bytes(self, topology: Topology, layout: MessageLayout, node_ids: list[int]) -> int:
@@ -121,6 +124,8 @@ class TorchDistributedTransport:
         self.group = group
 
     def node_ids(self, num_nodes: int) -> list[int]:
+        """``[rank]``: this process runs the graph node of its rank. RuntimeError without an
+        initialised process group; ValueError unless it has ``num_nodes`` ranks."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised process group: call "
                                "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
@@ -133,6 +138,9 @@ class TorchDistributedTransport:
 
     def prepare(self, topology: Topology, layout: MessageLayout, device: torch.device,
                 start_step: int, settings: dict[str, str]) -> None:
+        """Check the backend suits `device` (gloo on the CPU, NCCL on CUDA), allocate one receive
+        buffer per in-neighbour, and run the pre-flight check: every neighbour built the same
+        `settings`, message size and `start_step` (:class:`GossipMismatchError` otherwise)."""
         backend = str(dist.get_backend(self.group))
         needed = "nccl" if device.type == "cuda" else "gloo"
         if needed not in backend:
@@ -149,6 +157,9 @@ class TorchDistributedTransport:
         return _most_in_neighbors(topology, node_ids[0]) * layout.nbytes
 
     def exchange(self, step: int, outgoing: dict[int, Message]) -> Received:
+        """Send this rank's message to its out-neighbours at `step` and receive its in-neighbours'
+        into the buffers ``prepare`` allocated (point to point, within the timeout:
+        :class:`GossipTimeoutError` / :class:`GossipPeerError` name the peer)."""
         me = self._rank
         ins = self._topology.in_neighbors(me, step)
         outs = self._topology.out_neighbors(me, step)

@@ -26,6 +26,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the field on the wire: ``count`` elements of ``dtype``."""
         return self.count * self.dtype.itemsize
 
 
@@ -75,6 +76,7 @@ class Message:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole message buffer (every field of every segment): what is sent."""
         return self.layout.nbytes
 
 

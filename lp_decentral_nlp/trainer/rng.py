@@ -42,6 +42,8 @@ class NodeRNG:
 
     @contextmanager
     def activate(self, node: int):
+        """Run the block in `node`'s random stream (torch's CPU and CUDA generators), then keep
+        where the block left that stream and restore the stream that was active before."""
         saved = self._get()
         self._set(self.states[node])
         try:

@@ -53,6 +53,7 @@ class Int8Operand(NamedTuple):
     last_dim_sums: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
+        """The fp32 values ``codes * scale + offset``, the float tensor's shape."""
         return dequantize_codes(self.codes, self.scale, self.offset)
 
     def rows(self) -> "Int8Operand":

@@ -35,6 +35,7 @@ class SimulatedOperand(NamedTuple):
     value: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
+        """The fp32 values ``codes * scale + lo`` (``value`` while it is held), the float tensor's shape."""
         return self.value if self.value is not None else dequantize_codes(self.codes, self.scale, self.lo)
 
 
