@@ -2166,32 +2166,65 @@ class BagOfWordsLogitsTakingLabels(BagOfWordsLogits):
         return super().forward(input_ids, attention_mask)
 
 
-def bare_logits_loss(outputs, labels, num_items_in_batch=None):
-    return torch.nn.functional.cross_entropy(outputs, labels)
+class BagOfWordsDict(BagOfWordsLogits):
+    """The same model returning ``{"logits": ...}``: what compute_loss_func reads."""
+
+    def forward(self, input_ids, attention_mask):
+        return {"logits": super().forward(input_ids, attention_mask)}
 
 
-def test_a_model_returning_bare_logits_needs_compute_loss_func_and_is_evaluated_on_them(tmp_path, agnews_small,
-                                                                                     tokenizer):
-    """Trainer reads a loss from a tuple's first item: bare logits (N, 4) failed in backward ("grad can be
-    implicitly created only for scalar outputs"), and (N,) outputs would have trained on their first
-    entry. With compute_loss_func they trained, and evaluation took outputs[1:] (every row but the
-    first: a size mismatch), or, for a forward without a labels argument, passed it the labels."""
+def logits_loss(outputs, labels, num_items_in_batch=None):
+    return torch.nn.functional.cross_entropy(outputs["logits"], labels)
+
+
+def test_outputs_trainer_would_misread_are_refused_at_their_first_forward(tmp_path, agnews_small, tokenizer):
+    """Trainer reads a loss from a dict's 'loss' or a tuple's first item: bare logits (N, 4) failed in
+    backward ("grad can be implicitly created only for scalar outputs"), (N,) outputs would have
+    trained on their first entry, and evaluation took outputs[1:] (every row but the first: a size
+    mismatch), also with compute_loss_func, which trained; a tuple (logits,) with compute_loss_func
+    predicted nothing."""
+    train, test = agnews_small["train"], agnews_small["test"]
     args = targs(tmp_path, num_nodes=2, max_steps=2)
-    trainer = DecentralizedTrainer(model=BagOfWordsLogitsTakingLabels(), args=args, train_dataset=agnews_small["train"])
-    with pytest.raises(ValueError, match=r"^the model returned a bare tensor of shape \(8, 4\), and the loss is read "
-                                         r"from a dict's 'loss' or a tuple's first item .*pass compute_loss_func"):
-        trainer.train()
+    bare = r"^BagOfWordsLogits\w* returned a bare tensor of shape \(8, 4\): Trainer reads a dict's or ModelOutput's 'loss'"
+    with pytest.raises(ValueError, match=bare):
+        DecentralizedTrainer(model=BagOfWordsLogitsTakingLabels(), args=args, train_dataset=train).train()
+    with pytest.raises(ValueError, match=bare):
+        DecentralizedTrainer(model=BagOfWordsLogits(), args=args, train_dataset=train,
+                             compute_loss_func=lambda outputs, labels, **kw: outputs.sum()).train()
+    with pytest.raises(ValueError, match=r"^BagOfWordsLogits returned a bare tensor of shape \(32, 4\)"):
+        DecentralizedTrainer(model=BagOfWordsLogits(), args=args, eval_dataset=test).predict(test.remove_columns("label"))
+
+    class BagOfWordsTuple(BagOfWordsLogits):
+        def forward(self, input_ids, attention_mask):
+            return (super().forward(input_ids, attention_mask),)
+
+    with pytest.raises(ValueError, match=r"^BagOfWordsTuple returned a tuple, and with compute_loss_func"):
+        DecentralizedTrainer(model=BagOfWordsTuple(), args=args, train_dataset=train, compute_loss_func=logits_loss).train()
+
+
+def test_compute_loss_func_gets_the_labels_of_a_forward_that_takes_none(tmp_path, agnews_small, tokenizer):
+    """A forward without a labels argument had no label names: evaluation passed the labels to
+    forward (a TypeError) instead of to compute_loss_func. A model with label names of its own keeps
+    them (adding 'labels' to a question-answering model's dropped its eval loss)."""
     test = agnews_small["test"]
-    for model in (BagOfWordsLogitsTakingLabels(), BagOfWordsLogits()):
-        trainer = DecentralizedTrainer(model=model, args=args,
-                                       train_dataset=agnews_small["train"], eval_dataset=test,
-                                       compute_loss_func=bare_logits_loss)
-        trainer.train()
-        predicted = trainer.predict(test)
-        assert predicted.predictions.shape == (len(test), 4) and predicted.label_ids.shape == (len(test),)
-        expected = torch.nn.functional.cross_entropy(torch.from_numpy(predicted.predictions),
-                                                     torch.from_numpy(predicted.label_ids))
-        assert predicted.metrics["test_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    trainer = DecentralizedTrainer(model=BagOfWordsDict(), args=targs(tmp_path, num_nodes=2, max_steps=2,
+                                                                      per_device_eval_batch_size=8),
+                                   train_dataset=agnews_small["train"], eval_dataset=test, compute_loss_func=logits_loss)
+    assert trainer.label_names == ["labels"]
+    trainer.train()
+    predicted = trainer.predict(test)
+    assert predicted.predictions.shape == (len(test), 4) and predicted.label_ids.shape == (len(test),)
+    expected = torch.nn.functional.cross_entropy(torch.from_numpy(predicted.predictions),
+                                                 torch.from_numpy(predicted.label_ids))
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    one_row_last = test.select(range(9)).remove_columns("label")  # a last batch of one row keeps its batch dimension
+    assert trainer.predict(one_row_last).predictions.shape == (9, 4)
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    qa = BertForQuestionAnswering(BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32, max_position_embeddings=64))
+    trainer = DecentralizedTrainer(model=qa, args=targs(tmp_path), compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
+    assert trainer.label_names == ["start_positions", "end_positions"]
 
 
 def test_trained_parameters_of_two_dtypes_are_refused_at_construction_naming_one(tmp_path, agnews_small, tokenizer):

@@ -253,7 +253,8 @@ class EvaluationMixin:
                 self._check_label_names(batch)
             size = find_batch_size(batch)
             seen += size
-            loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
+            with self._checking_output_form(model):
+                loss, logits, labels = self.prediction_step(model, batch, loss_only, ignore_keys=ignore_keys)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             if loss is not None:
                 loss_sum += float(loss.double()) * size

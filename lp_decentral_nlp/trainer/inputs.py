@@ -7,8 +7,10 @@ what it must be. The data sets' contents (labels, columns) are checked by :mod:`
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback
@@ -123,3 +125,28 @@ def _is_callback(value) -> bool:
 def _kind(value) -> str:
     """``value``'s type, said as a user would write it (a class is named, not ``type``)."""
     return f"the class {value.__name__}" if isinstance(value, type) else type(value).__name__
+
+
+@contextlib.contextmanager
+def refusing_misread_outputs(model: nn.Module, loss_func_given: bool):
+    """While open, every forward of `model` refuses an output Trainer would misread (ValueError):
+    a bare tensor (a plain module's logits), whose first row Trainer reads as the loss, or as the
+    only logits' row, or drops in evaluation (``outputs[1:]``); and, with a ``compute_loss_func``
+    (the model gets no labels), a tuple, whose first item evaluation reads as the loss."""
+
+    def check(module, args, output):
+        if torch.is_tensor(output):
+            raise ValueError(f"{type(module).__name__} returned a bare tensor of shape {tuple(output.shape)}: Trainer "
+                             "reads a dict's or ModelOutput's 'loss' and 'logits', or a tuple as (loss, logits, ...), "
+                             "and would misread it; return a dict or ModelOutput, e.g. {'loss': ..., 'logits': ...} "
+                             "(with compute_loss_func, which gets that output: {'logits': ...})")
+        if loss_func_given and isinstance(output, (tuple, list)):
+            raise ValueError(f"{type(module).__name__} returned a tuple, and with compute_loss_func (the model is given "
+                             "no labels) evaluation would read its first item as the loss and the rest as the logits: "
+                             "return a dict or ModelOutput, e.g. {'logits': ...}")
+
+    handle = model.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()

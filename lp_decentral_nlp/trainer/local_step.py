@@ -28,23 +28,6 @@ class NonFiniteError(FloatingPointError):
 class LocalStepMixin:
     """`DecentralizedTrainer`'s iteration: local steps node by node, then gossip (SPEC 2)."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """`Trainer.compute_loss`, for a model whose forward returns a bare tensor too (a plain
-        ``nn.Module``'s logits): with ``compute_loss_func`` it is the outputs that function takes, and
-        evaluation reads it as the logits (Trainer's ``outputs[1:]`` took its rows from the second
-        on); without one it is a ValueError, as Trainer would read its first row as the loss
-        (a tuple's first item) and train on that, or fail in backward."""
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if torch.is_tensor(outputs):
-            if self.compute_loss_func is None:
-                raise ValueError(
-                    f"the model returned a bare tensor of shape {tuple(outputs.shape)}, and the loss is read from a "
-                    "dict's 'loss' or a tuple's first item (here the tensor's first row): return a dict or ModelOutput "
-                    "with 'loss' and 'logits', or pass compute_loss_func(outputs, labels, num_items_in_batch) to the "
-                    "trainer")
-            outputs = {"logits": outputs}
-        return (loss, outputs) if return_outputs else loss
-
     def _iteration(self, batches) -> None:
         """One SPEC 2 iteration of every local node.
 
@@ -328,7 +311,7 @@ class LocalStepMixin:
         node.train()
         with self._rng.activate(self.node_ids[k]):
             batch = self._prepare_inputs(batch)
-            with self.compute_loss_context_manager():
+            with self.compute_loss_context_manager(), self._checking_output_form(node):
                 if num_items_in_batch is None:
                     loss = self.compute_loss(node, batch)
                 else:

@@ -58,7 +58,7 @@ from ..utils.models import input_embeddings
 from .arguments import PROCESS_LOCAL_FIELDS, DecentralizedTrainingArguments
 from .checkpointing import CheckpointMixin
 from .evaluation import EvaluationMixin, describe_evaluation_metrics, evaluation_metric_names
-from .inputs import check_trainer_inputs, eval_sets
+from .inputs import check_trainer_inputs, eval_sets, refusing_misread_outputs
 from .local_step import LocalStepMixin
 from .model_card import fault_settings, write_model_card
 from .preemption import SigtermWatch
@@ -395,10 +395,10 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         sigterm_handler = signal.getsignal(signal.SIGTERM)
         with _config_while_trainer_is_built(model, args.label_smoothing_factor != 0):
             super().__init__(model=model, args=args, **kwargs)
-        if args.label_names is None and self.compute_loss_func is not None and "labels" not in self.label_names:
-            # the labels compute_loss_func is given, which a forward without a labels argument does not name: Trainer's
+        if args.label_names is None and self.compute_loss_func is not None and not self.label_names:
+            # the labels compute_loss_func is given, which a forward without label arguments does not name: Trainer's
             # evaluation then passed them to forward (a TypeError) instead of to the function
-            self.label_names = [*self.label_names, "labels"]
+            self.label_names = ["labels"]
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             try:
                 quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
@@ -449,6 +449,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         #: with load_best_model_at_end, the checkpoint train() loaded at its end: {"step", "checkpoint", <metric>: value}
         self.best_model_loaded = None
         self.stopped_by_sigterm = False  # the last train() ended early on SIGTERM
+        self._output_form_checked = False  # a model's output form, checked at its first forward here
         self.cpu_malloc_tuned = False  # the last train() applied the malloc policy (tune_cpu_malloc)
         self._rng = NodeRNG(args.seed, self.node_ids)
         self._mark_main_process()
@@ -719,6 +720,19 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         if dtype is not None:
             return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _checking_output_form(self, model):
+        """Until one forward of a model of this trainer has returned, its forwards refuse an output
+        ``Trainer`` would misread (:func:`~.inputs.refusing_misread_outputs`: a bare tensor, or a
+        tuple with ``compute_loss_func``); after that they run as they are (a model's output form
+        does not change from call to call)."""
+        if self._output_form_checked:
+            yield
+            return
+        with refusing_misread_outputs(model, self.compute_loss_func is not None):
+            yield
+        self._output_form_checked = True
 
     def hyperparameter_search(self, *args, **kwargs):
         """Refused: a search builds each trial's model with ``model_init``, which this trainer refuses."""
