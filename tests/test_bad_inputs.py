@@ -159,8 +159,9 @@ ROWS = {
     25: Row("labels the model cannot predict", "ValueError",
             "train_dataset: labels must be class ids 0..1 (the model has num_labels=2), found [2, 3]"),
     26: Row("8-bit training of a model with no quantizable layer", "ValueError",
-            "low_precision=True (the default) trains every node in 8-bit: quantize_model: no layer to quantize "
-            "(supported types: Linear, Conv1D, Conv2d...; or pass low_precision=False to train in full precision"),
+            "low_precision=True (its default) trains every node in 8-bit, and quantize_model finds no layer to "
+            "quantize (supported types: Linear, Conv1D, Conv2d...: pass low_precision=False to train in full "
+            "precision"),
     27: Row("`torus_rows=3`, `num_nodes=4`", "ValueError",
             "torus_rows must divide num_nodes=4 and needs topology='torus', got torus_rows=3 with topology='torus'"),
     28: Row('`algorithm="choco"`, `topology="exponential"`', "ValueError",

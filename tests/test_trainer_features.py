@@ -2237,3 +2237,13 @@ def test_trained_parameters_of_two_dtypes_are_refused_at_construction_naming_one
         DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"])
     model.temperature.requires_grad_(False)  # a frozen one is not gossiped
     DecentralizedTrainer(model=model, args=targs(tmp_path), train_dataset=agnews_small["train"])
+
+
+def test_a_quant_config_of_ones_own_is_refused_in_its_own_words(tmp_path, agnews_small):
+    """Every refusal of the surgery was reworded as low_precision's default, also for a quant_config
+    the user gave (with advice, low_precision=False, that quant_config refuses)."""
+    from lp_decentral_nlp import QuantConfig
+
+    with pytest.raises(ValueError, match=r"^quantize_model: target pattern 'claasifier' matches no quantizable layer"):
+        DecentralizedTrainer(model=tiny_model(), args=targs(tmp_path, low_precision=True),
+                             train_dataset=agnews_small["train"], quant_config=QuantConfig(target=("claasifier",)))

@@ -400,11 +400,12 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             # evaluation then passed them to forward (a TypeError) instead of to the function
             self.label_names = ["labels"]
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
-            try:
-                quantize_model(model, quant_config or QuantConfig(kernel=args.quant_kernel))
-            except ValueError as err:  # the user called no quantize_model: name the setting that did
-                raise ValueError(f"low_precision=True (the default) trains every node in 8-bit: {err}; or pass "
-                                 "low_precision=False to train in full precision") from None
+            config = quant_config or QuantConfig(kernel=args.quant_kernel)
+            plan = quantize_model(model, config, dry_run=True)
+            if quant_config is None and not plan.quantized:  # the user called no quantize_model: name the setting
+                raise ValueError(f"low_precision=True (its default) trains every node in 8-bit, and quantize_model "
+                                 f"finds {'; '.join(plan.problems)}: pass low_precision=False to train in full precision")
+            quantize_model(model, config)
         set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)
