@@ -300,8 +300,9 @@ def test_a_transformers_model_inside_a_module_of_ones_own_warns_that_it_saves_fl
             self.body, self.head = tiny_bert(tokenizer.vocab_size).bert, nn.Linear(32, 4)
 
     with pytest.warns(UserWarning, match=r"^'body' \(BertModel\) of this Wrapper hold 8-bit layers that their "
-                                         r"save_pretrained will not record .* call quantize_model on it"):
+                                         r"save_pretrained will not record .* call quantize_model on it") as caught:
         wrapped = quantize_model(Wrapper())
+    assert caught[0].filename == __file__  # it names the caller's line
     wrapped.body.save_pretrained(tmp_path / "part")
     with pytest.raises(ValueError, match=r"it was saved float, or from a transformers model inside a module of your own"):
         load_quantized(tmp_path / "part")

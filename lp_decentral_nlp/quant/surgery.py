@@ -212,7 +212,7 @@ def _warn_unrecorded_parts(model: nn.Module) -> None:
         warnings.warn(f"{named} of this {type(model).__name__} hold 8-bit layers that their save_pretrained will not "
                       "record (the quantization is recorded on the transformers model quantize_model is given): "
                       "from_pretrained would load them float. To save one as an 8-bit transformers model, call "
-                      "quantize_model on it; the whole module's state_dict keeps everything", stacklevel=3)
+                      "quantize_model on it; the whole module's state_dict keeps everything", stacklevel=4)
 
 
 def _may_be_a_part(model: nn.Module) -> bool:
