@@ -69,7 +69,8 @@ def build_parser():
                    help="a local copy of --dataset for every run, as the vision recipes take it (a save_to_disk "
                         "folder; default: none, the hub)")
     p.add_argument("--arch", default="resnet20", choices=_recipe_choices("arch"), help="network of every run")
-    p.add_argument("--nodes", "--num-nodes", "--num_nodes", type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
+    p.add_argument("--nodes", "--num-nodes", "--num_nodes",
+                   type=ranged(int, Range(1, 65536)), default=4, help="number of peer nodes")
     p.add_argument("--topology", default="directed_ring", choices=_recipe_choices("topology"),
                    help="communication graph of the nodes")
     p.add_argument("--skew", type=ranged(float, Range(0, 1)), default=0.8,
@@ -79,7 +80,8 @@ def build_parser():
                         "entry is sent)")
     p.add_argument("--epochs", "--num_train_epochs", type=ranged(float, Range(0, 1e6, low_open=True)), default=20.0,
                    help="training epochs of each run")
-    p.add_argument("--batch-size", "--batch_size", "--per_device_train_batch_size", type=ranged(int, Range(1, 2**24)), default=32, help="training batch size per node")
+    p.add_argument("--batch-size", "--batch_size", "--per_device_train_batch_size",
+                   type=ranged(int, Range(1, 2**24)), default=32, help="training batch size per node")
     p.add_argument("--eval-steps", "--eval_steps", type=ranged(int, Range(1)), default=22,
                    help="evaluate (and log) every N steps: the points of the accuracy curve")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,

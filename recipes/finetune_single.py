@@ -55,15 +55,18 @@ def parse_args(argv=None):
     p.add_argument("--max-eval-samples", "--max_eval_samples", type=positive_int, default=None,
                    help="evaluate on a seeded random subset of this many test rows (default: None, every row)")
     p.add_argument("--max-length", "--max_length", type=ranged(int, Range(2)), default=128, help="tokens per example")
-    p.add_argument("--epochs", "--num_train_epochs", type=positive_float, default=1.0, help="training epochs")
-    p.add_argument("--lr", "--learning_rate", type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
-    p.add_argument("--batch-size", "--per_device_train_batch_size", type=positive_int, default=16,
+    p.add_argument("--epochs", "--num_train_epochs", "--num-train-epochs",
+                   type=positive_float, default=1.0, help="training epochs")
+    p.add_argument("--lr", "--learning_rate", "--learning-rate",
+                   type=positive_float, default=3e-5, help="Adam learning rate (SPEC 8: 3e-5)")
+    p.add_argument("--batch-size", "--per_device_train_batch_size", "--per-device-train-batch-size",
+                   type=positive_int, default=16,
                    help="training batch size (evaluation: twice this)")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
                    help="random seed of the run (transformers.set_seed: the held-out test rows of data without a test "
                         "split, subsets, head initialisation, batch order)")
     p.add_argument("--full-precision", "--full_precision", action="store_true", help="train in fp32 instead of 8-bit")
-    p.add_argument("--kernel", "--quant_kernel", default="auto",
+    p.add_argument("--kernel", "--quant_kernel", "--quant-kernel", default="auto",
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     add_threads_flag(p, None, "torch intra-op threads (default: OMP_NUM_THREADS if set, else 1, as the "
                               "decentralized recipes: docs/design.md)")

@@ -161,3 +161,5 @@ def test_flags_take_the_transformers_spelling_as_the_decentralized_recipes_do(ag
     recipe = load_recipe()
     assert vars(recipe.parse_args(spelled)) == vars(recipe.parse_args(short))
     assert recipe.parse_args(["--full_precision", "--output_dir", str(tmp_path / "run")]).full_precision
+    hyphenated = [flag.replace("_", "-") if flag.startswith("--") else flag for flag in spelled]
+    assert vars(recipe.parse_args(hyphenated)) == vars(recipe.parse_args(short))

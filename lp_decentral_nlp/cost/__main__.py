@@ -36,9 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
     which.add_argument("--model", help="Hugging Face model id or local folder")
-    p.add_argument("--batch-size", "--batch_size", type=positive, default=32, help="samples per node per iteration (32)")
-    p.add_argument("--image-size", "--image_size", type=positive, help="vision input height = width, for --arch (32, CIFAR)")
-    p.add_argument("--seq-len", "--seq_len", "--max-length", "--max_length", type=positive, help="tokens per sample, for --model (128)")
+    p.add_argument("--batch-size", "--batch_size",
+                   type=positive, default=32, help="samples per node per iteration (32)")
+    p.add_argument("--image-size", "--image_size",
+                   type=positive, help="vision input height = width, for --arch (32, CIFAR)")
+    p.add_argument("--seq-len", "--seq_len", "--max-length", "--max_length",
+                   type=positive, help="tokens per sample, for --model (128)")
     p.add_argument("--num-classes", "--num_classes", type=ranged(int, Range(2)),
                    help="classes (default 10 for --arch; for --model the labels of its saved classification head, "
                         "else 4)")
