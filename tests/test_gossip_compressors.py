@@ -80,10 +80,11 @@ def test_topk_fast_cpu_selection_is_an_exact_top_k_on_large_and_adversarial_inpu
             kth = x.abs().topk(k).values[-1]
             assert torch.all(x[got].abs() >= kth)  # an exact top-k (ties may pick other indices)
             assert torch.equal(values, x[got])
-            if x.numel() == 1_000_003:  # 8-bit TopK gathers the values in its scratch: the band must not overwrite them
+            if k > 1:  # 8-bit TopK gathers the values in its scratch: the band must not overwrite them
                 got8, values8 = top_k(x, k, value_bits=8)
-                step = (values.max() - values.min()) / 255
-                assert torch.equal(got8, got) and torch.all((values8 - values).abs() <= step / 2 + 1e-6)
+                # within half a step of the 8-bit grid, up to the fp32 rounding of the decode
+                bound = (values.max() - values.min()) / 255 / 2 + 1e-6 * values.abs().max()
+                assert torch.equal(got8, got) and torch.all((values8 - values).abs() <= bound)
 
 
 def test_topk_of_a_difference_selects_and_gathers_like_the_written_difference():
