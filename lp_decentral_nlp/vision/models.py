@@ -55,9 +55,10 @@ __all__ = [
 ]
 
 NORMS = ("batchnorm", "groupnorm", "evonorm", "range_batchnorm", "range_evonorm")
-#: the nets' norm unless told: Range EvoNorm, SPEC 5's 8-bit norm (per-sample statistics: BatchNorm fails
-#: under label skew, whose node batches hold few classes). It trains in fp32 too: on digits at skew 0.8
-#: (docs/benchmarks.md, the norm comparison) it beat BatchNorm in 8-bit and in fp32.
+#: the nets' norm unless told: Range EvoNorm, SPEC 5's norm for the package's default, 8-bit training
+#: (per-sample statistics: BatchNorm fails under label skew, whose node batches hold few classes). It
+#: trains in fp32 too (the norm comparison of docs/benchmarks.md, digits at skew 0.8, one seed: above
+#: BatchNorm in 8-bit and fp32); the fp32 recipes use SPEC 5's fp32 norm, EvoNorm-S0 (norm="evonorm").
 DEFAULT_NORM = "range_evonorm"
 
 
