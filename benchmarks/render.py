@@ -39,7 +39,7 @@ import pathlib
 import statistics
 
 import record
-from lp_decentral_nlp.commands import output_file_problem
+from lp_decentral_nlp.commands import output_file_problem, user_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = record.RESULTS_DIR  # benchmarks/results/, or a trial's folder
@@ -324,7 +324,7 @@ def main(argv=None) -> pathlib.Path:
     parser = record.benchmark_parser(__doc__)
     parser.add_argument("--results-dir", type=folder_name, default=RESULTS_DIR,
                         help="folder of the benchmark records, every *.json in it (default: %(default)s)")
-    parser.add_argument("--output", help=f"the Markdown page to write, replaced if it exists (default: {OUTPUT} for "
+    parser.add_argument("--output", type=user_path, help=f"the Markdown page to write, replaced if it exists (default: {OUTPUT} for "
                                          "the default --results-dir, docs/benchmarks.md for the published records, "
                                          "else benchmarks.md in --results-dir)")
     args = parser.parse_args(argv)

@@ -60,7 +60,7 @@ from sweep import COLUMNS, markdown_table, run_pending  # noqa: E402
 from lp_decentral_nlp.commands import (ParsedFlags, Range, build_nlp_parser,  # noqa: E402
                                       changed_settings, finished_results, is_packaged_model, model_flag_problem,
                                       output_dir_problem, packaged_model_path, ranged, run_config, source_fingerprint,
-                                      stop_on_interrupt)
+                                      stop_on_interrupt, user_path)
 from lp_decentral_nlp.data import check_enough_rows  # noqa: E402
 
 TASKS = ("ag_news", "sentlen")
@@ -115,16 +115,21 @@ def cell_folder(cell: dict) -> str:
     return name if cell["seed"] == 0 else f"{name}_seed{cell['seed']}"
 
 
+def user_path_object(text: str) -> pathlib.Path:
+    """argparse type: a ``pathlib.Path``, ``~`` expanded (``commands.user_path``)."""
+    return pathlib.Path(user_path(text))
+
+
 def parse(argv=None) -> argparse.Namespace:
     parser = record.benchmark_parser(__doc__, prog="table6_cpu.py")
-    parser.add_argument("--data-dir", type=pathlib.Path, default=DEFAULT_DATA,
+    parser.add_argument("--data-dir", type=user_path_object, default=DEFAULT_DATA,
                         help=f"the AG News CSV (default {DEFAULT_DATA})")
-    parser.add_argument("--model", default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
-    parser.add_argument("--output-dir", default=None,
+    parser.add_argument("--model", type=user_path, default=None, help="model folder (default: the packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--output-dir", type=user_path, default=None,
                         help="one folder per run under it (default: runs/table6_cpu of this repository; with "
                              "LP_BENCHMARK_RESULTS_DIR, a trial run, runs/table6_cpu or, with --max-steps or "
                              "--limit-rows, runs/table6_cpu_shrunk under that folder)")
-    parser.add_argument("--docs-dir", type=pathlib.Path, default=None,
+    parser.add_argument("--docs-dir", type=user_path_object, default=None,
                         help="where the Markdown table and the plot go (default docs/; with "
                              "LP_BENCHMARK_RESULTS_DIR, a trial run, that folder; with --max-steps or --limit-rows "
                              "--output-dir: a shrunk table is no docs page)")

@@ -57,7 +57,7 @@ def _recipe_choices(dest: str) -> list[str]:
 
 
 def build_parser():
-    from lp_decentral_nlp.commands import Range, existing_path, ranged
+    from lp_decentral_nlp.commands import Range, existing_path, ranged, user_path
 
     p = record.benchmark_parser(__doc__, prog=PROG)
     p.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS),
@@ -86,11 +86,11 @@ def build_parser():
                    help="evaluate (and log) every N steps: the points of the accuracy curve")
     p.add_argument("--seed", type=ranged(int, Range(0, 2**32 - 1)), default=0,
                    help="random seed of every run (shards, initial weights, batches)")
-    p.add_argument("--output-dir", "--output_dir", default=None,
+    p.add_argument("--output-dir", "--output_dir", type=user_path, default=None,
                    help="folder of the runs (one <norm>_<precision>/ folder each) and of table.md (default: "
                         "runs/vision_norm_comparison of this repository; with LP_BENCHMARK_RESULTS_DIR, a trial run, "
                         "under that folder)")
-    p.add_argument("--plot", default=None,
+    p.add_argument("--plot", type=user_path, default=None,
                    help="PNG file of the accuracy curves (default: docs/vision_norm_comparison.png of this "
                         "repository, which only the published comparison may write: every default run and setting; "
                         "with LP_BENCHMARK_RESULTS_DIR, a trial run, that folder's vision_norm_comparison.png)")

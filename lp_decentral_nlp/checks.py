@@ -177,11 +177,21 @@ def check_choice(name: str, value, allowed) -> None:
 TOPOLOGY_FILE_SUFFIXES = (".npy", ".json")
 
 
-def topology_text(value):
-    """A ``topology`` setting as text, what is saved and compared: a file's path (``str`` or
-    ``os.PathLike``) as a ``str`` with ``~`` expanded (as ``output_dir``'s); anything else as given
-    (a name, or a value the checks refuse)."""
+def path_text(value):
+    """A path setting as text, what is saved and compared: a ``str`` or ``os.PathLike`` as a ``str``
+    with ``~`` expanded (as ``TrainingArguments`` expands ``output_dir``; the shell leaves it as
+    typed after ``--flag=``); anything else as given (None, a name such as a topology's or a hub
+    id, which expansion leaves alone, or a value the checks refuse)."""
     return os.path.expanduser(value) if isinstance(value, (str, os.PathLike)) else value
+
+
+def missing_path_problem(path: str) -> str | None:
+    """Why the path `path` (text, ``~`` already expanded) names nothing to read, or None:
+    ``"path '...' does not exist"``, a broken symbolic link said so. (``os.path.exists``, unlike
+    ``pathlib.Path.exists``, answers False for a name the file system refuses, e.g. one too long.)"""
+    if os.path.exists(path):
+        return None
+    return f"path {path!r} does not exist" + (" (a broken symbolic link)" if os.path.islink(path) else "")
 
 
 def check_topology_name_or_file(name: str, value, topologies) -> None:

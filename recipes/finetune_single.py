@@ -31,7 +31,7 @@ import time
 
 from lp_decentral_nlp.checks import check_data_dir_given
 from lp_decentral_nlp.commands import (DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
-                                       existing_path, ranged)
+                                       existing_path, ranged, user_path)
 
 PROG = "finetune_single.py"
 #: what to do after Ctrl-C (results.json is written only when the run finishes)
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                       formatter_class=DefaultsHelpFormatter)
     positive_int, positive_float = ranged(int, Range(1)), ranged(float, Range(0, None, low_open=True))
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", type=user_path, default=DEFAULT_MODEL,
                    help="hub id or local folder (default %(default)s; offline, the packaged MiniLM)")
     p.add_argument("--task", choices=("ag_news", "text"), default="ag_news",
                    help="ag_news, or text: your own text,label data (--data-dir), whose distinct labels are the classes")
@@ -70,7 +70,7 @@ def parse_args(argv=None):
                    help="GEMM kernel of the 8-bit layers (QuantConfig.kernel): auto, simulated, int8 or int8_bf16")
     add_threads_flag(p, None, "torch intra-op threads (default: OMP_NUM_THREADS if set, else 1, as the "
                               "decentralized recipes: docs/design.md)")
-    p.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True,
+    p.add_argument("--output-dir", "--output_dir", dest="output_dir", type=user_path, required=True,
                    help="folder of results.json and model/ (default: none: it is required)")
     p.add_argument("--overwrite-output-dir", "--overwrite_output_dir", action="store_true",
                    help="write over the results of another run in --output-dir (its results.json, model/, "
@@ -98,10 +98,11 @@ def parse_args(argv=None):
     if args.full_precision and args.kernel != "auto":
         p.error(f"argument --kernel: {args.kernel!r} is a kernel of 8-bit training, and --full-precision trains "
                 f"in fp32: drop one of them")
-    from lp_decentral_nlp.commands import model_flag_problem, output_dir_problem
+    from lp_decentral_nlp.commands import model_flag_problem, output_dir_problem, output_in_data_problem
 
     for flag, problem in (("--model", model_flag_problem(args.model)),
-                          ("--output-dir", output_dir_problem(args.output_dir, args.overwrite_output_dir))):
+                          ("--output-dir", output_dir_problem(args.output_dir, args.overwrite_output_dir)
+                           or output_in_data_problem(args.output_dir, args.data_dir))):
         if problem:
             p.error(f"argument {flag}: {problem}")
     return args

@@ -301,6 +301,7 @@ def test_overwrite_output_dir_does_not_remove_the_model_to_train(tmp_path, capsy
     import shutil
 
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text('{"status": "done"}')  # a run's folder
     shutil.copytree(tiny_model_dir, tmp_path / "run" / "model")
     assert flag_error(["--model", str(tmp_path / "run" / "model"), "--output-dir", str(tmp_path / "run"),
                        "--overwrite_output_dir"], capsys) == (
@@ -685,3 +686,54 @@ def test_an_integration_not_installed_is_named_with_its_package(capsys):
     package = {"comet_ml": "comet-ml"}.get(missing, missing)
     assert flag_error(["--report_to", missing], capsys) == (
         f"argument --report_to: {missing!r} is not installed here: install it (pip install {package}), or use 'none'")
+
+
+def test_paths_a_user_gives_are_read_as_the_shell_would_and_odd_ones_refused_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                                       ag_news_csv, tiny_model_dir):
+    """'~' after --flag= (the shell leaves it) was refused on input flags ("path '~/ag.csv' does not
+    exist"); a name too long for the file system or a broken symbolic link as --output-dir were
+    tracebacks (the latter after the model was loaded); an output folder that is the data folder made
+    the next run read metrics.csv as data."""
+    import shutil
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    shutil.copy(ag_news_csv, home / "ag.csv")
+    shutil.copytree(tiny_model_dir, home / "model")
+    parsed = build_nlp_parser("ag_news", "choco").parse(["--data-dir=~/ag.csv", "--model=~/model",
+                                                         "--output-dir=~/run"])
+    assert (parsed.recipe.data_dir, parsed.recipe.model, parsed.training.output_dir) == (
+        str(home / "ag.csv"), str(home / "model"), str(home / "run"))
+    long_name = str(tmp_path / ("x" * 300))
+    assert flag_error(["--data-dir", long_name], capsys) == f"argument --data-dir: path {long_name!r} does not exist"
+    assert flag_error(["--output-dir", long_name], capsys) == (
+        f"argument --output-dir: {long_name} cannot be used (File name too long)")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    assert flag_error(["--output-dir", str(tmp_path / "dangling")], capsys) == (
+        f"argument --output-dir: {tmp_path / 'dangling'} is a broken symbolic link (to {tmp_path / 'gone'})")
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ag_news_csv, data / "train.csv")
+    for out in (data, data / "run"):
+        assert flag_error(["--data-dir", str(data), "--output-dir", str(out)], capsys) == (
+            f"argument --output-dir: {out} is {'' if out == data else 'inside '}the data folder {data}, "
+            "where the run's files would be read as data by the next run: choose another folder")
+
+
+def test_overwrite_output_dir_removes_only_what_a_run_recorded(tmp_path, capsys):
+    """A folder holding a user's own model/ and metrics.csv (no results.json: no run wrote them) was
+    called another run's results, and --overwrite_output_dir deleted them."""
+    from lp_decentral_nlp.commands import remove_run_outputs, run_outputs_in
+
+    own = tmp_path / "proj"
+    (own / "model").mkdir(parents=True)
+    (own / "model" / "notes.txt").write_text("my notes")
+    (own / "metrics.csv").write_text("a,b\n")
+    for overwrite in ([], ["--overwrite_output_dir"]):
+        assert flag_error(["--output-dir", str(own), *overwrite], capsys) == (
+            f"argument --output-dir: {own} holds metrics.csv, model, which no run recorded (it has no "
+            "results.json) and a run would write over: choose another folder, or move them")
+    assert run_outputs_in(own) == [] and remove_run_outputs(str(own)) == [] and (own / "model" / "notes.txt").exists()
+    (own / "results.json").write_text('{"status": "done"}')  # now a run's folder: its outputs are the run's
+    assert run_outputs_in(own) == ["metrics.csv", "model", "results.json"]

@@ -212,3 +212,14 @@ def test_cli_takes_the_recipes_names_of_the_same_settings(capsys, tmp_path):
         records.append({k: v for k, v in json.loads(path.read_text())["settings"].items() if k != "output"})
     assert records[0] == records[1] == records[2] and records[0]["num_nodes"] == 8 and records[0]["compression"] == 99
     capsys.readouterr()
+
+
+def test_cli_output_after_equals_reads_tilde_as_home(capsys, tmp_path, monkeypatch):
+    """--output=~/t.json (the shell leaves '~' after '=') printed 'wrote ~/t.json' and wrote ./~/t.json."""
+    pytest.importorskip("lp_decentral_nlp.vision")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["--arch", "resnet20", "--batch-size", "2", "--output=~/t.json"]) == 0
+    assert (tmp_path / "home" / "t.json").is_file() and not (tmp_path / "~").exists()
+    assert f"wrote {tmp_path / 'home' / 't.json'}" in capsys.readouterr().out

@@ -152,6 +152,15 @@ def test_ag_news_directory_with_train_and_test_and_text_layout(tmp_path):
     assert sorted(set(ds["test"]["label"])) == [0, 1, 2, 3]
 
 
+def test_a_folder_of_upper_case_csv_files_is_read_as_a_csv_file_is(tmp_path):
+    """A .CSV file was read, but a folder of TRAIN.CSV and TEST.CSV "held no CSV file"."""
+    rows = [(f"story {i}", i % 4) for i in range(40)]
+    _write_csv(tmp_path / "TRAIN.CSV", ["text", "label"], rows)
+    _write_csv(tmp_path / "Test.csv", ["text", "label"], rows[:8])
+    ds = load_task("ag_news", data_dir=tmp_path)
+    assert len(ds["train"]) == 40 and len(ds["test"]) == 8
+
+
 def test_ag_news_saved_dataset_directory(tmp_path):
     DatasetDict({
         "train": Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}),

@@ -163,3 +163,16 @@ def test_flags_take_the_transformers_spelling_as_the_decentralized_recipes_do(ag
     assert recipe.parse_args(["--full_precision", "--output_dir", str(tmp_path / "run")]).full_precision
     hyphenated = [flag.replace("_", "-") if flag.startswith("--") else flag for flag in spelled]
     assert vars(recipe.parse_args(hyphenated)) == vars(recipe.parse_args(short))
+
+
+def test_paths_after_flag_equals_read_tilde_as_home(ag_news_csv, tmp_path, monkeypatch, tiny_model_dir):
+    """--output-dir=~/ftout (the shell leaves '~' after '=') put model/ and results.json in ./~/ftout
+    while transformers made $HOME/ftout; --data-dir=~/... and --model=~/... were refused."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(ag_news_csv, tmp_path / "ag.csv")
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    args = load_recipe().parse_args(["--output-dir=~/ftout", "--data-dir=~/ag.csv", "--model=~/model"])
+    assert (args.output_dir, args.data_dir, args.model) == (
+        str(tmp_path / "ftout"), str(tmp_path / "ag.csv"), str(tmp_path / "model"))

@@ -313,3 +313,17 @@ def test_a_transformers_model_inside_a_module_of_ones_own_warns_that_it_saves_fl
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
     calibrated(part, batch).save_pretrained(tmp_path / "alone")
     assert any(isinstance(m, QuantModule) for m in load_quantized(tmp_path / "alone").modules())
+
+
+def test_load_quantized_reads_tilde_as_home_and_names_a_file_given_for_its_folder(tmp_path, tokenizer, monkeypatch):
+    """load_quantized('~/m') passed its own existence check (it expanded '~') and then gave transformers
+    the unexpanded path ("Repo id must use alphanumeric chars"); a config.json given for its folder
+    was a hub error too."""
+    from lp_decentral_nlp import load_quantized
+
+    model = quantize_model(tiny_bert(tokenizer.vocab_size))
+    calibrated(model, tokenizer(TEXTS, return_tensors="pt", padding=True)).save_pretrained(tmp_path / "my model")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert any(isinstance(m, QuantModule) for m in load_quantized("~/my model").modules())
+    with pytest.raises(ValueError, match=r"config\.json is a file: give the folder save_pretrained wrote"):
+        load_quantized(tmp_path / "my model" / "config.json")

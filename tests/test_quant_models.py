@@ -345,6 +345,10 @@ def test_the_int8_export_file_writes_a_tied_weight_once_and_loads_it_under_every
         save_int8_export(model, tmp_path / "missing" / "int8.safetensors")
     with pytest.raises(ValueError, match=r"is a folder: name the file to write in it"):
         save_int8_export(model, tmp_path)
+    # a name ending in a separator names a folder (Path() dropped the separator: a file of that name was written)
+    with pytest.raises(ValueError, match=r"names a folder \(it ends in a path separator\): name the file to write"):
+        save_int8_export(model, f"{tmp_path / 'newname'}/")
+    assert not (tmp_path / "newname").exists()
     (tmp_path / "notes.txt").write_text("not tensors")
     with pytest.raises(ValueError, match=r"notes\.txt cannot be read as a safetensors file"):
         load_int8_export(tmp_path / "notes.txt")

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import NamedTuple
 
-from ..checks import CHOICE_CHECKS, ENTRY_PARSERS, NUMBER_FIELDS, check_choice, check_field
+from ..checks import CHOICE_CHECKS, ENTRY_PARSERS, NUMBER_FIELDS, check_choice, check_field, missing_path_problem, path_text
 
 # Short flag -> the transformers-spelt option it stands for (without the leading dashes). The
 # ``no_<field>`` options are the negations HfArgumentParser makes for boolean fields defaulting to True. An
@@ -100,12 +100,18 @@ def ranged(kind, allowed: Range):
 
 
 def existing_path(text: str) -> str:
-    """argparse type: a path that exists."""
-    import pathlib
+    """argparse type: a path that exists, ``~`` expanded (:func:`user_path`)."""
+    path = user_path(text)
+    problem = missing_path_problem(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
-    if not pathlib.Path(text).exists():
-        raise argparse.ArgumentTypeError(f"path {text!r} does not exist")
-    return text
+
+def user_path(text: str) -> str:
+    """argparse type: a path, ``~`` expanded (``checks.path_text``), for flags naming files or
+    folders to write or read, so that ``--output-dir=~/runs`` lands where the shell's ``~`` would."""
+    return path_text(text)
 
 
 def boolean(text: str) -> bool:

@@ -448,10 +448,23 @@ def folder_creation_problem(path: pathlib.Path) -> str | None:
 
 
 def run_outputs_in(folder: pathlib.Path) -> list[str]:
-    """The names, sorted, of what a run leaves in `folder`: :data:`RUN_OUTPUTS` and ``checkpoint-*``."""
+    """The names, sorted, of what a run left in `folder`: with its ``results.json`` (every recipe
+    run writes one as it starts), :data:`RUN_OUTPUTS` and ``checkpoint-*`` folders; without one,
+    only the checkpoints a trainer wrote (``checkpoint-*`` folders holding ``trainer_state.json``).
+    A ``model/`` or ``metrics.csv`` that no run recorded is the user's (:func:`unrecorded_outputs_in`)."""
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
+    recorded = (folder / "results.json").is_file()
+    return sorted(p.name for p in folder.iterdir() if (recorded and p.name in RUN_OUTPUTS) or (
+        p.name.startswith("checkpoint-") and (recorded or (p / "trainer_state.json").is_file())))
+
+
+def unrecorded_outputs_in(folder: pathlib.Path) -> list[str]:
+    """The names of :data:`RUN_OUTPUTS` in `folder` when it holds no ``results.json``: files or
+    folders a run would write over that no run recorded (a user's own ``model/``), sorted."""
+    if not folder.is_dir() or (folder / "results.json").is_file():
+        return []
+    return sorted(name for name in RUN_OUTPUTS if (folder / name).exists())
 
 
 def continues_run_in(output_dir, resume_from_checkpoint) -> bool:
@@ -470,6 +483,12 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
     if not str(output_dir).strip():
         return "the folder name is empty"
     path = pathlib.Path(output_dir)
+    try:
+        path.exists()
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL character
+        return f"{path} cannot be used ({getattr(err, 'strerror', None) or err})"
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a broken symbolic link (to {os.readlink(path)})"
     if path.exists() and not path.is_dir():
         return f"{path} is a file, not a folder"
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -480,6 +499,10 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
     problem = None if path.exists() else folder_creation_problem(path)
     if problem:
         return f"{path} cannot be created ({problem})"
+    unrecorded = unrecorded_outputs_in(path)
+    if unrecorded:  # --overwrite_output_dir would remove them: they are not a run's
+        return (f"{path} holds {', '.join(unrecorded)}, which no run recorded (it has no results.json) and a run "
+                "would write over: choose another folder, or move them")
     if not path.is_dir() or overwrite:
         return None
     if continues_run_in(path, resume_from_checkpoint):
@@ -557,10 +580,25 @@ def remove_run_outputs(output_dir: str) -> list[str]:
 
 
 def check_output_dir(parser, training, run) -> None:
-    """Refuse an ``--output_dir`` with a :func:`output_dir_problem` (one line naming the flag)."""
-    problem = output_dir_problem(training.output_dir, run.overwrite_output_dir, training.resume_from_checkpoint)
+    """Refuse an ``--output_dir`` with a :func:`output_dir_problem` or an :func:`output_in_data_problem`
+    (one line naming the flag)."""
+    problem = (output_dir_problem(training.output_dir, run.overwrite_output_dir, training.resume_from_checkpoint)
+               or output_in_data_problem(training.output_dir, getattr(run, "data_dir", None)))
     if problem:
         parser.error(f"argument {parser.flag_of('output_dir')}: {problem}")
+
+
+def output_in_data_problem(output_dir, data_dir) -> str | None:
+    """Why ``output_dir`` cannot take a run's files beside its data, or None: it is the data folder
+    ``data_dir``, or inside it, where a run's ``metrics.csv`` and other files would be read as data
+    by the next run (a data folder is read whole: every CSV file, or a saved dataset)."""
+    if data_dir is None or not os.path.isdir(data_dir):
+        return None
+    data, out = pathlib.Path(data_dir).resolve(), pathlib.Path(output_dir).resolve()
+    if out != data and data not in out.parents:
+        return None
+    return (f"{output_dir} is {'' if out == data else 'inside '}the data folder {data_dir}, where the run's files "
+            "would be read as data by the next run: choose another folder")
 
 
 def check_resume(parser, training, values: dict) -> None:

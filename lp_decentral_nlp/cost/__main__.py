@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-from ..commands.flags import OneLineParser, Range, finite_float, integer, ranged
+from ..commands.flags import OneLineParser, Range, finite_float, integer, ranged, user_path
 from .conventions import CONVENTIONS, OPTIMIZER_STATES
 
 # Paper datasets: CIFAR-10 (50,000 training images, 10 classes), AG News (120,000 rows, 4 classes).
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     positive = ranged(int, Range(1))
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--arch", help="vision architecture (lp_decentral_nlp.vision.ARCHS)")
-    which.add_argument("--model", help="Hugging Face model id or local folder")
+    which.add_argument("--model", type=user_path, help="Hugging Face model id or local folder")
     p.add_argument("--batch-size", "--batch_size",
                    type=positive, default=32, help="samples per node per iteration (32)")
     p.add_argument("--image-size", "--image_size",
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--convention", choices=CONVENTIONS, default="ours",
                    help="ours: price int8 only what 8-bit training runs in 8 bits; paper: every op of the 8-bit "
                         "model int8, inference memory = weights, MiB (Table 10) (ours)")
-    p.add_argument("--output", help="also write the settings and both full reports, per layer, to this JSON file")
+    p.add_argument("--output", type=user_path, help="also write the settings and both full reports, per layer, to this JSON file")
     return p
 
 

@@ -289,18 +289,18 @@ def _load_classification(task: str, data_dir, eval_fraction: float | None, seed:
                              f"{_SOURCES[task]}")
         files = {"data": [path]}
     else:
-        csvs = sorted(p for p in path.glob("*.csv") if p.is_file())
+        csvs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".csv" and p.is_file())  # TRAIN.CSV too
         if not csvs:
             raise ValueError(f"data_dir {str(path)!r} holds no CSV file and no saved dataset "
                              f"(expected {_FOLDER_HOLDS[task]})")
-        by_name = {p.stem: p for p in csvs}
+        by_name = {p.stem.lower(): p for p in csvs}
         held_out = [stem for stem in ("test", "validation") if stem in by_name]
         if held_out and "train" not in by_name:
             raise ValueError(f"data_dir {str(path)!r} holds {held_out[0]}.csv but no train.csv: {held_out[0]}.csv is "
                              f"the {held_out[0]} split beside a train.csv, and its rows are never trained on; add "
                              f"train.csv or rename {held_out[0]}.csv")
         if "train" in by_name:
-            others = sorted(p.name for p in csvs if p.stem not in _CSV_SPLITS)
+            others = sorted(p.name for p in csvs if p.stem.lower() not in _CSV_SPLITS)
             if others:
                 raise ValueError(f"data_dir {str(path)!r} holds train.csv and also {others}: with train.csv only "
                                  "train.csv, test.csv and validation.csv are read; move the other CSV files out")

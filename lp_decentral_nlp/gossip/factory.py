@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_fields, check_flags, check_topology_name_or_file, topology_text
+from ..checks import check_choice, check_fields, check_flags, check_topology_name_or_file, path_text
 from .choco import ChocoSGD
 from .deepsqueeze import DeepSqueeze
 from .push_sum import PushSumGossip
@@ -85,7 +85,7 @@ class GossipConfig:
             raise ValueError(f"topology must be one of {TOPOLOGIES} or a file, got a {type(self.topology).__name__}: "
                              "save a graph of your own to a file (numpy.save(path, W), W[i, j] the weight node i "
                              "gives to node j's message) and give its path")
-        object.__setattr__(self, "topology", topology_text(self.topology))  # frozen: as check_fields stores its values
+        object.__setattr__(self, "topology", path_text(self.topology))  # frozen: as check_fields stores its values
         check_topology_name_or_file("topology", self.topology, TOPOLOGIES)
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("compressor", self.compressor, COMPRESSORS)

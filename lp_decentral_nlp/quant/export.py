@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checks import check_flag
+from ..checks import check_flag, path_text
 from .functional import quantize_codes, tensor_range
 from .hf_quantizer import ACTIVATION_RANGE_KEYS
 from .layers import QuantEmbedding, QuantGemmLayer, QuantModule, check_module
@@ -111,7 +111,11 @@ def save_int8_export(model: nn.Module, path: str | os.PathLike, embeddings: bool
     reads it back."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    text = path_text(path)
+    if text.endswith(("/", os.sep)):  # Path() would drop the separator and write a file of the folder's name
+        raise ValueError(f"path {text!r} names a folder (it ends in a path separator): name the file to write, e.g. "
+                         f"{os.path.join(text, 'int8.safetensors')!r}")
+    path = Path(text)
     if path.is_dir() or not path.parent.is_dir():
         raise ValueError(f"path {str(path)!r}: " + ("is a folder: name the file to write in it, e.g. "
                                                     f"{str(path / 'int8.safetensors')!r}" if path.is_dir() else
@@ -136,6 +140,7 @@ def load_int8_export(path: str | os.PathLike, activation_ranges: bool = True) ->
     float one)."""
     from safetensors import SafetensorError, safe_open
 
+    path = path_text(path)
     if not Path(path).is_file():
         raise ValueError(f"path {os.fspath(path)!r} is not a file" + ("" if Path(path).exists() else " (it does not exist)"))
     try:

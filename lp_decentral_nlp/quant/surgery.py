@@ -566,8 +566,11 @@ def load_quantized(path: str | os.PathLike, auto_class=None, **from_pretrained_k
     text = os.fspath(path)
     local = (os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
              or (os.sep != "/" and os.sep in text))
-    if local and not os.path.exists(os.path.expanduser(text)):
+    path = os.path.expanduser(text)  # transformers takes '~/x' for a malformed hub id
+    if local and not os.path.exists(path):
         raise FileNotFoundError(f"{text}: no such folder (a hub id is 'name' or 'namespace/name')")
+    if os.path.isfile(path):
+        raise ValueError(f"{text} is a file: give the folder save_pretrained wrote (it holds config.json)")
     if os.path.isfile(os.path.join(path, "model", "config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} has no config.json but its model/ folder has: a recipe's run folder? load "
                          f"{os.path.join(path, 'model')}")

@@ -17,7 +17,7 @@ from transformers import TrainingArguments, training_args
 from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import SchedulerType
 
-from ..checks import Number, check_choice, check_fields, check_flags, plain_number, topology_text
+from ..checks import Number, check_choice, check_fields, check_flags, plain_number, path_text
 from ..gossip.factory import COMPRESSORS, REFERENCES, TOPOLOGIES, GossipConfig
 from ..gossip.step_size import ALGORITHMS
 from ..gossip.faults import FaultPlan
@@ -169,7 +169,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if self.max_steps == 0:  # Trainer reads only a positive max_steps: 0 trained for num_train_epochs
             raise ValueError("max_steps=0 would train for num_train_epochs (only a positive max_steps sets the run's "
                              "length): give max_steps >= 1, or leave it at -1 to train for num_train_epochs")
-        self.topology = topology_text(self.topology)
+        self.topology = path_text(self.topology)
+        self.resume_from_checkpoint = path_text(self.resume_from_checkpoint)
         check_flags(self, ("qgm", "skip_nonfinite", "final_merge", "tune_cpu_malloc", "low_precision"))
         self.gossip_config  # noqa: B018 -- building it checks the gossip fields (GossipConfig.__post_init__)
         check_choice("quant_kernel", self.quant_kernel, kernel_names())

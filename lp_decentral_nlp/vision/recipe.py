@@ -21,7 +21,7 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from ..checks import check_fields
+from ..checks import check_fields, missing_path_problem, path_text
 from ..utils.fields_doc import document_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_processes_agree,
@@ -84,12 +84,14 @@ class VisionArguments(RunArguments):
         self.num_classes = None if self.dataset == FOLDER else vision_dataset_spec(self.dataset).num_classes
         if self.dataset == FOLDER and self.data_dir is None:
             raise ValueError("data_dir: --dataset folder trains your own images: give their folder with --data-dir")
+        self.data_dir = path_text(self.data_dir)
         if self.data_dir is not None:
             if self.dataset == "digits":
                 raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir (your own "
                                  "images: add --dataset folder)")
-            if not pathlib.Path(self.data_dir).exists():
-                raise ValueError(f"data_dir: path {self.data_dir!r} does not exist")
+            problem = missing_path_problem(self.data_dir)
+            if problem:
+                raise ValueError(f"data_dir: {problem}")
         check_fields(self, ("image_size", "groups"))
 
 
