@@ -74,12 +74,11 @@ def test_mobilenetv2_keeps_relu6_and_resnet_relu():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_nets_normalise_per_sample_unless_told(arch):
-    """Every builder defaulted to BatchNorm, whose batch statistics fail under label skew (SPEC 5),
-    while the recipes used Range EvoNorm: now the nets, ImageClassifier included, default to it."""
+def test_every_builder_and_the_classifier_take_one_default_norm(arch):
+    """The builders, build_vision_model and ImageClassifier share vision.DEFAULT_NORM (BatchNorm)."""
     for net in (build_vision_model(arch), ARCHS[arch](), ImageClassifier(arch).net):
         kinds = {type(m) for m in net.modules()}
-        assert RangeEvoNorm2d in kinds and not kinds & {nn.BatchNorm2d, nn.GroupNorm, EvoNormS0}
+        assert nn.BatchNorm2d in kinds and not kinds & {RangeEvoNorm2d, nn.GroupNorm, EvoNormS0}
 
 
 @pytest.mark.parametrize("norm", NORMS)
