@@ -775,3 +775,26 @@ def test_sentlen_says_when_max_length_cuts_the_length_its_labels_are(tiny_model_
     notice = next(line for line in capsys.readouterr().err.splitlines() if "sentlen rows" in line)
     assert re.fullmatch(r"notice: --max-length 8 truncates \d+ of the \d+ sentlen rows, whose length is their label: "
                         r"raise it to keep their classes learnable", notice)
+
+
+def test_a_runs_paths_are_recorded_absolute_so_another_spelling_reuses_it(tmp_path, monkeypatch, ag_news_csv):
+    """results.json recorded --data-dir and --output-dir as typed ('ag.csv', 'runs/sw'), relative to a
+    working folder it does not record, and the sweep refused its own finished points when run from
+    another folder, or with './', a trailing slash or an absolute spelling of the same paths."""
+    import shutil
+
+    from lp_decentral_nlp import commands
+
+    sweep = import_sweep()
+    (tmp_path / "project").mkdir()
+    shutil.copy(ag_news_csv, tmp_path / "project" / "ag.csv")
+    grid = ["--algorithms", "choco", "--precisions", "fp32", "--skews", "0", "--comps", "0"]
+    monkeypatch.chdir(tmp_path / "project")
+    run = sweep.grid(sweep.parse([*grid, "--data-dir", "ag.csv", "--output-dir", "runs/sw"]))[0]
+    config = commands.run_config(run)
+    assert config["data_dir"] == str(tmp_path / "project" / "ag.csv")
+    assert config["output_dir"].startswith(str(tmp_path / "project" / "runs" / "sw"))
+    monkeypatch.chdir(tmp_path)
+    for data, out in (("project/ag.csv", "project/runs/sw/"), (f"{tmp_path}/project/./ag.csv", "./project/runs/sw")):
+        again = sweep.grid(sweep.parse([*grid, "--data-dir", data, "--output-dir", out]))[0]
+        assert commands.run_config(again) == config

@@ -220,10 +220,11 @@ def test_a_local_copy_of_the_dataset_reaches_every_run(comparison, tmp_path, cap
     """Offline, the runs' error said "pass --data-dir with a local copy", a flag this script did not have."""
     from lp_decentral_nlp.vision.recipe import parse_vision_args
 
-    args = comparison.parse_args(["--dataset", "cifar10", "--data-dir", str(tmp_path), *outputs(tmp_path)])
+    (tmp_path / "cifar").mkdir()  # the data folder, apart from the runs' (a run inside it is refused)
+    args = comparison.parse_args(["--dataset", "cifar10", "--data-dir", str(tmp_path / "cifar"), *outputs(tmp_path)])
     argv = comparison.recipe_argv(args, "evonorm", "fp32", str(tmp_path / "run"))
     recipe = parse_vision_args("choco", argv).recipe
-    assert recipe.dataset == "cifar10" and recipe.data_dir == str(tmp_path)
+    assert recipe.dataset == "cifar10" and recipe.data_dir == str(tmp_path / "cifar")
     for flags, message in ((["--data-dir", str(tmp_path)], "argument --data-dir: digits is bundled with "
                                                             "scikit-learn and takes no data directory"),
                            (["--dataset", "cifar10", "--data-dir", str(tmp_path / "none")], "argument --data-dir: ")):

@@ -985,7 +985,7 @@ def run_config(parsed) -> dict:
     which sets no flag), and ``dynamo`` where ``accelerate launch --dynamo_backend`` compiles the
     nodes without ``--torch_compile`` (``torch.compile``'s arguments it gives, and ``regional``:
     ``--dynamo_use_regional_compilation``)."""
-    config = {k: _whole_steps(k, v) for k, v in parsed.values.items()
+    config = {k: _as_recorded(k, v) for k, v in parsed.values.items()
               if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
     config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
     if parsed.training.mixed_precision != "no":
@@ -1002,12 +1002,29 @@ def run_config(parsed) -> dict:
     return config
 
 
-def _whole_steps(name: str, value):
-    """A ``*_steps`` value as typed: transformers types them float (below 1, a ratio of the run),
-    so ``--eval_steps 6`` arrives as 6.0; a whole number of steps is recorded as one."""
+#: the settings that may name a local file or folder (a model or topology also a hub id or a name)
+PATH_SETTINGS = ("data_dir", "output_dir", "resume_from_checkpoint", "topology", "model", "logging_dir")
+
+
+def _as_recorded(name: str, value):
+    """A flag's value as ``results.json`` records it: a ``*_steps`` value as typed (transformers
+    types them float, below 1 a ratio of the run, so ``--eval_steps 6`` arrives as 6.0; a whole
+    number of steps is recorded as one), and a path as an absolute one (:func:`recorded_path`)."""
     if name.endswith("_steps") and isinstance(value, float) and value >= 1 and value.is_integer():
         return int(value)
+    if name in PATH_SETTINGS:
+        return recorded_path(value, folder=name in ("output_dir", "logging_dir"))
     return value
+
+
+def recorded_path(value, folder: bool = False):
+    """`value` as a run records it: a local path that exists (or any `folder` to write, which may
+    not yet) as an absolute, normalised one, so that the record reads the same from any working
+    folder and whatever the spelling (``./data/``, ``../x/data``); anything else (a hub id such as
+    ``namespace/name``, a graph's name, None) as given."""
+    if not isinstance(value, str) or not value or not (folder or os.path.exists(value)):
+        return value
+    return os.path.abspath(value)
 
 
 def final_evaluation(trainer) -> dict:
@@ -1088,7 +1105,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
     report = trainer.cost_report(input_shape).to_dict()
     cost = {k: v for k, v in report.items() if k != "layers"}
     config = {**run_config(parsed), "consensus_lr_used": training.gamma}
-    running = {"status": "running", "config": config, "model_used": model_used,
+    running = {"status": "running", "config": config, "model_used": recorded_path(model_used),
                "fingerprints": source_fingerprints(parsed, model_used), "cost": cost}
     began = False  # whether this run wrote its "running" results.json (a stop before that leaves the file alone)
 
@@ -1212,7 +1229,7 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
                                 training.metric_for_best_model: trainer.state.best_metric}}
            if trainer.state.best_global_step is not None else {}),
         "config": config,
-        "model_used": model_used,
+        "model_used": recorded_path(model_used),
         "fingerprints": running["fingerprints"],
         "versions": versions(),
         "wall_time_s": time.time() - start,
