@@ -798,3 +798,7 @@ def test_a_runs_paths_are_recorded_absolute_so_another_spelling_reuses_it(tmp_pa
     for data, out in (("project/ag.csv", "project/runs/sw/"), (f"{tmp_path}/project/./ag.csv", "./project/runs/sw")):
         again = sweep.grid(sweep.parse([*grid, "--data-dir", data, "--output-dir", out]))[0]
         assert commands.run_config(again) == config
+    # a record of an earlier version, its paths as typed, reads as from the working folder it is compared in
+    monkeypatch.chdir(tmp_path / "project")
+    typed = {**config, "data_dir": "ag.csv", "output_dir": os.path.relpath(config["output_dir"])}
+    assert commands.changed_settings(typed, config) == []

@@ -1290,10 +1290,13 @@ def changed_settings(saved_config: dict, config: dict, ignored=()) -> list[str]:
     stores them), except those in `ignored` and the Adam settings the run's optimizer does not read
     (``adam_beta2`` of an SGD run). A training argument that only one of them records differs only
     if its value is not the default there (:func:`training_default`): the configs of earlier
-    versions recorded some defaults."""
+    versions recorded some defaults, and their paths as typed, which are read from this working
+    folder (:func:`recorded_path`)."""
     from ..trainer.arguments import unread_adam_settings
 
-    saved, wanted = _as_json(saved_config), _as_json(config)
+    # a path recorded as typed (relative: earlier versions) reads as from this working folder
+    saved = {key: _as_recorded(key, value) for key, value in _as_json(saved_config).items()}
+    wanted = _as_json(config)
     ignored = {*ignored, *unread_adam_settings(wanted)}  # e.g. adam_beta2 of an SGD run: never used
     return sorted(key for key in (saved.keys() | wanted.keys()) - ignored
                   if saved.get(key) != wanted.get(key)
