@@ -2200,6 +2200,13 @@ def test_outputs_trainer_would_misread_are_refused_at_their_first_forward(tmp_pa
 
     with pytest.raises(ValueError, match=r"^BagOfWordsTuple returned a tuple, and with compute_loss_func"):
         DecentralizedTrainer(model=BagOfWordsTuple(), args=args, train_dataset=train, compute_loss_func=logits_loss).train()
+    # label smoothing takes the labels too: a transformers model's tuple (return_dict=False) lost its logits in predict
+    tuples = tiny_model()
+    tuples.config.return_dict = False
+    with pytest.raises(ValueError, match=r"^DistilBertForSequenceClassification returned a tuple, and with "
+                                         r"compute_loss_func or label smoothing .* leave config.return_dict True"):
+        DecentralizedTrainer(model=tuples, args=targs(tmp_path, num_nodes=2, max_steps=2, label_smoothing_factor=0.1),
+                             train_dataset=train).train()
 
 
 def test_compute_loss_func_gets_the_labels_of_a_forward_that_takes_none(tmp_path, agnews_small, tokenizer):

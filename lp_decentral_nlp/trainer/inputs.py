@@ -128,11 +128,12 @@ def _kind(value) -> str:
 
 
 @contextlib.contextmanager
-def refusing_misread_outputs(model: nn.Module, loss_func_given: bool):
+def refusing_misread_outputs(model: nn.Module, labels_withheld: bool):
     """While open, every forward of `model` refuses an output Trainer would misread (ValueError):
     a bare tensor (a plain module's logits), whose first row Trainer reads as the loss, or as the
-    only logits' row, or drops in evaluation (``outputs[1:]``); and, with a ``compute_loss_func``
-    (the model gets no labels), a tuple, whose first item evaluation reads as the loss."""
+    only logits' row, or drops in evaluation (``outputs[1:]``); and, when `labels_withheld` (a
+    ``compute_loss_func`` or label smoothing computes the loss: Trainer gives the model no labels),
+    a tuple, whose first item evaluation reads as the loss."""
 
     def check(module, args, output):
         if torch.is_tensor(output):
@@ -140,10 +141,11 @@ def refusing_misread_outputs(model: nn.Module, loss_func_given: bool):
                              "reads a dict's or ModelOutput's 'loss' and 'logits', or a tuple as (loss, logits, ...), "
                              "and would misread it; return a dict or ModelOutput, e.g. {'loss': ..., 'logits': ...} "
                              "(with compute_loss_func, which gets that output: {'logits': ...})")
-        if loss_func_given and isinstance(output, (tuple, list)):
-            raise ValueError(f"{type(module).__name__} returned a tuple, and with compute_loss_func (the model is given "
-                             "no labels) evaluation would read its first item as the loss and the rest as the logits: "
-                             "return a dict or ModelOutput, e.g. {'logits': ...}")
+        if labels_withheld and isinstance(output, (tuple, list)):
+            raise ValueError(f"{type(module).__name__} returned a tuple, and with compute_loss_func or label smoothing "
+                             "(the model is given no labels) evaluation would read its first item as the loss and the "
+                             "rest as the logits: return a dict or ModelOutput (a transformers model: leave "
+                             "config.return_dict True), e.g. {'logits': ...}")
 
     handle = model.register_forward_hook(check)
     try:

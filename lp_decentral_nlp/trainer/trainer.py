@@ -722,16 +722,18 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def _checking_output_form(self, model):
+    def _checking_output_form(self, model) -> contextlib.AbstractContextManager:
         """Until one forward of a model of this trainer has returned, its forwards refuse an output
         ``Trainer`` would misread (:func:`~.inputs.refusing_misread_outputs`: a bare tensor, or a
-        tuple with ``compute_loss_func``); after that they run as they are (a model's output form
-        does not change from call to call)."""
+        tuple when the model is given no labels); after that they run as they are (a model's output
+        form does not change from call to call): a ``nullcontext``."""
         if self._output_form_checked:
-            yield
-            return
-        with refusing_misread_outputs(model, self.compute_loss_func is not None):
+            return contextlib.nullcontext()
+        return self._first_forward_checked(model)
+
+    @contextlib.contextmanager
+    def _first_forward_checked(self, model):
+        with refusing_misread_outputs(model, self.compute_loss_func is not None or self.label_smoother is not None):
             yield
         self._output_form_checked = True
 
