@@ -37,7 +37,7 @@ def check_results_dir(parser, writing: bool = True) -> None:
     if writing:
         from lp_decentral_nlp.commands import output_dir_problem
 
-        problem = output_dir_problem(str(RESULTS_DIR), overwrite=True)
+        problem = output_dir_problem(str(RESULTS_DIR), overwrite=True, run_folder=False)
         if problem:
             parser.error(f"cannot write the benchmark record in {RESULTS_DIR_VARIABLE}: {problem}" if trial_run()
                          else f"cannot write the benchmark record: {problem} (set {RESULTS_DIR_VARIABLE} to a folder "

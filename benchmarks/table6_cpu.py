@@ -195,7 +195,8 @@ def parse(argv=None) -> argparse.Namespace:
                              f"replace it: set {record.RESULTS_DIR_VARIABLE} to a folder for this trial run")
     if args.output_dir is None:  # a shrunk or trial run must not write over the real grid's finished runs
         args.output_dir = record.runs_dir(args.name)
-    problem = output_dir_problem(str(args.output_dir), overwrite=True)  # said as this program's, not a cell's recipe
+    # said as this program's, not a cell's recipe
+    problem = output_dir_problem(str(args.output_dir), overwrite=True, run_folder=False)
     if problem:
         parser.error(f"argument --output-dir: {problem}")
     args.output_dir = pathlib.Path(args.output_dir)
@@ -203,7 +204,8 @@ def parse(argv=None) -> argparse.Namespace:
         args.docs_dir = args.output_dir
     elif args.docs_dir is None:  # a trial run's (LP_BENCHMARK_RESULTS_DIR) goes with its record
         args.docs_dir = record.output_path(REPO / "docs" / f"{args.name}.md").parent
-    problem = output_dir_problem(str(args.docs_dir), overwrite=True)  # the table and plot are written last
+    # the table and plot are written last
+    problem = output_dir_problem(str(args.docs_dir), overwrite=True, run_folder=False)
     if problem:
         parser.error(f"argument --docs-dir: {problem}")
     record.check_plotting(parser)

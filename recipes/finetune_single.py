@@ -34,7 +34,7 @@ from lp_decentral_nlp.commands import (DEFAULT_MODEL, DefaultsHelpFormatter, One
                                        existing_path, ranged, user_path)
 
 PROG = "finetune_single.py"
-#: what to do after Ctrl-C (results.json is written only when the run finishes)
+#: what to do after Ctrl-C (results.json says "running" until the run finishes)
 AFTER_INTERRUPT = ("the run did not finish: run it again (with --overwrite-output-dir if --output-dir holds files "
                    "of it)")
 
@@ -175,6 +175,9 @@ def run(args) -> dict:
     removed = remove_run_outputs(str(out)) if args.overwrite_output_dir and out.is_dir() else []
     if removed:  # the model card, weights and results of another run must not stay beside this one's
         print_notice(f"notice: --overwrite-output-dir removed the previous run's {', '.join(removed)} from {out}")
+    # the folder is a run's before any other file of it (a stop mid-run leaves it to --overwrite-output-dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"status": "running", "args": vars(args)}, indent=2))
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
                       compute_metrics=compute_metrics)

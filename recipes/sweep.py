@@ -133,6 +133,10 @@ EVALUATION_SETTINGS = {"eval_strategy", "eval_steps", "eval_delay", "save_strate
                        "enable_jit_checkpoint"}
 
 
+#: the settings naming a file or folder whose content results.json fingerprints (``commands.source_fingerprints``)
+FINGERPRINTED_SETTINGS = {"data_dir": "data", "model": "model", "topology": "topology"}
+
+
 def settings_differing(results: dict, run) -> list[str]:
     """The settings in which a finished grid point's ``results.json`` (``results["config"]``) differs
     from what this sweep would run there, ``"name=saved (this sweep: value)"``, and what it read
@@ -140,6 +144,10 @@ def settings_differing(results: dict, run) -> list[str]:
     ignored = NOT_RESULT_SETTINGS | set(vars(run.extras))
     if not run.training.load_best_model_at_end:
         ignored |= EVALUATION_SETTINGS
+    # where the point recorded what its data, model or graph file held, that content is compared
+    # (sources_differing), not where it lay: a sweep moved or copied with its data reuses its points
+    recorded = results.get("fingerprints") or {}
+    ignored |= {name for name, what in FINGERPRINTED_SETTINGS.items() if recorded.get(what) is not None}
     return commands.config_differences(results["config"], run, ignored, "this sweep") + sources_differing(results, run)
 
 
@@ -162,9 +170,11 @@ def sources_differing(results: dict, run) -> list[str]:
     default's offline fallback, where this sweep reaches the hub), or other rows, weights or graph
     at the same paths (``results.json``'s ``fingerprints``, where it has them)."""
     model = model_to_load(run.recipe.model)
-    differing = [] if results.get("model_used") in (None, model) else [
-        f"model_used={results['model_used']!r} (this sweep: {model!r})"]
     recorded = results.get("fingerprints") or {}
+    used = results.get("model_used")
+    # a local model whose content the point recorded is compared by it (below); a hub id by name
+    same = used is None or recorded.get("model") is not None or commands.recorded_path(used) == commands.recorded_path(model)
+    differing = [] if same else [f"model_used={used!r} (this sweep: {model!r})"]
     differing += [f"the {what} at {where} holds other content than it read"
                   for what, where in (("data", run.recipe.data_dir), ("model", model),
                                       ("topology", run.training.topology))

@@ -715,16 +715,18 @@ def test_paths_a_user_gives_are_read_as_the_shell_would_and_odd_ones_refused_in_
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(ag_news_csv, data / "train.csv")
-    for out in (data, data / "run"):
-        assert flag_error(["--data-dir", str(data), "--output-dir", str(out)], capsys) == (
-            f"argument --output-dir: {out} is {'' if out == data else 'inside '}the data folder {data}, "
-            "where the run's files would be read as data by the next run: choose another folder")
+    assert flag_error(["--data-dir", str(data), "--output-dir", str(data)], capsys) == (
+        f"argument --output-dir: {data} is the data folder {data}, where the run's files would be read as data by "
+        "the next run: choose another folder")
+    # a run's folder inside it is not read (only the folder's own CSV files are), as the default runs/... of --data-dir .
+    monkeypatch.chdir(data)
+    assert build_nlp_parser("ag_news", "choco").parse(["--data-dir", "."]).training.output_dir.startswith("runs")
 
 
 def test_overwrite_output_dir_removes_only_what_a_run_recorded(tmp_path, capsys):
     """A folder holding a user's own model/ and metrics.csv (no results.json: no run wrote them) was
     called another run's results, and --overwrite_output_dir deleted them."""
-    from lp_decentral_nlp.commands import remove_run_outputs, run_outputs_in
+    from lp_decentral_nlp.commands import output_file_problem, remove_run_outputs, run_outputs_in
 
     own = tmp_path / "proj"
     (own / "model").mkdir(parents=True)
@@ -735,5 +737,6 @@ def test_overwrite_output_dir_removes_only_what_a_run_recorded(tmp_path, capsys)
             f"argument --output-dir: {own} holds metrics.csv, model, which no run recorded (it has no "
             "results.json) and a run would write over: choose another folder, or move them")
     assert run_outputs_in(own) == [] and remove_run_outputs(str(own)) == [] and (own / "model" / "notes.txt").exists()
+    assert output_file_problem(str(own / "cost.json")) is None  # one file written beside them is no run's folder
     (own / "results.json").write_text('{"status": "done"}')  # now a run's folder: its outputs are the run's
     assert run_outputs_in(own) == ["metrics.csv", "model", "results.json"]

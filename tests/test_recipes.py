@@ -783,6 +783,8 @@ def test_a_runs_paths_are_recorded_absolute_so_another_spelling_reuses_it(tmp_pa
     another folder, or with './', a trailing slash or an absolute spelling of the same paths."""
     import shutil
 
+    import numpy
+
     from lp_decentral_nlp import commands
 
     sweep = import_sweep()
@@ -801,4 +803,21 @@ def test_a_runs_paths_are_recorded_absolute_so_another_spelling_reuses_it(tmp_pa
     # a record of an earlier version, its paths as typed, reads as from the working folder it is compared in
     monkeypatch.chdir(tmp_path / "project")
     typed = {**config, "data_dir": "ag.csv", "output_dir": os.path.relpath(config["output_dir"])}
-    assert commands.changed_settings(typed, config) == []
+    assert commands.changed_settings(typed, config) == [] == commands.changed_settings(config, typed)
+    # a graph file too; and a point whose data and model the record fingerprints is reused wherever they now lie
+    numpy.save(tmp_path / "project" / "g.npy", numpy.full((4, 4), 0.25))
+    graphs = [commands.run_config(sweep.grid(sweep.parse([*grid, "--data-dir", "ag.csv", "--topology", name]))[0])
+              ["topology"] for name in ("g.npy", "./g.npy", str(tmp_path / "project" / "g.npy"))]
+    assert graphs == [str(tmp_path / "project" / "g.npy")] * 3
+    shutil.copytree(tmp_path / "project", tmp_path / "moved")
+    monkeypatch.chdir(tmp_path / "moved")
+    moved = sweep.grid(sweep.parse([*grid, "--data-dir", "ag.csv", "--output-dir", "runs/sw"]))[0]
+    finished = {"status": "done", "config": {**config, "consensus_lr_used": 1.0},
+                "model_used": sweep.model_to_load(moved.recipe.model),
+                "fingerprints": {"data": commands.source_fingerprint(str(tmp_path / "project" / "ag.csv")),
+                                 "model": None, "topology": None}}
+    assert sweep.settings_differing(finished, moved) == []
+    # a local model given relative: the record holds it absolute (the sweep refused its own points)
+    (tmp_path / "moved" / "mymodel").symlink_to(commands.packaged_model_path())
+    local = sweep.grid(sweep.parse([*grid, "--data-dir", "ag.csv", "--output-dir", "runs/sw", "--model", "mymodel"]))[0]
+    assert sweep.sources_differing({"model_used": str(tmp_path / "moved" / "mymodel")}, local) == []

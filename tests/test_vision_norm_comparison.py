@@ -241,3 +241,13 @@ def test_flags_take_the_recipes_spellings(comparison, tmp_path):
                "8", "--num_train_epochs", "0.05", "--output_dir", str(tmp_path), "--plot", str(tmp_path / "plot.png")]
     assert vars(comparison.parse_args(spelled)) == vars(comparison.parse_args(short))
     assert comparison.parse_args([*short[:2], "--num-nodes", "2", *short[4:]]).nodes == 2
+
+
+def test_a_run_folder_holding_files_no_run_recorded_is_refused_before_any_run(comparison, tmp_path, capsys):
+    """The recipe refused such a folder only at its own turn, after the runs before it had trained."""
+    (tmp_path / "evonorm_fp32").mkdir()
+    (tmp_path / "evonorm_fp32" / "metrics.csv").write_text("mine\n")
+    args = comparison.parse_args(["--runs", "batchnorm:fp32", "evonorm:fp32", *outputs(tmp_path)])
+    with pytest.raises(SystemExit):
+        comparison.plan(args)
+    assert "evonorm_fp32 holds metrics.csv, which no run recorded" in capsys.readouterr().err

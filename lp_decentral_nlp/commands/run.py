@@ -476,10 +476,13 @@ def continues_run_in(output_dir, resume_from_checkpoint) -> bool:
     return pathlib.Path(output_dir).resolve() in (checkpoint, *checkpoint.parents)
 
 
-def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_checkpoint=None) -> str | None:
+def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_checkpoint=None,
+                       run_folder: bool = True) -> str | None:
     """Why ``output_dir`` cannot take a run's results, or None: empty, a file, under a file, not
     writable or creatable, or holding another run's results (unless ``overwrite``; resuming from a
-    checkpoint inside it is this run)."""
+    checkpoint inside it is this run). With `run_folder` (a run's outputs go there, not one file),
+    also holding files a run would write over that no run recorded (:func:`unrecorded_outputs_in`),
+    whatever ``overwrite`` says."""
     if not str(output_dir).strip():
         return "the folder name is empty"
     path = pathlib.Path(output_dir)
@@ -499,7 +502,7 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
     problem = None if path.exists() else folder_creation_problem(path)
     if problem:
         return f"{path} cannot be created ({problem})"
-    unrecorded = unrecorded_outputs_in(path)
+    unrecorded = unrecorded_outputs_in(path) if run_folder else []
     if unrecorded:  # --overwrite_output_dir would remove them: they are not a run's
         return (f"{path} holds {', '.join(unrecorded)}, which no run recorded (it has no results.json) and a run "
                 "would write over: choose another folder, or move them")
@@ -551,7 +554,7 @@ def output_file_problem(path: str) -> str | None:
         return "a folder"
     if path.endswith(("/", os.sep)):
         return "a folder name, ending in a path separator: name the file"
-    problem = output_dir_problem(str(target.parent), overwrite=True)
+    problem = output_dir_problem(str(target.parent), overwrite=True, run_folder=False)
     if problem or not target.parent.is_dir():  # a folder that can be created takes a new file
         return problem
     existed = target.exists()
@@ -583,19 +586,20 @@ def check_output_dir(parser, training, run) -> None:
     """Refuse an ``--output_dir`` with a :func:`output_dir_problem` or an :func:`output_in_data_problem`
     (one line naming the flag)."""
     problem = (output_dir_problem(training.output_dir, run.overwrite_output_dir, training.resume_from_checkpoint)
-               or output_in_data_problem(training.output_dir, getattr(run, "data_dir", None)))
+               or output_in_data_problem(training.output_dir, getattr(run, "data_dir", None),
+                                         reads_subfolders=getattr(run, "dataset", None) == "folder"))
     if problem:
         parser.error(f"argument {parser.flag_of('output_dir')}: {problem}")
 
 
-def output_in_data_problem(output_dir, data_dir) -> str | None:
+def output_in_data_problem(output_dir, data_dir, reads_subfolders: bool = False) -> str | None:
     """Why ``output_dir`` cannot take a run's files beside its data, or None: it is the data folder
-    ``data_dir``, or inside it, where a run's ``metrics.csv`` and other files would be read as data
-    by the next run (a data folder is read whole: every CSV file, or a saved dataset)."""
+    ``data_dir`` (whose CSV files are all read: the next run would read ``metrics.csv`` as data),
+    or, for data read from subfolders too (`reads_subfolders`: a folder of images by class), inside it."""
     if data_dir is None or not os.path.isdir(data_dir):
         return None
     data, out = pathlib.Path(data_dir).resolve(), pathlib.Path(output_dir).resolve()
-    if out != data and data not in out.parents:
+    if out != data and not (reads_subfolders and data in out.parents):
         return None
     return (f"{output_dir} is {'' if out == data else 'inside '}the data folder {data_dir}, where the run's files "
             "would be read as data by the next run: choose another folder")
@@ -987,7 +991,7 @@ def run_config(parsed) -> dict:
     ``--dynamo_use_regional_compilation``)."""
     config = {k: _as_recorded(k, v) for k, v in parsed.values.items()
               if not (training_default(k, v) and training_default(k, parsed.defaults.get(k, v)))}
-    config.update({name: getattr(parsed.training, name) for name in ALWAYS_IN_CONFIG})
+    config.update({name: _as_recorded(name, getattr(parsed.training, name)) for name in ALWAYS_IN_CONFIG})
     if parsed.training.mixed_precision != "no":
         config["mixed_precision"] = parsed.training.mixed_precision
     if not parsed.training.torch_compile:  # the fields record their own; the launcher's set none
@@ -1124,8 +1128,8 @@ def train_and_report(parsed, model, data, model_used: str, input_shape: tuple, s
             if removed:  # a notice: quiet under --log_level error, as the others
                 print_notice(f"notice: {parsed.flags['overwrite_output_dir']} removed the previous run's "
                              f"{', '.join(removed)} from {out}")
+        write_json(out, "results.json", running)  # first: the folder is a run's before any other file of it
         write_json(out, "cost_report.json", report)
-        write_json(out, "results.json", running)
         began = True
 
     def how_to_continue() -> str:
@@ -1295,8 +1299,8 @@ def changed_settings(saved_config: dict, config: dict, ignored=()) -> list[str]:
     from ..trainer.arguments import unread_adam_settings
 
     # a path recorded as typed (relative: earlier versions) reads as from this working folder
-    saved = {key: _as_recorded(key, value) for key, value in _as_json(saved_config).items()}
-    wanted = _as_json(config)
+    saved, wanted = ({key: _as_recorded(key, value) for key, value in _as_json(side).items()}
+                     for side in (saved_config, config))
     ignored = {*ignored, *unread_adam_settings(wanted)}  # e.g. adam_beta2 of an SGD run: never used
     return sorted(key for key in (saved.keys() | wanted.keys()) - ignored
                   if saved.get(key) != wanted.get(key)
