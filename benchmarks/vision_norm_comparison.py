@@ -264,7 +264,7 @@ def plan(args) -> list[dict]:
     to run it with, every refusal made before any run: a folder holding results is reused
     (``--skip-existing``), redone (a stopped run with ``--skip-existing``, or
     ``--overwrite-output-dir``) or refused (one line naming ``--output-dir``)."""
-    from lp_decentral_nlp.commands import exit_with_error, run_outputs_in, unrecorded_outputs_in
+    from lp_decentral_nlp.commands import exit_with_error, output_dir_problem, run_outputs_in
 
     runs = []
     for run in args.runs:
@@ -272,11 +272,11 @@ def plan(args) -> list[dict]:
         out = os.path.join(args.output_dir, f"{norm}_{precision}")
         results = reusable_results(args, norm, precision, out)
         argv = recipe_argv(args, norm, precision, out)
-        unrecorded = unrecorded_outputs_in(pathlib.Path(out))
-        if unrecorded:  # the recipe would refuse the folder only at its turn, after the runs before it
-            exit_with_error(PROG, f"{out} holds {', '.join(unrecorded)}, which no run recorded (it has no results.json) "
-                                  "and a run would write over: choose another --output-dir, or move them",
-                            "--output-dir")
+        # what the recipe would refuse in the folder whatever --overwrite-output-dir says (files no run recorded, a
+        # broken link), refused now, not at its turn after the runs before it
+        problem = output_dir_problem(out, overwrite=True)
+        if problem:
+            exit_with_error(PROG, problem, "--output-dir")
         found = run_outputs_in(pathlib.Path(out))
         if results is None and found and not args.overwrite_output_dir:
             if args.skip_existing and "results.json" in found:  # not finished (reusable_results): a stopped run

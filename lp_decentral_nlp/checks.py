@@ -194,6 +194,16 @@ def missing_path_problem(path: str) -> str | None:
     return f"path {path!r} does not exist" + (" (a broken symbolic link)" if os.path.islink(path) else "")
 
 
+def checked_existing_path(name: str, value):
+    """`value` (a path setting, or None) as :func:`path_text`; ValueError ``"<name>: path ... does not
+    exist"`` (:func:`missing_path_problem`) for a path that names nothing."""
+    value = path_text(value)
+    problem = None if value is None else missing_path_problem(value)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    return value
+
+
 def check_topology_name_or_file(name: str, value, topologies) -> None:
     """ValueError unless ``value`` is one of ``topologies`` or the path of an existing file ending in
     one of :data:`TOPOLOGY_FILE_SUFFIXES` (the matrices it holds are checked when it is read:

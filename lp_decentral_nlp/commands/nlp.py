@@ -13,7 +13,7 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from ..checks import check_choice, check_data_dir_given, check_fields, missing_path_problem, path_text
+from ..checks import check_choice, check_data_dir_given, check_fields, checked_existing_path, path_text
 from ..utils.fields_doc import document_fields
 from ..data import TASKS
 from .recipe_parser import RecipeParser
@@ -52,11 +52,9 @@ class NLPArguments(RunArguments):
     def __post_init__(self):
         super().__post_init__()
         check_choice("task", self.task, TASKS)
-        self.data_dir, self.model = path_text(self.data_dir), path_text(self.model)
+        self.model = path_text(self.model)
         check_data_dir_given(self.task, self.data_dir)
-        problem = None if self.data_dir is None else missing_path_problem(self.data_dir)
-        if problem:
-            raise ValueError(f"data_dir: {problem}")
+        self.data_dir = checked_existing_path("data_dir", self.data_dir)
         check_fields(self, ("max_length", "max_train_samples", "max_eval_samples"))
 
 

@@ -487,12 +487,12 @@ def output_dir_problem(output_dir: str, overwrite: bool = False, resume_from_che
         return "the folder name is empty"
     path = pathlib.Path(output_dir)
     try:
-        path.exists()
+        exists = path.exists()
     except (OSError, ValueError) as err:  # a name too long for the file system, a NUL character
         return f"{path} cannot be used ({getattr(err, 'strerror', None) or err})"
-    if path.is_symlink() and not path.exists():
+    if not exists and path.is_symlink():
         return f"{path} is a broken symbolic link (to {os.readlink(path)})"
-    if path.exists() and not path.is_dir():
+    if exists and not path.is_dir():
         return f"{path} is a file, not a folder"
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():

@@ -401,11 +401,15 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             self.label_names = ["labels"]
         if args.low_precision and not any(isinstance(m, QuantModule) for m in model.modules()):
             config = quant_config or QuantConfig(kernel=args.quant_kernel)
-            plan = quantize_model(model, config, dry_run=True)
-            if quant_config is None and not plan.quantized:  # the user called no quantize_model: name the setting
-                raise ValueError(f"low_precision=True (its default) trains every node in 8-bit, and quantize_model "
-                                 f"finds {'; '.join(plan.problems)}: pass low_precision=False to train in full precision")
-            quantize_model(model, config)
+            try:
+                quantize_model(model, config)
+            except ValueError:
+                plan = quantize_model(model, config, dry_run=True)  # (a refusal changed nothing)
+                if quant_config is None and not plan.quantized:  # the user called no quantize_model: name the setting
+                    raise ValueError(f"low_precision=True (its default) trains every node in 8-bit, and quantize_model "
+                                     f"finds {'; '.join(plan.problems)}: pass low_precision=False to train in full "
+                                     "precision") from None
+                raise
         set_verbosity(args.get_process_log_level())  # ours, as Trainer set transformers' from log_level
         if args.enable_jit_checkpoint:  # Trainer's own JIT checkpointing, from construction on: ours is train()'s
             self.pop_callback(JITCheckpointCallback)

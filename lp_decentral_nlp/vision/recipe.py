@@ -21,7 +21,7 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from ..checks import check_fields, missing_path_problem, path_text
+from ..checks import check_fields, checked_existing_path
 from ..utils.fields_doc import document_fields
 from ..commands.recipe_parser import RecipeParser
 from ..commands.run import (RECIPE_REFUSALS, RECIPE_VALUE_CHECKS, RunArguments, check_memory, check_processes_agree,
@@ -84,14 +84,10 @@ class VisionArguments(RunArguments):
         self.num_classes = None if self.dataset == FOLDER else vision_dataset_spec(self.dataset).num_classes
         if self.dataset == FOLDER and self.data_dir is None:
             raise ValueError("data_dir: --dataset folder trains your own images: give their folder with --data-dir")
-        self.data_dir = path_text(self.data_dir)
-        if self.data_dir is not None:
-            if self.dataset == "digits":
-                raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir (your own "
-                                 "images: add --dataset folder)")
-            problem = missing_path_problem(self.data_dir)
-            if problem:
-                raise ValueError(f"data_dir: {problem}")
+        if self.data_dir is not None and self.dataset == "digits":
+            raise ValueError("data_dir: digits is bundled with scikit-learn and takes no data_dir (your own "
+                             "images: add --dataset folder)")
+        self.data_dir = checked_existing_path("data_dir", self.data_dir)
         check_fields(self, ("image_size", "groups"))
 
 
