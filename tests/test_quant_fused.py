@@ -255,22 +255,26 @@ def test_fake_quantize_one_pass_equals_torch_passes(stochastic, per_row):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("acc_dtype", [torch.int32, torch.float32])
 def test_one_pass_epilogue_equals_torch_passes(shape, per_row, with_bias, acc_dtype):
-    """``fused.affine_epilogue`` (serial and split by rows) gives the bits of torch's passes
-    ``(row_offset * col_sums + bias) + acc * row_scale + row_term`` (unfused multiply-adds: the
-    int8 kernel's ``addcmul`` elsewhere may fuse one, a last-bit difference), for the int32
-    product of ``torch._int_mm`` and the integer-valued fp32 one of other CPUs."""
+    """``fused.affine_epilogue`` (serial and split by rows) gives the bits of torch's float64
+    passes ``(row_offset * col_sums + bias) + acc * row_scale + row_term`` (unfused multiply-adds:
+    the int8 kernel's ``addcmul`` elsewhere may fuse one), rounded once to fp32 (or kept in
+    float64), for the int32 product of ``torch._int_mm`` and the integer-valued fp32 one of other
+    CPUs; float32 coefficients (a layer's bias) are read in float64."""
     torch.set_num_threads(2)  # the autouse fixture restores the thread count
     m, n = shape
     acc = torch.randint(-2**22, 2**22, shape, dtype=torch.int32).to(acc_dtype)
     row_shape = (m, 1) if per_row else ()
-    row_scale, row_offset = torch.rand(row_shape) * 1e-3, torch.randn(row_shape)
-    col_sums, row_term = torch.randn(1, n) * 100, torch.randn(m, 1)
-    bias = torch.nn.Parameter(torch.randn(n)) if with_bias else None  # a layer's bias
+    row_scale = torch.rand(row_shape, dtype=torch.float64) * 1e-3
+    row_offset = torch.randn(row_shape, dtype=torch.float64)
+    col_sums, row_term = torch.randn(1, n, dtype=torch.float64) * 100, torch.randn(m, 1, dtype=torch.float64)
+    bias = torch.nn.Parameter(torch.randn(n)) if with_bias else None  # a layer's bias, float32
     assert fused.epilogue_fusable(acc, row_scale, row_offset, col_sums, row_term, *([bias] if with_bias else []))
-    col_term = row_offset * col_sums + (0 if bias is None else bias)
-    expected = (col_term + acc.float() * row_scale).detach() + row_term
+    col_term = row_offset * col_sums + (0 if bias is None else bias.detach().double())
+    expected = (col_term + acc.double() * row_scale) + row_term
     out = fused.affine_epilogue(acc, row_scale, row_offset, col_sums, bias, row_term)
-    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert out.dtype == torch.float32 and torch.equal(out, expected.float())
+    wide = fused.affine_epilogue(acc, row_scale, row_offset, col_sums, bias, row_term, torch.float64)
+    assert wide.dtype == torch.float64 and torch.equal(wide, expected)
     if m > 1 and n > 1:  # a strided product: torch's passes
         assert not fused.epilogue_fusable(acc.T, row_scale, row_offset, col_sums, row_term)
 
@@ -321,18 +325,19 @@ def check_window_sums(values, kernel_size, stride, padding, dilation):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_conv_epilogue_equals_torch_passes(per_sample, with_bias):
     """``fused.conv_epilogue`` reads a channels-last product and writes ``acc * s + w * sums + l *
-    border + bias`` channels last, with torch's unfused fp32 operations in that order (serial and
-    split over samples)."""
+    border + bias`` channels last, with torch's unfused float64 operations in that order rounded
+    once to fp32 (serial and split over samples); float32 coefficients are read in float64."""
     torch.set_num_threads(2)  # the autouse fixture restores the thread count
     n, co, ho, wo = 8, 24, 19, 18  # past PARALLEL_MIN_ELEMENTS: split over samples
     acc = torch.randint(-2**22, 2**22, (n, co, ho, wo)).float().contiguous(memory_format=torch.channels_last)
     per = (n, 1, 1, 1) if per_sample else ()
-    row_scale, window_coef, row_offset = torch.rand(per) * 1e-3, torch.randn(per), torch.randn(per)
-    window_sums, border = torch.randint(0, 2**16, (n, 1, ho, wo)).float(), torch.randn(co, ho, wo)
+    row_scale, window_coef = torch.rand(per, dtype=torch.float64) * 1e-3, torch.randn(per, dtype=torch.float64)
+    row_offset = torch.randn(per)  # float32: read in float64
+    window_sums, border = torch.randint(0, 2**16, (n, 1, ho, wo)).float(), torch.randn(co, ho, wo, dtype=torch.float64)
     bias = torch.nn.Parameter(torch.randn(co)) if with_bias else None
-    expected = ((acc * row_scale + window_coef * window_sums) + row_offset * border).detach()
+    expected = (acc.double() * row_scale + window_coef * window_sums.double()) + row_offset.double() * border
     if bias is not None:
-        expected = expected + bias.detach().view(1, -1, 1, 1)
+        expected = expected + bias.detach().double().view(1, -1, 1, 1)
     position_major = border.permute(1, 2, 0).reshape(ho * wo, co)  # the epilogue's (Ho * Wo, Co)
     out = fused.conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, position_major, bias)
-    assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, expected)
+    assert out.is_contiguous(memory_format=torch.channels_last) and torch.equal(out, expected.float())

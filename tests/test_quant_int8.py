@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
-from lp_decentral_nlp.quant import QuantConfig, QuantConv2d, kernel_report, quantize_model
+from lp_decentral_nlp.quant import QuantConfig, QuantConv2d, fused, kernel_report, quantize_model
 from lp_decentral_nlp.quant.kernels import (
     AUTO_MIN_CONV_CHANNELS,
     AUTO_MIN_CONV_MACS,
@@ -61,6 +61,55 @@ def test_affine_int8_matmul_equals_float_product_of_dequantized_operands(row_ran
     assert (out.double() - expected).abs().max() <= gemm_tolerance(a.dequantize(), b.dequantize())
     # the zero points matter: dropping them would be far off
     assert (a.codes.double() * a.scale @ (b.codes.double() * b.scale) - expected).abs().max() > 1.0
+
+
+def exact_values(operand):
+    """An operand's values ``codes * scale + offset`` in float64 (exact for these operands: an
+    8-bit code times an fp32 scale plus an fp32 offset of nearby magnitude)."""
+    return operand.codes.double() * operand.scale.double() + operand.offset.double()
+
+
+def cancelling_operands(rows_shape, cols_shape, row_ranges=False):
+    """Operands whose affine terms are thousands of times their product, as in MiniLM's output
+    layers: rows of a skewed activation (range middle about 4.6, MiniLM layer 3's after GELU) and
+    columns of an asymmetric weight range (offset 1.3) whose values centre on 0."""
+    per_row = (rows_shape[0],) + (1,) * (len(rows_shape) - 1) if row_ranges else ()
+    rows = Int8Operand(torch.randint(-128, 128, rows_shape, dtype=torch.int8),
+                       torch.rand(per_row) * 0.01 + 0.03, torch.rand(per_row) + 4.1)
+    cols = Int8Operand(torch.randint(-100, -53, cols_shape, dtype=torch.int8), torch.tensor(0.017), torch.tensor(1.3))
+    return rows, cols
+
+
+def affine_terms_bound(a, b, k):
+    """A bound on each of the four affine terms of a product over `k` of operands `a` and `b`:
+    ``k * max(128 s_a + |o_a|) * max(128 s_b + |o_b|)``."""
+    return k * (128 * a.scale + a.offset.abs()).max().double() * (128 * b.scale + b.offset.abs()).max().double()
+
+
+def assert_rounded_once(out, exact, terms_bound):
+    """`out` is `exact` (float64) rounded to fp32, to within half an fp32 step, up to float64's
+    rounding of terms of magnitude `terms_bound` (summed in fp32 they were hundreds of steps off)."""
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    float64_slack = 64 * torch.finfo(torch.float64).eps * terms_bound
+    assert ((out.double() - exact).abs() <= EPS / 2 * exact.abs() + float64_slack).all()
+
+
+@pytest.mark.parametrize("row_ranges", [False, True])
+@pytest.mark.parametrize("path", ["compiled epilogue", "torch ops"])
+def test_affine_int8_matmul_rounds_the_exact_product_once(row_ranges, path, monkeypatch):
+    """The four affine terms are added in float64 and rounded once: the result is the exact
+    product of the operands' values rounded to fp32, in the compiled CPU epilogue and in the
+    torch ops other devices run, where the terms (about 1e4) cancel to outputs of a few units."""
+    if path == "torch ops":
+        monkeypatch.setattr(fused, "epilogue_fusable", lambda *tensors: False)
+    torch.manual_seed(0)
+    k = 1536
+    a, b = cancelling_operands((64, k), (k, 48), row_ranges)
+    exact, terms_bound = exact_values(a) @ exact_values(b), affine_terms_bound(a, b, k)
+    assert exact.abs().median() < 1e-2 * terms_bound, "the terms cancel"
+    assert_rounded_once(affine_int8_matmul(a, b), exact, terms_bound)
+    wide = affine_int8_matmul(a, b, out_dtype=torch.float64)
+    assert wide.dtype == torch.float64 and ((wide - exact).abs() <= 64 * torch.finfo(torch.float64).eps * terms_bound).all()
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # from mkldnn.flags, harmless
@@ -441,6 +490,24 @@ def test_conv2d_int8_matches_simulated(case, granularity, path, monkeypatch):
         else:  # oneDNN: u8 activations, s8 weights
             assert a.dtype == torch.uint8 and a.is_contiguous(memory_format=torch.channels_last)
             assert b.dtype == torch.int8 and b.dim() == 4
+
+
+@pytest.mark.parametrize("path", CONV_PATHS)
+def test_conv2d_int8_rounds_the_exact_convolution_once(path, monkeypatch):
+    """Conv2d's int8 forward, by oneDNN's convolution or im2col (whose padded-tap correction is
+    taken off before the rounding), is the exact convolution of the operands' values, zero
+    padding exact, rounded once to fp32."""
+    if path == "im2col":
+        monkeypatch.setattr(int8_module, "onednn_conv_available", lambda device: False)
+    torch.manual_seed(0)
+    x, w = cancelling_operands((4, 64, 9, 8), (16, 64, 3, 3))
+    x = x._replace(scale=x.scale.reshape(()), offset=x.offset.reshape(()))
+    bias = torch.randn(16)
+    gemm = Conv2dGemm(stride=(2, 1), padding=(1, 1), dilation=(1, 1), groups=1)
+    exact = torch.nn.functional.conv2d(exact_values(x), exact_values(w), bias.double(), (2, 1), (1, 1))
+    terms_bound = affine_terms_bound(x, w, 64 * 9)
+    assert exact.abs().median() < 1e-2 * terms_bound, "the terms cancel"
+    assert_rounded_once(Int8Kernel().forward(gemm, x, w, bias), exact, terms_bound)
 
 
 @pytest.mark.skipif(not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution")

@@ -2,6 +2,8 @@
 int8 kernel's other compiled passes: the GEMM epilogue (:func:`affine_epilogue`), code column
 sums (:func:`code_column_sums`) and, around oneDNN's int8 convolution, channel sums, window sums
 and the convolution epilogue (:func:`channel_sums`, :func:`window_sums`, :func:`conv_epilogue`).
+The epilogues add the affine terms in float64 and round once (``kernels.int8``'s docstring says
+why).
 
 SPEC 4's affine quantizer in torch is a chain of whole-tensor passes: scale, shift, round (or add
 the dither and floor), clamp, convert to 8 bits, and for the simulated kernel dequantize again
@@ -167,8 +169,8 @@ def _affine_epilogue(acc, row_scale, row_offset, col_scaled_sums, col_bias, row_
         for c in range(cols):
             v = o * col_scaled_sums[c]
             v = v + col_bias[c]
-            v = v + np.float32(acc_row[c]) * s
-            out_row[c] = v + e
+            v = v + np.float64(acc_row[c]) * s
+            out_row[c] = v + e  # rounded once, to out's dtype
 
 
 def _channel_sums(codes, out):
@@ -225,17 +227,17 @@ def _window_sums(padded, kernel_h, kernel_w, stride_h, stride_w, dilation_h, dil
 
 def _conv_epilogue(acc, row_scale, window_coef, window_sums, row_offset, border, bias, out):
     # out[n, p, o] = acc[n, p, o] * row_scale[n] + window_coef[n] * window_sums[n, p]
-    #                + row_offset[n] * border[p, o] + bias[o]; acc and out channels last, so the
-    # loop runs along a position's channels (contiguous in memory)
+    #                + row_offset[n] * border[p, o] + bias[o] in float64, rounded once to fp32; acc
+    # and out channels last, so the loop runs along a position's channels (contiguous in memory)
     samples, positions, channels = acc.shape
     for n in numba.prange(samples):
         acc_n, out_n, sums_n = acc[n], out[n], window_sums[n]
         s, w, b0 = row_scale[n], window_coef[n], row_offset[n]
         for p in range(positions):
             acc_p, out_p, border_p = acc_n[p], out_n[p], border[p]
-            window_term = w * sums_n[p]
+            window_term = w * np.float64(sums_n[p])
             for o in range(channels):
-                v = acc_p[o] * s
+                v = np.float64(acc_p[o]) * s
                 v = v + window_term
                 v = v + b0 * border_p[o]
                 out_p[o] = v + bias[o]
@@ -359,47 +361,53 @@ def code_column_sums(codes: torch.Tensor) -> torch.Tensor:
 
 def epilogue_fusable(acc: torch.Tensor, *vectors: torch.Tensor) -> bool:
     """Whether :func:`affine_epilogue` takes `acc` and its float `vectors`: a contiguous 2-D int32
-    or float32 CPU `acc` with real storage and float32 CPU vectors."""
+    or float32 CPU `acc` with real storage and float32 or float64 CPU vectors."""
     if acc.device.type != "cpu" or acc.dtype not in (torch.int32, torch.float32) or acc.dim() != 2:
         return False
     if not acc.is_contiguous() or type(acc) is not torch.Tensor:
         return False
-    return _float32_cpu(vectors)
+    return _float_cpu(vectors)
 
 
-def _float32_cpu(vectors) -> bool:
-    """Whether every tensor of `vectors` is a float32 CPU tensor with real storage (a Parameter,
-    such as a bias, detaches to a plain tensor)."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and type(t.detach()) is torch.Tensor
-               for t in vectors)
+def _float_cpu(vectors) -> bool:
+    """Whether every tensor of `vectors` is a float32 or float64 CPU tensor with real storage (a
+    Parameter, such as a bias, detaches to a plain tensor)."""
+    return all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+               and type(t.detach()) is torch.Tensor for t in vectors)
 
 
 def per_row_array(t: torch.Tensor, n: int) -> np.ndarray:
-    """`t` (one value, or `n` values in any shape; float32) as a contiguous float32 array of `n`: a
+    """`t` (one value, or `n` values in any shape) as a contiguous array of `n` in `t`'s dtype: a
     compiled kernel's per-row (per-sample) scale or offset."""
     return t.detach().reshape(-1).expand(n).contiguous().numpy()
 
 
+def _float64_array(t: torch.Tensor | None, n: int) -> np.ndarray:
+    """`t` as :func:`per_row_array` in float64 (zeros for None): an epilogue's coefficients."""
+    return np.zeros(n) if t is None else per_row_array(t.detach().double(), n)
+
+
 def affine_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, row_offset: torch.Tensor,
-                    col_scaled_sums: torch.Tensor, col_bias: torch.Tensor | None, row_term: torch.Tensor) -> torch.Tensor:
-    """``row_offset * col_scaled_sums + col_bias + acc * row_scale + row_term`` (fp32 ``(M, N)``)
-    in one pass over an :func:`epilogue_fusable` integer (or integer-valued float) product `acc`
-    ``(M, N)``: the int8 kernel's affine terms (``kernels.int8.affine_int8_matmul``), which torch
-    adds in four passes (int32 to fp32, multiply-add, add).
+                    col_scaled_sums: torch.Tensor, col_bias: torch.Tensor | None, row_term: torch.Tensor,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``row_offset * col_scaled_sums + col_bias + acc * row_scale + row_term`` (``(M, N)``,
+    `out_dtype`: float32 or float64) in one pass over an :func:`epilogue_fusable` integer (or
+    integer-valued float) product `acc` ``(M, N)``: the int8 kernel's affine terms
+    (``kernels.int8.affine_int8_matmul``), which torch adds in four passes.
 
     `row_scale` and `row_offset`: one value or one per row (``(M, 1)``); `col_scaled_sums` and
     `col_bias`: one per column (``(1, N)`` or ``(N,)``; `col_bias` None for none); `row_term`: one
-    per row. The formula's fp32 operations in this order, without fused multiply-adds (torch's
-    ``addcmul``, which ``affine_int8_matmul`` runs elsewhere, may fuse one: a last-bit difference).
-    The result is a new tensor: written over `acc` the compiler could not prove the two arrays
-    apart and would not vectorise the loop (several times slower).
+    per row. The formula's float64 operations in this order, without fused multiply-adds (torch's
+    ``addcmul``, which ``affine_int8_matmul`` runs elsewhere, may fuse one: a difference far
+    below the final rounding), each coefficient read in float64, the sum rounded once to
+    `out_dtype`. The result is a new tensor: written over `acc` the compiler could not prove the
+    two arrays apart and would not vectorise the loop (several times slower).
     """
     rows, cols = acc.shape
-    out = torch.empty((rows, cols), dtype=torch.float32)
-    bias = np.zeros(cols, np.float32) if col_bias is None else per_row_array(col_bias, cols)
-    run_kernel(_AFFINE_EPILOGUE, acc.numel(), acc.numpy(), row_scale.detach().reshape(-1).numpy(),
-               row_offset.detach().reshape(-1).numpy(), per_row_array(col_scaled_sums, cols), bias,
-               per_row_array(row_term, rows), out.numpy())
+    out = torch.empty((rows, cols), dtype=out_dtype)
+    run_kernel(_AFFINE_EPILOGUE, acc.numel(), acc.numpy(), row_scale.detach().double().reshape(-1).numpy(),
+               row_offset.detach().double().reshape(-1).numpy(), _float64_array(col_scaled_sums, cols),
+               _float64_array(col_bias, cols), _float64_array(row_term, rows), out.numpy())
     return out
 
 
@@ -411,7 +419,7 @@ def conv_fusable(codes: torch.Tensor, *vectors: torch.Tensor) -> bool:
         return False
     if not is_dense(codes) or type(codes) is not torch.Tensor or codes.numel() == 0:
         return False
-    return _float32_cpu(vectors)
+    return _float_cpu(vectors)
 
 
 def channel_sums(codes: torch.Tensor) -> torch.Tensor:
@@ -451,16 +459,16 @@ def conv_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, window_coef: torch
     terms, ``kernels.int8.affine_int8_conv2d``), in one pass.
 
     `row_scale`, `window_coef`, `row_offset`: one value per sample ``(N,)`` (or one for all);
-    `window_sums` ``(N, 1, Ho, Wo)``; `border` ``(Ho * Wo, Co)`` (position-major); `bias` ``(Co,)``
-    or None. The fp32 operations in that order, without fused multiply-adds.
+    `window_sums` ``(N, 1, Ho, Wo)`` fp32; `border` ``(Ho * Wo, Co)`` (position-major); `bias`
+    ``(Co,)`` or None. The float64 operations in that order, without fused multiply-adds, each
+    coefficient read in float64, the sum rounded once to fp32.
     """
     n, co, ho, wo = acc.shape
     out = torch.empty((n, ho, wo, co), dtype=torch.float32)  # channels last, permuted back below
-    bias_array = np.zeros(co, np.float32) if bias is None else per_row_array(bias, co)
     run_kernel(_CONV_EPILOGUE, acc.numel(), memory_order(acc).numpy().reshape(n, ho * wo, co),
-               per_row_array(row_scale, n), per_row_array(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
-               per_row_array(row_offset, n), border.contiguous().numpy().reshape(ho * wo, co), bias_array,
-               out.numpy().reshape(n, ho * wo, co))
+               _float64_array(row_scale, n), _float64_array(window_coef, n), window_sums.numpy().reshape(n, ho * wo),
+               _float64_array(row_offset, n), border.detach().double().contiguous().numpy().reshape(ho * wo, co),
+               _float64_array(bias, co), out.numpy().reshape(n, ho * wo, co))
     return out.permute(0, 3, 1, 2)
 
 

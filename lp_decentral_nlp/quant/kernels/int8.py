@@ -14,8 +14,13 @@ signed range is folded into the offset). For ``A (M, K)`` and ``B (K, N)``::
 
 The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``), and in an fp32
 GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap
-vectors, so the result equals the simulated kernel's float GEMM of the same dequantized operands
-up to fp32 rounding (no symmetric-scale approximation).
+vectors (no symmetric-scale approximation). The four terms are added in float64 and rounded once
+to fp32: they are far larger than their sum where the offsets are (an activation range's middle
+times a column's code sum; up to about 1e4 in MiniLM's output layers against outputs of about
+1-40), and summed in fp32 their rounding errors, about 1e-3 there, would be hundreds of the
+output's own fp32 steps. So the result is the exact product of the dequantized operands
+(``codes * scale + offset`` taken exactly) rounded to fp32, within float64 error: at least as
+close as the simulated kernel's fp32 GEMM of the same operands.
 
 Conv2d on a CPU with oneDNN's int8 convolution (:func:`onednn_conv_available`) runs it directly on
 the codes (:func:`affine_int8_conv2d`; the layer gradient as a convolution of the output gradient
@@ -143,26 +148,30 @@ def code_column_sums(codes: torch.Tensor) -> torch.Tensor:
 
 
 def affine_int8_matmul(a: Int8Operand, b: Int8Operand, b_colsum: torch.Tensor | None = None,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``A^ @ B^ + bias`` (fp32, ``(M, N)``) of row operand `a` (``(M, K)`` contiguous codes, as
-    from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides, 0-d scale/offset), via one
-    int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms, added in one compiled
-    pass on the CPU (``fused.affine_epilogue``), by torch ops elsewhere. `b_colsum`: `b`'s codes
-    summed over dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
+                       bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``A^ @ B^ + bias`` (``(M, N)``, `out_dtype`: float32 or float64) of row operand `a` (``(M,
+    K)`` contiguous codes, as from ``Int8Operand.rows``) and `b` (``(K, N)`` codes, any strides,
+    0-d scale/offset), via one int8 x int8 GEMM (:func:`int8_gemm`) and the exact zero-point terms,
+    added in float64 and rounded once (the module docstring says why): in one compiled pass on the
+    CPU (``fused.affine_epilogue``), by torch ops elsewhere. `b_colsum`: `b`'s codes summed over
+    dim 0, ``(1, N)``, when already known; `bias`: ``(N,)`` or None."""
     k = a.codes.shape[1]
     acc = int8_gemm(a.codes, b.codes)
     rowsum = a.last_dim_sums if a.last_dim_sums is not None else a.codes.sum(1, keepdim=True, dtype=torch.int32)
     colsum = b_colsum if b_colsum is not None else code_column_sums(b.codes)  # (1, N)
-    row_term = a.scale * b.offset * rowsum + k * a.offset * b.offset  # (M, 1)
-    col_scaled_sums, row_scale = b.scale * colsum, a.scale * b.scale  # (1, N); 0-d or (M, 1)
+    # float64 (a 0-d float64 tensor times a float32 vector would give float32)
+    a_scale, a_offset, b_scale, b_offset, rowsum, colsum = (
+        t.double() for t in (a.scale, a.offset, b.scale, b.offset, rowsum, colsum))
+    row_term = a_scale * b_offset * rowsum + k * a_offset * b_offset  # (M, 1)
+    col_scaled_sums, row_scale = b_scale * colsum, a_scale * b_scale  # (1, N); 0-d or (M, 1)
     from .. import fused  # numba, imported on the first call
 
-    if fused.epilogue_fusable(acc, row_scale, a.offset, col_scaled_sums, row_term, *(() if bias is None else (bias,))):
-        return fused.affine_epilogue(acc, row_scale, a.offset, col_scaled_sums, bias, row_term)
-    col_term = a.offset * col_scaled_sums  # (1, N), or (M, N) with per-row offsets
+    if fused.epilogue_fusable(acc, *(() if bias is None else (bias,))):
+        return fused.affine_epilogue(acc, row_scale, a_offset, col_scaled_sums, bias, row_term, out_dtype)
+    col_term = a_offset * col_scaled_sums  # (1, N), or (M, N) with per-row offsets
     if bias is not None:
         col_term = col_term + bias
-    return torch.addcmul(col_term, acc, row_scale).add_(row_term)
+    return torch.addcmul(col_term, acc.double(), row_scale).add_(row_term).to(out_dtype)
 
 
 def onednn_conv_available(device: torch.device) -> bool:
@@ -274,10 +283,12 @@ def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None
     ho, wo = acc.shape[2:]
     window_sums = fused.window_sums(channel_sums, kernel_size, tuple(stride), tuple(padding), tuple(dilation))
     taps = valid_taps((h, wd), kernel_size, stride, padding, dilation, acc.device, insert, extra)  # (P, kh kw)
-    tap_sums = w.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Co, kh kw), over C
-    border = w.scale * (taps @ tap_sums.T) + (w.offset * c) * taps.sum(1, keepdim=True)  # (P, Co)
-    return fused.conv_epilogue(acc, x.scale * w.scale, x.scale * w.offset, window_sums,
-                               x.offset - CODE_SHIFT * x.scale, border, bias)
+    tap_sums = w.codes.sum(1, dtype=torch.float64).reshape(cout, -1)  # (Co, kh kw), over C
+    taps = taps.double()
+    x_scale, x_offset, w_scale, w_offset = (t.double() for t in (x.scale, x.offset, w.scale, w.offset))
+    border = w_scale * (taps @ tap_sums.T) + (w_offset * c) * taps.sum(1, keepdim=True)  # (P, Co)
+    return fused.conv_epilogue(acc, x_scale * w_scale, x_scale * w_offset, window_sums,
+                               x_offset - CODE_SHIFT * x_scale, border, bias)
 
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
     """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
@@ -378,12 +389,16 @@ class Int8Kernel(Kernel):
         patches = Int8Operand(conv_patches(x_q.codes, gemm, kernel_size), x_q.scale, x_q.offset,
                               patch_sums.reshape(-1, 1))
         w_rows = w_q.codes.reshape(cout, -1)  # (Cout, C kh kw); B is its transpose
-        y = affine_int8_matmul(patches, Int8Operand(w_rows.T, w_q.scale, w_q.offset), None, bias)  # (M, Cout)
+        # (M, Cout) in float64: the padded taps' term below is taken off before the one rounding
+        y = affine_int8_matmul(patches, Int8Operand(w_rows.T, w_q.scale, w_q.offset), None, bias, torch.float64)
         # that counts a padded tap as x^ = o_x (code 0); it is 0: take o_x * W^ over padded taps off
-        padded = 1 - valid_taps((h, w), kernel_size, gemm.stride, gemm.padding, gemm.dilation, y.device)  # (P, kh kw)
-        tap_sums = w_q.codes.sum(1, dtype=torch.float32).reshape(cout, -1)  # (Cout, kh kw), over C
-        border = x_q.offset * (w_q.scale * (padded @ tap_sums.T) + w_q.offset * c * padded.sum(1, keepdim=True))
-        return y.reshape(n, ho * wo, cout).sub_(border).reshape(n, ho, wo, cout).permute(0, 3, 1, 2)
+        taps = valid_taps((h, w), kernel_size, gemm.stride, gemm.padding, gemm.dilation, y.device)  # (P, kh kw)
+        padded = 1 - taps.double()
+        tap_sums = w_q.codes.sum(1, dtype=torch.float64).reshape(cout, -1)  # (Cout, kh kw), over C
+        x_offset, w_scale, w_offset = (t.double() for t in (x_q.offset, w_q.scale, w_q.offset))
+        border = x_offset * (w_scale * (padded @ tap_sums.T) + w_offset * c * padded.sum(1, keepdim=True))
+        y = y.reshape(n, ho * wo, cout).sub_(border).float()
+        return y.reshape(n, ho, wo, cout).permute(0, 3, 1, 2)
 
     def _conv_grad_input(self, gemm: Conv2dGemm, g_q: Int8Operand, w_q: Int8Operand, input_shape):
         """``dL/dx`` ``(N, C, H, W)`` of ``g^`` (per-tensor or per-sample range) and ``W^``.
