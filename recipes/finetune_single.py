@@ -24,14 +24,13 @@ without that import it builds plain ``Linear`` layers); a ``--full-precision`` r
 from __future__ import annotations
 
 import collections
-import json
 import pathlib
 import sys
 import time
 
 from lp_decentral_nlp.checks import check_data_dir_given
 from lp_decentral_nlp.commands import (DEFAULT_MODEL, DefaultsHelpFormatter, OneLineParser, Range, add_threads_flag,
-                                       existing_path, ranged, user_path)
+                                       existing_path, ranged, strict_json, user_path, write_json)
 
 PROG = "finetune_single.py"
 #: what to do after Ctrl-C (results.json says "running" until the run finishes)
@@ -177,7 +176,7 @@ def run(args) -> dict:
         print_notice(f"notice: --overwrite-output-dir removed the previous run's {', '.join(removed)} from {out}")
     # the folder is a run's before any other file of it (a stop mid-run leaves it to --overwrite-output-dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"status": "running", "args": vars(args)}, indent=2))
+    write_json(str(out), "results.json", {"status": "running", "args": vars(args)})
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
                       compute_metrics=compute_metrics)
@@ -202,8 +201,8 @@ def run(args) -> dict:
     }
     trainer.save_model(str(out / "model"))
     results["wall_time_s"] = time.perf_counter() - start  # loading, training, evaluation and saving
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
+    write_json(str(out), "results.json", results)  # a diverged loss (NaN) as null: JSON readers read it
+    print(strict_json({k: results[k] for k in ("precision", "accuracy", "steps", "wall_time_s")}))
     return results
 
 
