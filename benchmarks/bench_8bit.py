@@ -41,7 +41,7 @@ from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
 from record import benchmark_parser, check_results_dir, device_record_name, save_results
-from timing import interleaved_times, medians, weight_gradient_floor
+from timing import add_step_timing_flags, interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
 SEQ_LEN = ranged(int, Range(1, DistilBertConfig().max_position_embeddings))  # the model's positions
@@ -191,10 +191,7 @@ def conv_sweep(args, device, widths=(16, 32, 64, 128, 256, 512), sizes=(2, 4, 8,
 
 def main(argv=None):
     p = benchmark_parser(__doc__)
-    p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
-    p.add_argument("--warmup", type=POSITIVE, default=1,
-                   help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
-                        "passes (numba) and fills the allocator's caches")
+    add_step_timing_flags(p)
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="DistilBERT batch (default %(default)s)")
     p.add_argument("--seq-len", type=SEQ_LEN, default=128,
                    help="DistilBERT sequence length (at most DistilBERT's 512 positions; default %(default)s)")

@@ -45,7 +45,7 @@ from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
 from record import benchmark_parser, check_results_dir, device_record_name, save_results
-from timing import interleaved_times, medians
+from timing import add_step_timing_flags, interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
 SEQ_LEN = ranged(int, Range(1, DistilBertConfig().max_position_embeddings))  # the model's positions
@@ -180,10 +180,7 @@ def layer_sweep(args, device, widths=(64, 128, 256, 512, 768, 1024)):
 
 def main(argv=None):
     p = benchmark_parser(__doc__)
-    p.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
-    p.add_argument("--warmup", type=POSITIVE, default=1,
-                   help="untimed steps per variant first, at least one: the first step compiles or loads the fused "
-                        "passes (numba) and fills the allocator's caches")
+    add_step_timing_flags(p)
     p.add_argument("--batch-size", type=POSITIVE, default=8, help="sequences per step (default %(default)s)")
     p.add_argument("--seq-len", type=SEQ_LEN, default=128,
                    help="tokens per sequence (at most DistilBERT's 512 positions; default %(default)s)")

@@ -13,6 +13,19 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lp_decentral_nlp.commands import Range, ranged
+
+POSITIVE = ranged(int, Range(1))
+
+
+def add_step_timing_flags(parser) -> None:
+    """``--repeats`` (timed steps per variant, default 5) and ``--warmup`` (untimed steps first, at
+    least one), the flags of the benchmarks that time training steps side by side."""
+    parser.add_argument("--repeats", type=POSITIVE, default=5, help="timed steps per variant (default %(default)s)")
+    parser.add_argument("--warmup", type=POSITIVE, default=1,
+                        help="untimed steps per variant first, at least one: the first step compiles or loads the "
+                             "fused passes (numba) and fills the allocator's caches")
+
 
 def interleaved_times(steps: dict[str, Callable[[], object]], repeats: int, warmup: int,
                       device: torch.device) -> dict[str, dict[str, list[float]]]:
