@@ -32,7 +32,7 @@ from lp_decentral_nlp.quant.kernels import (
     resolve_kernel,
 )
 from lp_decentral_nlp.quant.functional import quantize_codes
-from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm
+from lp_decentral_nlp.quant.gemm import Conv2dGemm, LinearGemm, TransposedLinearGemm
 from lp_decentral_nlp.quant.kernels import int8 as int8_module
 from lp_decentral_nlp.quant.kernels.auto import CONV_REASON, NO_INT8_GEMM_REASON, NOT_CPU_REASON
 from lp_decentral_nlp.utils.layout import is_channels_last
@@ -94,22 +94,45 @@ def assert_rounded_once(out, exact, terms_bound):
     assert ((out.double() - exact).abs() <= EPS / 2 * exact.abs() + float64_slack).all()
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # from mkldnn.flags, harmless
 @pytest.mark.parametrize("row_ranges", [False, True])
-@pytest.mark.parametrize("path", ["compiled epilogue", "torch ops"])
+@pytest.mark.parametrize("path", ["compiled epilogue", "torch ops", "fp32 GEMM of the codes"])
 def test_affine_int8_matmul_rounds_the_exact_product_once(row_ranges, path, monkeypatch):
     """The four affine terms are added in float64 and rounded once: the result is the exact
-    product of the operands' values rounded to fp32, in the compiled CPU epilogue and in the
+    product of the operands' values rounded to fp32, in the compiled CPU epilogue (of the int32
+    product, or of the fp32 one of CPUs without an int8 GEMM: exact up to K = 1,024) and in the
     torch ops other devices run, where the terms (about 1e4) cancel to outputs of a few units."""
     if path == "torch ops":
         monkeypatch.setattr(fused, "epilogue_fusable", lambda *tensors: False)
     torch.manual_seed(0)
-    k = 1536
+    k = int8_module.FLOAT_EXACT_MAX_K
     a, b = cancelling_operands((64, k), (k, 48), row_ranges)
     exact, terms_bound = exact_values(a) @ exact_values(b), affine_terms_bound(a, b, k)
     assert exact.abs().median() < 1e-2 * terms_bound, "the terms cancel"
-    assert_rounded_once(affine_int8_matmul(a, b), exact, terms_bound)
-    wide = affine_int8_matmul(a, b, out_dtype=torch.float64)
+    with torch.backends.mkldnn.flags(enabled=path != "fp32 GEMM of the codes"):
+        assert (int8_module.int8_gemm_path(torch.device("cpu")) == int8_module.FLOAT_PATH) == (
+            path == "fp32 GEMM of the codes" or not cpu_has_int8_dot())
+        assert_rounded_once(affine_int8_matmul(a, b), exact, terms_bound)
+        wide = affine_int8_matmul(a, b, out_dtype=torch.float64)
     assert wide.dtype == torch.float64 and ((wide - exact).abs() <= 64 * torch.finfo(torch.float64).eps * terms_bound).all()
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_linear_layer_gradient_rounds_the_exact_product_once(kind):
+    """The int8 layer gradient of a Linear (``g^ @ W^``) and a transformers Conv1D (``g^ @ W^.T``)
+    is the exact product of the operands' values rounded once, per-sample gradient ranges
+    included."""
+    torch.manual_seed(0)
+    g, w = cancelling_operands((64, 768), (768, 512), row_ranges=True)  # w: (out, in) for a Linear
+    gemm = LinearGemm()
+    if kind == "conv1d":  # the weight (in, out), its code sums over the last dim: the GEMM's column sums
+        w = Int8Operand(w.codes.T.contiguous(), w.scale, w.offset, w.codes.T.sum(1, keepdim=True, dtype=torch.float32))
+        gemm = TransposedLinearGemm()
+    w_out_in = exact_values(w) if kind == "linear" else exact_values(w).T
+    exact = exact_values(g) @ w_out_in
+    terms_bound = affine_terms_bound(g, w, 768)
+    assert exact.abs().median() < 1e-2 * terms_bound, "the terms cancel"
+    assert_rounded_once(Int8Kernel().grad_input(gemm, g, w, (64, 512)), exact, terms_bound)
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # from mkldnn.flags, harmless
@@ -493,21 +516,31 @@ def test_conv2d_int8_matches_simulated(case, granularity, path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", CONV_PATHS)
-def test_conv2d_int8_rounds_the_exact_convolution_once(path, monkeypatch):
-    """Conv2d's int8 forward, by oneDNN's convolution or im2col (whose padded-tap correction is
-    taken off before the rounding), is the exact convolution of the operands' values, zero
-    padding exact, rounded once to fp32."""
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv2d_int8_rounds_the_exact_convolution_once(path, with_bias, monkeypatch):
+    """Conv2d's int8 forward and layer gradient (strided: zeros inserted between the gradient's
+    pixels, an extra row), by oneDNN's convolution or im2col (whose padded-tap correction is taken
+    off, and whose columns are folded, before the rounding), are the exact convolutions of the
+    operands' values, zero padding exact, rounded once to fp32; the gradient with per-sample
+    ranges."""
     if path == "im2col":
         monkeypatch.setattr(int8_module, "onednn_conv_available", lambda device: False)
     torch.manual_seed(0)
-    x, w = cancelling_operands((4, 64, 9, 8), (16, 64, 3, 3))
+    x, w = cancelling_operands((4, 64, 10, 8), (16, 64, 3, 3))
     x = x._replace(scale=x.scale.reshape(()), offset=x.offset.reshape(()))
-    bias = torch.randn(16)
+    bias = torch.randn(16) if with_bias else None
     gemm = Conv2dGemm(stride=(2, 1), padding=(1, 1), dilation=(1, 1), groups=1)
-    exact = torch.nn.functional.conv2d(exact_values(x), exact_values(w), bias.double(), (2, 1), (1, 1))
+    exact = torch.nn.functional.conv2d(exact_values(x), exact_values(w), None if bias is None else bias.double(),
+                                       (2, 1), (1, 1))
     terms_bound = affine_terms_bound(x, w, 64 * 9)
     assert exact.abs().median() < 1e-2 * terms_bound, "the terms cancel"
     assert_rounded_once(Int8Kernel().forward(gemm, x, w, bias), exact, terms_bound)
+
+    g, _ = cancelling_operands((4, 16, 5, 8), (1,), row_ranges=True)  # the output gradient's codes
+    exact_grad = torch.nn.grad.conv2d_input((4, 64, 10, 8), exact_values(w), exact_values(g), (2, 1), (1, 1))
+    grad_bound = affine_terms_bound(g, w, 16 * 9)
+    assert exact_grad.abs().median() < 1e-2 * grad_bound, "the terms cancel"
+    assert_rounded_once(Int8Kernel().grad_input(gemm, g, w, (4, 64, 10, 8)), exact_grad, grad_bound)
 
 
 @pytest.mark.skipif(not onednn_conv_available("cpu"), reason="needs a CPU with oneDNN's int8 convolution")

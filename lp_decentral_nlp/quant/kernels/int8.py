@@ -19,8 +19,10 @@ to fp32: they are far larger than their sum where the offsets are (an activation
 times a column's code sum; up to about 1e4 in MiniLM's output layers against outputs of about
 1-40), and summed in fp32 their rounding errors, about 1e-3 there, would be hundreds of the
 output's own fp32 steps. So the result is the exact product of the dequantized operands
-(``codes * scale + offset`` taken exactly) rounded to fp32, within float64 error: at least as
-close as the simulated kernel's fp32 GEMM of the same operands.
+(``codes * scale + offset`` taken exactly) rounded to fp32, within float64 error (on the fp32-GEMM
+path for ``K`` up to 1,024; beyond, its integer product carries an fp32 GEMM's rounding): at least
+as close as the simulated kernel's fp32 GEMM of the same operands. A convolution's layer gradient
+by im2col folds the float64 columns before the one rounding.
 
 Conv2d on a CPU with oneDNN's int8 convolution (:func:`onednn_conv_available`) runs it directly on
 the codes (:func:`affine_int8_conv2d`; the layer gradient as a convolution of the output gradient
@@ -422,9 +424,9 @@ class Int8Kernel(Kernel):
         g_rows = Int8Operand(g_q.codes.permute(0, 2, 3, 1), g_q.scale, g_q.offset).rows()  # (M, Cout)
         g_rows = g_rows._replace(last_dim_sums=g_q.codes.sum(1, dtype=torch.float32).reshape(-1, 1))
         w_rows = Int8Operand(w_q.codes.reshape(cout, -1), w_q.scale, w_q.offset)  # (Cout, K)
-        cols = affine_int8_matmul(g_rows, w_rows)  # (M, K)
+        cols = affine_int8_matmul(g_rows, w_rows, out_dtype=torch.float64)  # (M, K): folded, then rounded once
         cols = cols.reshape(n, -1, cols.shape[1]).transpose(1, 2)  # (N, K, P)
-        return F.fold(cols, tuple(input_shape[2:]), kernel_size, gemm.dilation, gemm.padding, gemm.stride)
+        return F.fold(cols, tuple(input_shape[2:]), kernel_size, gemm.dilation, gemm.padding, gemm.stride).float()
 
 
 class Int8Bf16Kernel(Int8Kernel):
