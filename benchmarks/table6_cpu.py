@@ -513,8 +513,10 @@ def render_markdown(args: argparse.Namespace, cells: list[dict], json_path: path
               "| wall time s |", "| --- |" + " --- |" * 7]
     for c in cells:
         nodes = [100 * a for a in c["node_accuracy"]]
+        distance = c["consensus_distance"]  # null in results.json where a run diverged (NaN)
         lines.append(f"| {c['id']} | {100 * c['accuracy']:.2f} | {min(nodes):.2f}-{max(nodes):.2f} "
-                     f"| {c['consensus_distance']:.4g} | {max(c['bytes_sent_per_node']) / 1e6:.2f} | {c['gamma']:g} "
+                     f"| {'diverged' if distance is None else f'{distance:.4g}'} "
+                     f"| {max(c['bytes_sent_per_node']) / 1e6:.2f} | {c['gamma']:g} "
                      f"| {c['steps']} | {c['wall_time_s']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -196,9 +196,10 @@ def markdown_table(entries: list[dict]) -> str:
     for e in entries:
         r = e["results"]
         node_mean = sum(r["node_accuracy"]) / len(r["node_accuracy"])
+        distance = r["consensus_distance"]  # null in results.json where a run diverged (NaN)
         lines.append(f"| {LABELS[e['norm']]} | {'8-bit' if e['precision'] == 'int8' else 'fp32'} | "
-                     f"{100 * r['accuracy']:.1f}% | {100 * node_mean:.1f}% | {r['consensus_distance']:.3g} | "
-                     f"{r['wall_time_s']:.0f} |")
+                     f"{100 * r['accuracy']:.1f}% | {100 * node_mean:.1f}% | "
+                     f"{'diverged' if distance is None else f'{distance:.3g}'} | {r['wall_time_s']:.0f} |")
     return "\n".join(lines)
 
 

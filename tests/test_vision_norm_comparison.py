@@ -43,6 +43,14 @@ def finished_run(comparison, out, *argv, status="done"):
     return args, folder
 
 
+def test_a_diverged_run_is_a_row_of_the_table(comparison):
+    """A run whose gossip diverged records a NaN consensus distance as null (JSON has no NaN); the
+    table says so in its row instead of failing on it."""
+    results = {"accuracy": 0.1, "node_accuracy": [0.1, 0.1], "consensus_distance": None, "wall_time_s": 3.0}
+    table = comparison.markdown_table([{"norm": "evonorm", "precision": "fp32", "results": results}])
+    assert table.splitlines()[-1] == f"| {comparison.LABELS['evonorm']} | fp32 | 10.0% | 10.0% | diverged | 3 |"
+
+
 def test_skip_existing_reuses_only_a_run_of_the_same_settings(comparison, tmp_path, capsys):
     args, folder = finished_run(comparison, tmp_path)
     assert comparison.reusable_results(args, "evonorm", "fp32", str(folder))["status"] == "done"
