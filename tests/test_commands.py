@@ -340,6 +340,26 @@ def run_recipe(*argv, recipe="agnews_choco"):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
 
 
+def test_a_model_saved_in_bfloat16_loads_in_float32_with_a_notice(tmp_path, tiny_model_dir, capsys):
+    """transformers loads a checkpoint in its saved dtype: a bfloat16 one was refused by the
+    recipes (as an error of --batch-size) and trained in pure bfloat16 by finetune_single, which
+    recorded it as fp32."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from lp_decentral_nlp.commands import load_classifier
+
+    saved = tmp_path / "bf16"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir).to(torch.bfloat16).save_pretrained(saved)
+    capsys.readouterr()
+    model = load_classifier(str(saved), ["World", "Sports", "Business", "Sci/Tech"], "prog", 0)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert (f"notice: {saved}: saved in bfloat16, loaded in float32 (the nodes train float32 weights; --bf16 computes "
+            "in bfloat16)") in capsys.readouterr().err.splitlines()
+    load_classifier(str(tiny_model_dir), ["World", "Sports", "Business", "Sci/Tech"], "prog", 0)
+    assert "saved in" not in capsys.readouterr().err
+
+
 def test_a_head_trained_for_other_labels_is_refused_naming_the_folder(tmp_path, tiny_model_dir, ag_news_csv):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -161,6 +161,21 @@ def test_only_the_trainable_parameters_are_priced_as_gossip():
         communication_cost(model.requires_grad_(False), gossip)
 
 
+def test_cli_prices_a_model_saved_in_bfloat16_as_the_recipes_train_it(capsys, tmp_path):
+    """transformers builds a model in its config's saved dtype: a bfloat16 checkpoint was refused
+    as an error of --batch-size; the recipes train it in float32."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    BertForSequenceClassification(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    path = tmp_path / "cost.json"
+    assert main(["--model", str(tmp_path / "bf16"), "--seq-len", "8", "--batch-size", "2", "--output", str(path)]) == 0
+    reports = json.loads(path.read_text())["reports"]
+    assert reports["fp32"]["train_energy_mj"] > reports["int8"]["train_energy_mj"] > 0
+    capsys.readouterr()
+
+
 def test_cli_prices_a_saved_classifier_with_its_own_labels(capsys, tmp_path):
     """--model priced every classifier with a 4-label head: a saved 3-label model's head was
     rebuilt with 4 outputs unless --num-classes was given."""

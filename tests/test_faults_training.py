@@ -356,12 +356,27 @@ def test_gossip_reference_initial_keeps_a_pretrained_models_nodes_together_under
     assert spread["initial"] < spread["zero"] / 50
 
 
-def test_gossip_reference_initial_refuses_16_bit_parameters(tmp_path):
-    """z - r + r in bfloat16 rounds every weight by a part in a few hundred each step."""
+@pytest.mark.parametrize("reference", ["zero", "initial"])
+def test_16_bit_parameters_are_refused_at_construction(reference, tmp_path):
+    """A bfloat16 model trained in pure bfloat16: its weights, optimizer state and gossip values
+    (z - r + r with gossip_reference='initial' rounds every weight by a part in a few hundred each
+    step); the docs promise float32 master weights, and mixed precision is bf16=True."""
     train, _ = digits()
     model = DigitsMLP().to(torch.bfloat16)
-    args = digits_args(tmp_path, gossip_reference="initial", low_precision=False, max_steps=2)
-    with pytest.raises(ValueError, match=r"^gossip_reference='initial' needs float32 parameters: the parameters are "
-                                         r"torch\.bfloat16, and each step computes z - r and z - r \+ r in their dtype"):
+    args = digits_args(tmp_path, gossip_reference=reference, low_precision=False, max_steps=2)
+    with pytest.raises(ValueError, match=r"^model's trained parameters are torch\.bfloat16 \(e\.g\. '.*'\): each node "
+                                         r"would keep its weights, optimizer state and gossip values in torch\.bfloat16"):
         DecentralizedTrainer(model=model, args=args, train_dataset=train)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_a_float64_model_is_refused_with_mixed_precision(tmp_path):
+    """Autocast casts only float32: bf16=True did nothing to a float64 model."""
+    train, _ = digits()
+    model = DigitsMLP().double()
+    args = digits_args(tmp_path, low_precision=False, max_steps=2, bf16=True)
+    with pytest.raises(ValueError, match=r"^mixed precision bf16 \(bf16=True, or accelerate launch --mixed_precision\) "
+                                         r"computes under autocast, which casts only float32, and the model's trained "
+                                         r"parameters are torch\.float64"):
+        DecentralizedTrainer(model=model, args=args, train_dataset=train)
+    DecentralizedTrainer(model=model, args=digits_args(tmp_path, low_precision=False, max_steps=2), train_dataset=train)

@@ -198,10 +198,13 @@ def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
     """`model_path` with a sequence-classification head for ``labels`` (class names), after
     checking that a named head of its own fits them; a problem exits with one line naming ``--model``.
     A model whose config names no padding token gets `pad_token_id` (the tokenizer's): a
-    decoder-only classifier reads the last token before the padding.
+    decoder-only classifier reads the last token before the padding. The weights load in float32
+    whatever dtype they were saved in (the nodes train float32 master weights; ``--bf16`` computes
+    in bfloat16), with a notice where that differs.
     What the checkpoint did not provide (the new head) or held unused is one notice line on rank 0,
     in place of transformers' load report table."""
-    from transformers import AutoModelForSequenceClassification
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     mismatch = model_label_mismatch(model_path, labels)
@@ -210,16 +213,22 @@ def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report: the notice below says it in one line
     try:
+        saved_dtype = AutoConfig.from_pretrained(model_path).dtype  # transformers loads this dtype by default
         model, loading = AutoModelForSequenceClassification.from_pretrained(
             model_path, num_labels=len(labels), id2label=dict(enumerate(labels)),
             label2id={name: i for i, name in enumerate(labels)}, output_loading_info=True,
-            ignore_mismatched_sizes=True)  # an untrained (unnamed) head of another size is replaced
+            ignore_mismatched_sizes=True,  # an untrained (unnamed) head of another size is replaced
+            dtype=torch.float32)
     except _unreadable_model_errors() as err:
         exit_with_error(prog, f"{model_path}: cannot load its weights ({error_summary(err)})", "--model")
     finally:
         hf_logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
+    saved_dtype = str(saved_dtype).removeprefix("torch.")  # a dtype, or its name in an older config
+    if saved_dtype not in ("None", "float32"):
+        print_notice(f"notice: {model_path}: saved in {saved_dtype}, loaded in float32 (the nodes train float32 "
+                     "weights; --bf16 computes in bfloat16)")
     new = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
     unused = list(loading["unexpected_keys"])
     if new or unused:

@@ -136,9 +136,11 @@ def _build_model(args, precision: str, config):
 
         norm = args.norm or ("evonorm" if precision == "fp32" else "range_evonorm")
         return build_vision_model(args.arch, args.num_classes, norm), (3, args.image_size, args.image_size)
+    import torch
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_config(config), (args.seq_len,)
+    # float32 whatever dtype the config was saved in: the recipes train float32 weights (their --bf16 is autocast)
+    return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32), (args.seq_len,)
 
 
 def _gossip_config(args, precision: str):

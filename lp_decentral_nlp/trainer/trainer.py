@@ -48,7 +48,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from transformers.utils import logging as hf_logging
 
 from ..gossip.factory import build_gossip
-from ..gossip.push_sum import gossiped_parameters, reference_dtype_problem
+from ..gossip.push_sum import gossiped_parameters
 from ..gossip.transport import GossipPeerError, GossipTimeoutError
 from ..quant import QuantConfig, QuantModule, quantize_model
 from ..quant.kernels import AUTO
@@ -95,6 +95,34 @@ def check_model_precision(model, args: DecentralizedTrainingArguments, quant_con
     if quant_config is not None and args.quant_kernel != AUTO and quant_config.kernel != args.quant_kernel:
         raise ValueError(f"quant_kernel={args.quant_kernel!r} disagrees with quant_config.kernel="
                          f"{quant_config.kernel!r}: set the kernel in one of them")
+
+
+def check_trained_dtype(model, args: DecentralizedTrainingArguments) -> None:
+    """Refuse trained parameters the nodes cannot keep as float32 master weights (ValueError naming
+    one parameter): parameters of two dtypes (each node gossips them as one vector), 16-bit ones
+    (each node would keep its weights, optimizer state and gossip values in 16 bits: the push-sum
+    average drifts by the rounding of every step, SPEC 2a), and float64 ones with mixed precision
+    (autocast computes in 16 bits only what is float32: ``bf16``/``fp16`` would do nothing)."""
+    first_of_dtype = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            first_of_dtype.setdefault(p.dtype, name)
+    if len(first_of_dtype) > 1:  # the gossip engine refused them at the first step, naming no parameter
+        kinds = " and ".join(f"{dtype} (e.g. {name!r})" for dtype, name in sorted(first_of_dtype.items(), key=str))
+        raise ValueError(f"model's trained parameters are of {kinds}: each node gossips them as one vector of one "
+                         "dtype; convert the model to one, e.g. model.float() (autocast, bf16=True, for lower "
+                         "precision compute)")
+    (dtype, name), = first_of_dtype.items()
+    if dtype.itemsize < 4:
+        raise ValueError(f"model's trained parameters are {dtype} (e.g. {name!r}): each node would keep its weights, "
+                         f"optimizer state and gossip values in {dtype}, and a 16-bit gossip average drifts by the "
+                         "rounding of every step; load the model in float32 (from_pretrained(..., "
+                         "dtype=torch.float32), or model.float()) and pass bf16=True for bfloat16 compute")
+    if dtype == torch.float64 and args.mixed_precision in ("bf16", "fp16"):
+        raise ValueError(f"mixed precision {args.mixed_precision} ({args.mixed_precision}=True, or accelerate launch "
+                         f"--mixed_precision) computes under autocast, which casts only float32, and the model's "
+                         f"trained parameters are {dtype} (e.g. {name!r}): convert the model with model.float(), or "
+                         "train without mixed precision")
 
 
 #: `Trainer` methods the decentralized loop never calls, and what runs in their place: a subclass
@@ -337,12 +365,6 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
             raise TypeError(f"{type(self).__name__}.create_optimizer() must take the model to build the optimizer for: "
                             f"DecentralizedTrainer calls create_optimizer(model) once per node") from None
         check_model_precision(model, args, quant_config)
-        if args.gossip_reference == "initial":  # before the surgery (the engine would refuse it at its first step)
-            trained = (p.dtype for p in model.parameters() if p.requires_grad)
-            problem = next(filter(None, map(reference_dtype_problem, trained)), None)
-            if problem:
-                raise ValueError(f"gossip_reference='initial' needs float32 parameters: {problem}; load the model in "
-                                 "float32 (autocast: bf16=True) or leave gossip_reference='zero'")
         if args.neftune_noise_alpha is not None and input_embeddings(model) is None:
             raise ValueError(f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the model's input "
                              f"embeddings, and {type(model).__name__} has none (get_input_embeddings()): leave it None")
@@ -365,15 +387,7 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                                      f"compute_metrics, or leave {name} at its default")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameter (requires_grad=True): nothing to train or gossip")
-        first_of_dtype = {}
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                first_of_dtype.setdefault(p.dtype, name)
-        if len(first_of_dtype) > 1:  # the gossip engine refused them at the first step, naming no parameter
-            kinds = " and ".join(f"{dtype} (e.g. {name!r})" for dtype, name in sorted(first_of_dtype.items(), key=str))
-            raise ValueError(f"model's trained parameters are of {kinds}: each node gossips them as one vector of one "
-                             "dtype; convert the model to one, e.g. model.float() (autocast, bf16=True, for lower "
-                             "precision compute)")
+        check_trained_dtype(model, args)
         # everything that can refuse the inputs (Trainer's own checks included) runs before the surgery
         # changes the user's model
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
