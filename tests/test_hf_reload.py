@@ -136,6 +136,11 @@ def test_a_reloaded_8bit_model_trains_saves_again_and_dequantizes(tmp_path, toke
     assert not any(isinstance(m, QuantModule) for m in again.modules())
     assert type(again.bert.encoder.layer[0].output.dense) is nn.Linear
     assert not hasattr(again.config, "quantization_config") and not again.is_quantized
+    assert {p.dtype for p in again.parameters()} == {torch.float32}
+    # a dtype asked for is honoured (it was ignored: float32 came back)
+    half = AutoModelForSequenceClassification.from_pretrained(tmp_path / "second").dequantize(dtype=torch.bfloat16)
+    assert type(half.bert.encoder.layer[0].output.dense) is nn.Linear
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("as_dict", [False, True], ids=["LpQuantizationConfig", "dict"])

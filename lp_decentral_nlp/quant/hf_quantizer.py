@@ -131,9 +131,12 @@ class LpHfQuantizer(HfQuantizer):
         return model
 
     def _dequantize(self, model, dtype=None):
+        """The float model (``dequantize_model``: its fp32 master weights) in `dtype`:
+        ``model.dequantize(dtype=...)``'s, or the config's (float32) when none is given."""
         from .surgery import dequantize_model
 
-        return dequantize_model(model)
+        model = dequantize_model(model)
+        return model if dtype is None else model.to(dtype)
 
     def is_serializable(self) -> bool:
         return True
