@@ -488,6 +488,15 @@ def test_int8_export_keeps_a_weight_tied_to_a_float_module_fp32_and_reproduces_t
         assert torch.allclose(clone(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
 
 
+def test_int8_export_refuses_a_model_converted_after_the_surgery_as_its_forward_does():
+    """model.half() after quantize_model: the forward refused it, the export coded the rounded
+    weights without a word."""
+    model = quantize_model(ARCHITECTURES["distilbert"]()).half()
+    with pytest.raises(TypeError, match=r"master weights must be float32 \(SPEC 4\), got weight of dtype torch.float16; "
+                                        r"the model was converted after quantize_model"):
+        export_int8_state_dict(model)
+
+
 def test_int8_export_rejects_a_non_bool_embeddings_flag():
     model = quantize_model(ARCHITECTURES["distilbert"]())
     with pytest.raises(ValueError, match=r"embeddings must be True or False, got 'yes'"):

@@ -67,6 +67,9 @@ def export_int8_state_dict(model: nn.Module, embeddings: bool = False) -> dict[s
              if isinstance(m, (QuantGemmLayer, QuantEmbedding))}
     if not exact:
         raise ValueError("export_int8_state_dict: model has no quantized layers (call quantize_model first)")
+    for module in model.modules():  # a model converted after the surgery: refused as its forward refuses it
+        if isinstance(module, QuantModule):
+            module.check_master_weights()
     state = model.state_dict()
     # every float table, of nn.Embedding's subclasses too (BART's scaled and positional ones): only its weight is stored
     tables = {_tensor_key(m.weight) for m in model.modules()
