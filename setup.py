@@ -27,6 +27,8 @@ setup(
         "pyarrow",
         "pyyaml",
         "huggingface_hub",
+        # imported directly (accelerate pins it): the memory available to a run, on every OS
+        "psutil",
     ],
     extras_require={
         # vision datasets: scikit-learn's bundled digits, image decoding

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import os
 import sys
 
 import torch
@@ -40,7 +39,7 @@ from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.quant import QuantConfig, kernel_report, quantize_model, saved_tensor_bytes
 from lp_decentral_nlp.vision import build_vision_model
-from record import benchmark_parser, check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, load_average, save_results
 from timing import add_step_timing_flags, interleaved_times, medians, weight_gradient_floor
 
 POSITIVE = ranged(int, Range(1))
@@ -232,7 +231,7 @@ def main(argv=None):
         met[key] = {"ratio": results[model_name][metric][variant], "goal": bound,
                     "met": results[model_name][metric][variant] <= bound}
     results["goals_met"] = met
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    load = load_average()
     print(f"device {device}, torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, "
           f"malloc {malloc}, load average {load}{', SMOKE (tiny shapes)' if args.smoke else ''}")
     for model_name, _ in builds:

@@ -42,7 +42,7 @@ from lp_decentral_nlp.gossip import (
     QSGD, SGP, ChocoSGD, DeepSqueeze, Identity, Quantize, RandomK, TopK, make_topology,
 )
 from lp_decentral_nlp.gossip import Message, MessageLayout
-from record import benchmark_parser, check_results_dir, save_results
+from record import benchmark_parser, check_results_dir, load_average, save_results
 
 NUM_NODES = 8
 
@@ -185,7 +185,7 @@ def main():
     shapes = [tuple(p.shape) for p in distilbert().parameters()]
     params = sum(int(torch.Size(s).numel()) for s in shapes)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}; DistilBERT: {len(shapes)} tensors, {params / 1e6:.2f}M parameters; "
+          f"{load_average()}; DistilBERT: {len(shapes)} tensors, {params / 1e6:.2f}M parameters; "
           f"{NUM_NODES} nodes, directed ring; malloc: {malloc}\n")
 
     steps = gossip_steps(shapes, args.passes)
@@ -226,7 +226,7 @@ def main():
     print("| --- | ---: | ---: |")
     for name, r in steps.items():
         print(f"| {name} | {r['median']:.2f} | {100 * r['median'] / (local_round + r['median']):.1f}% |")
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"\nload average at the end: {load_average()}")
     results["training_round"] = {"configuration": args.round_config, "rounds": args.rounds,
                                  "local_step_s": rnd["local_median"], "round_s": rnd["round"],
                                  "gossip_s": rnd["gossip"], "gossip_share": rnd["gossip"] / rnd["round"]}

@@ -26,7 +26,6 @@ The figures also go to ``benchmarks/results/bench_quant.json`` (``bench_quant_la
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import statistics
 import weakref
@@ -44,7 +43,7 @@ from lp_decentral_nlp.utils.cpu_malloc import keep_freed_memory
 from lp_decentral_nlp.quant import QuantModule
 from lp_decentral_nlp.quant.kernels import int8_gemm_path
 from lp_decentral_nlp.quant.export import state_dict_nbytes
-from record import benchmark_parser, check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, load_average, save_results
 from timing import add_step_timing_flags, interleaved_times, medians
 
 POSITIVE = ranged(int, Range(1))
@@ -234,7 +233,7 @@ def main(argv=None):
     fp32_layers = state_dict_nbytes({k: fp32_state[k] for k in layer_weights})
     int8_layers = state_dict_nbytes({k: int8_state[k] for k in layer_weights})
     mib = 2**20
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    load = load_average()
     print(f"DistilBERT-base shape, batch {args.batch_size} x seq {args.seq_len}, AdamW, device {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} interleaved repeats, load average {load}, "
           f"malloc {malloc}, int8 GEMM: {int8_gemm_path(device)}")

@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 
-from record import benchmark_parser, check_results_dir, device_record_name, save_results
+from record import benchmark_parser, check_results_dir, device_record_name, load_average, save_results
 from table6_cpu import DEFAULT_DATA  # the AG News sample Table 6 runs on
 from timing import weight_gradient_floor
 
@@ -136,7 +136,7 @@ def main(argv=None):
         threads = torch.get_num_threads()
         print(f"headline run {' '.join(HEADLINE + CPU_SCALE)}, {parsed['8-bit'].training.num_nodes} nodes, "
               f"torch threads {threads}, {args.repeats} repeats x {args.rounds} rounds (+{args.warmup} warm-up), "
-              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+              f"load average {load_average()}", flush=True)
         rounds = {p: [] for p in PRECISIONS}
         ratios, kernels = [], None
         for repeat in range(args.repeats):

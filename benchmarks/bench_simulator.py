@@ -48,9 +48,7 @@ import argparse
 import copy
 import gc
 import json
-import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -68,7 +66,7 @@ from lp_decentral_nlp.quant.kernels import AUTO, kernel_names
 from lp_decentral_nlp.commands import (Range, add_default_malloc_flag,
                                        add_device_flag, add_threads_flag, ranged)
 from lp_decentral_nlp.trainer import DecentralizedTrainer, DecentralizedTrainingArguments
-from record import benchmark_parser, check_results_dir, save_results
+from record import benchmark_parser, check_results_dir, load_average, save_results
 
 NUM_LABELS = 4
 POSITIVE, NONNEGATIVE = ranged(int, Range(1)), ranged(int, Range(0))
@@ -344,12 +342,20 @@ def measure_memory(args, precision) -> dict:
 
 def peak_rss() -> int:
     """Peak resident set size of this process in bytes: Linux ``VmHWM`` (``ru_maxrss`` survives
-    ``exec`` and would report the parent's peak), ``ru_maxrss`` elsewhere."""
+    ``exec`` and would report the parent's peak), ``ru_maxrss`` on other Unix systems, the peak
+    working set on Windows (which has no ``resource`` module)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        pass
+    try:
+        import resource
+    except ImportError:
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def memory_child(args, precision):
@@ -401,7 +407,7 @@ def main(argv=None):
     if args.memory_child:
         return memory_child(args, args.memory_child)
 
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     shape = "2 layers, dim 256, FFN 1024" if args.small else "DistilBERT-base (6 layers, dim 768, FFN 3072)"
     print(f"{shape}, {args.nodes} simulated nodes, batch {args.batch_size}/node x seq {args.seq_len}, AdamW, "
           f"{args.algorithm} top-k {args.compression:g}%, device {args.device}, torch threads {args.threads}, "
@@ -412,7 +418,7 @@ def main(argv=None):
     # memory first, from a parent that holds no model yet (4 DistilBERT nodes peak near 7 GiB)
     memory = {precision: measure_memory(args, precision) for precision in args.precisions} if args.memory_rounds else {}
     results = {"settings": {k: v for k, v in vars(args).items() if k != "memory_child"},
-               "load_average": os.getloadavg(), "rounds": [], "sections": [], "per_repeat": {}}
+               "load_average": load, "rounds": [], "sections": [], "per_repeat": {}}
     if memory:  # --memory-rounds 0 measures none: a record holds no empty list
         results["memory"] = [{"precision": precision, "baseline_rss_bytes": m["baseline_rss"],
                               "peak_rss_bytes": m["peak_rss"], "cuda_peak_bytes": m["cuda_peak"]}

@@ -120,6 +120,12 @@ def machine() -> dict:
     }
 
 
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages as text (``"n/a"`` where the OS keeps none: Windows):
+    how busy the machine was, printed and recorded beside a benchmark's timings."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
 def device_record_name(name: str, device) -> str:
     """The record name of benchmark `name` run on `device`: `name` on the CPU, ``<name>_<device
     type>`` elsewhere (``bench_8bit_cuda``), so a GPU run keeps the CPU record and renders beside it."""

@@ -342,7 +342,7 @@ def main(argv=None) -> pathlib.Path:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(page)
+        output.write_text(page, encoding="utf-8")
     except OSError as err:  # e.g. the disk filled up since the check
         parser.error(f"argument --output: cannot write {output} ({type(err).__name__}: {err.strerror or err})")
     print(f"wrote {output}")

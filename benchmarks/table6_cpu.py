@@ -580,7 +580,7 @@ def main(argv=None) -> pathlib.Path:
         "cells": cells,
     }, argv=[__file__, *(sys.argv[1:] if argv is None else argv)], provenance=provenance)
     args.docs_dir.mkdir(parents=True, exist_ok=True)
-    (args.docs_dir / f"{args.name}.md").write_text(render_markdown(args, cells, json_path))
+    (args.docs_dir / f"{args.name}.md").write_text(render_markdown(args, cells, json_path), encoding="utf-8")
     plot(rows, args.docs_dir / f"{args.name}.png")
     print(f"wrote {json_path}, {args.docs_dir / (args.name + '.md')} and {args.docs_dir / (args.name + '.png')}",
           file=sys.stderr)

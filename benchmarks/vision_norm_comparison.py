@@ -314,7 +314,7 @@ def main(argv=None) -> str:
             if entry["results"] is None:
                 entry["results"] = run_vision(entry.pop("argv"))
         table = markdown_table(entries)
-        with open(os.path.join(args.output_dir, "table.md"), "w") as fh:
+        with open(os.path.join(args.output_dir, "table.md"), "w", encoding="utf-8") as fh:
             fh.write(table + "\n")
         print(table)
         setup = {k: getattr(args, k) for k in SETUP}

@@ -378,7 +378,9 @@ def worker_failure(err: BaseException, log: str, name: str, prog: str) -> System
     then holds whole)."""
     code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
     try:
-        with open(log) as fh:  # (the line may follow a progress bar's, which has no newline)
+        # (the line may follow a progress bar's, which has no newline); what the worker wrote, in Python's own
+        # text encoding (UTF-8 but on older Windows setups): undecodable bytes are replaced, not an error
+        with open(log, encoding=sys.stderr.encoding or "utf-8", errors="replace") as fh:
             said = re.findall(rf"{re.escape(prog)}: (?:error|interrupted)\b[^\r\n]*", fh.read())
     except OSError:
         said = []
@@ -507,7 +509,7 @@ def main(argv=None):
         os.makedirs(out, exist_ok=True)
         write_json(out, "sweep.json", rows)
         table = markdown_table(rows) + settings_caption(rows)
-        with open(os.path.join(out, "sweep.md"), "w") as fh:
+        with open(os.path.join(out, "sweep.md"), "w", encoding="utf-8") as fh:
             fh.write(table)
         if plotting:
             plot(rows, os.path.join(out, "sweep.png"))

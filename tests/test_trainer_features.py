@@ -1997,6 +1997,20 @@ def test_distributed_backend_takes_the_cpu_process_group_without_use_cpu(tmp_pat
     assert not DecentralizedTrainingArguments(output_dir=str(tmp_path), report_to="none").use_cpu
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_another_accelerator_leaves_the_nodes_on_the_cpu_with_a_warning(tmp_path, monkeypatch, caplog):
+    """On a Mac, TrainingArguments picked MPS, where the nodes' float64 sums (consensus distance,
+    logged losses) failed at the first log, and a distributed launch there got no process group
+    backend, with advice for "a machine without GPUs"; the recipes already train on the CPU."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("mps"))
+    for backend in ("simulated", "distributed"):
+        args = DecentralizedTrainingArguments(output_dir=str(tmp_path), backend=backend, report_to="none")
+        assert args.use_cpu and args.device.type == "cpu"
+    assert ("DecentralizedTrainer runs its nodes on CUDA or the CPU, and this machine's default device is mps: the "
+            "nodes train on the CPU (use_cpu=True)") in caplog.text
+
+
 TINY_BERT = dict(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                  max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 

@@ -741,18 +741,15 @@ def set_process_output(training) -> None:
 
 
 def available_memory_mb(device) -> float:
-    """Memory this process can still use on ``device``, in MB (10^6 bytes): free GPU memory, or the
-    kernel's MemAvailable on the CPU (Linux; elsewhere the physical memory)."""
+    """Memory this process can still use on ``device``, in MB (10^6 bytes): free GPU memory, or on
+    the CPU the memory the system can give without swapping (psutil: Linux's MemAvailable, and its
+    counterpart on macOS and Windows, where ``os.sysconf`` does not exist)."""
+    import psutil
     import torch
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] / 1e6
-    try:
-        with open("/proc/meminfo") as fh:
-            fields = dict(line.split(":", 1) for line in fh)
-        return int(fields["MemAvailable"].split()[0]) * 1024 / 1e6
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e6
+    return psutil.virtual_memory().available / 1e6
 
 
 def check_memory(model, training, input_shape: tuple, prog: str, size_flag: str) -> None:
@@ -815,7 +812,7 @@ def saved_head_labels(model_path: str) -> list[str] | None:
     config_file = pathlib.Path(model_path) / "config.json"
     if not config_file.is_file():
         return None
-    config = json.loads(config_file.read_text())
+    config = json.loads(config_file.read_text(encoding="utf-8"))  # JSON is UTF-8, whatever the locale
     id2label = config.get("id2label") or {}
     heads = [a for a in config.get("architectures") or () if a.endswith("ForSequenceClassification")]
     named = any(name != f"LABEL_{i}" for i, name in id2label.items())

@@ -25,6 +25,8 @@ from ..quant.kernels import AUTO, kernel_names
 from ..utils.fields_doc import document_fields
 from .field_policy import field_default, refuse_unsupported
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("simulated", "distributed")
 #: the evaluation metrics of this trainer that are better lower, though their names do not end in
 #: "loss" (Trainer's rule for an unset greater_is_better): with or without ``eval_`` and the name of
@@ -208,10 +210,16 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if (self.greater_is_better is None and isinstance(self.metric_for_best_model, str)
                 and LOWER_IS_BETTER.fullmatch(self.metric_for_best_model)):
             self.greater_is_better = False  # Trainer's rule would keep the most divergent, or the worst node's, model
-        if self.backend == "distributed" and not torch.accelerator.is_available():
-            # the CPU is what use_cpu=False picks here too; without the flag transformers makes the process group
-            # without a backend (each rank sees world size 1) and the first gossip message fails
-            self.use_cpu = True
+        if not self.use_cpu and not torch.cuda.is_available():
+            if torch.accelerator.is_available():  # Apple's MPS (no float64 for the nodes' sums), XPU, ...
+                logger.warning(f"DecentralizedTrainer runs its nodes on CUDA or the CPU, and this machine's default "
+                               f"device is {torch.accelerator.current_accelerator().type}: the nodes train on the CPU "
+                               "(use_cpu=True)")
+                self.use_cpu = True
+            elif self.backend == "distributed":
+                # the CPU is what use_cpu=False picks here too; without the flag transformers makes the process
+                # group without a backend (each rank sees world size 1) and the first gossip message fails
+                self.use_cpu = True
         super().__post_init__()
         if self.mixed_precision not in ("no", "bf16", "fp16"):  # the launcher's setting (fp8)
             raise ValueError(f"mixed precision {self.mixed_precision} (ACCELERATE_MIXED_PRECISION={self.mixed_precision}, "
