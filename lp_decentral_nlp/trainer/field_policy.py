@@ -32,8 +32,9 @@ POLICY: dict[str, str] = {
     "data_seed": HONOURED + " (when set, every node's shard, data order and batch seeds come from it instead of seed; "
                  "model initialisation, dropout and gossip randomness stay with seed)",
     "full_determinism": HONOURED,
-    "use_cpu": HONOURED + " (set by the distributed backend on a machine without an accelerator: the gloo process "
-                          "group it needs)",
+    "use_cpu": HONOURED + " (set where the default device is an accelerator other than CUDA, e.g. MPS, with a "
+                          "warning: the nodes run on CUDA or the CPU; and by the distributed backend on a machine "
+                          "without an accelerator: the gloo process group it needs)",
     "local_rank": HONOURED,
     "do_train": SCRIPT,
     "do_eval": SCRIPT,
