@@ -304,6 +304,46 @@ def test_fallback_per_layer_with_reason():
         auto(torch.randn(2, 4, 8, 8))
 
 
+def test_a_layer_summing_more_products_than_int32_holds_falls_back_with_its_reason():
+    """torch._int_mm and oneDNN's convolution sum in int32: a head of 140,000 outputs gave a layer
+    gradient of 1.7e5 for 0.03 (an audit's run), the sum of 2**17 products of -128 codes wrapped.
+    Each output's sum (the forward's over the inputs, the layer gradient's over the outputs) must
+    fit: ``INT32_MAX_K`` signed products, ``ONEDNN_CONV_MAX_K`` taps of unsigned activation codes."""
+    cases = [(LinearGemm, (int8_module.INT32_MAX_K, 8), None), (LinearGemm, (8, int8_module.INT32_MAX_K + 1), 131072),
+             (TransposedLinearGemm, (int8_module.INT32_MAX_K + 1, 8), 131072),
+             (Conv2dGemm, (8, int8_module.ONEDNN_CONV_MAX_K // 9, 3, 3), None),
+             (Conv2dGemm, (int8_module.ONEDNN_CONV_MAX_K // 9 + 1, 8, 3, 3), 65799)]
+    for gemm_type, shape, k in cases:
+        for name in ("int8", "auto"):
+            kernel, reason = resolve_kernel(name, gemm_type, torch.empty(shape))
+            if k is None:
+                assert reason is None or "int32" not in reason
+            else:
+                assert kernel.name == "simulated" and reason == (
+                    f"{gemm_type.__name__[:-4]} weight {shape} sums {k:,} int8 products per output, more than an "
+                    f"int32 sum holds exactly ({int8_module.INT32_MAX_K if k == 131072 else int8_module.ONEDNN_CONV_MAX_K:,})")
+    # the layer gradient of such a head: every weight and gradient code at the bottom of its range, so the
+    # int32 sum of its first input's products (2**31 + 16129) wrapped
+    head = nn.Linear(4, int8_module.INT32_MAX_K + 2)
+    nn.init.constant_(head.weight, -1.0)
+    with torch.no_grad():
+        head.weight[0, 0] = 1.0
+    grads = {}
+    for name in ("simulated", "int8"):
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            model = quantize_model(nn.Sequential(copy.deepcopy(head)), QuantConfig(kernel=name, skip=()))
+        assert [str(w.message).split(":")[0] for w in told] == (
+            ["QuantConfig(kernel='int8') cannot run 1 layer(s) (e.g. '0')"] if name == "int8" else [])
+        x = torch.randn(2, 4, requires_grad=True)
+        grad_out = torch.full((2, head.out_features), -1.0)
+        grad_out[:, 0] = 1.0
+        model(x).backward(grad_out)
+        grads[name] = x.grad
+    assert kernel_report(model) == {"0": "simulated"}
+    assert torch.allclose(grads["int8"], grads["simulated"]) and grads["int8"].abs().max() > 1e5
+
+
 def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():
     wide, narrow = torch.zeros(AUTO_MIN_FEATURES, AUTO_MIN_FEATURES), torch.zeros(AUTO_MIN_FEATURES, 8)
     kernel, reason = resolve_kernel("auto", LinearGemm, narrow)

@@ -12,7 +12,8 @@ signed range is folded into the offset). For ``A (M, K)`` and ``B (K, N)``::
 
     A^ @ B^ = s_a s_b (C_a @ C_b) + s_a o_b rowsum(C_a) 1^T + o_a s_b 1 colsum(C_b) + K o_a o_b
 
-The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``), and in an fp32
+The integer product is exact in int32 (``|c| <= 128``, so up to ``K < 2**17``: a layer summing more
+products per output, forward or layer gradient, falls back to the simulated kernel), and in an fp32
 GEMM up to ``K = 1024`` (rounded like any fp32 GEMM beyond); the correction terms are cheap
 vectors (no symmetric-scale approximation). The four terms are added in float64 and rounded once
 to fp32: they are far larger than their sum where the offsets are (an activation range's middle
@@ -75,6 +76,10 @@ class Int8Operand(NamedTuple):
 # An fp32 GEMM of int8 codes is exact while every partial sum is an integer of at most 2**24:
 # |c_a c_b| <= 128 * 128 = 2**14 per product, so up to 2**10 products in any order
 FLOAT_EXACT_MAX_K = 2**24 // 128**2
+# The most products an int32 sum holds without overflow: signed codes (torch._int_mm: |c_a c_b| <= 2**14), and
+# oneDNN's convolution of unsigned activation codes (|q c_w| <= 255 * 128)
+INT32_MAX_K = (2**31 - 1) // 128**2  # 131,071
+ONEDNN_CONV_MAX_K = (2**31 - 1) // (255 * 128)  # 65,793
 INT_MM_CPU_FLAG = "avx512_vnni"
 INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"  # int8_gemm_path's answers
 
@@ -208,8 +213,9 @@ def int8_conv2d(unsigned: torch.Tensor, weight_codes: torch.Tensor, stride, padd
     """The integer convolution of uint8 `unsigned` ``(N, C, H, W)`` (channels-last strides) with
     int8 `weight_codes` ``(Co, C, kh, kw)``, zero padding, as fp32 ``(N, Co, Ho, Wo)`` with
     channels-last strides: oneDNN's int8 convolution (``torch.ops.onednn.qconv2d_pointwise``, unit
-    scales, zero points 0) where :func:`onednn_conv_available`. The int32 sums are exact; their
-    fp32 values are exact below 2**24 and rounded like any fp32 sum beyond."""
+    scales, zero points 0) where :func:`onednn_conv_available`. The int32 sums are exact up to
+    ``ONEDNN_CONV_MAX_K`` taps (``C kh kw``; ``Int8Kernel`` leaves wider layers to the simulated
+    kernel); their fp32 values are exact below 2**24 and rounded like any fp32 sum beyond."""
     ones, zero_points = _unit_weight_quantization()
     geometry = (list(stride), list(padding), list(dilation), 1)
     packed = torch.ops.onednn.qconv_prepack(weight_codes.contiguous(), ones, 1.0, 0, *geometry, list(unsigned.shape))
@@ -338,6 +344,12 @@ class Int8Kernel(Kernel):
             return f"{gemm_type.__name__[:-4]} has no int8 kernel"
         if groups != 1:
             return f"grouped Conv2d (groups={groups}) has no int8 kernel"
+        # the products each output sums: the forward's over the inputs, the layer gradient's over the outputs
+        taps = weight[0, 0].numel() if gemm_type is Conv2dGemm else 1
+        k, limit = max(weight.shape[:2]) * taps, ONEDNN_CONV_MAX_K if gemm_type is Conv2dGemm else INT32_MAX_K
+        if k > limit:
+            return (f"{gemm_type.__name__[:-4]} weight {tuple(weight.shape)} sums {k:,} int8 products per output, "
+                    f"more than an int32 sum holds exactly ({limit:,})")
         if weight.device.type == "cuda":
             dims = (weight.shape[0], weight[0].numel())  # (out, in) of the GEMM, or (Cout, C kh kw)
             if any(d % CUDA_MULTIPLE for d in dims):
