@@ -17,6 +17,8 @@ import platform
 import shlex
 import sys
 
+import psutil
+
 #: the published records' folder, benchmarks/results/ (docs/benchmarks.md is rendered from it)
 PUBLISHED_DIR = pathlib.Path(__file__).resolve().parent / "results"
 #: the environment variable that sends the records of a trial run elsewhere
@@ -104,10 +106,7 @@ def machine() -> dict:
         flags = set(info.get("flags", "").split())
     except OSError:
         pass
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        mem_gib = None
+    mem_gib = psutil.virtual_memory().total / 2**30
     return {
         "cpu": cpu,
         # the vector extensions the kernels' speed depends on (one CPU model name covers several)

@@ -184,7 +184,7 @@ def recipe_argv(args, norm: str, precision: str, out: str) -> list[str]:
 
 def accuracy_curve(run_dir: str) -> tuple[list[float], list[float]]:
     """(epochs, averaged-model test accuracy) of every evaluation in metrics.csv."""
-    with open(os.path.join(run_dir, "metrics.csv")) as fh:
+    with open(os.path.join(run_dir, "metrics.csv"), encoding="utf-8") as fh:
         rows = [r for r in csv.DictReader(fh) if r.get("eval_accuracy")]
     by_epoch = {float(r["epoch"]): float(r["eval_accuracy"]) for r in rows}  # the final evaluation may repeat one
     return list(by_epoch), list(by_epoch.values())

@@ -354,8 +354,8 @@ def test_a_model_saved_in_bfloat16_loads_in_float32_with_a_notice(tmp_path, tiny
     capsys.readouterr()
     model = load_classifier(str(saved), ["World", "Sports", "Business", "Sci/Tech"], "prog", 0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert (f"notice: {saved}: saved in bfloat16, loaded in float32 (the nodes train float32 weights; --bf16 computes "
-            "in bfloat16)") in capsys.readouterr().err.splitlines()
+    assert (f"notice: {saved}: saved in bfloat16, loaded in float32 (training keeps float32 master weights)"
+            in capsys.readouterr().err.splitlines())
     load_classifier(str(tiny_model_dir), ["World", "Sports", "Business", "Sci/Tech"], "prog", 0)
     assert "saved in" not in capsys.readouterr().err
 

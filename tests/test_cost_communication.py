@@ -173,7 +173,8 @@ def test_cli_prices_a_model_saved_in_bfloat16_as_the_recipes_train_it(capsys, tm
     assert main(["--model", str(tmp_path / "bf16"), "--seq-len", "8", "--batch-size", "2", "--output", str(path)]) == 0
     reports = json.loads(path.read_text())["reports"]
     assert reports["fp32"]["train_energy_mj"] > reports["int8"]["train_energy_mj"] > 0
-    capsys.readouterr()
+    assert (f"notice: {tmp_path / 'bf16'}: saved in bfloat16, priced in float32 (training keeps float32 master "
+            "weights)") in capsys.readouterr().err.splitlines()
 
 
 def test_cli_prices_a_saved_classifier_with_its_own_labels(capsys, tmp_path):

@@ -137,10 +137,14 @@ def test_a_reloaded_8bit_model_trains_saves_again_and_dequantizes(tmp_path, toke
     assert type(again.bert.encoder.layer[0].output.dense) is nn.Linear
     assert not hasattr(again.config, "quantization_config") and not again.is_quantized
     assert {p.dtype for p in again.parameters()} == {torch.float32}
-    # a dtype asked for is honoured (it was ignored: float32 came back)
+    # a dtype asked for is honoured (it was ignored: float32 came back); none asked for is float32, whatever
+    # dtype the config names (transformers' default is the config's)
     half = AutoModelForSequenceClassification.from_pretrained(tmp_path / "second").dequantize(dtype=torch.bfloat16)
     assert type(half.bert.encoder.layer[0].output.dense) is nn.Linear
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    named = AutoModelForSequenceClassification.from_pretrained(tmp_path / "second")
+    named.config.dtype = torch.bfloat16  # as a model built from a bfloat16 checkpoint's config says
+    assert {p.dtype for p in named.dequantize().parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("as_dict", [False, True], ids=["LpQuantizationConfig", "dict"])

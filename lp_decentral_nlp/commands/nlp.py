@@ -21,7 +21,7 @@ from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_R
                   RunArguments, check_memory, check_processes_agree, check_training_rows, derive_run_values,
                   error_summary, exit_with_error,
                   hub_offline, is_packaged_model, load_data, model_folder_problem, model_label_mismatch,
-                  packaged_model_path, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
+                  packaged_model_path, print_float32_notice, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
                   set_run_help, set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.
@@ -199,8 +199,8 @@ def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
     checking that a named head of its own fits them; a problem exits with one line naming ``--model``.
     A model whose config names no padding token gets `pad_token_id` (the tokenizer's): a
     decoder-only classifier reads the last token before the padding. The weights load in float32
-    whatever dtype they were saved in (the nodes train float32 master weights; ``--bf16`` computes
-    in bfloat16), with a notice where that differs.
+    whatever dtype they were saved in (training keeps float32 master weights; mixed precision is
+    autocast), with a notice where that differs.
     What the checkpoint did not provide (the new head) or held unused is one notice line on rank 0,
     in place of transformers' load report table."""
     import torch
@@ -225,10 +225,7 @@ def load_classifier(model_path: str, labels, prog: str, pad_token_id: int):
         hf_logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
-    saved_dtype = str(saved_dtype).removeprefix("torch.")  # a dtype, or its name in an older config
-    if saved_dtype not in ("None", "float32"):
-        print_notice(f"notice: {model_path}: saved in {saved_dtype}, loaded in float32 (the nodes train float32 "
-                     "weights; --bf16 computes in bfloat16)")
+    print_float32_notice(model_path, saved_dtype)
     new = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
     unused = list(loading["unexpected_keys"])
     if new or unused:

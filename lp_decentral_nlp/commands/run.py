@@ -296,6 +296,15 @@ def print_notice(message: str) -> None:
         print(message, file=sys.stderr)
 
 
+def print_float32_notice(model: str, saved_dtype, done: str = "loaded") -> None:
+    """The notice that `model`, saved in `saved_dtype` (a dtype, its name in an older config, or
+    None), is `done` ("loaded", "priced") in float32, as training keeps its master weights;
+    nothing for float32 or a config that names no dtype."""
+    name = str(saved_dtype).removeprefix("torch.")
+    if name not in ("None", "float32"):
+        print_notice(f"notice: {model}: saved in {name}, {done} in float32 (training keeps float32 master weights)")
+
+
 def launched_world_size() -> int | None:
     """Processes the launcher started (None: no launcher)."""
     world = next((os.environ[v] for v in WORLD_SIZE_VARIABLES if v in os.environ), None)

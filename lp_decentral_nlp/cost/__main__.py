@@ -100,7 +100,7 @@ def _check_model_flags(parser, args):
     args.seq_len = args.seq_len or 128
     from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoConfig
 
-    from ..commands import model_flag_problem, resolve_model, saved_head_labels
+    from ..commands import model_flag_problem, print_float32_notice, resolve_model, saved_head_labels
     from ..commands.run import error_summary
 
     problem = model_flag_problem(args.model, needs_weights=False)  # built from its config: random weights
@@ -116,6 +116,7 @@ def _check_model_flags(parser, args):
         config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
     except (OSError, ValueError, KeyError) as err:  # a config.json that is no JSON: ValueError too
         parser.error(f"argument --model: {args.model}: cannot load its config ({error_summary(err)})")
+    print_float32_notice(args.model, config.dtype, "priced")  # _build_model builds it in float32
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         parser.error(f"argument --model: {args.model}: transformers has no sequence classifier of a "
                      f"{type(config).__name__}, and --model prices the text classifiers the NLP recipes train "

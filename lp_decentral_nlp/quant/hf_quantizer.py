@@ -130,9 +130,15 @@ class LpHfQuantizer(HfQuantizer):
                           f"{missing[0]!r}): they start uncalibrated, as after quantize_model", stacklevel=2)
         return model
 
+    def dequantize(self, model, dtype=None):
+        """``model.dequantize(dtype=None)``: the float model (``dequantize_model``: its float32 master
+        weights), in `dtype` when one is given. ``HfQuantizer.dequantize`` would take the config's
+        dtype for None, which may name the dtype a checkpoint was saved in, not the weights'."""
+        model = self._dequantize(model, dtype=dtype)
+        self.remove_quantization_config(model)
+        return model
+
     def _dequantize(self, model, dtype=None):
-        """The float model (``dequantize_model``: its fp32 master weights) in `dtype`:
-        ``model.dequantize(dtype=...)``'s, or the config's (float32) when none is given."""
         from .surgery import dequantize_model
 
         model = dequantize_model(model)

@@ -210,17 +210,19 @@ class DecentralizedTrainingArguments(TrainingArguments):
         if (self.greater_is_better is None and isinstance(self.metric_for_best_model, str)
                 and LOWER_IS_BETTER.fullmatch(self.metric_for_best_model)):
             self.greater_is_better = False  # Trainer's rule would keep the most divergent, or the worst node's, model
+        passed_over = None  # a default accelerator the nodes do not run on, said once the process index is known
         if not self.use_cpu and not torch.cuda.is_available():
             if torch.accelerator.is_available():  # Apple's MPS (no float64 for the nodes' sums), XPU, ...
-                logger.warning(f"DecentralizedTrainer runs its nodes on CUDA or the CPU, and this machine's default "
-                               f"device is {torch.accelerator.current_accelerator().type}: the nodes train on the CPU "
-                               "(use_cpu=True)")
+                passed_over = torch.accelerator.current_accelerator().type
                 self.use_cpu = True
             elif self.backend == "distributed":
                 # the CPU is what use_cpu=False picks here too; without the flag transformers makes the process
                 # group without a backend (each rank sees world size 1) and the first gossip message fails
                 self.use_cpu = True
         super().__post_init__()
+        if passed_over is not None and self.process_index == 0:
+            logger.warning(f"DecentralizedTrainer runs its nodes on CUDA or the CPU, and this machine's default device "
+                           f"is {passed_over}: the nodes train on the CPU (use_cpu=True)")
         if self.mixed_precision not in ("no", "bf16", "fp16"):  # the launcher's setting (fp8)
             raise ValueError(f"mixed precision {self.mixed_precision} (ACCELERATE_MIXED_PRECISION={self.mixed_precision}, "
                              f"set by accelerate launch --mixed_precision {self.mixed_precision} or its config) is not "

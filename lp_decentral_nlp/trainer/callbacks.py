@@ -32,12 +32,12 @@ class MetricsCSVCallback(TrainerCallback):
         row = {"step": state.global_step, **logs}
         self.rows.append(row)
         if self.columns is not None and set(row) <= set(self.columns):
-            with open(self.path, "a", newline="") as fh:
+            with open(self.path, "a", newline="", encoding="utf-8") as fh:
                 csv.DictWriter(fh, fieldnames=self.columns).writerow(row)
             return
         self.columns = ["step", *sorted({k for r in self.rows for k in r} - {"step"})]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "w", newline="") as fh:
+        with open(self.path, "w", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(self.rows)

@@ -519,7 +519,8 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
         # float16 gradients underflow without loss scaling; each node scales its own loss (SPEC 2 step 1)
         self.node_scalers = ([torch.amp.GradScaler(args.device.type) for _ in self.nodes]
                              if args.mixed_precision == "fp16" else None)
-        if args.mixed_precision == "fp16" and args.device.type == "cpu":  # honoured, unlike Trainer on the CPU
+        if args.mixed_precision == "fp16" and args.device.type == "cpu" and self.is_world_process_zero():
+            # honoured, unlike Trainer on the CPU
             logger.warning("fp16 on the CPU: few CPUs multiply float16 in hardware, so float16 autocast is usually "
                            "several times slower than float32 there; bf16 is the CPU's mixed precision")
         self.qgm = self._build_qgm() if args.qgm else None
