@@ -29,7 +29,9 @@ Rules (they keep SPEC 1's push-sum mass ``sum_i x_i`` and ``sum_i w_i`` exactly 
 * **Absent node** ``a`` during iterations ``[start, end)``: every message to and from ``a`` is
   lost and, for every algorithm, its share returns to its sender (``W'`` as above: ``a`` keeps
   all its mass, ``W'[a, a] = 1``, and nobody mixes ``a``'s copy). ``a`` does nothing: its model,
-  push-sum weight, error memory and Choco copies do not change, and it sends no bytes. (The
+  push-sum weight, error memory and Choco copies do not change, and its ``bytes_sent`` is 0 (in the
+  distributed backend its stale buffer, and its neighbours' messages to it, still travel, unread:
+  the transport's exchange is fixed per edge). (The
   trainer also skips its local step and batches and keeps its optimizer state and QGM buffer;
   its learning-rate schedule keeps counting, so it rejoins in step with the others.)
 * **Straggler** ``node: seconds``: the node sleeps that long before each send (in the simulated
