@@ -1765,6 +1765,28 @@ def test_the_distributed_node_group_gathers_and_sums_cpu_counters_on_any_backend
         dist.destroy_process_group()
 
 
+def test_more_processes_than_gpus_over_nccl_are_refused_naming_the_counts(tmp_path, monkeypatch):
+    """accelerate puts the ranks of a machine with fewer GPUs on one device, which NCCL refuses at
+    the first collective with an error the trainer read as a peer that stopped answering."""
+    import torch.distributed as dist
+
+    from lp_decentral_nlp.trainer import NodeGroup
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        with pytest.raises(RuntimeError, match=r"^backend='distributed' over NCCL needs a GPU per process, and this "
+                                               r"machine runs 4 processes \(LOCAL_WORLD_SIZE\) on 1 GPU\(s\): launch "
+                                               r"at most 1 per machine, pass use_cpu=True \(gloo\)"):
+            NodeGroup(1, "distributed")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        NodeGroup(1, "distributed")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_predict_on_a_dataset_without_labels_returns_the_predictions(tmp_path, agnews_small, tokenizer):
     trainer = trainer_for(tmp_path, agnews_small, tokenizer, max_steps=1)
     trainer.train()

@@ -31,10 +31,12 @@ class GossipPeerError(RuntimeError):
     (e.g. its process died).
 
     Attributes:
-        peer: the graph node (= rank) that failed.
+        peer: the graph node (= rank) that failed, or None where the backend cannot tell which of
+            a step's peers it was (NCCL completes a step's sends and receives as one batch: the
+            message names them all).
     """
 
-    def __init__(self, message: str, peer: int):
+    def __init__(self, message: str, peer: int | None):
         super().__init__(message)
         self.peer = peer
 
@@ -183,23 +185,27 @@ class TorchDistributedTransport:
         if not ops:
             return
         works = self._post(ops, what)
-        pending = [(w, doing, j) for w, (_, _, j, doing) in zip(works, ops)]
-        pending = pending[len(sends):] + pending[: len(sends)]  # receives first: they name a silent peer
+        if len(works) == len(ops):  # one handle per op (gloo): a failure names its peer
+            pending = [(w, doing, j, f"rank {j}") for w, (_, _, j, doing) in zip(works, ops)]
+            pending = pending[len(sends):] + pending[: len(sends)]  # receives first: they name a silent peer
+        else:  # one handle for the whole batch (NCCL coalesces): a failure names every peer of the step
+            peers = sorted({j for *_, j, _ in ops})
+            pending = [(w, "exchanging with", None, f"one of ranks {peers}") for w in works]
         deadline = time.monotonic() + self.timeout
-        for work, doing, peer in pending:
+        for work, doing, peer, who in pending:
             remaining = max(deadline - time.monotonic(), 0.001)
             try:
                 done = work.wait(timedelta(seconds=remaining))
             except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with backend text
                 if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-                    raise GossipPeerError(f"rank {self._rank}: {what}: {doing} rank {peer} failed (has rank {peer} "
-                                          f"exited?): {exc}", peer) from exc
+                    raise GossipPeerError(f"rank {self._rank}: {what}: {doing} {who.removeprefix('one of ')} failed "
+                                          f"(has {who} exited?): {exc}", peer) from exc
                 done = False
             if done is False:
                 raise GossipTimeoutError(
-                    f"rank {self._rank}: {what}: timed out after {self.timeout:g} s {doing} rank {peer}; "
-                    f"rank {peer} never answered (is it running, alive, and calling gossip.step() with the "
-                    "same topology and step count?)", peer)
+                    f"rank {self._rank}: {what}: timed out after {self.timeout:g} s {doing} "
+                    f"{who.removeprefix('one of ')}; {who} never answered (is it running, alive, and calling "
+                    "gossip.step() with the same topology and step count?)", peer)
 
     def _post(self, ops, what: str) -> list:
         """Post the point-to-point ops, returning their work handles in order.
