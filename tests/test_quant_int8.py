@@ -304,26 +304,39 @@ def test_fallback_per_layer_with_reason():
         auto(torch.randn(2, 4, 8, 8))
 
 
-def test_a_layer_summing_more_products_than_int32_holds_falls_back_with_its_reason():
+@pytest.mark.parametrize("int8_dot, onednn", [(True, True), (True, False), (False, False)])
+def test_a_layer_summing_more_products_than_int32_holds_falls_back_with_its_reason(int8_dot, onednn, monkeypatch):
     """torch._int_mm and oneDNN's convolution sum in int32: a head of 140,000 outputs gave a layer
     gradient of 1.7e5 for 0.03 (an audit's run), the sum of 2**17 products of -128 codes wrapped.
     Each output's sum (the forward's over the inputs, the layer gradient's over the outputs) must
-    fit: ``INT32_MAX_K`` signed products, ``ONEDNN_CONV_MAX_K`` taps of unsigned activation codes."""
-    cases = [(LinearGemm, (int8_module.INT32_MAX_K, 8), None), (LinearGemm, (8, int8_module.INT32_MAX_K + 1), 131072),
-             (TransposedLinearGemm, (int8_module.INT32_MAX_K + 1, 8), 131072),
-             (Conv2dGemm, (8, int8_module.ONEDNN_CONV_MAX_K // 9, 3, 3), None),
-             (Conv2dGemm, (int8_module.ONEDNN_CONV_MAX_K // 9 + 1, 8, 3, 3), 65799)]
-    for gemm_type, shape, k in cases:
-        for name in ("int8", "auto"):
-            kernel, reason = resolve_kernel(name, gemm_type, torch.empty(shape))
-            if k is None:
-                assert reason is None or "int32" not in reason
-            else:
-                assert kernel.name == "simulated" and reason == (
-                    f"{gemm_type.__name__[:-4]} weight {shape} sums {k:,} int8 products per output, more than an "
-                    f"int32 sum holds exactly ({int8_module.INT32_MAX_K if k == 131072 else int8_module.ONEDNN_CONV_MAX_K:,})")
-    # the layer gradient of such a head: every weight and gradient code at the bottom of its range, so the
-    # int32 sum of its first input's products (2**31 + 16129) wrapped
+    fit: ``INT32_MAX_K`` signed products, ``ONEDNN_CONV_MAX_K`` taps of unsigned activation codes
+    in oneDNN's convolution (im2col's layer gradient sums over ``Cout`` only); the fp32 GEMM of
+    CPUs without an int8 GEMM has no int32 sum to overflow."""
+    monkeypatch.setattr(int8_module, "cpu_has_int8_dot", lambda: int8_dot)
+    monkeypatch.setattr(int8_module, "onednn_conv_available", lambda device: onednn)
+    gemm_max, conv_max = int8_module.INT32_MAX_K, int8_module.ONEDNN_CONV_MAX_K
+    wide_taps = conv_max // 9 + 1  # 7,311 channels of 3 x 3: 65,799 taps
+    cases = [(LinearGemm, (gemm_max, 8), None), (LinearGemm, (8, gemm_max + 1), (gemm_max + 1, gemm_max)),
+             (TransposedLinearGemm, (gemm_max + 1, 8), (gemm_max + 1, gemm_max)),
+             (Conv2dGemm, (8, conv_max // 9, 3, 3), None),
+             (Conv2dGemm, (wide_taps, 8, 3, 3), (9 * wide_taps, conv_max) if onednn else None),  # im2col: K = Cout
+             (Conv2dGemm, (8, gemm_max // 9 + 1, 3, 3), (9 * (gemm_max // 9 + 1), conv_max if onednn else gemm_max))]
+    for gemm_type, shape, overflow in cases:
+        reason = int8_module.Int8Kernel().unsupported_reason(gemm_type, torch.empty(shape))
+        if overflow is None or not int8_dot:
+            assert reason is None
+        else:
+            k, limit = overflow
+            assert reason == (f"{gemm_type.__name__[:-4]} weight {shape} sums {k:,} int8 products per output, more "
+                              f"than an int32 sum holds exactly ({limit:,})")
+            kernel, fallback = resolve_kernel("auto", gemm_type, torch.empty(shape))
+            assert kernel.name == "simulated" and fallback == reason
+
+
+@pytest.mark.skipif(not cpu_has_int8_dot(), reason="needs torch._int_mm's int32 sums (AVX512-VNNI)")
+def test_a_head_whose_layer_gradient_would_wrap_in_int32_runs_the_simulated_kernel():
+    """Every weight and gradient code at the bottom of its range, so the int32 sum of the first
+    input's products (2**31 + 16129) wrapped: -133131 for 131073."""
     head = nn.Linear(4, int8_module.INT32_MAX_K + 2)
     nn.init.constant_(head.weight, -1.0)
     with torch.no_grad():
@@ -341,7 +354,7 @@ def test_a_layer_summing_more_products_than_int32_holds_falls_back_with_its_reas
         model(x).backward(grad_out)
         grads[name] = x.grad
     assert kernel_report(model) == {"0": "simulated"}
-    assert torch.allclose(grads["int8"], grads["simulated"]) and grads["int8"].abs().max() > 1e5
+    assert torch.equal(grads["int8"], grads["simulated"]) and (grads["int8"] > 1.3e5).all()
 
 
 def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():

@@ -203,7 +203,7 @@ def test_digits_recipe_end_to_end(tmp_path):
     assert results["cost"]["precision"] == "int8" and results["cost"]["input_shape"] == [3, 8, 8]
     assert results["cost"]["communication"]["spectral_gap"] == results["spectral_gap"] == pytest.approx(
         make_topology("directed_ring", 2).period_spectral_gap())  # spec 1: each graph's gap is reported
-    rows = (out / "metrics.csv").read_text().splitlines()
+    rows = (out / "metrics.csv").read_text(encoding="utf-8").splitlines()
     assert rows[0].startswith("step,") and len(rows) >= 5
     # the default milestones are 50% and 75% of the --max-steps run (steps 2 and 3), not of the default
     # --epochs it overrides; each row's learning_rate is the one its step ran at

@@ -1076,7 +1076,8 @@ FLAGS = [{'options': ['--output_dir', '--output-dir'],
   'action': 'store',
   'group': 'decentralized setting (SPEC 1-3, 6)',
   'help': "Distributed backend: seconds a rank waits for a peer's gossip message before a GossipTimeoutError names the "
-          "peer. Count the slowest peer's work between two steps (evaluation, saving) in it. (default: 300.0)",
+          "peer (over NCCL, the step's peers). Count the slowest peer's work between two steps (evaluation, saving) in "
+          'it. (default: 300.0)',
   'type': 'finite_float'},
  {'options': ['--drop_prob', '--drop-prob'],
   'dest': 'drop_prob',

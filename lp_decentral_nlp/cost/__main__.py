@@ -116,7 +116,6 @@ def _check_model_flags(parser, args):
         config = AutoConfig.from_pretrained(path, num_labels=args.num_classes)
     except (OSError, ValueError, KeyError) as err:  # a config.json that is no JSON: ValueError too
         parser.error(f"argument --model: {args.model}: cannot load its config ({error_summary(err)})")
-    print_float32_notice(args.model, config.dtype, "priced")  # _build_model builds it in float32
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         parser.error(f"argument --model: {args.model}: transformers has no sequence classifier of a "
                      f"{type(config).__name__}, and --model prices the text classifiers the NLP recipes train "
@@ -128,6 +127,7 @@ def _check_model_flags(parser, args):
     if positions is not None and args.seq_len > positions:
         parser.error(f"argument --seq-len: {args.seq_len} exceeds the {positions} positions of {args.model} "
                      f"(max_position_embeddings): use at most {positions}")
+    print_float32_notice(args.model, config.dtype, "priced")  # once it is accepted: _build_model builds it in float32
     return config
 
 

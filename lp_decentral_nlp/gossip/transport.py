@@ -107,9 +107,10 @@ class TorchDistributedTransport:
     names the setting and shows this rank's value.
 
     Every wait is bounded by ``timeout`` seconds; a peer that never answers raises
-    :class:`GossipTimeoutError` naming it. On NCCL, waiting with a timeout blocks the host thread
-    until the message has arrived (once per gossip step); that is what lets the error name the
-    silent peer instead of leaving it to the NCCL watchdog.
+    :class:`GossipTimeoutError` naming it (on NCCL, which completes a step's sends and receives as
+    one batch, naming the step's peers). On NCCL, waiting with a timeout blocks the host thread
+    until the messages have arrived (once per gossip step); that is what lets the error name the
+    silent peers instead of leaving them to the NCCL watchdog.
 
     Args:
         timeout: seconds to wait for any one step's messages (> 0). Count the slowest peer's
@@ -177,7 +178,8 @@ class TorchDistributedTransport:
     def _transfer(self, sends, send_to, recvs, recv_from, what: str) -> None:
         """Post all sends and receives at once, then wait for each with the deadline.
 
-        Any failure names its peer: a broken connection is a ``GossipPeerError``, a missed deadline a
+        Any failure names its peer (every peer of the step where the backend returns one handle for
+        the batch: NCCL): a broken connection is a ``GossipPeerError``, a missed deadline a
         ``GossipTimeoutError``.
         """
         ops = [(dist.isend, buf, j, "sending to") for buf, j in zip(sends, send_to)]

@@ -84,7 +84,7 @@ class NodeGroup:
                 raise ValueError(f"num_nodes={num_nodes} but the torch.distributed world size is "
                                  f"{dist.get_world_size()}: launch exactly one process per node")
             here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-            if "nccl" in str(dist.get_backend()) and here > gpus:  # NCCL refuses two ranks on one GPU, late
+            if str(dist.get_backend()) == "nccl" and here > gpus:  # NCCL refuses two ranks on one GPU, late
                 raise RuntimeError(f"backend='distributed' over NCCL needs a GPU per process, and this machine runs "
                                    f"{here} processes (LOCAL_WORLD_SIZE) on {gpus} GPU(s): launch at most {gpus} "
                                    "per machine, pass use_cpu=True (gloo), or use backend='simulated', which runs "

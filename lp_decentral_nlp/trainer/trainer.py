@@ -601,11 +601,14 @@ class DecentralizedTrainer(NodeDataMixin, OptimizerMixin, LocalStepMixin, Evalua
                     if self.control.should_training_stop:
                         break
             except GossipPeerError as exc:
-                delay = dict(self.fault_plan.stragglers).get(exc.peer) if self.fault_plan else None
+                stragglers = dict(self.fault_plan.stragglers) if self.fault_plan else {}
+                # peer None: NCCL cannot tell which of the step's peers (the slowest straggler is the likely one)
+                delay = stragglers.get(exc.peer) if exc.peer is not None else max(stragglers.values(), default=None)
                 if isinstance(exc, GossipTimeoutError) and delay:  # the fault injected, not a failure
-                    exc = type(exc)(f"{exc} (rank {exc.peer} is an injected straggler: it waits {delay:g} s before each "
-                                    f"send, which with the rest of its step exceeds gossip_timeout="
-                                    f"{args.gossip_timeout:g} s: raise gossip_timeout)", exc.peer)
+                    who = "an injected straggler" if exc.peer is None else f"rank {exc.peer} is an injected straggler: it"
+                    exc = type(exc)(f"{exc} ({who} waits {delay:g} s before each send, which with the rest of its "
+                                    f"step exceeds gossip_timeout={args.gossip_timeout:g} s: raise gossip_timeout)",
+                                    exc.peer)
                 raise type(exc)(f"{exc} (in training step {self.state.global_step + 1}: the gossip engine counts its "
                                 f"steps from 0). {self._resume_hint()}",
                                 exc.peer) from exc

@@ -323,6 +323,26 @@ def _onednn_takes(operand: Int8Operand) -> bool:
                                                                               operand.offset)
 
 
+def _int32_overflow(gemm_type: type, weight: torch.Tensor) -> str | None:
+    """Why the layer of `weight` cannot sum its int8 products in int32 (None: it can, or its path
+    sums in fp32: the fp32 GEMM of CPUs without an int8 GEMM). Each output sums the forward's
+    products over the inputs and the layer gradient's over the outputs: a Linear/Conv1D's two
+    dims; a Conv2d's ``C kh kw`` and ``Cout kh kw`` of unsigned codes by oneDNN's convolution, or
+    ``C kh kw`` and ``Cout`` of signed codes by im2col GEMMs. Cheap: runs on every forward."""
+    if weight.device.type == "cpu" and not cpu_has_int8_dot():
+        return None
+    if gemm_type is not Conv2dGemm:
+        k, limit = max(weight.shape[:2]), INT32_MAX_K
+    elif onednn_conv_available(weight.device):
+        k, limit = max(weight.shape[:2]) * weight.shape[2] * weight.shape[3], ONEDNN_CONV_MAX_K
+    else:
+        k, limit = max(weight.shape[1] * weight.shape[2] * weight.shape[3], weight.shape[0]), INT32_MAX_K
+    if k <= limit:
+        return None
+    return (f"{gemm_type.__name__[:-4]} weight {tuple(weight.shape)} sums {k:,} int8 products per output, more "
+            f"than an int32 sum holds exactly ({limit:,})")
+
+
 class Int8Kernel(Kernel):
     """Integer GEMMs of the int8 codes (:func:`int8_gemm`) for the forward and layer-gradient
     GEMMs of Linear, Conv1D and Conv2d (``groups=1``) layers; the weight gradient is the float
@@ -344,12 +364,9 @@ class Int8Kernel(Kernel):
             return f"{gemm_type.__name__[:-4]} has no int8 kernel"
         if groups != 1:
             return f"grouped Conv2d (groups={groups}) has no int8 kernel"
-        # the products each output sums: the forward's over the inputs, the layer gradient's over the outputs
-        taps = weight[0, 0].numel() if gemm_type is Conv2dGemm else 1
-        k, limit = max(weight.shape[:2]) * taps, ONEDNN_CONV_MAX_K if gemm_type is Conv2dGemm else INT32_MAX_K
-        if k > limit:
-            return (f"{gemm_type.__name__[:-4]} weight {tuple(weight.shape)} sums {k:,} int8 products per output, "
-                    f"more than an int32 sum holds exactly ({limit:,})")
+        overflow = _int32_overflow(gemm_type, weight)
+        if overflow is not None:
+            return overflow
         if weight.device.type == "cuda":
             dims = (weight.shape[0], weight[0].numel())  # (out, in) of the GEMM, or (Cout, C kh kw)
             if any(d % CUDA_MULTIPLE for d in dims):
