@@ -29,8 +29,8 @@ _EXPORTS = {
     **dict.fromkeys(("DEFAULT_MODEL", "RunArguments", "changed_settings", "config_differences", "finished_results",
                      "is_packaged_model", "load_data", "output_dir_problem", "output_in_data_problem", "recorded_path", "unrecorded_outputs_in", "output_file_problem", "packaged_model_path", "run_config", "saved_head_labels", "source_fingerprint", "source_fingerprints", "stop_on_interrupt",
                      "saved_thread_count", "threads_to_use", "train_and_report", "environment_problem", "error_summary",
-                     "exit_with_error", "print_float32_notice", "print_notice", "remove_run_outputs", "run_outputs_in", "set_threads",
-                     "strict_json", "write_json"), ".run"),
+                     "exit_with_error", "print_float32_notice", "print_notice", "remove_run_outputs",
+                     "run_outputs_in", "set_threads", "strict_json", "write_json"), ".run"),
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_namespace(__name__, _EXPORTS, subpackages=("entry", "flag_table", "flags", "nlp",

@@ -21,7 +21,8 @@ from .run import (DEFAULT_MODEL, PACKAGED_MODEL, PACKAGED_MODEL_HUB_ID, RECIPE_R
                   RunArguments, check_memory, check_processes_agree, check_training_rows, derive_run_values,
                   error_summary, exit_with_error,
                   hub_offline, is_packaged_model, load_data, model_folder_problem, model_label_mismatch,
-                  packaged_model_path, print_float32_notice, print_notice, print_summary, run_checks, run_outputs_in, set_process_output,
+                  packaged_model_path, print_float32_notice, print_notice, print_summary, run_checks, run_outputs_in,
+                  set_process_output,
                   set_run_help, set_threads, train_and_report)
 
 # SPEC 8 (NLP): Adam, lr 3e-5, betas (0.9, 0.9), weight decay 1e-4, batch 32 per node; the recipes' run length.

@@ -130,7 +130,8 @@ class DecentralizedTrainingArguments(TrainingArguments):
     report_to: None | str | list[str] = field(default="none", metadata={"help": "Logging integrations."})
     gossip_timeout: float = field(default=300.0, metadata={
         "help": "Distributed backend: seconds a rank waits for a peer's gossip message before a GossipTimeoutError "
-                "names the peer (over NCCL, the step's peers). Count the slowest peer's work between two steps (evaluation, saving) in it."})
+                "names the peer (over NCCL, the step's peers). Count the slowest peer's work between two steps "
+                "(evaluation, saving) in it."})
     drop_prob: float = field(default=0.0, metadata={
         "help": "Fault injection: probability in [0, 1) that a gossip message is lost (seeded per step and edge; "
                 "the push-sum mass stays exact under the rules of lp_decentral_nlp.gossip.faults)."})

@@ -101,7 +101,7 @@ def check_trained_dtype(model, args: DecentralizedTrainingArguments) -> None:
     """Refuse trained parameters the nodes cannot keep as float32 master weights (ValueError naming
     one parameter): parameters of two dtypes (each node gossips them as one vector), 16-bit ones
     (each node would keep its weights, optimizer state and gossip values in 16 bits: the push-sum
-    average drifts by the rounding of every step, SPEC 2a), and float64 ones with mixed precision
+    average drifts by the rounding of every step, SPEC 2), and float64 ones with mixed precision
     (autocast computes in 16 bits only what is float32: ``bf16``/``fp16`` would do nothing)."""
     first_of_dtype = {}
     for name, p in model.named_parameters():
