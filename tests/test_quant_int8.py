@@ -10,6 +10,8 @@ largest magnitude), each rounded with relative error about ``K * eps`` at worst;
 ``32 * eps * K * max|A^| * max|B^|`` per element, far below one quantization step.
 """
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -355,6 +357,18 @@ def test_a_head_whose_layer_gradient_would_wrap_in_int32_runs_the_simulated_kern
         grads[name] = x.grad
     assert kernel_report(model) == {"0": "simulated"}
     assert torch.equal(grads["int8"], grads["simulated"]) and (grads["int8"] > 1.3e5).all()
+
+
+@pytest.mark.skipif(not getattr(torch.cpu, "get_capabilities", dict)().get("avx512_vnni", False),
+                    reason="needs a CPU with AVX512-VNNI")
+@pytest.mark.parametrize("platform", ["win32", "darwin"])
+def test_the_int8_gemm_is_found_on_every_os(platform):
+    """The CPU's AVX512-VNNI was read from Linux's /proc/cpuinfo only: on Windows and macOS the
+    layers took the fp32 GEMM of the codes (auto: the simulated kernel) on the same CPU."""
+    probe = ("from lp_decentral_nlp.quant.kernels import cpu_has_int8_dot\n"  # imported as on Linux, then asked
+             f"import sys; sys.platform = {platform!r}\nprint(cpu_has_int8_dot())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == str(torch.backends.mkldnn.is_available()), out.stderr[-2000:]
 
 
 def test_auto_picks_int8_only_for_wide_linear_layers_on_int8_hardware():

@@ -85,15 +85,21 @@ INT_MM_PATH, FLOAT_PATH = "torch._int_mm", "fp32 GEMM of the codes"  # int8_gemm
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where unknown)."""
+def _cpu_has_int8_dot_flag() -> bool:
+    """Whether the CPU has ``INT_MM_CPU_FLAG``, as PyTorch's own probe (the cpuinfo library, on
+    every OS; ``torch.cpu.get_capabilities``) reports it, which is what its ``_int_mm`` checks;
+    from Linux's ``/proc/cpuinfo`` on a torch without that function (False where unknown)."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        return bool(capabilities().get(INT_MM_CPU_FLAG, False))
     if not sys.platform.startswith("linux"):
-        return frozenset()
+        return False
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return frozenset()
+        return False
+    return INT_MM_CPU_FLAG in flags
 
 
 def cpu_has_int8_dot() -> bool:
@@ -102,8 +108,7 @@ def cpu_has_int8_dot() -> bool:
     (``torch.backends.mkldnn``); everywhere else (AVX2, AVX-VNNI without AVX-512, ARM) it runs a
     scalar triple loop, 10-60x slower than an fp32 GEMM (``aten/src/ATen/native/LinearAlgebra.cpp``,
     ``_int_mm_out_cpu``). Where this is False, :func:`int8_gemm` takes fp32 GEMMs of the codes instead."""
-    return (INT_MM_CPU_FLAG in _cpu_flags() and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled)
+    return _cpu_has_int8_dot_flag() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 def _int_mm_operand(b: torch.Tensor) -> torch.Tensor:
