@@ -280,7 +280,7 @@ def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None
     from .. import fused  # numba, imported on the first call
 
     n, c, h, wd = x.codes.shape
-    cout, kernel_size = w.codes.shape[0], tuple(w.codes.shape[2:])
+    kernel_size = tuple(w.codes.shape[2:])
     shifted = x.codes.view(torch.uint8) ^ CODE_SHIFT  # c + 128: c's bits with the sign bit flipped
     channel_sums = fused.channel_sums(shifted)  # (N, 1, H, W)
     spread = ((h - 1) * insert[0] + 1 + extra[0], (wd - 1) * insert[1] + 1 + extra[1])
@@ -296,12 +296,19 @@ def affine_int8_conv2d(x: Int8Operand, w: Int8Operand, bias: torch.Tensor | None
     ho, wo = acc.shape[2:]
     window_sums = fused.window_sums(channel_sums, kernel_size, tuple(stride), tuple(padding), tuple(dilation))
     taps = valid_taps((h, wd), kernel_size, stride, padding, dilation, acc.device, insert, extra)  # (P, kh kw)
+    x_scale, x_offset, w_scale, w_offset = (t.double() for t in (x.scale, x.offset, w.scale, w.offset))
+    return fused.conv_epilogue(acc, x_scale * w_scale, x_scale * w_offset, window_sums,
+                               x_offset - CODE_SHIFT * x_scale, _weight_over_taps(w, taps), bias)
+
+
+def _weight_over_taps(w: Int8Operand, taps: torch.Tensor) -> torch.Tensor:
+    """``(P, Co)`` float64: for each output position, the sum of the weight values ``W^`` over the
+    kernel taps `taps` marks (``(P, kh kw)``, 1 or 0) and all input channels, ``s_w sum c_w + o_w C
+    n_t``: the term an input offset multiplies in a convolution of affine codes."""
+    cout, c = w.codes.shape[:2]
     tap_sums = w.codes.sum(1, dtype=torch.float64).reshape(cout, -1)  # (Co, kh kw), over C
     taps = taps.double()
-    x_scale, x_offset, w_scale, w_offset = (t.double() for t in (x.scale, x.offset, w.scale, w.offset))
-    border = w_scale * (taps @ tap_sums.T) + (w_offset * c) * taps.sum(1, keepdim=True)  # (P, Co)
-    return fused.conv_epilogue(acc, x_scale * w_scale, x_scale * w_offset, window_sums,
-                               x_offset - CODE_SHIFT * x_scale, border, bias)
+    return w.scale.double() * (taps @ tap_sums.T) + (w.offset.double() * c) * taps.sum(1, keepdim=True)
 
 def conv_windows(t: torch.Tensor, gemm: Conv2dGemm, kernel_size: tuple[int, int]) -> torch.Tensor:
     """The zero-padded kernel windows of `t` ``(N, C, H, W)`` as a view ``(N, C, Ho, Wo, kh, kw)``
@@ -428,11 +435,8 @@ class Int8Kernel(Kernel):
         # (M, Cout) in float64: the padded taps' term below is taken off before the one rounding
         y = affine_int8_matmul(patches, Int8Operand(w_rows.T, w_q.scale, w_q.offset), None, bias, torch.float64)
         # that counts a padded tap as x^ = o_x (code 0); it is 0: take o_x * W^ over padded taps off
-        taps = valid_taps((h, w), kernel_size, gemm.stride, gemm.padding, gemm.dilation, y.device)  # (P, kh kw)
-        padded = 1 - taps.double()
-        tap_sums = w_q.codes.sum(1, dtype=torch.float64).reshape(cout, -1)  # (Cout, kh kw), over C
-        x_offset, w_scale, w_offset = (t.double() for t in (x_q.offset, w_q.scale, w_q.offset))
-        border = x_offset * (w_scale * (padded @ tap_sums.T) + w_offset * c * padded.sum(1, keepdim=True))
+        padded = 1 - valid_taps((h, w), kernel_size, gemm.stride, gemm.padding, gemm.dilation, y.device)  # (P, kh kw)
+        border = x_q.offset.double() * _weight_over_taps(w_q, padded)  # (P, Cout)
         y = y.reshape(n, ho * wo, cout).sub_(border).float()
         return y.reshape(n, ho, wo, cout).permute(0, 3, 1, 2)
 
